@@ -1,0 +1,76 @@
+"""Block sets: which KV blocks a selection, prediction or repair covers.
+
+A BlockSet is a fixed-size padded index tensor with a valid count, so shapes stay static
+across decode steps (CUDA graphs, torch.compile) and nothing syncs with the host. Set
+algebra (A \\ P, P ∩ A) is done on boolean masks over the cache's block capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BlockSet:
+    indices: Tensor  # [B, Hkv, C] int64 block ids; entries at positions >= count are padding (0)
+    count: Tensor  # [B, Hkv] int64 number of valid entries
+
+    @property
+    def capacity(self) -> int:
+        return self.indices.shape[-1]
+
+    def valid(self) -> Tensor:
+        """[B, Hkv, C] bool: which entries of `indices` are real."""
+        positions = torch.arange(self.capacity, device=self.indices.device)
+        return positions < self.count.unsqueeze(-1)
+
+    def mask(self, max_blocks: int) -> Tensor:
+        """[B, Hkv, max_blocks] bool membership mask."""
+        out = torch.zeros(*self.indices.shape[:-1], max_blocks, dtype=torch.bool, device=self.indices.device)
+        return out.scatter_(-1, self.indices, self.valid()) if self.capacity else out
+
+    @staticmethod
+    def from_mask(mask: Tensor, capacity: int | None = None) -> BlockSet:
+        """mask: [B, Hkv, N] bool -> the members in ascending block order, padded to `capacity`."""
+        capacity = mask.shape[-1] if capacity is None else capacity
+        # Stable sort of "not member" puts members first, in ascending block order.
+        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :capacity]
+        count = mask.sum(-1)
+        if mask.numel() and int(count.max()) > capacity:
+            raise ValueError(f"block set of {int(count.max())} members exceeds capacity {capacity}")
+        valid = torch.arange(order.shape[-1], device=mask.device) < count.unsqueeze(-1)
+        indices = torch.where(valid, order, torch.zeros_like(order))
+        if indices.shape[-1] < capacity:
+            pad = torch.zeros(*indices.shape[:-1], capacity - indices.shape[-1], dtype=indices.dtype, device=indices.device)
+            indices = torch.cat([indices, pad], dim=-1)
+        return BlockSet(indices=indices, count=count)
+
+    @staticmethod
+    def empty(batch: int, num_kv_heads: int, device: torch.device | str = "cpu") -> BlockSet:
+        return BlockSet(
+            indices=torch.zeros(batch, num_kv_heads, 0, dtype=torch.int64, device=device),
+            count=torch.zeros(batch, num_kv_heads, dtype=torch.int64, device=device),
+        )
+
+
+def top_blocks(scores: Tensor, k: int) -> BlockSet:
+    """The k best-scoring blocks per row; blocks scored -inf are never taken.
+
+    scores: [B, Hkv, N] float -> BlockSet with capacity min(k, N).
+    Ties are broken towards the lower block index (scores are compared, then indices),
+    so a selection is a deterministic function of its scores.
+    """
+    n = scores.shape[-1]
+    k = min(k, n)
+    if k <= 0:
+        return BlockSet.empty(scores.shape[0], scores.shape[1], scores.device)
+    # Stable descending sort gives the documented tie-break; topk does not promise one.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    taken = torch.gather(scores, -1, order) > float("-inf")
+    count = taken.sum(-1)
+    indices = torch.where(taken, order, torch.zeros_like(order))
+    # Valid entries come first because -inf sorts last.
+    return BlockSet(indices=indices, count=count)

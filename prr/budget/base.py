@@ -1,0 +1,34 @@
+"""The speculation budget: how many of the predictor's top-ranked blocks to speculate on
+(|P|). Not the DSA top-K: `selector.topk_blocks` is what selection keeps, the budget is
+what speculation covers, and it may exceed top-K (a wider P hits more of A for more work).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
+
+
+class TimingProbe(Protocol):
+    """Measures the two stages a budget trades off, on the running device and model shape."""
+
+    device_name: str
+    shape_key: str  # what the timings depend on: heads, head_dim, block_size, selector, ...
+
+    def time_select(self, context_blocks: int) -> float:
+        """Median seconds of one layer's selection over a context of this many blocks."""
+        ...
+
+    def time_speculate(self, predicted_blocks: int, context_blocks: int) -> float:
+        """Median seconds of one layer's speculation over this many blocks."""
+        ...
+
+
+class SpeculationBudget(ABC):
+    def setup(self, probe: TimingProbe, topk_blocks: int, max_blocks: int) -> dict[str, Any]:
+        """Called once before decoding; returns what it decided, for the run record."""
+        return {}
+
+    @abstractmethod
+    def predicted_blocks(self, layer: int, context_blocks: int, topk_blocks: int) -> int:
+        """|P| for this layer and context."""

@@ -1,0 +1,83 @@
+"""Paged KV cache with per-block metadata slots.
+
+Storage is block-aligned: block b of a layer holds tokens [b*block_size, (b+1)*block_size).
+The buffers are allocated once for the whole run (prompt + new tokens), so every
+block-indexed tensor has the static size `max_blocks`; `length(layer)` says how many
+tokens are real. Selectors own named metadata slots ([B, Hkv, max_blocks, ...]) that they
+fill as tokens append (Quest's key max/min, for instance).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        max_tokens: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not is_power_of_two(block_size):
+            raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16, 32, 64)")
+        self.num_layers = num_layers
+        self.batch = batch
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.max_blocks = -(-max_tokens // block_size)
+        self.max_tokens = self.max_blocks * block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (batch, num_kv_heads, self.max_tokens, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._lengths = [0] * num_layers
+        self.metadata: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
+
+    def length(self, layer: int) -> int:
+        return self._lengths[layer]
+
+    def num_blocks(self, layer: int, length: int | None = None) -> int:
+        length = self._lengths[layer] if length is None else length
+        return -(-length // self.block_size)
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[int, int]:
+        """k, v: [B, Hkv, T, D] -> the token range [start, end) they now occupy."""
+        start = self._lengths[layer]
+        end = start + k.shape[2]
+        if end > self.max_tokens:
+            raise ValueError(
+                f"KV cache overflow in layer {layer}: {end} tokens > capacity {self.max_tokens}; "
+                "raise the cache's max_tokens (prompt tokens + max_new_tokens)"
+            )
+        self.keys[layer][:, :, start:end] = k.to(self.dtype)
+        self.values[layer][:, :, start:end] = v.to(self.dtype)
+        self._lengths[layer] = end
+        return start, end
+
+    def block_view(self, layer: int) -> tuple[Tensor, Tensor]:
+        """-> keys, values: [B, Hkv, max_blocks, block_size, D] views (no copy)."""
+        shape = (self.batch, self.num_kv_heads, self.max_blocks, self.block_size, self.head_dim)
+        return self.keys[layer].view(shape), self.values[layer].view(shape)
+
+    def metadata_slot(
+        self, layer: int, name: str, per_block_shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0
+    ) -> Tensor:
+        """The slot `name` of `layer`: [B, Hkv, max_blocks, *per_block_shape], allocated on first use."""
+        slots = self.metadata[layer]
+        if name not in slots:
+            shape = (self.batch, self.num_kv_heads, self.max_blocks, *per_block_shape)
+            slots[name] = torch.full(shape, fill, dtype=dtype, device=self.device)
+        return slots[name]

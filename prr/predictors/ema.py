@@ -1,0 +1,155 @@
+"""`ema`: an exponential moving average of standardised selector scores, plus selection
+stickiness and a recency bonus. The paper's exact formula is not public; ours:
+
+    z_t(b)    = (s_t(b) − mean_b s_t) / std_b s_t          selector score of block b at step t,
+                                                             standardised per KV head
+    e_t(b)    = α · e_{t−1}(b) + (1 − α) · z_t(b)            (new blocks start at e = 0: average)
+    rank_{t+1}(b) = e_t(b) + β · 1[b ∈ A_t] + γ · 1[b among the `recent_blocks` newest]
+
+P = the top-|P| blocks by rank. α, β, γ are calibrated per prompt by grid search: replay
+the selections of the prefill tail and keep the triple with the highest hit rate at
+|P| = |A| (one triple per run, or one per layer with per_layer=True).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prr.predictors.base import NEVER, Predictor
+from prr.selectors.base import Selection
+
+
+@dataclass
+class EmaState:
+    ema: Tensor  # [L, B, Hkv, max_blocks] fp32
+    last_selected: Tensor  # [L, B, Hkv, max_blocks] bool: A_{t-1}
+    alpha: Tensor  # [L] decay per layer
+    stickiness: Tensor  # [L]
+    recency: Tensor  # [L]
+
+
+def standardise(scores: Tensor) -> Tensor:
+    """scores: [..., N] with -inf outside the context -> z-scores there, 0 elsewhere."""
+    finite = torch.isfinite(scores)
+    x = torch.where(finite, scores, torch.zeros_like(scores))
+    n = finite.sum(-1, keepdim=True).clamp(min=1)
+    mean = x.sum(-1, keepdim=True) / n
+    var = (torch.where(finite, x - mean, torch.zeros_like(x)) ** 2).sum(-1, keepdim=True) / n
+    z = (x - mean) / var.sqrt().clamp(min=1e-6)
+    return torch.where(finite, z, torch.zeros_like(z))
+
+
+def newest_mask(num_blocks: int, recent_blocks: int, max_blocks: int, device: Any) -> Tensor:
+    ids = torch.arange(max_blocks, device=device)
+    return (ids >= num_blocks - recent_blocks) & (ids < num_blocks)
+
+
+class EmaPredictor(Predictor):
+    def __init__(
+        self,
+        alpha: float = 0.8,
+        stickiness: float = 1.0,
+        recency: float = 1.0,
+        recent_blocks: int = 1,
+        calibrate: bool = True,
+        per_layer: bool = False,
+        burn_in_steps: int = 4,
+        alpha_grid: Sequence[float] = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95),
+        stickiness_grid: Sequence[float] = (0.0, 0.5, 1.0, 2.0, 4.0),
+        recency_grid: Sequence[float] = (0.0, 1.0, 4.0),
+    ) -> None:
+        if not 0.0 <= alpha < 1.0 or any(not 0.0 <= a < 1.0 for a in alpha_grid):
+            raise ValueError(f"predictor.alpha={alpha} and alpha_grid={list(alpha_grid)} must lie in [0, 1)")
+        if recent_blocks < 0:
+            raise ValueError(f"predictor.recent_blocks={recent_blocks} must be >= 0")
+        self.alpha, self.stickiness, self.recency = alpha, stickiness, recency
+        self.recent_blocks = recent_blocks
+        self.calibrate_on_prefill = calibrate
+        self.per_layer = per_layer
+        self.burn_in_steps = burn_in_steps
+        self.grid = list(itertools.product(alpha_grid, stickiness_grid, recency_grid))
+        self._fitted: tuple[Tensor, Tensor, Tensor] | None = None  # per-layer params from calibrate
+
+    def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> EmaState:
+        shape = (num_layers, batch, num_kv_heads, max_blocks)
+        if self._fitted is not None:
+            alpha, stick, rec = (p.to(device) for p in self._fitted)
+        else:
+            alpha, stick, rec = (torch.full((num_layers,), v, device=device) for v in
+                                 (self.alpha, self.stickiness, self.recency))
+        return EmaState(torch.zeros(shape, device=device), torch.zeros(shape, dtype=torch.bool, device=device),
+                        alpha, stick, rec)
+
+    def rank(self, state: EmaState, layer: int, num_blocks: int) -> Tensor:
+        max_blocks = state.ema.shape[-1]
+        recent = newest_mask(num_blocks, self.recent_blocks, max_blocks, state.ema.device)
+        score = state.ema[layer] + state.stickiness[layer] * state.last_selected[layer] + state.recency[layer] * recent
+        inside = torch.arange(max_blocks, device=score.device) < num_blocks
+        return score.masked_fill(~inside, NEVER)
+
+    def update(self, state: EmaState, layer: int, selection: Selection) -> None:
+        z = standardise(selection.scores)
+        a = state.alpha[layer]
+        state.ema[layer] = torch.where(torch.isfinite(selection.scores), a * state.ema[layer] + (1 - a) * z, state.ema[layer])
+        state.last_selected[layer] = selection.blocks.mask(state.ema.shape[-1])
+
+    def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
+        """Grid search of (α, β, γ) on the prefill tail; see the module docstring."""
+        if not self.calibrate_on_prefill:
+            return {}
+        layers = [i for i, h in enumerate(history) if h]
+        if not layers:
+            return {}
+        steps = min(len(history[i]) for i in layers)
+        if steps <= self.burn_in_steps + 1:
+            raise ValueError(
+                f"EMA calibration needs more than burn_in_steps+1={self.burn_in_steps + 1} prefill-tail steps, got {steps};"
+                " raise runtime.calibration_tokens or set predictor.calibrate=false"
+            )
+        # Stack the tail: scores/selected [T, L', B, Hkv, N]
+        scores = torch.stack([torch.stack([history[i][t].scores for i in layers]) for t in range(steps)])
+        n = scores.shape[-1]
+        selected = torch.stack([torch.stack([history[i][t].blocks.mask(n) for i in layers]) for t in range(steps)])
+        z = standardise(scores)
+        finite = torch.isfinite(scores)
+        num_blocks = finite[..., 0, 0, :].sum(-1)  # [T, L'] context blocks per step
+        alphas = torch.tensor([g[0] for g in self.grid]).view(-1, 1, 1, 1, 1)  # [C, 1, 1, 1, 1]
+        sticks = torch.tensor([g[1] for g in self.grid]).view(-1, 1, 1, 1, 1)
+        recs = torch.tensor([g[2] for g in self.grid]).view(-1, 1, 1, 1, 1)
+        ema = torch.zeros(len(self.grid), *scores.shape[1:])  # [C, L', B, Hkv, N]
+        hits = torch.zeros(len(self.grid), len(layers))
+        wanted = torch.zeros(len(layers))
+        ids = torch.arange(n)
+        for t in range(steps):
+            if t > self.burn_in_steps:
+                nb = num_blocks[t].view(1, -1, 1, 1, 1)
+                recent = (ids >= nb - self.recent_blocks) & (ids < nb)
+                rank = ema + sticks * selected[t - 1] + recs * recent
+                rank = rank.masked_fill(ids >= nb, NEVER)
+                size = selected[t].sum(-1, keepdim=True)  # |A_t| per row: predict that many
+                order = torch.sort(rank, dim=-1, descending=True, stable=True).indices
+                in_p = torch.zeros(rank.shape, dtype=torch.bool).scatter_(-1, order, ids.expand_as(order) < size)
+                hits += (in_p & selected[t]).sum((-1, -2, -3)).float()
+                wanted += selected[t].sum((-1, -2, -3)).float()
+            ema = torch.where(finite[t], alphas * ema + (1 - alphas) * z[t], ema)
+        hit_rate = hits / wanted.clamp(min=1)  # [C, L']
+        num_layers = len(history)
+        best = hit_rate.argmax(0) if self.per_layer else hit_rate.mean(1).argmax().expand(len(layers))
+        params = torch.tensor([[self.alpha, self.stickiness, self.recency]] * num_layers)
+        for j, i in enumerate(layers):
+            params[i] = torch.tensor(self.grid[int(best[j])])
+        self._fitted = (params[:, 0].clone(), params[:, 1].clone(), params[:, 2].clone())
+        chosen = self.grid[int(best[0])]
+        return {
+            "calibration_steps": steps - self.burn_in_steps - 1,
+            "alpha": chosen[0] if not self.per_layer else params[:, 0].tolist(),
+            "stickiness": chosen[1] if not self.per_layer else params[:, 1].tolist(),
+            "recency": chosen[2] if not self.per_layer else params[:, 2].tolist(),
+            "calibration_hit_rate": float(hit_rate.gather(0, best.view(1, -1)).mean()),
+        }

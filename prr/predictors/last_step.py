@@ -1,0 +1,27 @@
+"""`last_step`: P_t = A_{t-1}, ranked by the previous step's selector scores (so a budget
+smaller than |A_{t-1}| keeps its best blocks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prr.predictors.base import NEVER, Predictor
+from prr.selectors.base import Selection
+
+
+class LastStepPredictor(Predictor):
+    def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
+        # rank per layer: [L, B, Hkv, max_blocks]; NEVER until a selection is seen
+        return torch.full((num_layers, batch, num_kv_heads, max_blocks), NEVER, device=device)
+
+    def rank(self, state: Tensor, layer: int, num_blocks: int) -> Tensor:
+        return state[layer]
+
+    def update(self, state: Tensor, layer: int, selection: Selection) -> None:
+        chosen = selection.blocks.mask(state.shape[-1])
+        # Forced blocks may score -inf-free but low; any finite rank keeps them in P.
+        finite = torch.nan_to_num(selection.scores, neginf=-1e30, posinf=1e30)
+        state[layer] = torch.where(chosen, finite, torch.full_like(finite, NEVER))

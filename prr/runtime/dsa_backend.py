@@ -1,0 +1,148 @@
+"""The DSA/PRR attention backend: owns the paged KV cache, the selector's metadata and the
+predictor's state, and runs each sparse layer's decode step through `prr_attention`.
+
+Run modes: `sparse` returns the PRR output (the selection decides what is attended);
+`shadow` returns dense attention while selector, predictor and budget run beside it on the
+dense trajectory, so methods compare on identical inputs. Both produce the same records.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from prr.attention_state import AttentionState
+from prr.block_attention import attend_blocks, attend_dense
+from prr.budget.base import SpeculationBudget
+from prr.cache import PagedKVCache
+from prr.predictors.base import Predictor
+from prr.runtime.prr_step import REPAIR_MODES, prr_attention
+from prr.runtime.records import LayerStepRecord
+from prr.runtime.timing import StageTimer
+from prr.selectors.base import Selection, Selector
+
+RUN_MODES = ("sparse", "shadow")
+
+
+def relative_error(x: Tensor, ref: Tensor) -> Tensor:
+    """x, ref: [B, Hkv, G, D] -> [B, Hkv]: ‖x − ref‖ / ‖ref‖ over each KV head's group."""
+    num = (x.float() - ref.float()).flatten(2).norm(dim=-1)
+    return num / ref.float().flatten(2).norm(dim=-1).clamp(min=1e-30)
+
+
+class DSABackend:
+    """AttentionBackend for the decoder (prefill dense, decode through PRR)."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        num_heads: int,
+        selector: Selector,
+        predictor: Predictor,
+        budget: SpeculationBudget,
+        mode: str = "sparse",
+        repair_mode: str = "exact",
+        calibration_tokens: int = 32,
+        dense_metrics_every: int = 1,
+        check_serial: bool = False,
+    ) -> None:
+        if mode not in RUN_MODES:
+            raise ValueError(f"runtime.mode={mode!r} is not one of {list(RUN_MODES)}")
+        if repair_mode not in REPAIR_MODES:
+            raise ValueError(f"runtime.repair_mode={repair_mode!r} is not one of {list(REPAIR_MODES)}")
+        if num_heads % cache.num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={cache.num_kv_heads}")
+        self.cache = cache
+        self.group = num_heads // cache.num_kv_heads
+        self.scale = 1.0 / math.sqrt(cache.head_dim)
+        self.selector, self.predictor, self.budget = selector, predictor, budget
+        self.mode, self.repair_mode = mode, repair_mode
+        self.calibration_tokens = calibration_tokens
+        self.dense_metrics_every = dense_metrics_every
+        self.check_serial = check_serial
+        self.timer = StageTimer(cache.device)
+        self.step = 0
+        self.history: list[list[Selection] | None] = [None] * cache.num_layers  # prefill-tail selections
+        self.previous: list[Tensor | None] = [None] * cache.num_layers
+        self.predictor_state: Any = None
+        self.records: list[LayerStepRecord] = []
+
+    def _grouped(self, q: Tensor) -> Tensor:
+        """q: [B, Hq, ...D] -> [B, Hkv, G, ...D]."""
+        return q.view(q.shape[0], self.cache.num_kv_heads, self.group, *q.shape[2:])
+
+    # --- prefill ------------------------------------------------------------------------
+    def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [B, Hq, T, D], k, v: [B, Hkv, T, D] -> [B, Hq, T, D] (dense, causal)."""
+        start, end = self.cache.append(layer, k, v)
+        if start != 0:
+            raise ValueError(f"prefill of layer {layer} must start an empty cache (it holds {start} tokens)")
+        self.selector.update_metadata(self.cache, layer, start, end)
+        if not self.selector.is_dense_layer(layer):
+            # Selections at the last prompt positions: predictor calibration and warm-up.
+            tail = range(max(0, end - self.calibration_tokens), end)
+            qg = self._grouped(q)  # [B, Hkv, G, T, D]
+            self.history[layer] = [self.selector.select(qg[:, :, :, t], self.cache, layer, length=t + 1) for t in tail]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+
+    def finish_prefill(self) -> dict[str, Any]:
+        """Calibrate the predictor on the prefill tail, then warm its state by replaying it."""
+        info = self.predictor.calibrate(self.history)
+        c = self.cache
+        self.predictor_state = self.predictor.init_state(c.num_layers, c.batch, c.num_kv_heads, c.max_blocks, c.device)
+        for layer, selections in enumerate(self.history):
+            for selection in selections or []:
+                self.predictor.update(self.predictor_state, layer, selection)
+            if selections:
+                self.previous[layer] = selections[-1].blocks.mask(c.max_blocks)
+        return info
+
+    # --- decode -------------------------------------------------------------------------
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [B, Hq, D], k, v: [B, Hkv, D] -> [B, Hq, D]."""
+        if self.predictor_state is None:
+            raise RuntimeError("call finish_prefill() after the prefill and before decoding")
+        start, end = self.cache.append(layer, k.unsqueeze(2), v.unsqueeze(2))
+        self.selector.update_metadata(self.cache, layer, start, end)
+        qg = self._grouped(q)  # [B, Hkv, G, D]
+        if self.selector.is_dense_layer(layer):
+            dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)
+            return dense.out.to(q.dtype).view_as(q)
+        budget_blocks = self.budget.predicted_blocks(layer, self.cache.num_blocks(layer), self.selector.topk_blocks)
+        result = prr_attention(qg, self.cache, layer, self.selector, self.predictor, self.predictor_state,
+                               budget_blocks, self.repair_mode, self.timer, self.scale)
+        timings = self.timer.collect()
+
+        # Measurements beside the step (untimed): dense reference, serial-DSA equivalence.
+        dense: AttentionState | None = None
+        block_mass = output_relerr = serial_relerr = None
+        if self.mode == "shadow" or self.step % self.dense_metrics_every == 0:
+            dense, mass = attend_dense(qg, self.cache, layer, end, self.scale)
+            block_mass = mass.mean(2)  # [B, Hkv, max_blocks]
+            output_relerr = relative_error(result.state.out, dense.out)
+        if self.check_serial:
+            serial = attend_blocks(qg, self.cache, layer, result.selection.blocks, end, self.scale)
+            serial_relerr = relative_error(result.state.out, serial.out)
+        selected = result.selection.blocks.mask(self.cache.max_blocks)
+        self.records.append(LayerStepRecord(
+            step=self.step, layer=layer, context_tokens=end, selected=selected,
+            predicted=result.predicted.mask(self.cache.max_blocks), previous=self.previous[layer],
+            budget_blocks=budget_blocks, timings=timings, block_mass=block_mass,
+            output_relerr=output_relerr, serial_relerr=serial_relerr,
+        ))
+        self.previous[layer] = selected
+        if self.mode == "shadow":
+            if dense is None:
+                dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)
+            return dense.out.to(q.dtype).view_as(q)
+        return result.state.out.to(q.dtype).view_as(q)
+
+    def end_step(self) -> list[LayerStepRecord]:
+        """Close a decode step (all layers done): hand over its records."""
+        records, self.records = self.records, []
+        self.step += 1
+        return records

@@ -1,0 +1,77 @@
+"""One layer's PRR decode step, wired in the one direction DESIGN.md §2 fixes:
+
+    predict -> (speculate ∥ select) -> repair -> merge -> update predictor
+
+Torch reference: the stages run one after the other and are timed one by one; on a GPU
+speculate and select run concurrently (prr.runtime on CUDA). No stage calls another;
+each returns a typed value, and the record of the step is built from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prr.attention_state import AttentionState, merge, merge_many
+from prr.block_attention import attend_blocks, block_partials
+from prr.blocks import BlockSet
+from prr.cache import PagedKVCache
+from prr.predictors.base import Predictor
+from prr.runtime.timing import StageTimer
+from prr.selectors.base import Selection, Selector
+
+REPAIR_MODES = ("exact", "superset")
+
+
+@dataclass(frozen=True)
+class PrrStepResult:
+    state: AttentionState  # sparse attention output: out [B, Hkv, G, D], lse [B, Hkv, G]
+    selection: Selection  # A
+    predicted: BlockSet  # P
+    missed: Tensor  # [B, Hkv, max_blocks] bool: A \ P, the blocks repair attended
+
+
+def prr_attention(
+    q: Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    selector: Selector,
+    predictor: Predictor,
+    predictor_state: Any,
+    budget_blocks: int,
+    repair_mode: str,
+    timer: StageTimer,
+    scale: float,
+) -> PrrStepResult:
+    """q: [B, Hkv, G, D] post-RoPE, the current token already in `cache`."""
+    length = cache.length(layer)
+    num_blocks = cache.num_blocks(layer)
+    max_blocks = cache.max_blocks
+    # The oracle's look at the answer is computed outside every timed stage.
+    current = selector.select(q, cache, layer) if predictor.needs_current_selection else None
+
+    with timer.stage("predict"):
+        predicted = predictor.propose(predictor_state, layer, num_blocks, budget_blocks, current)
+    with timer.stage("speculate"):
+        if repair_mode == "exact":
+            # One partial per predicted block, so blocks that selection rejects can be dropped exactly.
+            partials = block_partials(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, |P|, (D)]
+        else:
+            speculative = attend_blocks(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, (D)]
+    with timer.stage("select"):
+        selection = current if current is not None else selector.select(q, cache, layer)
+    with timer.stage("repair"):
+        selected = selection.blocks.mask(max_blocks)
+        missed = selected & ~predicted.mask(max_blocks)  # A \ P
+        repaired = attend_blocks(q, cache, layer, BlockSet.from_mask(missed, selection.blocks.capacity), length, scale)
+    with timer.stage("merge"):
+        if repair_mode == "exact":
+            keep = torch.gather(selected, -1, predicted.indices) & predicted.valid()  # P ∩ A: [B, Hkv, |P|]
+            speculative = merge_many(partials.out, partials.lse, keep.unsqueeze(2))
+        state = merge(speculative, repaired)
+    with timer.stage("predict"):
+        predictor.update(predictor_state, layer, selection)
+    return PrrStepResult(state=state, selection=selection, predicted=predicted, missed=missed)

@@ -1,0 +1,43 @@
+"""Stage timers. CPU: perf_counter around each stage. CUDA: event pairs resolved when the
+step's records are collected, so timing adds no host synchronisation inside the step.
+Stage names are the same words everywhere: predict, select, speculate, repair, merge."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+STAGES = ("predict", "speculate", "select", "repair", "merge")
+
+
+class StageTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pending: list[tuple[str, object, object]] = []
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pending.append((name, start, end))
+        else:
+            start_s = time.perf_counter()
+            yield
+            self._pending.append((name, start_s, time.perf_counter()))
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per stage since the last collect (stages entered twice are summed)."""
+        if self.cuda and self._pending:
+            self._pending[-1][2].synchronize()  # type: ignore[union-attr]
+        out = dict.fromkeys(STAGES, 0.0)
+        for name, start, end in self._pending:
+            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start  # type: ignore[union-attr,operator]
+            out[name] = out.get(name, 0.0) + seconds
+        self._pending.clear()
+        return out

@@ -1,0 +1,105 @@
+"""The selector interface: which KV blocks a decode step attends (set A).
+
+A selector scores every block per query head from cheap per-block metadata; the shared
+`select` then reduces the GQA group, forces the always-kept blocks (sinks, local window,
+the newest block) and takes the top-K. Dense layers skip selection entirely (the runtime
+asks `is_dense_layer`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from prr.blocks import BlockSet, top_blocks
+from prr.cache import PagedKVCache
+
+GQA_REDUCTIONS = ("max", "sum", "union")
+
+
+@dataclass(frozen=True)
+class Selection:
+    blocks: BlockSet  # A: [B, Hkv, C]
+    scores: Tensor  # [B, Hkv, max_blocks] fp32 GQA-reduced block scores before forcing; -inf past the context
+
+
+class Selector(ABC):
+    """Subclasses implement `head_scores`, and metadata upkeep if they keep any."""
+
+    def __init__(
+        self,
+        topk_blocks: int,
+        sink_blocks: int = 1,
+        local_blocks: int = 0,
+        force_newest: bool = True,
+        gqa_reduce: str = "max",
+        dense_layers: Sequence[int] = (),
+    ) -> None:
+        if topk_blocks <= 0:
+            raise ValueError(f"selector.topk_blocks={topk_blocks} must be a positive number of blocks")
+        if gqa_reduce not in GQA_REDUCTIONS:
+            raise ValueError(f"selector.gqa_reduce={gqa_reduce!r} is not one of {list(GQA_REDUCTIONS)}")
+        if sink_blocks < 0 or local_blocks < 0:
+            raise ValueError(f"sink_blocks={sink_blocks} and local_blocks={local_blocks} must be >= 0")
+        forced = sink_blocks + local_blocks + int(force_newest)
+        if forced > topk_blocks:
+            raise ValueError(
+                f"selector keeps {forced} blocks always (sink_blocks={sink_blocks} + local_blocks={local_blocks}"
+                f" + force_newest={force_newest}) but topk_blocks={topk_blocks}; raise topk_blocks to >= {forced}"
+            )
+        self.topk_blocks = topk_blocks
+        self.sink_blocks = sink_blocks
+        self.local_blocks = local_blocks
+        self.force_newest = force_newest
+        self.gqa_reduce = gqa_reduce
+        self.dense_layers = frozenset(int(x) for x in dense_layers)
+
+    # --- what subclasses provide -------------------------------------------------------
+    def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        """Tokens [start, end) of `layer` were appended to the cache; refresh their blocks."""
+
+    @abstractmethod
+    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
+        """q: [B, Hkv, G, D] -> block scores per query head [B, Hkv, G, max_blocks] over the
+        first `length` tokens (entries past the context are ignored)."""
+
+    # --- shared ---------------------------------------------------------------------------
+    def is_dense_layer(self, layer: int) -> bool:
+        return layer in self.dense_layers
+
+    def capacity(self, group_size: int, max_blocks: int) -> int:
+        """Static size of a selection's index tensor."""
+        per_head = self.topk_blocks * (group_size if self.gqa_reduce == "union" else 1)
+        return min(per_head, max_blocks)
+
+    def forced_mask(self, num_blocks: int, max_blocks: int, device: torch.device) -> Tensor:
+        """[max_blocks] bool: sinks, local window and newest block of a context of num_blocks."""
+        ids = torch.arange(max_blocks, device=device)
+        recent = self.local_blocks + int(self.force_newest)
+        return (ids < min(self.sink_blocks, num_blocks)) | ((ids >= num_blocks - recent) & (ids < num_blocks))
+
+    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | None = None) -> Selection:
+        """q: [B, Hkv, G, D] -> Selection A over the first `length` tokens (default: all)."""
+        length = cache.length(layer) if length is None else length
+        num_blocks = cache.num_blocks(layer, length)
+        per_head = self.head_scores(q, cache, layer, length).float()  # [B, Hkv, G, NB]
+        ids = torch.arange(cache.max_blocks, device=q.device)
+        outside = ids >= num_blocks
+        per_head = per_head.masked_fill(outside, float("-inf"))
+        reduced = per_head.sum(2) if self.gqa_reduce == "sum" else per_head.amax(2)  # [B, Hkv, NB]
+        reduced = reduced.masked_fill(outside, float("-inf"))
+        forced = self.forced_mask(num_blocks, cache.max_blocks, q.device)
+        k = min(self.topk_blocks, num_blocks)
+        if self.gqa_reduce == "union":
+            forced_scores = per_head.masked_fill(forced, float("inf"))
+            b, h, g, n = forced_scores.shape
+            per_head_sets = top_blocks(forced_scores.reshape(b, h * g, n), k)
+            union = per_head_sets.mask(n).view(b, h, g, n).any(2)
+            blocks = BlockSet.from_mask(union, self.capacity(g, cache.max_blocks))
+        else:
+            blocks = top_blocks(reduced.masked_fill(forced, float("inf")), k)
+        return Selection(blocks=blocks, scores=reduced)

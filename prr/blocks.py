@@ -29,8 +29,10 @@ class BlockSet:
 
     def mask(self, max_blocks: int) -> Tensor:
         """[B, Hkv, max_blocks] bool membership mask."""
-        out = torch.zeros(*self.indices.shape[:-1], max_blocks, dtype=torch.bool, device=self.indices.device)
-        return out.scatter_(-1, self.indices, self.valid()) if self.capacity else out
+        # Padding entries write into a spare slot past the end, so they cannot clear a member.
+        out = torch.zeros(*self.indices.shape[:-1], max_blocks + 1, dtype=torch.bool, device=self.indices.device)
+        index = torch.where(self.valid(), self.indices, torch.full_like(self.indices, max_blocks))
+        return out.scatter_(-1, index, True)[..., :max_blocks]
 
     @staticmethod
     def from_mask(mask: Tensor, capacity: int | None = None) -> BlockSet:

@@ -1,0 +1,47 @@
+"""The `runtime` config group: how a run executes (not what it selects or predicts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prr.cache import is_power_of_two
+from prr.runtime.dsa_backend import RUN_MODES
+from prr.runtime.prr_step import REPAIR_MODES
+
+BACKENDS = ("torch",)  # the Triton backend arrives with the kernels issue
+
+
+@dataclass
+class RuntimeSettings:
+    mode: str = "sparse"  # sparse | shadow
+    repair_mode: str = "exact"  # exact | superset
+    backend: str = "torch"
+    block_size: int = 16  # tokens per KV block (page)
+    batch_size: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    calibration_tokens: int = 32  # prefill-tail positions replayed for predictor calibration/warm-up
+    dense_metrics_every: int = 1  # compute dense attention for recall/error every N decode steps
+    check_serial: bool = False  # also attend A in one piece and record PRR-vs-serial error
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.mode not in RUN_MODES:
+            out.append(f"runtime.mode={self.mode!r} is not one of {list(RUN_MODES)}")
+        if self.repair_mode not in REPAIR_MODES:
+            out.append(f"runtime.repair_mode={self.repair_mode!r} is not one of {list(REPAIR_MODES)}")
+        if self.backend not in BACKENDS:
+            out.append(f"runtime.backend={self.backend!r} is not available; choose one of {list(BACKENDS)}")
+        if not is_power_of_two(self.block_size):
+            out.append(f"runtime.block_size={self.block_size} must be a power of two (e.g. 16, 32, 64)")
+        if self.batch_size < 1:
+            out.append(f"runtime.batch_size={self.batch_size} must be >= 1")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            out.append(f"runtime.dtype={self.dtype!r} is not one of ['float32', 'float16', 'bfloat16']")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            out.append(f"runtime.device={self.device!r} must be 'cpu' or 'cuda[:N]'")
+        if self.calibration_tokens < 1:
+            out.append(f"runtime.calibration_tokens={self.calibration_tokens} must be >= 1")
+        if self.dense_metrics_every < 1:
+            out.append(f"runtime.dense_metrics_every={self.dense_metrics_every} must be >= 1")
+        return out

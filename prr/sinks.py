@@ -1,0 +1,89 @@
+"""Where run records go: JSONL files in the run dir (appended and flushed as they come, so
+a killed run keeps every finished step) and W&B (offline unless the user has a key)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+
+def _clean(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+class JsonlWriter:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self._file.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RunLogger:
+    """The `logger` group's interface: start, log the finished run, finish."""
+
+    def start(self, run_dir: Path, config: dict[str, Any], name: str) -> None:
+        pass
+
+    def log_run(self, summary: dict[str, Any], layers: pd.DataFrame, steps: pd.DataFrame) -> None:
+        pass
+
+    def finish(self, ok: bool) -> None:
+        pass
+
+
+class NoLogger(RunLogger):
+    """`logger=none`: nothing beyond the run directory's files."""
+
+
+class WandbLogger(RunLogger):
+    """`logger=wandb`. mode: auto (online when WANDB_API_KEY is set, else offline), online, offline."""
+
+    def __init__(self, project: str = "prr", mode: str = "auto", group: str | None = None,
+                 tags: list[str] | None = None, entity: str | None = None) -> None:
+        if mode not in ("auto", "online", "offline"):
+            raise ValueError(f"logger.mode={mode!r} is not one of ['auto', 'online', 'offline']")
+        self.project, self.group, self.tags, self.entity = project, group, list(tags or []), entity
+        self.mode = mode if mode != "auto" else ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self._run = None
+
+    def start(self, run_dir: Path, config: dict[str, Any], name: str) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise RuntimeError("logger=wandb needs the wandb package: pip install wandb (or use logger=none)") from err
+        self._run = wandb.init(project=self.project, entity=self.entity, group=self.group, tags=self.tags,
+                               name=name, config=config, dir=str(run_dir), mode=self.mode, reinit="finish_previous")
+
+    def log_run(self, summary: dict[str, Any], layers: pd.DataFrame, steps: pd.DataFrame) -> None:
+        import wandb
+
+        assert self._run is not None
+        for key, value in summary.items():
+            if isinstance(value, (int, float, str, bool)) or value is None:
+                self._run.summary[key] = value
+        if not layers.empty:
+            self._run.log({"per_layer": wandb.Table(dataframe=layers)})
+        if not steps.empty:
+            per_step = steps.groupby("step")[["hits", "selected_blocks", "predicted_blocks"]].sum()
+            for step, row in per_step.iterrows():
+                hit = row["hits"] / max(row["selected_blocks"], 1)
+                self._run.log({"decode/hit_rate": hit, "decode/predicted_blocks": row["predicted_blocks"],
+                               "decode/step": int(step)})
+
+    def finish(self, ok: bool) -> None:
+        if self._run is not None:
+            self._run.finish(exit_code=0 if ok else 1)
+            self._run = None

@@ -1,0 +1,38 @@
+"""The readable table printed at the end of a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from prr.runtime.timing import STAGES
+
+
+def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
+    def num(key: str, fmt: str = "{:.3f}") -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else fmt.format(value)
+
+    lines = [
+        "",
+        f"prr run: {summary['model']} | mode={summary['mode']} repair={summary['repair_mode']} | "
+        f"prompt {summary['prompt_tokens']} tokens, block {summary['block_size']}, top-K {summary['topk_blocks']} blocks | "
+        f"{summary['device']}",
+        f"  hit rate |P∩A|/|A|         {num('hit_rate')}",
+        f"  precision |P∩A|/|P|        {num('precision')}",
+        f"  last-step overlap          {num('last_step_overlap')}",
+        f"  attention-mass recall      {num('mean_mass_recall')}",
+        f"  output rel. error vs dense {num('mean_output_relerr', '{:.2e}')}",
+        f"  |A| / |P| / misses (mean)  {num('mean_selected_blocks', '{:.1f}')} / {num('mean_predicted_blocks', '{:.1f}')}"
+        f" / {num('mean_misses', '{:.1f}')}",
+        "  stage time per layer-step  " + "  ".join(f"{s} {num(f't_{s}_us', '{:.0f}')}µs" for s in STAGES),
+        f"  attention stage per layer  measured {num('t_attention_measured_us', '{:.0f}')}µs, "
+        f"with speculate∥select {num('t_attention_overlapped_us', '{:.0f}')}µs (model)",
+        f"  per-token latency          median {num('token_latency_median_ms', '{:.1f}')} ms "
+        f"({num('tokens_per_s', '{:.1f}')} tok/s), {summary.get('decode_steps')} steps",
+    ]
+    if not layers.empty:
+        cols = [c for c in ("layer", "hit_rate", "precision", "last_step_overlap", "mass_recall", "output_relerr") if c in layers]
+        lines += ["", "  per layer:", layers[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}")]
+    return "\n".join(lines)

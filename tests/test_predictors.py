@@ -1,0 +1,69 @@
+"""Predictors' defining properties."""
+
+import torch
+
+from prr.blocks import BlockSet
+from prr.predictors import EmaPredictor, LastStepPredictor, NoPredictor, OraclePredictor
+from prr.predictors.ema import standardise
+from prr.selectors.base import Selection
+
+N = 23  # max blocks
+
+
+def selection(ids, scores=None, nb=N):
+    mask = torch.zeros(1, 1, N, dtype=torch.bool)
+    mask[0, 0, ids] = True
+    s = torch.randn(1, 1, N) if scores is None else scores
+    s = s.masked_fill(torch.arange(N) >= nb, float("-inf"))
+    return Selection(BlockSet.from_mask(mask, len(ids)), s)
+
+
+def test_none_predicts_nothing():
+    p = NoPredictor()
+    st = p.init_state(2, 1, 1, N, "cpu")
+    assert p.propose(st, 0, N, 10).count.sum() == 0
+
+
+def test_last_step_predicts_previous_selection():
+    p = LastStepPredictor()
+    st = p.init_state(2, 1, 1, N, "cpu")
+    p.update(st, 1, selection([0, 4, 7, 22]))
+    pred = p.propose(st, 1, N, 10)
+    assert sorted(pred.indices[0, 0, : pred.count[0, 0]].tolist()) == [0, 4, 7, 22]
+    assert p.propose(st, 0, N, 10).count.sum() == 0  # other layer saw nothing
+
+
+def test_oracle_returns_current_selection_whatever_the_budget():
+    p = OraclePredictor()
+    st = p.init_state(1, 1, 1, N, "cpu")
+    a = selection([1, 2, 3])
+    assert p.propose(st, 0, N, 0, current=a) is a.blocks
+
+
+def test_ema_update_matches_formula():
+    p = EmaPredictor(alpha=0.5, stickiness=2.0, recency=3.0, recent_blocks=1, calibrate=False)
+    st = p.init_state(1, 1, 1, N, "cpu")
+    s1, s2 = torch.randn(1, 1, N), torch.randn(1, 1, N)
+    p.update(st, 0, selection([0, 5], s1))
+    p.update(st, 0, selection([5, 9], s2))
+    ema = 0.5 * (0.5 * standardise(s1)) + 0.5 * standardise(s2)
+    expected = ema.clone()
+    expected[0, 0, [5, 9]] += 2.0
+    expected[0, 0, N - 1] += 3.0
+    assert torch.allclose(p.rank(st, 0, N), expected, atol=1e-6)
+    assert torch.isneginf(p.rank(st, 0, N - 3)[0, 0, N - 3 :]).all()  # outside the context
+
+
+def test_ema_calibration_prefers_stickiness_on_a_static_selection():
+    # A fixed selection whose blocks score low: only stickiness (β > 0) predicts it.
+    history = []
+    g = torch.Generator().manual_seed(0)
+    for _ in range(16):
+        scores = torch.randn(1, 1, N, generator=g)
+        scores[0, 0, [2, 11, 17]] = -3.0
+        history.append(selection([2, 11, 17], scores))
+    p = EmaPredictor(alpha_grid=(0.0, 0.5), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,))
+    info = p.calibrate([None, history])
+    assert info["stickiness"] == 4.0 and info["calibration_hit_rate"] == 1.0
+    st = p.init_state(2, 1, 1, N, "cpu")
+    assert st.stickiness[1] == 4.0

@@ -20,7 +20,7 @@ class JsonlWriter:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:

@@ -15,10 +15,10 @@ class ModelSpec:
     def describe(self):
         from prr.model.loading import describe_model
 
-        return describe_model(self.name_or_path)
+        return describe_model(self.name_or_path, self.cache_dir, num_layers=self.num_layers)
 
     def load(self, dtype: str, device: str):
         from prr.model.loading import load_model
 
-        kwargs = {"num_layers": self.num_layers} if self.num_layers is not None else {}
-        return load_model(self.name_or_path, dtype=dtype, device=device, cache_dir=self.cache_dir, **kwargs)
+        return load_model(self.name_or_path, dtype=dtype, device=device, cache_dir=self.cache_dir,
+                          num_layers=self.num_layers)

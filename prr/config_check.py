@@ -71,7 +71,7 @@ def check_node(group: str, node: DictConfig) -> list[str]:
         if key.startswith("_"):
             continue
         if key not in params:
-            close = difflib.get_close_matches(key, params, n=1)
+            close = [p for p in params if key in p] or difflib.get_close_matches(key, params, n=1, cutoff=0.5)
             hint = f"; did you mean {group}.{close[0]}?" if close else f"; valid keys: {sorted(params)}"
             problems.append(f"{group}.{key} is not an option of {target.__name__}{hint}")
         elif not _type_ok(value, hints.get(key, params[key].annotation)):
@@ -101,9 +101,10 @@ def validate(cfg: DictConfig) -> None:
         except Exception as err:  # constructors raise ValueError with the bad value; Hydra wraps it
             cause = err.__cause__ or err
             problems.append(f"{group}: {cause}")
+    if "runtime" in built:
+        problems += built["runtime"].problems()
     if problems:
         raise ConfigError(problems)
-    problems += built["runtime"].problems()
     try:
         model = built["model"].describe()
     except (FileNotFoundError, ValueError) as err:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 

@@ -59,7 +59,7 @@ class Selector(ABC):
         self.dense_layers = frozenset(int(x) for x in dense_layers)
 
     # --- what subclasses provide -------------------------------------------------------
-    def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+    def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:  # noqa: B027 - optional hook
         """Tokens [start, end) of `layer` were appended to the cache; refresh their blocks."""
 
     @abstractmethod

@@ -1,0 +1,70 @@
+"""Every option of every config group composes and instantiates; bad input gets one clear
+error naming the value and the valid choices, before any model loads."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+
+from prr.config_check import GROUPS, ConfigError, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TINY = ["model=tiny-random", "selector.dense_layers=[]", "task.prompt_tokens=512", "selector.topk_blocks=8"]
+
+
+def cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes_and_instantiates(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "model" and option == "hf":
+        overrides.append("model.name_or_path=/nonexistent")
+    c = cfg(*overrides)
+    obj = instantiate(c[group])
+    assert type(obj).__name__ == c[group]._target_.rsplit(".", 1)[-1]
+
+
+def test_default_config_validates_on_tiny_model():
+    validate(cfg(*TINY))
+
+
+def test_unknown_option_lists_choices():
+    with pytest.raises(ConfigCompositionException, match="Available options") as err:
+        cfg("selector=nope")
+    assert "quest" in str(err.value.__cause__ or err.value) or "quest" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("selector.topk_blocks=0", "topk_blocks=0 must be a positive"),
+        ("selector.topk_blocks=-3", "topk_blocks=-3"),
+        ("runtime.block_size=24", "block_size=24 must be a power of two"),
+        ("runtime.block_size=1024", "block_size=1024 exceeds the prompt"),
+        ("selector.topk_blocks=64", "covers the whole prompt"),
+        ("model.name_or_path=/no/such/model", "/no/such/model"),
+        ("+selector.topk=4", "did you mean selector.topk_blocks"),
+        ("selector.topk_blocks=abc", "wrong type"),
+        ("runtime.mode=dense", "runtime.mode='dense' is not one of"),
+        ("task.max_new_tokens=100000", "exceeds the model's context"),
+        ("selector.dense_layers=[7]", "outside the model's layers"),
+    ],
+)
+def test_bad_input_is_one_clear_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg(*TINY, override))
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        validate(cfg(*TINY, "runtime.block_size=24", "runtime.mode=dense"))
+    assert len(err.value.problems) == 2

@@ -74,6 +74,7 @@ def summarize(steps: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, Any]:
         out["token_latency_median_ms"] = float(tokens["latency_s"].median() * 1e3)
         out["token_latency_mean_ms"] = float(tokens["latency_s"].mean() * 1e3)
         out["tokens_per_s"] = float(1.0 / tokens["latency_s"].mean())
+        out["measurement_overhead_ms"] = float(tokens["measure_s"].mean() * 1e3)
     if steps.empty:
         return out
     total = lambda col: float(steps[col].sum())  # noqa: E731

@@ -115,8 +115,10 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             latency = time.perf_counter() - t0
-            steps_out.write([row for r in backend.end_step() for row in layer_step_rows(r)])
-            tokens_out.write([{"step": step, "token": int(token[0]), "latency_s": latency}])
+            records, measure_s = backend.end_step()
+            steps_out.write([row for r in records for row in layer_step_rows(r)])
+            tokens_out.write([{"step": step, "token": int(token[0]), "wall_s": latency, "measure_s": measure_s,
+                               "latency_s": latency - measure_s}])
             token = next_token(logits, task.temperature, task.top_p, generator)
             if task.stop_at_eos and eos is not None and bool((torch.stack(generated, 1) == eos).any(1).all()):
                 break

@@ -30,7 +30,8 @@ def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
         f"  attention stage per layer  measured {num('t_attention_measured_us', '{:.0f}')}µs, "
         f"with speculate∥select {num('t_attention_overlapped_us', '{:.0f}')}µs (model)",
         f"  per-token latency          median {num('token_latency_median_ms', '{:.1f}')} ms "
-        f"({num('tokens_per_s', '{:.1f}')} tok/s), {summary.get('decode_steps')} steps",
+        f"({num('tokens_per_s', '{:.1f}')} tok/s), {summary.get('decode_steps')} steps; "
+        f"measurement work excluded ({num('measurement_overhead_ms', '{:.1f}')} ms/token)",
     ]
     if not layers.empty:
         cols = [c for c in ("layer", "hit_rate", "precision", "last_step_overlap", "mass_recall", "output_relerr") if c in layers]

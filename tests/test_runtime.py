@@ -33,7 +33,7 @@ def run_backend(predictor, repair_mode="exact", mode="sparse", selector=None, gr
             q = torch.randn(1, hkv * group, d, generator=g) + 1.5 * (torch.arange(d) % 4 == 0)
             outs.append((layer, q, backend.decode(layer, q, torch.randn(1, hkv, d, generator=g),
                                                   torch.randn(1, hkv, d, generator=g))))
-        rows += [row for r in backend.end_step() for row in layer_step_rows(r)]
+        rows += [row for r in backend.end_step()[0] for row in layer_step_rows(r)]
     return backend, outs, pd.DataFrame(rows)
 
 

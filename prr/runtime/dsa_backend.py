@@ -9,6 +9,7 @@ dense trajectory, so methods compare on identical inputs. Both produce the same 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch.nn.functional as F
@@ -69,6 +70,7 @@ class DSABackend:
         self.previous: list[Tensor | None] = [None] * cache.num_layers
         self.predictor_state: Any = None
         self.records: list[LayerStepRecord] = []
+        self.measure_s = 0.0  # wall time of untimed measurement work this step (dense reference, serial check)
 
     def _grouped(self, q: Tensor) -> Tensor:
         """q: [B, Hq, ...D] -> [B, Hkv, G, ...D]."""
@@ -117,6 +119,7 @@ class DSABackend:
         timings = self.timer.collect()
 
         # Measurements beside the step (untimed): dense reference, serial-DSA equivalence.
+        measure_start = time.perf_counter()
         dense: AttentionState | None = None
         block_mass = output_relerr = serial_relerr = None
         if self.mode == "shadow" or self.step % self.dense_metrics_every == 0:
@@ -126,6 +129,8 @@ class DSABackend:
         if self.check_serial:
             serial = attend_blocks(qg, self.cache, layer, result.selection.blocks, end, self.scale)
             serial_relerr = relative_error(result.state.out, serial.out)
+        if self.mode == "sparse":  # in shadow mode the dense attention is the step's real output
+            self.measure_s += time.perf_counter() - measure_start
         selected = result.selection.blocks.mask(self.cache.max_blocks)
         self.records.append(LayerStepRecord(
             step=self.step, layer=layer, context_tokens=end, selected=selected,
@@ -140,8 +145,10 @@ class DSABackend:
             return dense.out.to(q.dtype).view_as(q)
         return result.state.out.to(q.dtype).view_as(q)
 
-    def end_step(self) -> list[LayerStepRecord]:
-        """Close a decode step (all layers done): hand over its records."""
+    def end_step(self) -> tuple[list[LayerStepRecord], float]:
+        """Close a decode step (all layers done): hand over its records and the seconds spent
+        on measurement work (CPU wall clock; on CUDA this excludes queued GPU time)."""
         records, self.records = self.records, []
+        measure_s, self.measure_s = self.measure_s, 0.0
         self.step += 1
-        return records
+        return records, measure_s

@@ -35,7 +35,7 @@ class StageProbe:
         max_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
-        repeats: int = 5,
+        repeats: int = 9,
         seed: int = 0,
     ) -> None:
         self.selector, self.repair_mode, self.repeats = selector, repair_mode, repeats

@@ -165,7 +165,9 @@ def _read_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     if any(isinstance(value, dict) for value in params.values()):
         raise ValueError(f"per-layer-type rope parameters are not supported: {params}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0)")
+        raise ValueError(
+            f"partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0)"
+        )
     params.pop("partial_rotary_factor", None)
     theta = params.pop("rope_theta", None) or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"

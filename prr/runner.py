@@ -107,7 +107,8 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
         calibration = backend.finish_prefill()
         prefill_s = time.perf_counter() - t0
         token = next_token(logits, task.temperature, task.top_p, generator)
-        eos = mc.eos_token_id
+        eos = mc.eos_token_id  # an id, a list of ids (Llama 3.1), or None
+        eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos], device=device)
         for step in tqdm(range(task.max_new_tokens), desc="decode", unit="tok"):
             generated.append(token)
             t0 = time.perf_counter()
@@ -120,7 +121,7 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
             tokens_out.write([{"step": step, "token": int(token[0]), "wall_s": latency, "measure_s": measure_s,
                                "latency_s": latency - measure_s}])
             token = next_token(logits, task.temperature, task.top_p, generator)
-            if task.stop_at_eos and eos is not None and bool((torch.stack(generated, 1) == eos).any(1).all()):
+            if task.stop_at_eos and bool(torch.isin(torch.stack(generated, 1), eos_ids).any(1).all()):
                 break
     steps_out.close()
     tokens_out.close()

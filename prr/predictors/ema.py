@@ -119,13 +119,13 @@ class EmaPredictor(Predictor):
         z = standardise(scores)
         finite = torch.isfinite(scores)
         num_blocks = finite[..., 0, 0, :].sum(-1)  # [T, L'] context blocks per step
-        alphas = torch.tensor([g[0] for g in self.grid]).view(-1, 1, 1, 1, 1)  # [C, 1, 1, 1, 1]
-        sticks = torch.tensor([g[1] for g in self.grid]).view(-1, 1, 1, 1, 1)
-        recs = torch.tensor([g[2] for g in self.grid]).view(-1, 1, 1, 1, 1)
-        ema = torch.zeros(len(self.grid), *scores.shape[1:])  # [C, L', B, Hkv, N]
-        hits = torch.zeros(len(self.grid), len(layers))
-        wanted = torch.zeros(len(layers))
-        ids = torch.arange(n)
+        dev = scores.device
+        grid = torch.tensor(self.grid, device=dev).view(-1, 3, 1, 1, 1, 1)  # [C, 3, 1, 1, 1, 1]
+        alphas, sticks, recs = grid[:, 0], grid[:, 1], grid[:, 2]  # [C, 1, 1, 1, 1] each
+        ema = torch.zeros(len(self.grid), *scores.shape[1:], device=dev)  # [C, L', B, Hkv, N]
+        hits = torch.zeros(len(self.grid), len(layers), device=dev)
+        wanted = torch.zeros(len(layers), device=dev)
+        ids = torch.arange(n, device=dev)
         for t in range(steps):
             if t > self.burn_in_steps:
                 nb = num_blocks[t].view(1, -1, 1, 1, 1)
@@ -134,13 +134,13 @@ class EmaPredictor(Predictor):
                 rank = rank.masked_fill(ids >= nb, NEVER)
                 size = selected[t].sum(-1, keepdim=True)  # |A_t| per row: predict that many
                 order = torch.sort(rank, dim=-1, descending=True, stable=True).indices
-                in_p = torch.zeros(rank.shape, dtype=torch.bool).scatter_(-1, order, ids.expand_as(order) < size)
+                in_p = torch.zeros(rank.shape, dtype=torch.bool, device=dev).scatter_(-1, order, ids.expand_as(order) < size)
                 hits += (in_p & selected[t]).sum((-1, -2, -3)).float()
                 wanted += selected[t].sum((-1, -2, -3)).float()
             ema = torch.where(finite[t], alphas * ema + (1 - alphas) * z[t], ema)
         hit_rate = hits / wanted.clamp(min=1)  # [C, L']
         num_layers = len(history)
-        best = hit_rate.argmax(0) if self.per_layer else hit_rate.mean(1).argmax().expand(len(layers))
+        hit_rate, best = hit_rate.cpu(), (hit_rate.argmax(0) if self.per_layer else hit_rate.mean(1).argmax().expand(len(layers))).cpu()
         params = torch.tensor([[self.alpha, self.stickiness, self.recency]] * num_layers)
         for j, i in enumerate(layers):
             params[i] = torch.tensor(self.grid[int(best[j])])

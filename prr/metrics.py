@@ -2,7 +2,8 @@
 records, and their aggregates per layer and per run.
 
 Definitions (A = selected blocks, P = predicted blocks, per KV head):
-hit rate |P∩A|/|A|, precision |P∩A|/|P|, misses |A\\P|, waste |P\\A|, last-step overlap
+hit rate |P∩A|/|A|, hit rate at K (the predictor's top-|A| ranked blocks against A,
+whatever |P| the budget chose: ranking quality alone), precision |P∩A|/|P|, misses |A\\P|, waste |P\\A|, last-step overlap
 |A_t ∩ A_{t−1}|/|A_t|, attention-mass recall Σ_{b∈A} dense mass(b) (mean over the group's
 query heads), output relative error ‖o_sparse − o_dense‖/‖o_dense‖.
 Run-level rates are pooled (Σ hits / Σ |A|), not means of ratios.
@@ -32,6 +33,8 @@ def layer_step_rows(record: LayerStepRecord) -> list[dict[str, Any]]:
     }
     if record.previous is not None:
         columns["overlap_blocks"] = (a & record.previous).sum(-1)
+    if record.ranked_at_k is not None:
+        columns["hits_at_k"] = (a & record.ranked_at_k).sum(-1)
     if record.block_mass is not None:
         columns["mass_recall"] = (record.block_mass * a).sum(-1)
     if record.output_relerr is not None:
@@ -86,6 +89,8 @@ def summarize(steps: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, Any]:
     out["mean_waste"] = float(steps["waste"].mean())
     if "overlap_blocks" in steps:
         out["last_step_overlap"] = total("overlap_blocks") / max(total("selected_blocks"), 1)
+    if "hits_at_k" in steps:
+        out["hit_rate_at_k"] = total("hits_at_k") / max(total("selected_blocks"), 1)
     for col in ("mass_recall", "output_relerr", "serial_relerr"):
         if col in steps:
             out[f"mean_{col}"] = float(steps[col].mean())
@@ -113,6 +118,8 @@ def per_layer(steps: pd.DataFrame) -> pd.DataFrame:
     })
     if "overlap_blocks" in steps:
         table["last_step_overlap"] = g["overlap_blocks"].sum() / g["selected_blocks"].sum().clip(lower=1)
+    if "hits_at_k" in steps:
+        table["hit_rate_at_k"] = g["hits_at_k"].sum() / g["selected_blocks"].sum().clip(lower=1)
     for col in ("mass_recall", "output_relerr"):
         if col in steps:
             table[col] = g[col].mean()

@@ -20,6 +20,7 @@ def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
         f"prompt {summary['prompt_tokens']} tokens, block {summary['block_size']}, top-K {summary['topk_blocks']} blocks | "
         f"{summary['device']}",
         f"  hit rate |P∩A|/|A|         {num('hit_rate')}",
+        f"  hit rate at K (|P| = |A|)  {num('hit_rate_at_k')}   (predictor ranking, budget aside)",
         f"  precision |P∩A|/|P|        {num('precision')}",
         f"  last-step overlap          {num('last_step_overlap')}",
         f"  attention-mass recall      {num('mean_mass_recall')}",
@@ -34,6 +35,6 @@ def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
         f"measurement work excluded ({num('measurement_overhead_ms', '{:.1f}')} ms/token)",
     ]
     if not layers.empty:
-        cols = [c for c in ("layer", "hit_rate", "precision", "last_step_overlap", "mass_recall", "output_relerr") if c in layers]
+        cols = [c for c in ("layer", "hit_rate", "hit_rate_at_k", "precision", "last_step_overlap", "mass_recall", "output_relerr") if c in layers]
         lines += ["", "  per layer:", layers[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}")]
     return "\n".join(lines)

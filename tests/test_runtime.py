@@ -81,3 +81,27 @@ def test_shadow_mode_returns_dense_attention_and_dense_selector_equals_dense():
     assert torch.allclose(out, dense.out.view_as(out), atol=1e-5)
     backend, outs, rows = run_backend(NoPredictor(), selector=DenseSelector())
     assert rows["output_relerr"].max() < 1e-5 and rows["mass_recall"].min() > 1 - 1e-5
+
+
+def test_hit_rate_at_k_is_budget_free():
+    # last_step ranks exactly A_{t-1}, so its hit rate at K is the last-step overlap, even with |P| = 0.
+    _, _, rows = run_backend(LastStepPredictor(), ratio=0.0)
+    summary = summarize(rows, pd.DataFrame())
+    assert summary["mean_predicted_blocks"] == 0
+    assert summary["hit_rate_at_k"] == pytest.approx(summary["last_step_overlap"])
+    _, _, oracle = run_backend(OraclePredictor(), ratio=0.0)
+    assert summarize(oracle, pd.DataFrame())["hit_rate_at_k"] == 1.0
+
+
+def test_oracle_without_current_selection_is_an_error():
+    from prr.runtime.prr_step import prr_attention
+    from prr.runtime.timing import StageTimer
+
+    sel = QuestSelector(topk_blocks=2)
+    cache = PagedKVCache(1, 1, 2, 16, 8, 40)
+    cache.append(0, torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16))
+    sel.update_metadata(cache, 0, 0, 40)
+    pred = OraclePredictor()
+    with pytest.raises(ValueError, match="needs the current selection"):
+        prr_attention(torch.randn(1, 2, 3, 16), cache, 0, sel, pred, pred.init_state(1, 1, 2, 5, "cpu"), 2, "exact",
+                      StageTimer(torch.device("cpu")), 0.25)

@@ -114,8 +114,16 @@ class DSABackend:
             dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)
             return dense.out.to(q.dtype).view_as(q)
         budget_blocks = self.budget.predicted_blocks(layer, self.cache.num_blocks(layer), self.selector.topk_blocks)
+        # Untimed measurement before the step: the oracle's look at the answer, and the
+        # predictor's top-|A| ranking (its hit rate at K, whatever |P| the budget chose).
+        measure_start = time.perf_counter()
+        current = self.selector.select(qg, self.cache, layer) if self.predictor.needs_current_selection else None
+        at_k = self.selector.capacity(self.group, self.cache.max_blocks)  # |A| at most
+        num_blocks = self.cache.num_blocks(layer)
+        ranked_at_k = self.predictor.propose(self.predictor_state, layer, num_blocks, at_k, current)
+        self.measure_s += time.perf_counter() - measure_start
         result = prr_attention(qg, self.cache, layer, self.selector, self.predictor, self.predictor_state,
-                               budget_blocks, self.repair_mode, self.timer, self.scale)
+                               budget_blocks, self.repair_mode, self.timer, self.scale, current=current)
         timings = self.timer.collect()
 
         # Measurements beside the step (untimed): dense reference, serial-DSA equivalence.
@@ -135,6 +143,7 @@ class DSABackend:
         self.records.append(LayerStepRecord(
             step=self.step, layer=layer, context_tokens=end, selected=selected,
             predicted=result.predicted.mask(self.cache.max_blocks), previous=self.previous[layer],
+            ranked_at_k=ranked_at_k.mask(self.cache.max_blocks),
             budget_blocks=budget_blocks, timings=timings, block_mass=block_mass,
             output_relerr=output_relerr, serial_relerr=serial_relerr,
         ))

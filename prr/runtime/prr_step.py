@@ -45,13 +45,18 @@ def prr_attention(
     repair_mode: str,
     timer: StageTimer,
     scale: float,
+    current: Selection | None = None,
 ) -> PrrStepResult:
-    """q: [B, Hkv, G, D] post-RoPE, the current token already in `cache`."""
+    """q: [B, Hkv, G, D] post-RoPE, the current token already in `cache`.
+
+    current: this step's selection computed beforehand, untimed; only for predictors that
+    `needs_current_selection` (the oracle), for whom it is required.
+    """
     length = cache.length(layer)
     num_blocks = cache.num_blocks(layer)
     max_blocks = cache.max_blocks
-    # The oracle's look at the answer is computed outside every timed stage.
-    current = selector.select(q, cache, layer) if predictor.needs_current_selection else None
+    if predictor.needs_current_selection and current is None:
+        raise ValueError(f"{type(predictor).__name__} needs the current selection: pass current=selector.select(...)")
 
     with timer.stage("predict"):
         predicted = predictor.propose(predictor_state, layer, num_blocks, budget_blocks, current)

@@ -15,6 +15,7 @@ class LayerStepRecord:
     selected: Tensor  # [B, Hkv, max_blocks] bool: A_t
     predicted: Tensor  # [B, Hkv, max_blocks] bool: P_t
     previous: Tensor | None  # [B, Hkv, max_blocks] bool: A_{t-1} (None if unknown)
+    ranked_at_k: Tensor | None  # [B, Hkv, max_blocks] bool: the predictor's top-|A| blocks, whatever the budget
     budget_blocks: int  # |P| the budget asked for
     timings: dict[str, float]  # seconds per stage (predict, speculate, select, repair, merge)
     block_mass: Tensor | None  # [B, Hkv, max_blocks] dense attention mass per block (mean over the group)

@@ -11,7 +11,8 @@ from typing import Any
 
 def cache_dir() -> Path:
     """$PRR_CACHE_DIR, else ~/.cache/prr. Converted models and budget profiles live here."""
-    return Path(os.environ.get("PRR_CACHE_DIR") or Path.home() / ".cache" / "prr")
+    env = os.environ.get("PRR_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prr"
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -7,7 +7,7 @@ from prr.model.attention import AttentionBackend
 from prr.model.config import SUPPORTED_ARCHS, ModelConfig
 from prr.model.decoder import Decoder
 from prr.model.dense import DenseAttention
-from prr.model.loading import LoadedModel, default_cache_dir, describe_model, load_model, parse_dtype
+from prr.model.loading import LoadedModel, describe_model, load_model, parse_dtype
 from prr.model.prompt import encode_prompt, truncate_text_to_tokens
 from prr.model.rope import SUPPORTED_ROPE_TYPES
 from prr.model.zoo import ZOO, zoo_names
@@ -21,7 +21,6 @@ __all__ = [
     "DenseAttention",
     "LoadedModel",
     "ModelConfig",
-    "default_cache_dir",
     "describe_model",
     "encode_prompt",
     "load_model",

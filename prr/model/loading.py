@@ -33,6 +33,7 @@ import torch
 from prr.model.config import SUPPORTED_ARCHS, ModelConfig
 from prr.model.decoder import Decoder
 from prr.model.zoo import ZOO, RandomInitSpec, WheelGGUFSpec, zoo_names
+from prr.paths import cache_dir as cache_dir_default
 
 DTYPES = {
     "float32": torch.float32,
@@ -75,12 +76,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def default_cache_dir() -> Path:
-    """$PRR_CACHE_DIR, else ~/.cache/prr."""
-    env = os.environ.get("PRR_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "prr"
-
-
 # ---- public entry points ------------------------------------------------------------------
 
 
@@ -97,7 +92,7 @@ def load_model(
     num_layers: override the depth of a random-init zoo model (e.g. a 2-layer 8B shape).
     """
     torch_dtype = parse_dtype(dtype)
-    cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    cache_root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
     kind, target = _resolve(name_or_path)
     if num_layers is not None and not isinstance(target, RandomInitSpec):
         raise ValueError(f"num_layers overrides only random-init zoo models, not {name_or_path!r}")
@@ -127,7 +122,7 @@ def describe_model(
     name_or_path: str, cache_dir: str | None = None, *, num_layers: int | None = None
 ) -> ModelConfig:
     """The ModelConfig of a model without loading (or converting) its weights."""
-    cache_root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    cache_root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
     kind, target = _resolve(name_or_path)
     if num_layers is not None and not isinstance(target, RandomInitSpec):
         raise ValueError(f"num_layers overrides only random-init zoo models, not {name_or_path!r}")

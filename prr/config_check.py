@@ -132,6 +132,20 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
         problems.append(f"selector.topk_blocks={selector.topk_blocks} ({selector.topk_blocks * runtime.block_size} tokens) "
                         f"covers the whole prompt of {prompt_blocks} blocks: nothing is sparse; lower topk_blocks "
                         "or use selector=dense")
+    predictor = built["predictor"]
+    if getattr(predictor, "calibrate_on_prefill", False) and runtime.calibration_tokens <= predictor.burn_in_steps + 1:
+        problems.append(f"runtime.calibration_tokens={runtime.calibration_tokens} leaves nothing to calibrate on after "
+                        f"predictor.burn_in_steps={predictor.burn_in_steps}; raise it above {predictor.burn_in_steps + 1} "
+                        "or set predictor.calibrate=false")
+    if runtime.calibration_tokens > getattr(task, "prompt_tokens", prompt):
+        problems.append(f"runtime.calibration_tokens={runtime.calibration_tokens} exceeds the prompt of "
+                        f"{getattr(task, 'prompt_tokens', prompt)} tokens")
+    if runtime.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(f"runtime.device={runtime.device!r} but this torch ({torch.__version__}) sees no CUDA device; "
+                            "use runtime.device=cpu")
     bad_layers = sorted(x for x in selector.dense_layers if not 0 <= x < model.num_layers)
     if bad_layers:
         problems.append(f"selector.dense_layers={bad_layers} outside the model's layers 0..{model.num_layers - 1}")

@@ -70,14 +70,24 @@ def critical_path_columns(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+TIMING_WARMUP_STEPS = 2  # first decode steps left out of timing statistics (allocations, caches)
+
+
+def after_warmup(frame: pd.DataFrame, warmup_steps: int = TIMING_WARMUP_STEPS) -> pd.DataFrame:
+    """Rows of decode steps >= warmup_steps (all rows when the run is shorter than that)."""
+    later = frame[frame["step"] >= warmup_steps]
+    return later if not later.empty else frame
+
+
 def summarize(steps: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, Any]:
-    """Run-level numbers for summary.json, the console table and W&B."""
+    """Run-level numbers for summary.json, the console table and W&B. Rates are pooled over
+    all steps; timings are medians over decode steps after the first TIMING_WARMUP_STEPS."""
     out: dict[str, Any] = {"decode_steps": int(tokens.shape[0])}
     if not tokens.empty:
-        out["token_latency_median_ms"] = float(tokens["latency_s"].median() * 1e3)
-        out["token_latency_mean_ms"] = float(tokens["latency_s"].mean() * 1e3)
-        out["tokens_per_s"] = float(1.0 / tokens["latency_s"].mean())
-        out["measurement_overhead_ms"] = float(tokens["measure_s"].mean() * 1e3)
+        timed = after_warmup(tokens)
+        out["token_latency_median_ms"] = float(timed["latency_s"].median() * 1e3)
+        out["tokens_per_s"] = float(1.0 / timed["latency_s"].median())
+        out["measurement_overhead_ms"] = float(timed["measure_s"].median() * 1e3)
     if steps.empty:
         return out
     total = lambda col: float(steps[col].sum())  # noqa: E731
@@ -97,11 +107,11 @@ def summarize(steps: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, Any]:
     if "serial_relerr" in steps:
         out["max_serial_relerr"] = float(steps["serial_relerr"].max())
     # Timings are per layer-step; rows repeat them per (batch, KV head), so dedupe first.
-    per_layer_step = critical_path_columns(steps.drop_duplicates(["step", "layer"]))
+    per_layer_step = critical_path_columns(after_warmup(steps).drop_duplicates(["step", "layer"]))
     for s in STAGES:
-        out[f"t_{s}_us"] = float(per_layer_step[f"t_{s}_s"].mean() * 1e6)
-    out["t_attention_measured_us"] = float(per_layer_step["t_attention_measured_s"].mean() * 1e6)
-    out["t_attention_overlapped_us"] = float(per_layer_step["t_attention_overlapped_s"].mean() * 1e6)
+        out[f"t_{s}_us"] = float(per_layer_step[f"t_{s}_s"].median() * 1e6)
+    out["t_attention_measured_us"] = float(per_layer_step["t_attention_measured_s"].median() * 1e6)
+    out["t_attention_overlapped_us"] = float(per_layer_step["t_attention_overlapped_s"].median() * 1e6)
     return out
 
 
@@ -123,7 +133,7 @@ def per_layer(steps: pd.DataFrame) -> pd.DataFrame:
     for col in ("mass_recall", "output_relerr"):
         if col in steps:
             table[col] = g[col].mean()
-    timing = steps.drop_duplicates(["step", "layer"]).groupby("layer")
+    timing = after_warmup(steps).drop_duplicates(["step", "layer"]).groupby("layer")
     for s in STAGES:
-        table[f"t_{s}_us"] = timing[f"t_{s}_s"].mean() * 1e6
+        table[f"t_{s}_us"] = timing[f"t_{s}_s"].median() * 1e6
     return table.reset_index()

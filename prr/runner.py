@@ -29,6 +29,7 @@ from prr.metrics import layer_step_rows, per_layer, summarize
 from prr.paths import write_json_atomic, write_text_atomic
 from prr.runtime.dsa_backend import DSABackend
 from prr.runtime.probe import StageProbe
+from prr.selectors.dense import DenseSelector
 from prr.sinks import JsonlWriter
 from prr.summary_table import format_summary
 
@@ -94,7 +95,7 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
                          dense_metrics_every=settings.dense_metrics_every, check_serial=settings.check_serial)
     probe = StageProbe(selector, settings.repair_mode, settings.batch_size, mc.num_heads, mc.num_kv_heads,
                        mc.head_dim, settings.block_size, cache.max_tokens, dtype, device)
-    budget_info = budget.setup(probe, selector.topk_blocks, cache.max_blocks)
+    budget_info = budget.setup(probe, selector.selected_blocks(cache.max_blocks), cache.max_blocks)
     log.info("prompt: %s (%d tokens); model %s loaded in %.1f s", prompt.description, prompt_len, model.name, load_s)
 
     steps_out = JsonlWriter(run_dir / "records" / "steps.jsonl")
@@ -144,7 +145,7 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
         "device": probe.device_name,
         "prompt_tokens": prompt_len,
         "block_size": settings.block_size,
-        "topk_blocks": selector.topk_blocks,
+        "topk_blocks": "all" if isinstance(selector, DenseSelector) else selector.topk_blocks,
         "model_load_s": load_s,
         "prefill_s": prefill_s,
         "calibration": calibration,

@@ -27,7 +27,7 @@ def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
         f"  output rel. error vs dense {num('mean_output_relerr', '{:.2e}')}",
         f"  |A| / |P| / misses (mean)  {num('mean_selected_blocks', '{:.1f}')} / {num('mean_predicted_blocks', '{:.1f}')}"
         f" / {num('mean_misses', '{:.1f}')}",
-        "  stage time per layer-step  " + "  ".join(f"{s} {num(f't_{s}_us', '{:.0f}')}µs" for s in STAGES),
+        "  stage time per layer-step  (median) " + "  ".join(f"{s} {num(f't_{s}_us', '{:.0f}')}µs" for s in STAGES),
         f"  attention stage per layer  measured {num('t_attention_measured_us', '{:.0f}')}µs, "
         f"with speculate∥select {num('t_attention_overlapped_us', '{:.0f}')}µs (model)",
         f"  per-token latency          median {num('token_latency_median_ms', '{:.1f}')} ms "

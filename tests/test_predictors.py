@@ -67,3 +67,16 @@ def test_ema_calibration_prefers_stickiness_on_a_static_selection():
     assert info["stickiness"] == 4.0 and info["calibration_hit_rate"] == 1.0
     st = p.init_state(2, 1, 1, N, "cpu")
     assert st.stickiness[1] == 4.0
+
+
+def test_ema_calibration_is_causal():
+    # A alternates between two disjoint sets and its blocks score high only when selected:
+    # a replay that peeked at A_t would be perfect; a causal one cannot be.
+    history = []
+    for t in range(16):
+        ids = [1, 3, 5] if t % 2 else [10, 12, 14]
+        scores = torch.zeros(1, 1, N)
+        scores[0, 0, ids] = 5.0
+        history.append(selection(ids, scores))
+    info = EmaPredictor(alpha_grid=(0.0, 0.5, 0.9), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,)).calibrate([history])
+    assert info["calibration_hit_rate"] < 0.9

@@ -105,3 +105,41 @@ def test_oracle_without_current_selection_is_an_error():
     with pytest.raises(ValueError, match="needs the current selection"):
         prr_attention(torch.randn(1, 2, 3, 16), cache, 0, sel, pred, pred.init_state(1, 1, 2, 5, "cpu"), 2, "exact",
                       StageTimer(torch.device("cpu")), 0.25)
+
+
+def test_prefill_tail_selections_are_causal():
+    # Each tail selection must equal a selection made on a cache holding only tokens <= t.
+    g = torch.Generator().manual_seed(5)
+    prompt, hkv, d, bs = 70, 2, 16, 8
+    q = torch.randn(1, hkv * 3, prompt, d, generator=g)
+    k, v = torch.randn(1, hkv, prompt, d, generator=g) * 3, torch.randn(1, hkv, prompt, d, generator=g)
+    sel = QuestSelector(topk_blocks=3, force_newest=False)
+    backend = DSABackend(PagedKVCache(1, 1, hkv, d, bs, prompt), hkv * 3, sel, NoPredictor(), FixedBudget(),
+                         calibration_tokens=20)
+    backend.prefill(0, q, k, v)
+    assert len(backend.history[0]) == 20
+    for i, t in enumerate(range(prompt - 20, prompt)):
+        causal = PagedKVCache(1, 1, hkv, d, bs, prompt)
+        causal.append(0, k[:, :, : t + 1], v[:, :, : t + 1])
+        sel.update_metadata(causal, 0, 0, t + 1)
+        want = sel.select(q[:, :, t].view(1, hkv, 3, d), causal, 0)
+        got = backend.history[0][i]
+        assert torch.equal(got.blocks.mask(causal.max_blocks), want.blocks.mask(causal.max_blocks))
+        assert torch.equal(got.scores, want.scores)  # the newest block's bound uses no later key
+
+
+def test_hit_rate_at_k_counts_only_the_top_of_the_ranking_in_union_mode():
+    sel = QuestSelector(topk_blocks=4, gqa_reduce="union")
+    backend, _, rows = run_backend(EmaPredictor(), selector=sel, ratio=1.0)
+    assert (rows["hits_at_k"] <= rows["selected_blocks"]).all()
+    assert summarize(rows, pd.DataFrame())["hit_rate_at_k"] < 1.0
+
+
+def test_fixed_budget_scales_with_the_dense_selectors_every_block():
+    _, _, rows = run_backend(LastStepPredictor(), selector=DenseSelector(), ratio=1.0)
+    assert (rows["budget_blocks"] == rows["selected_blocks"]).all()
+
+
+def test_oracle_selection_is_timed_like_any_other():
+    _, _, oracle = run_backend(OraclePredictor())
+    assert (oracle["t_select_s"] > 0).all()

@@ -25,10 +25,11 @@ class TimingProbe(Protocol):
 
 
 class SpeculationBudget(ABC):
-    def setup(self, probe: TimingProbe, topk_blocks: int, max_blocks: int) -> dict[str, Any]:
-        """Called once before decoding; returns what it decided, for the run record."""
+    def setup(self, probe: TimingProbe, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
+        """Called once before decoding (selected_blocks: the selector's |A| at max_blocks);
+        returns what it decided, for the run record."""
         return {}
 
     @abstractmethod
-    def predicted_blocks(self, layer: int, context_blocks: int, topk_blocks: int) -> int:
-        """|P| for this layer and context."""
+    def predicted_blocks(self, layer: int, context_blocks: int, selected_blocks: int) -> int:
+        """|P| for this layer and context; selected_blocks is the selector's |A| there."""

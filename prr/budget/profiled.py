@@ -32,23 +32,23 @@ class ProfiledBudget(SpeculationBudget):
         self.use_cache = use_cache
         self.table: list[tuple[int, int]] = []  # (context_blocks, |P|), ascending context
 
-    def _contexts(self, topk_blocks: int, max_blocks: int) -> list[int]:
-        lo = max(1, min(topk_blocks, max_blocks))
+    def _contexts(self, selected_blocks: int, max_blocks: int) -> list[int]:
+        lo = max(1, min(selected_blocks, max_blocks))
         if self.context_points == 1 or lo == max_blocks:
             return [max_blocks]
         step = (max_blocks / lo) ** (1 / (self.context_points - 1))
         return sorted({min(max_blocks, round(lo * step**i)) for i in range(self.context_points)})
 
-    def setup(self, probe: TimingProbe, topk_blocks: int, max_blocks: int) -> dict[str, Any]:
-        key = f"{probe.device_name}|{probe.shape_key}|K={topk_blocks}|N={max_blocks}|r={self.ratios}|c={self.context_points}"
+    def setup(self, probe: TimingProbe, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
+        key = f"{probe.device_name}|{probe.shape_key}|K={selected_blocks}|N={max_blocks}|r={self.ratios}|c={self.context_points}"
         path = cache_dir() / "budget" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
         if self.use_cache and path.exists():
             record = json.loads(path.read_text())
             if record.get("key") == key:
                 self.table = [tuple(row) for row in record["table"]]
                 return {"profile_cache": str(path), "profile_table": record["table"], "profile_cached": True}
-        contexts = self._contexts(topk_blocks, max_blocks)
-        sizes = sorted({max(1, round(r * topk_blocks)) for r in self.ratios})
+        contexts = self._contexts(selected_blocks, max_blocks)
+        sizes = sorted({max(1, round(r * selected_blocks)) for r in self.ratios})
         t_select = {c: probe.time_select(c) for c in contexts}
         rows: list[dict[str, Any]] = []
         table = []
@@ -64,7 +64,7 @@ class ProfiledBudget(SpeculationBudget):
         return {"profile_cache": str(path) if self.use_cache else None, "profile_table": table, "profile_cached": False,
                 "profile_measurements": rows}
 
-    def predicted_blocks(self, layer: int, context_blocks: int, topk_blocks: int) -> int:
+    def predicted_blocks(self, layer: int, context_blocks: int, selected_blocks: int) -> int:
         if not self.table:
             raise RuntimeError("budget=profiled was not set up; the runtime calls setup(probe) before decoding")
         contexts = [c for c, _ in self.table]

@@ -66,8 +66,10 @@ class EmaPredictor(Predictor):
     ) -> None:
         if not 0.0 <= alpha < 1.0 or any(not 0.0 <= a < 1.0 for a in alpha_grid):
             raise ValueError(f"predictor.alpha={alpha} and alpha_grid={list(alpha_grid)} must lie in [0, 1)")
-        if recent_blocks < 0:
-            raise ValueError(f"predictor.recent_blocks={recent_blocks} must be >= 0")
+        if recent_blocks < 0 or burn_in_steps < 0:
+            raise ValueError(f"predictor.recent_blocks={recent_blocks} and burn_in_steps={burn_in_steps} must be >= 0")
+        if calibrate and not (alpha_grid and stickiness_grid and recency_grid):
+            raise ValueError("predictor.alpha_grid, stickiness_grid and recency_grid must be non-empty when calibrate=true")
         self.alpha, self.stickiness, self.recency = alpha, stickiness, recency
         self.recent_blocks = recent_blocks
         self.calibrate_on_prefill = calibrate

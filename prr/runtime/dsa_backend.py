@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from prr.attention_state import AttentionState
 from prr.block_attention import attend_blocks, attend_dense
+from prr.blocks import BlockSet
 from prr.budget.base import SpeculationBudget
 from prr.cache import PagedKVCache
 from prr.predictors.base import Predictor
@@ -70,6 +73,7 @@ class DSABackend:
         self.previous: list[Tensor | None] = [None] * cache.num_layers
         self.predictor_state: Any = None
         self.records: list[LayerStepRecord] = []
+        self._marks: list[list] = []  # stage-timer marks of each record, resolved at end_step
         self.measure_s = 0.0  # wall time of untimed measurement work this step (dense reference, serial check)
 
     def _grouped(self, q: Tensor) -> Tensor:
@@ -82,12 +86,19 @@ class DSABackend:
         start, end = self.cache.append(layer, k, v)
         if start != 0:
             raise ValueError(f"prefill of layer {layer} must start an empty cache (it holds {start} tokens)")
-        self.selector.update_metadata(self.cache, layer, start, end)
-        if not self.selector.is_dense_layer(layer):
-            # Selections at the last prompt positions: predictor calibration and warm-up.
-            tail = range(max(0, end - self.calibration_tokens), end)
+        if self.selector.is_dense_layer(layer):
+            self.selector.update_metadata(self.cache, layer, start, end)
+        else:
+            # Selections at the last prompt positions (predictor calibration and warm-up), each
+            # made as decode would have: metadata grown one token at a time, so no future key leaks.
+            tail_start = max(1, end - self.calibration_tokens)
+            self.selector.update_metadata(self.cache, layer, start, tail_start)
             qg = self._grouped(q)  # [B, Hkv, G, T, D]
-            self.history[layer] = [self.selector.select(qg[:, :, :, t], self.cache, layer, length=t + 1) for t in tail]
+            history = []
+            for t in range(tail_start, end):
+                self.selector.update_metadata(self.cache, layer, t, t + 1)
+                history.append(self.selector.select(qg[:, :, :, t], self.cache, layer, length=t + 1))
+            self.history[layer] = history
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
 
     def finish_prefill(self) -> dict[str, Any]:
@@ -113,18 +124,18 @@ class DSABackend:
         if self.selector.is_dense_layer(layer):
             dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)
             return dense.out.to(q.dtype).view_as(q)
-        budget_blocks = self.budget.predicted_blocks(layer, self.cache.num_blocks(layer), self.selector.topk_blocks)
+        num_blocks = self.cache.num_blocks(layer)
+        budget_blocks = self.budget.predicted_blocks(layer, num_blocks, self.selector.selected_blocks(num_blocks))
         # Untimed measurement before the step: the oracle's look at the answer, and the
-        # predictor's top-|A| ranking (its hit rate at K, whatever |P| the budget chose).
+        # predictor's ranking (best first), to judge its top-|A_t| whatever |P| the budget chose.
         measure_start = time.perf_counter()
         current = self.selector.select(qg, self.cache, layer) if self.predictor.needs_current_selection else None
-        at_k = self.selector.capacity(self.group, self.cache.max_blocks)  # |A| at most
-        num_blocks = self.cache.num_blocks(layer)
-        ranked_at_k = self.predictor.propose(self.predictor_state, layer, num_blocks, at_k, current)
+        capacity = self.selector.capacity(self.group, self.cache.max_blocks)  # |A| at most
+        ranking = self.predictor.propose(self.predictor_state, layer, self.cache.num_blocks(layer), capacity, current)
         self.measure_s += time.perf_counter() - measure_start
         result = prr_attention(qg, self.cache, layer, self.selector, self.predictor, self.predictor_state,
                                budget_blocks, self.repair_mode, self.timer, self.scale, current=current)
-        timings = self.timer.collect()
+        marks = self.timer.take()  # resolved in end_step: no synchronisation inside the step
 
         # Measurements beside the step (untimed): dense reference, serial-DSA equivalence.
         measure_start = time.perf_counter()
@@ -140,13 +151,16 @@ class DSABackend:
         if self.mode == "sparse":  # in shadow mode the dense attention is the step's real output
             self.measure_s += time.perf_counter() - measure_start
         selected = result.selection.blocks.mask(self.cache.max_blocks)
+        # The predictor's top-|A_t| blocks: ranking entries before position |A_t|.
+        top_of_ranking = BlockSet(ranking.indices, torch.minimum(ranking.count, result.selection.blocks.count))
         self.records.append(LayerStepRecord(
             step=self.step, layer=layer, context_tokens=end, selected=selected,
             predicted=result.predicted.mask(self.cache.max_blocks), previous=self.previous[layer],
-            ranked_at_k=ranked_at_k.mask(self.cache.max_blocks),
-            budget_blocks=budget_blocks, timings=timings, block_mass=block_mass,
+            ranked_at_k=top_of_ranking.mask(self.cache.max_blocks),
+            budget_blocks=budget_blocks, timings={}, block_mass=block_mass,
             output_relerr=output_relerr, serial_relerr=serial_relerr,
         ))
+        self._marks.append(marks)
         self.previous[layer] = selected
         if self.mode == "shadow":
             if dense is None:
@@ -157,7 +171,8 @@ class DSABackend:
     def end_step(self) -> tuple[list[LayerStepRecord], float]:
         """Close a decode step (all layers done): hand over its records and the seconds spent
         on measurement work (CPU wall clock; on CUDA this excludes queued GPU time)."""
-        records, self.records = self.records, []
+        records = [replace(r, timings=self.timer.resolve(m)) for r, m in zip(self.records, self._marks, strict=True)]
+        self.records, self._marks = [], []
         measure_s, self.measure_s = self.measure_s, 0.0
         self.step += 1
         return records, measure_s

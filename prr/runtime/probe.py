@@ -43,14 +43,23 @@ class StageProbe:
         self.device_name = device_name(device)
         self.shape_key = (f"B={batch} Hq={num_heads} Hkv={num_kv_heads} D={head_dim} block={block_size} "
                           f"dtype={dtype} selector={type(selector).__name__}:{selector.gqa_reduce} repair={repair_mode}")
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        self.cache = PagedKVCache(1, batch, num_kv_heads, head_dim, block_size, max_tokens, dtype, device)
-        shape = (batch, num_kv_heads, self.cache.max_tokens, head_dim)
-        self.cache.append(0, torch.randn(shape, generator=gen).to(device, dtype), torch.randn(shape, generator=gen).to(device, dtype))
-        selector.update_metadata(self.cache, 0, 0, self.cache.max_tokens)
-        group = num_heads // num_kv_heads
-        self.q = torch.randn(batch, num_kv_heads, group, head_dim, generator=gen).to(device, dtype)
+        self._shape = (batch, num_heads, num_kv_heads, head_dim, block_size, max_tokens, dtype, seed)
         self.scale = 1.0 / math.sqrt(head_dim)
+        self._cache: PagedKVCache | None = None  # built on first use: budgets that never probe pay nothing
+
+    def _scratch(self) -> tuple[PagedKVCache, torch.Tensor]:
+        """A one-layer cache full of random keys/values, and a random grouped query."""
+        if self._cache is None:
+            batch, num_heads, num_kv_heads, head_dim, block_size, max_tokens, dtype, seed = self._shape
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            cache = PagedKVCache(1, batch, num_kv_heads, head_dim, block_size, max_tokens, dtype, self.device)
+            shape = (batch, num_kv_heads, cache.max_tokens, head_dim)
+            cache.append(0, torch.randn(shape, generator=gen).to(self.device, dtype),
+                         torch.randn(shape, generator=gen).to(self.device, dtype))
+            self.selector.update_metadata(cache, 0, 0, cache.max_tokens)
+            self._q = torch.randn(batch, num_kv_heads, num_heads // num_kv_heads, head_dim, generator=gen).to(self.device, dtype)
+            self._cache = cache
+        return self._cache, self._q
 
     def _median_seconds(self, fn) -> float:
         fn()  # warm-up
@@ -66,14 +75,16 @@ class StageProbe:
         return statistics.median(samples)
 
     def time_select(self, context_blocks: int) -> float:
-        length = context_blocks * self.cache.block_size
-        return self._median_seconds(lambda: self.selector.select(self.q, self.cache, 0, length=length))
+        cache, q = self._scratch()
+        length = context_blocks * cache.block_size
+        return self._median_seconds(lambda: self.selector.select(q, cache, 0, length=length))
 
     def time_speculate(self, predicted_blocks: int, context_blocks: int) -> float:
-        length = context_blocks * self.cache.block_size
-        b, h = self.q.shape[:2]
+        cache, q = self._scratch()
+        length = context_blocks * cache.block_size
+        b, h = q.shape[:2]
         ids = torch.randperm(context_blocks)[:predicted_blocks].sort().values.to(self.device)
         blocks = BlockSet(indices=ids.expand(b, h, -1).contiguous(),
                           count=torch.full((b, h), predicted_blocks, device=self.device))
         attend = block_partials if self.repair_mode == "exact" else attend_blocks
-        return self._median_seconds(lambda: attend(self.q, self.cache, 0, blocks, length, self.scale))
+        return self._median_seconds(lambda: attend(q, cache, 0, blocks, length, self.scale))

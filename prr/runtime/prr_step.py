@@ -67,7 +67,8 @@ def prr_attention(
         else:
             speculative = attend_blocks(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, (D)]
     with timer.stage("select"):
-        selection = current if current is not None else selector.select(q, cache, layer)
+        # Selection runs (and is timed) for every predictor, the oracle included.
+        selection = selector.select(q, cache, layer)
     with timer.stage("repair"):
         selected = selection.blocks.mask(max_blocks)
         missed = selected & ~predicted.mask(max_blocks)  # A \ P

@@ -31,13 +31,18 @@ class StageTimer:
             yield
             self._pending.append((name, start_s, time.perf_counter()))
 
-    def collect(self) -> dict[str, float]:
-        """Seconds per stage since the last collect (stages entered twice are summed)."""
-        if self.cuda and self._pending:
-            self._pending[-1][2].synchronize()  # type: ignore[union-attr]
+    def take(self) -> list[tuple[str, object, object]]:
+        """The marks recorded since the last take (no synchronisation)."""
+        marks, self._pending = self._pending, []
+        return marks
+
+    def resolve(self, marks: list[tuple[str, object, object]]) -> dict[str, float]:
+        """Seconds per stage of some taken marks (stages entered twice are summed). On CUDA
+        this waits for their events: call it once per decode step, after the last layer."""
+        if self.cuda and marks:
+            marks[-1][2].synchronize()  # type: ignore[union-attr]
         out = dict.fromkeys(STAGES, 0.0)
-        for name, start, end in self._pending:
+        for name, start, end in marks:
             seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start  # type: ignore[union-attr,operator]
             out[name] = out.get(name, 0.0) + seconds
-        self._pending.clear()
         return out

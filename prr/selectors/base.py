@@ -71,6 +71,11 @@ class Selector(ABC):
     def is_dense_layer(self, layer: int) -> bool:
         return layer in self.dense_layers
 
+    def selected_blocks(self, num_blocks: int) -> int:
+        """Blocks a selection keeps in a context of num_blocks (per query head for `union`,
+        whose per-KV-head set can reach group × this): what budgets scale |P| by."""
+        return min(self.topk_blocks, num_blocks)
+
     def capacity(self, group_size: int, max_blocks: int) -> int:
         """Static size of a selection's index tensor."""
         per_head = self.topk_blocks * (group_size if self.gqa_reduce == "union" else 1)

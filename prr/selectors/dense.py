@@ -22,6 +22,9 @@ class DenseSelector(Selector):
     def capacity(self, group_size: int, max_blocks: int) -> int:
         return max_blocks
 
+    def selected_blocks(self, num_blocks: int) -> int:
+        return num_blocks
+
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
         b, h, g, _ = q.shape
         return torch.zeros(b, h, g, cache.max_blocks, device=q.device)

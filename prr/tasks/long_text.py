@@ -37,6 +37,8 @@ class LongTextTask(Task):
             raise ValueError(f"task.max_new_tokens={max_new_tokens} must be >= 1")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"task.temperature={temperature} must be >= 0 and task.top_p={top_p} in (0, 1]")
+        if prompt_file is not None:
+            read_prompt_file(prompt_file)  # fail at startup on a missing file, not after the model loads
         self.prompt_tokens = prompt_tokens
         self.prompt_file = prompt_file
         self.instruction = instruction
@@ -52,6 +54,9 @@ class LongTextTask(Task):
 
     def build(self, tokenizer: Any, vocab_size: int, batch_size: int) -> PromptBatch:
         if tokenizer is None:
+            if self.prompt_file:
+                raise ValueError(f"task.prompt_file={self.prompt_file!r} needs a model with a tokenizer; "
+                                 "random-init models decode seeded random token ids")
             gen = torch.Generator().manual_seed(self.seed)
             ids = torch.randint(0, vocab_size, (1, self.prompt_tokens), generator=gen)
             return PromptBatch(ids.expand(batch_size, -1).contiguous(), f"{self.prompt_tokens} random token ids (seed {self.seed})")

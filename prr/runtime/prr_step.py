@@ -60,12 +60,14 @@ def prr_attention(
 
     with timer.stage("predict"):
         predicted = predictor.propose(predictor_state, layer, num_blocks, budget_blocks, current)
-    with timer.stage("speculate"):
-        if repair_mode == "exact":
-            # One partial per predicted block, so blocks that selection rejects can be dropped exactly.
-            partials = block_partials(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, |P|, (D)]
-        else:
-            speculative = attend_blocks(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, (D)]
+    speculating = predicted.capacity > 0  # static shape: known on the host, no sync
+    if speculating:  # serial DSA (|P| = 0) has no speculate stage and nothing to merge
+        with timer.stage("speculate"):
+            if repair_mode == "exact":
+                # One partial per predicted block, so blocks that selection rejects can be dropped exactly.
+                partials = block_partials(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, |P|, (D)]
+            else:
+                speculative = attend_blocks(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, (D)]
     with timer.stage("select"):
         # Selection runs (and is timed) for every predictor, the oracle included.
         selection = selector.select(q, cache, layer)
@@ -73,11 +75,13 @@ def prr_attention(
         selected = selection.blocks.mask(max_blocks)
         missed = selected & ~predicted.mask(max_blocks)  # A \ P
         repaired = attend_blocks(q, cache, layer, BlockSet.from_mask(missed, selection.blocks.capacity), length, scale)
-    with timer.stage("merge"):
-        if repair_mode == "exact":
-            keep = torch.gather(selected, -1, predicted.indices) & predicted.valid()  # P ∩ A: [B, Hkv, |P|]
-            speculative = merge_many(partials.out, partials.lse, keep.unsqueeze(2))
-        state = merge(speculative, repaired)
+    state = repaired
+    if speculating:
+        with timer.stage("merge"):
+            if repair_mode == "exact":
+                keep = torch.gather(selected, -1, predicted.indices) & predicted.valid()  # P ∩ A: [B, Hkv, |P|]
+                speculative = merge_many(partials.out, partials.lse, keep.unsqueeze(2))
+            state = merge(speculative, repaired)
     with timer.stage("predict"):
         predictor.update(predictor_state, layer, selection)
     return PrrStepResult(state=state, selection=selection, predicted=predicted, missed=missed)

@@ -46,6 +46,7 @@ def main() -> None:
     frame = collect(args.multirun)
     if frame.empty:
         sys.exit(f"no summary.json under {args.multirun}")
+    frame["command"] = args.command  # every results file says how it was produced
     import torch
 
     args.out_stem.parent.mkdir(parents=True, exist_ok=True)

@@ -61,15 +61,16 @@ class LongTextTask(Task):
             ids = torch.randint(0, vocab_size, (1, self.prompt_tokens), generator=gen)
             return PromptBatch(ids.expand(batch_size, -1).contiguous(), f"{self.prompt_tokens} random token ids (seed {self.seed})")
         source = read_prompt_file(self.prompt_file) if self.prompt_file else python_reference_text()
-        doc_ids = tokenizer.encode(source, add_special_tokens=False)
-        if len(doc_ids) < self.prompt_tokens:
+        from prr.model.prompt import encode_prompt, truncate_text_to_tokens
+
+        available = len(tokenizer(source, add_special_tokens=False)["input_ids"])
+        if available < self.prompt_tokens:
             raise ValueError(
-                f"task.prompt_tokens={self.prompt_tokens} but the text has only {len(doc_ids)} tokens; "
+                f"task.prompt_tokens={self.prompt_tokens} but the text has only {available} tokens; "
                 "lower prompt_tokens or give a longer task.prompt_file"
             )
-        document = tokenizer.decode(doc_ids[: self.prompt_tokens])
+        document = truncate_text_to_tokens(tokenizer, source, self.prompt_tokens)  # a prefix of the original text
         text = f"{document}\n\n{self.instruction}"
-        from prr.model.prompt import encode_prompt
 
         ids = encode_prompt(tokenizer, text, use_chat_template=self.chat_template)  # [1, T]
         where = self.prompt_file or "Python Language Reference (pydoc_data)"

@@ -146,6 +146,10 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
         if not torch.cuda.is_available():
             problems.append(f"runtime.device={runtime.device!r} but this torch ({torch.__version__}) sees no CUDA device; "
                             "use runtime.device=cpu")
+    if runtime.backend == "triton":
+        from prr.runtime.triton_ops import problems as triton_problems
+
+        problems += triton_problems(runtime.device, model.head_dim, runtime.block_size)
     bad_layers = sorted(x for x in selector.dense_layers if not 0 <= x < model.num_layers)
     if bad_layers:
         problems.append(f"selector.dense_layers={bad_layers} outside the model's layers 0..{model.num_layers - 1}")

@@ -28,6 +28,7 @@ from prr.config_check import validate
 from prr.metrics import layer_step_rows, per_layer, summarize
 from prr.paths import write_json_atomic, write_text_atomic
 from prr.runtime.dsa_backend import DSABackend
+from prr.runtime.ops import make_ops
 from prr.runtime.probe import StageProbe
 from prr.selectors.dense import DenseSelector
 from prr.sinks import JsonlWriter
@@ -90,11 +91,12 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     prompt_len = input_ids.shape[1]
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
                          prompt_len + task.max_new_tokens, dtype, device)
+    ops = make_ops(settings.backend)
     backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode=settings.mode,
                          repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
-                         dense_metrics_every=settings.dense_metrics_every, check_serial=settings.check_serial)
+                         dense_metrics_every=settings.dense_metrics_every, check_serial=settings.check_serial, ops=ops)
     probe = StageProbe(selector, settings.repair_mode, settings.batch_size, mc.num_heads, mc.num_kv_heads,
-                       mc.head_dim, settings.block_size, cache.max_tokens, dtype, device)
+                       mc.head_dim, settings.block_size, cache.max_tokens, dtype, device, ops=ops)
     budget_info = budget.setup(probe, selector.selected_blocks(cache.max_blocks), cache.max_blocks)
     log.info("prompt: %s (%d tokens); model %s loaded in %.1f s", prompt.description, prompt_len, model.name, load_s)
 
@@ -142,6 +144,7 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
         "budget": OmegaConf.to_container(cfg.budget, resolve=True),
         "mode": settings.mode,
         "repair_mode": settings.repair_mode,
+        "backend": settings.backend,
         "device": probe.device_name,
         "prompt_tokens": prompt_len,
         "block_size": settings.block_size,

@@ -23,6 +23,7 @@ from prr.blocks import BlockSet
 from prr.budget.base import SpeculationBudget
 from prr.cache import PagedKVCache
 from prr.predictors.base import Predictor
+from prr.runtime.ops import BlockAttentionOps, TorchOps
 from prr.runtime.prr_step import REPAIR_MODES, prr_attention
 from prr.runtime.records import LayerStepRecord
 from prr.runtime.timing import StageTimer
@@ -52,6 +53,7 @@ class DSABackend:
         calibration_tokens: int = 32,
         dense_metrics_every: int = 1,
         check_serial: bool = False,
+        ops: BlockAttentionOps | None = None,
     ) -> None:
         if mode not in RUN_MODES:
             raise ValueError(f"runtime.mode={mode!r} is not one of {list(RUN_MODES)}")
@@ -67,6 +69,7 @@ class DSABackend:
         self.calibration_tokens = calibration_tokens
         self.dense_metrics_every = dense_metrics_every
         self.check_serial = check_serial
+        self.ops = ops or TorchOps()
         self.timer = StageTimer(cache.device)
         self.step = 0
         self.history: list[list[Selection] | None] = [None] * cache.num_layers  # prefill-tail selections
@@ -134,7 +137,8 @@ class DSABackend:
         ranking = self.predictor.propose(self.predictor_state, layer, self.cache.num_blocks(layer), capacity, current)
         self.measure_s += time.perf_counter() - measure_start
         result = prr_attention(qg, self.cache, layer, self.selector, self.predictor, self.predictor_state,
-                               budget_blocks, self.repair_mode, self.timer, self.scale, current=current)
+                               budget_blocks, self.repair_mode, self.timer, self.scale, current=current,
+                               ops=self.ops)
         marks = self.timer.take()  # resolved in end_step: no synchronisation inside the step
 
         # Measurements beside the step (untimed): dense reference, serial-DSA equivalence.

@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from prr.block_attention import attend_blocks, block_partials
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
+from prr.runtime.ops import BlockAttentionOps, TorchOps
 from prr.selectors.base import Selector
 
 
@@ -37,12 +37,14 @@ class StageProbe:
         device: torch.device,
         repeats: int = 9,
         seed: int = 0,
+        ops: BlockAttentionOps | None = None,
     ) -> None:
         self.selector, self.repair_mode, self.repeats = selector, repair_mode, repeats
         self.device = device
+        self.ops = ops or TorchOps()
         self.device_name = device_name(device)
         self.shape_key = (f"B={batch} Hq={num_heads} Hkv={num_kv_heads} D={head_dim} block={block_size} "
-                          f"dtype={dtype} selector={type(selector).__name__}:{selector.gqa_reduce} repair={repair_mode}")
+                          f"dtype={dtype} ops={self.ops.name} selector={type(selector).__name__}:{selector.gqa_reduce} repair={repair_mode}")
         self._shape = (batch, num_heads, num_kv_heads, head_dim, block_size, max_tokens, dtype, seed)
         self.scale = 1.0 / math.sqrt(head_dim)
         self._cache: PagedKVCache | None = None  # built on first use: budgets that never probe pay nothing
@@ -86,5 +88,5 @@ class StageProbe:
         ids = torch.randperm(context_blocks)[:predicted_blocks].sort().values.to(self.device)
         blocks = BlockSet(indices=ids.expand(b, h, -1).contiguous(),
                           count=torch.full((b, h), predicted_blocks, device=self.device))
-        attend = block_partials if self.repair_mode == "exact" else attend_blocks
+        attend = self.ops.partials if self.repair_mode == "exact" else self.ops.attend
         return self._median_seconds(lambda: attend(q, cache, 0, blocks, length, self.scale))

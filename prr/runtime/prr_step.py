@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.attention_state import AttentionState, merge, merge_many
-from prr.block_attention import attend_blocks, block_partials
+from prr.attention_state import AttentionState, merge
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
 from prr.predictors.base import Predictor
+from prr.runtime.ops import BlockAttentionOps, TorchOps
 from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
 
@@ -46,12 +46,15 @@ def prr_attention(
     timer: StageTimer,
     scale: float,
     current: Selection | None = None,
+    ops: BlockAttentionOps | None = None,
 ) -> PrrStepResult:
     """q: [B, Hkv, G, D] post-RoPE, the current token already in `cache`.
 
     current: this step's selection computed beforehand, untimed; only for predictors that
     `needs_current_selection` (the oracle), for whom it is required.
+    ops: the attention backend (default: the torch reference).
     """
+    ops = ops or TorchOps()
     length = cache.length(layer)
     num_blocks = cache.num_blocks(layer)
     max_blocks = cache.max_blocks
@@ -65,22 +68,22 @@ def prr_attention(
         with timer.stage("speculate"):
             if repair_mode == "exact":
                 # One partial per predicted block, so blocks that selection rejects can be dropped exactly.
-                partials = block_partials(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, |P|, (D)]
+                partials = ops.partials(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, |P|, (D)]
             else:
-                speculative = attend_blocks(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, (D)]
+                speculative = ops.attend(q, cache, layer, predicted, length, scale)  # [B, Hkv, G, (D)]
     with timer.stage("select"):
         # Selection runs (and is timed) for every predictor, the oracle included.
         selection = selector.select(q, cache, layer)
     with timer.stage("repair"):
         selected = selection.blocks.mask(max_blocks)
         missed = selected & ~predicted.mask(max_blocks)  # A \ P
-        repaired = attend_blocks(q, cache, layer, BlockSet.from_mask(missed, selection.blocks.capacity), length, scale)
+        repaired = ops.attend(q, cache, layer, BlockSet.from_mask(missed, selection.blocks.capacity), length, scale)
     state = repaired
     if speculating:
         with timer.stage("merge"):
             if repair_mode == "exact":
                 keep = torch.gather(selected, -1, predicted.indices) & predicted.valid()  # P ∩ A: [B, Hkv, |P|]
-                speculative = merge_many(partials.out, partials.lse, keep.unsqueeze(2))
+                speculative = ops.merge_many(partials.out, partials.lse, keep.unsqueeze(2))
             state = merge(speculative, repaired)
     with timer.stage("predict"):
         predictor.update(predictor_state, layer, selection)

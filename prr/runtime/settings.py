@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 from prr.cache import is_power_of_two
 from prr.runtime.dsa_backend import RUN_MODES
+from prr.runtime.ops import BACKENDS
 from prr.runtime.prr_step import REPAIR_MODES
-
-BACKENDS = ("torch",)  # the Triton backend arrives with the kernels issue
 
 
 @dataclass

@@ -1,0 +1,272 @@
+"""Benchmark of prr's Triton kernels on one GPU against their byte floors and torch baselines.
+
+    python experiments/bench_kernels.py [--quick] [--out experiments/results/h200/bench_kernels]
+
+For every shape (Llama-3.1-8B attention: 32 query / 8 KV heads, head_dim 128, bf16; batch
+1 and 8; contexts 32K/64K/128K; block sizes 16 and 64; top-K budgets 1K/2K/4K/8K tokens):
+checks each kernel against a float32 torch reference on the same inputs, then times it.
+
+Method (../shared/BENCHMARKING.md): every op is captured R times over R *different* input
+sets in one CUDA graph (so launch overhead is excluded and inputs larger than L2 are not
+served from cache), the graph is replayed, and the time per op is the median replay time
+/ R. The floor is bytes moved / copy bandwidth measured in the same run (bytes read +
+written by a device-to-device copy of 1 GiB). Baselines measured the same way in the same
+run: torch gather + scaled_dot_product_attention over the selected tokens, dense
+scaled_dot_product_attention over the whole context, torch Quest scoring, torch.topk.
+Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT.csv; prints a
+short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+
+
+def graph_time_us(make_call, sets: int, reps: int = 20) -> float:
+    """Median µs per call: `sets` calls (make_call(i) -> zero-arg fn) captured in one graph."""
+    calls = [make_call(i) for i in range(sets)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # warm-up (compilation, autotuning) outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / sets)
+    return statistics.median(samples)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write), 1 GiB."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda i: (lambda: dst.copy_(src)), sets=1, reps=10)
+    return 2 * src.numel() / (us * 1e-6)
+
+
+_CUDA_GEN: torch.Generator | None = None
+
+
+def randn(*shape: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    """Seeded normal values made on the GPU (host generation of GBs would dominate the run)."""
+    global _CUDA_GEN
+    if _CUDA_GEN is None:
+        _CUDA_GEN = torch.Generator(device="cuda").manual_seed(0)
+    return torch.randn(*shape, generator=_CUDA_GEN, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.float(), ref.float()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return float((x - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def random_block_lists(batch: int, num_blocks: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, Hkv, k] int32 distinct random block ids per row, ascending."""
+    ids = torch.stack([torch.randperm(num_blocks, generator=gen)[:k].sort().values for _ in range(batch * HKV)])
+    return ids.view(batch, HKV, k).to(torch.int32).cuda()
+
+
+def bench_sparse_decode(batch: int, context: int, block: int, budget: int, sets: int, gen: torch.Generator,
+                        bw: float) -> dict:
+    from prr.kernels.sparse_decode import sparse_decode
+
+    num_blocks, k = context // block, budget // block
+    caches = [(randn(batch, HKV, context, D), randn(batch, HKV, context, D)) for _ in range(sets)]
+    qs = [randn(batch, HQ, D) for _ in range(sets)]
+    ids = [random_block_lists(batch, num_blocks, k, gen) for _ in range(sets)]
+    counts = torch.full((batch, HKV), k, dtype=torch.int32, device="cuda")
+    lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    tokens = [(i.long().unsqueeze(-1) * block + torch.arange(block, device="cuda")).flatten(2) for i in ids]  # [B,Hkv,budget]
+
+    def gather(i):
+        k_cache, v_cache = caches[i]
+        index = tokens[i].unsqueeze(-1).expand(-1, -1, -1, D)
+        return torch.gather(k_cache, 2, index), torch.gather(v_cache, 2, index)
+
+    # Check against float32 on the first input set.
+    k_sel, v_sel = gather(0)
+    ref = F.scaled_dot_product_attention(qs[0].float().unsqueeze(2), k_sel.float(), v_sel.float(), scale=scale,
+                                         enable_gqa=True).squeeze(2)
+    out, _ = sparse_decode(qs[0], *caches[0], ids[0], counts, lengths, block, scale)
+    err = rel_err(out, ref)
+    out_pb, lse_pb = sparse_decode(qs[0], *caches[0], ids[0], counts, lengths, block, scale, per_block=True)
+    merged = (torch.softmax(lse_pb, -1).unsqueeze(-1) * out_pb).sum(-2)
+    err_pb = rel_err(merged, ref)
+
+    t_kernel = graph_time_us(lambda i: (lambda: sparse_decode(qs[i], *caches[i], ids[i], counts, lengths, block, scale)), sets)
+    t_per_block = graph_time_us(lambda i: (lambda: sparse_decode(qs[i], *caches[i], ids[i], counts, lengths, block, scale,
+                                                                 per_block=True)), sets)
+
+    def torch_sparse(i):
+        def fn():
+            k_s, v_s = gather(i)
+            F.scaled_dot_product_attention(qs[i].unsqueeze(2), k_s, v_s, scale=scale, enable_gqa=True)
+        return fn
+
+    t_torch = graph_time_us(torch_sparse, sets)
+    t_dense = graph_time_us(lambda i: (lambda: F.scaled_dot_product_attention(
+        qs[i].unsqueeze(2), caches[i][0], caches[i][1], scale=scale, enable_gqa=True)), sets)
+    kv_bytes = 2 * batch * HKV * budget * D * 2
+    io_bytes = batch * HQ * D * 2 + batch * HQ * (D + 1) * 4 + batch * HKV * k * 4
+    nbytes = kv_bytes + io_bytes
+    floor_us = nbytes / bw * 1e6
+    return {
+        "op": "sparse_decode", "batch": batch, "context": context, "block_size": block, "budget_tokens": budget,
+        "rel_err": err, "rel_err_per_block_merged": err_pb, "bytes": nbytes, "floor_us": floor_us,
+        "kernel_us": t_kernel, "kernel_per_block_us": t_per_block, "torch_gather_sdpa_us": t_torch,
+        "dense_sdpa_us": t_dense, "GBps": nbytes / (t_kernel * 1e-6) / 1e9, "x_floor": t_kernel / floor_us,
+        "speedup_vs_torch_sparse": t_torch / t_kernel, "speedup_vs_dense": t_dense / t_kernel,
+    }
+
+
+def bench_merge(sets: int, gen: torch.Generator) -> dict:
+    from prr.kernels.sparse_decode import merge_partials
+
+    n = 512  # partial states per (batch, head): an 8K budget in blocks of 16
+    outs = [randn(1, HQ, n, D, dtype=torch.float32) for _ in range(sets)]
+    lses = [randn(1, HQ, n, dtype=torch.float32) for _ in range(sets)]
+    keeps = [(torch.rand(1, HQ, n, generator=gen) < 0.9).cuda() for _ in range(sets)]
+    out, lse = merge_partials(outs[0], lses[0], keeps[0])
+    masked = lses[0].masked_fill(~keeps[0], float("-inf"))
+    ref = (torch.softmax(masked, -1).unsqueeze(-1) * outs[0]).sum(-2)
+    t = graph_time_us(lambda i: (lambda: merge_partials(outs[i], lses[i], keeps[i])), sets)
+    nbytes = HQ * n * (D + 1) * 4 + HQ * n + HQ * (D + 1) * 4
+    return {"op": "merge", "partials": n, "rel_err": rel_err(out, ref), "bytes": nbytes, "kernel_us": t}
+
+
+def bench_selection(batch: int, context: int, block: int, sets: int, gen: torch.Generator, bw: float) -> list[dict]:
+    from prr.kernels.quest import quest_score
+    from prr.kernels.topk import topk_select
+
+    nb = context // block
+    k = max(1, 2048 // block)  # a 2K-token budget
+    metas = []
+    for _ in range(sets):
+        a, b = randn(batch, HKV, nb, D, dtype=torch.float32), randn(batch, HKV, nb, D, dtype=torch.float32)
+        metas.append((torch.maximum(a, b), torch.minimum(a, b)))
+    qs = [randn(batch, HQ, D) for _ in range(sets)]
+    num_blocks = torch.full((batch,), nb, dtype=torch.int32, device="cuda")
+
+    def torch_score(i):
+        key_max, key_min = metas[i]
+        q = qs[i].float().view(batch, HKV, HQ // HKV, 1, D)
+        return torch.maximum(q * key_max.unsqueeze(2), q * key_min.unsqueeze(2)).sum(-1).amax(2)
+
+    ref = torch_score(0)
+    scores = quest_score(qs[0], *metas[0], num_blocks, gqa_reduce="max")
+    score_err = rel_err(scores, ref)
+    t_score = graph_time_us(lambda i: (lambda: quest_score(qs[i], *metas[i], num_blocks, gqa_reduce="max")), sets)
+    t_torch_score = graph_time_us(lambda i: (lambda: torch_score(i)), sets)
+    score_bytes = 2 * batch * HKV * nb * D * 4 + batch * HQ * D * 2 + batch * HKV * nb * 4
+    score_floor = score_bytes / bw * 1e6
+
+    score_sets = [randn(batch, HKV, nb, dtype=torch.float32) for _ in range(sets)]
+    idx, cnt = topk_select(score_sets[0], k, num_blocks, sink_blocks=1, recent_blocks=1)
+    forced = score_sets[0].clone()
+    forced[..., 0] = float("inf")
+    forced[..., nb - 1] = float("inf")
+    ref_sets = torch.topk(forced, k, dim=-1).indices.sort(-1).values
+    got = idx[..., :k].long().sort(-1).values
+    topk_ok = bool(torch.equal(got, ref_sets)) and bool((cnt == k).all())
+    t_topk = graph_time_us(lambda i: (lambda: topk_select(score_sets[i], k, num_blocks, sink_blocks=1, recent_blocks=1)), sets)
+    t_torch_topk = graph_time_us(lambda i: (lambda: torch.topk(score_sets[i], k, dim=-1)), sets)
+    t_select = graph_time_us(lambda i: (lambda: topk_select(quest_score(qs[i], *metas[i], num_blocks), k, num_blocks,
+                                                            sink_blocks=1, recent_blocks=1)), sets)
+    t_torch_select = graph_time_us(lambda i: (lambda: torch.topk(torch_score(i), k, dim=-1)), sets)
+    base = {"batch": batch, "context": context, "block_size": block}
+    return [
+        {"op": "quest_score", **base, "rel_err": score_err, "bytes": score_bytes, "floor_us": score_floor,
+         "kernel_us": t_score, "torch_us": t_torch_score, "GBps": score_bytes / (t_score * 1e-6) / 1e9,
+         "x_floor": t_score / score_floor, "speedup_vs_torch": t_torch_score / t_score},
+        {"op": "topk_select", **base, "k": k, "sets_equal": topk_ok, "kernel_us": t_topk, "torch_topk_us": t_torch_topk,
+         "speedup_vs_torch": t_torch_topk / t_topk},
+        {"op": "select (score+topk)", **base, "k": k, "kernel_us": t_select, "torch_us": t_torch_select,
+         "speedup_vs_torch": t_torch_select / t_select},
+    ]
+
+
+def environment() -> dict:
+    import triton
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "unknown"
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_kernels")
+    parser.add_argument("--sets", type=int, default=4, help="distinct input sets per graph (L2 rotation)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth()
+    rows: list[dict] = []
+    batches, contexts, blocks, budgets = ([1], [32768, 131072], [16], [2048, 8192]) if args.quick else \
+        ([1, 8], [32768, 65536, 131072], [16, 64], [1024, 2048, 4096, 8192])
+    for batch in batches:
+        for context in contexts:
+            for block in blocks:
+                sets = args.sets if batch == 1 else 2
+                for budget in budgets:
+                    rows.append(bench_sparse_decode(batch, context, block, budget, sets, gen, bw))
+                    print(json.dumps(rows[-1]), flush=True)
+                rows += bench_selection(batch, context, block, sets, gen, bw)
+                print(json.dumps(rows[-3:]), flush=True)
+                torch.cuda.empty_cache()
+    rows.append(bench_merge(args.sets, gen))
+    record = {"command": "python " + " ".join(sys.argv), **environment(), "copy_bandwidth_GBps": bw / 1e9, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    frame.insert(0, "command", record["command"])
+    frame.to_csv(args.out.with_suffix(".csv"), index=False)
+    print(f"\n{record['gpu']} | torch {record['torch']} | triton {record['triton']} | copy {bw / 1e9:.0f} GB/s")
+    cols = ["op", "batch", "context", "block_size", "budget_tokens", "rel_err", "kernel_us", "floor_us", "x_floor",
+            "GBps", "speedup_vs_torch_sparse", "speedup_vs_dense", "speedup_vs_torch"]
+    print(frame[[c for c in cols if c in frame]].to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Torch references and seeded input generators for the selection kernels
+(`prr.kernels.quest`: quest_score, quest_update; `prr.kernels.topk`: topk_select).
+
+The references follow prr's own code: Quest's formula as in `QuestSelector.head_scores`
+(computed in fp64 here) with the GQA reduction of `Selector.select`, the metadata rebuild of
+`QuestSelector.update_metadata`, and `prr.blocks.top_blocks` for the selected set.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from prr.blocks import top_blocks
+
+# --- references ------------------------------------------------------------------------
+
+
+def quest_score_reference(
+    q: Tensor, key_max: Tensor, key_min: Tensor, num_blocks: Tensor, gqa_reduce: str = "max"
+) -> Tensor:
+    """q: [B, Hq, D]; key_max, key_min: [B, Hkv, NB_max, D]; num_blocks: [B]
+    -> [B, Hkv, NB_max] fp32 GQA-reduced Quest scores (fp64 arithmetic), -inf past num_blocks."""
+    batch, num_kv_heads, max_blocks, head_dim = key_max.shape
+    group = q.shape[1] // num_kv_heads
+    qg = q.double().view(batch, num_kv_heads, group, 1, head_dim)  # [B, Hkv, G, 1, D]
+    outside = torch.arange(max_blocks, device=q.device) >= num_blocks.to(q.device).long()[:, None]  # [B, NB]
+    outside = outside[:, None, :]  # [B, 1, NB]
+    # Blocks past the context may hold ±inf (never written): zero them before multiplying.
+    mx = key_max.double().masked_fill(outside[..., None], 0.0).unsqueeze(2)  # [B, Hkv, 1, NB, D]
+    mn = key_min.double().masked_fill(outside[..., None], 0.0).unsqueeze(2)
+    per_head = torch.maximum(qg * mx, qg * mn).sum(-1)  # [B, Hkv, G, NB]
+    reduced = per_head.sum(2) if gqa_reduce == "sum" else per_head.amax(2)
+    return reduced.float().masked_fill(outside, float("-inf"))
+
+
+def quest_metadata_reference(keys: Tensor, length: int, block_size: int, max_blocks: int) -> tuple[Tensor, Tensor]:
+    """keys: [B, Hkv, T >= length, D] -> (key_max, key_min) [B, Hkv, max_blocks, D] fp32 rebuilt
+    from the first `length` tokens; blocks without tokens hold -inf / +inf (prr's fill)."""
+    batch, num_kv_heads, _, head_dim = keys.shape
+    key_max = torch.full((batch, num_kv_heads, max_blocks, head_dim), float("-inf"), device=keys.device)
+    key_min = torch.full((batch, num_kv_heads, max_blocks, head_dim), float("inf"), device=keys.device)
+    nb = -(-length // block_size)
+    if nb:
+        blocks = torch.zeros(batch, num_kv_heads, nb * block_size, head_dim, device=keys.device)
+        blocks[:, :, :length] = keys[:, :, :length].float()
+        blocks = blocks.view(batch, num_kv_heads, nb, block_size, head_dim)
+        dead = (torch.arange(nb * block_size, device=keys.device) >= length).view(1, 1, nb, block_size, 1)
+        key_max[:, :, :nb] = blocks.masked_fill(dead, float("-inf")).amax(3)
+        key_min[:, :, :nb] = blocks.masked_fill(dead, float("inf")).amin(3)
+    return key_max, key_min
+
+
+def forced_scores(scores: Tensor, num_blocks: Tensor, sink_blocks: int, recent_blocks: int) -> Tensor:
+    """scores: [B, Hkv, N] -> fp32 copy with forced blocks +inf and blocks >= nb -inf."""
+    n = scores.shape[-1]
+    ids = torch.arange(n, device=scores.device)[None, :]  # [1, N]
+    nb = num_blocks.to(scores.device).long().clamp(0, n)[:, None]  # [B, 1]
+    inside = ids < nb
+    forced = inside & ((ids < torch.clamp(nb, max=sink_blocks)) | (ids >= nb - recent_blocks))
+    out = scores.float().masked_fill(~inside[:, None, :], float("-inf"))
+    return out.masked_fill(forced[:, None, :], float("inf"))
+
+
+def topk_select_reference(
+    scores: Tensor, k: int, num_blocks: Tensor, sink_blocks: int = 0, recent_blocks: int = 1
+) -> tuple[Tensor, Tensor]:
+    """-> (indices [B, Hkv, min(k, N)] int32 ascending then padding 0, counts [B, Hkv] int32):
+    the set of prr.blocks.top_blocks over `forced_scores`, sorted like the kernel writes it."""
+    n = scores.shape[-1]
+    k_out = min(k, n)
+    chosen = top_blocks(forced_scores(scores, num_blocks, sink_blocks, recent_blocks), k)
+    if k_out == 0:
+        b, h = scores.shape[:2]
+        return torch.zeros(b, h, 0, dtype=torch.int32), torch.zeros(b, h, dtype=torch.int32)
+    big = torch.full_like(chosen.indices, n)
+    ordered = torch.where(chosen.valid(), chosen.indices, big).sort(-1).values
+    ordered = torch.where(ordered == n, torch.zeros_like(ordered), ordered)
+    return ordered.to(torch.int32), chosen.count.to(torch.int32)
+
+
+# --- seeded input generators -------------------------------------------------------------
+
+
+def make_quest_inputs(
+    batch: int = 2,
+    num_q_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    max_blocks: int = 27,
+    num_blocks: list[int] | None = None,
+    q_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> dict[str, Tensor]:
+    """Random Quest inputs: q [B, Hq, D] q_dtype, key_max/key_min [B, Hkv, NB_max, D] fp32 with
+    M ≥ m (key spread like post-RoPE keys: a per-block centre ± a positive half-width) and
+    prr's ±inf fill past each row's num_blocks, num_blocks [B] int32 (default: all full)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = [max_blocks] * batch if num_blocks is None else list(num_blocks)
+    shape = (batch, num_kv_heads, max_blocks, head_dim)
+    centre = torch.randn(shape, generator=g) * 2.0
+    key_max = centre + torch.rand(shape, generator=g) * 1.5
+    key_min = centre - torch.rand(shape, generator=g) * 1.5
+    for b, nb in enumerate(num_blocks):
+        key_max[b, :, nb:] = float("-inf")
+        key_min[b, :, nb:] = float("inf")
+    q = torch.randn(batch, num_q_heads, head_dim, generator=g).to(q_dtype)
+    return {
+        "q": q.to(device),
+        "key_max": key_max.to(device),
+        "key_min": key_min.to(device),
+        "num_blocks": torch.tensor(num_blocks, dtype=torch.int32, device=device),
+    }
+
+
+def make_topk_scores(
+    batch: int = 2,
+    num_kv_heads: int = 2,
+    n: int = 113,
+    num_blocks: list[int] | None = None,
+    kind: str = "randn",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[Tensor, Tensor]:
+    """-> scores [B, Hkv, N] fp32, num_blocks [B] int32 (default: all N). kind: "randn"
+    (distinct values), "ties" (a handful of distinct values, many equal), "integers"
+    (small integers of both signs, ±0.0 mixed), "extremes" (±inf, ±FLT_MAX, denormals, ±0)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, num_kv_heads, n)
+    if kind == "randn":
+        scores = torch.randn(shape, generator=g) * 10.0
+    elif kind == "ties":
+        scores = torch.randint(0, 3, shape, generator=g).float() * 0.5 - 0.25
+    elif kind == "integers":
+        scores = torch.randint(-4, 5, shape, generator=g).float()
+        negative_zero = (scores == 0) & (torch.rand(shape, generator=g) < 0.5)
+        scores = torch.where(negative_zero, torch.tensor(-0.0), scores)
+    elif kind == "extremes":
+        pool = torch.tensor(
+            [float("inf"), float("-inf"), 3.4e38, -3.4e38, 1e-45, -1e-45, 0.0, -0.0, 1.0, -1.0, 1e-38, -1e-38]
+        )
+        scores = pool[torch.randint(0, len(pool), shape, generator=g)]
+    else:
+        raise ValueError(f"kind={kind!r} is not one of randn, ties, integers, extremes")
+    num_blocks = [n] * batch if num_blocks is None else list(num_blocks)
+    return scores.to(device), torch.tensor(num_blocks, dtype=torch.int32, device=device)

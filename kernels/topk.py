@@ -1,0 +1,109 @@
+"""Launcher for block top-K selection (checks, allocation, grid); the kernels are in
+`prr.kernels.topk_jit`, the torch reference in `prr.kernels.reference_selection`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from .topk_jit import _topk_row_kernel, _topk_tiled_kernel
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_ROW_BLOCK = 16384  # rows up to this many blocks live in registers; longer rows are tiled
+TILE = 4096  # tile of the tiled kernel (re-read from L2 on every counting pass)
+MAX_BLOCKS_PER_ROW = (1 << 21) - 1  # the 2-bit passes pack three counts into 21-bit fields
+PAD_BLOCK = 256
+
+
+def _default_num_warps(block: int) -> int:
+    return max(4, min(16, block // 512))
+
+
+def _check_topk_args(
+    scores: Tensor, k: int, num_blocks: Tensor, sink_blocks: int, recent_blocks: int, radix_bits: int
+) -> None:
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [B, Hkv, N]; got shape {tuple(scores.shape)}")
+    if scores.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"scores must be fp32 (or fp16/bf16); got {scores.dtype}")
+    batch, num_kv_heads, n = scores.shape
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k={k!r} must be an int >= 0 (blocks to select)")
+    for name, value in (("sink_blocks", sink_blocks), ("recent_blocks", recent_blocks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an int >= 0")
+    if num_blocks.shape != (batch,) or num_blocks.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"num_blocks must be an int32 tensor of shape [B]=[{batch}]; got {num_blocks.dtype} {tuple(num_blocks.shape)}")
+    if num_blocks.device != scores.device:
+        raise ValueError(f"num_blocks is on {num_blocks.device}, scores on {scores.device}; put them on one device")
+    if radix_bits not in (1, 2):
+        raise ValueError(f"radix_bits={radix_bits} must be 1 or 2")
+    if n > MAX_BLOCKS_PER_ROW:
+        raise ValueError(f"rows of N={n} blocks exceed the kernel's limit of {MAX_BLOCKS_PER_ROW} blocks")
+
+
+def topk_select(
+    scores: Tensor,
+    k: int,
+    num_blocks: Tensor,
+    sink_blocks: int = 0,
+    recent_blocks: int = 1,
+    *,
+    radix_bits: int = 2,
+    num_warps: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The top-k blocks of every (row, KV head), with forced blocks, by threshold select.
+
+    scores: [B, Hkv, N] fp32 block scores (fp16/bf16 accepted; NaN-free);
+    k: blocks to keep (>= 0); num_blocks: [B] int32, blocks in each row's context (clamped
+    to [0, N]); forced blocks: the first min(sink_blocks, nb) blocks and the last
+    recent_blocks blocks below nb (the newest included).
+    -> indices [B, Hkv, min(k, N)] int32: the selected block ids in ascending block order,
+       then padding 0; counts [B, Hkv] int32: valid entries, min(k, #selectable blocks)
+       (= min(k, nb) unless some blocks below nb score -inf: those are never taken).
+    The selected set equals `prr.blocks.top_blocks(s, k)` with s = scores where forced
+    blocks are +inf and blocks >= nb are -inf: higher scores first, ties broken towards the
+    lower block index, so a selection is a deterministic function of its scores.
+    radix_bits (1 or 2): threshold bits fixed per counting pass over the row (32 or 16 passes).
+    """
+    _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
+    batch, num_kv_heads, n = scores.shape
+    k_out = min(k, n)
+    indices = torch.empty(batch, num_kv_heads, k_out, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=scores.device)
+    if batch == 0 or num_kv_heads == 0:
+        return indices, counts
+    if k_out == 0:
+        counts.zero_()
+        return indices, counts
+    # Scalars passed to the kernels must fit int32.
+    k = min(k, n)
+    sink_blocks = min(sink_blocks, n)
+    recent_blocks = min(recent_blocks, n)
+
+    grid = (num_kv_heads, batch)
+    common = (
+        scores, num_blocks, indices, counts,
+        n, num_kv_heads, k, k_out, sink_blocks, recent_blocks,
+        *scores.stride(),
+    )
+    block = triton.next_power_of_2(n)
+    if block <= MAX_ROW_BLOCK:
+        _topk_row_kernel[grid](
+            *common,
+            BLOCK=block,
+            RADIX_BITS=radix_bits,
+            PAD_BLOCK=PAD_BLOCK,
+            num_warps=num_warps or _default_num_warps(block),
+        )
+    else:
+        _topk_tiled_kernel[grid](
+            *common,
+            TILE=TILE,
+            RADIX_BITS=radix_bits,
+            PAD_BLOCK=PAD_BLOCK,
+            num_warps=num_warps or _default_num_warps(TILE),
+        )
+    return indices, counts

@@ -1,0 +1,206 @@
+"""Triton kernels for block top-K selection by threshold (radix) select. Launcher with checks:
+`prr.kernels.topk`.
+
+One program per (batch row, KV head). Scores are mapped to an order-preserving uint32 image
+(flip all bits of negatives, set the sign bit of non-negatives; -0.0 is first folded to +0.0 so
+float ties stay integer ties). The k-th largest key T is found by a most-significant-first
+radix search: each pass fixes RADIX_BITS bits of T with one counting reduction over the row
+(2^RADIX_BITS - 1 candidate thresholds, their counts packed into one integer). Then every
+block with key > T is taken, plus the lowest-index blocks with key == T up to k, and written
+in ascending block order (positions from one prefix sum). That is exactly the set of
+`prr.blocks.top_blocks`: scores compared first, ties towards the lower block index.
+
+Blocks the caller forces (the first `sink` blocks, the last `recent` blocks of the context)
+score +inf; blocks at or past num_blocks[b], and blocks scored -inf, are never taken.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _order_keys(
+    scores_ptr, row_base, offs, stride_n, num_blocks, sink_blocks, recent_blocks, CACHE_MODIFIER: tl.constexpr = ""
+):
+    """-> (keys uint32, valid bool) for block ids `offs` of one row: keys order like the scores
+    (forced blocks as +inf); invalid blocks (past the context or scored -inf) get key 0, below
+    every valid key (the key of -inf is 0x007FFFFF, of -FLT_MAX 0x00800000)."""
+    in_context = offs < num_blocks
+    s = tl.load(
+        scores_ptr + row_base + offs * stride_n, mask=in_context, other=float("-inf"), cache_modifier=CACHE_MODIFIER
+    ).to(tl.float32)
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 == +0.0 as floats: give them one key
+    forced = in_context & ((offs < sink_blocks) | (offs >= num_blocks - recent_blocks))
+    s = tl.where(forced, float("inf"), s)
+    valid = in_context & (s > float("-inf"))
+    bits = s.to(tl.uint32, bitcast=True)
+    sign = bits >> 31
+    keys = tl.where(sign == 1, ~bits, bits | 0x80000000)
+    keys = tl.where(valid, keys, tl.zeros_like(keys))
+    return keys, valid
+
+
+@triton.jit
+def _count_at_least(keys, threshold, shift: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """How many keys are >= threshold | (j << shift), for j = 1 .. 2^RADIX_BITS - 1, packed:
+    RADIX_BITS 1 -> int32 count of j=1; RADIX_BITS 2 -> int64 with 21-bit fields j=1,2,3."""
+    if RADIX_BITS == 1:
+        packed = (keys >= (threshold | (1 << shift))).to(tl.int32)
+    else:
+        ge1 = (keys >= (threshold | (1 << shift))).to(tl.int64)
+        ge2 = (keys >= (threshold | (2 << shift))).to(tl.int64)
+        ge3 = (keys >= (threshold | (3 << shift))).to(tl.int64)
+        packed = ge1 + (ge2 << 21) + (ge3 << 42)
+    return tl.sum(packed, axis=0)
+
+
+@triton.jit
+def _next_threshold(threshold, counts, shift: tl.constexpr, k_eff, RADIX_BITS: tl.constexpr):
+    """Fix the digit at `shift`: the largest j whose candidate still has >= k_eff keys above."""
+    if RADIX_BITS == 1:
+        digit = (counts >= k_eff).to(tl.uint32)
+    else:
+        field = (1 << 21) - 1
+        n1 = counts & field
+        n2 = (counts >> 21) & field
+        n3 = counts >> 42
+        digit = tl.where(n3 >= k_eff, 3, tl.where(n2 >= k_eff, 2, tl.where(n1 >= k_eff, 1, 0))).to(tl.uint32)
+    return threshold | (digit << shift)
+
+
+@triton.jit
+def _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr, limit):
+    """Write the taken blocks of one tile: key > T, or key == T among the first need_eq ties.
+    base_gt / base_eq: taken '>' blocks and '==' ties in earlier tiles. -> this tile's totals."""
+    gt = valid & (keys > threshold)
+    eq = valid & (keys == threshold)
+    packed = gt.to(tl.int64) + (eq.to(tl.int64) << 32)
+    inclusive = tl.cumsum(packed, axis=0)
+    before = inclusive - packed
+    gt_before = (before & 0xFFFFFFFF).to(tl.int32) + base_gt
+    eq_before = (before >> 32).to(tl.int32) + base_eq
+    take = gt | (eq & (eq_before < need_eq))
+    position = gt_before + tl.minimum(eq_before, need_eq)
+    tl.store(idx_out_ptr + out_row + position, offs, mask=take & (position < limit))
+    total = tl.sum(packed, axis=0)
+    return (total & 0xFFFFFFFF).to(tl.int32), (total >> 32).to(tl.int32)
+
+
+@triton.jit
+def _pad_and_count(idx_out_ptr, count_out_ptr, out_row, count_index, k_eff, k_out, PAD_BLOCK: tl.constexpr):
+    for start in range(0, k_out, PAD_BLOCK):
+        offs = start + tl.arange(0, PAD_BLOCK)
+        tl.store(idx_out_ptr + out_row + offs, tl.zeros_like(offs), mask=(offs >= k_eff) & (offs < k_out))
+    tl.store(count_out_ptr + count_index, k_eff)
+
+
+@triton.jit
+def _select_row(
+    keys, valid, offs, k, k_out, out_row, count_index, idx_out_ptr, count_out_ptr,
+    RADIX_BITS: tl.constexpr, PAD_BLOCK: tl.constexpr,
+):
+    """Top-k of one row held in registers (keys/valid from _order_keys, block ids offs):
+    writes idx_out[out_row : out_row + k_out] and count_out[count_index]."""
+    k_eff = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), k)
+    threshold = tl.zeros([], dtype=tl.uint32)
+    for p in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)
+        counts = _count_at_least(keys, threshold, shift, RADIX_BITS)
+        threshold = _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS)
+    # threshold is now the k_eff-th largest valid key (all ones when k_eff = 0: nothing taken)
+    n_gt = tl.sum((keys > threshold).to(tl.int32), axis=0)  # invalid keys are 0 <= threshold
+    _emit(keys, valid, offs, threshold, 0, 0, k_eff - n_gt, out_row, idx_out_ptr, k_out)
+    _pad_and_count(idx_out_ptr, count_out_ptr, out_row, count_index, k_eff, k_out, PAD_BLOCK)
+
+
+@triton.jit
+def _topk_row_kernel(
+    scores_ptr,  # [B, Hkv, N] fp32 (fp16/bf16 are widened exactly)
+    num_blocks_ptr,  # [B] int32/int64 blocks in each row's context
+    idx_out_ptr,  # [B, Hkv, K_out] int32, K_out = min(k, N), contiguous
+    count_out_ptr,  # [B, Hkv] int32, contiguous
+    num_cols,  # N
+    num_kv_heads,  # Hkv
+    k,  # requested blocks
+    k_out,  # K_out
+    sink_blocks,
+    recent_blocks,
+    stride_sb, stride_sh, stride_sn,
+    BLOCK: tl.constexpr,  # next power of two >= N: the whole row lives in registers
+    RADIX_BITS: tl.constexpr,  # 1 or 2 bits of the threshold fixed per counting pass
+    PAD_BLOCK: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
+    row_base = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    out_row = (batch.to(tl.int64) * num_kv_heads + kv_head) * k_out
+
+    offs = tl.arange(0, BLOCK)
+    keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks)
+    _select_row(
+        keys, valid, offs, k, k_out, out_row, batch * num_kv_heads + kv_head, idx_out_ptr, count_out_ptr,
+        RADIX_BITS, PAD_BLOCK,
+    )
+
+
+@triton.jit
+def _topk_tiled_kernel(
+    scores_ptr,  # [B, Hkv, N] fp32 (fp16/bf16 are widened exactly)
+    num_blocks_ptr,  # [B] int32/int64
+    idx_out_ptr,  # [B, Hkv, K_out] int32 contiguous
+    count_out_ptr,  # [B, Hkv] int32 contiguous
+    num_cols,  # N
+    num_kv_heads,
+    k,
+    k_out,
+    sink_blocks,
+    recent_blocks,
+    stride_sb, stride_sh, stride_sn,
+    TILE: tl.constexpr,  # the row is re-read in tiles of TILE blocks each pass (from L2)
+    RADIX_BITS: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
+    row_base = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    out_row = (batch.to(tl.int64) * num_kv_heads + kv_head) * k_out
+    lane = tl.arange(0, TILE)
+
+    n_valid = tl.zeros([], dtype=tl.int32)
+    for start in range(0, num_blocks, TILE):
+        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks)
+        n_valid += tl.sum(valid.to(tl.int32), axis=0)
+    k_eff = tl.minimum(n_valid, k)
+
+    threshold = tl.zeros([], dtype=tl.uint32)
+    for p in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)
+        if RADIX_BITS == 1:
+            counts = tl.zeros([], dtype=tl.int32)
+        else:
+            counts = tl.zeros([], dtype=tl.int64)
+        for start in range(0, num_blocks, TILE):
+            keys, valid = _order_keys(
+                scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks
+            )
+            counts += _count_at_least(keys, threshold, shift, RADIX_BITS)
+        threshold = _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS)
+
+    n_gt = tl.zeros([], dtype=tl.int32)
+    for start in range(0, num_blocks, TILE):
+        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks)
+        n_gt += tl.sum((keys > threshold).to(tl.int32), axis=0)
+    need_eq = k_eff - n_gt
+    base_gt = tl.zeros([], dtype=tl.int32)
+    base_eq = tl.zeros([], dtype=tl.int32)
+    for start in range(0, num_blocks, TILE):
+        offs = start + lane
+        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks)
+        tile_gt, tile_eq = _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr, k_out)
+        base_gt += tile_gt
+        base_eq += tile_eq
+    _pad_and_count(idx_out_ptr, count_out_ptr, out_row, batch * num_kv_heads + kv_head, k_eff, k_out, PAD_BLOCK)

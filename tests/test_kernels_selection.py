@@ -1,0 +1,426 @@
+"""Selection kernels (prr.kernels.quest, prr.kernels.topk) against their torch references and
+prr's own selector code, on fresh random inputs at odd sizes. CPU: TRITON_INTERPRET=1 (set in
+conftest). GPU variants (-m gpu) run at realistic sizes; run them with TRITON_INTERPRET=0."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import prr
+from prr.cache import PagedKVCache
+from prr.selectors import QuestSelector
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:
+    import prr.kernels  # noqa: F401 - an install maps kernels/ to prr.kernels
+except ModuleNotFoundError:  # not installed: map the folder the same way, never as bare `kernels`
+    _spec = importlib.util.spec_from_file_location(
+        "prr.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+    )
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["prr.kernels"] = _module
+    _spec.loader.exec_module(_module)
+    prr.kernels = _module
+
+from prr.kernels import topk as topk_launcher  # noqa: E402
+from prr.kernels.quest import quest_score, quest_select, quest_update  # noqa: E402
+from prr.kernels.reference_selection import (  # noqa: E402
+    make_quest_inputs,
+    make_topk_scores,
+    quest_metadata_reference,
+    quest_score_reference,
+    topk_select_reference,
+)
+from prr.kernels.topk import topk_select  # noqa: E402
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device and TRITON_INTERPRET=0",
+)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_scores(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    finite = torch.isfinite(ref)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.equal(torch.isfinite(out), finite), "finite / -inf pattern differs"
+    assert torch.all(out[~finite] == float("-inf"))
+    assert not out.isnan().any()
+    assert rel_err(out[finite], ref[finite]) < tol
+
+
+def check_topk(scores, k, num_blocks, sink, recent, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    idx, cnt = topk_select(scores, k, num_blocks, sink, recent, **kw)
+    ref_idx, ref_cnt = topk_select_reference(scores.cpu(), k, num_blocks.cpu(), sink, recent)
+    assert idx.dtype == torch.int32 and cnt.dtype == torch.int32
+    assert idx.shape == ref_idx.shape and cnt.shape == ref_cnt.shape
+    assert torch.equal(cnt.cpu(), ref_cnt)
+    assert torch.equal(idx.cpu(), ref_idx)  # same set, ascending, padding 0
+    return idx, cnt
+
+
+# --- quest_score ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "group,head_dim,max_blocks,num_blocks,q_dtype",
+    [
+        (1, 64, 27, [27, 3], torch.float32),
+        (3, 128, 61, [61, 40], torch.float16),
+        (4, 64, 113, [1, 113], torch.float32),
+        (8, 128, 27, [13, 27], torch.float16),
+        (4, 80, 61, [61, 0], torch.float32),  # D not a power of two, an empty row
+    ],
+)
+@pytest.mark.parametrize("gqa_reduce", ["max", "sum"])
+@pytest.mark.parametrize("d_chunk", [None, 0])  # heads at once over D chunks (default) / per head over D
+def test_quest_score_matches_reference(group, head_dim, max_blocks, num_blocks, q_dtype, gqa_reduce, d_chunk):
+    hkv = 2
+    inputs = make_quest_inputs(2, hkv * group, hkv, head_dim, max_blocks, num_blocks, q_dtype, seed=group + head_dim)
+    out = quest_score(**inputs, gqa_reduce=gqa_reduce, d_chunk=d_chunk)
+    ref = quest_score_reference(**inputs, gqa_reduce=gqa_reduce)
+    check_scores(out, ref, 1e-5)
+
+
+def test_quest_score_half_precision_metadata():
+    """fp16 metadata (half the bytes) is widened exactly in the kernel (bf16 too, tested on the GPU)."""
+    inputs = make_quest_inputs(2, 8, 2, 64, 27, [27, 10], seed=8)
+    inputs["key_max"], inputs["key_min"] = inputs["key_max"].half(), inputs["key_min"].half()
+    for d_chunk in (0, 32):
+        out = quest_score(**inputs, d_chunk=d_chunk)
+        check_scores(out, quest_score_reference(**inputs), 1e-5)
+
+
+def test_quest_score_small_tiles_and_strided_q():
+    inputs = make_quest_inputs(2, 12, 3, 64, 61, [61, 30], seed=5)
+    q = torch.randn(2, 64, 12).transpose(1, 2)  # non-contiguous [B, Hq, D]
+    inputs["q"] = q
+    for d_chunk in (0, 16):
+        out = quest_score(**inputs, gqa_reduce="max", block_n=8, num_warps=2, d_chunk=d_chunk)
+        check_scores(out, quest_score_reference(**inputs, gqa_reduce="max"), 1e-5)
+
+
+@pytest.mark.parametrize("gqa_reduce", ["max", "sum"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_quest_score_equals_prr_selector_scores(gqa_reduce, group):
+    """The kernel reproduces Selection.scores (prr's `reduced`) from a real cache."""
+    hkv, d, bs, length = 2, 64, 8, 203  # 26 blocks, the last one partly filled
+    sel = QuestSelector(topk_blocks=4, gqa_reduce=gqa_reduce)
+    g = torch.Generator().manual_seed(group)
+    cache = PagedKVCache(1, 2, hkv, d, bs, length + 13)
+    cache.append(0, torch.randn(2, hkv, length, d, generator=g) * 2, torch.randn(2, hkv, length, d, generator=g))
+    sel.update_metadata(cache, 0, 0, length)
+    q = torch.randn(2, hkv * group, d, generator=g)
+    key_max, key_min = cache.metadata[0]["quest_key_max"], cache.metadata[0]["quest_key_min"]
+    for row_length in (length, 77):  # prr's select takes one length for the batch
+        expected = sel.select(q.view(2, hkv, group, d), cache, 0, length=row_length).scores
+        nb = torch.full((2,), cache.num_blocks(0, row_length), dtype=torch.int32)
+        out = quest_score(q, key_max, key_min, nb, gqa_reduce)
+        # Past row_length prr's metadata still holds real blocks, masked by num_blocks here.
+        check_scores(out, expected, 1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_quest_score_bounds_every_key(group):
+    """Quest's defining property: U_b(q) >= q·k for every key k of block b (every head of the group)."""
+    hkv, d, bs, length = 2, 64, 16, 200
+    g = torch.Generator().manual_seed(11)
+    keys = torch.randn(2, hkv, length, d, generator=g) * 3
+    max_blocks = -(-length // bs)
+    key_max, key_min = quest_metadata_reference(keys, length, bs, max_blocks)
+    q = torch.randn(2, hkv * group, d, generator=g)
+    nb = torch.tensor([max_blocks, max_blocks], dtype=torch.int32)
+    out = quest_score(q, key_max, key_min, nb, "max")  # [B, Hkv, NB]
+    padded = torch.cat([keys, keys.new_zeros(2, hkv, max_blocks * bs - length, d)], 2)
+    dots = torch.einsum("bhgd,bhtd->bhgt", q.view(2, hkv, group, d), padded)  # [B, Hkv, G, T]
+    dots[..., length:] = float("-inf")
+    best = dots.view(2, hkv, group, max_blocks, bs).amax(-1).amax(2)  # [B, Hkv, NB]
+    assert torch.all(out >= best - 1e-4 * best.abs().clamp(min=1))
+
+
+def test_quest_score_errors():
+    inputs = make_quest_inputs(1, 4, 2, 64, 5)
+    with pytest.raises(ValueError, match="gqa_reduce"):
+        quest_score(**inputs, gqa_reduce="union")
+    with pytest.raises(ValueError, match="not a multiple"):
+        quest_score(inputs["q"][:, :3], inputs["key_max"], inputs["key_min"], inputs["num_blocks"])
+    with pytest.raises(ValueError, match="num_blocks must be an int32"):
+        quest_score(inputs["q"], inputs["key_max"], inputs["key_min"], inputs["num_blocks"].float())
+    big = make_quest_inputs(1, 2, 2, 512, 3)
+    with pytest.raises(ValueError, match="head_dim=512 is not supported"):
+        quest_score(**big)
+    with pytest.raises(ValueError, match="d_chunk=24"):
+        quest_score(**inputs, d_chunk=24)
+
+
+# --- quest_select (fused score + top-k) -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "group,head_dim,max_blocks,num_blocks,k,sink,recent,gqa_reduce",
+    [
+        (4, 64, 113, [113, 40], 9, 1, 1, "max"),
+        (3, 128, 27, [27, 3], 50, 0, 1, "sum"),  # k >= nb
+        (1, 64, 61, [0, 61], 1, 2, 2, "max"),  # an empty row; forced blocks > k
+    ],
+)
+def test_quest_select_equals_score_then_topk(group, head_dim, max_blocks, num_blocks, k, sink, recent, gqa_reduce):
+    hkv = 2
+    inputs = make_quest_inputs(2, hkv * group, hkv, head_dim, max_blocks, num_blocks, torch.float16, seed=k)
+    arrivals = torch.zeros(2 * hkv, dtype=torch.int32)
+    for _ in range(2):  # the workspace is re-armed by each launch
+        scores, idx, cnt = quest_select(**inputs, k=k, sink_blocks=sink, recent_blocks=recent,
+                                        gqa_reduce=gqa_reduce, arrivals=arrivals, block_n=16)
+        assert torch.equal(arrivals, torch.zeros_like(arrivals))
+    check_scores(scores, quest_score_reference(**inputs, gqa_reduce=gqa_reduce), 1e-5)
+    ref_idx, ref_cnt = topk_select_reference(scores, k, inputs["num_blocks"], sink, recent)
+    assert torch.equal(idx, ref_idx) and torch.equal(cnt, ref_cnt)
+
+
+# --- quest_update --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim,k_dtype", [(64, torch.float32), (128, torch.float16)])
+def test_quest_update_appends_equal_rebuild(head_dim, k_dtype):
+    """Token-by-token appends crossing block boundaries, rows at different positions, from
+    stale metadata: equals rebuilding the metadata from the keys."""
+    hkv, bs, max_blocks = 3, 8, 7
+    g = torch.Generator().manual_seed(head_dim)
+    keys = (torch.randn(2, hkv, max_blocks * bs, head_dim, generator=g) * 2).to(k_dtype)
+    starts = [5, 17]  # row 0 from inside block 0, row 1 from inside block 2
+    key_max = torch.randn(2, hkv, max_blocks, head_dim, generator=g)  # stale contents of a reused cache
+    key_min = key_max - 1.0
+    for b, start in enumerate(starts):  # metadata as it stands after `start` tokens
+        mx, mn = quest_metadata_reference(keys[b : b + 1], start, bs, max_blocks)
+        nb = -(-start // bs)
+        key_max[b, :, :nb], key_min[b, :, :nb] = mx[0, :, :nb], mn[0, :, :nb]
+    for step in range(20):
+        positions = torch.tensor([s + step for s in starts], dtype=torch.int32)
+        k_new = keys[torch.arange(2), :, positions.long()]  # [B, Hkv, D]
+        quest_update(key_max, key_min, k_new, positions, bs)
+    for b, start in enumerate(starts):
+        end = start + 20
+        mx, mn = quest_metadata_reference(keys[b : b + 1], end, bs, max_blocks)
+        nb = -(-end // bs)
+        assert torch.equal(key_max[b, :, :nb], mx[0, :, :nb])
+        assert torch.equal(key_min[b, :, :nb], mn[0, :, :nb])
+
+
+def test_quest_update_equals_prr_update_metadata():
+    hkv, d, bs, prompt = 2, 64, 16, 45
+    sel = QuestSelector(topk_blocks=4)
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, 2, hkv, d, bs, prompt + 40)
+    cache.append(0, torch.randn(2, hkv, prompt, d, generator=g), torch.randn(2, hkv, prompt, d, generator=g))
+    sel.update_metadata(cache, 0, 0, prompt)
+    key_max = cache.metadata[0]["quest_key_max"].clone()
+    key_min = cache.metadata[0]["quest_key_min"].clone()
+    for _ in range(25):  # crosses the blocks at 48 and 64
+        k, v = torch.randn(2, hkv, 1, d, generator=g), torch.randn(2, hkv, 1, d, generator=g)
+        start, end = cache.append(0, k, v)
+        sel.update_metadata(cache, 0, start, end)
+        quest_update(key_max, key_min, k[:, :, 0], torch.full((2,), start, dtype=torch.int32), bs)
+    assert torch.equal(key_max, cache.metadata[0]["quest_key_max"])
+    assert torch.equal(key_min, cache.metadata[0]["quest_key_min"])
+
+
+def test_quest_update_ignores_positions_outside_the_cache():
+    key_max = torch.randn(2, 2, 4, 64)
+    key_min = key_max - 1
+    before = key_max.clone(), key_min.clone()
+    positions = torch.tensor([-1, 4 * 16], dtype=torch.int32)  # before the start, past the capacity
+    quest_update(key_max, key_min, torch.randn(2, 2, 64), positions, 16)
+    assert torch.equal(key_max, before[0]) and torch.equal(key_min, before[1])
+
+
+def test_quest_update_errors():
+    key_max = torch.zeros(1, 2, 4, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        quest_update(key_max, key_max.clone(), torch.zeros(1, 2, 64), torch.zeros(1, dtype=torch.int32), 12)
+    with pytest.raises(ValueError, match="k_new must be"):
+        quest_update(key_max, key_max.clone(), torch.zeros(1, 3, 64), torch.zeros(1, dtype=torch.int32), 16)
+
+
+# --- topk_select ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind,n,num_blocks,k,sink,recent",
+    [
+        ("randn", 3, [3, 2], 2, 0, 1),
+        ("randn", 27, [27, 5], 4, 1, 1),
+        ("ties", 61, [61, 33], 10, 1, 2),
+        ("integers", 113, [113, 100], 17, 2, 1),
+        ("integers", 113, [60, 113], 200, 1, 1),  # k >= nb: everything valid
+        ("ties", 61, [61, 0], 1, 0, 1),  # k = 1; an empty row
+        ("extremes", 61, [61, 61], 20, 0, 0),  # ±inf, ±FLT_MAX, denormals, ±0
+        ("randn", 27, [27, 27], 3, 4, 2),  # more forced blocks than k: lowest forced ids
+        ("ties", 1110, [1110, 777], 64, 1, 3),
+    ],
+)
+@pytest.mark.parametrize("radix_bits", [1, 2])
+def test_topk_select_matches_top_blocks(kind, n, num_blocks, k, sink, recent, radix_bits):
+    scores, nb = make_topk_scores(2, 3, n, num_blocks, kind, seed=n + k)
+    check_topk(scores, k, nb, sink, recent, radix_bits=radix_bits)
+
+
+def test_topk_select_k_zero_and_counts():
+    scores, nb = make_topk_scores(2, 2, 27, [27, 4], "randn")
+    idx, cnt = topk_select(scores, 0, nb)
+    assert idx.shape == (2, 2, 0) and torch.equal(cnt, torch.zeros(2, 2, dtype=torch.int32))
+    idx, cnt = check_topk(scores, 50, nb, 1, 1)
+    assert idx.shape == (2, 2, 27) and cnt.tolist() == [[27, 27], [4, 4]]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+def test_topk_select_signed_zeros_tie(device):
+    """-0.0 == +0.0 as floats: a tie broken by block index, not by the sign bit."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.where(torch.rand(2, 2, 61, generator=g) < 0.5, -0.0, 0.0)
+    scores[..., 40:] = 1.0
+    check_topk(scores.to(device), 30, torch.tensor([61, 50], dtype=torch.int32, device=device), 0, 0)
+
+
+def test_topk_select_tiled_path(monkeypatch):
+    """Rows longer than MAX_ROW_BLOCK go through the tiled kernel: several tiles per row here."""
+    monkeypatch.setattr(topk_launcher, "MAX_ROW_BLOCK", 16)
+    monkeypatch.setattr(topk_launcher, "TILE", 32)
+    for kind, k in (("ties", 9), ("integers", 40)):
+        scores, nb = make_topk_scores(2, 2, 113, [113, 70], kind, seed=k)
+        for radix_bits in (1, 2):
+            check_topk(scores, k, nb, 1, 2, radix_bits=radix_bits)
+
+
+def test_topk_select_fp16_and_strided_scores():
+    scores, nb = make_topk_scores(2, 4, 61, [61, 50], "ties", seed=4)
+    check_topk(scores.half(), 7, nb, 1, 1)
+    wide = torch.randn(2, 61, 4).transpose(1, 2)  # non-contiguous [B, Hkv, N]
+    check_topk(wide, 9, nb, 0, 1)
+
+
+def test_topk_select_property():
+    """Random small rows with few distinct values (ties everywhere), random nb, k and forcing."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=15, deadline=None)
+    @hypothesis.given(
+        n=st.integers(1, 70),
+        k=st.integers(1, 80),
+        sink=st.integers(0, 3),
+        recent=st.integers(0, 3),
+        values=st.integers(1, 4),
+        seed=st.integers(0, 2**16),
+    )
+    def check(n, k, sink, recent, values, seed):
+        g = torch.Generator().manual_seed(seed)
+        scores = torch.randint(0, values, (2, 2, n), generator=g).float() - 1.0
+        nb = torch.randint(0, n + 1, (2,), generator=g).to(torch.int32)
+        check_topk(scores, k, nb, sink, recent)
+
+    check()
+
+
+def test_topk_select_errors():
+    scores, nb = make_topk_scores(1, 2, 27)
+    with pytest.raises(ValueError, match="k=-1"):
+        topk_select(scores, -1, nb)
+    with pytest.raises(ValueError, match="num_blocks must be an int32"):
+        topk_select(scores, 3, nb.float())
+    with pytest.raises(ValueError, match=r"\[B, Hkv, N\]"):
+        topk_select(scores[0], 3, nb)
+
+
+# --- GPU, realistic sizes (Hq 32, Hkv 8, D 128, 128K context, block 16 -> 8192 blocks) ------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("gqa_reduce", ["max", "sum"])
+@pytest.mark.parametrize("d_chunk", [0, 32])
+def test_gpu_quest_score_128k(gqa_reduce, d_chunk):
+    inputs = make_quest_inputs(2, 32, 8, 128, 8192, [8192, 5001], torch.bfloat16, seed=1, device="cuda")
+    out = quest_score(**inputs, gqa_reduce=gqa_reduce, d_chunk=d_chunk)
+    check_scores(out, quest_score_reference(**inputs, gqa_reduce=gqa_reduce), 1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_quest_score_bf16_metadata():
+    inputs = make_quest_inputs(1, 32, 8, 128, 8192, None, torch.bfloat16, seed=4, device="cuda")
+    inputs["key_max"], inputs["key_min"] = inputs["key_max"].bfloat16(), inputs["key_min"].bfloat16()
+    for d_chunk in (0, 32):
+        check_scores(quest_score(**inputs, d_chunk=d_chunk), quest_score_reference(**inputs), 1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_quest_update():
+    hkv, d, bs, max_blocks = 8, 128, 16, 8192
+    g = torch.Generator().manual_seed(2)
+    keys = (torch.randn(2, hkv, 64, d, generator=g)).to(torch.bfloat16).cuda()
+    key_max = torch.randn(2, hkv, max_blocks, d, device="cuda")
+    key_min = key_max - 1
+    base = [131000, 4000]  # rows far apart, near the end of a 128K cache; both cross block boundaries
+    for step in range(40):
+        positions = torch.tensor([p + step for p in base], dtype=torch.int32, device="cuda")
+        quest_update(key_max, key_min, keys[:, :, step], positions, bs)
+    for b, p in enumerate(base):
+        first, last = p // bs, (p + 39) // bs
+        for blk in range(first, last + 1):
+            lo, hi = max(p, blk * bs), min(p + 40, (blk + 1) * bs)
+            chunk = keys[b, :, lo - p : hi - p].float()  # [Hkv, n, D]
+            if lo == blk * bs:  # the block started within the appends: exactly its keys
+                assert torch.equal(key_max[b, :, blk], chunk.amax(1))
+                assert torch.equal(key_min[b, :, blk], chunk.amin(1))
+            else:
+                assert torch.all(key_max[b, :, blk] >= chunk.amax(1))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k", [(2048, 128), (8192, 128), (8192, 512), (40000, 256)])
+@pytest.mark.parametrize("radix_bits", [1, 2])
+def test_gpu_topk_select(n, k, radix_bits):
+    for kind in ("randn", "ties"):
+        scores, nb = make_topk_scores(1, 8, n, None, kind, seed=n, device="cuda")
+        check_topk(scores, k, nb, 1, 1, radix_bits=radix_bits)
+    scores, _ = make_topk_scores(2, 8, n, None, "integers", seed=1, device="cuda")
+    nb = torch.tensor([n, n // 3], dtype=torch.int32, device="cuda")
+    check_topk(scores, k, nb, 1, 2, radix_bits=radix_bits)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch,num_blocks", [(1, None), (2, [8192, 3001])])
+def test_gpu_quest_select_fused(batch, num_blocks):
+    inputs = make_quest_inputs(batch, 32, 8, 128, 8192, num_blocks, torch.bfloat16, seed=3, device="cuda")
+    arrivals = torch.zeros(batch * 8, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        scores, idx, cnt = quest_select(**inputs, k=128, sink_blocks=1, recent_blocks=1, arrivals=arrivals)
+    torch.cuda.synchronize()
+    assert torch.equal(arrivals, torch.zeros_like(arrivals))
+    check_scores(scores, quest_score_reference(**inputs), 1e-5)
+    ref_idx, ref_cnt = topk_select_reference(scores.cpu(), 128, inputs["num_blocks"].cpu(), 1, 1)
+    assert torch.equal(idx.cpu(), ref_idx) and torch.equal(cnt.cpu(), ref_cnt)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_selection_pipeline_bf16():
+    """Score + top-k at 128K, block 16, bf16 q: the set equals prr's top_blocks over the reference scores."""
+    inputs = make_quest_inputs(1, 32, 8, 128, 8192, None, torch.bfloat16, seed=7, device="cuda")
+    scores = quest_score(**inputs)
+    ref = quest_score_reference(**inputs)
+    check_scores(scores, ref, 1e-5)
+    check_topk(scores, 128, inputs["num_blocks"], 1, 1)

@@ -22,15 +22,19 @@ import triton.language as tl
 
 @triton.jit
 def _order_keys(
-    scores_ptr, row_base, offs, stride_n, num_blocks, sink_blocks, recent_blocks, CACHE_MODIFIER: tl.constexpr = ""
+    scores_ptr, row_base, offs, stride_n, num_blocks, sink_blocks, recent_blocks, L2_ONLY: tl.constexpr
 ):
     """-> (keys uint32, valid bool) for block ids `offs` of one row: keys order like the scores
     (forced blocks as +inf); invalid blocks (past the context or scored -inf) get key 0, below
-    every valid key (the key of -inf is 0x007FFFFF, of -FLT_MAX 0x00800000)."""
+    every valid key (the key of -inf is 0x007FFFFF, of -FLT_MAX 0x00800000).
+    L2_ONLY: load with .cg (scores written by other programs of the same launch).
+    (Always pass L2_ONLY: triton 3.6 fails on a defaulted constexpr of a nested call.)"""
     in_context = offs < num_blocks
-    s = tl.load(
-        scores_ptr + row_base + offs * stride_n, mask=in_context, other=float("-inf"), cache_modifier=CACHE_MODIFIER
-    ).to(tl.float32)
+    ptrs = scores_ptr + row_base + offs * stride_n
+    if L2_ONLY:
+        s = tl.load(ptrs, mask=in_context, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    else:
+        s = tl.load(ptrs, mask=in_context, other=float("-inf")).to(tl.float32)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 == +0.0 as floats: give them one key
     forced = in_context & ((offs < sink_blocks) | (offs >= num_blocks - recent_blocks))
     s = tl.where(forced, float("inf"), s)
@@ -139,7 +143,7 @@ def _topk_row_kernel(
     out_row = (batch.to(tl.int64) * num_kv_heads + kv_head) * k_out
 
     offs = tl.arange(0, BLOCK)
-    keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks)
+    keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
     _select_row(
         keys, valid, offs, k, k_out, out_row, batch * num_kv_heads + kv_head, idx_out_ptr, count_out_ptr,
         RADIX_BITS, PAD_BLOCK,
@@ -172,7 +176,7 @@ def _topk_tiled_kernel(
 
     n_valid = tl.zeros([], dtype=tl.int32)
     for start in range(0, num_blocks, TILE):
-        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks)
+        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
     k_eff = tl.minimum(n_valid, k)
 
@@ -185,21 +189,21 @@ def _topk_tiled_kernel(
             counts = tl.zeros([], dtype=tl.int64)
         for start in range(0, num_blocks, TILE):
             keys, valid = _order_keys(
-                scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks
+                scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, False
             )
             counts += _count_at_least(keys, threshold, shift, RADIX_BITS)
         threshold = _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS)
 
     n_gt = tl.zeros([], dtype=tl.int32)
     for start in range(0, num_blocks, TILE):
-        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks)
+        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
         n_gt += tl.sum((keys > threshold).to(tl.int32), axis=0)
     need_eq = k_eff - n_gt
     base_gt = tl.zeros([], dtype=tl.int32)
     base_eq = tl.zeros([], dtype=tl.int32)
     for start in range(0, num_blocks, TILE):
         offs = start + lane
-        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks)
+        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
         tile_gt, tile_eq = _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr, k_out)
         base_gt += tile_gt
         base_eq += tile_eq

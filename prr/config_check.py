@@ -150,6 +150,7 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
         from prr.runtime.triton_ops import problems as triton_problems
 
         problems += triton_problems(runtime.device, model.head_dim, runtime.block_size)
+        problems += selector.triton_problems() or []
     bad_layers = sorted(x for x in selector.dense_layers if not 0 <= x < model.num_layers)
     if bad_layers:
         problems.append(f"selector.dense_layers={bad_layers} outside the model's layers 0..{model.num_layers - 1}")

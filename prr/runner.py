@@ -92,6 +92,7 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
                          prompt_len + task.max_new_tokens, dtype, device)
     ops = make_ops(settings.backend)
+    selection_backend = selector.set_backend(settings.backend)
     backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode=settings.mode,
                          repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
                          dense_metrics_every=settings.dense_metrics_every, check_serial=settings.check_serial, ops=ops)
@@ -145,6 +146,7 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
         "mode": settings.mode,
         "repair_mode": settings.repair_mode,
         "backend": settings.backend,
+        "selection_backend": selection_backend,
         "device": probe.device_name,
         "prompt_tokens": prompt_len,
         "block_size": settings.block_size,

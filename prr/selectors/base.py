@@ -67,6 +67,21 @@ class Selector(ABC):
         """q: [B, Hkv, G, D] -> block scores per query head [B, Hkv, G, max_blocks] over the
         first `length` tokens (entries past the context are ignored)."""
 
+    # --- backends ---------------------------------------------------------------------------
+    # Selectors with Triton kernels override `triton_problems` and honour self.backend; the
+    # others score with torch under every runtime.backend (the run summary says which ran).
+    backend = "torch"
+
+    def triton_problems(self) -> list[str] | None:
+        """None: no Triton path (torch selection); []: Triton selection works; else why not."""
+        return None
+
+    def set_backend(self, backend: str) -> str:
+        """Use runtime.backend where this selector has kernels; returns the selection backend."""
+        if backend == "triton" and self.triton_problems() == []:
+            self.backend = "triton"
+        return self.backend
+
     # --- shared ---------------------------------------------------------------------------
     def is_dense_layer(self, layer: int) -> bool:
         return layer in self.dense_layers

@@ -1,0 +1,332 @@
+"""Sparse decode attention over listed KV blocks, and the log-sum-exp merge of partial states.
+
+Launchers (input checks, allocation, grid) for the Triton code in sparse_decode_jit.py.
+
+- `sparse_decode`: attention of each decode query over the blocks listed per
+  (batch, KV head), flash-decoding style (the block list is split over programs; a second
+  launch merges the splits), or one partial state per listed block (`per_block=True`,
+  for exact-mode PRR, where predicted-but-unselected blocks are dropped at merge).
+- `merge_partials`: ⊕ over stacked partial states, with an optional keep-mask.
+
+State convention (prr.attention_state): out is the normalised fp32 attention output, lse
+the fp32 natural log of Σ exp(scale · q·k) over the state's keys; an empty key set has
+lse = -inf and out = 0. No launcher reads a device value on the host (no sync): grids
+depend only on static shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from .sparse_decode_jit import (
+    LOG2E,
+    merge_partials_kernel,
+    sparse_decode_per_block_kernel,
+    sparse_decode_split_kernel,
+)
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_GROUP = 64  # query heads per KV head (GQA); rows are padded to max(16, next power of two)
+MIN_BLOCK_SIZE = 16
+PROGRAMS_PER_SM = 4  # split target: about this many programs per SM
+MIN_TOKENS_PER_SPLIT = 128  # a split reads at least this many tokens (amortises its partial write)
+MIN_TOKENS_PER_BLOCK_PROGRAM = 64  # per_block mode: tokens a program covers, at least
+DEFAULT_NUM_SMS = 132  # H200; used when not on CUDA (the interpreter) so splits look like the GPU's
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def _check_device(*tensors: Tensor) -> None:
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"all inputs must be on one device; got {device} and {t.device}")
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"inputs are on {device}: the Triton kernels need CUDA tensors, "
+            "or TRITON_INTERPRET=1 set before triton is imported (CPU interpreter)"
+        )
+
+
+def _check_int_tensor(name: str, t: Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if not _is_power_of_two(block_size) or block_size < MIN_BLOCK_SIZE:
+        raise ValueError(f"block_size={block_size} must be a power of two >= {MIN_BLOCK_SIZE} (e.g. 16, 32, 64)")
+
+
+def sparse_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_ids: Tensor,
+    block_counts: Tensor,
+    lengths: Tensor,
+    block_size: int,
+    scale: float,
+    per_block: bool = False,
+    *,
+    tokens_per_split: int | None = None,
+    tile_tokens: int | None = None,
+    native_dot: bool | None = None,
+    precise_pv: bool = True,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Decode attention over the KV blocks listed per (batch row, KV head).
+
+    q:            [B, Hq, D] fp16 / bf16 / fp32 (any strides); query head h uses KV head
+                  h // G, G = Hq / Hkv (GQA; G <= 64).
+    k_cache,
+    v_cache:      [B, Hkv, T_max, D], same dtype (fp16 / bf16 / fp32); block b of a row holds
+                  tokens [b * block_size, (b + 1) * block_size) (prr.cache.PagedKVCache.keys[layer]).
+    block_ids:    [B, Hkv, C] int32 / int64; entries [0, block_counts[b, h]) are the blocks
+                  to attend (distinct; each listed block is attended once per listing); the rest
+                  is padding, never read as a block.
+    block_counts: [B, Hkv] integer; clamped to [0, C] on the device.
+    lengths:      [B] int32 / int64 tokens per batch row; tokens >= lengths[b] are masked
+                  (also inside the last, partial block). lengths[b] <= T_max is the caller's
+                  contract (never checked: that would sync).
+    block_size:   power of two >= 16. D must be in SUPPORTED_HEAD_DIMS.
+    scale:        softmax scale (a Python number), e.g. D ** -0.5.
+    per_block:    False -> (out [B, Hq, D] fp32, lse [B, Hq] fp32): attention over the union
+                  of the listed blocks. True -> (out [B, Hq, C, D] fp32, lse [B, Hq, C] fp32):
+                  one state per list entry; padding entries and blocks with no live token have
+                  lse = -inf, out = 0.
+    An empty list gives lse = -inf, out = 0.
+
+    Tuning (keyword-only; defaults are chosen from static shapes and the SM count):
+    tokens_per_split (per_block=False: tokens of block list per program; per_block=True:
+    tokens per program), tile_tokens (tokens per K/V tile, a power of two >= 16),
+    native_dot (16-bit tl.dot with fp32 accumulate; default on for fp16/bf16 when q and the
+    cache share a dtype, off in the interpreter for bf16), precise_pv (native_dot only:
+    P·V as hi·V + lo·V so probabilities are not rounded to 16 bits), num_warps, num_stages.
+    """
+    _check_device(q, k_cache, v_cache, block_ids, block_counts, lengths)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} is not supported; use one of fp16, bf16, fp32")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {list(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [B, Hkv, T_max, D]; got {list(k_cache.shape)} and {list(v_cache.shape)}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
+    batch, num_q_heads, head_dim = q.shape
+    cache_batch, num_kv_heads, _max_tokens, cache_head_dim = k_cache.shape
+    if cache_batch != batch or cache_head_dim != head_dim:
+        raise ValueError(
+            f"q [B={batch}, Hq={num_q_heads}, D={head_dim}] does not match the cache "
+            f"[B={cache_batch}, Hkv={num_kv_heads}, T_max={_max_tokens}, D={cache_head_dim}]"
+        )
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim D={head_dim} is not supported by sparse_decode; supported: {SUPPORTED_HEAD_DIMS}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} must be a positive multiple of Hkv={num_kv_heads} (GQA)")
+    group = num_q_heads // num_kv_heads
+    if group > MAX_GROUP:
+        raise ValueError(f"GQA group Hq/Hkv={group} is not supported; at most {MAX_GROUP} query heads per KV head")
+    _check_block_size(block_size)
+    if block_ids.dim() != 3:
+        raise ValueError(f"block_ids must be [B, Hkv, C], got shape {list(block_ids.shape)}")
+    capacity = block_ids.shape[-1]
+    _check_int_tensor("block_ids", block_ids, (batch, num_kv_heads, capacity), (torch.int32, torch.int64))
+    _check_int_tensor(
+        "block_counts", block_counts, (batch, num_kv_heads), (torch.int32, torch.int64, torch.int16, torch.uint8)
+    )
+    _check_int_tensor("lengths", lengths, (batch,), (torch.int32, torch.int64))
+    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python number (a tensor would sync), got {type(scale).__name__}")
+
+    sixteen_bit = (torch.float16, torch.bfloat16)
+    native_ok = q.dtype == k_cache.dtype and k_cache.dtype in sixteen_bit
+    if native_dot is None:
+        native_dot = native_ok and not (_interpreting() and k_cache.dtype == torch.bfloat16)
+    elif native_dot and not native_ok:
+        raise ValueError(
+            f"native_dot=True needs q and the cache in one 16-bit dtype; got q {q.dtype}, cache {k_cache.dtype}"
+        )
+    input_precision = "ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32"
+
+    if tile_tokens is None:
+        tile_tokens = 64 if head_dim <= 128 else 32
+    if not _is_power_of_two(tile_tokens) or tile_tokens < 16:
+        raise ValueError(f"tile_tokens={tile_tokens} must be a power of two >= 16")
+    if tokens_per_split is not None and tokens_per_split < 1:
+        raise ValueError(f"tokens_per_split={tokens_per_split} must be >= 1")
+
+    device = q.device
+    group_pad = max(16, _next_power_of_two(group))
+    rows = batch * num_kv_heads
+    if batch == 0:
+        shape = (0, num_q_heads, capacity) if per_block else (0, num_q_heads)
+        return (torch.zeros(*shape, head_dim, device=device), torch.zeros(shape, device=device))
+    ids = block_ids if capacity > 0 else block_counts  # never dereferenced when C = 0
+    target_programs = PROGRAMS_PER_SM * _num_sms(device)
+    launch = {"num_warps": num_warps}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    common = (
+        q.stride(0), q.stride(1), q.stride(2),
+        *k_cache.stride(), *v_cache.stride(),
+        *(block_ids.stride() if capacity > 0 else (0, 0, 0)),
+        block_counts.stride(0), block_counts.stride(1),
+        lengths.stride(0),
+    )  # fmt: skip
+    qk_scale = float(scale) * LOG2E
+
+    if per_block:
+        out = torch.empty(batch, num_q_heads, capacity, head_dim, dtype=torch.float32, device=device)
+        lse = torch.empty(batch, num_q_heads, capacity, dtype=torch.float32, device=device)
+        if capacity == 0:
+            return out, lse
+        if tokens_per_split is None:
+            chunks_wanted = max(1, -(-target_programs // rows))
+            entries = max(-(-capacity // chunks_wanted), -(-MIN_TOKENS_PER_BLOCK_PROGRAM // block_size))
+        else:
+            entries = max(1, -(-tokens_per_split // block_size))
+        grid = (-(-capacity // entries), rows)
+        sparse_decode_per_block_kernel[grid](
+            q, k_cache, v_cache, ids, block_counts, lengths, out, lse,
+            qk_scale, num_kv_heads, capacity, entries,
+            *common,
+            *out.stride(), *lse.stride(),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size, SUB_TILE=min(block_size, tile_tokens),
+            NATIVE_DOT=bool(native_dot), INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
+            **launch,
+        )  # fmt: skip
+        return out, lse
+
+    entries, num_splits = _split_plan(capacity, rows, block_size, tile_tokens, tokens_per_split, device)
+    if num_splits == 1:
+        out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32, device=device)
+        lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
+        out_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        lse_strides = (lse.stride(0), lse.stride(1), 0)
+    else:
+        out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+        lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
+        out_strides, lse_strides = out.stride(), lse.stride()
+    sparse_decode_split_kernel[(num_splits, rows)](
+        q, k_cache, v_cache, ids, block_counts, lengths, out, lse,
+        qk_scale, num_kv_heads, capacity, entries,
+        *common,
+        *out_strides, *lse_strides,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE_TOKENS=tile_tokens,
+        NATIVE_DOT=bool(native_dot), INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
+        **launch,
+    )  # fmt: skip
+    if num_splits == 1:
+        return out, lse
+    return merge_partials(out, lse)
+
+
+def _split_plan(
+    capacity: int, rows: int, block_size: int, tile_tokens: int, tokens_per_split: int | None, device: torch.device
+) -> tuple[int, int]:
+    """-> (list entries per split, number of splits) for per_block=False; static shapes only."""
+    if tokens_per_split is None:
+        splits_wanted = max(1, -(-PROGRAMS_PER_SM * _num_sms(device) // rows))
+        tokens_per_split = max(-(-capacity // splits_wanted) * block_size, MIN_TOKENS_PER_SPLIT)
+    entries = max(1, -(-tokens_per_split // block_size))
+    if block_size < tile_tokens:  # whole tiles per split
+        per_tile = tile_tokens // block_size
+        entries = -(-entries // per_tile) * per_tile
+    return entries, max(1, -(-capacity // entries))
+
+
+def sparse_decode_num_splits(
+    capacity: int, batch: int, num_kv_heads: int, block_size: int, device: torch.device | str = "cuda",
+    tile_tokens: int = 64, tokens_per_split: int | None = None,
+) -> int:
+    """How many splits (programs per (batch, KV head)) sparse_decode(per_block=False) launches."""
+    return _split_plan(capacity, batch * num_kv_heads, block_size, tile_tokens, tokens_per_split, torch.device(device))[1]
+
+
+def merge_partials(out: Tensor, lse: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """⊕ over the second-to-last axis of stacked partial states, in one launch.
+
+    out:  [..., N, D] float (fp32 expected), the partials' normalised outputs.
+    lse:  [..., N] float, their natural-log sums of exp(scaled scores) (-inf: empty).
+    keep: [..., N] bool or None; False entries are dropped exactly (weight 0, never
+          subtracted, their out never read).
+    -> (out [..., D] fp32, lse [...] fp32); nothing kept -> lse = -inf, out = 0.
+    """
+    if not isinstance(out, Tensor) or not isinstance(lse, Tensor):
+        raise TypeError("out and lse must be torch.Tensors")
+    if out.dim() < 2 or tuple(lse.shape) != tuple(out.shape[:-1]):
+        raise ValueError(f"out must be [..., N, D] and lse [..., N]; got {list(out.shape)} and {list(lse.shape)}")
+    if not out.is_floating_point() or not lse.is_floating_point():
+        raise ValueError(f"out and lse must be floating point; got {out.dtype} and {lse.dtype}")
+    tensors = [out, lse]
+    if keep is not None:
+        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+            raise ValueError("keep must be a bool tensor shaped like lse, or None")
+        if tuple(keep.shape) != tuple(lse.shape):
+            raise ValueError(f"keep must have lse's shape {list(lse.shape)}, got {list(keep.shape)}")
+        tensors.append(keep)
+    _check_device(*tensors)
+    *lead, num_partials, head_dim = out.shape
+    rows = math.prod(lead)
+    if rows == 0 or head_dim == 0 or num_partials == 0:
+        merged_out = torch.zeros(*lead, head_dim, dtype=torch.float32, device=out.device)
+        return merged_out, torch.full(lead, float("-inf"), dtype=torch.float32, device=out.device)
+    merged_out = torch.empty(*lead, head_dim, dtype=torch.float32, device=out.device)
+    merged_lse = torch.empty(lead, dtype=torch.float32, device=out.device)
+    out3 = out.reshape(rows, num_partials, head_dim)
+    lse2 = lse.reshape(rows, num_partials)
+    keep2 = keep.reshape(rows, num_partials).view(torch.uint8) if keep is not None else lse2
+    flat_out = merged_out.view(rows, head_dim)
+    flat_lse = merged_lse.view(rows)
+    block_d = _next_power_of_two(head_dim)
+    block_n = max(2, min(_next_power_of_two(num_partials), max(2, 8192 // block_d)))
+    merge_partials_kernel[(rows,)](
+        out3, lse2, keep2, flat_out, flat_lse,
+        num_partials, head_dim,
+        out3.stride(0), out3.stride(1), out3.stride(2),
+        lse2.stride(0), lse2.stride(1),
+        keep2.stride(0), keep2.stride(1),
+        flat_out.stride(0), flat_out.stride(1),
+        flat_lse.stride(0),
+        HAS_KEEP=keep is not None, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4,
+    )  # fmt: skip
+    return merged_out, merged_lse

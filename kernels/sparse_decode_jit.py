@@ -250,16 +250,18 @@ def merge_partials_kernel(
     stride_mlr,
     HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Log-sum-exp merge of one row's N partial states.
+    """Log-sum-exp merge of one row's N partial states, for one BLOCK_D slice of D.
 
-    grid = (R,). out [R, N, D], lse [R, N], keep [R, N] (uint8, 0 = drop) ->
-    merged_out [R, D], merged_lse [R]. Two passes over lse (max, then weights) so no
-    loop-carried scalar is rescaled. Dropped and empty partials get weight exactly 0 and
-    their `out` is never read (a NaN there cannot leak); all dropped -> lse = -inf, out = 0.
+    grid = (R, cdiv(D, BLOCK_D)). out [R, N, D], lse [R, N], keep [R, N] (uint8, 0 = drop)
+    -> merged_out [R, D], merged_lse [R]. Two passes over lse (max, then weights) so no
+    loop-carried scalar is rescaled. Every D slice of a row computes the same lse from the
+    same data, and all store it (identical values). Dropped and empty partials get weight
+    exactly 0 and their `out` is never read (a NaN there cannot leak); all dropped ->
+    lse = -inf, out = 0.
     """
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     lse_row = lse_ptr + row * stride_lr
     keep_row = keep_ptr + row * stride_kr

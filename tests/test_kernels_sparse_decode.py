@@ -315,8 +315,9 @@ GPU_VARIANTS_BS16 = {
     "stages2": {"num_stages": 2},
     "stages4": {"num_stages": 4},
     "warps8": {"num_warps": 8},
-    "tile32": {"tile_tokens": 32},
+    "tile64": {"tile_tokens": 64},
     "tile128": {"tile_tokens": 128},
+    "default (again: noise)": {},
 }
 
 

@@ -243,17 +243,27 @@ def main() -> None:
     rows: list[dict] = []
     batches, contexts, blocks, budgets = ([1], [32768, 131072], [16], [2048, 8192]) if args.quick else \
         ([1, 8], [32768, 65536, 131072], [16, 64], [1024, 2048, 4096, 8192])
+    def attempt(name: str, shape: dict, fn) -> None:
+        """Run one case; a failure becomes an error row, so later cases and earlier rows survive."""
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - recorded in the results, not swallowed
+            result = [{"op": name, **shape, "error": f"{type(err).__name__}: {err}"[:500]}]
+        for row in result if isinstance(result, list) else [result]:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+
     for batch in batches:
         for context in contexts:
             for block in blocks:
                 sets = args.sets if batch == 1 else 2
+                shape = {"batch": batch, "context": context, "block_size": block}
                 for budget in budgets:
-                    rows.append(bench_sparse_decode(batch, context, block, budget, sets, gen, bw))
-                    print(json.dumps(rows[-1]), flush=True)
-                rows += bench_selection(batch, context, block, sets, gen, bw)
-                print(json.dumps(rows[-3:]), flush=True)
-                torch.cuda.empty_cache()
-    rows.append(bench_merge(args.sets, gen))
+                    attempt("sparse_decode", {**shape, "budget_tokens": budget},
+                            lambda: bench_sparse_decode(batch, context, block, budget, sets, gen, bw))
+                attempt("selection", shape, lambda: bench_selection(batch, context, block, sets, gen, bw))
+    attempt("merge", {}, lambda: bench_merge(args.sets, gen))
     record = {"command": "python " + " ".join(sys.argv), **environment(), "copy_bandwidth_GBps": bw / 1e9, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
@@ -263,8 +273,8 @@ def main() -> None:
     frame.insert(0, "command", record["command"])
     frame.to_csv(args.out.with_suffix(".csv"), index=False)
     print(f"\n{record['gpu']} | torch {record['torch']} | triton {record['triton']} | copy {bw / 1e9:.0f} GB/s")
-    cols = ["op", "batch", "context", "block_size", "budget_tokens", "rel_err", "kernel_us", "floor_us", "x_floor",
-            "GBps", "speedup_vs_torch_sparse", "speedup_vs_dense", "speedup_vs_torch"]
+    cols = ["op", "batch", "context", "block_size", "budget_tokens", "rel_err", "kernel_us", "kernel_per_block_us",
+            "floor_us", "x_floor", "GBps", "speedup_vs_torch_sparse", "speedup_vs_dense", "speedup_vs_torch", "error"]
     print(frame[[c for c in cols if c in frame]].to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 
 

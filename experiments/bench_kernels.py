@@ -243,10 +243,10 @@ def main() -> None:
     rows: list[dict] = []
     batches, contexts, blocks, budgets = ([1], [32768, 131072], [16], [2048, 8192]) if args.quick else \
         ([1, 8], [32768, 65536, 131072], [16, 64], [1024, 2048, 4096, 8192])
-    def attempt(name: str, shape: dict, fn) -> None:
+    def attempt(name: str, shape: dict, fn, *fn_args) -> None:
         """Run one case; a failure becomes an error row, so later cases and earlier rows survive."""
         try:
-            result = fn()
+            result = fn(*fn_args)
         except Exception as err:  # noqa: BLE001 - recorded in the results, not swallowed
             result = [{"op": name, **shape, "error": f"{type(err).__name__}: {err}"[:500]}]
         for row in result if isinstance(result, list) else [result]:
@@ -261,9 +261,9 @@ def main() -> None:
                 shape = {"batch": batch, "context": context, "block_size": block}
                 for budget in budgets:
                     attempt("sparse_decode", {**shape, "budget_tokens": budget},
-                            lambda: bench_sparse_decode(batch, context, block, budget, sets, gen, bw))
-                attempt("selection", shape, lambda: bench_selection(batch, context, block, sets, gen, bw))
-    attempt("merge", {}, lambda: bench_merge(args.sets, gen))
+                            bench_sparse_decode, batch, context, block, budget, sets, gen, bw)
+                attempt("selection", shape, bench_selection, batch, context, block, sets, gen, bw)
+    attempt("merge", {}, bench_merge, args.sets, gen)
     record = {"command": "python " + " ".join(sys.argv), **environment(), "copy_bandwidth_GBps": bw / 1e9, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")

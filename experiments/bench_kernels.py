@@ -65,12 +65,18 @@ def graph_time_us(make_call, sets: int, reps: int = 20) -> float:
     return statistics.median(samples)
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy (read + write), 1 GiB."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_time_us(lambda i: (lambda: dst.copy_(src)), sets=1, reps=10)
-    return 2 * src.numel() / (us * 1e-6)
+def copy_bandwidth() -> dict[str, float]:
+    """Bytes/s (read + written) of device-to-device copies of 1 and 2 GiB in several element
+    types; the floor uses the best, so no kernel looks faster than memory allows."""
+    out = {}
+    for dtype in (torch.uint8, torch.bfloat16, torch.float32):
+        for gib in (1, 2):
+            src = torch.empty((gib << 30) // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device="cuda")
+            dst = torch.empty_like(src)
+            us = graph_time_us(lambda i, s=src, d=dst: (lambda: d.copy_(s)), sets=1, reps=10)
+            out[f"{dtype}".replace("torch.", "") + f"_{gib}GiB"] = 2 * (gib << 30) / (us * 1e-6)
+            del src, dst
+    return out
 
 
 _CUDA_GEN: torch.Generator | None = None
@@ -205,8 +211,28 @@ def bench_selection(batch: int, context: int, block: int, sets: int, gen: torch.
     t_select = graph_time_us(lambda i: (lambda: topk_select(quest_score(qs[i], *metas[i], num_blocks), k, num_blocks,
                                                             sink_blocks=1, recent_blocks=1)), sets)
     t_torch_select = graph_time_us(lambda i: (lambda: torch.topk(torch_score(i), k, dim=-1)), sets)
+    from prr.kernels.quest import quest_select
+
+    arrivals = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
+    t_fused = graph_time_us(lambda i: (lambda: quest_select(qs[i], *metas[i], num_blocks, k, sink_blocks=1,
+                                                            recent_blocks=1, arrivals=arrivals)), sets)
+    _, fused_idx, fused_cnt = quest_select(qs[0], *metas[0], num_blocks, k, sink_blocks=1, recent_blocks=1,
+                                           arrivals=arrivals)
+    ref_idx, _ = topk_select(quest_score(qs[0], *metas[0], num_blocks), k, num_blocks, sink_blocks=1, recent_blocks=1)
+    fused_ok = bool(torch.equal(fused_idx.long().sort(-1).values, ref_idx.long().sort(-1).values))
+    variants = {}
+    for radix_bits in (1, 2):
+        for warps in (4, 8, 16):
+            variants[f"topk_us_radix{radix_bits}_warps{warps}"] = graph_time_us(
+                lambda i, rb=radix_bits, w=warps: (lambda: topk_select(score_sets[i], k, num_blocks, sink_blocks=1,
+                                                                      recent_blocks=1, radix_bits=rb, num_warps=w)), sets)
+    best_topk = min(variants.values())
     base = {"batch": batch, "context": context, "block_size": block}
     return [
+        {"op": "quest_select (fused score+topk)", **base, "k": k, "sets_equal": fused_ok, "kernel_us": t_fused,
+         "torch_us": t_torch_select, "speedup_vs_torch": t_torch_select / t_fused},
+        {"op": "topk_select (best variant)", **base, "k": k, "kernel_us": best_topk, "torch_topk_us": t_torch_topk,
+         "speedup_vs_torch": t_torch_topk / best_topk, **variants},
         {"op": "quest_score", **base, "rel_err": score_err, "bytes": score_bytes, "floor_us": score_floor,
          "kernel_us": t_score, "torch_us": t_torch_score, "GBps": score_bytes / (t_score * 1e-6) / 1e9,
          "x_floor": t_score / score_floor, "speedup_vs_torch": t_torch_score / t_score},
@@ -239,7 +265,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
     gen = torch.Generator().manual_seed(0)
-    bw = copy_bandwidth()
+    copies = copy_bandwidth()
+    bw = max(copies.values())
     rows: list[dict] = []
     batches, contexts, blocks, budgets = ([1], [32768, 131072], [16], [2048, 8192]) if args.quick else \
         ([1, 8], [32768, 65536, 131072], [16, 64], [1024, 2048, 4096, 8192])
@@ -264,7 +291,8 @@ def main() -> None:
                             bench_sparse_decode, batch, context, block, budget, sets, gen, bw)
                 attempt("selection", shape, bench_selection, batch, context, block, sets, gen, bw)
     attempt("merge", {}, bench_merge, args.sets, gen)
-    record = {"command": "python " + " ".join(sys.argv), **environment(), "copy_bandwidth_GBps": bw / 1e9, "rows": rows}
+    record = {"command": "python " + " ".join(sys.argv), **environment(), "copy_bandwidth_GBps": bw / 1e9,
+              "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()}, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     import pandas as pd

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-GROUPS = ("model", "selector", "predictor", "budget", "task", "logger", "runtime")
+GROUPS = ("model", "selector", "predictor", "budget", "task", "logger", "runtime", "backend")
 
 
 class ConfigError(ValueError):
@@ -146,7 +146,7 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
         if not torch.cuda.is_available():
             problems.append(f"runtime.device={runtime.device!r} but this torch ({torch.__version__}) sees no CUDA device; "
                             "use runtime.device=cpu")
-    if runtime.backend == "triton":
+    if built["backend"].name == "triton":
         from prr.runtime.triton_ops import problems as triton_problems
 
         problems += triton_problems(runtime.device, model.head_dim, runtime.block_size)

@@ -28,7 +28,6 @@ from prr.config_check import validate
 from prr.metrics import layer_step_rows, per_layer, summarize
 from prr.paths import write_json_atomic, write_text_atomic
 from prr.runtime.dsa_backend import DSABackend
-from prr.runtime.ops import make_ops
 from prr.runtime.probe import StageProbe
 from prr.selectors.dense import DenseSelector
 from prr.sinks import JsonlWriter
@@ -91,8 +90,8 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     prompt_len = input_ids.shape[1]
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
                          prompt_len + task.max_new_tokens, dtype, device)
-    ops = make_ops(settings.backend)
-    selection_backend = selector.set_backend(settings.backend)
+    ops = instantiate(cfg.backend)
+    selection_backend = selector.set_backend(ops.name)
     backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode=settings.mode,
                          repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
                          dense_metrics_every=settings.dense_metrics_every, check_serial=settings.check_serial, ops=ops)
@@ -145,7 +144,7 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
         "budget": OmegaConf.to_container(cfg.budget, resolve=True),
         "mode": settings.mode,
         "repair_mode": settings.repair_mode,
-        "backend": settings.backend,
+        "backend": ops.name,
         "selection_backend": selection_backend,
         "device": probe.device_name,
         "prompt_tokens": prompt_len,

@@ -64,6 +64,14 @@ def test_bad_input_is_one_clear_error(override, message):
         validate(cfg(*TINY, override))
 
 
+def test_triton_backend_on_cpu_is_refused_with_reasons(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="backend=triton runs on a CUDA device"):
+        validate(cfg(*TINY, "backend=triton"))
+    with pytest.raises(ConfigError, match="gqa_reduce=union has no Triton Quest kernel"):
+        validate(cfg(*TINY, "backend=triton", "selector.gqa_reduce=union"))
+
+
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as err:
         validate(cfg(*TINY, "runtime.block_size=24", "runtime.mode=dense"))

@@ -1,4 +1,4 @@
-"""runtime.backend=triton through the same PRR step as the torch reference (CPU under
+"""backend=triton through the same PRR step as the torch reference (CPU under
 TRITON_INTERPRET=1, fp32): identical selections, outputs within fp32 tolerance."""
 
 import pytest
@@ -8,8 +8,8 @@ from prr.budget.fixed import FixedBudget
 from prr.cache import PagedKVCache
 from prr.predictors import EmaPredictor, LastStepPredictor
 from prr.runtime.dsa_backend import DSABackend
-from prr.runtime.ops import TorchOps, make_ops
-from prr.runtime.triton_ops import problems
+from prr.runtime.ops import TorchOps
+from prr.runtime.triton_ops import TritonOps, problems
 from prr.selectors import QuestSelector
 
 
@@ -36,13 +36,13 @@ def decode_outputs(ops, predictor, repair_mode, group, seed=0):
 @pytest.mark.parametrize("group", [1, 4])
 def test_triton_backend_matches_torch_reference(repair_mode, group):
     ref = decode_outputs(TorchOps(), LastStepPredictor(), repair_mode, group)
-    got = decode_outputs(make_ops("triton"), LastStepPredictor(), repair_mode, group)
+    got = decode_outputs(TritonOps(), LastStepPredictor(), repair_mode, group)
     assert ((got - ref).norm() / ref.norm()) < 1e-5
 
 
 def test_triton_backend_with_ema_predictor():
     ref = decode_outputs(TorchOps(), EmaPredictor(), "exact", 3, seed=1)
-    got = decode_outputs(make_ops("triton"), EmaPredictor(), "exact", 3, seed=1)
+    got = decode_outputs(TritonOps(), EmaPredictor(), "exact", 3, seed=1)
     assert ((got - ref).norm() / ref.norm()) < 1e-5
 
 
@@ -61,7 +61,7 @@ def decode_with_selector_backend(backend, gqa_reduce="max", seed=2):
     assert sel.set_backend(backend) == backend
     cache = PagedKVCache(1, 1, hkv, d, bs, prompt + steps)
     dsa = DSABackend(cache, hkv * group, sel, LastStepPredictor(), FixedBudget(), calibration_tokens=8,
-                     ops=make_ops(backend))
+                     ops=(TritonOps() if backend == "triton" else TorchOps()))
     dsa.prefill(0, torch.randn(1, hkv * group, prompt, d, generator=g), torch.randn(1, hkv, prompt, d, generator=g),
                 torch.randn(1, hkv, prompt, d, generator=g))
     dsa.finish_prefill()

@@ -1,6 +1,6 @@
 """The attention operations a PRR step needs, behind one interface with two backends:
 `torch` (the reference in prr.block_attention / prr.attention_state) and `triton`
-(prr.kernels). The runtime picks one at startup; nothing falls back silently.
+(prr.kernels), chosen by the `backend` config group at startup; nothing falls back silently.
 
 All take grouped queries q: [B, Hkv, G, D] and return fp32 AttentionStates.
 """
@@ -15,8 +15,6 @@ from prr import attention_state, block_attention
 from prr.attention_state import AttentionState
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
-
-BACKENDS = ("torch", "triton")
 
 
 class BlockAttentionOps(Protocol):
@@ -49,12 +47,3 @@ class TorchOps:
     def merge_many(self, out, lse, keep):
         return attention_state.merge_many(out, lse, keep)
 
-
-def make_ops(backend: str) -> BlockAttentionOps:
-    if backend == "torch":
-        return TorchOps()
-    if backend == "triton":
-        from prr.runtime.triton_ops import TritonOps
-
-        return TritonOps()
-    raise ValueError(f"runtime.backend={backend!r} is not one of {list(BACKENDS)}")

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from prr.cache import is_power_of_two
 from prr.runtime.dsa_backend import RUN_MODES
-from prr.runtime.ops import BACKENDS
 from prr.runtime.prr_step import REPAIR_MODES
 
 
@@ -14,7 +13,6 @@ from prr.runtime.prr_step import REPAIR_MODES
 class RuntimeSettings:
     mode: str = "sparse"  # sparse | shadow
     repair_mode: str = "exact"  # exact | superset
-    backend: str = "torch"
     block_size: int = 16  # tokens per KV block (page)
     batch_size: int = 1
     device: str = "cpu"
@@ -29,8 +27,6 @@ class RuntimeSettings:
             out.append(f"runtime.mode={self.mode!r} is not one of {list(RUN_MODES)}")
         if self.repair_mode not in REPAIR_MODES:
             out.append(f"runtime.repair_mode={self.repair_mode!r} is not one of {list(REPAIR_MODES)}")
-        if self.backend not in BACKENDS:
-            out.append(f"runtime.backend={self.backend!r} is not available; choose one of {list(BACKENDS)}")
         if not is_power_of_two(self.block_size):
             out.append(f"runtime.block_size={self.block_size} must be a power of two (e.g. 16, 32, 64)")
         if self.batch_size < 1:

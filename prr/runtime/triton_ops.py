@@ -19,20 +19,20 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def problems(device: str, head_dim: int, block_size: int) -> list[str]:
-    """Reasons runtime.backend=triton cannot run this configuration (empty when it can)."""
+    """Reasons backend=triton cannot run this configuration (empty when it can)."""
     out = []
     try:
         import triton  # noqa: F401
     except ImportError:
-        return ["runtime.backend=triton needs the triton package (pip install triton), or use runtime.backend=torch"]
+        return ["backend=triton needs the triton package (pip install triton), or use backend=torch"]
     if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        out.append(f"runtime.backend=triton runs on a CUDA device (runtime.device={device!r}); on a CPU only under "
-                   "TRITON_INTERPRET=1, for tests. Use runtime.backend=torch on the CPU")
+        out.append(f"backend=triton runs on a CUDA device (runtime.device={device!r}); on a CPU only under "
+                   "TRITON_INTERPRET=1, for tests. Use backend=torch on the CPU")
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        out.append(f"runtime.backend=triton supports head_dim in {list(SUPPORTED_HEAD_DIMS)}, the model has {head_dim}; "
-                   "use runtime.backend=torch")
+        out.append(f"backend=triton supports head_dim in {list(SUPPORTED_HEAD_DIMS)}, the model has {head_dim}; "
+                   "use backend=torch")
     if block_size < 16:
-        out.append(f"runtime.backend=triton needs runtime.block_size >= 16, got {block_size}")
+        out.append(f"backend=triton needs runtime.block_size >= 16, got {block_size}")
     return out
 
 

@@ -11,9 +11,13 @@ Run directory layout (Hydra's run dir):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +62,44 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     logger.start(run_dir, OmegaConf.to_container(cfg, resolve=True), name=run_name(cfg))
     ok = False
     try:
-        summary = decode_run(cfg, run_dir, logger)
+        with terminate_as_interrupt():
+            summary = decode_run(cfg, run_dir, logger)
         ok = True
         return summary
     except BaseException as err:
-        write_json_atomic(run_dir / "summary.json", {"status": "failed", "error": f"{type(err).__name__}: {err}"})
+        # Mark the run incomplete; the per-step records already flushed stay as they are.
+        write_json_atomic(run_dir / "summary.json", {
+            "status": "failed", "error": f"{type(err).__name__}: {err}",
+            "records_kept": {p.name: count_lines(p) for p in sorted((run_dir / "records").glob("*.jsonl"))},
+        })
         raise
     finally:
         logger.finish(ok)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's kill, `kill PID`) turned into an exception so the run is marked."""
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated(f"terminated by signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.endswith(b"\n"))
 
 
 def run_name(cfg: DictConfig) -> str:
@@ -88,8 +122,18 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     prompt = task.build(model.tokenizer, mc.vocab_size, settings.batch_size)
     input_ids = prompt.input_ids.to(device)
     prompt_len = input_ids.shape[1]
-    cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
-                         prompt_len + task.max_new_tokens, dtype, device)
+    try:
+        cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
+                             prompt_len + task.max_new_tokens, dtype, device)
+    except torch.OutOfMemoryError as err:
+        cache_bytes = (2 * mc.num_layers * settings.batch_size * mc.num_kv_heads * mc.head_dim
+                       * (prompt_len + task.max_new_tokens) * dtype.itemsize)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.decoder.parameters())
+        raise MemoryError(
+            f"out of memory on {device} allocating the KV cache: {cache_bytes / 2**30:.2f} GiB for {mc.num_layers} layers"
+            f" x batch {settings.batch_size} x {mc.num_kv_heads} KV heads x {prompt_len + task.max_new_tokens} tokens x "
+            f"head_dim {mc.head_dim} ({settings.dtype}), beside {weight_bytes / 2**30:.2f} GiB of weights; lower "
+            "task.prompt_tokens, runtime.batch_size or the model's num_layers") from err
     ops = instantiate(cfg.backend)
     selection_backend = selector.set_backend(ops.name)
     backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode=settings.mode,
@@ -120,6 +164,7 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
                 torch.cuda.synchronize(device)
             latency = time.perf_counter() - t0
             records, measure_s = backend.end_step()
+            check_finite(logits, step, backend)
             steps_out.write([row for r in records for row in layer_step_rows(r)])
             tokens_out.write([{"step": step, "token": int(token[0]), "wall_s": latency, "measure_s": measure_s,
                                "latency_s": latency - measure_s}])
@@ -163,6 +208,18 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     return summary
 
 
+def check_finite(logits: torch.Tensor, step: int, backend: DSABackend) -> None:
+    """NaN/Inf in a step's logits stop the run with the step and the first bad layer."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    bad = backend.nonfinite_layers()
+    where = f"first in the attention output of layer {bad[0]}" if bad else "not in any attention output (MLP/norm?)"
+    raise FloatingPointError(f"non-finite logits at decode step {step}, {where}; non-finite attention layers: {bad}")
+
+
 def read_jsonl(path: Path) -> pd.DataFrame:
+    """Rows of a records file. A last line cut short by a killed writer is left out (the
+    file is appended one step at a time, so every earlier line is whole)."""
     with open(path, encoding="utf-8") as f:
-        return pd.DataFrame([json.loads(line) for line in f if line.strip()])
+        lines = f.read().split("\n")
+    return pd.DataFrame([json.loads(line) for line in lines[:-1] if line.strip()])

@@ -23,8 +23,8 @@ class JsonlWriter:
         self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        for row in rows:
-            self._file.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        # One write per step, then flush: a crash leaves whole lines plus at most one cut-off last line.
+        self._file.write("".join(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n" for row in rows))
         self._file.flush()
 
     def close(self) -> None:

@@ -237,7 +237,9 @@ def _load_dir(path: Path, name: str, dtype: torch.dtype, device: str) -> LoadedM
     config = _read_dir_config(path)
     files = _safetensors_files(path)
     decoder = Decoder(config, dtype=dtype, device=device)
-    load_safetensors_into(decoder, files)
+    marker = path / _DONE_MARKER  # present in caches prr converted: holds the weights' checksums
+    checksums = json.loads(marker.read_text()).get("sha256") if marker.is_file() else None
+    load_safetensors_into(decoder, files, checksums)
     tokenizer = None
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
@@ -260,7 +262,11 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+class CorruptModelFile(ValueError):
+    """A weights file that cannot be what it claims (bad header, truncated, checksum mismatch)."""
+
+
+def read_safetensors(file: Path, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a .safetensors file as CPU views into one buffer filled by a single read.
 
     Format: u64 little-endian header size N, N bytes of JSON {name: {dtype, shape,
@@ -268,13 +274,33 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     Why not safe_open/load: on VMs where page faults are slow, mmap page-faulting (safe_open)
     or per-tensor allocation (load) costs ~2 s for 540 MB; one readinto costs ~0.3 s.
     """
+    fix = f"delete {file.parent} to reconvert it, or restore the file"
     with open(file, "rb") as handle:
-        header_size = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(header_size))
-        data_size = os.fstat(handle.fileno()).st_size - 8 - header_size
+        file_size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
+        header_size = int.from_bytes(prefix, "little")
+        if len(prefix) < 8 or header_size > file_size - 8:
+            raise CorruptModelFile(f"{file}: not a safetensors file (header of {header_size} bytes in a "
+                                   f"{file_size}-byte file); {fix}")
+        header_bytes = handle.read(header_size)
+        try:
+            header = json.loads(header_bytes)
+        except ValueError as err:
+            raise CorruptModelFile(f"{file}: unreadable safetensors header ({err}); {fix}") from None
+        data_size = file_size - 8 - header_size
         buffer = torch.empty(data_size, dtype=torch.uint8)  # [bytes]
         if handle.readinto(memoryview(buffer.numpy())) != data_size:
-            raise ValueError(f"{file}: truncated safetensors file")
+            raise CorruptModelFile(f"{file}: truncated safetensors file; {fix}")
+    if expected_sha256 is not None:
+        digest = hashlib.sha256(prefix)
+        digest.update(header_bytes)
+        digest.update(memoryview(buffer.numpy()))
+        if digest.hexdigest() != expected_sha256:
+            raise CorruptModelFile(f"{file}: checksum mismatch (sha256 {digest.hexdigest()[:16]}..., recorded "
+                                   f"{expected_sha256[:16]}... at conversion); {fix}")
+    ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"]
+    if ends and max(ends) > data_size:
+        raise CorruptModelFile(f"{file}: tensors extend past the end of the file; {fix}")
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -291,17 +317,18 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_safetensors_into(decoder: Decoder, files: list[Path]) -> None:
+def load_safetensors_into(decoder: Decoder, files: list[Path], checksums: dict[str, str] | None = None) -> None:
     """Fill the decoder from HF-named safetensors files, one file in host memory at a time.
 
     Strict like load_state_dict(strict=True): unknown keys, missing keys and shape
     mismatches raise. A tied lm_head may be absent; rotary inv_freq buffers are skipped.
+    checksums: {file name: sha256} recorded when prr converted the weights; verified on read.
     """
     params = decoder.state_dict(keep_vars=True)  # tied lm_head appears under both names
     seen: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        tensors = read_safetensors(file)
+        tensors = read_safetensors(file, (checksums or {}).get(file.name))
         for key, tensor in tensors.items():
             if key.endswith("rotary_emb.inv_freq"):
                 continue
@@ -399,7 +426,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if written != config:
             raise RuntimeError(f"converted config differs from the GGUF's: {written} vs {config}")
         stat = gguf_path.stat()
+        with open(out_dir / "model.safetensors", "rb") as weights:
+            sha256 = hashlib.file_digest(weights, "sha256").hexdigest()
         provenance = {
+            "sha256": {"model.safetensors": sha256},
             "source": str(gguf_path),
             "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns,

@@ -78,6 +78,7 @@ class DSABackend:
         self.records: list[LayerStepRecord] = []
         self._marks: list[list] = []  # stage-timer marks of each record, resolved at end_step
         self.measure_s = 0.0  # wall time of untimed measurement work this step (dense reference, serial check)
+        self._finite: dict[int, Tensor] = {}  # layer -> 0-dim bool: last attention output finite
 
     def _grouped(self, q: Tensor) -> Tensor:
         """q: [B, Hq, ...D] -> [B, Hkv, G, ...D]."""
@@ -126,7 +127,7 @@ class DSABackend:
         qg = self._grouped(q)  # [B, Hkv, G, D]
         if self.selector.is_dense_layer(layer):
             dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)
-            return dense.out.to(q.dtype).view_as(q)
+            return self._finished(layer, dense.out.to(q.dtype).view_as(q))
         num_blocks = self.cache.num_blocks(layer)
         budget_blocks = self.budget.predicted_blocks(layer, num_blocks, self.selector.selected_blocks(num_blocks))
         # Untimed measurement before the step: the oracle's look at the answer, and the
@@ -169,8 +170,17 @@ class DSABackend:
         if self.mode == "shadow":
             if dense is None:
                 dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)
-            return dense.out.to(q.dtype).view_as(q)
-        return result.state.out.to(q.dtype).view_as(q)
+            return self._finished(layer, dense.out.to(q.dtype).view_as(q))
+        return self._finished(layer, result.state.out.to(q.dtype).view_as(q))
+
+    def _finished(self, layer: int, out: Tensor) -> Tensor:
+        """Note whether a layer's attention output is finite (a device flag: no sync here)."""
+        self._finite[layer] = torch.isfinite(out).all()
+        return out
+
+    def nonfinite_layers(self) -> list[int]:
+        """Layers whose last attention output held NaN/Inf (synchronises; for error reports)."""
+        return [layer for layer, ok in sorted(self._finite.items()) if not bool(ok)]
 
     def end_step(self) -> tuple[list[LayerStepRecord], float]:
         """Close a decode step (all layers done): hand over its records and the seconds spent

@@ -53,10 +53,34 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
     return order.gather(-1, choice).squeeze(-1)
 
 
+def finished_run(run_dir: Path, config_yaml: str) -> dict[str, Any] | None:
+    """The summary of a complete run of this config in run_dir, if there is one.
+
+    This is how sweeps resume: re-launched into the same directory, finished jobs are
+    skipped and unfinished ones (running/failed) run again. A finished run of another
+    config is never overwritten."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return None
+    summary = json.loads(summary_path.read_text())
+    if summary.get("status") != "complete":
+        return None
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file() or config_path.read_text() != config_yaml:
+        raise FileExistsError(f"{run_dir} holds a finished run of a different config, which prr never overwrites; "
+                              "choose another hydra.run.dir (or hydra.sweep.dir)")
+    return summary
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     validate(cfg)  # every problem at once, before anything loads
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    done = finished_run(run_dir, config_yaml)
+    if done is not None:
+        print(f"prr: {run_dir} already holds this run, complete; skipped")
+        return done
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    write_text_atomic(run_dir / "config.yaml", config_yaml)
     write_json_atomic(run_dir / "summary.json", {"status": "running"})
     logger = instantiate(cfg.logger)
     logger.start(run_dir, OmegaConf.to_container(cfg, resolve=True), name=run_name(cfg))

@@ -170,3 +170,33 @@ def test_result_files_are_not_world_writable(tmp_path):
     for path in (tmp_path / "perm").rglob("*"):
         if path.is_file():
             assert not path.stat().st_mode & 0o002, path
+
+
+# --- resuming -------------------------------------------------------------------------------
+def test_a_finished_run_is_skipped_and_never_overwritten(tmp_path):
+    first = run(tiny_cfg(), tmp_path / "r")
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    again = run(tiny_cfg(), tmp_path / "r")
+    assert again == first
+    assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        run(tiny_cfg("predictor=last_step"), tmp_path / "r")
+
+
+def test_an_interrupted_run_runs_again(tmp_path):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"status": "running"}))
+    assert run(tiny_cfg(), out)["status"] == "complete"
+
+
+def test_relaunched_sweep_skips_finished_jobs(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    sweep = [sys.executable, str(ROOT / "run.py"), "-m", *TINY, "predictor=none,last_step", f"hydra.sweep.dir={tmp_path / 's'}"]
+    assert subprocess.run(sweep, cwd=tmp_path, env=env, capture_output=True, timeout=600).returncode == 0
+    summaries = sorted((tmp_path / "s").glob("*/summary.json"))
+    assert len(summaries) == 2
+    stamps = [p.stat().st_mtime_ns for p in summaries]
+    done = subprocess.run(sweep, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.count("skipped") == 2
+    assert stamps == [p.stat().st_mtime_ns for p in summaries]

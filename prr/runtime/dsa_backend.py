@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prr.attention_state import AttentionState
+from prr.attention_state import AttentionState, merge
 from prr.block_attention import attend_blocks, attend_dense
 from prr.blocks import BlockSet
 from prr.budget.base import SpeculationBudget
@@ -152,6 +152,8 @@ class DSABackend:
             output_relerr = relative_error(result.state.out, dense.out)
         if self.check_serial:
             serial = attend_blocks(qg, self.cache, layer, result.selection.blocks, end, self.scale)
+            if self.selector.compensates:  # serial DSA gets the same compensation as the PRR step
+                serial = merge(serial, self.selector.compensation(qg, self.cache, layer, result.selection))
             serial_relerr = relative_error(result.state.out, serial.out)
         if self.mode == "sparse":  # in shadow mode the dense attention is the step's real output
             self.measure_s += time.perf_counter() - measure_start

@@ -2,6 +2,10 @@
 
     predict -> (speculate ∥ select) -> repair -> merge -> update predictor
 
+Selectors that `compensate` (LESS) add one partial state for the unselected blocks, merged
+after repair in the merge stage (also under serial DSA, |P| = 0), so exact-mode PRR and
+serial DSA receive the same compensation.
+
 Torch reference: the stages run one after the other and are timed one by one; on a GPU
 speculate and select run concurrently (prr.runtime on CUDA). No stage calls another;
 each returns a typed value, and the record of the step is built from them.
@@ -85,6 +89,9 @@ def prr_attention(
                 keep = torch.gather(selected, -1, predicted.indices) & predicted.valid()  # P ∩ A: [B, Hkv, |P|]
                 speculative = ops.merge_many(partials.out, partials.lse, keep.unsqueeze(2))
             state = merge(speculative, repaired)
+    if selector.compensates:  # LESS: the unselected blocks' low-rank estimate, one more partial state
+        with timer.stage("merge"):
+            state = merge(state, selector.compensation(q, cache, layer, selection))
     with timer.stage("predict"):
         predictor.update(predictor_state, layer, selection)
     return PrrStepResult(state=state, selection=selection, predicted=predicted, missed=missed)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from prr.attention_state import AttentionState
 from prr.blocks import BlockSet, top_blocks
 from prr.cache import PagedKVCache
 
@@ -66,6 +67,16 @@ class Selector(ABC):
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
         """q: [B, Hkv, G, D] -> block scores per query head [B, Hkv, G, max_blocks] over the
         first `length` tokens (entries past the context are ignored)."""
+
+    # Selectors that change the attention output beyond choosing blocks (LESS's low-rank
+    # compensation of the unselected blocks) set `compensates` and implement `compensation`;
+    # the runtime merges its state after repair, in the timed merge stage.
+    compensates = False
+
+    def compensation(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection) -> AttentionState:
+        """q: [B, Hkv, G, D] -> a partial state (out [B, Hkv, G, D], lse [B, Hkv, G], prr's LSE
+        convention) for the tokens of the cache's blocks outside `selection`."""
+        raise NotImplementedError(f"{type(self).__name__} has no compensation (compensates=False)")
 
     # --- backends ---------------------------------------------------------------------------
     # Selectors with Triton kernels override `triton_problems` and honour self.backend; the

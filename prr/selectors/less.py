@@ -1,0 +1,221 @@
+"""`less` (arXiv 2402.09398, adapted to dynamic block selection): top-K selection plus a
+low-rank compensation of the blocks left out.
+
+LESS pairs a sparse KV policy with a small recurrent state that summarises the tokens the
+policy drops. Here the dropped tokens change every step (those of the unselected blocks),
+so the summaries are kept per block and as running totals (DESIGN.md §1):
+
+    S_b = Σ_{k∈b} φ(k) vᵀ   [m, D],     s_b = Σ_{k∈b} φ(k)   [m],     S_tot, s_tot over all blocks
+
+and at decode the unselected blocks U contribute, per query head,
+
+    mass_U ≈ φ(q) · (s_tot − Σ_{b∈A} s_b),      num_U ≈ φ(q)ᵀ (S_tot − Σ_{b∈A} S_b),
+
+which the runtime merges with the sparse attention state over A as one more partial state
+(out = num_U / mass_U, lse = log mass_U) by log-sum-exp, after repair, in the merge stage.
+
+**Feature map** (training-free; a trained per-layer MLP as in the LESS paper is a later
+step and is *not* built): positive random features (FAVOR+, arXiv 2009.14794), with
+x' = √scale · x and w_j ~ N(0, I_D) (block-orthogonal rows with chi-distributed norms when
+`orthogonal=true`), one draw per layer and KV head from `seed`:
+
+    φ_j(x) = exp(w_j·x' − ‖x'‖²/2) / √m,      E[φ(q)·φ(k)] = exp(scale · q·k)   (unbiased)
+
+so mass_U estimates Σ_{k∈U} exp(scale·q·k) — the same quantity the sparse state's lse is
+the log of (prr's convention: natural log of Σ exp of scaled scores). The two states are
+therefore commensurate and merge exactly like two attention partials. `scale` is
+1/√head_dim, the scale DSABackend uses.
+
+Variance control: keys are centred on a per-(layer, KV head) vector c fixed at the first
+metadata update (the mean prompt key at prefill, `center_keys=true`):
+exp(scale·q·k) = exp(scale·q·c) · exp(scale·q·(k − c)); the first factor is exact and is
+added to the lse, the features see k − c (RoPE'd keys share a large common component).
+Summaries are stored with per-feature offsets (S̃ = S·exp(−c), c a running max of the
+feature logits), so no exponential overflows; the subtraction total − selected is done at
+the total's offset. Its cancellation noise is ~fp32 eps × the total; a compensation whose
+estimated mass is below 1e-6 of the estimated total mass, or that has no unselected block,
+is dropped (lse = −inf): with every block selected LESS is exactly dense attention.
+
+**Selection**: `scores=quest` (default) ranks blocks with Quest's bound, so `selector=less`
+and `selector=quest` at the same top-K select alike and differ only by the compensation;
+`scores=features` ranks them by their estimated mass φ(q)·s_b. `compensate=false` turns
+the compensation off (then `scores=quest` is Quest).
+
+Metadata per sparse layer (dense layers keep none): Quest's slots, `less_S`
+[B, Hkv, max_blocks, m, D], `less_s` and `less_c` [B, Hkv, max_blocks, m] fp32 (memory:
+m·(D+2) floats per block and KV head — with m = 64, D = 64 about twice the block's own
+keys and values at block_size 16), and in the layer's metadata dict the totals
+`less_S_tot` [B, Hkv, m, D], `less_s_tot`/`less_c_tot` [B, Hkv, m], the centre `less_center`
+[B, Hkv, D] and the features `less_w` [Hkv, m, D]. No Triton kernels (torch under every
+backend); `budget=profiled` times selection only, not the compensation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from prr.attention_state import AttentionState
+from prr.cache import PagedKVCache
+from prr.selectors.base import Selection
+from prr.selectors.quest import QuestSelector
+
+SCORES = ("quest", "features")
+MIN_RELATIVE_MASS = 1e-6  # compensations carrying less of the estimated total mass are dropped
+
+
+class LessSelector(QuestSelector):
+    def __init__(
+        self,
+        topk_blocks: int,
+        sink_blocks: int = 1,
+        local_blocks: int = 0,
+        force_newest: bool = True,
+        gqa_reduce: str = "max",
+        dense_layers: Sequence[int] = (),
+        num_features: int = 64,
+        orthogonal: bool = True,
+        center_keys: bool = True,
+        scores: str = "quest",
+        compensate: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers)
+        if scores not in SCORES:
+            raise ValueError(f"selector.scores={scores!r} is not one of {list(SCORES)}")
+        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
+            raise ValueError(f"selector.num_features={num_features!r} must be a positive integer (random features)")
+        for name, value in (("orthogonal", orthogonal), ("center_keys", center_keys), ("compensate", compensate)):
+            if not isinstance(value, bool):
+                raise ValueError(f"selector.{name}={value!r} is not one of [True, False]")
+        self.num_features, self.orthogonal, self.center_keys = num_features, orthogonal, center_keys
+        self.scores, self.seed = scores, seed
+        self.compensates = compensate
+
+    def triton_problems(self) -> None:
+        return None  # no kernels: torch selection under every backend
+
+    # --- feature map ---------------------------------------------------------------------------
+    def _features(self, cache: PagedKVCache, layer: int) -> Tensor:
+        """-> w: [Hkv, m, D] fp32, drawn once per layer."""
+        slots = cache.metadata[layer]
+        if "less_w" not in slots:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + layer)
+            h, m, d = cache.num_kv_heads, self.num_features, cache.head_dim
+            if self.orthogonal:
+                rows = []
+                for _ in range(h):
+                    chunks = []
+                    for _ in range(-(-m // d)):
+                        qmat, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+                        chunks.append(qmat.T)  # d orthonormal rows
+                    norms = torch.randn(m, d, generator=g, dtype=torch.float64).norm(dim=-1, keepdim=True)
+                    rows.append(torch.cat(chunks)[:m] * norms)
+                w = torch.stack(rows)
+            else:
+                w = torch.randn(h, m, d, generator=g, dtype=torch.float64)
+            slots["less_w"] = w.float().to(cache.device)
+        return slots["less_w"]
+
+    def _logits(self, x: Tensor, w: Tensor, scale: float) -> Tensor:
+        """x: [B, Hkv, T, D], w: [Hkv, m, D] -> log φ(x): [B, Hkv, T, m]."""
+        x = x.float() * math.sqrt(scale)
+        return x @ w.transpose(-1, -2) - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(w.shape[1])
+
+    # --- metadata ------------------------------------------------------------------------------
+    def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        if self.is_dense_layer(layer) or end <= start:
+            return
+        super().update_metadata(cache, layer, start, end)  # Quest's key max/min
+        b, h, d, m, s = cache.batch, cache.num_kv_heads, cache.head_dim, self.num_features, cache.block_size
+        scale = 1.0 / math.sqrt(d)
+        w = self._features(cache, layer)
+        slots = cache.metadata[layer]
+        if "less_center" not in slots:
+            new_keys = cache.keys[layer][:, :, start:end].float()
+            slots["less_center"] = new_keys.mean(2) if self.center_keys else torch.zeros_like(new_keys[:, :, 0])
+            slots["less_S_tot"] = torch.zeros(b, h, m, d, device=cache.device)
+            slots["less_s_tot"] = torch.zeros(b, h, m, device=cache.device)
+            slots["less_c_tot"] = torch.full((b, h, m), float("-inf"), device=cache.device)
+        center = slots["less_center"].unsqueeze(2)  # [B, Hkv, 1, D]
+        big_s = cache.metadata_slot(layer, "less_S", (m, d), torch.float32)
+        small_s = cache.metadata_slot(layer, "less_s", (m,), torch.float32)
+        offset = cache.metadata_slot(layer, "less_c", (m,), torch.float32, float("-inf"))
+
+        # Running totals: add the new tokens [start, end).
+        logits = self._logits(cache.keys[layer][:, :, start:end] - center, w, scale)  # [B, Hkv, T, m]
+        values = cache.values[layer][:, :, start:end].float()  # [B, Hkv, T, D]
+        c_old = slots["less_c_tot"]
+        c_new = torch.maximum(c_old, logits.amax(2))
+        keep = torch.exp(c_old - c_new)  # 0 while the totals are empty
+        weights = torch.exp(logits - c_new.unsqueeze(2))  # [B, Hkv, T, m]
+        slots["less_S_tot"] = slots["less_S_tot"] * keep.unsqueeze(-1) + weights.transpose(-1, -2) @ values
+        slots["less_s_tot"] = slots["less_s_tot"] * keep + weights.sum(2)
+        slots["less_c_tot"] = c_new
+
+        # Per-block summaries: recompute the touched blocks from all their live tokens.
+        first, last = start // s, -(-end // s)
+        n = last - first
+        keys = cache.keys[layer][:, :, first * s : last * s]
+        logits = self._logits(keys - center, w, scale).view(b, h, n, s, m)
+        live = (torch.arange(first * s, last * s, device=keys.device) < end).view(1, 1, n, s, 1)
+        logits = logits.masked_fill(~live, float("-inf"))
+        c_block = logits.amax(3)  # [B, Hkv, n, m]; finite: a touched block has a live token
+        weights = torch.exp(logits - c_block.unsqueeze(3))  # [B, Hkv, n, S, m]; 0 past `end`
+        values = cache.values[layer][:, :, first * s : last * s].float().view(b, h, n, s, d)
+        big_s[:, :, first:last] = weights.transpose(-1, -2) @ values  # [B, Hkv, n, m, D]
+        small_s[:, :, first:last] = weights.sum(3)
+        offset[:, :, first:last] = c_block
+
+    # --- selection scores ------------------------------------------------------------------------
+    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
+        if self.scores == "quest":
+            return super().head_scores(q, cache, layer, length)
+        # Estimated log attention mass per block: log Σ_j φ_j(q) s_{b,j} + scale·q·c.
+        scale = 1.0 / math.sqrt(cache.head_dim)
+        slots = cache.metadata[layer]
+        q_logits = self._logits(q, self._features(cache, layer), scale)  # [B, Hkv, G, m]
+        log_s = torch.log(slots["less_s"]) + slots["less_c"]  # [B, Hkv, NB, m]; -inf for empty blocks
+        per_block = torch.logsumexp(q_logits.unsqueeze(3) + log_s.unsqueeze(2), dim=-1)  # [B, Hkv, G, NB]
+        exact = scale * (q.float() * slots["less_center"].unsqueeze(2)).sum(-1, keepdim=True)  # [B, Hkv, G, 1]
+        return per_block + exact
+
+    # --- compensation ----------------------------------------------------------------------------
+    def compensation(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection) -> AttentionState:
+        """q: [B, Hkv, G, D] -> the unselected blocks' estimated state: out [B, Hkv, G, D],
+        lse [B, Hkv, G] (log of the estimated Σ exp(scale·q·k) over their tokens; −inf if none)."""
+        scale = 1.0 / math.sqrt(cache.head_dim)
+        slots = cache.metadata[layer]
+        num_blocks = cache.num_blocks(layer)
+        blocks = selection.blocks
+        b, h, c = blocks.indices.shape
+        m, d = self.num_features, cache.head_dim
+        c_tot = slots["less_c_tot"]  # [B, Hkv, m]
+        # Σ over A of the block summaries, brought to the totals' offsets (c_b <= c_tot: no overflow).
+        index = blocks.indices.unsqueeze(-1)  # [B, Hkv, C, 1]
+        rescale = torch.exp(torch.gather(cache.metadata[layer]["less_c"], 2, index.expand(b, h, c, m)) - c_tot.unsqueeze(2))
+        rescale = rescale * blocks.valid().unsqueeze(-1)  # padding entries count nothing: [B, Hkv, C, m]
+        sel_small = (torch.gather(slots["less_s"], 2, index.expand(b, h, c, m)) * rescale).sum(2)  # [B, Hkv, m]
+        sel_big = torch.gather(slots["less_S"], 2, index.unsqueeze(-1).expand(b, h, c, m, d))
+        sel_big = (sel_big * rescale.unsqueeze(-1)).sum(2)  # [B, Hkv, m, D]
+        rest_small = (slots["less_s_tot"] - sel_small).clamp(min=0)
+        rest_big = slots["less_S_tot"] - sel_big
+
+        log_w = self._logits(q, self._features(cache, layer), scale) + c_tot.unsqueeze(2)  # [B, Hkv, G, m]
+        top = log_w.amax(-1, keepdim=True)
+        weights = torch.exp(log_w - top)  # [B, Hkv, G, m]
+        mass = (weights * rest_small.unsqueeze(2)).sum(-1)  # [B, Hkv, G], in units of exp(top)
+        total = (weights * slots["less_s_tot"].unsqueeze(2)).sum(-1)
+        numerator = weights @ rest_big  # [B, Hkv, G, D]
+
+        inside = torch.arange(cache.max_blocks, device=q.device) < num_blocks
+        unselected = (inside & ~blocks.mask(cache.max_blocks)).any(-1)  # [B, Hkv]
+        use = unselected.unsqueeze(-1) & (mass > MIN_RELATIVE_MASS * total)  # [B, Hkv, G]
+        safe_mass = torch.where(use, mass, torch.ones_like(mass))
+        out = torch.where(use.unsqueeze(-1), numerator / safe_mass.unsqueeze(-1), torch.zeros_like(numerator))
+        exact = scale * (q.float() * slots["less_center"].unsqueeze(2)).sum(-1)  # [B, Hkv, G]
+        lse = torch.where(use, top.squeeze(-1) + torch.log(safe_mass) + exact, torch.full_like(mass, float("-inf")))
+        return AttentionState(out=out, lse=lse)

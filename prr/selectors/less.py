@@ -24,7 +24,10 @@ x' = √scale · x and w_j ~ N(0, I_D) (block-orthogonal rows with chi-distribut
 so mass_U estimates Σ_{k∈U} exp(scale·q·k) — the same quantity the sparse state's lse is
 the log of (prr's convention: natural log of Σ exp of scaled scores). The two states are
 therefore commensurate and merge exactly like two attention partials. `scale` is
-1/√head_dim, the scale DSABackend uses.
+1/√head_dim, the scale DSABackend uses. Limitation, measured on SmolLM2-135M: its queries
+have ‖q‖²·scale ≈ 28, where the estimator is heavy-tailed and, with m = 64, underestimates
+the unselected mass by ~e^10 (the compensation then barely changes the output); this is
+what a trained feature map has to fix.
 
 Variance control: keys are centred on a per-(layer, KV head) vector c fixed at the first
 metadata update (the mean prompt key at prefill, `center_keys=true`):

@@ -1,0 +1,76 @@
+"""Selector fidelity on the default model: every selector at top-K budgets of 256, 512,
+1024 and 2048 tokens, in shadow mode (attention stays dense, so all selectors are measured
+on identical inputs), with the EMA predictor at |P| = K.
+
+    python experiments/selector_fidelity.py [--out experiments/results/cpu/selector_fidelity]
+                                            [--steps 32] [--runs-dir multirun/selector_fidelity]
+
+Writes OUT.csv (one row per selector x budget: attention-mass recall, output relative
+error against dense, last-step overlap, EMA hit rate), OUT_per_layer.csv (the same per
+layer) and OUT.json (command, device, versions, date, rows). Each run is an ordinary run
+directory under --runs-dir; re-running skips finished ones (prr's resume rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prr.runner import run  # noqa: E402
+
+SELECTORS = ("quest", "infllm", "less", "exact")
+BUDGET_TOKENS = (256, 512, 1024, 2048)
+COLUMNS = ("mean_mass_recall", "mean_output_relerr", "last_step_overlap", "hit_rate", "hit_rate_at_k",
+           "mean_selected_blocks")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/cpu/selector_fidelity")
+    parser.add_argument("--runs-dir", type=Path, default=Path("multirun/selector_fidelity"))
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per run")
+    args = parser.parse_args()
+    rows, layer_rows = [], []
+    for selector in SELECTORS:
+        for budget in BUDGET_TOKENS:
+            overrides = [f"selector={selector}", f"selector.topk_blocks={budget // 16}", "runtime.block_size=16",
+                         "runtime.mode=shadow", "predictor=ema", "budget=fixed", "budget.ratio=1.0", "logger=none",
+                         f"task.max_new_tokens={args.steps}", "task.stop_at_eos=false"]
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=overrides)
+            run_dir = args.runs_dir / f"{selector}-{budget}"
+            summary = run(cfg, run_dir)
+            rows.append({"selector": selector, "budget_tokens": budget, **{c: summary.get(c) for c in COLUMNS},
+                         "prompt_tokens": summary["prompt_tokens"], "decode_steps": summary["decode_steps"]})
+            layers = pd.read_csv(run_dir / "layers.csv")
+            layers.insert(0, "budget_tokens", budget)
+            layers.insert(0, "selector", selector)
+            layer_rows.append(layers)
+    command = "python " + " ".join(sys.argv)
+    frame = pd.DataFrame(rows)
+    frame.insert(0, "command", command)
+    per_layer = pd.concat(layer_rows, ignore_index=True)
+    per_layer.insert(0, "command", command)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(args.out.with_suffix(".csv"), index=False)
+    per_layer.to_csv(args.out.parent / f"{args.out.name}_per_layer.csv", index=False)
+    record = {"command": command, "device": f"cpu {platform.machine()}, {torch.get_num_threads()} threads",
+              "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "model": "smollm2-135m", "mode": "shadow", "rows": rows}
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    print(frame.drop(columns=["command"]).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+
+if __name__ == "__main__":
+    main()

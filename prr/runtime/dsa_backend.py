@@ -135,7 +135,9 @@ class DSABackend:
         measure_start = time.perf_counter()
         current = self.selector.select(qg, self.cache, layer) if self.predictor.needs_current_selection else None
         capacity = self.selector.capacity(self.group, self.cache.max_blocks)  # |A| at most
-        ranking = self.predictor.propose(self.predictor_state, layer, self.cache.num_blocks(layer), capacity, current)
+        query = {"query": qg} if getattr(self.predictor, "needs_query", False) else {}  # query_similarity
+        ranking = self.predictor.propose(self.predictor_state, layer, self.cache.num_blocks(layer), capacity, current,
+                                         **query)
         self.measure_s += time.perf_counter() - measure_start
         result = prr_attention(qg, self.cache, layer, self.selector, self.predictor, self.predictor_state,
                                budget_blocks, self.repair_mode, self.timer, self.scale, current=current,

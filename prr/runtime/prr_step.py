@@ -66,7 +66,9 @@ def prr_attention(
         raise ValueError(f"{type(predictor).__name__} needs the current selection: pass current=selector.select(...)")
 
     with timer.stage("predict"):
-        predicted = predictor.propose(predictor_state, layer, num_blocks, budget_blocks, current)
+        # Predictors that declare `needs_query` (query_similarity) also get q: it is known before selection.
+        query = {"query": q} if getattr(predictor, "needs_query", False) else {}
+        predicted = predictor.propose(predictor_state, layer, num_blocks, budget_blocks, current, **query)
     speculating = predicted.capacity > 0  # static shape: known on the host, no sync
     if speculating:  # serial DSA (|P| = 0) has no speculate stage and nothing to merge
         with timer.stage("speculate"):

@@ -1,0 +1,86 @@
+"""The PRR-step glue kernels (prr.kernels.prr_merge) against their torch references, on fresh
+random selections at odd sizes (CPU: TRITON_INTERPRET=1 from conftest; GPU: -m gpu)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from prr.kernels import prr_merge as pm
+
+from prr.attention_state import merge_many
+
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+
+
+def random_lists(batch, heads, max_blocks, cap, generator):
+    """-> (ids [B, H, cap] int32 distinct ascending then junk, counts [B, H] int32)."""
+    ids = torch.full((batch, heads, cap), 7, dtype=torch.int32)  # junk padding, never read
+    counts = torch.randint(0, cap + 1, (batch, heads), generator=generator, dtype=torch.int32)
+    for b in range(batch):
+        for h in range(heads):
+            n = int(counts[b, h])
+            ids[b, h, :n] = torch.randperm(max_blocks, generator=generator)[:n].sort().values.int()
+    return ids, counts
+
+
+@pytest.mark.parametrize("batch,heads,max_blocks,sel_cap,pred_cap,seed", [
+    (1, 1, 5, 3, 4, 0), (2, 3, 37, 11, 17, 1), (3, 2, 300, 41, 61, 2), (1, 8, 1000, 64, 96, 3),
+])
+def test_repair_plan_is_a_minus_p_and_p_and_a(batch, heads, max_blocks, sel_cap, pred_cap, seed):
+    g = torch.Generator().manual_seed(seed)
+    a, na = random_lists(batch, heads, max_blocks, sel_cap, g)
+    p, npred = random_lists(batch, heads, max_blocks, pred_cap, g)
+    # Overlap P with A on purpose, as a predictor would.
+    p[..., : sel_cap // 2] = torch.where(torch.arange(sel_cap // 2) < na[..., None], a[..., : sel_cap // 2],
+                                         p[..., : sel_cap // 2])
+    for b in range(batch):
+        for h in range(heads):
+            n = int(npred[b, h])
+            row = p[b, h, :n].unique()
+            npred[b, h] = len(row)
+            p[b, h, : len(row)] = row
+    scratch = pm.repair_scratch(batch, heads, max_blocks, torch.device(DEVICE))
+    args = [t.to(DEVICE) for t in (a, na, p, npred)]
+    miss, nmiss, keep = pm.repair_plan(*args, scratch)
+    want_miss, want_keep = pm.repair_plan_reference(a, na, p, npred, max_blocks)
+    for b in range(batch):
+        for h in range(heads):
+            assert miss[b, h, : int(nmiss[b, h])].tolist() == want_miss[b][h], (b, h)
+    assert torch.equal(keep.cpu(), want_keep)
+    assert int(scratch.abs().sum()) == 0, "the scratch bitmap must be left zeroed"
+
+
+@pytest.mark.parametrize("batch,hq,hkv,parts,d,seed", [(1, 1, 1, 1, 64, 0), (2, 6, 2, 13, 64, 1),
+                                                       (1, 8, 2, 200, 128, 2)])
+def test_merge_speculation_equals_merge_many_then_merge(batch, hq, hkv, parts, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    part_out = torch.randn(batch, hq, parts, d, generator=g)
+    part_lse = torch.randn(batch, hq, parts, generator=g) * 4
+    part_lse[..., ::5] = float("-inf")  # empty partials (padding, blocks without live tokens)
+    part_out[..., ::5, :] = float("nan")  # ... whose out must never be read
+    keep = torch.rand(batch, hkv, parts, generator=g) < 0.6
+    rep_out = torch.randn(batch, hq, d, generator=g)
+    rep_lse = torch.randn(batch, hq, generator=g) * 4
+    rep_lse[0, 0] = float("-inf")  # nothing missed for this head
+    rep_out[0, 0] = float("nan")
+    out, lse = pm.merge_speculation(*(t.to(DEVICE) for t in (part_out, part_lse, keep, rep_out, rep_lse)))
+    want_out, want_lse = pm.merge_speculation_reference(part_out.nan_to_num(), part_lse, keep, rep_out.nan_to_num(),
+                                                         rep_lse)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_speculation_with_nothing_kept_is_the_repair_state():
+    rep_out, rep_lse = torch.randn(1, 4, 64), torch.randn(1, 4)
+    part_out, part_lse = torch.randn(1, 4, 3, 64), torch.randn(1, 4, 3)
+    out, lse = pm.merge_speculation(part_out, part_lse, torch.zeros(1, 2, 3, dtype=torch.bool), rep_out, rep_lse)
+    torch.testing.assert_close(out, rep_out)
+    torch.testing.assert_close(lse, rep_lse)
+    spec = merge_many(part_out, part_lse)
+    out2, lse2 = pm.merge_speculation(part_out, part_lse, torch.ones(1, 2, 3, dtype=torch.bool), rep_out,
+                                      torch.full((1, 4), float("-inf")))
+    torch.testing.assert_close(out2, spec.out)
+    torch.testing.assert_close(lse2, spec.lse)

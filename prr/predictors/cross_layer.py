@@ -1,0 +1,95 @@
+"""`cross_layer`: predict layer l's set from the layer below's selection at the same decode
+step, optionally mixed with the temporal EMA of layer l itself.
+
+The runtime updates the predictor layer by layer inside a step, so when layer l proposes,
+the nearest sparse layer below it (l−1, or further down past dense layers) has already
+been selected this step; that selection is history for layer l (it never sees its own
+current selection). With c = that source layer:
+
+    cross(b) = z_{c,t}(b) + source_stickiness · 1[b ∈ A_{c,t}]       z: standardised scores
+    rank(b)  = (1 − w) · cross(b) + w · ema_l(b)                    w = temporal_weight
+
+ema_l is `ema`'s rank for layer l (prr/predictors/ema.py, calibrated on the prefill tail
+when calibrate=true). When no sparse layer below has been selected this step (the first
+sparse layer), rank = ema_l alone. w = 0: pure cross-layer; w = 1: the plain EMA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prr.predictors.base import NEVER, Predictor
+from prr.predictors.ema import EmaPredictor, EmaState, standardise
+from prr.selectors.base import Selection
+
+
+@dataclass
+class CrossLayerState:
+    ema: EmaState  # the temporal part, per layer
+    z: Tensor  # [L, B, Hkv, max_blocks] fp32 standardised scores of each layer's latest selection
+    selected: Tensor  # [L, B, Hkv, max_blocks] bool: each layer's latest selection
+    updates: list[int]  # [L] selections seen per layer: a layer below is "this step" when it saw one more
+
+
+class CrossLayerPredictor(Predictor):
+    def __init__(
+        self,
+        temporal_weight: float = 0.0,
+        source_stickiness: float = 1.0,
+        alpha: float = 0.8,
+        stickiness: float = 1.0,
+        recency: float = 1.0,
+        recent_blocks: int = 1,
+        calibrate: bool = True,
+        burn_in_steps: int = 4,
+    ) -> None:
+        if not 0.0 <= temporal_weight <= 1.0:
+            raise ValueError(f"predictor.temporal_weight={temporal_weight} must lie in [0, 1] (0: cross-layer only, "
+                             "1: the plain EMA)")
+        if source_stickiness < 0:
+            raise ValueError(f"predictor.source_stickiness={source_stickiness} must be >= 0")
+        self.temporal_weight, self.source_stickiness = temporal_weight, source_stickiness
+        self.temporal = EmaPredictor(alpha=alpha, stickiness=stickiness, recency=recency, recent_blocks=recent_blocks,
+                                     calibrate=calibrate, burn_in_steps=burn_in_steps)
+        # read by prr.config_check (calibration needs enough prefill-tail steps)
+        self.calibrate_on_prefill, self.burn_in_steps = calibrate, burn_in_steps
+
+    def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> CrossLayerState:
+        shape = (num_layers, batch, num_kv_heads, max_blocks)
+        return CrossLayerState(self.temporal.init_state(num_layers, batch, num_kv_heads, max_blocks, device),
+                               torch.zeros(shape, device=device), torch.zeros(shape, dtype=torch.bool, device=device),
+                               [0] * num_layers)
+
+    def source_layer(self, state: CrossLayerState, layer: int) -> int | None:
+        """The nearest layer below `layer` already selected in the current step, if any."""
+        for below in range(layer - 1, -1, -1):
+            if state.updates[below] == state.updates[layer] + 1:
+                return below
+            if state.updates[below] > 0:
+                return None  # a sparse layer below that is not ahead: nothing this step yet
+        return None
+
+    def rank(self, state: CrossLayerState, layer: int, num_blocks: int) -> Tensor:
+        temporal = self.temporal.rank(state.ema, layer, num_blocks)  # [B, Hkv, N], NEVER past the context
+        source = self.source_layer(state, layer)
+        if source is None or self.temporal_weight == 1.0:
+            return temporal
+        cross = state.z[source] + self.source_stickiness * state.selected[source]
+        w = self.temporal_weight
+        score = (1 - w) * cross + w * temporal if w > 0 else cross
+        inside = torch.arange(score.shape[-1], device=score.device) < num_blocks
+        return score.masked_fill(~inside, NEVER)
+
+    def update(self, state: CrossLayerState, layer: int, selection: Selection) -> None:
+        self.temporal.update(state.ema, layer, selection)
+        state.z[layer] = standardise(selection.scores)
+        state.selected[layer] = selection.blocks.mask(state.z.shape[-1])
+        state.updates[layer] += 1
+
+    def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
+        """Calibrates the temporal EMA (see EmaPredictor.calibrate); the cross-layer part has no fitted parameters."""
+        return self.temporal.calibrate(history)

@@ -1,0 +1,110 @@
+"""`spin`: vertical and diagonal EMAs of past block scores, max-pooled, with a small
+random-exploration share (after SPIN, arXiv 2610.09025; our reading of its description):
+
+    x_t(b)   = z_t(b) + selection_bonus · 1[b ∈ A_t]      z: selector score standardised per KV head
+                                                            (the bonus shows forced blocks, sinks and
+                                                            the newest, that raw scores do not)
+    v_t(b)   = α_v · v_{t−1}(b) + (1 − α_v) · x_t(b)        vertical: block b itself
+    d_t(δ)   = α_d · d_{t−1}(δ) + (1 − α_d) · x_t(n_t − 1 − δ)
+                                                            diagonal: the block δ blocks behind the
+                                                            newest one (n_t blocks in the context)
+    rank_{t+1}(b) = max(v_t(b), d_t(n_{t+1} − 1 − b))       max-pooled
+
+P = the best ⌈(1 − explore)·|P|⌉ blocks by rank, then the rest of the budget drawn uniformly
+from the other blocks of the context (exploration finds blocks that turn relevant without a
+score history). The draw is seeded by (seed, layer, selections seen), so a proposal is a
+deterministic function of the state: proposing twice in one step gives the same P.
+Unseen blocks and distances start at 0 (average).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prr.blocks import BlockSet, top_blocks
+from prr.predictors.base import NEVER, Predictor
+from prr.predictors.ema import standardise
+from prr.selectors.base import Selection
+
+
+@dataclass
+class SpinState:
+    vertical: Tensor  # [L, B, Hkv, max_blocks] fp32 EMA per block id
+    diagonal: Tensor  # [L, B, Hkv, max_blocks] fp32 EMA per distance δ from the newest block (δ = 0: newest)
+    updates: list[int]  # [L] selections seen per layer (host ints: seeds the exploration draw, no sync)
+
+
+class SpinPredictor(Predictor):
+    def __init__(
+        self,
+        alpha_vertical: float = 0.8,
+        alpha_diagonal: float = 0.8,
+        selection_bonus: float = 1.0,
+        explore: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        for name, a in (("alpha_vertical", alpha_vertical), ("alpha_diagonal", alpha_diagonal)):
+            if not 0.0 <= a < 1.0:
+                raise ValueError(f"predictor.{name}={a} must lie in [0, 1)")
+        if not 0.0 <= explore < 1.0:
+            raise ValueError(f"predictor.explore={explore} must lie in [0, 1) (the share of |P| drawn at random)")
+        if selection_bonus < 0:
+            raise ValueError(f"predictor.selection_bonus={selection_bonus} must be >= 0")
+        self.alpha_vertical, self.alpha_diagonal = alpha_vertical, alpha_diagonal
+        self.selection_bonus = selection_bonus
+        self.explore = explore
+        self.seed = seed
+
+    def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> SpinState:
+        shape = (num_layers, batch, num_kv_heads, max_blocks)
+        return SpinState(torch.zeros(shape, device=device), torch.zeros(shape, device=device), [0] * num_layers)
+
+    def rank(self, state: SpinState, layer: int, num_blocks: int) -> Tensor:
+        """-> [B, Hkv, max_blocks]: max of the vertical and diagonal EMAs; NEVER past the context."""
+        max_blocks = state.vertical.shape[-1]
+        ids = torch.arange(max_blocks, device=state.vertical.device)
+        distance = (num_blocks - 1 - ids).clamp(min=0)  # of block b from the newest block
+        diagonal = state.diagonal[layer][..., distance]  # [B, Hkv, max_blocks], indexed by block id
+        score = torch.maximum(state.vertical[layer], diagonal)
+        return score.masked_fill(ids >= num_blocks, NEVER)
+
+    def propose(
+        self, state: SpinState, layer: int, num_blocks: int, budget_blocks: int, current: Selection | None = None
+    ) -> BlockSet:
+        rank = self.rank(state, layer, num_blocks)  # [B, Hkv, N]
+        explored = math.floor(self.explore * budget_blocks)
+        if explored == 0:
+            return top_blocks(rank, budget_blocks)
+        n = rank.shape[-1]
+        exploit = budget_blocks - explored
+        order = torch.sort(rank, dim=-1, descending=True, stable=True).indices  # [B, Hkv, N]
+        position = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=rank.device).expand_as(order))
+        inside = rank > NEVER
+        best = (position < exploit) & inside
+        generator = torch.Generator(device=rank.device).manual_seed(
+            hash((self.seed, layer, state.updates[layer])) & 0x7FFF_FFFF_FFFF_FFFF)
+        draw = torch.rand(rank.shape, generator=generator, device=rank.device)  # [0, 1)
+        # Exploited blocks keep their order ahead of every drawn one (keys > 1), so the
+        # proposal stays best-first; the drawn ones follow in random order.
+        key = torch.where(best, 2.0 + (exploit - position).float(), torch.where(inside, draw, torch.full_like(draw, NEVER)))
+        return top_blocks(key, budget_blocks)
+
+    def update(self, state: SpinState, layer: int, selection: Selection) -> None:
+        scores = selection.scores  # [B, Hkv, N], -inf past the context
+        n = scores.shape[-1]
+        finite = torch.isfinite(scores)
+        x = standardise(scores) + self.selection_bonus * selection.blocks.mask(n)  # [B, Hkv, N]
+        a_v, a_d = self.alpha_vertical, self.alpha_diagonal
+        state.vertical[layer] = torch.where(finite, a_v * state.vertical[layer] + (1 - a_v) * x, state.vertical[layer])
+        num_blocks = finite.sum(-1, keepdim=True)  # [B, Hkv, 1]
+        distance = torch.arange(n, device=scores.device)
+        source = (num_blocks - 1 - distance).clamp(min=0)  # block at distance δ: [B, Hkv, N]
+        x_by_distance = torch.gather(x, -1, source)
+        state.diagonal[layer] = torch.where(distance < num_blocks, a_d * state.diagonal[layer] + (1 - a_d) * x_by_distance,
+                                            state.diagonal[layer])
+        state.updates[layer] += 1

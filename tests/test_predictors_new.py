@@ -202,3 +202,21 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path, predictor):
     summary = run(cfg, tmp_path / predictor)
     assert 0 < summary["hit_rate"] <= 1 and summary["mean_predicted_blocks"] == 9
     assert summary["max_serial_relerr"] <= 1e-5  # exact repair: PRR output is serial DSA's, whatever P
+
+
+def test_hit_rate_figure_draws_one_line_per_predictor_and_task(tmp_path):
+    import pandas as pd
+
+    from analysis.predictor_figures import plot_hit_rate_vs_budget, save_hit_rate_vs_budget
+
+    rows = [{"task": t, "predictor": p, "ratio": r, "hit_rate": 0.5 + 0.1 * r + 0.01 * i}
+            for t in ("long_text", "ruler_niah") for i, p in enumerate(("ema", "spin", "cross_layer")) for r in (1.0, 1.5)]
+    fig = plot_hit_rate_vs_budget(pd.DataFrame(rows))
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["long_text", "ruler_niah"]
+    assert all(len(ax.get_lines()) == 3 for ax in panels)
+    assert list(panels[0].get_lines()[1].get_ydata()) == pytest.approx([61.0, 66.0])  # spin, in %
+    paths = save_hit_rate_vs_budget(pd.DataFrame(rows), tmp_path)
+    assert sorted(p.suffix for p in paths) == [".pdf", ".png"] and all(p.stat().st_size > 0 for p in paths)
+    with pytest.raises(ValueError, match="missing \\['hit_rate'\\]"):
+        plot_hit_rate_vs_budget(pd.DataFrame(rows).drop(columns="hit_rate"))

@@ -1,0 +1,298 @@
+"""Predictors against EMA at equal speculation budget, on the default model.
+
+    python experiments/predictor_study.py [--steps 128] [--ratios 1.0 1.25 1.5]
+                                          [--tasks long_text ruler_...] [--out experiments/results/cpu/predictor_study]
+
+How: one shadow-mode decode per task (attention stays dense, so the trajectory does not
+depend on the predictor) is captured through the ordinary runtime (DSABackend +
+prr_attention): the prefill-tail selections the predictor is calibrated and warmed on, and
+per decode step and sparse layer the query q [B, Hkv, G, D], the context size and the
+selection A. Every predictor option × |P| ratio is then replayed on that trace through its
+public interface in the runtime's order (calibrate, init_state, warm-up updates; then per
+step, layer by layer: propose(|P|) then update), so all predictors see identical inputs and
+a replay costs no model forward. Check: the captured run itself ran `ema` at |P| = K, and
+its replay must reproduce that run's hits exactly (recorded in the JSON).
+
+|P| = round(ratio × K) (K = selector.topk_blocks, the fixed budget's rule). Per predictor,
+ratio and layer: hit rate |P∩A|/|A|, precision |P∩A|/|P|, misses |A\\P| per step; cost: the
+median wall time of propose and of update per layer-step on this CPU (one thread) and the
+predictor state's bytes.
+
+Writes OUT.csv (task × predictor × ratio), OUT_per_layer.csv, OUT.json (command, date,
+versions, the replay check, rows) and the figure analysis/figures/predictor_hit_rate_vs_budget.{png,pdf}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prr.blocks import BlockSet  # noqa: E402
+from prr.cache import PagedKVCache  # noqa: E402
+from prr.config_check import validate  # noqa: E402
+from prr.predictors.base import Predictor  # noqa: E402
+from prr.runner import DTYPES, next_token  # noqa: E402
+from prr.runtime.dsa_backend import DSABackend  # noqa: E402
+from prr.selectors.base import Selection  # noqa: E402
+
+# name -> Hydra overrides of the predictor group. `ema` is the default (one calibrated
+# triple for all layers); ema_fixed is the same EMA uncalibrated, ema_calibrated per layer.
+PREDICTORS: dict[str, list[str]] = {
+    "last_step": ["predictor=last_step"],
+    "ema_fixed": ["predictor=ema", "predictor.calibrate=false"],
+    "ema": ["predictor=ema"],
+    "ema_calibrated": ["predictor=ema_calibrated"],
+    "spin": ["predictor=spin"],
+    "spin_no_explore": ["predictor=spin", "predictor.explore=0.0"],
+    "query_similarity": ["predictor=query_similarity"],
+    "cross_layer": ["predictor=cross_layer"],
+    "cross_layer_ema": ["predictor=cross_layer", "predictor.temporal_weight=0.5"],
+}
+CAPTURE_PREDICTOR = "ema"  # what the captured run itself speculates with (|P| = K): the replay check
+
+
+@dataclass
+class LayerStep:
+    layer: int
+    num_blocks: int
+    query: torch.Tensor  # [B, Hkv, G, D]
+    selection: Selection  # A
+
+
+@dataclass
+class Trace:
+    history: list[list[Selection] | None] = field(default_factory=list)  # prefill tail per layer; None: dense
+    steps: list[list[LayerStep]] = field(default_factory=list)  # [decode step][sparse layer, in order]
+    live_hits: int = 0  # the captured run's own |P∩A| summed (CAPTURE_PREDICTOR at |P| = K)
+    live_selected: int = 0
+
+
+class Tracer(Predictor):
+    """Wraps the run's predictor and records what the runtime hands it; changes nothing."""
+
+    needs_query = True
+
+    def __init__(self, inner: Predictor, trace: Trace) -> None:
+        self.inner, self.trace = inner, trace
+        self.query: dict[int, torch.Tensor] = {}
+        self.num_blocks: dict[int, int] = {}
+        self.decoding = False
+        self.step = -1
+
+    def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
+        return self.inner.init_state(num_layers, batch, num_kv_heads, max_blocks, device)
+
+    def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
+        self.trace.history = history
+        return self.inner.calibrate(history)
+
+    def rank(self, state: Any, layer: int, num_blocks: int) -> torch.Tensor:
+        return self.inner.rank(state, layer, num_blocks)
+
+    def propose(self, state: Any, layer: int, num_blocks: int, budget_blocks: int, current: Selection | None = None,
+                query: torch.Tensor | None = None) -> BlockSet:
+        self.decoding = True
+        self.query[layer], self.num_blocks[layer] = query.clone(), num_blocks
+        return self.inner.propose(state, layer, num_blocks, budget_blocks, current)
+
+    def update(self, state: Any, layer: int, selection: Selection) -> None:
+        if self.decoding:
+            self.trace.steps[-1].append(LayerStep(layer, self.num_blocks.pop(layer), self.query.pop(layer), selection))
+        self.inner.update(state, layer, selection)
+
+
+def compose_cfg(overrides: list[str]) -> Any:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def capture(task: str, steps: int) -> tuple[Trace, dict[str, Any]]:
+    """One shadow-mode decode of `task` on the default model; -> its trace and a description."""
+    cfg = compose_cfg([f"task={task}", "runtime.mode=shadow", *PREDICTORS[CAPTURE_PREDICTOR], "budget=fixed",
+                       "budget.ratio=1.0", "logger=none"])
+    OmegaConf.update(cfg, "task.max_new_tokens", steps)
+    if "stop_at_eos" in cfg.task:
+        OmegaConf.update(cfg, "task.stop_at_eos", False)  # a fixed number of steps per task
+    validate(cfg)
+    torch.manual_seed(cfg.seed)
+    settings, task_obj, selector, budget = (instantiate(cfg[g]) for g in ("runtime", "task", "selector", "budget"))
+    model = instantiate(cfg.model).load(settings.dtype, settings.device)
+    mc = model.config
+    prompt = task_obj.build(model.tokenizer, mc.vocab_size, settings.batch_size)
+    prompt_len = prompt.input_ids.shape[1]
+    cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
+                         prompt_len + task_obj.max_new_tokens, DTYPES[settings.dtype], settings.device)
+    trace = Trace()
+    tracer = Tracer(instantiate(cfg.predictor), trace)
+    backend = DSABackend(cache, mc.num_heads, selector, tracer, budget, mode="shadow", repair_mode=settings.repair_mode,
+                         calibration_tokens=settings.calibration_tokens, ops=instantiate(cfg.backend))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    with torch.inference_mode():
+        logits = model.decoder(prompt.input_ids, 0, backend)[:, -1]
+        backend.finish_prefill()
+        for step in range(task_obj.max_new_tokens):
+            token = next_token(logits, task_obj.temperature, task_obj.top_p, generator)
+            trace.steps.append([])
+            logits = model.decoder(token[:, None], prompt_len + step, backend)[:, -1]
+            records, _ = backend.end_step()
+            for r in records:
+                trace.live_hits += int((r.selected & r.predicted).sum())
+                trace.live_selected += int(r.selected.sum())
+    info = {"task": task, "prompt": prompt.description, "prompt_tokens": prompt_len, "decode_steps": len(trace.steps),
+            "topk_blocks": selector.topk_blocks, "block_size": settings.block_size, "selector": cfg.selector._target_,
+            "sparse_layers": len(trace.steps[0]), "num_layers": mc.num_layers, "model": model.name}
+    return trace, info
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of every tensor reachable from a predictor state (dataclasses, dicts, lists)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if dataclasses.is_dataclass(state):
+        return sum(state_bytes(getattr(state, f.name)) for f in dataclasses.fields(state))
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def replay(trace: Trace, predictor: Predictor, ratio: float, topk_blocks: int) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Run `predictor` over the trace in the runtime's order at |P| = round(ratio·K).
+    -> one row per (step, layer) with hits/selected/predicted summed over batch and KV heads,
+    and the calibration record."""
+    steps0 = trace.steps[0][0].selection.blocks  # shapes from the first step
+    batch, heads = steps0.indices.shape[:2]
+    max_blocks = trace.steps[0][0].selection.scores.shape[-1]
+    calibration = predictor.calibrate(trace.history)
+    state = predictor.init_state(len(trace.history), batch, heads, max_blocks, "cpu")
+    for layer, selections in enumerate(trace.history):
+        for selection in selections or []:
+            predictor.update(state, layer, selection)
+    query_kw = getattr(predictor, "needs_query", False)
+    rows = []
+    for step, layer_steps in enumerate(trace.steps):
+        for ls in layer_steps:
+            budget = min(round(ratio * min(topk_blocks, ls.num_blocks)), ls.num_blocks)  # FixedBudget's rule
+            t0 = time.perf_counter()
+            predicted = predictor.propose(state, ls.layer, ls.num_blocks, budget, None,
+                                          **({"query": ls.query} if query_kw else {}))
+            t1 = time.perf_counter()
+            predictor.update(state, ls.layer, ls.selection)
+            t2 = time.perf_counter()
+            a, p = ls.selection.blocks.mask(max_blocks), predicted.mask(max_blocks)
+            hits = int((a & p).sum())
+            rows.append({"step": step, "layer": ls.layer, "budget_blocks": budget, "hits": hits,
+                         "selected": int(a.sum()), "predicted": int(p.sum()), "heads": batch * heads,
+                         "propose_us": (t1 - t0) * 1e6, "update_us": (t2 - t1) * 1e6})
+    calibration = {k: v for k, v in calibration.items() if not isinstance(v, list)}  # per-layer lists: too long
+    return pd.DataFrame(rows), {"state_bytes": state_bytes(state), **calibration}
+
+
+def aggregate(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    g = frame.groupby(by, sort=False)
+    out = pd.DataFrame({
+        "budget_blocks": g["budget_blocks"].mean(),
+        "predicted_blocks": g["predicted"].sum() / g["heads"].sum(),  # mean |P| per layer-step and KV head
+        "hit_rate": g["hits"].sum() / g["selected"].sum(),
+        "precision": g["hits"].sum() / g["predicted"].sum(),
+        "misses_per_step": (g["selected"].sum() - g["hits"].sum()) / g["heads"].sum(),  # |A\P| per layer-step, KV head
+    })
+    return out.reset_index()
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "prr_commit": commit}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/cpu/predictor_study")
+    parser.add_argument("--steps", type=int, default=128, help="decode steps per task")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[1.0, 1.25, 1.5], help="|P| / K")
+    parser.add_argument("--tasks", nargs="+", default=None,
+                        help="task options (default: long_text and every conf/task/ruler_*.yaml)")
+    parser.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=list(PREDICTORS))
+    args = parser.parse_args()
+    tasks = args.tasks or ["long_text", *sorted(p.stem for p in (ROOT / "conf/task").glob("ruler_*.yaml"))]
+    missing = [t for t in tasks if not (ROOT / "conf/task" / f"{t}.yaml").is_file()]
+    if missing or args.steps < 1 or any(r <= 0 for r in args.ratios):
+        parser.error(f"unknown tasks {missing} (see conf/task/), or --steps={args.steps} < 1, or a ratio <= 0: {args.ratios}")
+    torch.set_num_threads(1)  # cost numbers per predictor, not per thread pool; the machine is shared
+
+    summary_rows, layer_frames, captures = [], [], []
+    for task in tasks:
+        t0 = time.perf_counter()
+        trace, info = capture(task, args.steps)
+        info["capture_s"] = round(time.perf_counter() - t0, 1)
+        print(f"captured {task}: {info}", flush=True)
+        for name in args.predictors:
+            for ratio in args.ratios:
+                predictor = instantiate(compose_cfg(PREDICTORS[name]).predictor)
+                with torch.inference_mode():  # as in a run (the trace's tensors are inference tensors)
+                    frame, extra = replay(trace, predictor, ratio, info["topk_blocks"])
+                frame = frame.assign(task=task, predictor=name, ratio=ratio)
+                row = aggregate(frame, ["task", "predictor", "ratio"]).iloc[0].to_dict()
+                row.update(propose_us=frame["propose_us"].median(), update_us=frame["update_us"].median(),
+                           misses_per_decode_step=(frame["selected"].sum() - frame["hits"].sum()) / len(trace.steps), **extra)
+                summary_rows.append(row)
+                layer_frames.append(aggregate(frame, ["task", "predictor", "ratio", "layer"]))
+                if name == CAPTURE_PREDICTOR and ratio == 1.0:
+                    info["replay_check"] = {"live_hits": trace.live_hits, "replay_hits": int(frame["hits"].sum()),
+                                            "live_selected": trace.live_selected,
+                                            "replay_selected": int(frame["selected"].sum())}
+                print(f"  {name:18s} x{ratio:<5} hit {row['hit_rate']:.4f} precision {row['precision']:.4f} "
+                      f"misses/step {row['misses_per_step']:.2f} propose {row['propose_us']:.0f} us", flush=True)
+        captures.append(info)
+        check = info.get("replay_check")
+        print(f"replay check ({CAPTURE_PREDICTOR} at |P| = K, live run vs replay): {check}", flush=True)
+        if check and check["live_hits"] != check["replay_hits"]:
+            raise RuntimeError(f"replay of {CAPTURE_PREDICTOR} does not reproduce the live run on {task}: {check}")
+
+    command = "python " + " ".join(sys.argv)
+    table = pd.DataFrame(summary_rows)
+    per_layer = pd.concat(layer_frames, ignore_index=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out.with_suffix(".csv"), index=False)
+    per_layer.to_csv(args.out.parent / f"{args.out.name}_per_layer.csv", index=False)
+    absent = [] if any(t.startswith("ruler_") for t in tasks) else ["no conf/task/ruler_*.yaml existed: real text only"]
+    record = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": f"cpu {platform.machine()}, 1 torch thread (shared machine)", **versions(),
+              "mode": "shadow", "capture_predictor": CAPTURE_PREDICTOR, "predictors": {n: PREDICTORS[n] for n in args.predictors},
+              "ratios": args.ratios, "captures": captures, "notes": absent, "rows": summary_rows}
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=float) + "\n")
+    print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+    from analysis.predictor_figures import save_hit_rate_vs_budget
+
+    for path in save_hit_rate_vs_budget(table):
+        print("figure:", path)
+
+
+if __name__ == "__main__":
+    main()

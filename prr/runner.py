@@ -87,7 +87,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     ok = False
     try:
         with terminate_as_interrupt():
-            summary = decode_run(cfg, run_dir, logger)
+            from prr.evaluation import evaluate_run, is_evaluation_task
+
+            # Scored tasks (many requests: accuracy, perplexity, lm-eval) take the evaluation path.
+            summary = (evaluate_run if is_evaluation_task(instantiate(cfg.task)) else decode_run)(cfg, run_dir, logger)
         ok = True
         return summary
     except BaseException as err:

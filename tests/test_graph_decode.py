@@ -14,12 +14,13 @@ from prr.model.decoder import Decoder
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan, dense_reference_logits
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"  # CPU: the kernels run in the interpreter
 CONFIG = ModelConfig(arch="llama", vocab_size=97, hidden_size=128, intermediate_size=160, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=64, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
                      tie_word_embeddings=False, max_position_embeddings=4096)
 
 
-def make(plan: StaticPlan, context: int = 203, device: str = "cpu", dtype=torch.float32, batch: int = 2,
+def make(plan: StaticPlan, context: int = 203, device: str = DEVICE, dtype=torch.float32, batch: int = 2,
          config: ModelConfig = CONFIG) -> GraphDecoder:
     model = Decoder(config, dtype, device).init_random_(seed=3, std=0.05)
     engine = GraphDecoder(model, plan, batch=batch, max_tokens=context + 40)

@@ -76,11 +76,12 @@ def test_merge_speculation_equals_merge_many_then_merge(batch, hq, hkv, parts, d
 def test_merge_speculation_with_nothing_kept_is_the_repair_state():
     rep_out, rep_lse = torch.randn(1, 4, 64), torch.randn(1, 4)
     part_out, part_lse = torch.randn(1, 4, 3, 64), torch.randn(1, 4, 3)
-    out, lse = pm.merge_speculation(part_out, part_lse, torch.zeros(1, 2, 3, dtype=torch.bool), rep_out, rep_lse)
-    torch.testing.assert_close(out, rep_out)
-    torch.testing.assert_close(lse, rep_lse)
+    on = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    out, lse = pm.merge_speculation(*on(part_out, part_lse, torch.zeros(1, 2, 3, dtype=torch.bool), rep_out, rep_lse))
+    torch.testing.assert_close(out.cpu(), rep_out)
+    torch.testing.assert_close(lse.cpu(), rep_lse)
     spec = merge_many(part_out, part_lse)
-    out2, lse2 = pm.merge_speculation(part_out, part_lse, torch.ones(1, 2, 3, dtype=torch.bool), rep_out,
-                                      torch.full((1, 4), float("-inf")))
-    torch.testing.assert_close(out2, spec.out)
-    torch.testing.assert_close(lse2, spec.lse)
+    out2, lse2 = pm.merge_speculation(*on(part_out, part_lse, torch.ones(1, 2, 3, dtype=torch.bool), rep_out,
+                                          torch.full((1, 4), float("-inf"))))
+    torch.testing.assert_close(out2.cpu(), spec.out)
+    torch.testing.assert_close(lse2.cpu(), spec.lse)

@@ -108,8 +108,9 @@ class GraphDecoder:
         kv_shape = (B, H, self.max_tokens, D)
         self.keys = [torch.zeros(kv_shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
         self.values = [torch.zeros(kv_shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
-        self.sparse = [i not in plan.dense_layers for i in range(self.num_layers)] if plan.variant != "dense" \
-            else [False] * self.num_layers
+        # Sparse layers keep metadata whatever the variant, so one engine can time every variant
+        # (bench_decode switches `plan` between variants over the same cache).
+        self.sparse = [i not in plan.dense_layers for i in range(self.num_layers)]
         meta = lambda fill: [torch.full((B, H, NB, D), fill, dtype=torch.float32, device=dev) if s else None  # noqa: E731
                              for s in self.sparse]
         if plan.selector == "quest":
@@ -122,7 +123,7 @@ class GraphDecoder:
         cos, sin = rope_cos_sin(torch.arange(self.max_tokens, device=dev), model.rope.inv_freq.to(dev))
         self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # [T_max, D]
         self.all_blocks = torch.arange(NB, dtype=torch.int32, device=dev).expand(B, H, NB).contiguous()
-        prr = plan.variant == "prr"
+        prr = plan.variant == "prr"  # P buffers exist only when built for prr (switching to prr later is refused)
         cap = plan.predicted_blocks
         self.pred_idx = [torch.zeros(B, H, cap, dtype=torch.int32, device=dev) if prr and s else None
                          for s in self.sparse]
@@ -137,6 +138,7 @@ class GraphDecoder:
         self.hits = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P ∩ A| summed
         self.selected = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |A| summed
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._forked = False
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
 
     # --- context ------------------------------------------------------------------------
@@ -178,10 +180,14 @@ class GraphDecoder:
     def _fork(self) -> None:
         if self.side is not None and self.plan.overlap:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
+            self._forked = True
 
     def _join(self) -> None:
-        if self.side is not None and self.plan.overlap:
+        """The main stream waits for the side stream's work (only if this step forked it:
+        a graph capture refuses to wait on work it did not capture)."""
+        if self._forked:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
+            self._forked = False
 
     def select(self, layer: int, q: Tensor, num_blocks: Tensor) -> tuple[Tensor, Tensor]:
         """q: [B, Hq, D] -> A: (indices [B, Hkv, K] int32 ascending, counts [B, Hkv] int32)."""
@@ -209,7 +215,7 @@ class GraphDecoder:
         self.values[layer].index_copy_(2, pos_long, v.unsqueeze(2))
         lengths = self.pos + 1  # [B] int32
         num_blocks = (self.pos + p.block_size).div(p.block_size, rounding_mode="floor")  # [B] int32
-        if not self.sparse[layer]:
+        if not self.sparse[layer] or p.variant == "dense":
             counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
             return self._attend(layer, q, self.all_blocks, counts, lengths)[0]
         if p.selector == "quest":
@@ -238,8 +244,11 @@ class GraphDecoder:
             keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
         out, _ = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse)
         self._note(layer, idx, cnt, keep)
+        if p.predictor == "fixed":  # P is set from outside: nothing to learn
+            return out
         if planned is not None:
             self.side.wait_event(planned)
+            self._forked = True
             self._shared(idx, cnt)
         with self._side():  # learn from A and write next step's P (history only)
             self._predict_next(layer, idx, cnt)
@@ -263,8 +272,6 @@ class GraphDecoder:
 
     def _predict_next(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
         p = self.plan
-        if p.predictor == "fixed":
-            return
         if p.predictor == "last_step":
             self.pred_idx[layer].copy_(idx)
             self.pred_cnt[layer].copy_(cnt)

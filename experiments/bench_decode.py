@@ -1,0 +1,360 @@
+"""Decode-latency benchmark of PRR against serial DSA, dense attention and the memory floors.
+
+    python experiments/bench_decode.py [--quick] [--parts stage,token] [--out experiments/results/h200/bench_decode]
+
+Model: the Llama-3.1-8B shape (32 query / 8 KV heads, head_dim 128, 32 layers) with random
+bf16 weights and random KV contexts (timings do not depend on values), through
+prr.runtime.graph_decode (static shapes, speculation on a second CUDA stream).
+
+Part `stage` (attention stage per layer, the PRR map): for batch × context × block size ×
+top-K × selector, one cache of NL layers (so replays walk NL different caches and do not
+time the L2), and in one run: dense (our split kernel, and torch SDPA), serial DSA, PRR at
+controlled hit rates (P = the true A with a fraction of its blocks swapped for unselected
+ones), with speculation overlapped on a second stream and not; and each stage alone
+(select, speculate, repair at that hit rate, merge). Times: CUDA-graph replays of all NL
+layers, median over repeats, per layer. Floor: metadata + selected KV bytes / copy
+bandwidth measured in the same run.
+
+Part `token` (per-token decode latency, whole model): batch 1 at 32K/64K/128K and batch 8
+where the cache fits, with CUDA graphs on and off: dense, serial DSA, PRR at controlled
+hit rates (one step replayed at a fixed position, P fixed), and PRR with the EMA and
+last-step predictors decoding for real (the hit rate they had is counted in a separate,
+identical pass). Floor: weights + KV bytes read per token / copy bandwidth.
+
+Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_{stage,token}.csv;
+prints short tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from bench_kernels import copy_bandwidth, environment  # noqa: E402
+
+from prr.model.decoder import Decoder  # noqa: E402
+from prr.model.zoo import ZOO  # noqa: E402
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan  # noqa: E402
+
+HIT_RATES = (1.0, 0.98, 0.90, 0.68, 0.0)
+# "128K context" = 131072 - HEADROOM tokens in a cache of 131072, so the decode steps fit and the
+# block count stays a power of two (one more block would double the top-k row the kernel holds).
+HEADROOM = 256
+BF16 = 2
+
+
+def time_graph_us(fn, repeats: int = 15, warmup: int = 2) -> float:
+    """Median µs of one replay of a CUDA graph of fn() (warm-up calls run eagerly first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return statistics.median(samples)
+
+
+def time_eager_us(fn, repeats: int = 15, warmup: int = 2) -> float:
+    """Median µs of fn() launched eagerly (host launch overhead included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def model_of(layers: int) -> Decoder:
+    config = dataclasses.replace(ZOO["llama-3.1-8b-shape"].config, num_layers=layers)
+    return Decoder(config, torch.bfloat16, "cuda").init_random_(seed=0)
+
+
+def controlled_predictions(selection: tuple[torch.Tensor, torch.Tensor], hit_rate: float, num_blocks: int,
+                           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """P with |P| = |A|: round(hit_rate·|A|) blocks of A, the rest blocks outside A (ascending)."""
+    idx, cnt = (t.cpu() for t in selection)
+    pred = torch.zeros_like(idx)
+    pcnt = torch.zeros_like(cnt)
+    for b in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            a = idx[b, h, : int(cnt[b, h])]
+            keep = round(hit_rate * len(a))
+            kept = a[torch.randperm(len(a), generator=gen)[:keep]]
+            outside = torch.ones(num_blocks, dtype=torch.bool)
+            outside[a.long()] = False
+            others = outside.nonzero()[:, 0]
+            others = others[torch.randperm(len(others), generator=gen)[: len(a) - keep]].int()
+            row = torch.cat([kept, others]).sort().values
+            pred[b, h, : len(row)] = row
+            pcnt[b, h] = len(row)
+    return pred.cuda(), pcnt.cuda()
+
+
+# --- part 1: the attention stage per layer ------------------------------------------------------
+
+def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector: str, layers: int,
+               bandwidth: float, model: Decoder, capacity: int) -> list[dict]:
+    k_blocks = topk_tokens // block
+    plan = StaticPlan(variant="prr", selector=selector, topk_blocks=k_blocks, predicted_blocks=k_blocks,
+                      predictor="fixed", block_size=block, dense_layers=(), sink_blocks=1, recent_blocks=1)
+    eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity)
+    eng.fill_random_context(context, seed=1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    hq, hkv, d = eng.hq, eng.hkv, eng.d
+    qs = [torch.randn(batch, hq, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
+    ks = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
+    vs = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
+
+    def run(variant: str, overlap: bool = True):
+        eng.plan = dataclasses.replace(plan, variant=variant, overlap=overlap)
+
+        def attention_of_all_layers():
+            for i in range(layers):
+                eng.attention(i, qs[i], ks[i], vs[i])
+            eng._join()  # a captured graph must end with the side stream joined
+        return attention_of_all_layers
+
+    # The true selections at this position (advance never happens here: pos stays `context`).
+    run("serial")()
+    torch.cuda.synchronize()
+    selections = [eng.last_selection[i] for i in range(layers)]
+    num_blocks = context // block + 1
+    lengths = eng.pos + 1
+    nb_t = (eng.pos + block).div(block, rounding_mode="floor")
+    kq, kp = eng._k["quest"], eng._k["prr_merge"]
+
+    def per_layer(fn) -> float:
+        return time_graph_us(fn) / layers
+
+    out = {}
+    out["dense_kernel"] = per_layer(run("dense"))
+    out["dense_sdpa"] = per_layer(lambda: [F.scaled_dot_product_attention(
+        qs[i].unsqueeze(2), eng.keys[i][:, :, : context + 1], eng.values[i][:, :, : context + 1], enable_gqa=True)
+        for i in range(layers)])
+    out["serial"] = per_layer(run("serial"))
+
+    def select_only():
+        for i in range(layers):
+            if selector == "quest":
+                kq.quest_update(eng.key_max[i], eng.key_min[i], ks[i], eng.pos, block)
+            eng.select(i, qs[i], nb_t)
+    out["stage_select"] = per_layer(select_only)
+    a_idx = [s[0] for s in selections]
+    a_cnt = [s[1] for s in selections]
+    out["stage_attend_A"] = per_layer(lambda: [eng._attend(i, qs[i], a_idx[i], a_cnt[i], lengths)
+                                               for i in range(layers)])
+    rows = []
+    for hit in HIT_RATES:
+        hgen = torch.Generator().manual_seed(int(hit * 1000))
+        for i in range(layers):
+            eng.set_predictions(i, *controlled_predictions(selections[i], hit, num_blocks, hgen))
+        t = dict(out)
+        t["prr"] = per_layer(run("prr", overlap=True))
+        t["prr_no_overlap"] = per_layer(run("prr", overlap=False))
+        t["stage_speculate"] = per_layer(lambda: [eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths,
+                                                              per_block=True) for i in range(layers)])
+        plans = [kp.repair_plan(a_idx[i], a_cnt[i], eng.pred_idx[i], eng.pred_cnt[i], eng.scratch)
+                 for i in range(layers)]
+        t["stage_repair"] = per_layer(lambda: [(kp.repair_plan(a_idx[i], a_cnt[i], eng.pred_idx[i], eng.pred_cnt[i],
+                                                               eng.scratch),
+                                                eng._attend(i, qs[i], plans[i][0], plans[i][1], lengths))  # noqa: B023 (called at once)
+                                               for i in range(layers)])
+        spec = [eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True) for i in range(layers)]
+        rep = [eng._attend(i, qs[i], plans[i][0], plans[i][1], lengths) for i in range(layers)]
+        t["stage_merge"] = per_layer(lambda: [kp.merge_speculation(spec[i][0], spec[i][1], plans[i][2], rep[i][0],  # noqa: B023 (called at once)
+                                                                   rep[i][1]) for i in range(layers)])  # noqa: B023 (called at once)
+        measured_hit = float(sum(p[2].sum() for p in plans) / sum(c.sum() for c in a_cnt))
+        # Floors (bytes / measured copy bandwidth): selection reads the metadata once; attention
+        # reads the selected K/V; dense reads the whole context's K/V.
+        meta_bytes = batch * hkv * num_blocks * d * (2 * 4 if selector == "quest" else 4)
+        kv_sel_bytes = batch * hkv * k_blocks * block * d * 2 * BF16
+        kv_dense_bytes = batch * hkv * (context + 1) * d * 2 * BF16
+        t.update(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
+                 target_hit_rate=hit, hit_rate=measured_hit, layers_timed=layers,
+                 floor_sparse_us=(meta_bytes + kv_sel_bytes) / bandwidth * 1e6,
+                 floor_dense_us=kv_dense_bytes / bandwidth * 1e6)
+        t["speedup_prr_vs_serial"] = t["serial"] / t["prr"]
+        t["speedup_serial_vs_dense"] = t["dense_kernel"] / t["serial"]
+        t["prr_over_floor"] = t["prr"] / t["floor_sparse_us"]
+        t["serial_over_floor"] = t["serial"] / t["floor_sparse_us"]
+        rows.append(t)
+    return rows
+
+
+# --- part 2: per-token latency of the whole model -------------------------------------------------
+
+def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector: str, model: Decoder,
+               bandwidth: float, steps: int, capacity: int) -> list[dict]:
+    k_blocks = topk_tokens // block
+    cfg = model.config
+    base = StaticPlan(variant="prr", selector=selector, topk_blocks=k_blocks, predicted_blocks=k_blocks,
+                      predictor="fixed", block_size=block, dense_layers=(0, 1))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    hkv, d, nl = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    kv_dense = batch * hkv * (context + 1) * d * 2 * BF16
+    num_blocks = context // block + 1
+    meta = batch * hkv * num_blocks * d * (2 * 4 if selector == "quest" else 4)
+    kv_sel = batch * hkv * k_blocks * block * d * 2 * BF16
+    floors = {"dense": (weight_bytes + nl * kv_dense) / bandwidth * 1e6,
+              "sparse": (weight_bytes + 2 * kv_dense + (nl - 2) * (meta + kv_sel)) / bandwidth * 1e6}
+    rows = []
+
+    def record(name: str, eng: GraphDecoder, advance: bool, hit: float | None, graphs: bool = True) -> None:
+        start = eng.pos.clone()
+        fn = lambda: eng.step(advance=advance)  # noqa: E731
+        us = time_graph_us(fn, repeats=steps) if graphs else time_eager_us(fn, repeats=max(8, steps // 4))
+        eng.pos.copy_(start)
+        floor = floors["dense" if name == "dense" else "sparse"]
+        rows.append(dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
+                         variant=name, cuda_graphs=graphs, hit_rate=hit, token_us=us, floor_us=floor,
+                         over_floor=us / floor))
+
+    eng = GraphDecoder(model, base, batch=batch, max_tokens=capacity)
+    eng.fill_random_context(context, seed=1)
+    for name in ("dense", "serial"):
+        eng.plan = dataclasses.replace(base, variant=name)
+        for graphs in (True, False):
+            record(name, eng, advance=False, hit=None, graphs=graphs)
+    eng.plan = dataclasses.replace(base, variant="serial")
+    eng.step(advance=False)
+    torch.cuda.synchronize()
+    selections = list(eng.last_selection)
+    eng.plan = base
+    for hit in (1.0, 0.9, 0.68):
+        hgen = torch.Generator().manual_seed(int(hit * 1000))
+        for i, s in enumerate(selections):
+            if s is not None:
+                eng.set_predictions(i, *controlled_predictions(s, hit, num_blocks, hgen))
+        for graphs in ((True, False) if hit == 1.0 else (True,)):
+            record(f"prr_fixed_{hit:.2f}", eng, advance=False, hit=hit, graphs=graphs)
+    del eng
+    # Real predictors decode for real: count the hit rate in one pass, time an identical one.
+    for predictor in ("ema", "last_step"):
+        plan = dataclasses.replace(base, predictor=predictor)
+        eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity)
+        eng.fill_random_context(context, seed=1)
+        eng.count_hits = True
+        for _ in range(steps):
+            eng.step(advance=True)
+        hits = float(eng.hits.sum() / eng.selected.sum().clamp(min=1))
+        eng.count_hits = False
+        eng.fill_random_context(context, seed=1)
+        record(f"prr_{predictor}", eng, advance=True, hit=hits)
+        del eng
+    torch.cuda.empty_cache()
+    return rows
+
+
+def fits(batch: int, context: int, layers: int, weight_gib: float) -> bool:
+    kv_gib = 2 * batch * 8 * context * 128 * BF16 * layers / 2**30
+    free = torch.cuda.mem_get_info()[0] / 2**30
+    return kv_gib * 1.35 + weight_gib + 4 < free
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
+    parser.add_argument("--parts", default="stage,token")
+    parser.add_argument("--stage-layers", type=int, default=4, help="caches the stage timing walks through")
+    parser.add_argument("--steps", type=int, default=48, help="timed decode steps (graph replays) per variant")
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_decode")
+    args = parser.parse_args()
+    if 4 * args.steps + 64 > HEADROOM:
+        parser.error(f"--steps={args.steps}: at most {(HEADROOM - 64) // 4} (the decoded tokens must fit the cache headroom)")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    env = environment()
+    bw = copy_bandwidth()
+    bandwidth = max(bw.values())
+    print(f"{env['gpu']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    results = {"command": "python " + " ".join(sys.argv), "environment": env, "copy_bandwidth": bw,
+               "hit_rates": HIT_RATES, "stage": [], "token": []}
+    parts = set(args.parts.split(","))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every configuration: an interrupted run keeps what it measured
+        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+
+    if "stage" in parts:
+        model = model_of(args.stage_layers)
+        grid = [(b, c, bs, k, sel) for sel in ("quest", "infllm") for b in (1, 8) for c in (32768, 65536, 131072)
+                for bs in (16, 64) for k in (2048, 8192)]
+        if args.quick:
+            grid = [(1, 131072, 16, 2048, "quest"), (8, 32768, 64, 8192, "infllm")]
+        for b, c, bs, k, sel in grid:
+            rows = stage_rows(b, c - HEADROOM, bs, k, sel, args.stage_layers, bandwidth, model, capacity=c)
+            torch.cuda.empty_cache()
+            results["stage"].extend(rows)
+            r = rows[0]
+            print(f"stage B={b} ctx={c} bs={bs} K={k} {sel}: dense {r['dense_kernel']:.1f} serial {r['serial']:.1f} "
+                  f"prr@100% {r['prr']:.1f} sel {r['stage_select']:.1f} spec {r['stage_speculate']:.1f} µs", flush=True)
+            save()
+        del model
+        torch.cuda.empty_cache()
+    if "token" in parts:
+        model = model_of(32)
+        weight_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        grid = [(1, c, 16, k, "quest") for c in (32768, 65536, 131072) for k in (2048, 8192)]
+        grid += [(8, c, 16, 2048, "quest") for c in (32768, 65536)] + [(1, 131072, 64, 2048, "infllm")]
+        if args.quick:
+            grid = [(1, 32768, 16, 2048, "quest")]
+        for b, c, bs, k, sel in grid:
+            if not fits(b, c, 32, weight_gib):
+                print(f"token B={b} ctx={c}: skipped, the KV cache does not fit in free memory", flush=True)
+                results["token"].append(dict(batch=b, context=c, block=bs, topk_tokens=k, selector=sel,
+                                             variant="skipped: KV cache does not fit"))
+                continue
+            rows = token_rows(b, c - HEADROOM, bs, k, sel, model, bandwidth, args.steps, capacity=c)
+            results["token"].extend(rows)
+            save()
+            print(f"token B={b} ctx={c} bs={bs} K={k} {sel}: " + ", ".join(
+                f"{r['variant']}{'' if r['cuda_graphs'] else '(eager)'} {r['token_us']:.0f}" for r in rows), flush=True)
+    save()
+    try:
+        import pandas as pd
+    except ImportError:
+        return
+    if results["stage"]:
+        df = pd.DataFrame(results["stage"])
+        df.to_csv(args.out.parent / (args.out.name + "_stage.csv"), index=False)
+        cols = ["selector", "batch", "context", "block", "topk_tokens", "target_hit_rate", "dense_kernel", "serial",
+                "prr", "prr_no_overlap", "stage_select", "stage_speculate", "speedup_prr_vs_serial", "serial_over_floor"]
+        print(df[cols].round(2).to_string(index=False))
+    if results["token"]:
+        df = pd.DataFrame(results["token"])
+        df.to_csv(args.out.parent / (args.out.name + "_token.csv"), index=False)
+        print(df.round(3).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -241,6 +241,14 @@ def first_budget(frame: pd.DataFrame, budget_tokens: int = 512) -> pd.DataFrame:
     return frame[frame["budget_tokens"] == budget_tokens]
 
 
+def predictor_study(frame: pd.DataFrame) -> MplFigure:
+    """The predictor study's figure (analysis/predictor_figures.py, issue #9): hit rate against
+    |P|/K per predictor, one panel per task. Columns: task, predictor, ratio, hit_rate."""
+    from .predictor_figures import plot_hit_rate_vs_budget
+
+    return plot_hit_rate_vs_budget(frame)
+
+
 @dataclass(frozen=True)
 class Figure:
     """One registry entry: a figure (or table) name, the results files it reads (relative to the
@@ -282,6 +290,9 @@ FIGURES: list[Figure] = [
            f"python run.py -m +experiment=speedup (on a GPU) && {COLLECT} multirun/speedup "
            "experiments/results/h200/speedup_8b",
            "Per-token decode speedup of PRR over serial DSA, Llama-3.1-8B shape, H200"),
+    Figure("predictor_hit_rate_vs_budget", predictor_study, (f"{CPU}/predictor_study.csv",), pd.read_csv,
+           "python experiments/predictor_study.py",
+           "Hit rate of every predictor against |P|/K, per task, SmolLM2-135M (replayed shadow-mode decodes)"),
     Figure("selector_fidelity", selector_fidelity, (f"{CPU}/selector_fidelity.csv",), pd.read_csv,
            "python experiments/selector_fidelity.py",
            "Selector fidelity against the top-K budget, shadow mode, SmolLM2-135M"),

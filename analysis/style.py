@@ -46,16 +46,21 @@ METHOD_COLORS = {
     "last_step": "#1F4E9C",  # dark blue
     "ema": "#C0143C",        # crimson
     "oracle": "#3B3B3B",     # near black: the 100%-hit bound
+    "ema_calibrated": "#F4A6B8",  # light crimson: EMA, calibrated per layer
+    "ema_fixed": "#7A0C26",  # dark crimson: EMA, fixed parameters
     "spin": "#7B3294",       # purple
-    "retopk": "#4D9221",     # green
+    "query_similarity": "#4D9221",  # green
+    "cross_layer": "#17BECF",  # cyan
 }
 RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E5C494", "#1B9E77")
 
 METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)", "infllm": "InfLLM",
                  "quest": "Quest", "less": "LESS", "exact": "exact top-K", "dense": "dense", "oracle": "oracle",
-                 "spin": "SPIN", "retopk": "ReTopK"}
+                 "spin": "SPIN", "query_similarity": "query similarity", "cross_layer": "cross-layer",
+                 "ema_calibrated": "EMA (per-layer cal.)", "ema_fixed": "EMA (fixed)"}
 MARKERS = {"quest": "o", "infllm": "s", "less": "^", "exact": "D", "dense": "x", "none": "x", "last_step": "s",
-           "ema": "o", "oracle": "D", "spin": "v", "retopk": "P"}
+           "ema": "o", "oracle": "D", "spin": "v", "query_similarity": "P", "cross_layer": "X", "ema_calibrated": "o",
+           "ema_fixed": "o"}
 
 # Sizes in inches: one column of a two-column paper, and the full width.
 SINGLE = (3.4, 2.4)

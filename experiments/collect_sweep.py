@@ -56,8 +56,10 @@ def recorded_command(sweeps: list[Path]) -> str | None:
     return " && ".join(commands)
 
 
-def keys(frame: pd.DataFrame, swept: list[str]) -> list[str]:
-    return ["run", "status", *GROUPS, *[c for c in swept if c in frame.columns]]
+def keys(frame: pd.DataFrame, swept: list[str], varying_only: bool = False) -> list[str]:
+    """Identifying columns; varying_only keeps only options that differ between runs (long tables)."""
+    groups = [g for g in GROUPS if not varying_only or frame[g].astype(str).nunique() > 1]
+    return ["run", *([] if varying_only else ["status"]), *groups, *[c for c in swept if c in frame.columns]]
 
 
 def with_run_name(frame: pd.DataFrame, sweeps: list[Path]) -> pd.DataFrame:
@@ -99,15 +101,16 @@ def main() -> None:
     if args.per_layer:
         layers = with_run_name(load_layers(*sweeps), sweeps)
         config_cols = {c for c in layers.columns if "." in c and c.split(".")[0] in GROUPS}
+        layer_keys = keys(layers, swept, varying_only=True)
         layer_cols = [c for c in layers.columns if c not in config_cols and c not in keys(layers, swept)]
         path = out_stem.parent / f"{out_stem.name}_per_layer.csv"
-        layers[keys(layers, swept) + layer_cols].to_csv(path, index=False)
+        layers[layer_keys + layer_cols].to_csv(path, index=False)
         written.append(path)
     if args.steps:
         steps = with_run_name(load_steps(*sweeps, columns=args.steps), sweeps)
         index = [c for c in ("step", "layer", "batch", "kv_head") if c in steps.columns]
         path = out_stem.parent / f"{out_stem.name}_steps.csv"
-        steps[keys(steps, swept) + index + args.steps].to_csv(path, index=False)
+        steps[keys(steps, swept, varying_only=True) + index + args.steps].to_csv(path, index=False, float_format="%.4g")
         written.append(path)
 
     import torch

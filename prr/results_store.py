@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ import yaml
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "task", "selector", "predictor", "budget", "runtime", "backend", "logger")
 KEY_COLUMNS = ("run_dir", "sweep", "status", *GROUPS)
+# The summary repeats the selector/predictor/budget configs (taken from config.yaml); token ids are not a metric.
+SUMMARY_SKIP = {"status", "selector", "predictor", "budget", "generated_token_ids"}
 SKIP_DIRS = {"wandb", ".submitit", ".hydra", "records", "__pycache__"}
 
 
@@ -122,8 +125,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     if "seed" in config:
         row["seed"] = config["seed"]
     flat: dict[str, Any] = {}
-    # The summary repeats the selector/predictor/budget configs, already taken from config.yaml.
-    _flatten("", {k: v for k, v in summary.items() if k not in ("status", "selector", "predictor", "budget")}, flat)
+    _flatten("", {k: v for k, v in summary.items() if k not in SUMMARY_SKIP}, flat)
     row.update({k: v for k, v in flat.items() if k not in row})
     return row
 
@@ -190,7 +192,7 @@ def load_wandb(source: str | Path, filters: dict[str, Any] | None = None, api: A
             raise ResultsError(f"{str(path)!r} holds no W&B run folder (wandb/offline-run-* or wandb/run-*); "
                                "runs log there with logger=wandb")
         return pd.DataFrame(rows)
-    if "/" not in str(source):
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)):
         raise ResultsError(f"W&B source {str(source)!r} is neither an existing folder nor 'entity/project'")
     if api is None:
         import wandb
@@ -224,19 +226,13 @@ def _offline_run_dirs(path: Path) -> list[Path]:
 def _offline_row(run_dir: Path) -> dict[str, Any]:
     """Config, summary, name and group of one W&B run folder, from its .wandb transaction log."""
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
 
     (log_file,) = run_dir.glob("run-*.wandb")
-    store = datastore.DataStore()
-    store.open_for_scan(str(log_file))
     config: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     last_logged: dict[str, Any] = {}  # the last value of each logged key: W&B's summary unless set explicitly
     run_id, name, group = run_dir.name.rsplit("-", 1)[-1], None, None
-    while True:
-        data = store.scan_data()
-        if data is None:
-            break
+    for data in wandb_log_records(log_file):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
         kind = record.WhichOneof("record_type")
@@ -253,6 +249,44 @@ def _offline_row(run_dir: Path) -> dict[str, Any]:
               if not k.startswith("_")}
     summary = {k: v for k, v in {**last_logged, **summary}.items() if not k.startswith("_")}
     return {**_wandb_row(config, summary, run_id, name, group), "wandb_dir": str(run_dir.resolve())}
+
+
+WANDB_BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of [crc32c:4][length:2][type:1][data]
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def wandb_log_records(path: Path) -> Iterator[bytes]:
+    """The serialized protobuf records of a .wandb file, in order. Records split across blocks
+    are joined; a record cut off at the end (a run still writing, or killed) is left out.
+    (wandb >= 0.19 no longer ships a Python reader for its own transaction log.)"""
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ResultsError(f"{path} is not a W&B transaction log (no ':W&B' header)")
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = WANDB_BLOCK - pos % WANDB_BLOCK
+        if left < 7:  # too little room for a header: the writer padded the block with zeros
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if kind == 0:  # zero padding up to the end of the block (or of a file still being written)
+            pos += left
+            continue
+        if pos + 7 + length > len(data):
+            break
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == FULL:
+            yield chunk
+        elif kind == FIRST:
+            pending = chunk
+        elif kind == MIDDLE:
+            pending += chunk
+        elif kind == LAST:
+            yield pending + chunk
+            pending = b""
+        else:
+            raise ResultsError(f"{path}: unknown record type {kind} at byte {pos}")
 
 
 def _apply_items(target: dict[str, Any], items: Any) -> None:

@@ -64,7 +64,14 @@ class WandbLogger(RunLogger):
             import wandb
         except ImportError as err:
             raise RuntimeError("logger=wandb needs the wandb package: pip install wandb (or use logger=none)") from err
-        self._run = wandb.init(project=self.project, entity=self.entity, group=self.group, tags=self.tags,
+        try:
+            import matplotlib  # noqa: F401 - the run's figures go to W&B as images
+        except ImportError as err:
+            raise RuntimeError("logger=wandb logs the run's figures and needs matplotlib: pip install -e '.[wandb]' "
+                               "(or use logger=none)") from err
+        # Runs of one sweep share a group (the sweep dir), so W&B shows a sweep together.
+        group = self.group if self.group is not None else sweep_group()
+        self._run = wandb.init(project=self.project, entity=self.entity, group=group, tags=self.tags,
                                name=name, config=config, dir=str(run_dir), mode=self.mode, reinit="finish_previous")
 
     def log_run(self, summary: dict[str, Any], layers: pd.DataFrame, steps: pd.DataFrame) -> None:
@@ -76,6 +83,11 @@ class WandbLogger(RunLogger):
                 self._run.summary[key] = value
         if not layers.empty:
             self._run.log({"per_layer": wandb.Table(dataframe=layers)})
+            self._run.log(run_images(layers, summary))
+        if not steps.empty:
+            # Misses |A\P| and waste |P\A| per (step, layer, batch row, KV head): their spread, not only the mean.
+            self._run.log({f"hist/{col}": wandb.Histogram(steps[col].to_numpy(), num_bins=min(64, int(steps[col].max()) + 1))
+                           for col in ("misses", "waste") if col in steps})
         if not steps.empty:
             per_step = steps.groupby("step")[["hits", "selected_blocks", "predicted_blocks"]].sum()
             for step, row in per_step.iterrows():
@@ -87,3 +99,29 @@ class WandbLogger(RunLogger):
         if self._run is not None:
             self._run.finish(exit_code=0 if ok else 1)
             self._run = None
+
+
+def sweep_group() -> str | None:
+    """The sweep directory when this process runs a Hydra multirun job (W&B group), else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    return str(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN else None
+
+
+def run_images(layers: pd.DataFrame, summary: dict[str, Any]) -> dict[str, Any]:
+    """The run's per-layer figures (prr.analysis.run_figures) as W&B images, keyed figures/<name>."""
+    import matplotlib.pyplot as plt
+    import wandb
+
+    from prr.analysis.run_figures import run_figures
+
+    title = f"{summary.get('model')}, {summary.get('prompt_tokens')} prompt tokens, {summary.get('device')}"
+    images = {}
+    for name, fig in run_figures(layers, title).items():
+        images[f"figures/{name}"] = wandb.Image(fig)
+        plt.close(fig)
+    return images

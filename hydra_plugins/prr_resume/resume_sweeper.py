@@ -80,24 +80,26 @@ class ResumeSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.overrides = self.split_arguments(parser.parse_overrides(params_conf), self.max_batch_size)
         sweep_dir = Path(self.config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        saved = sweep_dir / "multirun.yaml"
-        text = OmegaConf.to_yaml(self.config)
-        if not saved.is_file() or saved.read_text() != text:  # unchanged sweep: leave the file (and its mtime) alone
-            saved.write_text(text)
-
-        returns: list[Any] = []
-        first_job = 0
+        # Decide every job before launching any (or writing anything): a conflict stops the sweep untouched.
+        batches, first_job = [], 0
         while not self.is_done():
             batch = [list(job) for job in self.get_job_batch()]
             self.validate_batch_is_legal(batch)
-            todo = self.unfinished(batch, first_job)
-            print(f"prr: {len(batch) - len(todo)} of {len(batch)} jobs already complete in {sweep_dir}; "
-                  f"launching {len(todo)}")
+            batches.append((first_job, batch, self.unfinished(batch, first_job)))
+            first_job += len(batch)
+        total, todo_total = first_job, sum(len(todo) for _, _, todo in batches)
+        print(f"prr: {total - todo_total} of {total} jobs already complete in {sweep_dir}; launching {todo_total}")
+
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        saved = sweep_dir / "multirun.yaml"
+        text = OmegaConf.to_yaml(self.config)
+        if todo_total and (not saved.is_file() or saved.read_text() != text):  # nothing to run: leave the file alone
+            saved.write_text(text)
+        returns: list[Any] = []
+        for first_job, batch, todo in batches:
             for start, stop in contiguous_runs(todo):
                 results = self.launcher.launch(batch[start:stop], initial_job_idx=first_job + start)
                 for r in results:
                     _ = r.return_value  # re-raises a failed job's exception, as the basic sweeper does
                 returns.append(results)
-            first_job += len(batch)
         return returns

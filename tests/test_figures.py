@@ -1,0 +1,130 @@
+"""analysis/: figure functions on documented columns, one colour per stage and per method
+across figures, labelled axes, the registry, and `make figures` (skips what is missing,
+writes PDF + PNG, byte-stable)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.colors import to_hex
+from prr.analysis import figures, style
+from prr.analysis.make_figures import ROOT, make_all, missing_inputs
+from prr.analysis.run_figures import run_figures
+
+STAGE_HEX = {k: to_hex(v) for k, v in style.STAGE_COLORS.items()}
+STAGE_COLS = {f"t_{s}_us": 10.0 * (i + 1) for i, s in enumerate(style.STAGE_ORDER)}
+
+
+def line_colors(fig) -> dict[str, str]:
+    return {line.get_label(): to_hex(line.get_color()) for ax in fig.axes for line in ax.get_lines()
+            if not line.get_label().startswith("_")}
+
+
+def assert_labelled(fig) -> None:
+    for ax in fig.axes:
+        for label in (ax.get_xlabel(), ax.get_ylabel()):
+            assert "(" in label and ")" in label, f"axis label {label!r} has no unit in parentheses"
+
+
+def test_a_method_has_one_colour_in_every_figure():
+    layers = pd.DataFrame({"selector": ["quest"] * 3 + ["infllm"] * 3, "layer": [0, 1, 2] * 2,
+                           "last_step_overlap": np.linspace(0.5, 0.9, 6)})
+    steps = pd.DataFrame({"selector": ["quest", "infllm"] * 5, "overlap": np.linspace(0, 1, 10)})
+    fidelity = pd.DataFrame({"selector": ["quest", "quest", "infllm", "infllm"], "budget_tokens": [256, 512] * 2,
+                             "mean_mass_recall": [0.8, 0.9, 0.7, 0.85], "mean_output_relerr": [0.2, 0.1, 0.3, 0.15]})
+    drawn = [figures.overlap_per_layer(layers), figures.overlap_cdf(steps), figures.selector_fidelity(fidelity)]
+    for fig in drawn:
+        assert_labelled(fig)
+        colors = line_colors(fig)
+        assert colors[next(k for k in colors if k.startswith("Quest"))] == to_hex(style.METHOD_COLORS["quest"])
+        assert colors[next(k for k in colors if k.startswith("InfLLM"))] == to_hex(style.METHOD_COLORS["infllm"])
+
+
+def test_stage_colours_in_the_latency_breakdown_and_the_run_figures():
+    runs = pd.DataFrame([{"prompt_tokens": c, "predictor": p, "status": "complete", **STAGE_COLS}
+                         for c in (1024, 4096) for p in ("none", "ema")])
+    fig = figures.latency_breakdown(runs)
+    assert_labelled(fig)
+    bars = {c.get_label(): to_hex(c[0].get_facecolor()) for c in fig.axes[0].containers if not c.get_label().startswith("_")}
+    assert bars == STAGE_HEX
+    per_run = run_figures(pd.DataFrame({"layer": [0, 1], "hit_rate": [0.5, 0.7], "last_step_overlap": [0.4, 0.6],
+                                        **{k: [v, v] for k, v in STAGE_COLS.items()}}))
+    assert set(per_run) == {"per_layer_rates", "per_layer_stages"}
+    stages = {c.get_label(): to_hex(c[0].get_facecolor()) for c in per_run["per_layer_stages"].axes[0].containers}
+    assert stages == STAGE_HEX
+
+
+def test_colours_are_distinct_and_unknown_methods_get_a_stable_one():
+    colors = [to_hex(c) for c in (*style.STAGE_COLORS.values(), *style.METHOD_COLORS.values())]
+    assert len(set(colors)) == len(colors)
+    assert style.method_color("some_new_predictor") == style.method_color("some_new_predictor")
+    assert style.method_color("some_new_predictor") in style.RESERVE
+    with pytest.raises(ValueError, match="is a stage"):
+        style.method_color("select")
+    with pytest.raises(ValueError, match="not one of"):
+        style.stage_color("attend")
+
+
+def test_speedup_is_against_the_serial_baseline_of_the_same_context():
+    frame = pd.DataFrame({"context_tokens": [8192, 8192, 32768, 32768], "method": ["none", "ema"] * 2,
+                          "latency_ms": [10.0, 8.0, 20.0, 10.0], "hit_rate": [np.nan, 0.9, np.nan, 0.95]})
+    fig = figures.speedup(frame)
+    assert_labelled(fig)
+    (ema_vs_context,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "EMA"]
+    assert ema_vs_context.get_ydata().tolist() == pytest.approx([1.25, 2.0])
+    with pytest.raises(ValueError, match="serial baseline method 'none'"):
+        figures.speedup(frame[frame["method"] != "none"])
+
+
+def test_missing_columns_are_named():
+    with pytest.raises(KeyError, match=r"needs column\(s\) \['last_step_overlap'\]"):
+        figures.overlap_per_layer(pd.DataFrame({"selector": ["quest"], "layer": [0]}))
+
+
+def test_accuracy_table_and_old_sweep_csvs(tmp_path):
+    table = figures.accuracy_table(pd.DataFrame({"task": ["a", "b", "a", "b"], "method": ["dense", "dense", "quest", "quest"],
+                                                 "score": [1.0, 0.5, 0.5, 0.5]}))
+    assert table.loc["dense", "mean"] == 0.75 and table.loc["quest", "mean"] == 0.5
+    assert "| dense | 1.000 | 0.500 | 0.750 |" in figures.table_markdown(table)
+    path = tmp_path / "old.csv"
+    pd.DataFrame({"overrides": ["predictor=ema budget.ratio=1.5 logger=none"], "hit_rate": [0.9]}).to_csv(path, index=False)
+    old = figures.read_sweep_csv(path)
+    assert old.loc[0, "predictor"] == "ema" and old.loc[0, "budget.ratio"] == 1.5
+
+
+def test_registry_entries_are_complete():
+    entries = figures.registry()
+    assert len(entries) == len(figures.FIGURES)
+    for entry in entries.values():
+        assert entry.inputs and entry.command and entry.caption
+        assert all(not p.startswith("/") for p in entry.inputs)
+
+
+def test_make_figures_skips_missing_results_and_is_byte_stable(tmp_path, capsys):
+    assert make_all(tmp_path, tmp_path / "out") == {}
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(figures.FIGURES)
+    first = figures.FIGURES[0]
+    assert lines[0] == f"skip {first.name}: {first.inputs[0]} not found; produce it with: {first.command}"
+    assert not (tmp_path / "out").exists()
+
+    fidelity = tmp_path / "experiments/results/cpu/selector_fidelity.csv"
+    fidelity.parent.mkdir(parents=True)
+    pd.DataFrame({"selector": ["quest", "exact"] * 2, "budget_tokens": [256, 256, 512, 512],
+                  "mean_mass_recall": [0.8, 0.9, 0.9, 0.95], "mean_output_relerr": [0.2, 0.1, 0.1, 0.05]}).to_csv(fidelity)
+    written = make_all(tmp_path, tmp_path / "out")
+    assert list(written) == ["selector_fidelity"]
+    paths = written["selector_fidelity"]
+    assert [p.suffix for p in paths] == [".pdf", ".png"]
+    first_bytes = [p.read_bytes() for p in paths]
+    make_all(tmp_path, tmp_path / "out", only=["selector_fidelity"])
+    assert [p.read_bytes() for p in paths] == first_bytes  # no timestamps: the same results give the same files
+
+
+def test_committed_figures_exist_for_every_committed_result():
+    for entry in figures.FIGURES:
+        if not missing_inputs(entry, ROOT):
+            for ext in ("pdf", "png"):
+                path = ROOT / "analysis" / "figures" / f"{entry.name}.{ext}"
+                assert path.is_file(), f"{path} missing: run `make figures` and commit analysis/figures/"

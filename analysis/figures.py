@@ -172,6 +172,42 @@ def speedup_from_runs(runs: pd.DataFrame) -> pd.DataFrame:
                          "hit_rate": runs.get("hit_rate", pd.Series(np.nan, index=runs.index))})
 
 
+BENCH_METHODS = {"serial": "none", "prr_ema": "ema", "prr_last_step": "last_step"}
+
+
+def first_setting(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows of bench_decode's first (selector, block, top-K) setting at its smallest batch."""
+    first = frame.iloc[0]
+    keep = (frame["selector"] == first["selector"]) & (frame["block"] == first["block"]) & \
+        (frame["topk_tokens"] == first["topk_tokens"]) & (frame["batch"] == frame["batch"].min())
+    return frame[keep]
+
+
+def speedup_from_bench_decode(frame: pd.DataFrame) -> pd.DataFrame:
+    """The speedup figure's frame from experiments/bench_decode.py's OUT_token.csv (columns batch,
+    context, block, topk_tokens, selector, variant, cuda_graphs, hit_rate, token_us): CUDA graphs
+    on, its first setting; serial DSA is the baseline (method none), PRR with real predictors and
+    with fixed P at controlled hit rates are the methods; dense is left out."""
+    frame = require(frame, ["batch", "context", "block", "topk_tokens", "selector", "variant", "cuda_graphs",
+                            "hit_rate", "token_us"], "speedup_h200")
+    frame = first_setting(frame[frame["cuda_graphs"].astype(bool) & (frame["variant"] != "dense")])
+    method = frame["variant"].map(lambda v: BENCH_METHODS.get(v, v.replace("prr_fixed_", "fixed P, hit ")))
+    return pd.DataFrame({"context_tokens": frame["context"], "method": method, "latency_ms": frame["token_us"] / 1e3,
+                         "hit_rate": frame["hit_rate"]})
+
+
+def stage_breakdown_from_bench_decode(frame: pd.DataFrame, hit_rate: float = 0.9) -> pd.DataFrame:
+    """latency_breakdown's frame from bench_decode's OUT_stage.csv (per layer, µs: stage_select,
+    stage_speculate, stage_repair, stage_merge, each timed alone) at one controlled hit rate."""
+    frame = require(frame, ["batch", "context", "block", "topk_tokens", "selector", "target_hit_rate", "stage_select",
+                            "stage_speculate", "stage_repair", "stage_merge"], "latency_breakdown_h200")
+    frame = first_setting(frame[np.isclose(frame["target_hit_rate"], hit_rate)])
+    return pd.DataFrame({"prompt_tokens": frame["context"], "predictor": f"fixed P, hit {hit_rate:.2f}",
+                         "t_predict_us": 0.0, **{f"t_{s}_us": frame[f"stage_{s}"] for s in
+                                                 ("select", "speculate", "repair", "merge")},
+                         "device": "H200 (each stage timed alone)"})
+
+
 # --- selector fidelity ------------------------------------------------------------------------------
 def selector_fidelity(frame: pd.DataFrame) -> MplFigure:
     """Attention-mass recall (left) and output relative error against dense attention (right)
@@ -204,6 +240,25 @@ def accuracy_table(frame: pd.DataFrame, value: str = "score") -> pd.DataFrame:
     table = frame.pivot_table(index="method", columns="task", values=value, aggfunc="mean", sort=False)
     table["mean"] = table.mean(axis=1)
     return table
+
+
+def accuracy_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """accuracy_table's frame from experiments/accuracy_study.py's CSV (task, context_tokens,
+    selector, predictor, budget_tokens, accuracy) or from a results-store frame of the accuracy
+    sweep (task, selector, predictor, accuracy, optionally topk_blocks/block_size)."""
+    frame = complete(require(frame, ["task", "selector", "predictor", "accuracy"], "accuracy_table"))
+
+    def method(row: pd.Series) -> str:
+        if row["selector"] == "dense":
+            return "dense"
+        kind = "serial" if row["predictor"] == "none" else f"PRR {row['predictor']}"
+        budget = row.get("budget_tokens")
+        return f"{row['selector']} {kind}" + (f" @{int(budget)}" if pd.notna(budget) else "")
+
+    task = frame["task"].astype(str)
+    if "context_tokens" in frame.columns:
+        task = task + " " + (frame["context_tokens"] // 1024).astype(int).astype(str) + "K"
+    return pd.DataFrame({"task": task, "method": frame.apply(method, axis=1), "score": frame["accuracy"]})
 
 
 def table_markdown(table: pd.DataFrame, digits: int = 3) -> str:
@@ -285,14 +340,25 @@ FIGURES: list[Figure] = [
            f"python run.py -m +experiment=latency_breakdown && {COLLECT} multirun/latency_breakdown "
            f"{CPU}/latency_breakdown_smollm2",
            "Per-layer stage times against context, SmolLM2-135M on the CPU (stages serial)"),
-    Figure("speedup_h200", lambda f: speedup(speedup_from_runs(f)), ("experiments/results/h200/speedup_8b.csv",),
+    Figure("speedup_h200", lambda f: speedup(speedup_from_bench_decode(f)),
+           ("experiments/results/h200/bench_decode_token.csv",), pd.read_csv,
+           "python experiments/bench_decode.py --parts token (on an H200)",
+           "Per-token decode speedup of PRR over serial DSA, Llama-3.1-8B shape, batch 1, CUDA graphs, H200"),
+    Figure("latency_breakdown_h200", lambda f: latency_breakdown(stage_breakdown_from_bench_decode(f)),
+           ("experiments/results/h200/bench_decode_stage.csv",), pd.read_csv,
+           "python experiments/bench_decode.py --parts stage (on an H200)",
+           "Per-layer attention-stage times against context (each stage alone, hit rate 0.90), 8B shape, H200"),
+    Figure("speedup_sweep", lambda f: speedup(speedup_from_runs(f)), ("experiments/results/h200/speedup_8b.csv",),
            read_sweep_csv,
            f"python run.py -m +experiment=speedup (on a GPU) && {COLLECT} multirun/speedup "
            "experiments/results/h200/speedup_8b",
-           "Per-token decode speedup of PRR over serial DSA, Llama-3.1-8B shape, H200"),
+           "Per-token decode speedup of PRR over serial DSA through run.py, Llama-3.1-8B shape"),
     Figure("predictor_hit_rate_vs_budget", predictor_study, (f"{CPU}/predictor_study.csv",), pd.read_csv,
            "python experiments/predictor_study.py",
            "Hit rate of every predictor against |P|/K, per task, SmolLM2-135M (replayed shadow-mode decodes)"),
+    Figure("accuracy", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy.csv",), pd.read_csv,
+           "python experiments/accuracy_study.py",
+           "Accuracy (RULER string match, mean over samples) per task and context; SmolLM2-135M on the CPU"),
     Figure("selector_fidelity", selector_fidelity, (f"{CPU}/selector_fidelity.csv",), pd.read_csv,
            "python experiments/selector_fidelity.py",
            "Selector fidelity against the top-K budget, shadow mode, SmolLM2-135M"),

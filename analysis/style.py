@@ -52,6 +52,7 @@ METHOD_COLORS = {
     "query_similarity": "#4D9221",  # green
     "cross_layer": "#17BECF",  # cyan
 }
+METHOD_ALIASES = {"serial": "none"}  # bench_decode's word for serial DSA
 RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E5C494", "#1B9E77")
 
 METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)", "infllm": "InfLLM",
@@ -76,6 +77,7 @@ RC = {
 
 
 def method_color(name: str) -> str:
+    name = METHOD_ALIASES.get(name, name)
     if name in STAGE_COLORS:
         raise ValueError(f"{name!r} is a stage; use stage_color")
     return METHOD_COLORS.get(name) or RESERVE[zlib.crc32(name.encode()) % len(RESERVE)]

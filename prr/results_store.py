@@ -49,27 +49,40 @@ class ResultsError(ValueError):
 
 
 @functools.lru_cache(maxsize=1)
-def option_names(conf_dir: Path = CONF_DIR) -> dict[str, str]:
-    """`_target_` -> config option name (conf/selector/quest.yaml -> 'quest'). When several
-    options share a class (model presets), the model's own name_or_path says which."""
-    names: dict[str, str] = {}
+def option_files(conf_dir: Path = CONF_DIR) -> dict[tuple[str, str], list[tuple[str, dict[str, Any]]]]:
+    """(group, `_target_`) -> [(option name, its YAML values)] from conf/<group>/<option>.yaml."""
+    options: dict[tuple[str, str], list[tuple[str, dict[str, Any]]]] = {}
     for group in GROUPS:
         for path in sorted((conf_dir / group).glob("*.yaml")):
-            target = (yaml.safe_load(path.read_text()) or {}).get("_target_")
-            if target and group != "model":
-                names.setdefault(target, path.stem)
-    return names
+            values = yaml.safe_load(path.read_text()) or {}
+            if values.get("_target_"):
+                options.setdefault((group, values["_target_"]), []).append((path.stem, values))
+    return options
 
 
-def _option(group: str, node: Any) -> str | None:
-    if not isinstance(node, dict):
+def _option(group: str, node: Any, choices: dict[str, str] | None = None) -> str | None:
+    """The config option a run used for `group`: Hydra's record of the choice when the run dir
+    has one; else the option file whose `_target_` (and, when several share a class, values)
+    match the run's config; a class with no option file keeps its class name."""
+    if choices and isinstance(choices.get(group), str):
+        return choices[group]
+    if not isinstance(node, dict) or not node.get("_target_"):
         return None
-    if group == "model":
-        return str(node.get("name_or_path"))
-    target = node.get("_target_")
-    if target is None:
-        return None
-    return option_names().get(target, target.rsplit(".", 1)[-1])
+    candidates = option_files().get((group, node["_target_"]), [])
+    if not candidates:
+        return node["_target_"].rsplit(".", 1)[-1]
+
+    def matches(values: dict[str, Any]) -> int:
+        return sum(node.get(k) == v for k, v in values.items() if not (isinstance(v, str) and "${" in v))
+    return max(candidates, key=lambda c: matches(c[1]))[0]
+
+
+def hydra_choices(run_dir: Path) -> dict[str, str]:
+    """The group choices Hydra recorded for a run (.hydra/hydra.yaml), {} when there is none."""
+    path = run_dir / ".hydra" / "hydra.yaml"
+    if not path.is_file():
+        return {}
+    return ((yaml.safe_load(path.read_text()) or {}).get("hydra", {}).get("runtime", {}) or {}).get("choices", {}) or {}
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -120,7 +133,8 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
     row: dict[str, Any] = {"run_dir": str(run_dir.resolve()), "sweep": str(run_dir.resolve().parent),
                            "status": summary.get("status")}
-    row.update({g: _option(g, config.get(g)) for g in GROUPS})
+    choices = hydra_choices(run_dir)
+    row.update({g: _option(g, config.get(g), choices) for g in GROUPS})
     _flatten("", {g: config[g] for g in config if isinstance(config[g], dict)}, row)
     if "seed" in config:
         row["seed"] = config["seed"]

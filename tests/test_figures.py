@@ -128,3 +128,23 @@ def test_committed_figures_exist_for_every_committed_result():
             for ext in ("pdf", "png"):
                 path = ROOT / "analysis" / "figures" / f"{entry.name}.{ext}"
                 assert path.is_file(), f"{path} missing: run `make figures` and commit analysis/figures/"
+
+
+def test_bench_decode_files_feed_the_speedup_and_breakdown_figures():
+    token = pd.DataFrame([{"batch": b, "context": c, "block": 16, "topk_tokens": 2048, "selector": "quest", "variant": v,
+                           "cuda_graphs": g, "hit_rate": h, "token_us": us}
+                          for b in (1, 8) for c in (32768, 131072) for g in (True, False)
+                          for v, h, us in (("dense", None, 900.0), ("serial", None, 500.0 * c / 32768),
+                                           ("prr_ema", 0.97, 400.0 * c / 32768), ("prr_fixed_0.90", 0.9, 450.0))])
+    frame = figures.speedup_from_bench_decode(token)
+    assert set(frame["method"]) == {"none", "ema", "fixed P, hit 0.90"}  # serial is the baseline; dense left out
+    assert len(frame) == 2 * 3  # batch 1, CUDA graphs on, two contexts
+    fig = figures.speedup(frame)
+    (ema,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "EMA"]
+    assert ema.get_ydata().tolist() == pytest.approx([1.25, 1.25])
+    stage = pd.DataFrame([{"batch": 1, "context": c, "block": 16, "topk_tokens": 2048, "selector": "quest",
+                           "target_hit_rate": h, "stage_select": 60.0, "stage_speculate": 50.0, "stage_repair": 10.0,
+                           "stage_merge": 5.0} for c in (32768, 131072) for h in (1.0, 0.9)])
+    breakdown = figures.stage_breakdown_from_bench_decode(stage)
+    assert len(breakdown) == 2 and (breakdown["t_select_us"] == 60.0).all()
+    figures.latency_breakdown(breakdown)

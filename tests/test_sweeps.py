@@ -38,7 +38,7 @@ def test_every_preset_is_a_resumable_sweep_of_its_own(name):
 
 def test_the_issue_lists_a_preset_per_figure():
     assert {"locality", "hit_rate_ema", "hit_rate_predictors", "latency_breakdown", "speedup",
-            "selector_fidelity"} <= set(PRESETS)
+            "selector_fidelity", "accuracy"} <= set(PRESETS)
 
 
 def test_slurm_settings_reach_the_launcher():

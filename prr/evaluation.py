@@ -109,6 +109,8 @@ class Engine:
         self.request = -1  # index of the current request: the records' `sample` column
         self.steps_out = self.tokens_out = self.samples_out = None
         self.run_dir = run_dir
+        self.collect = False  # True: keep the current request's step rows in self.request_rows (studies)
+        self.request_rows: list[dict[str, Any]] = []
         if run_dir is not None:
             self.steps_out = JsonlWriter(run_dir / "records" / "steps.jsonl")
             self.tokens_out = JsonlWriter(run_dir / "records" / "tokens.jsonl")
@@ -166,6 +168,7 @@ class Engine:
     def _start(self, input_ids: Tensor, new_tokens: int, prefill: Prefill | None) -> tuple[DSABackend, Tensor]:
         """A fresh backend holding the prompt -> (backend, logits [1, V] at the last prompt position)."""
         self.request += 1
+        self.request_rows = []
         backend = self._backend(input_ids.shape[1] + new_tokens)
         with torch.inference_mode():
             if prefill is None:
@@ -191,8 +194,12 @@ class Engine:
         latency = time.perf_counter() - t0
         records, measure_s = backend.end_step()
         check_finite(logits, step, backend)
+        if self.steps_out is not None or self.collect:
+            rows = [{"sample": self.request, **row} for r in records for row in layer_step_rows(r)]
+            if self.collect:
+                self.request_rows += rows
         if self.steps_out is not None:
-            self.steps_out.write([{"sample": self.request, **row} for r in records for row in layer_step_rows(r)])
+            self.steps_out.write(rows)
             self.tokens_out.write([{"sample": self.request, "step": step, "token": token, "wall_s": latency,
                                     "measure_s": measure_s, "latency_s": latency - measure_s}])
         return logits.float()

@@ -92,7 +92,8 @@ class NeedleTask(SampleTask):
                              f"{len(needles)} needles; raise context_tokens")
         pool = NOISE_SENTENCES if self.haystack == "noise" else rotated(prose_sentences(), rng)
         haystack = fill_to_budget(tokenizer, pool, budget)
-        body, where = insert_at_depths(haystack, needles, depths)
+        lengths = [count_tokens(tokenizer, " " + s) for s in haystack]  # depth is a share of the haystack's tokens
+        body, where = insert_at_depths(haystack, needles, depths, lengths)
         context = " ".join(body)
         prompt = f"{header}\n\n{context}\n\n{question}"
         answers = tuple(v for k in queried for v in values[k])

@@ -35,8 +35,8 @@ class ClozeQATask(SampleTask):
     def make_sample(self, tokenizer: Any, rng: random.Random, index: int) -> Sample:
         sections = reference_sections()
         names = sorted(sections)
-        # Golden sections short enough to leave room for distractors (~4 characters a token).
-        fits = [n for n in names if len(" ".join(sections[n])) <= 2 * self.context_tokens]
+        # Golden sections of at most half the context: room is left for the question and distractors.
+        fits = [n for n in names if count_tokens(tokenizer, " ".join(sections[n])) <= self.context_tokens // 2]
         candidates = [(n, s) for n in fits for s in sections[n] if re.search(r"\s([A-Za-z]{5,})\.$", s)]
         if not candidates:
             raise ValueError(f"task.context_tokens={self.context_tokens} is too short for any section of the "
@@ -56,15 +56,16 @@ class ClozeQATask(SampleTask):
                              f"[{golden_name}] and the question; raise context_tokens")
         others = [n for n in names if n != golden_name]
         rng.shuffle(others)
-        distractors, used = [], 0
+        distractors, costs, used = [], [], 0
         for n in others:
             doc = f"Document [{n}]: " + " ".join(sections[n])
             cost = count_tokens(tokenizer, "\n\n" + doc)
             if used + cost <= budget:
                 distractors.append(doc)
+                costs.append(cost)
                 used += cost
         depth = self.depth if self.depth is not None else (index / (self.num_samples - 1) if self.num_samples > 1 else 0.5)
-        docs, where = insert_at_depths(distractors, [golden], [depth])
+        docs, where = insert_at_depths(distractors, [golden], [depth], costs)  # depth: share of distractor tokens
         prompt = f"{header}\n\n" + "\n\n".join(docs) + f"\n\n{question}"
         return Sample(prompt, (answer,), {"depth": depth, "golden": golden_name, "golden_index": where[0],
                                           "documents": len(docs)}, gen_prefix=prefix)

@@ -136,16 +136,25 @@ def fill_to_budget(tokenizer: Any, sentences: list[str], budget: int) -> list[st
     return out
 
 
-def insert_at_depths(sentences: list[str], needles: list[str], depths: list[float]) -> tuple[list[str], list[int]]:
-    """Insert each needle between sentences at its depth (0 = start, 1 = end of the haystack).
-    -> (sentences with needles, index of each needle in that list)."""
-    slots = [round(d * len(sentences)) for d in depths]
+def insert_at_depths(items: list[str], needles: list[str], depths: list[float],
+                     lengths: list[int] | None = None) -> tuple[list[str], list[int]]:
+    """Insert each needle between items at its depth: the item boundary where the share of
+    the haystack's length (`lengths`, e.g. tokens per item; default 1 each) before it is
+    closest to depth (0 = start, 1 = end). -> (items with needles, index of each needle)."""
+    lengths = lengths if lengths is not None else [1] * len(items)
+    if len(lengths) != len(items):
+        raise ValueError(f"{len(lengths)} lengths for {len(items)} items")
+    total = sum(lengths)
+    before = [0]
+    for n in lengths:
+        before.append(before[-1] + n)  # before[i]: length of items[:i]
+    slots = [min(range(len(items) + 1), key=lambda i: abs(before[i] - d * total)) for d in depths]
     order = sorted(range(len(needles)), key=lambda j: (slots[j], j))
     out, where, cursor = [], [0] * len(needles), 0
     for j in order:
-        out.extend(sentences[cursor:slots[j]])
+        out.extend(items[cursor:slots[j]])
         cursor = max(cursor, slots[j])
         where[j] = len(out)
         out.append(needles[j])
-    out.extend(sentences[cursor:])
+    out.extend(items[cursor:])
     return out, where

@@ -58,7 +58,8 @@ class VariableTrackingTask(SampleTask):
                              f"{len(statements)} assignments; raise context_tokens or lower num_chains/num_hops")
         pool = NOISE_SENTENCES if self.haystack == "noise" else rotated(prose_sentences(), rng)
         haystack = fill_to_budget(tokenizer, pool, budget)
-        body, where = insert_at_depths(haystack, statements, depths)
+        lengths = [count_tokens(tokenizer, " " + s) for s in haystack]
+        body, where = insert_at_depths(haystack, statements, depths, lengths)
         prompt = f"{header}\n\n{' '.join(body)}\n\n{question}"
         return Sample(prompt, tuple(chains[0]), {"chains": chains, "values": values, "statement_depths": depths,
                                                 "statement_sentence_index": where}, gen_prefix=prefix)

@@ -41,7 +41,9 @@ class CommonWordsTask(SampleTask):
     def make_sample(self, tokenizer: Any, rng: random.Random, index: int) -> Sample:
         words = list(WORDS)
         rng.shuffle(words)
-        common, rare = words[: self.num_common], words[self.num_common:]
+        compounds = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS]  # more rare words, so long lists fit
+        rng.shuffle(compounds)
+        common, rare = words[: self.num_common], words[self.num_common:] + compounds
         question = f"Question: What are the {self.num_common} most common words in the above list?"
         prefix = f"Answer: The top {self.num_common} words that appear most often in the list are:"
         header = "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often."
@@ -52,18 +54,25 @@ class CommonWordsTask(SampleTask):
         return Sample(prompt, tuple(common), {"common": common}, gen_prefix=prefix)
 
     def _listing(self, rng: random.Random, common: list[str], rare: list[str], tokenizer: Any, budget: int) -> str:
-        best = None
-        for n_rare in range(1, len(rare) + 1):
+        """The longest list (most rare words) that fits `budget` tokens; bisection over the rare count."""
+        order_seed = rng.random()
+
+        def listing(n_rare: int) -> str:
             items = common * self.common_repeats + rare[:n_rare] * self.rare_repeats
-            order = random.Random(rng.random()).sample(items, len(items))
-            text = " ".join(f"{i + 1}. {w}" for i, w in enumerate(order))
-            if count_tokens(tokenizer, text) > budget:
-                break
-            best = text
-        if best is None:
+            order = random.Random(order_seed).sample(items, len(items))
+            return " ".join(f"{i + 1}. {w}" for i, w in enumerate(order))
+
+        if count_tokens(tokenizer, listing(0)) > budget:
             raise ValueError(f"task.context_tokens={self.context_tokens} is too small for {self.num_common} words x "
                              f"{self.common_repeats} repeats; raise context_tokens or lower common_repeats")
-        return best
+        lo, hi = 0, len(rare)  # listing(lo) fits; find the largest n that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if count_tokens(tokenizer, listing(mid)) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return listing(lo)
 
 
 class FrequentWordsTask(SampleTask):

@@ -1,0 +1,198 @@
+"""Accuracy study: does PRR preserve DSA's outputs, and what does each selector cost in accuracy?
+
+    python experiments/accuracy_study.py                      # the committed CPU size (see --help)
+    python experiments/accuracy_study.py --contexts 4096 --budgets 256,1024,2048 --samples 20
+
+For every task x context length x sample, the prompt is prefilled once (dense, q/k/v kept)
+and every config decodes from a replay of it (a fresh cache, selector metadata and
+predictor state per config), greedy, through the sparse runtime:
+  dense                                 the accuracy reference
+  {quest, infllm, less, exact} x budget predictor=none: serial DSA
+  {quest, infllm, less, exact} x budget predictor=ema, repair_mode=exact: PRR
+Reported (a) PRR (ema, exact repair) vs serial DSA (none): token-identical samples, and for
+every differing sample the first divergent step with serial DSA's top-1/top-2 logit margin
+there and the largest PRR-vs-serial attention error of the run (runtime.check_serial);
+(b) accuracy (RULER string match) of each selector and budget against dense, and the
+fraction of samples whose tokens equal dense's.
+
+Writes <out>.csv (one row per task, context, selector, predictor, budget), <out>_samples.csv
+(one row per sample and config) and <out>.json (command, sizes, timings, the differences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prr.config_check import validate  # noqa: E402
+from prr.evaluation import Engine  # noqa: E402
+from prr.paths import write_json_atomic  # noqa: E402
+
+SPARSE = ("quest", "infllm", "less", "exact")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--tasks", default="ruler_niah,ruler_niah_multikey,ruler_qa", help="conf/task names (RULER-style)")
+    p.add_argument("--contexts", default="1024,2048", help="context lengths in tokens")
+    p.add_argument("--samples", type=int, default=4, help="samples per task and context length")
+    p.add_argument("--budgets", default="256,512", help="top-K budgets in tokens (selector.topk_blocks x block_size)")
+    p.add_argument("--ema-budgets", default=None, help="budgets that also run predictor=ema (default: all)")
+    p.add_argument("--selectors", default="quest,infllm,less,exact")
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "cpu" / "accuracy"))
+    return p.parse_args(argv)
+
+
+def config(overrides: list[str]) -> Any:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    validate(cfg)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    tasks = args.tasks.split(",")
+    contexts = [int(x) for x in args.contexts.split(",")]
+    budgets = [int(x) for x in args.budgets.split(",")]
+    ema_budgets = budgets if args.ema_budgets is None else [int(x) for x in args.ema_budgets.split(",") if x]
+    selectors = args.selectors.split(",")
+    bad = [s for s in selectors if s not in SPARSE]
+    if bad or any(b % args.block_size for b in budgets + ema_budgets):
+        raise SystemExit(f"--selectors {bad} not in {SPARSE}, or a budget not a multiple of --block-size {args.block_size}")
+    common = [f"model={args.model}", "logger=none", f"runtime.block_size={args.block_size}",
+              "runtime.dense_metrics_every=1000000"]  # no dense reference per step: accuracy is the point here
+
+    # (name, selector, predictor, budget tokens, overrides)
+    runs: list[tuple[str, str, str, int | None, list[str]]] = [("dense", "dense", "none", None, ["selector=dense", "predictor=none"])]
+    for sel in selectors:
+        for b in budgets:
+            k = f"selector.topk_blocks={b // args.block_size}"
+            runs.append((f"{sel}-none-{b}", sel, "none", b, [f"selector={sel}", "predictor=none", k]))
+            if b in ema_budgets:
+                runs.append((f"{sel}-ema-{b}", sel, "ema", b, [f"selector={sel}", "predictor=ema", k,
+                                                            "runtime.repair_mode=exact", "runtime.check_serial=true"]))
+
+    t_start = time.perf_counter()
+    first = config(common + [f"task={tasks[0]}"])
+    settings = instantiate(first.runtime)
+    model = instantiate(first.model).load(settings.dtype, settings.device)
+    rows: list[dict[str, Any]] = []
+    for task_name in tasks:
+        for ctx in contexts:
+            task_over = [f"task={task_name}", f"task.context_tokens={ctx}", f"task.num_samples={args.samples}",
+                         f"task.max_new_tokens={args.max_new_tokens}"]
+            engines = {}
+            for name, _, _, budget, over in runs:
+                if budget is not None and budget >= ctx:
+                    continue  # the budget covers the whole context: nothing sparse
+                cfg = config(common + task_over + over)
+                engines[name] = Engine(cfg, model, ctx + 64 + args.max_new_tokens)
+                engines[name].collect = True
+            task = instantiate(config(common + task_over).task)
+            samples = task.samples(engines["dense"].tokenizer)
+            for index, sample in enumerate(samples):
+                base = engines["dense"]
+                ids = base.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
+                t0 = time.perf_counter()
+                prefill = base.prefill(ids)
+                prefill_s = time.perf_counter() - t0
+                for name, sel, pred, budget, _ in runs:
+                    if name not in engines:
+                        continue
+                    t0 = time.perf_counter()
+                    gen = engines[name].generate(ids, args.max_new_tokens, prefill=prefill)
+                    steps = pd.DataFrame(engines[name].request_rows)
+                    rows.append({
+                        "task": task_name, "context_tokens": ctx, "sample": index, "prompt_tokens": ids.shape[1],
+                        "config": name, "selector": sel, "predictor": pred, "budget_tokens": budget,
+                        "score": task.score(gen.text, sample), "prediction": gen.text,
+                        "token_ids": json.dumps(gen.token_ids), "margins": json.dumps([round(m, 5) for m in gen.margins]),
+                        "max_serial_relerr": float(steps["serial_relerr"].max()) if "serial_relerr" in steps else None,
+                        "hit_rate": float(steps["hits"].sum() / max(steps["selected_blocks"].sum(), 1)) if len(steps) and pred == "ema" else None,
+                        "decode_s": time.perf_counter() - t0, "prefill_s": prefill_s,
+                    })
+                print(f"{task_name} ctx {ctx} sample {index}: prefill {prefill_s:.1f}s, "
+                      f"{len(engines)} configs {sum(r['decode_s'] for r in rows[-len(engines):]):.1f}s "
+                      f"({time.perf_counter() - t_start:.0f}s so far)", flush=True)
+    per_sample = pd.DataFrame(rows)
+    table, differences = summarize(per_sample)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    per_sample.to_csv(f"{out}_samples.csv", index=False)
+    table.to_csv(f"{out}.csv", index=False)
+    ema = table[table.predictor == "ema"]
+    write_json_atomic(Path(f"{out}.json"), {
+        "command": "python experiments/accuracy_study.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
+        "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
+        "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "decoding": "greedy",
+        "device": f"cpu {platform.machine()} torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "wall_s": time.perf_counter() - t_start,
+        "prr_vs_serial": {
+            "compared_samples": int(ema["samples"].sum()),
+            "token_identical_samples": int(ema["identical_to_serial"].mul(ema["samples"]).round().sum()),
+            "max_serial_relerr": float(ema["max_serial_relerr"].max()) if len(ema) else None,
+            "differences": differences,
+        },
+    })
+    print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(f"PRR exact vs serial DSA: {len(differences)} differing samples; wrote {out}.csv, {out}.json")
+
+
+def summarize(per_sample: pd.DataFrame) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    """-> (one row per task/context/config, every PRR-vs-serial difference explained)."""
+    key = ["task", "context_tokens", "sample"]
+    dense = per_sample[per_sample.config == "dense"].set_index(key)["token_ids"]
+    serial = per_sample[per_sample.predictor == "none"].set_index(key + ["selector", "budget_tokens"])
+    differences = []
+    table = []
+    for (task, ctx, _), group in per_sample.groupby(["task", "context_tokens", "config"], sort=False):
+        first = group.iloc[0]
+        same_dense = [tok == dense[(task, ctx, s)] for s, tok in zip(group["sample"], group["token_ids"], strict=True)]
+        row = {"task": task, "context_tokens": ctx, "selector": first.selector, "predictor": first.predictor,
+               "budget_tokens": first.budget_tokens, "samples": len(group), "accuracy": group["score"].mean(),
+               "same_tokens_as_dense": sum(same_dense) / len(group), "identical_to_serial": math.nan,
+               "max_serial_relerr": group["max_serial_relerr"].max(), "hit_rate": group["hit_rate"].mean(),
+               "decode_s_per_sample": group["decode_s"].mean()}
+        if first.predictor == "ema":
+            same = 0
+            for _, r in group.iterrows():
+                ref = serial.loc[(task, ctx, r["sample"], r["selector"], r["budget_tokens"])]
+                a, b = json.loads(r["token_ids"]), json.loads(ref["token_ids"])
+                if a == b:
+                    same += 1
+                    continue
+                step = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                margins = json.loads(ref["margins"])
+                differences.append({
+                    "task": task, "context_tokens": int(ctx), "sample": int(r["sample"]), "selector": r["selector"],
+                    "budget_tokens": int(r["budget_tokens"]), "first_divergent_step": step,
+                    "serial_top2_margin_there": margins[step] if step < len(margins) else None,
+                    "prr_max_serial_relerr": r["max_serial_relerr"], "prr_tokens": a, "serial_tokens": b,
+                })
+            row["identical_to_serial"] = same / len(group)
+        table.append(row)
+    return pd.DataFrame(table), differences
+
+
+if __name__ == "__main__":
+    main()

@@ -179,3 +179,26 @@ def test_the_wandb_log_reader_joins_records_split_across_blocks(tmp_path):
     data += header(1, 3) + b"end" + header(1, 10) + b"cut"  # the last record cut off
     (tmp_path / "run-x.wandb").write_bytes(bytes(data))
     assert list(wandb_log_records(tmp_path / "run-x.wandb")) == [b"small", pos_data, b"end"]
+
+
+def test_sweep_jobs_are_grouped_by_their_sweep_dir():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict, read_write
+
+    from prr.sinks import sweep_group
+
+    root = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=locality"], return_hydra_config=True)
+    saved = HydraConfig.instance().cfg
+    try:
+        for mode, group in ((RunMode.RUN, None), (RunMode.MULTIRUN, "multirun/locality")):
+            job = cfg.copy()  # set_config makes what it is given read-only
+            with read_write(job), open_dict(job):
+                job.hydra.mode = mode
+            HydraConfig.instance().set_config(job)
+            assert sweep_group() == group
+    finally:
+        HydraConfig.instance().cfg = saved

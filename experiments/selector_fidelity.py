@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from prr.runner import run  # noqa: E402
 
-SELECTORS = ("quest", "infllm", "less", "exact")
+# Row name -> selector overrides. less-trained needs `make train-less` first (else a clear error).
+SELECTORS = {"quest": ["selector=quest"], "infllm": ["selector=infllm"], "less": ["selector=less"],
+             "less-trained": ["selector=less", "selector.feature_map=trained"], "exact": ["selector=exact"]}
 BUDGET_TOKENS = (256, 512, 1024, 2048)
 COLUMNS = ("mean_mass_recall", "mean_output_relerr", "last_step_overlap", "hit_rate", "hit_rate_at_k",
            "mean_selected_blocks")
@@ -40,11 +42,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/cpu/selector_fidelity")
     parser.add_argument("--runs-dir", type=Path, default=Path("multirun/selector_fidelity"))
     parser.add_argument("--steps", type=int, default=32, help="decode steps per run")
+    parser.add_argument("--selectors", default=",".join(SELECTORS), help=f"comma-separated subset of {list(SELECTORS)}")
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGET_TOKENS)), help="top-K budgets in tokens")
     args = parser.parse_args()
+    selectors = [x for x in args.selectors.split(",") if x]
+    unknown = [x for x in selectors if x not in SELECTORS]
+    if unknown:
+        parser.error(f"--selectors: {unknown} not among {list(SELECTORS)}")
+    budgets = [int(x) for x in args.budgets.split(",") if x]
     rows, layer_rows = [], []
-    for selector in SELECTORS:
-        for budget in BUDGET_TOKENS:
-            overrides = [f"selector={selector}", f"selector.topk_blocks={budget // 16}", "runtime.block_size=16",
+    for selector in selectors:
+        for budget in budgets:
+            overrides = [*SELECTORS[selector], f"selector.topk_blocks={budget // 16}", "runtime.block_size=16",
                          "runtime.mode=shadow", "predictor=ema", "budget=fixed", "budget.ratio=1.0", "logger=none",
                          f"task.max_new_tokens={args.steps}", "task.stop_at_eos=false"]
             with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -25,10 +25,12 @@ the log of (prr's convention: natural log of Σ exp of scaled scores). The two s
 therefore commensurate and merge exactly like two attention partials. `scale` is
 1/√head_dim, the scale DSABackend uses. Limitation, measured on SmolLM2-135M: its queries
 have ‖q‖²·scale ≈ 28, where the estimator is heavy-tailed and, with m = 64, underestimates
-the unselected mass by ~e^10 (the compensation then barely changes the output); this is
-what a trained feature map has to fix. `feature_map=trained`: a per-layer map with query and
-key branches (prr.selectors.less_training, `make train-less`), loaded from
-cache_dir()/less/<feature_map_model>-<hash>.safetensors; a missing file is an error (no fallback).
+the unselected mass by ~e^10 (the compensation then barely changes the output).
+`feature_map=trained` fixes that: a per-layer map with query and key branches (random
+features of a softened kernel with learned temperatures, plus small MLPs, fitted to Quest's
+unselected blocks; prr.selectors.less_training, `make train-less`), loaded from
+cache_dir()/less/<feature_map_model>-<hash>.safetensors; a missing file is an error (no
+fallback). Layers where held-out validation found no gain are gated off (no compensation).
 
 Variance control: keys are centred on a per-(layer, KV head) vector c fixed at the first
 metadata update (the mean prompt key at prefill, `center_keys=true`):
@@ -214,6 +216,10 @@ class LessSelector(QuestSelector):
     def compensation(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection) -> AttentionState:
         """q: [B, Hkv, G, D] -> the unselected blocks' estimated state: out [B, Hkv, G, D],
         lse [B, Hkv, G] (log of the estimated Σ exp(scale·q·k) over their tokens; −inf if none)."""
+        if self.trained is not None and not self.trained.enabled(layer):
+            # Held-out validation found no gain on this layer (make train-less): no compensation.
+            empty = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+            return AttentionState(out=torch.zeros_like(q, dtype=torch.float32), lse=empty)
         scale = 1.0 / math.sqrt(cache.head_dim)
         slots = cache.metadata[layer]
         num_blocks = cache.num_blocks(layer)

@@ -154,6 +154,9 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
     bad_layers = sorted(x for x in selector.dense_layers if not 0 <= x < model.num_layers)
     if bad_layers:
         problems.append(f"selector.dense_layers={bad_layers} outside the model's layers 0..{model.num_layers - 1}")
+    if callable(getattr(task, "evaluate", None)) and runtime.batch_size != 1:  # scored tasks (prr.evaluation)
+        problems.append(f"runtime.batch_size={runtime.batch_size}: scored tasks decode one request at a time; "
+                        "use runtime.batch_size=1")
     if model.num_heads % model.num_kv_heads:
         problems.append(f"model has {model.num_heads} query heads, not a multiple of {model.num_kv_heads} KV heads")
     return problems

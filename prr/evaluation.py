@@ -165,14 +165,17 @@ class Engine:
                           repair_mode=s.repair_mode, calibration_tokens=s.calibration_tokens,
                           dense_metrics_every=s.dense_metrics_every, check_serial=s.check_serial, ops=self.ops)
 
-    def _start(self, input_ids: Tensor, new_tokens: int, prefill: Prefill | None) -> tuple[DSABackend, Tensor]:
-        """A fresh backend holding the prompt -> (backend, logits [1, V] at the last prompt position)."""
+    def _start(self, input_ids: Tensor, new_tokens: int, prefill: Prefill | None,
+               all_logits: bool = False) -> tuple[DSABackend, Tensor]:
+        """A fresh backend holding the prompt -> (backend, logits [1, V] at the last prompt
+        position; [T, V] at every position with all_logits)."""
         self.request += 1
         self.request_rows = []
         backend = self._backend(input_ids.shape[1] + new_tokens)
         with torch.inference_mode():
             if prefill is None:
-                logits = self.model.decoder(input_ids.to(self.device), 0, backend, last_logits_only=True)[:, -1]
+                logits = self.model.decoder(input_ids.to(self.device), 0, backend, last_logits_only=not all_logits)
+                logits = logits[0] if all_logits else logits[:, -1]
             else:
                 if not torch.equal(prefill.input_ids, input_ids):
                     raise ValueError("the Prefill given was made from other input_ids")
@@ -234,15 +237,26 @@ class Engine:
         a time -> (sum of log-probs, whether greedy decoding yields it, per-token log-probs)."""
         if not continuation:
             raise ValueError("an empty continuation has no log-likelihood")
-        backend, logits = self._start(input_ids, len(continuation), prefill)
-        prompt_len = input_ids.shape[1]
         logprobs, greedy = [], True
+        if input_ids.shape[1] == 1:
+            # The prefill needs 2 tokens: the first continuation token joins it, its log-prob read at position 0.
+            if prefill is not None:
+                raise ValueError("a one-token context is prefilled together with its first continuation token")
+            input_ids = torch.cat([input_ids, torch.tensor([continuation[:1]], dtype=input_ids.dtype)], 1)
+            backend, both = self._start(input_ids, len(continuation) - 1, None, all_logits=True)  # [2, V]
+            logprobs.append(float(torch.log_softmax(both[0].float(), -1)[continuation[0]]))
+            greedy = int(both[0].argmax()) == continuation[0]
+            logits, continuation, offset = both[1:], continuation[1:], 1
+        else:
+            backend, logits = self._start(input_ids, len(continuation), prefill)
+            offset = 0
+        prompt_len = input_ids.shape[1]
         for i, token in enumerate(continuation):
             logp = torch.log_softmax(logits[0].float(), -1)
             logprobs.append(float(logp[token]))
             greedy = greedy and int(logits[0].argmax()) == token
             if i + 1 < len(continuation):
-                logits = self._step(backend, token, prompt_len + i, i)
+                logits = self._step(backend, token, prompt_len + i, i + offset)
         return sum(logprobs), greedy, logprobs
 
 

@@ -104,12 +104,12 @@ class PRRLM(LM):
     def tok_encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
-    def _context(self, ids: list[int], room: int) -> torch.Tensor:
-        """Left-truncated to `room` tokens, at least 2 (the prefill needs 2: the prefix token pads)."""
+    def _context(self, ids: list[int], room: int, min_tokens: int = 1) -> torch.Tensor:
+        """Left-truncated to `room` tokens; the prefix token pads it to min_tokens. -> [1, T]"""
         ids = ids[-room:] if room > 0 else []
-        while len(ids) < 2:
+        while len(ids) < min_tokens:
             ids = [self.prefix_token_id] + ids
-        return torch.tensor([ids], dtype=torch.long)  # [1, T]
+        return torch.tensor([ids], dtype=torch.long)
 
     @property
     def tokenizer_name(self) -> str:
@@ -159,7 +159,8 @@ class PRRLM(LM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            ids = self._context(self.tok_encode(context), self.max_length - max_gen)
+            # Generation prefills the context alone, which needs 2 tokens: a shorter one gets the prefix token.
+            ids = self._context(self.tok_encode(context), self.max_length - max_gen, min_tokens=2)
             text = self.engine.generate(ids, max_gen, stop=tuple(until)).text
             out.append(text)
             self.cache_hook.add_partial("generate_until", request.args, text)

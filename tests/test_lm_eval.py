@@ -1,0 +1,111 @@
+"""The lm-eval model `prr`: lm-eval's command line runs it on a local task offline (CI
+acceptance), its log-likelihoods equal a dense forward for the dense selector, generation
+stops at `until`, and `python run.py task=lm_eval` logs lm-eval's scores like any metric."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from prr.model.dense import DenseAttention
+from prr.runner import run
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ARGS = "model=tiny-random,selector=quest,predictor=ema,selector.topk_blocks=4,selector.dense_layers=[]"
+
+
+def test_lm_eval_command_line_runs_the_prr_model_on_a_local_task_offline(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "prr.lm_eval_model", "--model", "prr", "--model_args", TINY_ARGS,
+         "--tasks", "prr_niah", "--include_path", str(ROOT / "prr" / "tasks" / "lm_eval_tasks"), "--limit", "2",
+         "--metadata", '{"context_tokens": 600}', "--output_path", str(tmp_path / "out")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (results_file,) = list((tmp_path / "out").rglob("results_*.json"))
+    results = json.loads(results_file.read_text())
+    assert "string_match,none" in results["results"]["prr_niah"]
+    assert results["n-samples"]["prr_niah"]["effective"] == 2
+
+
+def test_console_script_points_at_the_wrapper():
+    (target,) = re.findall(r'^prr-lm-eval = "([\w.:]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    module, _, name = target.partition(":")
+    import importlib
+
+    assert callable(getattr(importlib.import_module(module), name))
+
+
+@pytest.fixture(scope="module")
+def dense_lm():
+    from prr.lm_eval_model import PRRLM
+
+    # Requests of at most 32 + 64 tokens (bytes): rolling windows stay short (each scored token is a decode step).
+    return PRRLM(model="tiny-random", selector="dense", predictor="none",
+                 **{"task.context_tokens": 32, "runtime.dense_metrics_every": 1000})
+
+
+def dense_logprobs(lm, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1 under plain dense attention: [len(ids) - 1]."""
+    model = lm.engine.model
+    with torch.inference_mode():
+        logits = model.decoder(torch.tensor([ids]), 0, DenseAttention(model.config.num_layers))[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_loglikelihood_equals_a_dense_forward_for_the_dense_selector(dense_lm):
+    context, continuation = "The magic number is", " 1234567."
+    (logprob, greedy), = dense_lm.loglikelihood([SimpleNamespace(args=(context, continuation))])
+    ids = dense_lm.tok_encode(context + continuation)
+    ref = dense_logprobs(dense_lm, ids)[len(dense_lm.tok_encode(context)) - 1:]
+    assert logprob == pytest.approx(float(ref.sum()), abs=1e-3) and greedy is False
+
+
+def test_loglikelihood_rolling_scores_every_token_once(dense_lm):
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    text = "Sparse attention keeps the blocks that matter. " * 3  # more bytes than max_length: several windows
+    (total,) = dense_lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])
+    ids = dense_lm.tok_encode(text)
+    windows = list(map(make_disjoint_window, get_rolling_token_windows(
+        ids, dense_lm.prefix_token_id, dense_lm.max_length - 1, 1)))
+    assert len(windows) > 1 and sum(len(pred) for _, pred in windows) == len(ids)  # every token scored once
+    ref = 0.0
+    for ctx, pred in windows:  # each window: its context, then its tokens, under plain dense attention
+        if len(ctx) == 1:  # dense_logprobs scores from position 1: the first window's context is the prefix
+            ref += float(dense_logprobs(dense_lm, ctx + pred).sum())
+        else:
+            ref += float(dense_logprobs(dense_lm, ctx + pred)[len(ctx) - 1:].sum())
+    assert total == pytest.approx(ref, abs=2e-3)
+
+
+def test_generate_until_stops_and_cuts_at_the_stop_string(dense_lm):
+    context = "abc " * 10
+    free = dense_lm.generate_until([SimpleNamespace(args=(context, {"max_gen_toks": 12, "until": []}))])[0]
+    assert 0 < len(dense_lm.tok_encode(free)) <= 12
+    stop = free[len(free) // 2] if free.strip() else None
+    if stop:
+        cut = dense_lm.generate_until([SimpleNamespace(args=(context, {"max_gen_toks": 12, "until": [stop]}))])[0]
+        assert cut == free[: free.index(stop)]
+    with pytest.raises(ValueError, match="decodes greedily"):
+        dense_lm.generate_until([SimpleNamespace(args=(context, {"do_sample": True, "temperature": 0.7}))])
+
+
+@pytest.mark.slow  # ~25 s (lm-eval's import, a run); the CLI test above is the CI acceptance
+def test_run_py_task_lm_eval_logs_lm_eval_scores_in_the_summary(tmp_path):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "model=tiny-random", "logger=none", "task=lm_eval", "task.tasks=[prr_niah]", "task.limit=1",
+            "+task.metadata.context_tokens=600", "selector.topk_blocks=4", "selector.dense_layers=[]"])
+    summary = run(cfg, tmp_path / "run")
+    assert summary["status"] == "complete" and "lm_eval/prr_niah/string_match" in summary
+    saved = json.loads((tmp_path / "run" / "lm_eval_results.json").read_text())
+    assert saved["prr_niah"]["string_match,none"] == summary["lm_eval/prr_niah/string_match"]
+    assert (tmp_path / "run" / "records" / "steps.jsonl").stat().st_size > 0  # the runtime's records, as any run

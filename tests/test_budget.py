@@ -58,3 +58,80 @@ def test_profiled_lookup_between_and_below_grid_points(tmp_path, monkeypatch):
     assert [c for c, _ in budget.table] == [16, 64, 256]
     assert budget.predicted_blocks(0, 100, 16) == budget.predicted_blocks(0, 64, 16)  # the grid point below
     assert budget.predicted_blocks(0, 4, 16) == 4  # below the grid: the first row, capped by the context
+
+
+# --- adaptive -------------------------------------------------------------------------------
+
+def record(layer, selected, predicted, ranked=None, step=0, speculate=0.0, select=1.0):
+    """A LayerStepRecord over 1 row, 1 KV head, 32 blocks from block-id lists."""
+    import torch
+
+    from prr.runtime.records import LayerStepRecord
+
+    def mask(ids):
+        m = torch.zeros(1, 1, 32, dtype=torch.bool)
+        m[0, 0, list(ids)] = True
+        return m
+    return LayerStepRecord(step=step, layer=layer, context_tokens=512, selected=mask(selected),
+                           predicted=mask(predicted), previous=None,
+                           ranked_at_k=mask(ranked if ranked is not None else selected), budget_blocks=len(predicted),
+                           timings={"speculate": speculate, "select": select}, block_mass=None,
+                           output_relerr=None, serial_relerr=None)
+
+
+def adaptive(**kwargs):
+    from prr.budget.adaptive import AdaptiveBudget
+
+    return AdaptiveBudget(use_profile=False, smoothing=0.0, **kwargs)
+
+
+def test_adaptive_grows_while_it_misses_and_waste_is_low():
+    budget = adaptive()
+    assert budget.predicted_blocks(0, 32, 8) == 8
+    budget.observe([record(0, selected=range(8), predicted=range(6))])  # 25% missed, no waste
+    assert budget.predicted_blocks(0, 32, 8) == 10
+    for _ in range(10):
+        budget.observe([record(0, selected=range(8), predicted=range(6))])
+    assert budget.predicted_blocks(0, 32, 8) == 16  # max_ratio 2.0
+    assert budget.predicted_blocks(1, 32, 8) == 8  # per layer
+
+
+def test_adaptive_shrinks_on_waste_and_when_speculation_stops_hiding():
+    budget = adaptive()
+    budget.observe([record(0, selected=range(4), predicted=range(12))])  # waste 2/3
+    assert budget.predicted_blocks(0, 32, 8) == round(8 / 1.25)
+    budget = adaptive()
+    budget.observe([record(0, selected=range(8), predicted=range(8), speculate=2.0, select=1.0)])
+    assert budget.predicted_blocks(0, 32, 8) == round(8 / 1.25)
+    budget = adaptive()  # all hit, no waste, hides: unchanged
+    budget.observe([record(0, selected=range(8), predicted=range(8), speculate=0.5, select=1.0)])
+    assert budget.predicted_blocks(0, 32, 8) == 8
+
+
+def test_adaptive_switches_speculation_off_for_a_weak_predictor_and_back_on():
+    budget = adaptive(min_hit=0.5)
+    budget.observe([record(0, selected=range(8), predicted=range(20, 28), ranked=range(20, 28))])
+    assert budget.predicted_blocks(0, 32, 8) == 0
+    budget.observe([record(0, selected=range(8), predicted=[], ranked=range(8), step=1)])
+    assert budget.predicted_blocks(0, 32, 8) > 0
+    assert [h.get("off") for h in budget.history if "off" in h] == [True, False]
+
+
+def test_adaptive_never_exceeds_the_profiled_ceiling(tmp_path, monkeypatch):
+    from prr.budget.adaptive import AdaptiveBudget
+
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
+    budget = AdaptiveBudget(smoothing=0.0, profile_ratios=[0.5, 1.0, 2.0], profile_context_points=3)
+    budget.setup(FakeProbe(select_per_block=1.0, spec_per_block=2.0), selected_blocks=16, max_blocks=256)
+    for _ in range(10):  # misses push the ratio to 2.0 ...
+        budget.observe([record(0, selected=range(8), predicted=range(6))])
+    assert budget.predicted_blocks(0, 16, 16) == 8  # ... but speculation of 16 blocks does not hide at 16 blocks
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(ratio=3.0), "max_ratio"), (dict(growth=1.0), "growth"),
+                                          (dict(min_hit=2), "min_hit"), (dict(smoothing=1.0), "smoothing")])
+def test_adaptive_rejects_bad_settings(kwargs, match):
+    from prr.budget.adaptive import AdaptiveBudget
+
+    with pytest.raises(ValueError, match=match):
+        AdaptiveBudget(**kwargs)

@@ -6,7 +6,11 @@ what speculation covers, and it may exceed top-K (a wider P hits more of A for m
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from prr.runtime.records import LayerStepRecord
 
 
 class TimingProbe(Protocol):
@@ -33,3 +37,8 @@ class SpeculationBudget(ABC):
     @abstractmethod
     def predicted_blocks(self, layer: int, context_blocks: int, selected_blocks: int) -> int:
         """|P| for this layer and context; selected_blocks is the selector's |A| there."""
+
+    def observe(self, records: Iterable[LayerStepRecord]) -> None:
+        """After each decode step (timings resolved): what speculation did. Budgets that
+        adapt online (adaptive) learn here; the others ignore it."""
+        return None

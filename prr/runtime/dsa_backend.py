@@ -191,6 +191,7 @@ class DSABackend:
         on measurement work (CPU wall clock; on CUDA this excludes queued GPU time)."""
         records = [replace(r, timings=self.timer.resolve(m)) for r, m in zip(self.records, self._marks, strict=True)]
         self.records, self._marks = [], []
+        self.budget.observe(records)  # adaptive budgets learn from what speculation did
         measure_s, self.measure_s = self.measure_s, 0.0
         self.step += 1
         return records, measure_s

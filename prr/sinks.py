@@ -65,10 +65,10 @@ class WandbLogger(RunLogger):
         except ImportError as err:
             raise RuntimeError("logger=wandb needs the wandb package: pip install wandb (or use logger=none)") from err
         try:
-            import matplotlib  # noqa: F401 - the run's figures go to W&B as images
+            run_figures_module()  # the run's figures go to W&B as images: fail now, not after the decode
         except ImportError as err:
-            raise RuntimeError("logger=wandb logs the run's figures and needs matplotlib: pip install -e '.[wandb]' "
-                               "(or use logger=none)") from err
+            raise RuntimeError(f"logger=wandb logs the run's figures and needs matplotlib ({err}): "
+                               "pip install -e '.[wandb]' (or use logger=none)") from err
         # Runs of one sweep share a group (the sweep dir), so W&B shows a sweep together.
         group = self.group if self.group is not None else sweep_group()
         self._run = wandb.init(project=self.project, entity=self.entity, group=group, tags=self.tags,
@@ -117,11 +117,29 @@ def run_images(layers: pd.DataFrame, summary: dict[str, Any]) -> dict[str, Any]:
     import matplotlib.pyplot as plt
     import wandb
 
-    from prr.analysis.run_figures import run_figures
-
+    run_figures = run_figures_module().run_figures
     title = f"{summary.get('model')}, {summary.get('prompt_tokens')} prompt tokens, {summary.get('device')}"
     images = {}
     for name, fig in run_figures(layers, title).items():
         images[f"figures/{name}"] = wandb.Image(fig)
         plt.close(fig)
     return images
+
+
+def run_figures_module() -> Any:
+    """prr.analysis.run_figures. Installed builds map analysis/ to prr.analysis (pyproject
+    package-dir); a plain checkout on PYTHONPATH has no such mapping, so map the folder here."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if "prr.analysis" not in sys.modules and importlib.util.find_spec("prr.analysis") is None:
+        folder = Path(__file__).resolve().parent.parent / "analysis"
+        spec = importlib.util.spec_from_file_location("prr.analysis", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no analysis/ folder beside prr/ ({folder}) and prr.analysis is not installed")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["prr.analysis"] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module("prr.analysis.run_figures")

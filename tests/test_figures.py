@@ -55,6 +55,12 @@ def test_stage_colours_in_the_latency_breakdown_and_the_run_figures():
     assert stages == STAGE_HEX
 
 
+def test_stage_words_are_the_runtime_s():
+    from prr.runtime.timing import STAGES
+
+    assert sorted(style.STAGE_ORDER) == sorted(STAGES) == sorted(style.STAGE_COLORS)
+
+
 def test_colours_are_distinct_and_unknown_methods_get_a_stable_one():
     colors = [to_hex(c) for c in (*style.STAGE_COLORS.values(), *style.METHOD_COLORS.values())]
     assert len(set(colors)) == len(colors)

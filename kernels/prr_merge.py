@@ -3,8 +3,8 @@ costs two launches instead of a dozen tiny torch ops (each ≈1.5 µs even in a 
 
 - `repair_plan`: from A (the selection) and P (the prediction), the repair list A \\ P,
   compacted, and keep = P ∩ A (which speculative partials survive), in one launch.
-- `merge_speculation`: ⊕ of the kept per-block speculative partials and the repair state,
-  in one launch (the exact-mode merge of DESIGN.md §2).
+- `merge_speculation`: ⊕ of the kept per-block speculative partials and the repair's
+  (unmerged) split partials, in one launch (the exact-mode merge of DESIGN.md §2).
 
 Torch references: `repair_plan_reference`, `merge_speculation_reference` (below), built
 on prr.blocks and prr.attention_state.
@@ -132,31 +132,35 @@ def repair_plan_reference(
 @triton.jit
 def _merge_speculation_kernel(
     part_out_ptr, part_lse_ptr, keep_ptr, rep_out_ptr, rep_lse_ptr, out_ptr, lse_ptr,
-    num_partials, head_dim, group,
-    stride_po_r, stride_po_n, stride_pl_r, stride_k_r, stride_ro_r, stride_o_r,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_partials, num_repair, head_dim, group,
+    stride_po_r, stride_po_n, stride_pl_r, stride_k_r, stride_ro_r, stride_ro_n, stride_rl_r, stride_o_r,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One query-head row (b * Hq + h), one BLOCK_D slice: ⊕ of the kept partials and the
-    repair state. keep is per KV head (row // group). Two passes over lse (max, weights);
+    """One query-head row (b * Hq + h), one BLOCK_D slice: ⊕ of the kept speculative partials
+    and every repair partial (the repair's splits, merged here instead of in a launch of
+    their own). keep is per KV head (row // group). Two passes over lse (max, weights);
     dropped or empty terms get weight exactly 0 and their out is never read."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     keep_row = keep_ptr + (row // group) * stride_k_r
-    rep_lse = tl.load(rep_lse_ptr + row).to(tl.float32)
 
     m_vec = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for n_start in range(0, num_partials, BLOCK_N):
         n = n_start + offs_n
         ok = (n < num_partials) & (tl.load(keep_row + n, mask=n < num_partials, other=0) != 0)
         m_vec = tl.maximum(m_vec, tl.load(part_lse_ptr + row * stride_pl_r + n, mask=ok, other=float("-inf")))
-    m = tl.maximum(tl.max(m_vec, axis=0), rep_lse)
+    m_rep = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s_start in range(0, num_repair, BLOCK_S):
+        s = s_start + offs_s
+        m_rep = tl.maximum(m_rep, tl.load(rep_lse_ptr + row * stride_rl_r + s, mask=s < num_repair,
+                                          other=float("-inf")))
+    m = tl.maximum(tl.max(m_vec, axis=0), tl.max(m_rep, axis=0))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
 
-    w_rep = tl.exp(rep_lse - m_safe)
-    rep = tl.load(rep_out_ptr + row * stride_ro_r + offs_d, mask=d_ok, other=0.0)
-    acc = tl.where(w_rep > 0.0, w_rep * rep, 0.0)  # an empty repair's out (maybe NaN) never counts
+    acc = tl.zeros([BLOCK_D], tl.float32)
     w_vec = tl.zeros([BLOCK_N], tl.float32)
     for n_start in range(0, num_partials, BLOCK_N):
         n = n_start + offs_n
@@ -167,7 +171,16 @@ def _merge_speculation_kernel(
                     mask=used[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
         w_vec += w
-    total = tl.sum(w_vec, axis=0) + w_rep
+    w_rep = tl.zeros([BLOCK_S], tl.float32)
+    for s_start in range(0, num_repair, BLOCK_S):
+        s = s_start + offs_s
+        w = tl.exp(tl.load(rep_lse_ptr + row * stride_rl_r + s, mask=s < num_repair, other=float("-inf")) - m_safe)
+        used = w > 0.0
+        o = tl.load(rep_out_ptr + row * stride_ro_r + s[:, None] * stride_ro_n + offs_d[None, :],
+                    mask=used[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+        w_rep += w
+    total = tl.sum(w_vec, axis=0) + tl.sum(w_rep, axis=0)
     has_mass = total > 0.0
     total_safe = tl.where(has_mass, total, 1.0)
     tl.store(out_ptr + row * stride_o_r + offs_d, acc / total_safe, mask=d_ok)
@@ -178,33 +191,40 @@ def merge_speculation(
     part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor
 ) -> tuple[Tensor, Tensor]:
     """part_out [B, Hq, C, D] fp32, part_lse [B, Hq, C] (sparse_decode per_block=True over P);
-    keep [B, Hkv, C] bool (repair_plan); rep_out [B, Hq, D] fp32, rep_lse [B, Hq] (repair).
+    keep [B, Hkv, C] bool (repair_plan); the repair state rep_out [B, Hq, D], rep_lse [B, Hq],
+    or its unmerged splits rep_out [B, Hq, S, D], rep_lse [B, Hq, S] (sparse_decode
+    merge_splits=False: one launch fewer).
     -> (out [B, Hq, D] fp32, lse [B, Hq] fp32) = ⊕_{kept n} partial_n ⊕ repair."""
     _check_device(part_out, part_lse, keep, rep_out, rep_lse)
+    if rep_out.dim() == 3:
+        rep_out, rep_lse = rep_out.unsqueeze(2), rep_lse.unsqueeze(2)
     batch, num_heads, num_partials, head_dim = part_out.shape
     num_kv_heads = keep.shape[1]
+    num_repair = rep_out.shape[2] if rep_out.dim() == 4 else -1
     if part_lse.shape != (batch, num_heads, num_partials) or keep.shape != (batch, num_kv_heads, num_partials) \
-            or rep_out.shape != (batch, num_heads, head_dim) or rep_lse.shape != (batch, num_heads) \
-            or num_kv_heads == 0 or num_heads % num_kv_heads:
+            or rep_out.shape != (batch, num_heads, num_repair, head_dim) \
+            or rep_lse.shape != (batch, num_heads, num_repair) or num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"shapes do not fit: part_out {tuple(part_out.shape)}, part_lse {tuple(part_lse.shape)}, "
                          f"keep {tuple(keep.shape)}, rep_out {tuple(rep_out.shape)}, rep_lse {tuple(rep_lse.shape)}")
     for name, t in (("part_out", part_out), ("part_lse", part_lse), ("rep_out", rep_out), ("rep_lse", rep_lse)):
         if t.dtype != torch.float32 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be fp32 with a unit last stride; got {t.dtype}, strides {t.stride()}")
-    keep, part_lse = keep.contiguous(), part_lse.contiguous()
+    keep, part_lse, rep_lse = keep.contiguous(), part_lse.contiguous(), rep_lse.contiguous()
     rows = batch * num_heads
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=part_out.device)
     lse = torch.empty(batch, num_heads, dtype=torch.float32, device=part_out.device)
     if rows == 0 or head_dim == 0:
         return out, lse
     po = part_out.reshape(rows, num_partials, head_dim)
+    ro = rep_out.reshape(rows, num_repair, head_dim)
     block_d = min(_next_power_of_two(head_dim), 64)
     _merge_speculation_kernel[(rows, triton.cdiv(head_dim, block_d))](
         po, part_lse.reshape(rows, num_partials), keep.view(torch.int8).reshape(-1, num_partials),
-        rep_out.reshape(rows, head_dim), rep_lse.reshape(rows), out.view(rows, head_dim), lse.view(rows),
-        num_partials, head_dim, num_heads // num_kv_heads,
-        po.stride(0), po.stride(1), num_partials, num_partials, rep_out.reshape(rows, head_dim).stride(0), head_dim,
-        BLOCK_N=max(2, min(_next_power_of_two(max(num_partials, 1)), 128)), BLOCK_D=block_d,
+        ro, rep_lse.reshape(rows, num_repair), out.view(rows, head_dim), lse.view(rows),
+        num_partials, num_repair, head_dim, num_heads // num_kv_heads,
+        po.stride(0), po.stride(1), num_partials, num_partials, ro.stride(0), ro.stride(1), num_repair, head_dim,
+        BLOCK_N=max(2, min(_next_power_of_two(max(num_partials, 1)), 128)),
+        BLOCK_S=max(2, min(_next_power_of_two(max(num_repair, 1)), 64)), BLOCK_D=block_d,
         num_warps=4,
     )  # fmt: skip
     return out, lse
@@ -213,10 +233,12 @@ def merge_speculation(
 def merge_speculation_reference(
     part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """prr.attention_state's merge_many then merge, in float64."""
+    """prr.attention_state's merge_many (and merge_many of the repair's splits), then merge, in float64."""
     batch, num_heads, num_partials, _ = part_out.shape
     group = num_heads // keep.shape[1]
     keep_q = keep.repeat_interleave(group, dim=1)  # [B, Hq, C]
     spec = merge_many(part_out.double(), part_lse.double(), keep_q)
-    merged = merge(spec, AttentionState(rep_out.double(), rep_lse.double()))
+    repair = merge_many(rep_out.double(), rep_lse.double()) if rep_out.dim() == 4 \
+        else AttentionState(rep_out.double(), rep_lse.double())
+    merged = merge(spec, repair)
     return merged.out, merged.lse

@@ -99,6 +99,7 @@ def sparse_decode(
     scale: float,
     per_block: bool = False,
     *,
+    merge_splits: bool = True,
     tokens_per_split: int | None = None,
     tile_tokens: int | None = None,
     native_dot: bool | None = None,
@@ -127,6 +128,9 @@ def sparse_decode(
                   one state per list entry; padding entries and blocks with no live token have
                   lse = -inf, out = 0.
     An empty list gives lse = -inf, out = 0.
+    merge_splits=False (per_block=False only): return the splits' partial states unmerged,
+    (out [B, Hq, S, D], lse [B, Hq, S]), for a caller that merges them with other partials
+    in its own launch (prr_merge.merge_speculation); S = sparse_decode_num_splits(...).
 
     Tuning (keyword-only; defaults are chosen from static shapes and the SM count):
     tokens_per_split (per_block=False: tokens of block list per program; per_block=True:
@@ -236,7 +240,7 @@ def sparse_decode(
         return out, lse
 
     entries, num_splits = _split_plan(capacity, rows, block_size, tile_tokens, tokens_per_split, device)
-    if num_splits == 1:
+    if num_splits == 1 and merge_splits:
         out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32, device=device)
         lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
         out_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
@@ -255,7 +259,7 @@ def sparse_decode(
         NATIVE_DOT=bool(native_dot), INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
         **launch,
     )  # fmt: skip
-    if num_splits == 1:
+    if num_splits == 1 or not merge_splits:
         return out, lse
     return merge_partials(out, lse)
 

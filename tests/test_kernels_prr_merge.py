@@ -85,3 +85,27 @@ def test_merge_speculation_with_nothing_kept_is_the_repair_state():
                                           torch.full((1, 4), float("-inf"))))
     torch.testing.assert_close(out2.cpu(), spec.out)
     torch.testing.assert_close(lse2.cpu(), spec.lse)
+
+
+def test_merge_speculation_folds_in_the_unmerged_repair_splits():
+    from prr.kernels.sparse_decode import sparse_decode
+
+    g = torch.Generator().manual_seed(11)
+    batch, hq, hkv, d, block, length = 2, 6, 2, 64, 16, 517
+    k = torch.randn(batch, hkv, 544, d, generator=g)
+    v = torch.randn(batch, hkv, 544, d, generator=g)
+    q = torch.randn(batch, hq, d, generator=g)
+    lengths = torch.full((batch,), length, dtype=torch.int32)
+    ids = torch.stack([torch.randperm(33, generator=g)[:20] for _ in range(batch * hkv)]).view(batch, hkv, 20).int()
+    counts = torch.tensor([[20, 13], [7, 0]], dtype=torch.int32)
+    on = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    args = on(q, k, v, ids, counts, lengths)
+    split_out, split_lse = sparse_decode(*args, block, d ** -0.5, merge_splits=False, tokens_per_split=64)
+    assert split_out.dim() == 4 and split_out.shape[2] > 1  # several splits, left unmerged
+    merged_out, merged_lse = sparse_decode(*args, block, d ** -0.5, tokens_per_split=64)
+    part_out, part_lse = torch.randn(batch, hq, 5, d, generator=g), torch.randn(batch, hq, 5, generator=g)
+    keep = torch.rand(batch, hkv, 5, generator=g) < 0.5
+    out, lse = pm.merge_speculation(*on(part_out, part_lse, keep), split_out, split_lse)
+    want_out, want_lse = pm.merge_speculation_reference(part_out, part_lse, keep, merged_out.cpu(), merged_lse.cpu())
+    torch.testing.assert_close(out.cpu().double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)

@@ -203,18 +203,26 @@ class GraphDecoder:
             scores = (qg @ self.representative[layer].transpose(-1, -2)).sum(2)  # [B, Hkv, NB]
         return kt.topk_select(scores, p.topk_blocks, num_blocks, p.sink_blocks, p.recent_blocks)
 
-    def _attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False):
+    def _attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
+                merge_splits: bool = True):
         return self._k["sparse_decode"].sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
-                                                      self.plan.block_size, self.scale, per_block=per_block)
+                                                      self.plan.block_size, self.scale, per_block=per_block,
+                                                      merge_splits=merge_splits)
 
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] fp32."""
+    def step_positions(self) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (pos [1] int64, lengths [B] int32, num_blocks [B] int32) for this step: computed
+        once per step and shared by every layer (each is a launch)."""
+        bs = self.plan.block_size
+        return self.pos[:1].long(), self.pos + 1, (self.pos + bs).div(bs, rounding_mode="floor")
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                  positions: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+        """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] fp32.
+        positions: `step_positions()` of this step (computed here when not given)."""
         p = self.plan
-        pos_long = self.pos[:1].long()
+        pos_long, lengths, num_blocks = positions if positions is not None else self.step_positions()
         self.keys[layer].index_copy_(2, pos_long, k.unsqueeze(2))
         self.values[layer].index_copy_(2, pos_long, v.unsqueeze(2))
-        lengths = self.pos + 1  # [B] int32
-        num_blocks = (self.pos + p.block_size).div(p.block_size, rounding_mode="floor")  # [B] int32
         if not self.sparse[layer] or p.variant == "dense":
             counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
             return self._attend(layer, q, self.all_blocks, counts, lengths)[0]
@@ -238,7 +246,8 @@ class GraphDecoder:
         planned = torch.cuda.Event() if self.side is not None and p.overlap else None
         if planned is not None:
             planned.record()
-        rep_out, rep_lse = self._attend(layer, q, miss_idx, miss_cnt, lengths)
+        # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
+        rep_out, rep_lse = self._attend(layer, q, miss_idx, miss_cnt, lengths, merge_splits=False)
         if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
             spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
             keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
@@ -294,15 +303,15 @@ class GraphDecoder:
         back when advance). Graph-capturable: no host synchronisation, static shapes."""
         m, B = self.model, self.batch
         x = m.model.embed_tokens(self.token)  # [B, 1, H]
-        pos_long = self.pos[:1].long()
-        cos, sin = self.cos.index_select(0, pos_long), self.sin.index_select(0, pos_long)  # [1, D]
+        positions = self.step_positions()
+        cos, sin = self.cos.index_select(0, positions[0]), self.sin.index_select(0, positions[0])  # [1, D]
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
             q = apply_rope(a.q_proj(h).view(B, self.hq, self.d), cos, sin)
             k = apply_rope(a.k_proj(h).view(B, self.hkv, self.d), cos, sin)
             v = a.v_proj(h).view(B, self.hkv, self.d)
-            out = self.attention(i, q, k, v).to(x.dtype).view(B, 1, self.hq * self.d)
+            out = self.attention(i, q, k, v, positions).to(x.dtype).view(B, 1, self.hq * self.d)
             x = x + a.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = m.lm_head(m.model.norm(x))[:, 0]  # [B, V]

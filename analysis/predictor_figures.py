@@ -29,11 +29,18 @@ except ImportError:  # plain matplotlib otherwise
     style = None
 
 
-def colour(name: str, index: int) -> str:
-    if style is not None:
-        return style.method_color(name)
+def colours(names: list[str]) -> dict[str, str]:
+    """One colour per predictor: the shared style's where it has one, never two lines alike
+    (variants the style does not know can hash to the same reserve colour)."""
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return cycle[index % len(cycle)]
+    spare = [*getattr(style, "RESERVE", ()), *cycle]
+    out: dict[str, str] = {}
+    for i, name in enumerate(names):
+        c = style.method_color(name) if style is not None else cycle[i % len(cycle)]
+        if c in out.values():
+            c = next((x for x in spare if x not in out.values()), c)
+        out[name] = c
+    return out
 
 
 def plot_hit_rate_vs_budget(df: pd.DataFrame) -> Figure:
@@ -45,6 +52,7 @@ def plot_hit_rate_vs_budget(df: pd.DataFrame) -> Figure:
                          "(pass experiments/results/cpu/predictor_study.csv)")
     tasks = list(dict.fromkeys(df["task"]))
     names = list(dict.fromkeys(df["predictor"]))
+    colour = colours(names)
     size = (3.0 * len(tasks) + 1.4, 2.6)
     if style is not None:
         fig, axes = style.new_figure(size, ncols=len(tasks))
@@ -52,12 +60,12 @@ def plot_hit_rate_vs_budget(df: pd.DataFrame) -> Figure:
         fig, grid = plt.subplots(1, len(tasks), figsize=size, squeeze=False)
         axes = list(grid[0])
     for ax, task in zip(axes, tasks, strict=True):
-        for i, name in enumerate(names):
+        for name in names:
             rows = df[(df["task"] == task) & (df["predictor"] == name)].sort_values("ratio")
             if rows.empty:
                 continue
             ax.plot(rows["ratio"], 100 * rows["hit_rate"], marker=style.marker(name) if style else "o",
-                    color=colour(name, i), linestyle=LINESTYLE.get(name, "-."),
+                    color=colour[name], linestyle=LINESTYLE.get(name, "-."),
                     label=style.method_label(name) if style else name)
         ax.set_title(task)
         ax.set_xlabel("speculation budget |P| / top-K")

@@ -68,12 +68,15 @@ def _option(group: str, node: Any, choices: dict[str, str] | None = None) -> str
         return choices[group]
     if not isinstance(node, dict) or not node.get("_target_"):
         return None
+    if group == "model":  # one class for every model: its name (zoo name, HF id or path) says which
+        return str(node.get("name_or_path"))
     candidates = option_files().get((group, node["_target_"]), [])
     if not candidates:
         return node["_target_"].rsplit(".", 1)[-1]
 
-    def matches(values: dict[str, Any]) -> int:
-        return sum(node.get(k) == v for k, v in values.items() if not (isinstance(v, str) and "${" in v))
+    def matches(values: dict[str, Any]) -> int:  # keys the run has: +1 per equal value, -1 per different one
+        return sum(1 if node[k] == v else -1 for k, v in values.items()
+                   if k in node and not (isinstance(v, str) and "${" in v))
     return max(candidates, key=lambda c: matches(c[1]))[0]
 
 

@@ -152,5 +152,6 @@ def test_bench_decode_files_feed_the_speedup_and_breakdown_figures():
                            "target_hit_rate": h, "stage_select": 60.0, "stage_speculate": 50.0, "stage_repair": 10.0,
                            "stage_merge": 5.0} for c in (32768, 131072) for h in (1.0, 0.9)])
     breakdown = figures.stage_breakdown_from_bench_decode(stage)
-    assert len(breakdown) == 2 and (breakdown["t_select_us"] == 60.0).all()
+    assert len(breakdown) == 4 and (breakdown["t_select_us"] == 60.0).all()
+    assert sorted(set(breakdown["predictor"])) == ["fixed P, hit 0.90", "none"]
     figures.latency_breakdown(breakdown)

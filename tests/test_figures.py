@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from matplotlib.colors import to_hex
 from prr.analysis import figures, style
-from prr.analysis.make_figures import ROOT, make_all, missing_inputs
+from prr.analysis.make_figures import ROOT, make_all
 from prr.analysis.run_figures import run_figures
 
 STAGE_HEX = {k: to_hex(v) for k, v in style.STAGE_COLORS.items()}

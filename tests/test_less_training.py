@@ -128,3 +128,27 @@ def test_less_trained_with_every_block_selected_is_dense(cache_root, group):
     small = LessSelector(topk_blocks=3, num_features=16, feature_map="trained", feature_map_model="toy")
     cache, q = structured_cache(small, 61, group, seed=group)
     assert torch.isfinite(small.compensation(q, cache, 0, small.select(q, cache, 0)).lse).any()
+
+
+@pytest.mark.slow
+def test_trained_less_lowers_the_output_error_of_quest_on_the_default_model(tmp_path):
+    """Issue #4's acceptance on SmolLM2-135M: shadow runs (identical inputs) of Quest and LESS
+    with the trained map (`make train-less`), same top-K; LESS's compensation must lower the
+    output error against dense attention. About two minutes on 2 cores."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from prr.runner import run
+
+    if not feature_map_file("smollm2-135m", 64).is_file():
+        pytest.skip("no trained LESS map for smollm2-135m: run `make train-less` first")
+    root = Path(__file__).resolve().parents[1]
+    errors = {}
+    for name, selector in (("quest", ["selector=quest"]), ("less", ["selector=less", "selector.feature_map=trained"])):
+        overrides = [*selector, "selector.topk_blocks=32", "runtime.block_size=16", "runtime.mode=shadow",
+                     "predictor=last_step", "logger=none", "task.max_new_tokens=4", "task.stop_at_eos=false"]
+        with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        errors[name] = run(cfg, tmp_path / name)["mean_output_relerr"]
+    assert errors["less"] < 0.95 * errors["quest"], errors

@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> Path:
                    help="text tokens never used (the default task's prompt is the first 4096)")
     p.add_argument("--budgets", default="16,32,64,128", help="Quest top-K budgets in blocks (the fidelity study's)")
     p.add_argument("--dense-layers", default="0,1", help="layers without selection (conf/selector/less.yaml)")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--queries", type=int, default=16, help="query positions per layer and step")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--temp", type=float, default=0.7, help="initial kernel temperature τ (learned)")

@@ -121,3 +121,42 @@ def test_cuda_graph_replay_equals_eager(variant, predictor):
         got.append(graphed.graph_output.float().cpu())
     for step, (a, b) in enumerate(zip(want, got, strict=True)):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}")
+
+
+def test_fused_projections_share_the_modules_storage():
+    engine = make(StaticPlan(variant="dense"))
+    layer, fused = engine.model.model.layers[0], engine.fused[0]
+    assert layer.self_attn.k_proj.weight.data_ptr() == fused.wqkv[CONFIG.num_heads * CONFIG.head_dim:].data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() == fused.w_gate_up[CONFIG.intermediate_size:].data_ptr()
+
+
+@pytest.mark.slow
+def test_compiled_dense_parts_equal_eager():
+    plan = StaticPlan(variant="prr", topk_blocks=6, predicted_blocks=8)
+    want = decode(make(plan), 2)
+    got = decode(compiled_engine(plan), 2)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def compiled_engine(plan: StaticPlan) -> GraphDecoder:
+    model = Decoder(CONFIG, torch.float32, DEVICE).init_random_(seed=3, std=0.05)
+    engine = GraphDecoder(model, plan, batch=2, max_tokens=243, compile=True)
+    engine.fill_random_context(203, seed=5)
+    return engine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+def test_compiled_graph_equals_eager_on_the_gpu():
+    plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
+    model = Decoder(CONFIG, torch.bfloat16, "cuda").init_random_(seed=3, std=0.05)
+    eager = GraphDecoder(model, plan, batch=2, max_tokens=3100)
+    eager.fill_random_context(3001, seed=5)
+    want = decode(eager, 6)
+    compiled = GraphDecoder(model, plan, batch=2, max_tokens=3100, compile=True)
+    graph = compiled.capture(lambda: compiled.step(advance=True))
+    compiled.fill_random_context(3001, seed=5)
+    for step, a in enumerate(want):
+        graph.replay()
+        torch.testing.assert_close(compiled.graph_output.float().cpu(), a, rtol=2e-2, atol=2e-2, msg=f"step {step}")

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from prr.model.decoder import Decoder
 from prr.model.rope import apply_rope, rope_cos_sin
+from prr.runtime.dense_layer import fuse_layer_weights, post_attention, pre_attention
 
 VARIANTS = ("dense", "serial", "prr")
 SELECTORS = ("quest", "infllm")
@@ -81,7 +82,9 @@ class StaticPlan:
 class GraphDecoder:
     """Static buffers and the decode step of `model` for `batch` rows of up to `max_tokens`."""
 
-    def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int) -> None:
+    def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False) -> None:
+        """compile: torch.compile the dense parts of each layer (norms, RoPE, SiLU around the
+        fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute)."""
         from prr.kernels import prr_merge, quest, sparse_decode, topk
 
         if plan.problems():
@@ -140,6 +143,12 @@ class GraphDecoder:
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._forked = False
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
+        self.fused = fuse_layer_weights(model)
+        self.eps = c.rms_norm_eps
+        self._pre, self._post = pre_attention, post_attention
+        if compile:
+            self._pre = torch.compile(pre_attention, dynamic=False, fullgraph=True)
+            self._post = torch.compile(post_attention, dynamic=False, fullgraph=True)
 
     # --- context ------------------------------------------------------------------------
     @torch.no_grad()
@@ -305,15 +314,10 @@ class GraphDecoder:
         x = m.model.embed_tokens(self.token)  # [B, 1, H]
         positions = self.step_positions()
         cos, sin = self.cos.index_select(0, positions[0]), self.sin.index_select(0, positions[0])  # [1, D]
-        for i, layer in enumerate(m.model.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(a.q_proj(h).view(B, self.hq, self.d), cos, sin)
-            k = apply_rope(a.k_proj(h).view(B, self.hkv, self.d), cos, sin)
-            v = a.v_proj(h).view(B, self.hkv, self.d)
+        for i, w in enumerate(self.fused):
+            q, k, v = self._pre(x, w.ln1, w.wqkv, w.bqkv, cos, sin, self.eps, self.hq, self.hkv, self.d)
             out = self.attention(i, q, k, v, positions).to(x.dtype).view(B, 1, self.hq * self.d)
-            x = x + a.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self._post(x, out, w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down, self.eps)
         logits = m.lm_head(m.model.norm(x))[:, 0]  # [B, V]
         if advance:
             self.token.copy_(logits.argmax(-1, keepdim=True))

@@ -1,0 +1,98 @@
+"""The dense parts of a decoder layer for the graph engine, with fused projections.
+
+Per layer, before attention: RMSNorm, one q|k|v projection (one GEMV instead of three),
+RoPE; after attention: o_proj + residual, RMSNorm, one gate|up projection, SiLU·up, down
++ residual. The math is prr.model.decoder's; the fused weights are views the modules
+share (`fuse_layer_weights` re-points each module's weight into them, so nothing is
+stored twice). With torch.compile (GraphDecoder(compile=True)) the pointwise work around
+the GEMVs becomes a few generated kernels instead of dozens of tiny ones — at batch 1 those
+launches, not bytes, set much of the per-token time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from prr.model.decoder import Decoder
+from prr.model.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    ln1: Tensor  # [H]
+    wqkv: Tensor  # [(Hq + 2 Hkv) D, H]
+    bqkv: Tensor | None  # [(Hq + 2 Hkv) D]
+    wo: Tensor  # [H, Hq D]
+    bo: Tensor | None  # [H]
+    ln2: Tensor  # [H]
+    w_gate_up: Tensor  # [2 I, H]
+    b_gate_up: Tensor | None  # [2 I]
+    w_down: Tensor  # [H, I]
+    b_down: Tensor | None  # [H]
+
+
+def _fuse(modules: list) -> tuple[Tensor, Tensor | None]:
+    """Concatenate the modules' weights (and biases) along the output dim and make each
+    module's parameters views of the result."""
+    weight = torch.cat([m.weight.data for m in modules])
+    has_bias = [m.bias is not None for m in modules]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("cannot fuse projections where only some have a bias")
+    bias = torch.cat([m.bias.data for m in modules]) if all(has_bias) else None
+    start = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight.data = weight[start:start + n]
+        if bias is not None:
+            m.bias.data = bias[start:start + n]
+        start += n
+    return weight, bias
+
+
+@torch.no_grad()
+def fuse_layer_weights(model: Decoder) -> list[FusedLayer]:
+    """The model's layers with fused projections (done once per model; later calls reuse it)."""
+    cached = getattr(model, "_prr_fused_layers", None)
+    if cached is not None:
+        return cached
+    out = []
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+        w_gate_up, b_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        out.append(FusedLayer(
+            ln1=layer.input_layernorm.weight.data, wqkv=wqkv, bqkv=bqkv,
+            wo=a.o_proj.weight.data, bo=None if a.o_proj.bias is None else a.o_proj.bias.data,
+            ln2=layer.post_attention_layernorm.weight.data, w_gate_up=w_gate_up, b_gate_up=b_gate_up,
+            w_down=mlp.down_proj.weight.data, b_down=None if mlp.down_proj.bias is None else mlp.down_proj.bias.data,
+        ))
+    model._prr_fused_layers = out
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """As prr.model.decoder.RMSNorm: normalise in fp32, cast back before the weight."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def pre_attention(x: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Tensor | None, cos: Tensor, sin: Tensor,
+                  eps: float, hq: int, hkv: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x: [B, 1, H]; cos, sin: [1, D] -> q [B, Hq, D], k [B, Hkv, D] (post-RoPE), v [B, Hkv, D]."""
+    b = x.shape[0]
+    qkv = F.linear(rms_norm(x, ln1, eps), wqkv, bqkv).view(b, hq + 2 * hkv, d)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def post_attention(x: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, ln2: Tensor, w_gate_up: Tensor,
+                   b_gate_up: Tensor | None, w_down: Tensor, b_down: Tensor | None, eps: float) -> Tensor:
+    """x: [B, 1, H] residual stream, attn: [B, 1, Hq D] -> the layer's output [B, 1, H]."""
+    x = x + F.linear(attn, wo, bo)
+    gate, up = F.linear(rms_norm(x, ln2, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w_down, b_down)

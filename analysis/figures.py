@@ -90,7 +90,8 @@ def hit_rate_vs_budget(runs: pd.DataFrame) -> MplFigure:
 
 def hit_rate_vs_ema(runs: pd.DataFrame) -> MplFigure:
     """EMA hit rate against alpha (score memory), one line per stickiness, |P| = K, no
-    calibration. Columns: predictor.alpha, predictor.stickiness, hit_rate."""
+    calibration. Columns: predictor.alpha, predictor.stickiness, hit_rate; optional
+    last_step_overlap (drawn as the last-step predictor's reference line)."""
     runs = complete(require(runs, ["predictor.alpha", "predictor.stickiness", "hit_rate"], "hit_rate_vs_ema"))
     fig, (ax,) = new_figure(SINGLE)
     values = sorted(runs["predictor.stickiness"].unique())
@@ -99,6 +100,9 @@ def hit_rate_vs_ema(runs: pd.DataFrame) -> MplFigure:
         rows = runs[runs["predictor.stickiness"] == stickiness].sort_values("predictor.alpha")
         ax.plot(rows["predictor.alpha"], 100 * rows["hit_rate"], marker="o", color=method_color("ema"), alpha=shade,
                 label=f"stickiness {stickiness:g}")
+    if "last_step_overlap" in runs.columns:  # the last-step predictor's hit rate on the same decode
+        ax.axhline(100 * runs["last_step_overlap"].median(), color=method_color("last_step"), linestyle="--",
+                   linewidth=0.8, label="last step")
     ax.set_xlabel("EMA alpha (weight of past scores)")
     ax.set_ylabel("hit rate |P∩A|/|A| (%)")
     ax.legend(loc="lower left")

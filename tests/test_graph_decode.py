@@ -149,8 +149,9 @@ def compiled_engine(plan: StaticPlan) -> GraphDecoder:
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 def test_compiled_graph_equals_eager_on_the_gpu():
+    # fp32: in bf16 a rounding difference can flip a greedy token, and the runs part ways.
     plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
-    model = Decoder(CONFIG, torch.bfloat16, "cuda").init_random_(seed=3, std=0.05)
+    model = Decoder(CONFIG, torch.float32, "cuda").init_random_(seed=3, std=0.05)
     eager = GraphDecoder(model, plan, batch=2, max_tokens=3100)
     eager.fill_random_context(3001, seed=5)
     want = decode(eager, 6)
@@ -159,4 +160,4 @@ def test_compiled_graph_equals_eager_on_the_gpu():
     compiled.fill_random_context(3001, seed=5)
     for step, a in enumerate(want):
         graph.replay()
-        torch.testing.assert_close(compiled.graph_output.float().cpu(), a, rtol=2e-2, atol=2e-2, msg=f"step {step}")
+        torch.testing.assert_close(compiled.graph_output.float().cpu(), a, rtol=1e-3, atol=1e-3, msg=f"step {step}")

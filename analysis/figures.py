@@ -196,10 +196,13 @@ def speedup_from_bench_decode(frame: pd.DataFrame) -> pd.DataFrame:
     """The speedup figure's frame from experiments/bench_decode.py's OUT_token.csv (columns batch,
     context, block, topk_tokens, selector, variant, cuda_graphs, hit_rate, token_us): CUDA graphs
     on, its first setting; serial DSA is the baseline (method none), PRR with real predictors and
-    with fixed P at controlled hit rates are the methods; dense is left out."""
+    with fixed P at controlled hit rates are the methods (variants prr_*); dense and other
+    baselines are left out."""
     frame = require(frame, ["batch", "context", "block", "topk_tokens", "selector", "variant", "cuda_graphs",
                             "hit_rate", "token_us"], "speedup_h200")
-    frame = first_setting(frame[frame["cuda_graphs"].astype(bool) & (frame["variant"] != "dense")])
+    # The baseline (serial) and PRR's variants; dense and other baselines (serial_uncompiled) are left out.
+    keep = frame["variant"].eq("serial") | frame["variant"].str.startswith("prr_")
+    frame = first_setting(frame[frame["cuda_graphs"].astype(bool) & keep])
     method = frame["variant"].map(lambda v: BENCH_METHODS.get(v, v.replace("prr_fixed_", "fixed P, hit ")))
     return pd.DataFrame({"context_tokens": frame["context"], "method": method, "latency_ms": frame["token_us"] / 1e3,
                          "hit_rate": frame["hit_rate"]})

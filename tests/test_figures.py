@@ -141,7 +141,7 @@ def test_bench_decode_files_feed_the_speedup_and_breakdown_figures():
     token = pd.DataFrame([{"batch": b, "context": c, "block": 16, "topk_tokens": 2048, "selector": "quest", "variant": v,
                            "cuda_graphs": g, "hit_rate": h, "token_us": us}
                           for b in (1, 8) for c in (32768, 131072) for g in (True, False)
-                          for v, h, us in (("dense", None, 900.0), ("serial", None, 500.0 * c / 32768),
+                          for v, h, us in (("dense", None, 900.0), ("serial_uncompiled", None, 990.0), ("serial", None, 500.0 * c / 32768),
                                            ("prr_ema", 0.97, 400.0 * c / 32768), ("prr_fixed_0.90", 0.9, 450.0))])
     frame = figures.speedup_from_bench_decode(token)
     assert set(frame["method"]) == {"none", "ema", "fixed P, hit 0.90"}  # serial is the baseline; dense left out

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     table.to_csv(f"{out}.csv", index=False)
     ema = table[table.predictor == "ema"]
     write_json_atomic(Path(f"{out}.json"), {
-        "command": "python experiments/accuracy_study.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "command": " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))]),
         "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
         "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "decoding": "greedy",

@@ -39,7 +39,7 @@ test-full: $(STAMP)  ## every CPU test, including the real default model end to 
 lint: $(STAMP)  ## ruff
 	$(PYTHON) -m ruff check .
 
-train-less: $(STAMP)  ## train LESS's feature map for the default model (selector.feature_map=trained; ~5 min CPU)
+train-less: $(STAMP)  ## train LESS's feature map for the default model (selector.feature_map=trained; ~6 min CPU time)
 	$(PYTHON) -m prr.selectors.less_training
 
 figures: $(STAMP)  ## every figure from the committed results into analysis/figures/ (PDF + PNG; missing results: skipped, named)

@@ -4,6 +4,11 @@ on identical inputs), with the EMA predictor at |P| = K.
 
     python experiments/selector_fidelity.py [--out experiments/results/cpu/selector_fidelity]
                                             [--steps 32] [--runs-dir multirun/selector_fidelity]
+                                            [--selectors quest,less-trained] [--budgets 512,1024]
+
+`less-trained` is LESS with the map of `make train-less` (run it first). A retrained map does
+not change the run's config, so a finished less-trained run would be skipped: after
+retraining, use a fresh --runs-dir.
 
 Writes OUT.csv (one row per selector x budget: attention-mass recall, output relative
 error against dense, last-step overlap, EMA hit rate), OUT_per_layer.csv (the same per

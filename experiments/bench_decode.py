@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from bench_kernels import copy_bandwidth, environment  # noqa: E402
+from bench_kernels import copy_bandwidth, environment, graph_time_us  # noqa: E402
 
 from prr.model.decoder import Decoder  # noqa: E402
 from prr.model.zoo import ZOO  # noqa: E402
@@ -55,29 +55,9 @@ HEADROOM = 256
 BF16 = 2
 
 
-def time_graph_us(fn, repeats: int = 15, warmup: int = 2) -> float:
-    """Median µs of one replay of a CUDA graph of fn() (warm-up calls run eagerly first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(samples)
+def time_graph_us(fn, repeats: int = 15) -> float:
+    """Median µs of one replay of a CUDA graph of fn() (bench_kernels' method, one call per graph)."""
+    return graph_time_us(lambda i: fn, sets=1, reps=repeats)
 
 
 def time_eager_us(fn, repeats: int = 15, warmup: int = 2) -> float:

@@ -196,7 +196,8 @@ def load_steps(*paths: str | Path, columns: list[str] | None = None) -> pd.DataF
 # --- W&B ---------------------------------------------------------------------------------------
 def load_wandb(source: str | Path, filters: dict[str, Any] | None = None, api: Any = None) -> pd.DataFrame:
     """One row per W&B run: config columns as in load_runs (<group>.<key>, the option names) and
-    the run's summary scalars, plus wandb_id, wandb_name, wandb_group.
+    the run's summary scalars, plus wandb_id, wandb_name, wandb_group, and for offline folders
+    wandb_state (finished | failed | running: no exit record, i.e. still being written or killed).
 
     source: an existing folder -> the offline (or synced) runs under it, read from disk with
     wandb's own reader, no network; anything else -> "entity/project" through wandb.Api()
@@ -249,12 +250,16 @@ def _offline_row(run_dir: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     last_logged: dict[str, Any] = {}  # the last value of each logged key: W&B's summary unless set explicitly
     run_id, name, group = run_dir.name.rsplit("-", 1)[-1], None, None
+    state = "running"  # no exit record (yet): still being written (wandb writes after finish() returns), or killed
     for data in wandb_log_records(log_file):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run_id, name, group = record.run.run_id, record.run.display_name or None, record.run.run_group or None
+            # Later run records (updates) may leave fields empty: keep what an earlier one said.
+            run_id = record.run.run_id or run_id
+            name = record.run.display_name or name
+            group = record.run.run_group or group
             _apply_items(config, record.run.config.update)
         elif kind == "config":
             _apply_items(config, record.config.update)
@@ -262,10 +267,13 @@ def _offline_row(run_dir: Path) -> dict[str, Any]:
             _apply_items(summary, record.summary.update)
         elif kind == "history":
             _apply_items(last_logged, record.history.item)
+        elif kind == "exit":
+            state = "finished" if record.exit.exit_code == 0 else "failed"
     config = {k: (v.get("value") if isinstance(v, dict) and "value" in v else v) for k, v in config.items()
               if not k.startswith("_")}
     summary = {k: v for k, v in {**last_logged, **summary}.items() if not k.startswith("_")}
-    return {**_wandb_row(config, summary, run_id, name, group), "wandb_dir": str(run_dir.resolve())}
+    return {**_wandb_row(config, summary, run_id, name, group), "wandb_state": state,
+            "wandb_dir": str(run_dir.resolve())}
 
 
 WANDB_BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of [crc32c:4][length:2][type:1][data]

@@ -4,6 +4,7 @@ runs offline (read from the run folder written by the real logger) and online (A
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -133,7 +134,12 @@ def test_offline_wandb_run_written_by_the_logger_reads_back(tmp_path, monkeypatc
     logger.log_run(summary, layers, steps)
     logger.finish(True)
 
-    (row,) = load_wandb(tmp_path).to_dict(orient="records")
+    deadline = time.monotonic() + 120
+    while (row := load_wandb(tmp_path).iloc[0].to_dict())["wandb_state"] == "running":
+        # wandb writes the offline log in the background, after finish() returns (seen under load)
+        assert time.monotonic() < deadline, "the offline W&B run never got its exit record"
+        time.sleep(0.5)
+    assert row["wandb_state"] == "finished"
     assert row["wandb_group"] == "multirun/test" and row["wandb_name"] == "quest-last_step"
     assert row["predictor"] == "last_step" and row["budget.ratio"] == 1.0
     assert row["hit_rate"] == pytest.approx(summary["hit_rate"])

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prr.tasks.base import PromptBatch, Task
-
-CHAT_TEMPLATE_SLACK = 64  # tokens a chat template may add around the user message
+from prr.tasks.long_text import CHAT_TEMPLATE_SLACK  # tokens a chat template may add around the user message
 
 
 @dataclass(frozen=True)

@@ -379,6 +379,10 @@ FIGURES: list[Figure] = [
     Figure("accuracy", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy.csv",), pd.read_csv,
            "python experiments/accuracy_study.py",
            "Accuracy (RULER string match, mean over samples) per task and context; SmolLM2-135M on the CPU"),
+    Figure("accuracy_4k", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy_4k.csv",), pd.read_csv,
+           "python experiments/accuracy_study.py --tasks ruler_niah_multikey --contexts 4096 --budgets 256,1024,2048 "
+           "--ema-budgets 1024 --out experiments/results/cpu/accuracy_4k",
+           "Accuracy at 4K tokens (RULER string match, mean over samples); SmolLM2-135M on the CPU"),
     Figure("selector_fidelity", selector_fidelity, (f"{CPU}/selector_fidelity.csv",), pd.read_csv,
            "python experiments/selector_fidelity.py",
            "Selector fidelity against the top-K budget, shadow mode, SmolLM2-135M"),

@@ -42,6 +42,20 @@ COLUMNS = ("mean_mass_recall", "mean_output_relerr", "last_step_overlap", "hit_r
            "mean_selected_blocks")
 
 
+def trained_map_record() -> dict:
+    """The default model's trained LESS map: file, sha256 and the training's own record."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from prr.selectors.less_training import feature_map_file
+
+    path = feature_map_file("smollm2-135m", 64)
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("meta", "{}"))
+    return {"file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "meta": meta}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/cpu/selector_fidelity")
@@ -82,6 +96,8 @@ def main() -> None:
     record = {"command": command, "device": f"cpu {platform.machine()}, {torch.get_num_threads()} threads",
               "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "model": "smollm2-135m", "mode": "shadow", "rows": rows}
+    if "less-trained" in selectors:  # which trained map the less-trained rows used (make train-less)
+        record["less_trained_map"] = trained_map_record()
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     print(frame.drop(columns=["command"]).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 

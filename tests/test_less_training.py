@@ -134,7 +134,7 @@ def test_less_trained_with_every_block_selected_is_dense(cache_root, group):
 def test_trained_less_lowers_the_output_error_of_quest_on_the_default_model(tmp_path):
     """Issue #4's acceptance on SmolLM2-135M: shadow runs (identical inputs) of Quest and LESS
     with the trained map (`make train-less`), same top-K; LESS's compensation must lower the
-    output error against dense attention. About two minutes on 2 cores."""
+    output error against dense attention. About three minutes on 2 busy cores."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir

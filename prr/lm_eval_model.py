@@ -1,7 +1,7 @@
 """The lm-eval model `prr`: lm-eval's requests decoded through our DSA/PRR runtime.
 
     prr-lm-eval --model prr --model_args model=smollm2-135m,selector=quest,predictor=ema \
-        --tasks prr_niah --include_path prr/tasks/lm_eval_tasks --limit 4
+        --tasks prr_niah --limit 4       (prr/tasks/lm_eval_tasks is on the include path unless one is given)
     python -m prr.lm_eval_model ...   (the same)
 
 Every model_args key is a Hydra override of conf/ (`selector=quest`, `selector.topk_blocks=16`,
@@ -177,8 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     """`prr-lm-eval` / `python -m prr.lm_eval_model`: lm-eval's CLI with the `prr` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--include_path" not in args and any(a in ("--tasks", "-t") for a in args):
+        args += ["--include_path", str(LOCAL_TASKS)]  # prr's local tasks (prr_niah, prr_vt, prr_qa) by default
+    sys.argv = [sys.argv[0], *args]
     cli_evaluate()
 
 

@@ -25,7 +25,7 @@ def test_lm_eval_command_line_runs_the_prr_model_on_a_local_task_offline(tmp_pat
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "prr.lm_eval_model", "--model", "prr", "--model_args", TINY_ARGS,
-         "--tasks", "prr_niah", "--include_path", str(ROOT / "prr" / "tasks" / "lm_eval_tasks"), "--limit", "2",
+         "--tasks", "prr_niah", "--limit", "2",  # the wrapper puts prr/tasks/lm_eval_tasks on the include path
          "--metadata", '{"context_tokens": 600}', "--output_path", str(tmp_path / "out")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

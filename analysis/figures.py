@@ -18,7 +18,17 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 
-from .style import DOUBLE, SINGLE, STAGE_ORDER, marker, method_color, method_label, new_figure, stage_color
+from .style import (
+    DOUBLE,
+    RESERVE,
+    SINGLE,
+    STAGE_ORDER,
+    marker,
+    method_color,
+    method_label,
+    new_figure,
+    stage_color,
+)
 
 
 def require(frame: pd.DataFrame, columns: list[str], figure: str) -> pd.DataFrame:
@@ -208,6 +218,39 @@ def speedup_from_bench_decode(frame: pd.DataFrame) -> pd.DataFrame:
                          "hit_rate": frame["hit_rate"]})
 
 
+def prr_map(frame: pd.DataFrame) -> MplFigure:
+    """Where PRR pays on the attention stage: speedup of PRR over serial DSA against the hit
+    rate, one line per (batch, block, top-K) configuration, left Quest, right InfLLM; the
+    dotted line at each configuration's 100%-hit point is the overlap ceiling (perfect
+    overlap with the same kernels). Columns: bench_decode's OUT_stage.csv (selector, batch,
+    context, block, topk_tokens, target_hit_rate, serial, prr, prr_ideal_overlap)."""
+    frame = require(frame, ["selector", "batch", "context", "block", "topk_tokens", "target_hit_rate", "serial", "prr",
+                            "prr_ideal_overlap"], "prr_map_h200")
+    frame = frame[frame["context"] == frame["context"].max()]  # the longest context: one panel per selector
+    selectors = sorted(set(frame["selector"]), key=["quest", "infllm"].index if set(frame["selector"]) <= {
+        "quest", "infllm"} else str)
+    fig, axes = new_figure(DOUBLE, ncols=len(selectors))
+    axes = np.atleast_1d(axes)
+    configs = sorted({(b, k, bs) for b, k, bs in zip(frame["batch"], frame["topk_tokens"], frame["block"], strict=True)})
+    colors = dict(zip(configs, RESERVE * (len(configs) // len(RESERVE) + 1), strict=False))
+    for ax, selector in zip(axes, selectors, strict=True):
+        rows = frame[frame["selector"] == selector]
+        for (batch, topk, block), cfg in rows.groupby(["batch", "topk_tokens", "block"]):
+            cfg = cfg.sort_values("target_hit_rate")
+            color = colors[(batch, topk, block)]
+            ax.plot(100 * cfg["target_hit_rate"], cfg["serial"] / cfg["prr"], marker="o", color=color,
+                    label=f"B={batch}, K={topk // 1024}K, block {block}")
+            top = cfg[cfg["target_hit_rate"] == cfg["target_hit_rate"].max()]
+            ax.plot(100 * top["target_hit_rate"], top["serial"] / top["prr_ideal_overlap"], marker="_", markersize=14,
+                    color=color, linestyle="none")
+        ax.axhline(1.0, color=method_color("none"), linewidth=0.8, linestyle="--")
+        ax.set_title(f"{method_label(selector)}, {round(int(rows['context'].iloc[0]) / 1024)}K context")
+        ax.set_xlabel("hit rate |P∩A|/|A| (%)")
+        ax.set_ylabel("attention-stage speedup over serial DSA (×)")
+    axes[0].legend(loc="upper left", fontsize="x-small", ncol=2)
+    return fig
+
+
 def stage_breakdown_from_bench_decode(frame: pd.DataFrame, hit_rate: float = 0.9) -> pd.DataFrame:
     """latency_breakdown's frame from bench_decode's OUT_stage.csv (per layer, µs: stage_select,
     stage_speculate, stage_repair, stage_merge, each timed alone) at one controlled hit rate."""
@@ -368,6 +411,9 @@ FIGURES: list[Figure] = [
            ("experiments/results/h200/bench_decode_stage.csv",), pd.read_csv,
            "python experiments/bench_decode.py --parts stage (on an H200)",
            "Per-layer attention-stage times against context (each stage alone, hit rate 0.90), 8B shape, H200"),
+    Figure("prr_map_h200", prr_map, ("experiments/results/h200/bench_decode_stage.csv",), pd.read_csv,
+           "python experiments/bench_decode.py --parts stage (on an H200)",
+           "Attention-stage speedup of PRR over serial DSA against hit rate (bars: perfect-overlap ceiling), 8B shape, H200"),
     Figure("speedup_sweep", lambda f: speedup(speedup_from_runs(f)), ("experiments/results/h200/speedup_8b.csv",),
            read_sweep_csv,
            f"python run.py -m +experiment=speedup (on a GPU) && {COLLECT} multirun/speedup "

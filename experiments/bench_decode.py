@@ -41,11 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from bench_kernels import copy_bandwidth, environment, graph_time_us  # noqa: E402
+from bench_kernels import copy_bandwidth, environment  # noqa: E402
 
 from prr.model.decoder import Decoder  # noqa: E402
 from prr.model.zoo import ZOO  # noqa: E402
 from prr.runtime.dense_layer import pre_attention  # noqa: E402
+from prr.runtime.graph_budget import controlled_predictions, graph_median_us, profile_speculation  # noqa: E402
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan  # noqa: E402
 
 HIT_RATES = (1.0, 0.98, 0.90, 0.68, 0.0)
@@ -56,8 +57,8 @@ BF16 = 2
 
 
 def time_graph_us(fn, repeats: int = 15) -> float:
-    """Median µs of one replay of a CUDA graph of fn() (bench_kernels' method, one call per graph)."""
-    return graph_time_us(lambda i: fn, sets=1, reps=repeats)
+    """Median µs of one replay of a CUDA graph of fn()."""
+    return graph_median_us([fn], repeats)
 
 
 def time_eager_us(fn, repeats: int = 15, warmup: int = 2) -> float:
@@ -91,27 +92,6 @@ def read_bandwidth() -> dict[str, float]:
 def model_of(layers: int) -> Decoder:
     config = dataclasses.replace(ZOO["llama-3.1-8b-shape"].config, num_layers=layers)
     return Decoder(config, torch.bfloat16, "cuda").init_random_(seed=0)
-
-
-def controlled_predictions(selection: tuple[torch.Tensor, torch.Tensor], hit_rate: float, num_blocks: int,
-                           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """P with |P| = |A|: round(hit_rate·|A|) blocks of A, the rest blocks outside A (ascending)."""
-    idx, cnt = (t.cpu() for t in selection)
-    pred = torch.zeros_like(idx)
-    pcnt = torch.zeros_like(cnt)
-    for b in range(idx.shape[0]):
-        for h in range(idx.shape[1]):
-            a = idx[b, h, : int(cnt[b, h])]
-            keep = round(hit_rate * len(a))
-            kept = a[torch.randperm(len(a), generator=gen)[:keep]]
-            outside = torch.ones(num_blocks, dtype=torch.bool)
-            outside[a.long()] = False
-            others = outside.nonzero()[:, 0]
-            others = others[torch.randperm(len(others), generator=gen)[: len(a) - keep]].int()
-            row = torch.cat([kept, others]).sort().values
-            pred[b, h, : len(row)] = row
-            pcnt[b, h] = len(row)
-    return pred.cuda(), pcnt.cuda()
 
 
 # --- part 1: the attention stage per layer ------------------------------------------------------
@@ -258,6 +238,9 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         record("serial_uncompiled", eng, advance=False, hit=None)
         del eng
     eng = GraphDecoder(model, base, batch=batch, max_tokens=capacity, compile=compile)
+    # The graph engine's profiled budget: speculate at this context only if PRR's attention
+    # stage measured faster at a 90% hit rate (its own random queries and cache), else serial.
+    profile = profile_speculation(eng, [context], hit_rate=0.9, use_cache=False, seed=7)
     eng.fill_random_context(context, seed=1)
     for name in ("dense", "serial"):
         eng.plan = dataclasses.replace(base, variant=name)
@@ -275,6 +258,12 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
                 eng.set_predictions(i, *controlled_predictions(s, hit, num_blocks, hgen))
         for graphs in ((True, False) if hit == 1.0 else (True,)):
             record(f"prr_fixed_{hit:.2f}", eng, advance=False, hit=hit, graphs=graphs)
+        if hit == 0.9:  # the profiled choice, timed on the same data as the other variants
+            eng.plan = dataclasses.replace(base, variant=profile.choice(context))
+            record("prr_profiled_0.90", eng, advance=False, hit=hit)
+            rows[-1]["profiled_choice"] = profile.choice(context)
+            rows[-1]["profile"] = json.dumps(profile.rows[0])
+            eng.plan = base
     del eng
     # Real predictors decode for real: count the hit rate in one pass, time an identical one.
     for predictor in ("ema", "last_step"):

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -34,35 +33,15 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from prr.runtime.graph_budget import graph_median_us  # noqa: E402
+
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 
 
 def graph_time_us(make_call, sets: int, reps: int = 20) -> float:
     """Median µs per call: `sets` calls (make_call(i) -> zero-arg fn) captured in one graph."""
-    calls = [make_call(i) for i in range(sets)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # warm-up (compilation, autotuning) outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / sets)
-    return statistics.median(samples)
+    return graph_median_us([make_call(i) for i in range(sets)], reps)
 
 
 def copy_bandwidth() -> dict[str, float]:

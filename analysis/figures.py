@@ -191,7 +191,7 @@ def speedup_from_runs(runs: pd.DataFrame) -> pd.DataFrame:
                          "hit_rate": runs.get("hit_rate", pd.Series(np.nan, index=runs.index))})
 
 
-BENCH_METHODS = {"serial": "none", "prr_ema": "ema", "prr_last_step": "last_step"}
+BENCH_METHODS = {"serial": "none", "prr_ema": "ema", "prr_last_step": "last_step", "prr_profiled_0.90": "profiled"}
 
 
 def first_setting(frame: pd.DataFrame) -> pd.DataFrame:

@@ -49,6 +49,7 @@ METHOD_COLORS = {
     "spin": "#7B3294",       # purple
     "query_similarity": "#4D9221",  # green
     "cross_layer": "#17BECF",  # cyan
+    "profiled": "#A6761D",   # ochre: the profiled budget (serial DSA where PRR does not pay)
 }
 METHOD_ALIASES = {"serial": "none"}  # bench_decode's word for serial DSA
 RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E5C494", "#1B9E77")
@@ -56,10 +57,11 @@ RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E
 METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)", "infllm": "InfLLM",
                  "quest": "Quest", "less": "LESS", "exact": "exact top-K", "dense": "dense", "oracle": "oracle",
                  "spin": "SPIN", "query_similarity": "query similarity", "cross_layer": "cross-layer",
-                 "ema_calibrated": "EMA (per-layer cal.)", "ema_fixed": "EMA (fixed)"}
+                 "ema_calibrated": "EMA (per-layer cal.)", "ema_fixed": "EMA (fixed)",
+                 "profiled": "profiled budget (hit 0.90)"}
 MARKERS = {"quest": "o", "infllm": "s", "less": "^", "exact": "D", "dense": "x", "none": "x", "last_step": "s",
            "ema": "o", "oracle": "D", "spin": "v", "query_similarity": "P", "cross_layer": "X", "ema_calibrated": "o",
-           "ema_fixed": "o"}
+           "ema_fixed": "o", "profiled": "*"}
 
 # Sizes in inches: one column of a two-column paper, and the full width.
 SINGLE = (3.4, 2.4)

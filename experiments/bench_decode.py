@@ -354,14 +354,14 @@ def main() -> None:
     except ImportError:
         return
     if results["stage"]:
-        df = pd.DataFrame(results["stage"])
+        df = pd.DataFrame(results["stage"]).assign(command=results["command"])  # provenance in every row
         df.to_csv(args.out.parent / (args.out.name + "_stage.csv"), index=False)
         cols = ["selector", "batch", "context", "block", "topk_tokens", "target_hit_rate", "dense_kernel", "serial",
                 "prr", "prr_no_overlap", "prr_superset", "prr_ideal_overlap", "profiled_choice", "stage_select",
                 "stage_speculate", "speedup_prr_vs_serial", "serial_over_floor"]
         print(df[cols].round(2).to_string(index=False))
     if results["token"]:
-        df = pd.DataFrame(results["token"])
+        df = pd.DataFrame(results["token"]).assign(command=results["command"])
         df.to_csv(args.out.parent / (args.out.name + "_token.csv"), index=False)
         print(df.round(3).to_string(index=False))
 

@@ -139,11 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     table, differences = summarize(per_sample)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    per_sample.to_csv(f"{out}_samples.csv", index=False)
-    table.to_csv(f"{out}.csv", index=False)
+    command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
+    per_sample.assign(command=command).to_csv(f"{out}_samples.csv", index=False)  # provenance in every row
+    table.assign(command=command).to_csv(f"{out}.csv", index=False)
     ema = table[table.predictor == "ema"]
     write_json_atomic(Path(f"{out}.json"), {
-        "command": " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))]),
+        "command": command,
         "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
         "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "decoding": "greedy",

@@ -104,13 +104,14 @@ def main() -> None:
         layer_keys = keys(layers, swept, varying_only=True)
         layer_cols = [c for c in layers.columns if c not in config_cols and c not in keys(layers, swept)]
         path = out_stem.parent / f"{out_stem.name}_per_layer.csv"
-        layers[layer_keys + layer_cols].to_csv(path, index=False)
+        layers[layer_keys + layer_cols].assign(command=command).to_csv(path, index=False)  # provenance in every row
         written.append(path)
     if args.steps:
         steps = with_run_name(load_steps(*sweeps, columns=args.steps), sweeps)
         index = [c for c in ("step", "layer", "batch", "kv_head") if c in steps.columns]
         path = out_stem.parent / f"{out_stem.name}_steps.csv"
-        steps[keys(steps, swept, varying_only=True) + index + args.steps].to_csv(path, index=False, float_format="%.4g")
+        steps[keys(steps, swept, varying_only=True) + index + args.steps].assign(command=command).to_csv(
+            path, index=False, float_format="%.4g")
         written.append(path)
 
     import torch

@@ -288,8 +288,8 @@ def main() -> None:
     table = pd.DataFrame(summary_rows)
     per_layer = pd.concat(layer_frames, ignore_index=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    table.to_csv(args.out.with_suffix(".csv"), index=False)
-    per_layer.to_csv(args.out.parent / f"{args.out.name}_per_layer.csv", index=False)
+    table.assign(command=command).to_csv(args.out.with_suffix(".csv"), index=False)  # provenance in every row
+    per_layer.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_per_layer.csv", index=False)
     if not any(t.startswith("ruler_") for t in tasks):
         notes.append("no RULER-style task config existed: real text only")
     record = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

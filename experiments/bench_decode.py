@@ -47,7 +47,7 @@ from prr.model.decoder import Decoder  # noqa: E402
 from prr.model.zoo import ZOO  # noqa: E402
 from prr.runtime.dense_layer import pre_attention  # noqa: E402
 from prr.runtime.graph_budget import controlled_predictions, graph_median_us, profile_speculation  # noqa: E402
-from prr.runtime.graph_decode import GraphDecoder, StaticPlan  # noqa: E402
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block  # noqa: E402
 
 HIT_RATES = (1.0, 0.98, 0.90, 0.68, 0.0)
 # "128K context" = 131072 - HEADROOM tokens in a cache of 131072, so the decode steps fit and the
@@ -177,7 +177,7 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         measured_hit = float(sum(p[2].sum() for p in plans) / sum(c.sum() for c in a_cnt))
         # Floors (bytes / measured copy bandwidth): selection reads the metadata once; attention
         # reads the selected K/V; dense reads the whole context's K/V.
-        meta_bytes = batch * hkv * num_blocks * d * (2 * 4 if selector == "quest" else 4)
+        meta_bytes = batch * hkv * num_blocks * metadata_bytes_per_block(selector, eng.dtype, d)
         kv_sel_bytes = batch * hkv * k_blocks * block * d * 2 * BF16
         kv_dense_bytes = batch * hkv * (context + 1) * d * 2 * BF16
         t.update(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
@@ -215,7 +215,7 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     hkv, d, nl = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     kv_dense = batch * hkv * (context + 1) * d * 2 * BF16
     num_blocks = context // block + 1
-    meta = batch * hkv * num_blocks * d * (2 * 4 if selector == "quest" else 4)
+    meta = batch * hkv * num_blocks * metadata_bytes_per_block(selector, model.dtype, d)
     kv_sel = batch * hkv * k_blocks * block * d * 2 * BF16
     floors = {"dense": (weight_bytes + nl * kv_dense) / bandwidth * 1e6,
               "sparse": (weight_bytes + 2 * kv_dense + (nl - 2) * (meta + kv_sel)) / bandwidth * 1e6}

@@ -199,6 +199,20 @@ def bench_selection(batch: int, context: int, block: int, sets: int, gen: torch.
                                            arrivals=arrivals)
     ref_idx, _ = topk_select(quest_score(qs[0], *metas[0], num_blocks), k, num_blocks, sink_blocks=1, recent_blocks=1)
     fused_ok = bool(torch.equal(fused_idx.long().sort(-1).values, ref_idx.long().sort(-1).values))
+    # Metadata in the cache dtype (bf16: exact for bf16 keys, half the bytes; tensor-core
+    # scores): what the graph engine runs.
+    metas16 = [(a.to(DTYPE), b.to(DTYPE)) for a, b in metas]
+    score16_bytes = score_bytes // 2 + batch * HQ * D + batch * HKV * nb * 2
+    t_score16 = graph_time_us(lambda i: (lambda: quest_score(qs[i], *metas16[i], num_blocks, gqa_reduce="max")), sets)
+    t_fused16 = graph_time_us(lambda i: (lambda: quest_select(qs[i], *metas16[i], num_blocks, k, sink_blocks=1,
+                                                              recent_blocks=1, arrivals=arrivals)), sets)
+    t_select16 = graph_time_us(lambda i: (lambda: topk_select(quest_score(qs[i], *metas16[i], num_blocks), k, num_blocks,
+                                                              sink_blocks=1, recent_blocks=1)), sets)
+    _, idx16, cnt16 = quest_select(qs[0], *metas16[0], num_blocks, k, sink_blocks=1, recent_blocks=1,
+                                   arrivals=arrivals)
+    ref16, _ = topk_select(quest_score(qs[0], *metas16[0], num_blocks), k, num_blocks, sink_blocks=1, recent_blocks=1,
+                           radix_bits=1)
+    fused16_ok = bool(torch.equal(idx16, ref16))
     variants = {}
     for radix_bits in (1, 2):
         for warps in (4, 8, 16):
@@ -208,6 +222,13 @@ def bench_selection(batch: int, context: int, block: int, sets: int, gen: torch.
     best_topk = min(variants.values())
     base = {"batch": batch, "context": context, "block_size": block}
     return [
+        {"op": "quest_score (bf16 metadata)", **base, "bytes": score16_bytes, "floor_us": score16_bytes / bw * 1e6,
+         "kernel_us": t_score16, "GBps": score16_bytes / (t_score16 * 1e-6) / 1e9,
+         "x_floor": t_score16 * 1e-6 * bw / score16_bytes},
+        {"op": "quest_select (bf16 metadata, fused)", **base, "k": k, "sets_equal": fused16_ok,
+         "kernel_us": t_fused16, "floor_us": score16_bytes / bw * 1e6, "x_floor": t_fused16 * 1e-6 * bw / score16_bytes},
+        {"op": "select (bf16 metadata, score then topk)", **base, "k": k, "kernel_us": t_select16,
+         "floor_us": score16_bytes / bw * 1e6, "x_floor": t_select16 * 1e-6 * bw / score16_bytes},
         {"op": "quest_select (fused score+topk)", **base, "k": k, "sets_equal": fused_ok, "kernel_us": t_fused,
          "torch_us": t_torch_select, "speedup_vs_torch": t_torch_select / t_fused},
         {"op": "topk_select (best variant)", **base, "k": k, "kernel_us": best_topk, "torch_topk_us": t_torch_topk,
@@ -240,6 +261,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_kernels")
     parser.add_argument("--sets", type=int, default=4, help="distinct input sets per graph (L2 rotation)")
+    parser.add_argument("--only", choices=("all", "selection"), default="all",
+                        help="selection: only the selection kernels (score, top-k, fused select)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
@@ -265,11 +288,12 @@ def main() -> None:
             for block in blocks:
                 sets = args.sets if batch == 1 else 2
                 shape = {"batch": batch, "context": context, "block_size": block}
-                for budget in budgets:
+                for budget in budgets if args.only == "all" else ():
                     attempt("sparse_decode", {**shape, "budget_tokens": budget},
                             bench_sparse_decode, batch, context, block, budget, sets, gen, bw)
                 attempt("selection", shape, bench_selection, batch, context, block, sets, gen, bw)
-    attempt("merge", {}, bench_merge, args.sets, gen)
+    if args.only == "all":
+        attempt("merge", {}, bench_merge, args.sets, gen)
     record = {"command": "python " + " ".join(sys.argv), **environment(), "copy_bandwidth_GBps": bw / 1e9,
               "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()}, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

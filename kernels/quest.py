@@ -9,6 +9,8 @@ past the context and are never read here). Query head h belongs to KV head h // 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from torch import Tensor
@@ -77,12 +79,21 @@ def _score_launch(q, key_max, key_min, num_blocks, gqa_reduce, out, block_n, num
     block_d = triton.next_power_of_2(head_dim)
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    if d_chunk is None:
-        d_chunk = min(32, block_d)
-    if d_chunk and (d_chunk & (d_chunk - 1) or d_chunk > block_d):
-        raise ValueError(f"d_chunk={d_chunk} must be 0 or a power of two <= {block_d}")
+    dot_ok = q.dtype == key_max.dtype and q.dtype in (torch.float16, torch.bfloat16) and head_dim >= 16
+    if d_chunk is None:  # tensor cores where the dtypes allow (the interpreter has no bf16 dot)
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        d_chunk = -1 if dot_ok and not (interpreting and q.dtype == torch.bfloat16) else min(32, block_d)
+    if d_chunk == -1:
+        if not dot_ok:
+            raise ValueError(f"d_chunk=-1 (tensor cores) needs q and the metadata in one 16-bit dtype and D >= 16; "
+                             f"got q {q.dtype}, metadata {key_max.dtype}, D={head_dim}")
+        group_pad = max(16, group_pad)  # the GEMM's M
+    elif d_chunk and (d_chunk < 0 or d_chunk & (d_chunk - 1) or d_chunk > block_d):
+        raise ValueError(f"d_chunk={d_chunk} must be 0, -1 (tensor cores) or a power of two <= {block_d}")
     num_warps = num_warps or default_warps
-    if block_n is None:
+    if block_n is None and d_chunk == -1:
+        block_n = 64  # [64, D] tiles of max and min per program (H200, D = 128)
+    elif block_n is None:
         # Per thread ~32 fp32 of a metadata tile (per D chunk: of partial sums), 16..128 blocks.
         per_block = group_pad * d_chunk if d_chunk else block_d
         block_n = max(16, min(128, triton.next_power_of_2(32 * 32 * num_warps // per_block)))
@@ -120,7 +131,8 @@ def quest_score(
     `QuestSelector.head_scores` reduced over the group, as `Selector.select` does.
     Tuning: block_n (blocks per program, a power of two), num_warps, d_chunk (0: one
     reduction over D per query head; a power of two: all heads at once, D in chunks of that
-    size). `out` may be a preallocated [B, Hkv, NB_max] fp32 tensor.
+    size; -1: tensor cores, q and metadata both fp16 or both bf16, the default there).
+    `out` may be a preallocated [B, Hkv, NB_max] fp32 tensor.
     """
     out, grid, args, constexprs = _score_launch(
         q, key_max, key_min, num_blocks, gqa_reduce, out, block_n, num_warps, d_chunk, default_warps=4

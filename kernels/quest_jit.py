@@ -33,7 +33,7 @@ def _quest_score_tile(
     SUM_GROUP: tl.constexpr,  # True: sum over the group's heads; False: max
     BLOCK_N: tl.constexpr,  # blocks per program
     BLOCK_D: tl.constexpr,  # next power of two >= D
-    D_CHUNK: tl.constexpr,  # 0: per head, reduce over all of D; else: all heads at once, D in chunks
+    D_CHUNK: tl.constexpr,  # 0: per head over all of D; > 0: all heads at once, D in chunks; -1: tensor cores
 ):
     """Scores of blocks [tile * BLOCK_N, (tile + 1) * BLOCK_N) of one (row, KV head), stored."""
     tile = tl.program_id(0)
@@ -48,7 +48,30 @@ def _quest_score_tile(
     meta_n += offs_n[:, None].to(tl.int64) * stride_mn  # [BLOCK_N, 1]
     q_row = q_ptr + batch.to(tl.int64) * stride_qb + (kv_head * GROUP).to(tl.int64) * stride_qh
 
-    if D_CHUNK == 0:
+    if D_CHUNK == -1:
+        # Tensor cores (16-bit q and metadata of one dtype): the group's scores are two GEMMs,
+        # q⁺ [GROUP_PAD, D] · M^T + q⁻ · m^T. q⁺, q⁻ are exact in q's dtype and 16-bit products
+        # are exact in fp32: only the fp32 summation order differs from the FMA path. The
+        # FMA path spends ~8 FMAs per loaded value and is instruction-bound, not byte-bound.
+        offs_d = tl.arange(0, BLOCK_D)
+        live_d = offs_d < head_dim
+        live = live_n[:, None] & live_d[None, :]
+        meta = meta_n + offs_d[None, :] * stride_md
+        key_max = tl.load(key_max_ptr + meta, mask=live, other=0.0)  # [BLOCK_N, BLOCK_D] 16-bit
+        key_min = tl.load(key_min_ptr + meta, mask=live, other=0.0)
+        offs_g = tl.arange(0, GROUP_PAD)
+        q_live = (offs_g[:, None] < GROUP) & live_d[None, :]
+        q = tl.load(q_row + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=q_live, other=0.0)
+        zero = tl.zeros_like(q)
+        q_pos = tl.maximum(q, zero).to(key_max.dtype)  # (older Triton widens 16-bit maximum to fp32)
+        q_neg = tl.minimum(q, zero).to(key_max.dtype)
+        per_head = tl.dot(q_pos, tl.trans(key_max)) + tl.dot(q_neg, tl.trans(key_min))
+        real_head = (offs_g < GROUP)[:, None]  # [GROUP_PAD, BLOCK_N] fp32 above
+        if SUM_GROUP:
+            reduced = tl.sum(tl.where(real_head, per_head, 0.0), axis=0)  # [BLOCK_N]
+        else:
+            reduced = tl.max(tl.where(real_head, per_head, float("-inf")), axis=0)
+    elif D_CHUNK == 0:
         # Load the [BLOCK_N, D] tiles once, then one reduction over D per query head.
         offs_d = tl.arange(0, BLOCK_D)
         live_d = offs_d < head_dim
@@ -162,6 +185,33 @@ def _quest_select_kernel(
 
 
 @triton.jit
+def _quest_update_one(
+    key_max_ptr, key_min_ptr,  # [B, Hkv, NB_max, D], updated in place
+    k,  # [BLOCK_D] fp32: the new key of one (row, KV head), lanes >= head_dim unused
+    position,  # int64 scalar: its token position
+    meta_base,  # int64 scalar: offset of (row, KV head) in the metadata
+    max_blocks, head_dim, stride_mn, stride_md,
+    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Block position // BLOCK_SIZE becomes the running max / min with k (k itself for the
+    first token of a block: stale contents are ignored)."""
+    block = position // BLOCK_SIZE
+    later = (position % BLOCK_SIZE) != 0
+    # Out-of-range positions are the caller's error; they write nothing rather than stray memory.
+    # (Scalar conditions become lane limits: the CPU interpreter mishandles scalar & tensor masks.)
+    d_limit = tl.where(position >= 0, tl.where(block < max_blocks, head_dim, 0), 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    live_d = offs_d < d_limit
+    meta = meta_base + block * stride_mn + offs_d * stride_md
+    keep = offs_d < tl.where(later, d_limit, 0)
+    old_max = tl.load(key_max_ptr + meta, mask=keep, other=float("-inf")).to(tl.float32)
+    old_min = tl.load(key_min_ptr + meta, mask=keep, other=float("inf")).to(tl.float32)
+    # Stored in the metadata's dtype: max / min of keys held in that dtype are exact in it.
+    tl.store(key_max_ptr + meta, tl.maximum(old_max, k), mask=live_d)
+    tl.store(key_min_ptr + meta, tl.minimum(old_min, k), mask=live_d)
+
+
+@triton.jit
 def _quest_update_kernel(
     key_max_ptr,  # [B, Hkv, NB_max, D] updated in place
     key_min_ptr,  # [B, Hkv, NB_max, D] updated in place
@@ -176,25 +226,13 @@ def _quest_update_kernel(
 ):
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
-
     position = tl.load(positions_ptr + batch).to(tl.int64)
-    block = position // BLOCK_SIZE
-    later = (position % BLOCK_SIZE) != 0  # False for the first token of a block: reset, ignore old contents
-    # Out-of-range positions are the caller's error; they write nothing rather than stray memory.
-    # (Scalar conditions become lane limits: the CPU interpreter mishandles scalar & tensor masks.)
-    d_limit = tl.where(position >= 0, tl.where(block < max_blocks, head_dim, 0), 0)
     offs_d = tl.arange(0, BLOCK_D)
-    live_d = offs_d < d_limit
     k = tl.load(
         k_new_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + offs_d * stride_kd,
-        mask=live_d,
+        mask=offs_d < head_dim,
         other=0.0,
     ).to(tl.float32)  # [BLOCK_D]
-
-    meta = batch.to(tl.int64) * stride_mb + kv_head.to(tl.int64) * stride_mh + block * stride_mn
-    meta += offs_d * stride_md
-    keep = offs_d < tl.where(later, d_limit, 0)
-    old_max = tl.load(key_max_ptr + meta, mask=keep, other=float("-inf")).to(tl.float32)
-    old_min = tl.load(key_min_ptr + meta, mask=keep, other=float("inf")).to(tl.float32)
-    tl.store(key_max_ptr + meta, tl.maximum(old_max, k), mask=live_d)
-    tl.store(key_min_ptr + meta, tl.minimum(old_min, k), mask=live_d)
+    meta_base = batch.to(tl.int64) * stride_mb + kv_head.to(tl.int64) * stride_mh
+    _quest_update_one(key_max_ptr, key_min_ptr, k, position, meta_base, max_blocks, head_dim, stride_mn, stride_md,
+                      BLOCK_SIZE, BLOCK_D)

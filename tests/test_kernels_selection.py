@@ -101,6 +101,21 @@ def test_quest_score_half_precision_metadata():
         check_scores(out, quest_score_reference(**inputs), 1e-5)
 
 
+@pytest.mark.parametrize("gqa_reduce", ["max", "sum"])
+def test_quest_score_tensor_core_path(gqa_reduce):
+    """fp16 q and fp16 metadata take the tensor-core path by default (d_chunk=-1: two GEMMs
+    q⁺·M^T + q⁻·m^T, exact products, fp32 sums): equal to the reference within fp32 rounding,
+    at an odd group (padded to the GEMM's 16 rows), odd block count and D=80."""
+    inputs = make_quest_inputs(2, 6, 2, 80, 61, [61, 17], torch.float16, seed=11)
+    inputs["key_max"], inputs["key_min"] = inputs["key_max"].half(), inputs["key_min"].half()
+    ref = quest_score_reference(**inputs, gqa_reduce=gqa_reduce)
+    for kwargs in ({}, {"d_chunk": -1, "block_n": 16}):
+        check_scores(quest_score(**inputs, gqa_reduce=gqa_reduce, **kwargs), ref, 1e-5)
+    fp32 = make_quest_inputs(2, 6, 2, 80, 61, [61, 17], torch.float32, seed=11)
+    with pytest.raises(ValueError, match="d_chunk=-1"):
+        quest_score(**fp32, d_chunk=-1)
+
+
 def test_quest_score_small_tiles_and_strided_q():
     inputs = make_quest_inputs(2, 12, 3, 64, 61, [61, 30], seed=5)
     q = torch.randn(2, 64, 12).transpose(1, 2)  # non-contiguous [B, Hq, D]
@@ -174,13 +189,16 @@ def test_quest_score_errors():
         (1, 64, 61, [0, 61], 1, 2, 2, "max"),  # an empty row; forced blocks > k
     ],
 )
-def test_quest_select_equals_score_then_topk(group, head_dim, max_blocks, num_blocks, k, sink, recent, gqa_reduce):
+@pytest.mark.parametrize("radix_bits", [1, 2])
+def test_quest_select_equals_score_then_topk(group, head_dim, max_blocks, num_blocks, k, sink, recent, gqa_reduce,
+                                             radix_bits):
     hkv = 2
     inputs = make_quest_inputs(2, hkv * group, hkv, head_dim, max_blocks, num_blocks, torch.float16, seed=k)
     arrivals = torch.zeros(2 * hkv, dtype=torch.int32)
     for _ in range(2):  # the workspace is re-armed by each launch
         scores, idx, cnt = quest_select(**inputs, k=k, sink_blocks=sink, recent_blocks=recent,
-                                        gqa_reduce=gqa_reduce, arrivals=arrivals, block_n=16)
+                                        gqa_reduce=gqa_reduce, arrivals=arrivals, block_n=16,
+                                        radix_bits=radix_bits)
         assert torch.equal(arrivals, torch.zeros_like(arrivals))
     check_scores(scores, quest_score_reference(**inputs, gqa_reduce=gqa_reduce), 1e-5)
     ref_idx, ref_cnt = topk_select_reference(scores, k, inputs["num_blocks"], sink, recent)
@@ -359,7 +377,7 @@ def test_gpu_quest_score_128k(gqa_reduce, d_chunk):
 def test_gpu_quest_score_bf16_metadata():
     inputs = make_quest_inputs(1, 32, 8, 128, 8192, None, torch.bfloat16, seed=4, device="cuda")
     inputs["key_max"], inputs["key_min"] = inputs["key_max"].bfloat16(), inputs["key_min"].bfloat16()
-    for d_chunk in (0, 32):
+    for d_chunk in (0, 32, -1, None):  # None: the tensor-core path (q and metadata both bf16)
         check_scores(quest_score(**inputs, d_chunk=d_chunk), quest_score_reference(**inputs), 1e-5)
 
 
@@ -403,11 +421,15 @@ def test_gpu_topk_select(n, k, radix_bits):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("batch,num_blocks", [(1, None), (2, [8192, 3001])])
-def test_gpu_quest_select_fused(batch, num_blocks):
+@pytest.mark.parametrize("radix_bits", [2])
+@pytest.mark.parametrize("meta_dtype", [torch.float32, torch.bfloat16])  # bf16: the tensor-core score
+def test_gpu_quest_select_fused(batch, num_blocks, radix_bits, meta_dtype):
     inputs = make_quest_inputs(batch, 32, 8, 128, 8192, num_blocks, torch.bfloat16, seed=3, device="cuda")
+    inputs["key_max"], inputs["key_min"] = inputs["key_max"].to(meta_dtype), inputs["key_min"].to(meta_dtype)
     arrivals = torch.zeros(batch * 8, dtype=torch.int32, device="cuda")
     for _ in range(3):
-        scores, idx, cnt = quest_select(**inputs, k=128, sink_blocks=1, recent_blocks=1, arrivals=arrivals)
+        scores, idx, cnt = quest_select(**inputs, k=128, sink_blocks=1, recent_blocks=1, arrivals=arrivals,
+                                        radix_bits=radix_bits)
     torch.cuda.synchronize()
     assert torch.equal(arrivals, torch.zeros_like(arrivals))
     check_scores(scores, quest_score_reference(**inputs), 1e-5)

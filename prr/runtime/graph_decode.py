@@ -43,6 +43,18 @@ PREDICTORS = ("ema", "last_step", "fixed")  # fixed: P set from outside (control
 REPAIR_MODES = ("exact", "superset")
 
 
+def metadata_dtype(selector: str, cache_dtype: torch.dtype) -> torch.dtype:
+    """Quest's max / min of keys stored in the cache dtype are exact in it; InfLLM's
+    representative is a mean, kept in fp32."""
+    return cache_dtype if selector == "quest" else torch.float32
+
+
+def metadata_bytes_per_block(selector: str, cache_dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes the selection reads per (row, KV head, block): the byte floor's metadata share."""
+    per_vector = head_dim * metadata_dtype(selector, cache_dtype).itemsize
+    return 2 * per_vector if selector == "quest" else per_vector
+
+
 @dataclass(frozen=True)
 class StaticPlan:
     variant: str = "prr"
@@ -58,6 +70,9 @@ class StaticPlan:
     dense_layers: tuple[int, ...] = (0, 1)
     overlap: bool = True  # speculation on a second CUDA stream (False: one after the other)
     infllm_representatives: int = 4
+    # Quest score + top-k in one launch (the last program of a row selects): measured slower on
+    # the H200 than two launches (bench_selection), kept for comparison.
+    fused_select: bool = False
 
     def problems(self) -> list[str]:
         out = []
@@ -85,14 +100,15 @@ class GraphDecoder:
     def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False) -> None:
         """compile: torch.compile the dense parts of each layer (norms, RoPE, SiLU around the
         fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute)."""
-        from prr.kernels import prr_merge, quest, sparse_decode, topk
+        from prr.kernels import cache_append, prr_merge, quest, sparse_decode, topk
 
         if plan.problems():
             raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
         c = model.config
         if c.num_heads % c.num_kv_heads:
             raise ValueError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
-        self._k = dict(prr_merge=prr_merge, quest=quest, sparse_decode=sparse_decode, topk=topk)
+        self._k = dict(cache_append=cache_append, prr_merge=prr_merge, quest=quest, sparse_decode=sparse_decode,
+                       topk=topk)
         self.model, self.plan, self.batch = model, plan, batch
         self.device, self.dtype = model.device, model.dtype
         bs = plan.block_size
@@ -114,7 +130,8 @@ class GraphDecoder:
         # Sparse layers keep metadata whatever the variant, so one engine can time every variant
         # (bench_decode switches `plan` between variants over the same cache).
         self.sparse = [i not in plan.dense_layers for i in range(self.num_layers)]
-        meta = lambda fill: [torch.full((B, H, NB, D), fill, dtype=torch.float32, device=dev) if s else None  # noqa: E731
+        meta_dtype = metadata_dtype(plan.selector, self.dtype)
+        meta = lambda fill: [torch.full((B, H, NB, D), fill, dtype=meta_dtype, device=dev) if s else None  # noqa: E731
                              for s in self.sparse]
         if plan.selector == "quest":
             self.key_max, self.key_min = meta(float("-inf")), meta(float("inf"))
@@ -202,7 +219,7 @@ class GraphDecoder:
         """q: [B, Hq, D] -> A: (indices [B, Hkv, K] int32 ascending, counts [B, Hkv] int32)."""
         p, kq, kt = self.plan, self._k["quest"], self._k["topk"]
         if p.selector == "quest":
-            if self.max_blocks <= kt.MAX_ROW_BLOCK:
+            if p.fused_select and self.max_blocks <= kt.MAX_ROW_BLOCK:
                 _, idx, cnt = kq.quest_select(q, self.key_max[layer], self.key_min[layer], num_blocks, p.topk_blocks,
                                               p.sink_blocks, p.recent_blocks, "max", arrivals=self.arrivals)
                 return idx, cnt
@@ -229,14 +246,15 @@ class GraphDecoder:
         """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] fp32.
         positions: `step_positions()` of this step (computed here when not given)."""
         p = self.plan
-        pos_long, lengths, num_blocks = positions if positions is not None else self.step_positions()
-        self.keys[layer].index_copy_(2, pos_long, k.unsqueeze(2))
-        self.values[layer].index_copy_(2, pos_long, v.unsqueeze(2))
+        _, lengths, num_blocks = positions if positions is not None else self.step_positions()
+        # K/V at pos, and the Quest metadata of its block, in one launch.
+        quest_meta = p.selector == "quest" and self.sparse[layer]
+        self._k["cache_append"].append_token(
+            self.keys[layer], self.values[layer], k, v, self.pos,
+            self.key_max[layer] if quest_meta else None, self.key_min[layer] if quest_meta else None, p.block_size)
         if not self.sparse[layer] or p.variant == "dense":
             counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
             return self._attend(layer, q, self.all_blocks, counts, lengths)[0]
-        if p.selector == "quest":
-            self._k["quest"].quest_update(self.key_max[layer], self.key_min[layer], k, lengths - 1, p.block_size)
         if p.variant == "serial":
             idx, cnt = self.select(layer, q, num_blocks)
             self._note(layer, idx, cnt, None)

@@ -1,0 +1,59 @@
+"""Launcher for the one-launch decode append (checks, grid); the kernel is in
+`prr.kernels.cache_append_jit`. Equals `k_cache[b, :, p_b] = k_new[b]`,
+`v_cache[b, :, p_b] = v_new[b]` and, with metadata, `quest.quest_update` of the same key.
+"""
+
+from __future__ import annotations
+
+import triton
+from torch import Tensor
+
+from .cache_append_jit import _append_token_kernel
+from .quest import _check_head_dim, _check_metadata, _check_per_row
+
+
+def append_token(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, positions: Tensor,
+                 key_max: Tensor | None = None, key_min: Tensor | None = None, block_size: int = 16) -> None:
+    """Write this step's K/V into the caches at positions[b], in place, and update the Quest
+    metadata of their block when key_max / key_min are given.
+
+    k_cache, v_cache: [B, Hkv, T_max, D] (one dtype, one layout); k_new, v_new: [B, Hkv, D]
+    (cast to the cache dtype on store); positions: [B] int32/int64 (positions outside
+    [0, T_max) write nothing: never checked on the host, that would sync);
+    key_max, key_min: [B, Hkv, NB_max, D] (fp32 or the cache dtype) or both None;
+    block_size: tokens per block of the metadata (a power of two).
+    """
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache and v_cache must be [B, Hkv, T_max, D] with one layout; got "
+                         f"{tuple(k_cache.shape)} {k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
+    batch, num_kv_heads, max_tokens, head_dim = k_cache.shape
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t.shape != (batch, num_kv_heads, head_dim):
+            raise ValueError(f"{name} must be [B, Hkv, D]=[{batch}, {num_kv_heads}, {head_dim}]; got {tuple(t.shape)}")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device}, the cache on {k_cache.device}; put them on one device")
+    _check_head_dim(head_dim)
+    _check_per_row("positions", positions, batch, k_cache.device)
+    has_meta = key_max is not None or key_min is not None
+    if has_meta:
+        if key_max is None or key_min is None:
+            raise ValueError("pass both key_max and key_min, or neither")
+        _check_metadata(key_max, key_min)
+        if key_max.shape[:2] != (batch, num_kv_heads) or key_max.shape[3] != head_dim:
+            raise ValueError(f"key_max must be [B, Hkv, NB_max, D]=[{batch}, {num_kv_heads}, NB_max, {head_dim}]; "
+                             f"got {tuple(key_max.shape)}")
+        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16, 32, 64)")
+    if batch == 0 or num_kv_heads == 0:
+        return
+    meta = (key_max, key_min) if has_meta else (k_cache, k_cache)  # never dereferenced without HAS_META
+    _append_token_kernel[(num_kv_heads, batch)](
+        k_cache, v_cache, k_new, v_new, positions, *meta,
+        max_tokens, meta[0].shape[2] if has_meta else 0, head_dim,
+        *k_cache.stride(), *k_new.stride(), *v_new.stride(),
+        *(key_max.stride() if has_meta else (0, 0, 0, 0)),
+        HAS_META=has_meta, BLOCK_SIZE=block_size if has_meta else 16,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
+    )  # fmt: skip

@@ -1,0 +1,103 @@
+"""The one-launch decode append (prr.kernels.cache_append) equals the cache writes and the
+Quest metadata update it replaces, at odd sizes, across block boundaries, with rows at
+different positions; bf16 metadata of bf16 keys equals fp32 metadata exactly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from prr.kernels.cache_append import append_token
+from prr.kernels.quest import quest_score, quest_update
+from prr.kernels.reference_selection import quest_metadata_reference
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device and TRITON_INTERPRET=0",
+)
+
+
+def _run(device: str, head_dim: int, cache_dtype: torch.dtype, meta_dtype: torch.dtype, new_dtype: torch.dtype):
+    batch, hkv, bs, max_blocks = 2, 3, 8, 5
+    g = torch.Generator().manual_seed(head_dim + batch)
+    keys = torch.zeros(batch, hkv, max_blocks * bs, head_dim, dtype=cache_dtype, device=device)
+    values = torch.zeros_like(keys)
+    ref_keys, ref_values = keys.clone(), values.clone()
+    # Stale metadata: the first token of a block must ignore it.
+    key_max = torch.randn(batch, hkv, max_blocks, head_dim, generator=g).to(meta_dtype).to(device)
+    key_min = key_max - 1
+    ref_max, ref_min = key_max.clone().float(), key_min.clone().float()
+    starts = [3, 14]  # rows cross block boundaries at different steps
+    for step in range(13):
+        k = (torch.randn(batch, hkv, head_dim, generator=g) * 3).to(new_dtype).to(device)
+        v = torch.randn(batch, hkv, head_dim, generator=g).to(new_dtype).to(device)
+        pos = torch.tensor([s + step for s in starts], dtype=torch.int32, device=device)
+        append_token(keys, values, k, v, pos, key_max, key_min, bs)
+        for b in range(batch):
+            ref_keys[b, :, pos[b]] = k[b].to(cache_dtype)
+            ref_values[b, :, pos[b]] = v[b].to(cache_dtype)
+        quest_update(ref_max, ref_min, k.to(cache_dtype), pos, bs)
+    assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+    # Every block a row wrote in full, or from its first token, equals a rebuild from the cache.
+    for b, s in enumerate(starts):
+        for blk in range(-(-s // bs), (s + 13) // bs + 1):
+            lo, hi = blk * bs, min((blk + 1) * bs, s + 13)
+            if lo >= hi:
+                continue
+            assert torch.equal(key_max[b, :, blk].float(), ref_max[b, :, blk]), (b, blk)
+            assert torch.equal(key_min[b, :, blk].float(), ref_min[b, :, blk]), (b, blk)
+            chunk = keys[b, :, lo:hi].float()
+            assert torch.equal(key_max[b, :, blk].float(), chunk.amax(1))
+            assert torch.equal(key_min[b, :, blk].float(), chunk.amin(1))
+
+
+@pytest.mark.parametrize("head_dim,cache_dtype,meta_dtype,new_dtype", [
+    (64, torch.float32, torch.float32, torch.float32),
+    (24, torch.float16, torch.float32, torch.float32),  # odd D; keys rounded to the cache dtype on store
+    (128, torch.bfloat16, torch.bfloat16, torch.bfloat16),  # metadata in the cache dtype: exact
+])
+def test_append_token_equals_writes_and_quest_update(head_dim, cache_dtype, meta_dtype, new_dtype):
+    _run("cpu", head_dim, cache_dtype, meta_dtype, new_dtype)
+
+
+def test_append_token_without_metadata_and_out_of_range():
+    keys = torch.zeros(1, 2, 32, 64)
+    values = torch.zeros_like(keys)
+    k, v = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+    append_token(keys, values, k, v, torch.tensor([31], dtype=torch.int32))
+    assert torch.equal(keys[:, :, 31], k) and torch.equal(values[:, :, 31], v)
+    assert keys[:, :, :31].abs().sum() == 0
+    append_token(keys, values, k * 2, v, torch.tensor([32], dtype=torch.int32))  # past T_max: no write
+    assert torch.equal(keys[:, :, 31], k) and keys.abs().sum() == k.abs().sum()
+
+
+def test_append_token_rejects_bad_input():
+    keys = torch.zeros(1, 2, 32, 64)
+    k = torch.zeros(1, 2, 64)
+    pos = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="k_new must be"):
+        append_token(keys, keys.clone(), torch.zeros(1, 3, 64), k, pos)
+    with pytest.raises(ValueError, match="both key_max and key_min"):
+        append_token(keys, keys.clone(), k, k, pos, key_max=torch.zeros(1, 2, 2, 64))
+    with pytest.raises(ValueError, match="share a dtype"):
+        append_token(keys, keys.half(), k, k, pos)
+
+
+def test_bf16_metadata_scores_equal_fp32_metadata():
+    """Max / min of bf16 keys are bf16 values: Quest metadata kept in bf16 (half the bytes the
+    selection reads) gives bit-identical scores to fp32 metadata."""
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3, 7 * 16, 64, generator=g).to(torch.bfloat16)
+    ref_max, ref_min = quest_metadata_reference(keys, 7 * 16 - 5, 16, 7)
+    bf_max, bf_min = ref_max.to(torch.bfloat16), ref_min.to(torch.bfloat16)
+    assert torch.equal(bf_max.float(), ref_max) and torch.equal(bf_min.float(), ref_min)
+    q = torch.randn(2, 6, 64, generator=g).to(torch.bfloat16)
+    nb = torch.tensor([7, 4], dtype=torch.int32)
+    assert torch.equal(quest_score(q, bf_max, bf_min, nb), quest_score(q, ref_max, ref_min, nb))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_append_token():
+    _run("cuda", 128, torch.bfloat16, torch.bfloat16, torch.bfloat16)

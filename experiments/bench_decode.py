@@ -333,7 +333,8 @@ def main() -> None:
         model = model_of(32)
         weight_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
         grid = [(1, c, 16, k, "quest") for c in (32768, 65536, 131072) for k in (2048, 8192)]
-        grid += [(8, c, 16, 2048, "quest") for c in (32768, 65536)] + [(1, 131072, 64, 2048, "infllm")]
+        grid += [(8, c, 16, 2048, "quest") for c in (32768, 65536)]
+        grid += [(1, 131072, 64, 2048, "quest"), (1, 131072, 64, 2048, "infllm")]
         if args.quick:
             grid = [(1, 32768, 16, 2048, "quest")]
         for b, c, bs, k, sel in grid:

@@ -136,6 +136,37 @@ def bench_sparse_decode(batch: int, context: int, block: int, budget: int, sets:
     }
 
 
+def tune_sparse_decode(batch: int, context: int, block: int, budget: int, sets: int, gen: torch.Generator) -> dict:
+    """Split-kernel launch shapes (tokens per K/V tile, warps, tokens per split) at one shape:
+    each config's time and its output's distance from the default config's."""
+    from prr.kernels.sparse_decode import sparse_decode
+
+    num_blocks, k = context // block, budget // block
+    caches = [(randn(batch, HKV, context, D), randn(batch, HKV, context, D)) for _ in range(sets)]
+    qs = [randn(batch, HQ, D) for _ in range(sets)]
+    ids = [random_block_lists(batch, num_blocks, k, gen) for _ in range(sets)]
+    counts = torch.full((batch, HKV), k, dtype=torch.int32, device="cuda")
+    lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    ref, _ = sparse_decode(qs[0], *caches[0], ids[0], counts, lengths, block, scale)
+    row = {"op": "sparse_decode tuning", "batch": batch, "context": context, "block_size": block,
+           "budget_tokens": budget, "kernel_us": graph_time_us(lambda i: (lambda: sparse_decode(
+               qs[i], *caches[i], ids[i], counts, lengths, block, scale)), sets)}
+    worst = 0.0
+    for tile in (16, 32, 64, 128):
+        for warps in (4, 8):
+            for tps in (None, 64, 256, 512):
+                kw = dict(tile_tokens=tile, num_warps=warps, tokens_per_split=tps)
+                out, _ = sparse_decode(qs[0], *caches[0], ids[0], counts, lengths, block, scale, **kw)
+                worst = max(worst, rel_err(out, ref))
+                row[f"us_tile{tile}_warps{warps}_split{tps or 'auto'}"] = graph_time_us(
+                    lambda i, kw=kw: (lambda: sparse_decode(qs[i], *caches[i], ids[i], counts, lengths, block, scale,
+                                                            **kw)), sets)
+    configs = {c: v for c, v in row.items() if c.startswith("us_")}
+    best = min(configs, key=configs.get)
+    return {**row, "best_config": best, "best_us": configs[best], "rel_err": worst}
+
+
 def bench_merge(sets: int, gen: torch.Generator) -> dict:
     from prr.kernels.sparse_decode import merge_partials
 
@@ -219,6 +250,9 @@ def bench_selection(batch: int, context: int, block: int, sets: int, gen: torch.
             variants[f"topk_us_radix{radix_bits}_warps{warps}"] = graph_time_us(
                 lambda i, rb=radix_bits, w=warps: (lambda: topk_select(score_sets[i], k, num_blocks, sink_blocks=1,
                                                                       recent_blocks=1, radix_bits=rb, num_warps=w)), sets)
+    variants["topk_us_radix2_warps8_no_candidate_filter"] = graph_time_us(
+        lambda i: (lambda: topk_select(score_sets[i], k, num_blocks, sink_blocks=1, recent_blocks=1, radix_bits=2,
+                                       num_warps=8, candidate_filter=False)), sets)
     best_topk = min(variants.values())
     base = {"batch": batch, "context": context, "block_size": block}
     return [
@@ -261,8 +295,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_kernels")
     parser.add_argument("--sets", type=int, default=4, help="distinct input sets per graph (L2 rotation)")
-    parser.add_argument("--only", choices=("all", "selection"), default="all",
-                        help="selection: only the selection kernels (score, top-k, fused select)")
+    parser.add_argument("--only", choices=("all", "selection", "decode_tuning"), default="all",
+                        help="selection: only the selection kernels (score, top-k, fused select); "
+                             "decode_tuning: only the split kernel's launch shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
@@ -283,6 +318,14 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
 
+    if args.only == "decode_tuning":
+        batches, contexts = [], []
+        for batch in (1, 8):
+            for block in (16, 64):
+                for budget in (2048, 8192):
+                    shape = {"batch": batch, "context": 131072, "block_size": block, "budget_tokens": budget}
+                    attempt("sparse_decode tuning", shape, tune_sparse_decode, batch, 131072, block, budget,
+                            args.sets if batch == 1 else 2, gen)
     for batch in batches:
         for context in contexts:
             for block in blocks:
@@ -294,6 +337,8 @@ def main() -> None:
                 attempt("selection", shape, bench_selection, batch, context, block, sets, gen, bw)
     if args.only == "all":
         attempt("merge", {}, bench_merge, args.sets, gen)
+    if not rows:
+        sys.exit("no rows measured")
     record = {"command": "python " + " ".join(sys.argv), **environment(), "copy_bandwidth_GBps": bw / 1e9,
               "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()}, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

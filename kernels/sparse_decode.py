@@ -34,7 +34,11 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GROUP = 64  # query heads per KV head (GQA); rows are padded to max(16, next power of two)
 MIN_BLOCK_SIZE = 16
-PROGRAMS_PER_SM = 4  # split target: about this many programs per SM
+PROGRAMS_PER_SM = 4  # per-block target: about this many programs per SM
+# Split target. H200, bf16, 128K (bench_kernels --only decode_tuning): 8 per SM took batch 8 with an
+# 8K budget from 112 to 86 µs (16 splits of 496 tokens, not 9 of 912); batch 1 is bound by
+# MIN_TOKENS_PER_SPLIT and unchanged.
+SPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 128  # a split reads at least this many tokens (amortises its partial write)
 MIN_TOKENS_PER_BLOCK_PROGRAM = 64  # per_block mode: tokens a program covers, at least
 MERGE_MIN_BLOCK_D = 32  # merge: D slice per program, at least (128-byte rows)
@@ -269,7 +273,7 @@ def _split_plan(
 ) -> tuple[int, int]:
     """-> (list entries per split, number of splits) for per_block=False; static shapes only."""
     if tokens_per_split is None:
-        splits_wanted = max(1, -(-PROGRAMS_PER_SM * _num_sms(device) // rows))
+        splits_wanted = max(1, -(-SPLIT_PROGRAMS_PER_SM * _num_sms(device) // rows))
         tokens_per_split = max(-(-capacity // splits_wanted) * block_size, MIN_TOKENS_PER_SPLIT)
     entries = max(1, -(-tokens_per_split // block_size))
     if block_size < tile_tokens:  # whole tiles per split

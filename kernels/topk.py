@@ -17,6 +17,17 @@ MAX_BLOCKS_PER_ROW = (1 << 21) - 1  # the 2-bit passes pack three counts into 21
 PAD_BLOCK = 256
 
 
+def candidate_filter_shape(block: int, k: int) -> tuple[int, int]:
+    """-> (groups, cap) of the row kernel's candidate filter, (0, 1) where it does not pay:
+    k groups (the bound is the smallest group max, so at least k keys pass it), each of at
+    least 16 blocks; candidates kept up to an eighth of the row (iid scores at k = N / 64 pass
+    ~9% of it), beyond that the kernel selects over the full row."""
+    groups = triton.next_power_of_2(max(k, 1))
+    if block < 1024 or groups * 16 > block:
+        return 0, 1
+    return groups, block // 8
+
+
 def _default_num_warps(block: int) -> int:
     return max(4, min(16, block // 512))
 
@@ -53,6 +64,7 @@ def topk_select(
     *,
     radix_bits: int = 2,
     num_warps: int | None = None,
+    candidate_filter: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), with forced blocks, by threshold select.
 
@@ -67,6 +79,8 @@ def topk_select(
     blocks are +inf and blocks >= nb are -inf: higher scores first, ties broken towards the
     lower block index, so a selection is a deterministic function of its scores.
     radix_bits (1 or 2): threshold bits fixed per counting pass over the row (32 or 16 passes).
+    candidate_filter: for long rows and small k, run the passes over the blocks at or above a
+    lower bound of the k-th score (the smallest of k group maxima) only; same result.
     """
     _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
     batch, num_kv_heads, n = scores.shape
@@ -91,8 +105,12 @@ def topk_select(
     )
     block = triton.next_power_of_2(n)
     if block <= MAX_ROW_BLOCK:
+        groups, cap = candidate_filter_shape(block, k) if candidate_filter else (0, 1)
+        scratch = torch.empty(2, batch * num_kv_heads, cap, dtype=torch.int32, device=scores.device)
         _topk_row_kernel[grid](
             *common,
+            scratch[0], scratch[1],
+            GROUPS=groups, CAP=cap,
             BLOCK=block,
             RADIX_BITS=radix_bits,
             PAD_BLOCK=PAD_BLOCK,

@@ -5,7 +5,8 @@ One program per (batch row, KV head). Scores are mapped to an order-preserving u
 (flip all bits of negatives, set the sign bit of non-negatives; -0.0 is first folded to +0.0 so
 float ties stay integer ties). The k-th largest key T is found by a most-significant-first
 radix search: each pass fixes RADIX_BITS bits of T with one counting reduction over the row
-(2^RADIX_BITS - 1 candidate thresholds, their counts packed into one integer). Then every
+(2^RADIX_BITS - 1 candidate thresholds, their counts packed into one integer; 4 bits, for the
+short candidate rows, count 16 thresholds as a vector). Then every
 block with key > T is taken, plus the lowest-index blocks with key == T up to k, and written
 in ascending block order (positions from one prefix sum). That is exactly the set of
 `prr.blocks.top_blocks`: scores compared first, ties towards the lower block index.
@@ -109,10 +110,21 @@ def _select_row(
     writes idx_out[out_row : out_row + k_out] and count_out[count_index]."""
     k_eff = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), k)
     threshold = tl.zeros([], dtype=tl.uint32)
-    for p in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (p + 1)
-        counts = _count_at_least(keys, threshold, shift, RADIX_BITS)
-        threshold = _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS)
+    if RADIX_BITS == 4:
+        # Short rows (the candidate filter's): all 15 candidate digits counted in one [N, 16]
+        # reduction per pass, 8 passes; each pass costs a block-wide reduction's latency.
+        digits = tl.arange(0, 16)
+        for p in tl.static_range(8):
+            shift = 28 - 4 * p
+            candidates = threshold | (digits.to(tl.uint32) << shift)  # [16]
+            counts = tl.sum((keys[:, None] >= candidates[None, :]).to(tl.int32), axis=0)  # [16]
+            digit = tl.max(tl.where(counts >= k_eff, digits, 0), axis=0)
+            threshold = threshold | (digit.to(tl.uint32) << shift)
+    else:
+        for p in tl.static_range(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (p + 1)
+            counts = _count_at_least(keys, threshold, shift, RADIX_BITS)
+            threshold = _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS)
     # threshold is now the k_eff-th largest valid key (all ones when k_eff = 0: nothing taken)
     n_gt = tl.sum((keys > threshold).to(tl.int32), axis=0)  # invalid keys are 0 <= threshold
     _emit(keys, valid, offs, threshold, 0, 0, k_eff - n_gt, out_row, idx_out_ptr, k_out)
@@ -132,9 +144,13 @@ def _topk_row_kernel(
     sink_blocks,
     recent_blocks,
     stride_sb, stride_sh, stride_sn,
+    scratch_keys_ptr,  # [B * Hkv, CAP] int32 workspace (GROUPS > 0)
+    scratch_ids_ptr,  # [B * Hkv, CAP] int32 workspace
     BLOCK: tl.constexpr,  # next power of two >= N: the whole row lives in registers
     RADIX_BITS: tl.constexpr,  # 1 or 2 bits of the threshold fixed per counting pass
     PAD_BLOCK: tl.constexpr,
+    GROUPS: tl.constexpr,  # candidate filter over GROUPS groups of the row (0: off)
+    CAP: tl.constexpr,  # candidates the filter keeps at most (a power of two)
 ):
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
@@ -144,10 +160,35 @@ def _topk_row_kernel(
 
     offs = tl.arange(0, BLOCK)
     keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
-    _select_row(
-        keys, valid, offs, k, k_out, out_row, batch * num_kv_heads + kv_head, idx_out_ptr, count_out_ptr,
-        RADIX_BITS, PAD_BLOCK,
-    )
+    row = batch * num_kv_heads + kv_head
+    if GROUPS == 0:
+        _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
+    else:
+        # Candidate filter: each radix pass is a reduction over the whole row, so shrink the row
+        # first. Every group of BLOCK / GROUPS blocks that holds a valid key has its max >= the
+        # smallest such max, `bound`: with >= k_eff non-empty groups, the top k_eff keys are all
+        # >= bound. The keys >= bound (ascending block order kept) are compacted through a
+        # per-row scratch of CAP entries and selected there; more than CAP: the full row.
+        k_eff = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), k)
+        group_max = tl.max(tl.reshape(keys, [GROUPS, BLOCK // GROUPS]), axis=1)  # [GROUPS] (invalid keys are 0)
+        nonempty = group_max > 0
+        bound = tl.min(tl.where(nonempty, group_max, 0xFFFFFFFF), axis=0)
+        bound = tl.where(tl.sum(nonempty.to(tl.int32), axis=0) >= k_eff, bound, 0)
+        candidate = valid & (keys >= bound)
+        n_candidates = tl.sum(candidate.to(tl.int32), axis=0)
+        if n_candidates <= CAP:
+            slot = tl.cumsum(candidate.to(tl.int32), axis=0) - 1
+            scratch = row.to(tl.int64) * CAP
+            tl.store(scratch_keys_ptr + scratch + slot, keys.to(tl.int32, bitcast=True), mask=candidate)
+            tl.store(scratch_ids_ptr + scratch + slot, offs, mask=candidate)
+            tl.debug_barrier()  # the program's own stores, read back by other threads
+            lane = tl.arange(0, CAP)
+            live = lane < n_candidates
+            c_keys = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0).to(tl.uint32, bitcast=True)
+            c_ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0)
+            _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, 4, PAD_BLOCK)
+        else:
+            _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
 
 
 @triton.jit

@@ -292,6 +292,31 @@ def test_topk_select_matches_top_blocks(kind, n, num_blocks, k, sink, recent, ra
     check_topk(scores, k, nb, sink, recent, radix_bits=radix_bits)
 
 
+@pytest.mark.parametrize(
+    "kind,n,num_blocks,k,sink,recent",
+    [
+        ("randn", 1500, [1500, 1500], 40, 1, 1),  # candidates kept: the filtered path
+        ("randn", 1100, [1100, 300], 64, 0, 2),  # a short row: too few non-empty groups, no bound
+        ("ties", 1024, [1024, 900], 16, 1, 1),  # three values: too many candidates, the full row
+        ("extremes", 1030, [1030, 1030], 33, 2, 0),  # k not a power of two; ±inf, ±0, denormals
+    ],
+)
+def test_topk_candidate_filter_equals_full_row(kind, n, num_blocks, k, sink, recent):
+    """The candidate filter (rows >= 1024 blocks, k groups) selects exactly what the full-row
+    passes select, whether it prunes, finds no bound, or overflows its scratch."""
+    from prr.kernels.topk import candidate_filter_shape
+
+    assert candidate_filter_shape(triton_next_pow2(n), k)[0] > 0  # the filter is on for these shapes
+    scores, nb = make_topk_scores(2, 3, n, num_blocks, kind, seed=n + k)
+    filtered = check_topk(scores, k, nb, sink, recent)
+    full = topk_select(scores, k, nb, sink, recent, candidate_filter=False)
+    assert torch.equal(filtered[0], full[0]) and torch.equal(filtered[1], full[1])
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def test_topk_select_k_zero_and_counts():
     scores, nb = make_topk_scores(2, 2, 27, [27, 4], "randn")
     idx, cnt = topk_select(scores, 0, nb)
@@ -407,7 +432,7 @@ def test_gpu_quest_update():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("n,k", [(2048, 128), (8192, 128), (8192, 512), (40000, 256)])
+@pytest.mark.parametrize("n,k", [(2048, 128), (2048, 32), (8192, 128), (8192, 512), (40000, 256)])
 @pytest.mark.parametrize("radix_bits", [1, 2])
 def test_gpu_topk_select(n, k, radix_bits):
     for kind in ("randn", "ties"):

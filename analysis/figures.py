@@ -251,6 +251,55 @@ def prr_map(frame: pd.DataFrame) -> MplFigure:
     return fig
 
 
+# Kernel name -> where a decode token's device time goes (profile_decode.py's rows).
+TOKEN_PARTS = (
+    ("dense GEMVs (weights)", ("nvjet", "gemv", "gemm", "cublas", "splitkreduce", "sm90_xmma")),
+    ("select: Quest score", ("_quest_score",)),
+    ("select: top-k", ("_topk",)),
+    ("select: fused score + top-k", ("_quest_select",)),
+    ("attention over A (and 2 dense layers)", ("sparse_decode",)),
+    ("merge of split partials", ("merge_partials",)),
+    ("KV append + metadata", ("_append_token",)),
+    ("norms, RoPE, SiLU (compiled)", ("triton_",)),
+)
+
+
+def token_part(kernel: str) -> str:
+    name = kernel.lower()
+    return next((part for part, keys in TOKEN_PARTS if any(k in name for k in keys)), "other (copies, index, fill)")
+
+
+def read_profiles(*paths: Path) -> pd.DataFrame:
+    """profile_decode CSVs, one `profile` label per file (its name after 'profile_decode_')."""
+    return pd.concat([pd.read_csv(p).assign(profile=Path(p).stem.removeprefix("profile_decode_")) for p in paths],
+                     ignore_index=True)
+
+
+def token_profile(frame: pd.DataFrame) -> MplFigure:
+    """Where one decode token's device time goes, one stacked bar per profile (kernel time
+    summed per step by part; launch gaps are not kernel time). Columns: profile, kernel,
+    us_per_step (experiments/profile_decode.py)."""
+    frame = require(frame, ["profile", "kernel", "us_per_step"], "token_profile")
+    frame = frame.assign(part=frame["kernel"].map(token_part))
+    parts = [p for p, _ in TOKEN_PARTS] + ["other (copies, index, fill)"]
+    table = frame.pivot_table(index="profile", columns="part", values="us_per_step", aggfunc="sum").reindex(
+        columns=parts).fillna(0.0) / 1e3
+    table = table.loc[:, table.sum() > 0]
+    fig, (ax,) = new_figure(DOUBLE)
+    left = np.zeros(len(table))
+    colors = RESERVE * (len(table.columns) // len(RESERVE) + 1)
+    for color, part in zip(colors, table.columns, strict=False):
+        ax.barh(np.arange(len(table)), table[part], left=left, color=color, edgecolor="white", linewidth=0.3,
+                label=part)
+        left += table[part].to_numpy()
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:.2f} ms", va="center", fontsize=7)
+    ax.set_yticks(np.arange(len(table)), list(table.index))
+    ax.set_xlabel("device time per decode token (ms, kernels only)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize="x-small")
+    return fig
+
+
 def stage_breakdown_from_bench_decode(frame: pd.DataFrame, hit_rate: float = 0.9) -> pd.DataFrame:
     """latency_breakdown's frame from bench_decode's OUT_stage.csv (per layer, µs: stage_select,
     stage_speculate, stage_repair, stage_merge, each timed alone) at one controlled hit rate."""
@@ -411,6 +460,12 @@ FIGURES: list[Figure] = [
            ("experiments/results/h200/bench_decode_stage.csv",), pd.read_csv,
            "python experiments/bench_decode.py --parts stage (on an H200)",
            "Per-layer attention-stage times against context (each stage alone, hit rate 0.90), 8B shape, H200"),
+    Figure("token_profile_h200", token_profile,
+           ("experiments/results/h200/profile_decode_serial_quest_1x131072_bs16_k2048.csv",
+            "experiments/results/h200/profile_decode_serial_quest_1x131072_bs64_k2048.csv"), read_profiles,
+           "python experiments/profile_decode.py && python experiments/profile_decode.py --block 64 (on an H200)",
+           "Where a decode token's device time goes: serial DSA (Quest, top-K 2K), Llama-3.1-8B shape, batch 1, "
+           "128K context, H200"),
     Figure("prr_map_h200", prr_map, ("experiments/results/h200/bench_decode_stage.csv",), pd.read_csv,
            "python experiments/bench_decode.py --parts stage (on an H200)",
            "Attention-stage speedup of PRR over serial DSA against hit rate (bars: perfect-overlap ceiling), 8B shape, H200"),

@@ -72,6 +72,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"profile_decode_{args.variant}_{args.selector}_{args.batch}x{args.context}_bs{args.block}_k{args.topk_tokens}"
     frame.insert(0, "command", "python " + " ".join(sys.argv))
+    frame["graph_replay_us_per_step"] = graph_us  # the whole step replayed as a CUDA graph (gaps included)
     frame.to_csv(args.out / f"{name}.csv", index=False)
     total = frame["us_per_step"].sum()
     print(frame.drop(columns="command").head(25).to_string(index=False, float_format=lambda x: f"{x:.3g}"))

@@ -156,3 +156,15 @@ def test_bench_decode_files_feed_the_speedup_and_breakdown_figures():
     assert len(breakdown) == 4 and (breakdown["t_select_us"] == 60.0).all()
     assert sorted(set(breakdown["predictor"])) == ["fixed P, hit 0.90", "none"]
     figures.latency_breakdown(breakdown)
+
+
+def test_token_profile_sorts_kernels_into_parts():
+    assert figures.token_part("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") == "dense GEMVs (weights)"
+    assert figures.token_part("_topk_row_kernel") == "select: top-k"
+    assert figures.token_part("sparse_decode_split_kernel") == "attention over A (and 2 dense layers)"
+    assert figures.token_part("void at::native::fill") == "other (copies, index, fill)"
+    frame = pd.DataFrame({"profile": ["a", "a", "b"], "kernel": ["nvjet_x", "_quest_score_kernel", "nvjet_x"],
+                          "us_per_step": [4000.0, 300.0, 3900.0]})
+    fig = figures.token_profile(frame)
+    widths = sorted(round(p.get_width(), 3) for p in fig.axes[0].patches if p.get_width() > 0)
+    assert widths == [0.3, 3.9, 4.0]

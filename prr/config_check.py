@@ -159,4 +159,8 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
                         "use runtime.batch_size=1")
     if model.num_heads % model.num_kv_heads:
         problems.append(f"model has {model.num_heads} query heads, not a multiple of {model.num_kv_heads} KV heads")
+    if getattr(runtime, "engine", "eager") == "graph":
+        from prr.runtime.graph_run import graph_problems
+
+        problems += graph_problems(built, model)
     return problems

@@ -88,9 +88,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     try:
         with terminate_as_interrupt():
             from prr.evaluation import evaluate_run, is_evaluation_task
+            from prr.runtime.graph_run import graph_decode_run
 
-            # Scored tasks (many requests: accuracy, perplexity, lm-eval) take the evaluation path.
-            summary = (evaluate_run if is_evaluation_task(instantiate(cfg.task)) else decode_run)(cfg, run_dir, logger)
+            # Scored tasks (many requests: accuracy, perplexity, lm-eval) take the evaluation path;
+            # runtime.engine=graph decodes through the CUDA-graph engine.
+            if is_evaluation_task(instantiate(cfg.task)):
+                summary = evaluate_run(cfg, run_dir, logger)
+            elif cfg.runtime.get("engine", "eager") == "graph":
+                summary = graph_decode_run(cfg, run_dir, logger)
+            else:
+                summary = decode_run(cfg, run_dir, logger)
         ok = True
         return summary
     except BaseException as err:

@@ -14,6 +14,20 @@ def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
         value = summary.get(key)
         return "n/a" if value is None else fmt.format(value)
 
+    if summary.get("engine") == "graph":  # the CUDA-graph engine records less (prr/runtime/graph_run.py)
+        lines = [
+            "",
+            f"prr run (engine=graph, {summary['variant']}): {summary['model']} | repair={summary['repair_mode']} | "
+            f"prompt {summary['prompt_tokens']} tokens, block {summary['block_size']}, top-K {summary['topk_blocks']} "
+            f"blocks, |P| {summary['predicted_blocks']} | {summary['device']}",
+            f"  hit rate |P∩A|/|A|         {num('hit_rate')}",
+            f"  per-token latency          median {num('token_latency_median_ms', '{:.2f}')} ms, p90 "
+            f"{num('token_latency_p90_ms', '{:.2f}')} ms ({num('tokens_per_s', '{:.1f}')} tok/s), "
+            f"{summary.get('decode_steps')} steps",
+        ]
+        if not layers.empty and layers["hit_rate"].notna().any():
+            lines += ["", "  per layer:", layers.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
+        return "\n".join(lines)
     lines = [
         "",
         f"prr run: {summary['model']} | mode={summary['mode']} repair={summary['repair_mode']} | "

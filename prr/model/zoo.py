@@ -104,6 +104,28 @@ TINY_RANDOM = RandomInitSpec(
     description="tiny random Llama for unit tests (2 layers, GQA 6/2, head_dim 16)",
 )
 
+TINY_RANDOM_D64 = RandomInitSpec(
+    name="tiny-random-d64",
+    config=ModelConfig(
+        arch="llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    ),
+    seed=0,
+    description="tiny random Llama with a head_dim the Triton kernels take (2 layers, GQA 4/2, head_dim 64): "
+                "tests of backend=triton and runtime.engine=graph",
+)
+
 LLAMA31_8B_SHAPE = RandomInitSpec(
     name="llama-3.1-8b-shape",
     config=ModelConfig(
@@ -134,7 +156,7 @@ LLAMA31_8B_SHAPE = RandomInitSpec(
 )
 
 ZOO: dict[str, RandomInitSpec | WheelGGUFSpec] = {
-    spec.name: spec for spec in (SMOLLM2_135M, TINY_RANDOM, LLAMA31_8B_SHAPE)
+    spec.name: spec for spec in (SMOLLM2_135M, TINY_RANDOM, TINY_RANDOM_D64, LLAMA31_8B_SHAPE)
 }
 
 

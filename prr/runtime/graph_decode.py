@@ -175,11 +175,38 @@ class GraphDecoder:
         if not 0 < length < self.max_tokens:
             raise ValueError(f"context length {length} must be in [1, {self.max_tokens}) (max_tokens)")
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        bs, nb = self.plan.block_size, -(-length // self.plan.block_size)
         for layer in range(self.num_layers):
             for cache in (self.keys[layer], self.values[layer]):
                 cache.zero_()
                 cache[:, :, :length].normal_(generator=gen)
+        token = torch.randint(0, self.model.config.vocab_size, (self.batch,), generator=gen, device=self.device)
+        self.start_at(length, token)
+
+    @torch.no_grad()
+    def fill_from_cache(self, keys: list[Tensor], values: list[Tensor], length: int, token: Tensor) -> None:
+        """Decode from a prefilled context: keys / values [B, Hkv, >= length, D] per layer (e.g.
+        prr.cache.PagedKVCache.keys after the research runtime's prefill), the metadata rebuilt
+        from them, pos = length; token [B]: the first token to decode."""
+        if not 0 < length < self.max_tokens:
+            raise ValueError(f"context length {length} must be in [1, {self.max_tokens}) (max_tokens)")
+        if len(keys) != self.num_layers or len(values) != self.num_layers:
+            raise ValueError(f"need keys and values of {self.num_layers} layers; got {len(keys)} and {len(values)}")
+        for layer in range(self.num_layers):
+            for cache, source in ((self.keys[layer], keys[layer]), (self.values[layer], values[layer])):
+                if source.shape[:2] != cache.shape[:2] or source.shape[3] != self.d or source.shape[2] < length:
+                    raise ValueError(f"layer {layer}: cache of shape {tuple(source.shape)} does not hold [B={self.batch}, "
+                                     f"Hkv={self.hkv}, >= {length}, D={self.d}]")
+                if source.data_ptr() != cache.data_ptr():  # (the engine's own cache stays as it is)
+                    cache.zero_()
+                    cache[:, :, :length].copy_(source[:, :, :length])
+        self.start_at(length, token.view(self.batch).to(self.device))
+
+    def start_at(self, length: int, token: Tensor) -> None:
+        """Decode from position `length` of the cache as it is: metadata of every sparse layer
+        rebuilt from its first `length` tokens, pos = length, token [B] the next input,
+        predictor state and hit counters cleared (e.g. after a capture's warm-up steps)."""
+        bs, nb = self.plan.block_size, -(-length // self.plan.block_size)
+        for layer in range(self.num_layers):
             if not self.sparse[layer]:
                 continue
             k = self.keys[layer][:, :, : nb * bs].float().view(self.batch, self.hkv, nb, bs, self.d)
@@ -187,11 +214,11 @@ class GraphDecoder:
             if self.plan.selector == "quest":
                 self.key_max[layer][:, :, :nb] = k.masked_fill(~live, float("-inf")).amax(3)
                 self.key_min[layer][:, :, :nb] = k.masked_fill(~live, float("inf")).amin(3)
-            else:  # representatives: the first r tokens of each block (random data: any r are alike)
+            else:  # representatives: the mean of the first r tokens of each block
                 r = min(self.plan.infllm_representatives, bs)
                 self.representative[layer][:, :, :nb] = k[:, :, :, :r].mean(3)
         self.pos.fill_(length)
-        self.token.random_(0, self.model.config.vocab_size, generator=gen)
+        self.token.copy_(token.view(self.batch, 1))
         for layer in range(self.num_layers):
             if self.ema[layer] is not None:
                 self.ema[layer].zero_()

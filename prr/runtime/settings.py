@@ -8,6 +8,8 @@ from prr.cache import is_power_of_two
 from prr.runtime.dsa_backend import RUN_MODES
 from prr.runtime.prr_step import REPAIR_MODES
 
+ENGINES = ("eager", "graph")
+
 
 @dataclass
 class RuntimeSettings:
@@ -20,6 +22,9 @@ class RuntimeSettings:
     calibration_tokens: int = 32  # prefill-tail positions replayed for predictor calibration/warm-up
     dense_metrics_every: int = 1  # compute dense attention for recall/error every N decode steps
     check_serial: bool = False  # also attend A in one piece and record PRR-vs-serial error
+    # eager: the research runtime (records per step, every selector/predictor); graph: the
+    # CUDA-graph engine (prr/runtime/graph_decode.py) for latency, quest and predictor none/last_step.
+    engine: str = "eager"
 
     def problems(self) -> list[str]:
         out = []
@@ -37,6 +42,8 @@ class RuntimeSettings:
             out.append(f"runtime.device={self.device!r} must be 'cpu' or 'cuda[:N]'")
         if self.calibration_tokens < 1:
             out.append(f"runtime.calibration_tokens={self.calibration_tokens} must be >= 1")
+        if self.engine not in ENGINES:
+            out.append(f"runtime.engine={self.engine!r} is not one of {list(ENGINES)}")
         if self.dense_metrics_every < 1:
             out.append(f"runtime.dense_metrics_every={self.dense_metrics_every} must be >= 1")
         return out

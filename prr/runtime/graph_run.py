@@ -1,0 +1,220 @@
+"""`runtime.engine=graph`: a run.py decode through the CUDA-graph engine (graph_decode.py).
+
+The prompt is prefilled by the research runtime (dense attention over the prompt, as with
+engine=eager); the engine takes the cache, rebuilds the Quest metadata from it and decodes
+greedily, one CUDA-graph replay per token on a GPU (eager launches on the CPU, where the
+kernels run only under TRITON_INTERPRET=1, for tests). It measures what the eager runtime
+cannot: per-token latency with speculation overlapped and no host work inside the step.
+What it records is therefore less: per token (latency, token) and per layer (hit rate,
+|A|), no per-head records, no dense reference metrics.
+
+Mapping from the config (anything else is refused by `graph_problems`, with the reason):
+selector=quest (gqa_reduce=max; sink_blocks, local_blocks + force_newest, dense_layers,
+topk_blocks carry over); predictor=none -> serial DSA, predictor=last_step -> PRR with
+P = last step's A (budget=fixed with |P| = |A|, or budget=profiled: on a GPU the engine
+times serial DSA against PRR at this prompt length and keeps the faster).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from prr.cache import PagedKVCache
+from prr.paths import write_json_atomic, write_text_atomic
+from prr.runtime.graph_decode import StaticPlan
+from prr.sinks import JsonlWriter
+from prr.summary_table import format_summary
+
+log = logging.getLogger("prr")
+PREDICTORS = {"NoPredictor": "serial", "LastStepPredictor": "prr"}  # class -> the engine's variant
+BUDGETS = ("FixedBudget", "ProfiledBudget")
+
+
+def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
+    """Why this config cannot run on runtime.engine=graph (empty: it can)."""
+    from prr.kernels.sparse_decode import MIN_BLOCK_SIZE, SUPPORTED_HEAD_DIMS
+
+    from prr.selectors.quest import QuestSelector
+
+    runtime, selector, predictor, budget, task = (built[g] for g in ("runtime", "selector", "predictor", "budget",
+                                                                     "task"))
+    out = []
+    head = "runtime.engine=graph"
+    if not isinstance(selector, QuestSelector) or selector.gqa_reduce != "max":
+        out.append(f"{head} runs selector=quest with gqa_reduce=max (got {type(selector).__name__}"
+                   f"{', gqa_reduce=' + selector.gqa_reduce if isinstance(selector, QuestSelector) else ''}); "
+                   "use runtime.engine=eager for the others")
+    name = type(predictor).__name__
+    if name not in PREDICTORS:
+        out.append(f"{head} runs predictor=none or predictor=last_step (got {name}: its state and update live in "
+                   "the eager runtime; the engine's own EMA differs from prr.predictors.ema); use runtime.engine=eager")
+    if type(budget).__name__ not in BUDGETS:
+        out.append(f"{head} takes budget=fixed or budget=profiled (got {type(budget).__name__})")
+    elif name == "LastStepPredictor" and type(budget).__name__ == "FixedBudget" and (
+            budget.blocks not in (None, getattr(selector, "topk_blocks", None)) or budget.blocks is None and budget.ratio != 1):
+        out.append(f"{head} with predictor=last_step speculates over last step's A, |P| = |A|: set budget.ratio=1 "
+                   f"(got ratio={budget.ratio}, blocks={budget.blocks})")
+    if name == "LastStepPredictor" and type(budget).__name__ == "ProfiledBudget" and runtime.device == "cpu":
+        out.append(f"{head} with budget=profiled times CUDA graphs: use runtime=cuda (or budget=fixed)")
+    if runtime.mode != "sparse":
+        out.append(f"{head} decodes sparse only (got runtime.mode={runtime.mode!r}); shadow mode is eager-only")
+    if runtime.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        out.append(f"{head} runs Triton kernels: use runtime=cuda (on the CPU they run only with TRITON_INTERPRET=1 "
+                   "set before Python starts, for tests)")
+    if model.head_dim not in SUPPORTED_HEAD_DIMS:
+        out.append(f"{head}: head_dim={model.head_dim} is not one of the kernels' {list(SUPPORTED_HEAD_DIMS)}")
+    if runtime.block_size < MIN_BLOCK_SIZE:
+        out.append(f"{head}: runtime.block_size={runtime.block_size} must be >= {MIN_BLOCK_SIZE}")
+    if getattr(task, "temperature", 0.0) != 0.0:
+        out.append(f"{head} decodes greedily (the step writes its argmax token): set task.temperature=0 "
+                   f"(got {task.temperature})")
+    if callable(getattr(task, "evaluate", None)):
+        out.append(f"{head} decodes one prompt; scored tasks (accuracy, perplexity, lm_eval) run on runtime.engine=eager")
+    return out
+
+
+def graph_plan(settings: Any, selector: Any, predictor: Any) -> StaticPlan:
+    variant = PREDICTORS[type(predictor).__name__]
+    k = selector.topk_blocks
+    prr = variant == "prr"
+    return StaticPlan(variant=variant, selector="quest", topk_blocks=k, predicted_blocks=k if prr else 0,
+                      predictor="last_step" if prr else "fixed", repair_mode=settings.repair_mode, block_size=settings.block_size,
+                      sink_blocks=selector.sink_blocks, recent_blocks=selector.local_blocks + int(selector.force_newest),
+                      dense_layers=tuple(sorted(selector.dense_layers)))
+
+
+def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
+    """Prefill (research runtime), then decode through the engine; writes tokens.jsonl,
+    layers.csv, generation.txt and summary.json like decode_run."""
+    import dataclasses
+
+    from prr.runner import DTYPES
+    from prr.runtime.dsa_backend import DSABackend
+    from prr.runtime.graph_budget import profile_speculation
+    from prr.runtime.graph_decode import GraphDecoder
+    from prr.runtime.probe import device_name
+
+    torch.manual_seed(cfg.seed)
+    settings, task = instantiate(cfg.runtime), instantiate(cfg.task)
+    selector, predictor, budget = instantiate(cfg.selector), instantiate(cfg.predictor), instantiate(cfg.budget)
+    device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
+    t0 = time.perf_counter()
+    model = instantiate(cfg.model).load(settings.dtype, settings.device)
+    load_s = time.perf_counter() - t0
+    mc = model.config
+    prompt = task.build(model.tokenizer, mc.vocab_size, settings.batch_size)
+    input_ids = prompt.input_ids.to(device)
+    prompt_len = input_ids.shape[1]
+    capacity = prompt_len + task.max_new_tokens + 1
+
+    # Prefill through the research runtime (dense over the prompt), into a paged cache.
+    cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
+                         capacity, dtype, device)
+    ops = instantiate(cfg.backend)
+    selector.set_backend(ops.name)
+    backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode="sparse",
+                         repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
+                         dense_metrics_every=1, check_serial=False, ops=ops)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]
+        prefill_s = time.perf_counter() - t0
+
+    plan = graph_plan(settings, selector, predictor)
+    budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
+    if plan.variant == "prr" and type(budget).__name__ == "ProfiledBudget":
+        profiler = GraphDecoder(model.decoder, dataclasses.replace(plan, predictor="fixed"), settings.batch_size,
+                                capacity)
+        profile = profile_speculation(profiler, [prompt_len], use_cache=budget.use_cache)
+        del profiler
+        plan = dataclasses.replace(plan, variant=profile.choice(prompt_len))
+        budget_info.update(choice=plan.variant, profile=profile.rows)
+        if plan.variant == "serial":
+            plan = dataclasses.replace(plan, predicted_blocks=0, predictor="fixed")
+    engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda")
+    first = logits.argmax(-1)  # [B] greedy
+    engine.fill_from_cache(cache.keys, cache.values, prompt_len, first)
+    del cache, backend
+    log.info("prompt: %s (%d tokens); engine=graph, %s", prompt.description, prompt_len, plan)
+
+    # Hit counters (two small reductions per sparse layer) are part of the step: set before capture.
+    engine.count_hits = plan.variant == "prr"
+    step = (lambda: engine.step(advance=True))  # noqa: E731
+    replay = step
+    if device.type == "cuda":  # capture one step; its warm-up steps advance the state: start over after
+        graph = engine.capture(step)
+        engine.start_at(prompt_len, first)
+        replay = graph.replay
+    tokens_out = JsonlWriter(run_dir / "records" / "tokens.jsonl")
+    inputs, latencies, upcoming = [], [], first.to("cpu", copy=True)
+    eos = mc.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    with torch.inference_mode():
+        for i in tqdm(range(task.max_new_tokens), desc="decode (graph)", unit="tok"):
+            inputs.append(upcoming)  # this step's input token per row (as decode_run records them)
+            t0 = time.perf_counter()
+            replay()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            latency = time.perf_counter() - t0
+            upcoming = engine.token[:, 0].to("cpu", copy=True)  # the step's greedy token: the next step's input
+            latencies.append(latency)
+            tokens_out.write([{"step": i, "token": int(inputs[-1][0]), "wall_s": latency, "measure_s": 0.0,
+                               "latency_s": latency}])
+            if task.stop_at_eos and all(any(int(t[b]) in eos_ids for t in inputs) for b in range(len(upcoming))):
+                break
+    tokens_out.close()
+
+    token_ids = torch.stack(inputs, 1)  # [B, steps]
+    selected = engine.selected.cpu()
+    hits = engine.hits.cpu()
+    sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
+    layers = pd.DataFrame({"layer": sparse,
+                           "hit_rate": [float(hits[i] / selected[i]) if engine.count_hits and selected[i] > 0
+                                        else None for i in sparse]})
+    layers.to_csv(run_dir / "layers.csv", index=False)
+    text = model.tokenizer.decode(token_ids[0].tolist()) if model.tokenizer is not None else None
+    write_text_atomic(run_dir / "generation.txt", f"prompt: {prompt.description}\n\n{text or token_ids[0].tolist()}\n")
+    total_selected = float(selected[sparse].sum())
+    median_ms = 1e3 * statistics.median(latencies)
+    summary = {
+        "status": "complete",
+        "engine": "graph",
+        "model": model.name,
+        "selector": OmegaConf.to_container(cfg.selector, resolve=True),
+        "predictor": OmegaConf.to_container(cfg.predictor, resolve=True),
+        "budget": OmegaConf.to_container(cfg.budget, resolve=True),
+        "mode": "sparse",
+        "repair_mode": plan.repair_mode,
+        "variant": plan.variant,
+        "device": device_name(device),
+        "prompt_tokens": prompt_len,
+        "block_size": plan.block_size,
+        "topk_blocks": plan.topk_blocks,
+        "predicted_blocks": plan.predicted_blocks,
+        "model_load_s": load_s,
+        "prefill_s": prefill_s,
+        "budget_setup": budget_info,
+        "decode_steps": len(latencies),
+        # The first replay on a GPU includes nothing extra (capture ran before); on the CPU every step is eager.
+        "token_latency_median_ms": median_ms,
+        "token_latency_p90_ms": 1e3 * float(pd.Series(latencies).quantile(0.9)),
+        "tokens_per_s": settings.batch_size * 1e3 / median_ms,
+        "hit_rate": float(hits[sparse].sum()) / total_selected if engine.count_hits and total_selected else None,
+        "generated_token_ids": token_ids.tolist(),
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    logger.log_run(summary, layers, pd.DataFrame())
+    print(format_summary(summary, layers))
+    return summary

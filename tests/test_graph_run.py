@@ -46,8 +46,41 @@ def test_graph_engine_decodes_like_the_eager_runtime(tmp_path):
     assert len((run_dir / "records" / "tokens.jsonl").read_text().splitlines()) == 6
 
 
+@pytest.mark.parametrize("predictor", ["last_step", "ema_membership"])
+def test_graph_engine_proposes_what_the_eager_runtime_proposes(tmp_path, predictor):
+    """Same predictor, same warm-up on the prefill tail: the engine's hit rate equals the eager
+    runtime's (the P sets agree step by step), and the tokens equal serial DSA's."""
+    extra = ["budget.ratio=1.5"] if predictor == "ema_membership" else []
+    eager = run_tiny(tmp_path, f"predictor={predictor}", *extra, name="eager")
+    graph = run_tiny(tmp_path, f"predictor={predictor}", *extra, "runtime.engine=graph", name="graph")
+    assert graph["generated_token_ids"] == eager["generated_token_ids"]
+    assert graph["predicted_blocks"] == (9 if extra else 6)
+    assert graph["hit_rate"] == pytest.approx(eager["hit_rate"], abs=1e-12) and 0 < graph["hit_rate"] < 1
+
+
+def test_ema_membership_predictor_state_is_the_membership_average():
+    """s <- alpha s + (1 - alpha) [b in A]: after A1 = {0, 2}, A2 = {2, 3} with alpha 0.5 the
+    state is (0.25, 0, 0.75, 0.5), so P of size 2 is {2, 3} and of size 3 adds block 0."""
+    from prr.blocks import BlockSet
+    from prr.predictors.ema_membership import EmaMembershipPredictor
+    from prr.selectors.base import Selection
+
+    pred = EmaMembershipPredictor(alpha=0.5)
+    state = pred.init_state(1, 1, 1, 5, "cpu")
+    for ids in ([0, 2], [2, 3]):
+        blocks = BlockSet(torch.tensor([[ids]]), torch.tensor([[2]]))
+        pred.update(state, 0, Selection(blocks=blocks, scores=torch.zeros(1, 1, 5)))
+    assert state[0, 0, 0].tolist() == [0.25, 0.0, 0.75, 0.5, 0.0]
+    assert pred.propose(state, 0, 5, 2).indices.sort(-1).values.tolist() == [[[2, 3]]]
+    assert sorted(pred.propose(state, 0, 5, 3).indices[0, 0].tolist()) == [0, 2, 3]
+    assert pred.rank(state, 0, 3)[0, 0, 3] == float("-inf")  # outside the next step's context
+    with pytest.raises(ValueError, match="alpha=1.0"):
+        EmaMembershipPredictor(alpha=1.0)
+
+
 @pytest.mark.parametrize("overrides,match", [
-    (["predictor=ema"], "predictor=none or predictor=last_step"),
+    (["predictor=ema"], "predictor=none, last_step or ema_membership"),
+    (["predictor=ema_membership", "budget.ratio=0"], "needs |P| >= 1"),
     (["selector=infllm"], "selector=quest"),
     (["selector.gqa_reduce=sum", "predictor=none"], "gqa_reduce=max"),
     (["predictor=last_step", "budget.ratio=0.5"], "budget.ratio=1"),

@@ -334,6 +334,14 @@ class GraphDecoder:
                 self.hits[layer] += keep.sum()
 
     def _predict_next(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
+        # The next step's context holds pos + 2 tokens (this step's included): rank over its blocks.
+        bs = self.plan.block_size
+        self.learn(layer, idx, cnt, (self.pos + 1 + bs).div(bs, rounding_mode="floor"))
+
+    def learn(self, layer: int, idx: Tensor, cnt: Tensor, next_blocks: Tensor) -> None:
+        """The predictor sees A = (idx [B, Hkv, K] block ids, cnt [B, Hkv] valid entries) and
+        writes P for a step whose context has next_blocks [B] int32 blocks. Called by the
+        step (side stream), and from outside to warm the state on a prefill's selections."""
         p = self.plan
         if p.predictor == "last_step":
             self.pred_idx[layer].copy_(idx)
@@ -344,8 +352,6 @@ class GraphDecoder:
         state.mul_(p.ema_alpha).scatter_add_(
             -1, torch.where(valid, idx, self.max_blocks).long(),
             torch.full(idx.shape, 1.0 - p.ema_alpha, device=self.device))
-        # The next step's context may hold one more block: rank over it too.
-        next_blocks = (self.pos + 1 + p.block_size).div(p.block_size, rounding_mode="floor")  # [B] int32
         pidx, pcnt = self._k["topk"].topk_select(state[..., : self.max_blocks], p.predicted_blocks, next_blocks, 0, 0)
         self.pred_idx[layer].copy_(pidx)
         self.pred_cnt[layer].copy_(pcnt)

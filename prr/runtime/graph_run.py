@@ -10,9 +10,12 @@ What it records is therefore less: per token (latency, token) and per layer (hit
 
 Mapping from the config (anything else is refused by `graph_problems`, with the reason):
 selector=quest (gqa_reduce=max; sink_blocks, local_blocks + force_newest, dense_layers,
-topk_blocks carry over); predictor=none -> serial DSA, predictor=last_step -> PRR with
-P = last step's A (budget=fixed with |P| = |A|, or budget=profiled: on a GPU the engine
-times serial DSA against PRR at this prompt length and keeps the faster).
+topk_blocks carry over); predictor=none -> serial DSA; predictor=last_step -> PRR with
+P = last step's A (|P| = |A|); predictor=ema_membership -> PRR with the engine's EMA of
+membership (|P| = budget.ratio × |A| or budget.blocks). budget=profiled: on a GPU the
+engine times serial DSA against PRR at this prompt length and keeps the faster. The
+predictor's state is warmed on the prefill tail's selections, as the eager runtime does,
+so both propose the same P from the first step.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from prr.sinks import JsonlWriter
 from prr.summary_table import format_summary
 
 log = logging.getLogger("prr")
-PREDICTORS = {"NoPredictor": "serial", "LastStepPredictor": "prr"}  # class -> the engine's variant
+# predictor class -> (the engine's variant, its predictor)
+PREDICTORS = {"NoPredictor": ("serial", "fixed"), "LastStepPredictor": ("prr", "last_step"),
+              "EmaMembershipPredictor": ("prr", "ema")}
 BUDGETS = ("FixedBudget", "ProfiledBudget")
 
 
@@ -57,15 +62,20 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
                    "use runtime.engine=eager for the others")
     name = type(predictor).__name__
     if name not in PREDICTORS:
-        out.append(f"{head} runs predictor=none or predictor=last_step (got {name}: its state and update live in "
-                   "the eager runtime; the engine's own EMA differs from prr.predictors.ema); use runtime.engine=eager")
+        out.append(f"{head} runs predictor=none, last_step or ema_membership (got {name}: its state and update "
+                   "live in the eager runtime only); use runtime.engine=eager")
     if type(budget).__name__ not in BUDGETS:
         out.append(f"{head} takes budget=fixed or budget=profiled (got {type(budget).__name__})")
     elif name == "LastStepPredictor" and type(budget).__name__ == "FixedBudget" and (
             budget.blocks not in (None, getattr(selector, "topk_blocks", None)) or budget.blocks is None and budget.ratio != 1):
         out.append(f"{head} with predictor=last_step speculates over last step's A, |P| = |A|: set budget.ratio=1 "
                    f"(got ratio={budget.ratio}, blocks={budget.blocks})")
-    if name == "LastStepPredictor" and type(budget).__name__ == "ProfiledBudget" and runtime.device == "cpu":
+    elif name == "EmaMembershipPredictor" and type(budget).__name__ == "FixedBudget" and predicted_blocks(
+            budget, getattr(selector, "topk_blocks", 1)) < 1:
+        out.append(f"{head} with predictor=ema_membership needs |P| >= 1 (got budget.ratio={budget.ratio}, "
+                   f"blocks={budget.blocks}); use predictor=none for serial DSA")
+    if name in PREDICTORS and name != "NoPredictor" and type(budget).__name__ == "ProfiledBudget" and \
+            runtime.device == "cpu":
         out.append(f"{head} with budget=profiled times CUDA graphs: use runtime=cuda (or budget=fixed)")
     if runtime.mode != "sparse":
         out.append(f"{head} decodes sparse only (got runtime.mode={runtime.mode!r}); shadow mode is eager-only")
@@ -84,14 +94,43 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     return out
 
 
-def graph_plan(settings: Any, selector: Any, predictor: Any) -> StaticPlan:
-    variant = PREDICTORS[type(predictor).__name__]
+def predicted_blocks(budget: Any, topk_blocks: int) -> int:
+    """|P| of budget=fixed (the engine's P has a static size)."""
+    return budget.blocks if budget.blocks is not None else round(budget.ratio * topk_blocks)
+
+
+def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any) -> StaticPlan:
+    variant, engine_predictor = PREDICTORS[type(predictor).__name__]
     k = selector.topk_blocks
-    prr = variant == "prr"
-    return StaticPlan(variant=variant, selector="quest", topk_blocks=k, predicted_blocks=k if prr else 0,
-                      predictor="last_step" if prr else "fixed", repair_mode=settings.repair_mode, block_size=settings.block_size,
-                      sink_blocks=selector.sink_blocks, recent_blocks=selector.local_blocks + int(selector.force_newest),
+    size = 0 if variant == "serial" else k if engine_predictor == "last_step" or type(budget).__name__ != "FixedBudget" \
+        else predicted_blocks(budget, k)
+    return StaticPlan(variant=variant, selector="quest", topk_blocks=k, predicted_blocks=size,
+                      predictor=engine_predictor, ema_alpha=getattr(predictor, "alpha", 0.8),
+                      repair_mode=settings.repair_mode, block_size=settings.block_size, sink_blocks=selector.sink_blocks,
+                      recent_blocks=selector.local_blocks + int(selector.force_newest),
                       dense_layers=tuple(sorted(selector.dense_layers)))
+
+
+def warm_predictor(engine: Any, history: list, prompt_len: int) -> None:
+    """Replay the prefill tail's selections (DSABackend.history: per layer, Selections of
+    the last prompt positions, oldest first) into the engine's predictor, as the eager
+    runtime's finish_prefill does; P then serves the first decode step (prompt_len + 1 tokens)."""
+    bs = engine.plan.block_size
+    first_step_blocks = torch.full((engine.batch,), (prompt_len + bs) // bs, dtype=torch.int32, device=engine.device)
+    width = engine.plan.topk_blocks
+    for layer, selections in enumerate(history):
+        if not selections or not engine.sparse[layer]:
+            continue
+        for selection in selections:
+            blocks = selection.blocks
+            valid = blocks.valid()
+            # Ascending ids, padding last (as the engine's selections are), at the engine's width.
+            idx = torch.where(valid, blocks.indices, torch.iinfo(torch.int32).max).sort(-1).values[..., :width]
+            cnt = blocks.count.clamp(max=width).to(torch.int32)
+            idx = torch.where(torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1), idx, 0)
+            if idx.shape[-1] < width:
+                idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]))
+            engine.learn(layer, idx.to(torch.int32).to(engine.device), cnt.to(engine.device), first_step_blocks)
 
 
 def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
@@ -131,7 +170,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]
         prefill_s = time.perf_counter() - t0
 
-    plan = graph_plan(settings, selector, predictor)
+    plan = graph_plan(settings, selector, predictor, budget)
     budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
     if plan.variant == "prr" and type(budget).__name__ == "ProfiledBudget":
         profiler = GraphDecoder(model.decoder, dataclasses.replace(plan, predictor="fixed"), settings.batch_size,
@@ -142,10 +181,13 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         budget_info.update(choice=plan.variant, profile=profile.rows)
         if plan.variant == "serial":
             plan = dataclasses.replace(plan, predicted_blocks=0, predictor="fixed")
+    history = backend.history
     engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda")
     first = logits.argmax(-1)  # [B] greedy
     engine.fill_from_cache(cache.keys, cache.values, prompt_len, first)
-    del cache, backend
+    if plan.variant == "prr":
+        warm_predictor(engine, history, prompt_len)
+    del cache, backend  # (history holds only the prefill tail's selections)
     log.info("prompt: %s (%d tokens); engine=graph, %s", prompt.description, prompt_len, plan)
 
     # Hit counters (two small reductions per sparse layer) are part of the step: set before capture.
@@ -155,6 +197,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     if device.type == "cuda":  # capture one step; its warm-up steps advance the state: start over after
         graph = engine.capture(step)
         engine.start_at(prompt_len, first)
+        if plan.variant == "prr":
+            warm_predictor(engine, history, prompt_len)
         replay = graph.replay
     tokens_out = JsonlWriter(run_dir / "records" / "tokens.jsonl")
     inputs, latencies, upcoming = [], [], first.to("cpu", copy=True)

@@ -1,0 +1,37 @@
+"""`ema_membership`: an exponential moving average of selection membership,
+s_b <- alpha * s_b + (1 - alpha) * [b in A_t], P = the |P| blocks of highest s (ties to the
+lower block id; blocks never selected rank 0, after every block ever selected).
+
+The simplest predictor with memory beyond one step, and the one the CUDA-graph engine runs
+on the device (prr/runtime/graph_decode.py, predictor "ema"): `runtime.engine=graph
+predictor=ema_membership` and the eager runtime propose the same P. Unlike `ema` it uses no
+selector scores, stickiness, recency or calibration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prr.predictors.base import NEVER, Predictor
+from prr.selectors.base import Selection
+
+
+class EmaMembershipPredictor(Predictor):
+    def __init__(self, alpha: float = 0.8) -> None:
+        if not 0.0 <= alpha < 1.0:
+            raise ValueError(f"predictor.alpha={alpha} must lie in [0, 1) (0: P = the last step's A)")
+        self.alpha = alpha
+
+    def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
+        return torch.zeros(num_layers, batch, num_kv_heads, max_blocks, device=device)  # [L, B, Hkv, NB]
+
+    def rank(self, state: Tensor, layer: int, num_blocks: int) -> Tensor:
+        in_context = torch.arange(state.shape[-1], device=state.device) < num_blocks
+        return torch.where(in_context, state[layer], torch.full_like(state[layer], NEVER))
+
+    def update(self, state: Tensor, layer: int, selection: Selection) -> None:
+        member = selection.blocks.mask(state.shape[-1]).to(state.dtype)
+        state[layer].mul_(self.alpha).add_(member, alpha=1.0 - self.alpha)

@@ -82,17 +82,24 @@ def random_block_lists(batch: int, num_blocks: int, k: int, gen: torch.Generator
     return ids.view(batch, HKV, k).to(torch.int32).cuda()
 
 
-def bench_sparse_decode(batch: int, context: int, block: int, budget: int, sets: int, gen: torch.Generator,
-                        bw: float) -> dict:
-    from prr.kernels.sparse_decode import sparse_decode
-
+def decode_inputs(batch: int, context: int, block: int, budget: int, sets: int, gen: torch.Generator):
+    """`sets` random (K/V cache, query, block list) sets of one decode shape, with the shared
+    counts, lengths and scale."""
     num_blocks, k = context // block, budget // block
     caches = [(randn(batch, HKV, context, D), randn(batch, HKV, context, D)) for _ in range(sets)]
     qs = [randn(batch, HQ, D) for _ in range(sets)]
     ids = [random_block_lists(batch, num_blocks, k, gen) for _ in range(sets)]
     counts = torch.full((batch, HKV), k, dtype=torch.int32, device="cuda")
     lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    scale = 1 / math.sqrt(D)
+    return caches, qs, ids, counts, lengths, 1 / math.sqrt(D)
+
+
+def bench_sparse_decode(batch: int, context: int, block: int, budget: int, sets: int, gen: torch.Generator,
+                        bw: float) -> dict:
+    from prr.kernels.sparse_decode import sparse_decode
+
+    k = budget // block
+    caches, qs, ids, counts, lengths, scale = decode_inputs(batch, context, block, budget, sets, gen)
     tokens = [(i.long().unsqueeze(-1) * block + torch.arange(block, device="cuda")).flatten(2) for i in ids]  # [B,Hkv,budget]
 
     def gather(i):
@@ -141,13 +148,7 @@ def tune_sparse_decode(batch: int, context: int, block: int, budget: int, sets: 
     each config's time and its output's distance from the default config's."""
     from prr.kernels.sparse_decode import sparse_decode
 
-    num_blocks, k = context // block, budget // block
-    caches = [(randn(batch, HKV, context, D), randn(batch, HKV, context, D)) for _ in range(sets)]
-    qs = [randn(batch, HQ, D) for _ in range(sets)]
-    ids = [random_block_lists(batch, num_blocks, k, gen) for _ in range(sets)]
-    counts = torch.full((batch, HKV), k, dtype=torch.int32, device="cuda")
-    lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    scale = 1 / math.sqrt(D)
+    caches, qs, ids, counts, lengths, scale = decode_inputs(batch, context, block, budget, sets, gen)
     ref, _ = sparse_decode(qs[0], *caches[0], ids[0], counts, lengths, block, scale)
     row = {"op": "sparse_decode tuning", "batch": batch, "context": context, "block_size": block,
            "budget_tokens": budget, "kernel_us": graph_time_us(lambda i: (lambda: sparse_decode(

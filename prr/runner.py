@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,21 +141,43 @@ def run_name(cfg: DictConfig) -> str:
     return "-".join(OmegaConf.select(cfg, f"{g}._target_").rsplit(".", 1)[-1] for g in ("selector", "predictor", "budget"))
 
 
-def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
+@dataclass
+class RunInputs:
+    """What a decode run builds from its config before any decoding."""
+
+    settings: Any
+    task: Any
+    selector: Any
+    predictor: Any
+    budget: Any
+    device: torch.device
+    dtype: torch.dtype
+    model: Any
+    load_s: float
+    prompt: Any
+    input_ids: torch.Tensor  # [B, T_prompt] on the device
+
+
+def build_run(cfg: DictConfig) -> RunInputs:
+    """Seed, instantiate the config groups, load the model, build the prompt (shared by
+    decode_run and prr.runtime.graph_run)."""
     torch.manual_seed(cfg.seed)
     settings = instantiate(cfg.runtime)
     task = instantiate(cfg.task)
-    selector = instantiate(cfg.selector)
-    predictor = instantiate(cfg.predictor)
-    budget = instantiate(cfg.budget)
     device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
-
     t0 = time.perf_counter()
     model = instantiate(cfg.model).load(settings.dtype, settings.device)
     load_s = time.perf_counter() - t0
+    prompt = task.build(model.tokenizer, model.config.vocab_size, settings.batch_size)
+    return RunInputs(settings, task, instantiate(cfg.selector), instantiate(cfg.predictor), instantiate(cfg.budget),
+                     device, dtype, model, load_s, prompt, prompt.input_ids.to(device))
+
+
+def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
+    r = build_run(cfg)
+    settings, task, selector, predictor, budget = r.settings, r.task, r.selector, r.predictor, r.budget
+    device, dtype, model, load_s, prompt, input_ids = r.device, r.dtype, r.model, r.load_s, r.prompt, r.input_ids
     mc = model.config
-    prompt = task.build(model.tokenizer, mc.vocab_size, settings.batch_size)
-    input_ids = prompt.input_ids.to(device)
     prompt_len = input_ids.shape[1]
     try:
         cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,

@@ -138,22 +138,16 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     layers.csv, generation.txt and summary.json like decode_run."""
     import dataclasses
 
-    from prr.runner import DTYPES
+    from prr.runner import build_run
     from prr.runtime.dsa_backend import DSABackend
     from prr.runtime.graph_budget import profile_speculation
     from prr.runtime.graph_decode import GraphDecoder
     from prr.runtime.probe import device_name
 
-    torch.manual_seed(cfg.seed)
-    settings, task = instantiate(cfg.runtime), instantiate(cfg.task)
-    selector, predictor, budget = instantiate(cfg.selector), instantiate(cfg.predictor), instantiate(cfg.budget)
-    device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
-    t0 = time.perf_counter()
-    model = instantiate(cfg.model).load(settings.dtype, settings.device)
-    load_s = time.perf_counter() - t0
+    r = build_run(cfg)
+    settings, task, selector, predictor, budget = r.settings, r.task, r.selector, r.predictor, r.budget
+    device, dtype, model, load_s, prompt, input_ids = r.device, r.dtype, r.model, r.load_s, r.prompt, r.input_ids
     mc = model.config
-    prompt = task.build(model.tokenizer, mc.vocab_size, settings.batch_size)
-    input_ids = prompt.input_ids.to(device)
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + task.max_new_tokens + 1
 

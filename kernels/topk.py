@@ -19,8 +19,8 @@ PAD_BLOCK = 256
 
 def candidate_filter_shape(block: int, k: int) -> tuple[int, int]:
     """-> (groups, cap) of the row kernel's candidate filter, (0, 1) where it does not pay:
-    k groups (the bound is the smallest group max, so at least k keys pass it), each of at
-    least 16 blocks; candidates kept up to an eighth of the row (iid scores at k = N / 64 pass
+    k strided groups (the bound is the smallest group max, so at least k keys pass it), each
+    of at least 16 blocks; candidates kept up to an eighth of the row (iid scores at k = N / 64 pass
     ~9% of it), beyond that the kernel selects over the full row."""
     groups = triton.next_power_of_2(max(k, 1))
     if block < 1024 or groups * 16 > block:

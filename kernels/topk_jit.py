@@ -165,12 +165,13 @@ def _topk_row_kernel(
         _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
     else:
         # Candidate filter: each radix pass is a reduction over the whole row, so shrink the row
-        # first. Every group of BLOCK / GROUPS blocks that holds a valid key has its max >= the
-        # smallest such max, `bound`: with >= k_eff non-empty groups, the top k_eff keys are all
-        # >= bound. The keys >= bound (ascending block order kept) are compacted through a
+        # first. Every group that holds a valid key has its max >= the smallest such max,
+        # `bound`: with >= k_eff non-empty groups, the top k_eff keys are all >= bound. Groups
+        # are strided (block b in group b % GROUPS), so a context shorter than the row leaves
+        # none empty. The keys >= bound (ascending block order kept) are compacted through a
         # per-row scratch of CAP entries and selected there; more than CAP: the full row.
         k_eff = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), k)
-        group_max = tl.max(tl.reshape(keys, [GROUPS, BLOCK // GROUPS]), axis=1)  # [GROUPS] (invalid keys are 0)
+        group_max = tl.max(tl.reshape(keys, [BLOCK // GROUPS, GROUPS]), axis=0)  # [GROUPS] (invalid keys are 0)
         nonempty = group_max > 0
         bound = tl.min(tl.where(nonempty, group_max, 0xFFFFFFFF), axis=0)
         bound = tl.where(tl.sum(nonempty.to(tl.int32), axis=0) >= k_eff, bound, 0)

@@ -296,7 +296,8 @@ def test_topk_select_matches_top_blocks(kind, n, num_blocks, k, sink, recent, ra
     "kind,n,num_blocks,k,sink,recent",
     [
         ("randn", 1500, [1500, 1500], 40, 1, 1),  # candidates kept: the filtered path
-        ("randn", 1100, [1100, 300], 64, 0, 2),  # a short row: too few non-empty groups, no bound
+        ("randn", 1100, [1100, 300], 64, 0, 2),  # a context far shorter than the row (strided groups)
+        ("randn", 1100, [40, 1100], 64, 1, 1),  # fewer blocks than groups: every valid block passes
         ("ties", 1024, [1024, 900], 16, 1, 1),  # three values: too many candidates, the full row
         ("extremes", 1030, [1030, 1030], 33, 2, 0),  # k not a power of two; ±inf, ±0, denormals
     ],

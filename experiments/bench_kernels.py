@@ -163,6 +163,12 @@ def tune_sparse_decode(batch: int, context: int, block: int, budget: int, sets: 
                 row[f"us_tile{tile}_warps{warps}_split{tps or 'auto'}"] = graph_time_us(
                     lambda i, kw=kw: (lambda: sparse_decode(qs[i], *caches[i], ids[i], counts, lengths, block, scale,
                                                             **kw)), sets)
+    # The split merge inside the split kernel (last split of a row merges; no merge launch).
+    out, _ = sparse_decode(qs[0], *caches[0], ids[0], counts, lengths, block, scale, fuse_merge=True)
+    worst = max(worst, rel_err(out, ref))
+    arrivals = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
+    row["us_default_fused_merge"] = graph_time_us(lambda i: (lambda: sparse_decode(
+        qs[i], *caches[i], ids[i], counts, lengths, block, scale, fuse_merge=True, arrivals=arrivals)), sets)
     configs = {c: v for c, v in row.items() if c.startswith("us_")}
     best = min(configs, key=configs.get)
     return {**row, "best_config": best, "best_us": configs[best], "rel_err": worst}

@@ -104,6 +104,8 @@ def sparse_decode(
     per_block: bool = False,
     *,
     merge_splits: bool = True,
+    fuse_merge: bool = False,
+    arrivals: Tensor | None = None,
     tokens_per_split: int | None = None,
     tile_tokens: int | None = None,
     native_dot: bool | None = None,
@@ -135,6 +137,10 @@ def sparse_decode(
     merge_splits=False (per_block=False only): return the splits' partial states unmerged,
     (out [B, Hq, S, D], lse [B, Hq, S]), for a caller that merges them with other partials
     in its own launch (prr_merge.merge_speculation); S = sparse_decode_num_splits(...).
+    fuse_merge=True (per_block=False, merge_splits=True): the last split of each (row, KV
+    head) to finish merges the row's splits (an arrival counter; no merge launch). arrivals:
+    an int32 workspace of B * Hkv zeros that every launch leaves zeroed (default: allocated).
+    Off by default: not yet timed against the two launches on a GPU.
 
     Tuning (keyword-only; defaults are chosen from static shapes and the SM count):
     tokens_per_split (per_block=False: tokens of block list per program; per_block=True:
@@ -253,16 +259,31 @@ def sparse_decode(
         out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
         lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
         out_strides, lse_strides = out.stride(), lse.stride()
+    fused = fuse_merge and merge_splits and num_splits > 1
+    if fused:  # the row's last split merges: (out, lse) of the row, no second launch
+        merged_out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32, device=device)
+        merged_lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
+        if arrivals is None:
+            arrivals = torch.zeros(rows, dtype=torch.int32, device=device)
+        elif arrivals.shape != (rows,) or arrivals.dtype != torch.int32 or arrivals.device != device:
+            raise ValueError(f"arrivals must be an int32 tensor of B * Hkv = {rows} zeros on {device}")
+        merged = (arrivals, merged_out, merged_lse, *merged_out.stride(), *merged_lse.stride())
+    else:
+        merged = (lengths, out, lse, 0, 0, 0, 0, 0)  # never dereferenced
     sparse_decode_split_kernel[(num_splits, rows)](
         q, k_cache, v_cache, ids, block_counts, lengths, out, lse,
         qk_scale, num_kv_heads, capacity, entries,
         *common,
         *out_strides, *lse_strides,
+        *merged,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_TOKENS=tile_tokens,
         NATIVE_DOT=bool(native_dot), INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
+        FUSED_MERGE=fused, SPLITS_PAD=_next_power_of_two(num_splits),
         **launch,
     )  # fmt: skip
+    if fused:
+        return merged_out, merged_lse
     if num_splits == 1 or not merge_splits:
         return out, lse
     return merge_partials(out, lse)

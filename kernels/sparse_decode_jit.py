@@ -113,6 +113,40 @@ def _store_state(
 
 
 @triton.jit
+def _merge_row_splits(
+    out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, batch, kv_head, num_splits, offs_g, offs_d,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+    stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """⊕ of one (batch, KV head)'s split states (every split stored; read from L2) into
+    merged_out [B, Hq, D], merged_lse [B, Hq] for its GROUP query heads."""
+    heads = kv_head * GROUP + offs_g  # [GROUP_PAD]
+    row_ok = offs_g < GROUP
+    offs_s = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(lse_ptr + batch * stride_lb + heads[:, None] * stride_lh + offs_s[None, :] * stride_ls,
+                  mask=row_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
+                  cache_modifier=".cg")  # [GROUP_PAD, SPLITS_PAD]
+    m = tl.max(lse, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe[:, None])  # 0 for empty and absent splits
+    total = tl.sum(w, axis=1)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for split in range(num_splits):
+        w_s = tl.sum(tl.where(offs_s[None, :] == split, w, 0.0), axis=1)  # [GROUP_PAD]
+        o = tl.load(out_ptr + batch * stride_ob + split * stride_os + heads[:, None] * stride_oh
+                    + offs_d[None, :] * stride_od, mask=(row_ok & (w_s > 0.0))[:, None], other=0.0,
+                    cache_modifier=".cg")
+        acc += w_s[:, None] * o
+    has_mass = total > 0.0
+    total_safe = tl.where(has_mass, total, 1.0)
+    merged_lse = tl.where(has_mass, m_safe + tl.log(total_safe), float("-inf"))
+    tl.store(merged_out_ptr + batch * stride_mb + heads[:, None] * stride_mh + offs_d[None, :] * stride_md,
+             acc / total_safe[:, None], mask=row_ok[:, None])
+    tl.store(merged_lse_ptr + batch * stride_mlb + heads * stride_mlh, merged_lse, mask=row_ok)
+
+
+@triton.jit
 def sparse_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, out_ptr, lse_ptr,
     qk_scale, num_kv_heads, capacity, entries_per_split,
@@ -124,9 +158,14 @@ def sparse_decode_split_kernel(
     stride_len,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
+    arrivals_ptr,  # [B * Hkv] int32 zeros (FUSED_MERGE), left zeroed
+    merged_out_ptr, merged_lse_ptr,  # [B, Hq, D], [B, Hq] fp32 (FUSED_MERGE)
+    stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_TOKENS: tl.constexpr,
     NATIVE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,  # the last split of a row to finish merges the row (no merge launch)
+    SPLITS_PAD: tl.constexpr,  # next power of two >= the number of splits (FUSED_MERGE)
 ):
     """Attention of one (batch, kv head)'s query group over one split of its block list.
 
@@ -174,6 +213,15 @@ def sparse_decode_split_kernel(
 
     _store_state(out_ptr, lse_ptr, batch, kv_head, split, offs_g, offs_d, m, l_sum, acc,
                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, GROUP)
+    if FUSED_MERGE:
+        tl.debug_barrier()  # every thread's stores precede the arrival (release covers them)
+        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            _merge_row_splits(out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, batch, kv_head, tl.num_programs(0),
+                              offs_g, offs_d, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
+                              stride_ls, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
+                              GROUP, GROUP_PAD, HEAD_DIM, SPLITS_PAD)
+            tl.store(arrivals_ptr + row, 0)  # re-armed for the next launch (all arrivals are in)
 
 
 @triton.jit

@@ -64,6 +64,30 @@ def test_sparse_decode_matches_reference(lengths, hq, hkv, d, bs, topk, capacity
     check_sparse_decode(inputs, dtype, **kwargs)
 
 
+@pytest.mark.parametrize("lengths, hq, hkv, d, bs, topk, capacity, dtype, tokens_per_split", [
+    ([1110, 577], 6, 2, 64, 16, 40, 48, torch.float32, 64),  # G3, ragged, 12 splits
+    ([113, 61], 8, 2, 128, 32, 3, 5, torch.float16, 32),  # fp16, a padded list
+])
+def test_fused_merge_equals_the_merge_launch(lengths, hq, hkv, d, bs, topk, capacity, dtype, tokens_per_split):
+    """fuse_merge: the last split of a row merges it in the split kernel; equals the separate
+    merge launch and the reference, empty rows included, and leaves its workspace zeroed."""
+    inputs = ref.random_sparse_decode_inputs(len(lengths) + hq, lengths, hq, hkv, d, bs, topk, capacity,
+                                             dtype=dtype, empty_rows=((0, 1),))
+    kw = dict(tokens_per_split=tokens_per_split)
+    assert sd.sparse_decode_num_splits(capacity, len(lengths), hkv, bs, "cpu", tokens_per_split=tokens_per_split) > 1
+    want = sd.sparse_decode(*inputs.args(), **kw)
+    arrivals = torch.zeros(len(lengths) * hkv, dtype=torch.int32)
+    for _ in range(2):  # the workspace is re-armed by each launch
+        got = sd.sparse_decode(*inputs.args(), fuse_merge=True, arrivals=arrivals, **kw)
+        assert torch.equal(arrivals, torch.zeros_like(arrivals))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    ref_out, ref_lse = ref.sparse_decode_reference(*inputs.args())
+    assert_close(got[0], ref_out, BOUNDS[dtype], "fused out")
+    group = hq // hkv  # row 0's KV head 1 has an empty list: its query heads get lse = -inf, out = 0
+    assert torch.isneginf(got[1][0, group:2 * group]).all() and (got[0][0, group:2 * group] == 0).all()
+
+
 def test_int64_ids_and_empty_rows():
     inputs = ref.random_sparse_decode_inputs(
         7, [113, 61], 4, 2, 64, 16, 4, capacity=6, ids_dtype=torch.int64, empty_rows=((0, 1), (1, 0))
@@ -278,6 +302,8 @@ def test_gpu_llama8b_bf16(bs, budget, lengths, native_dot):
     merged = sd.merge_partials(*sd.sparse_decode(*inputs.args(), per_block=True))
     whole = sd.sparse_decode(*inputs.args())
     assert ref.relative_error(merged[0], whole[0].double()) <= 1e-5
+    fused = sd.sparse_decode(*inputs.args(), fuse_merge=True, native_dot=native_dot)
+    assert ref.relative_error(fused[0], whole[0].double()) <= 1e-5 and torch.equal(fused[1].isinf(), whole[1].isinf())
 
 
 def _graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:

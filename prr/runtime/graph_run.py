@@ -186,7 +186,13 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
 
     # Hit counters (two small reductions per sparse layer) are part of the step: set before capture.
     engine.count_hits = plan.variant == "prr"
-    step = (lambda: engine.step(advance=True))  # noqa: E731
+    steps = task.max_new_tokens
+    outputs = torch.zeros(settings.batch_size, steps + 2, dtype=torch.long, device=device)  # each step's token
+
+    def step() -> None:  # one decode step; its greedy token lands in outputs[:, step index] on the device
+        engine.step(advance=True)
+        outputs.index_copy_(1, (engine.pos[:1] - prompt_len - 1).long(), engine.token)
+
     replay = step
     if device.type == "cuda":  # capture one step; its warm-up steps advance the state: start over after
         graph = engine.capture(step)
@@ -194,27 +200,46 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         if plan.variant == "prr":
             warm_predictor(engine, history, prompt_len)
         replay = graph.replay
-    tokens_out = JsonlWriter(run_dir / "records" / "tokens.jsonl")
-    inputs, latencies, upcoming = [], [], first.to("cpu", copy=True)
     eos = mc.eos_token_id
-    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    with torch.inference_mode():
-        for i in tqdm(range(task.max_new_tokens), desc="decode (graph)", unit="tok"):
-            inputs.append(upcoming)  # this step's input token per row (as decode_run records them)
-            t0 = time.perf_counter()
-            replay()
+    eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    # Steps run back to back; the host looks at tokens (EOS) every CHECK_EVERY steps, and on a
+    # GPU each step's time is its replay's device time (CUDA events): no host sync per token.
+    check_every = 16 if device.type == "cuda" else 1
+    latencies: list[float] = []
+    done = 0
+    with torch.inference_mode(), tqdm(total=steps, desc="decode (graph)", unit="tok") as bar:
+        while done < steps:
+            chunk = min(check_every, steps - done)
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            latency = time.perf_counter() - t0
-            upcoming = engine.token[:, 0].to("cpu", copy=True)  # the step's greedy token: the next step's input
-            latencies.append(latency)
-            tokens_out.write([{"step": i, "token": int(inputs[-1][0]), "wall_s": latency, "measure_s": 0.0,
-                               "latency_s": latency}])
-            if task.stop_at_eos and all(any(int(t[b]) in eos_ids for t in inputs) for b in range(len(upcoming))):
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(chunk)]
+                for start, stop in events:
+                    start.record()
+                    replay()
+                    stop.record()
+                events[-1][1].synchronize()
+                latencies += [start.elapsed_time(stop) * 1e-3 for start, stop in events]
+            else:
+                for _ in range(chunk):
+                    t0 = time.perf_counter()
+                    replay()
+                    latencies.append(time.perf_counter() - t0)
+            done += chunk
+            bar.update(chunk)
+            inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, done]
+            if task.stop_at_eos and bool(torch.isin(inputs, eos_ids).any(1).all()):
+                # As decode_run: stop after the first step by which every row has read an EOS.
+                seen = torch.isin(inputs, eos_ids).int().cummax(1).values.min(0).values  # [done]
+                done = int(seen.argmax()) + 1
+                latencies = latencies[:done]
                 break
+    inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, steps]: tokens each step read
+    tokens_out = JsonlWriter(run_dir / "records" / "tokens.jsonl")
+    tokens_out.write([{"step": i, "token": int(inputs[0, i]), "wall_s": t, "measure_s": 0.0, "latency_s": t}
+                      for i, t in enumerate(latencies)])
     tokens_out.close()
 
-    token_ids = torch.stack(inputs, 1)  # [B, steps]
+    token_ids = inputs
     selected = engine.selected.cpu()
     hits = engine.hits.cpu()
     sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
@@ -245,7 +270,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "prefill_s": prefill_s,
         "budget_setup": budget_info,
         "decode_steps": len(latencies),
-        # The first replay on a GPU includes nothing extra (capture ran before); on the CPU every step is eager.
+        # GPU: device time of each step's graph replay (CUDA events); CPU: wall time of eager steps.
         "token_latency_median_ms": median_ms,
         "token_latency_p90_ms": 1e3 * float(pd.Series(latencies).quantile(0.9)),
         "tokens_per_s": settings.batch_size * 1e3 / median_ms,

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything the H200 results come from, in one device call (≈ 9 min; split it over two calls
+# if the per-call limit is 10 min): GPU tests, the kernel sweeps, the decode benchmark and the
+# token profiles, all written under $OUT; copy them to experiments/results/h200/ afterwards.
+#   usage on the device: PYTHONPATH=$PWD bash experiments/h200_session.sh [tests,kernels,decode,profile]
+set -u
+export TRITON_INTERPRET=0
+OUT=${OUT:?set OUT to the output folder}
+parts=${1:-tests,kernels,decode,profile}
+has() { [[ ",$parts," == *",$1,"* ]]; }
+if has tests; then
+  python3 -m pytest -q -m gpu tests/test_kernels_selection.py tests/test_kernels_cache_append.py \
+    tests/test_kernels_sparse_decode.py tests/test_kernels_prr_merge.py tests/test_graph_decode.py \
+    tests/test_graph_budget.py tests/test_graph_run.py > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"
+fi
+if has kernels; then
+  python3 experiments/bench_kernels.py --only decode_tuning --out "$OUT/bench_decode_tuning" > "$OUT/bench_decode_tuning.log" 2>&1
+  python3 experiments/bench_kernels.py --only selection --out "$OUT/bench_selection" > "$OUT/bench_selection.log" 2>&1
+  tail -3 "$OUT/bench_selection.log"
+fi
+if has decode; then
+  python3 experiments/bench_decode.py --out "$OUT/bench_decode" > "$OUT/bench_decode.log" 2>&1
+  grep -E "^(token|stage) " "$OUT/bench_decode.log" | tail -12
+fi
+if has profile; then
+  python3 experiments/profile_decode.py --out "$OUT" 2>&1 | tail -1
+  python3 experiments/profile_decode.py --block 64 --out "$OUT" 2>&1 | tail -1
+fi

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 from torch import Tensor
 
@@ -41,6 +42,11 @@ def append_token(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor,
         if key_max is None or key_min is None:
             raise ValueError("pass both key_max and key_min, or neither")
         _check_metadata(key_max, key_min)
+        if key_max.dtype not in (torch.float32, k_cache.dtype):
+            # Rounding a key's max to a narrower dtype could fall below the key: no longer a bound.
+            raise ValueError(f"key_max/key_min dtype {key_max.dtype} must be fp32 or the cache's {k_cache.dtype}")
+        if key_max.device != k_cache.device:
+            raise ValueError(f"the metadata is on {key_max.device}, the cache on {k_cache.device}; put them on one device")
         if key_max.shape[:2] != (batch, num_kv_heads) or key_max.shape[3] != head_dim:
             raise ValueError(f"key_max must be [B, Hkv, NB_max, D]=[{batch}, {num_kv_heads}, NB_max, {head_dim}]; "
                              f"got {tuple(key_max.shape)}")

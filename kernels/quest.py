@@ -99,6 +99,8 @@ def _score_launch(q, key_max, key_min, num_blocks, gqa_reduce, out, block_n, num
         block_n = max(16, min(128, triton.next_power_of_2(32 * 32 * num_warps // per_block)))
     if block_n <= 0 or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two")
+    if d_chunk == -1 and block_n < 16:
+        raise ValueError(f"block_n={block_n}: the tensor-core path (d_chunk=-1) needs block_n >= 16 (a GEMM's N)")
     grid = (triton.cdiv(max_blocks, block_n), num_kv_heads, batch)
     args = (max_blocks, head_dim, *q.stride(), *key_max.stride(), *out.stride())
     constexprs = dict(

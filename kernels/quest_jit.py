@@ -51,8 +51,9 @@ def _quest_score_tile(
     if D_CHUNK == -1:
         # Tensor cores (16-bit q and metadata of one dtype): the group's scores are two GEMMs,
         # q⁺ [GROUP_PAD, D] · M^T + q⁻ · m^T. q⁺, q⁻ are exact in q's dtype and 16-bit products
-        # are exact in fp32: only the fp32 summation order differs from the FMA path. The
-        # FMA path spends ~8 FMAs per loaded value and is instruction-bound, not byte-bound.
+        # are exact in fp32; the tensor cores' fp32 accumulation may round differently from the
+        # FMA path (a few ulps), so near-ties can rank differently. The FMA path spends ~8 FMAs
+        # per loaded value and is instruction-bound, not byte-bound.
         offs_d = tl.arange(0, BLOCK_D)
         live_d = offs_d < head_dim
         live = live_n[:, None] & live_d[None, :]

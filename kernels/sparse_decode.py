@@ -139,7 +139,9 @@ def sparse_decode(
     in its own launch (prr_merge.merge_speculation); S = sparse_decode_num_splits(...).
     fuse_merge=True (per_block=False, merge_splits=True): the last split of each (row, KV
     head) to finish merges the row's splits (an arrival counter; no merge launch). arrivals:
-    an int32 workspace of B * Hkv zeros that every launch leaves zeroed (default: allocated).
+    an int32 workspace of B * Hkv zeros that every launch leaves zeroed (default: allocated);
+    one per stream, never shared by launches that can run at once (a counter that does not
+    start at zero merges before every split is in).
     Off by default: not yet timed against the two launches on a GPU.
 
     Tuning (keyword-only; defaults are chosen from static shapes and the SM count):
@@ -198,6 +200,9 @@ def sparse_decode(
             f"native_dot=True needs q and the cache in one 16-bit dtype; got q {q.dtype}, cache {k_cache.dtype}"
         )
     input_precision = "ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32"
+    if fuse_merge and (per_block or not merge_splits):
+        raise ValueError(f"fuse_merge=True merges the splits into one state: it takes per_block=False and "
+                         f"merge_splits=True (got per_block={per_block}, merge_splits={merge_splits})")
 
     if tile_tokens is None:  # H200, bf16, 8K budget: split tile 32 beat 64 (18.2 vs 20.3 µs); per-block 64
         tile_tokens = 64 if per_block and head_dim <= 128 else 32
@@ -259,14 +264,15 @@ def sparse_decode(
         out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
         lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
         out_strides, lse_strides = out.stride(), lse.stride()
-    fused = fuse_merge and merge_splits and num_splits > 1
+    fused = fuse_merge and num_splits > 1
     if fused:  # the row's last split merges: (out, lse) of the row, no second launch
         merged_out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32, device=device)
         merged_lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
         if arrivals is None:
             arrivals = torch.zeros(rows, dtype=torch.int32, device=device)
         elif arrivals.shape != (rows,) or arrivals.dtype != torch.int32 or arrivals.device != device:
-            raise ValueError(f"arrivals must be an int32 tensor of B * Hkv = {rows} zeros on {device}")
+            raise ValueError(f"arrivals must be an int32 tensor of B * Hkv = {rows} zeros on {device}; got "
+                             f"{arrivals.dtype} {tuple(arrivals.shape)} on {arrivals.device}")
         merged = (arrivals, merged_out, merged_lse, *merged_out.stride(), *merged_lse.stride())
     else:
         merged = (lengths, out, lse, 0, 0, 0, 0, 0)  # never dereferenced

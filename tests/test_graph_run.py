@@ -58,6 +58,17 @@ def test_graph_engine_proposes_what_the_eager_runtime_proposes(tmp_path, predict
     assert graph["hit_rate"] == pytest.approx(eager["hit_rate"], abs=1e-12) and 0 < graph["hit_rate"] < 1
 
 
+def test_eos_stop_matches_decode_run():
+    """decode_run stops after the first step by which every row has read an EOS."""
+    from prr.runtime.graph_run import steps_until_eos
+
+    inputs = torch.tensor([[1, 5, 2, 5], [3, 3, 5, 1]])
+    assert steps_until_eos(inputs, torch.tensor([5])) == 3
+    assert steps_until_eos(inputs, torch.tensor([9])) is None
+    assert steps_until_eos(inputs[:, :2], torch.tensor([5])) is None
+    assert steps_until_eos(inputs, torch.tensor([], dtype=torch.long)) is None
+
+
 def test_ema_membership_predictor_state_is_the_membership_average():
     """s <- alpha s + (1 - alpha) [b in A]: after A1 = {0, 2}, A2 = {2, 3} with alpha 0.5 the
     state is (0.25, 0, 0.75, 0.5), so P of size 2 is {2, 3} and of size 3 adds block 0."""
@@ -87,6 +98,7 @@ def test_ema_membership_predictor_state_is_the_membership_average():
     (["predictor=none", "task.temperature=0.7"], "greedily"),
     (["predictor=none", "runtime.mode=shadow"], "sparse only"),
     (["predictor=none", "model=tiny-random"], "head_dim=16"),
+    (["predictor=ema_membership", "budget.ratio=4"], "exceeds the prompt"),
 ])
 def test_graph_engine_refuses_what_it_cannot_run(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

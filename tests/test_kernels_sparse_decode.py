@@ -84,6 +84,8 @@ def test_fused_merge_equals_the_merge_launch(lengths, hq, hkv, d, bs, topk, capa
         torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
     ref_out, ref_lse = ref.sparse_decode_reference(*inputs.args())
     assert_close(got[0], ref_out, BOUNDS[dtype], "fused out")
+    with pytest.raises(ValueError, match="fuse_merge=True"):
+        sd.sparse_decode(*inputs.args(), fuse_merge=True, per_block=True)
     group = hq // hkv  # row 0's KV head 1 has an empty list: its query heads get lse = -inf, out = 0
     assert torch.isneginf(got[1][0, group:2 * group]).all() and (got[0][0, group:2 * group] == 0).all()
 
@@ -304,6 +306,8 @@ def test_gpu_llama8b_bf16(bs, budget, lengths, native_dot):
     assert ref.relative_error(merged[0], whole[0].double()) <= 1e-5
     fused = sd.sparse_decode(*inputs.args(), fuse_merge=True)  # as `whole`, merged in the split kernel
     assert ref.relative_error(fused[0], whole[0].double()) <= 1e-5 and torch.equal(fused[1].isinf(), whole[1].isinf())
+    finite = whole[1].isfinite()
+    assert ref.relative_error(fused[1][finite], whole[1][finite].double()) <= 1e-6
 
 
 def _graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:

@@ -214,9 +214,10 @@ class GraphDecoder:
             if self.plan.selector == "quest":
                 self.key_max[layer][:, :, :nb] = k.masked_fill(~live, float("-inf")).amax(3)
                 self.key_min[layer][:, :, :nb] = k.masked_fill(~live, float("inf")).amin(3)
-            else:  # representatives: the mean of the first r tokens of each block
+            else:  # representatives: the mean of the first r live tokens of each block
                 r = min(self.plan.infllm_representatives, bs)
-                self.representative[layer][:, :, :nb] = k[:, :, :, :r].mean(3)
+                first = live[..., :r, :].to(k.dtype)  # [1, 1, nb, r, 1]
+                self.representative[layer][:, :, :nb] = (k[:, :, :, :r] * first).sum(3) / first.sum(3).clamp(min=1)
         self.pos.fill_(length)
         self.token.copy_(token.view(self.batch, 1))
         for layer in range(self.num_layers):

@@ -77,6 +77,11 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     if name in PREDICTORS and name != "NoPredictor" and type(budget).__name__ == "ProfiledBudget" and \
             runtime.device == "cpu":
         out.append(f"{head} with budget=profiled times CUDA graphs: use runtime=cuda (or budget=fixed)")
+    prompt_blocks = getattr(task, "prompt_tokens", 0) // max(runtime.block_size, 1)
+    if name == "EmaMembershipPredictor" and type(budget).__name__ == "FixedBudget" and prompt_blocks and \
+            predicted_blocks(budget, getattr(selector, "topk_blocks", 1)) > prompt_blocks:
+        out.append(f"{head}: |P| = {predicted_blocks(budget, selector.topk_blocks)} blocks exceeds the prompt's "
+                   f"{prompt_blocks} blocks; lower budget.ratio / budget.blocks")
     if runtime.mode != "sparse":
         out.append(f"{head} decodes sparse only (got runtime.mode={runtime.mode!r}); shadow mode is eager-only")
     if runtime.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -133,6 +138,13 @@ def warm_predictor(engine: Any, history: list, prompt_len: int) -> None:
             engine.learn(layer, idx.to(torch.int32).to(engine.device), cnt.to(engine.device), first_step_blocks)
 
 
+def steps_until_eos(inputs: torch.Tensor, eos_ids: torch.Tensor) -> int | None:
+    """inputs: [B, n] tokens read by steps 0..n-1 -> how many steps decode_run runs before it
+    stops (after the first step by which every row has read an EOS), or None if not yet."""
+    seen = torch.isin(inputs, eos_ids).int().cummax(1).values.min(0).values  # [n]: all rows have seen one
+    return int(seen.argmax()) + 1 if bool(seen.any()) else None
+
+
 def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     """Prefill (research runtime), then decode through the engine; writes tokens.jsonl,
     layers.csv, generation.txt and summary.json like decode_run."""
@@ -151,6 +163,19 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + task.max_new_tokens + 1
 
+    plan = graph_plan(settings, selector, predictor, budget)
+    budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
+    if plan.variant == "prr" and type(budget).__name__ == "ProfiledBudget":  # before the prefill: less memory at once
+        profiler = GraphDecoder(model.decoder, dataclasses.replace(plan, predictor="fixed"), settings.batch_size,
+                                capacity)
+        profile = profile_speculation(profiler, [prompt_len], use_cache=budget.use_cache)
+        del profiler
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # its cache's memory back before the prefill allocates
+        plan = dataclasses.replace(plan, variant=profile.choice(prompt_len))
+        budget_info.update(choice=plan.variant, profile=profile.rows)
+        if plan.variant == "serial":
+            plan = dataclasses.replace(plan, predicted_blocks=0, predictor="fixed")
     # Prefill through the research runtime (dense over the prompt), into a paged cache.
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
                          capacity, dtype, device)
@@ -164,17 +189,6 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]
         prefill_s = time.perf_counter() - t0
 
-    plan = graph_plan(settings, selector, predictor, budget)
-    budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
-    if plan.variant == "prr" and type(budget).__name__ == "ProfiledBudget":
-        profiler = GraphDecoder(model.decoder, dataclasses.replace(plan, predictor="fixed"), settings.batch_size,
-                                capacity)
-        profile = profile_speculation(profiler, [prompt_len], use_cache=budget.use_cache)
-        del profiler
-        plan = dataclasses.replace(plan, variant=profile.choice(prompt_len))
-        budget_info.update(choice=plan.variant, profile=profile.rows)
-        if plan.variant == "serial":
-            plan = dataclasses.replace(plan, predicted_blocks=0, predictor="fixed")
     history = backend.history
     engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda")
     first = logits.argmax(-1)  # [B] greedy
@@ -227,10 +241,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
             done += chunk
             bar.update(chunk)
             inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, done]
-            if task.stop_at_eos and bool(torch.isin(inputs, eos_ids).any(1).all()):
-                # As decode_run: stop after the first step by which every row has read an EOS.
-                seen = torch.isin(inputs, eos_ids).int().cummax(1).values.min(0).values  # [done]
-                done = int(seen.argmax()) + 1
+            stop = steps_until_eos(inputs, eos_ids) if task.stop_at_eos else None
+            if stop is not None:
+                done = stop
                 latencies = latencies[:done]
                 break
     inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, steps]: tokens each step read

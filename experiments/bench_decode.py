@@ -109,8 +109,9 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     ks = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
     vs = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
 
-    def run(variant: str, overlap: bool = True, repair_mode: str = "exact"):
-        eng.plan = dataclasses.replace(plan, variant=variant, overlap=overlap, repair_mode=repair_mode)
+    def run(variant: str, overlap: bool = True, repair_mode: str = "exact", fuse_merge: bool = False):
+        eng.plan = dataclasses.replace(plan, variant=variant, overlap=overlap, repair_mode=repair_mode,
+                                       fuse_merge=fuse_merge)
 
         def attention_of_all_layers():
             positions = eng.step_positions()  # once per step, as GraphDecoder.step does
@@ -137,6 +138,7 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         qs[i].unsqueeze(2), eng.keys[i][:, :, : context + 1], eng.values[i][:, :, : context + 1], enable_gqa=True)
         for i in range(layers)])
     out["serial"] = per_layer(run("serial"))
+    out["serial_fused_merge"] = per_layer(run("serial", fuse_merge=True))  # splits merged in the split kernel
 
     def select_only():
         for i in range(layers):

@@ -64,6 +64,17 @@ def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
     assert selected > 0 and 0 < hits <= selected  # the predictor hit something after the first step
 
 
+@pytest.mark.parametrize("variant", ["serial", "dense"])
+def test_fused_merge_decodes_like_the_merge_launch(variant):
+    """plan.fuse_merge (splits merged inside the split kernel) decodes what the merge launch does."""
+    kwargs = dict(variant=variant, topk_blocks=12)  # 12 blocks of 16: two splits of 128 tokens
+    want = decode(make(StaticPlan(**kwargs)), 3)
+    engine = make(StaticPlan(fuse_merge=True, **kwargs))
+    for a, b in zip(want, decode(engine, 3), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert int(engine.merge_arrivals.abs().sum()) == 0  # re-armed
+
+
 def test_fixed_predictions_set_from_the_true_selection_hit_everything():
     engine = make(StaticPlan(variant="prr", topk_blocks=5, predicted_blocks=5, predictor="fixed"))
     engine.count_hits = True

@@ -73,6 +73,9 @@ class StaticPlan:
     # Quest score + top-k in one launch (the last program of a row selects): measured slower on
     # the H200 than two launches (bench_selection), kept for comparison.
     fused_select: bool = False
+    # Serial and dense attention merge their splits inside the split kernel (sparse_decode
+    # fuse_merge; main stream only): one launch fewer per layer. Off until timed on a GPU.
+    fuse_merge: bool = False
 
     def problems(self) -> list[str]:
         out = []
@@ -153,6 +156,7 @@ class GraphDecoder:
                     for s in self.sparse]
         self.scratch = prr_merge.repair_scratch(B, H, NB, dev) if prr else None
         self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
+        self.merge_arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)  # fuse_merge's, main stream
         # Optional device counters for hit rate (off while timing: they add launches).
         self.count_hits = False
         self.hits = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P ∩ A| summed
@@ -258,10 +262,14 @@ class GraphDecoder:
         return kt.topk_select(scores, p.topk_blocks, num_blocks, p.sink_blocks, p.recent_blocks)
 
     def _attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
-                merge_splits: bool = True):
+                merge_splits: bool = True, fuse: bool = False):
+        """fuse: merge the splits in the split kernel (plan.fuse_merge; main-stream calls only:
+        its arrival workspace serves one stream)."""
+        fused = fuse and self.plan.fuse_merge
         return self._k["sparse_decode"].sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
                                                       self.plan.block_size, self.scale, per_block=per_block,
-                                                      merge_splits=merge_splits)
+                                                      merge_splits=merge_splits, fuse_merge=fused,
+                                                      arrivals=self.merge_arrivals if fused else None)
 
     def step_positions(self) -> tuple[Tensor, Tensor, Tensor]:
         """-> (pos [1] int64, lengths [B] int32, num_blocks [B] int32) for this step: computed
@@ -282,11 +290,11 @@ class GraphDecoder:
             self.key_max[layer] if quest_meta else None, self.key_min[layer] if quest_meta else None, p.block_size)
         if not self.sparse[layer] or p.variant == "dense":
             counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
-            return self._attend(layer, q, self.all_blocks, counts, lengths)[0]
+            return self._attend(layer, q, self.all_blocks, counts, lengths, fuse=True)[0]
         if p.variant == "serial":
             idx, cnt = self.select(layer, q, num_blocks)
             self._note(layer, idx, cnt, None)
-            return self._attend(layer, q, idx, cnt, lengths)[0]
+            return self._attend(layer, q, idx, cnt, lengths, fuse=True)[0]
 
         self._fork()
         with self._side():  # speculate over P, set by the previous step (or from outside)

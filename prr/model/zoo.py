@@ -8,7 +8,7 @@ here so `describe_model` answers without loading anything.
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prr.model.config import ModelConfig
@@ -106,21 +106,7 @@ TINY_RANDOM = RandomInitSpec(
 
 TINY_RANDOM_D64 = RandomInitSpec(
     name="tiny-random-d64",
-    config=ModelConfig(
-        arch="llama",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-    ),
+    config=replace(TINY_RANDOM.config, hidden_size=128, num_heads=4, head_dim=64),
     seed=0,
     description="tiny random Llama with a head_dim the Triton kernels take (2 layers, GQA 4/2, head_dim 64): "
                 "tests of backend=triton and runtime.engine=graph",

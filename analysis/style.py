@@ -50,6 +50,7 @@ METHOD_COLORS = {
     "query_similarity": "#4D9221",  # green
     "cross_layer": "#17BECF",  # cyan
     "profiled": "#A6761D",   # ochre: the profiled budget (serial DSA where PRR does not pay)
+    "ema_membership": "#E7298A",  # magenta: EMA of selection membership (the graph engine's)
 }
 METHOD_ALIASES = {"serial": "none"}  # bench_decode's word for serial DSA
 RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E5C494", "#1B9E77")
@@ -58,10 +59,10 @@ METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)"
                  "quest": "Quest", "less": "LESS", "exact": "exact top-K", "dense": "dense", "oracle": "oracle",
                  "spin": "SPIN", "query_similarity": "query similarity", "cross_layer": "cross-layer",
                  "ema_calibrated": "EMA (per-layer cal.)", "ema_fixed": "EMA (fixed)",
-                 "profiled": "profiled budget (hit 0.90)"}
+                 "profiled": "profiled budget (hit 0.90)", "ema_membership": "EMA of membership (graph engine)"}
 MARKERS = {"quest": "o", "infllm": "s", "less": "^", "exact": "D", "dense": "x", "none": "x", "last_step": "s",
            "ema": "o", "oracle": "D", "spin": "v", "query_similarity": "P", "cross_layer": "X", "ema_calibrated": "o",
-           "ema_fixed": "o", "profiled": "*"}
+           "ema_fixed": "o", "profiled": "*", "ema_membership": "h"}
 
 # Sizes in inches: one column of a two-column paper, and the full width.
 SINGLE = (3.4, 2.4)

@@ -67,6 +67,9 @@ PREDICTORS: dict[str, list[str]] = {
     "query_similarity_last2": ["predictor=query_similarity", "predictor.cache_size=2"],
     "cross_layer": ["predictor=cross_layer"],
     "cross_layer_ema": ["predictor=cross_layer", "predictor.temporal_weight=0.5"],
+    # the graph engine's predictor (runtime.engine=graph): EMA of selection membership
+    "ema_membership": ["predictor=ema_membership"],
+    "ema_membership_a0.5": ["predictor=ema_membership", "predictor.alpha=0.5"],
 }
 RULER_TASKS = ("ruler_niah_multikey", "ruler_vt")  # retrieval and multi-hop tracing; run when their configs exist
 CAPTURE_PREDICTOR = "ema"  # what the captured run itself speculates with (|P| = K): the replay check

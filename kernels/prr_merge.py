@@ -188,13 +188,15 @@ def _merge_speculation_kernel(
 
 
 def merge_speculation(
-    part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor
+    part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
     """part_out [B, Hq, C, D] fp32, part_lse [B, Hq, C] (sparse_decode per_block=True over P);
     keep [B, Hkv, C] bool (repair_plan); the repair state rep_out [B, Hq, D], rep_lse [B, Hq],
     or its unmerged splits rep_out [B, Hq, S, D], rep_lse [B, Hq, S] (sparse_decode
     merge_splits=False: one launch fewer).
-    -> (out [B, Hq, D] fp32, lse [B, Hq] fp32) = ⊕_{kept n} partial_n ⊕ repair."""
+    -> (out [B, Hq, D] out_dtype, lse [B, Hq] fp32) = ⊕_{kept n} partial_n ⊕ repair
+    (a 16-bit out_dtype saves the caller a cast launch)."""
     _check_device(part_out, part_lse, keep, rep_out, rep_lse)
     if rep_out.dim() == 3:
         rep_out, rep_lse = rep_out.unsqueeze(2), rep_lse.unsqueeze(2)
@@ -209,9 +211,11 @@ def merge_speculation(
     for name, t in (("part_out", part_out), ("part_lse", part_lse), ("rep_out", rep_out), ("rep_lse", rep_lse)):
         if t.dtype != torch.float32 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be fp32 with a unit last stride; got {t.dtype}, strides {t.stride()}")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype {out_dtype} is not supported; use one of fp32, bf16, fp16")
     keep, part_lse, rep_lse = keep.contiguous(), part_lse.contiguous(), rep_lse.contiguous()
     rows = batch * num_heads
-    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=part_out.device)
+    out = torch.empty(batch, num_heads, head_dim, dtype=out_dtype, device=part_out.device)
     lse = torch.empty(batch, num_heads, dtype=torch.float32, device=part_out.device)
     if rows == 0 or head_dim == 0:
         return out, lse

@@ -104,6 +104,7 @@ def sparse_decode(
     per_block: bool = False,
     *,
     merge_splits: bool = True,
+    out_dtype: torch.dtype = torch.float32,
     fuse_merge: bool = False,
     arrivals: Tensor | None = None,
     tokens_per_split: int | None = None,
@@ -137,12 +138,15 @@ def sparse_decode(
     merge_splits=False (per_block=False only): return the splits' partial states unmerged,
     (out [B, Hq, S, D], lse [B, Hq, S]), for a caller that merges them with other partials
     in its own launch (prr_merge.merge_speculation); S = sparse_decode_num_splits(...).
+    out_dtype (per_block=False, merge_splits=True): dtype of the merged out (lse stays fp32);
+    the model's 16-bit dtype saves the caller a cast launch before the output projection.
     fuse_merge=True (per_block=False, merge_splits=True): the last split of each (row, KV
     head) to finish merges the row's splits (an arrival counter; no merge launch). arrivals:
     an int32 workspace of B * Hkv zeros that every launch leaves zeroed (default: allocated);
     one per stream, never shared by launches that can run at once (a counter that does not
     start at zero merges before every split is in).
-    Off by default: not yet timed against the two launches on a GPU.
+    Off by default: slower than the two launches on an H200 (bench_decode_tuning.csv,
+    us_default_fused_merge: 14.8 vs 11.1 µs at batch 1, 2K budget; 37.0 vs 18.3 µs at 8K).
 
     Tuning (keyword-only; defaults are chosen from static shapes and the SM count):
     tokens_per_split (per_block=False: tokens of block list per program; per_block=True:
@@ -200,13 +204,18 @@ def sparse_decode(
             f"native_dot=True needs q and the cache in one 16-bit dtype; got q {q.dtype}, cache {k_cache.dtype}"
         )
     input_precision = "ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32"
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not supported; use one of fp16, bf16, fp32")
+    if out_dtype != torch.float32 and (per_block or not merge_splits):
+        raise ValueError(f"out_dtype={out_dtype} applies to the merged output only: partial states "
+                         f"(per_block=True or merge_splits=False) stay fp32 for merging")
     if fuse_merge and (per_block or not merge_splits):
         raise ValueError(f"fuse_merge=True merges the splits into one state: it takes per_block=False and "
                          f"merge_splits=True (got per_block={per_block}, merge_splits={merge_splits})")
 
-    if tile_tokens is None:  # H200, bf16, 8K budget: split tile 32 beat 64 (18.2 vs 20.3 µs); per-block 64
-        tile_tokens = 64 if per_block and head_dim <= 128 else 32
-    if not _is_power_of_two(tile_tokens) or tile_tokens < 16:
+    if tile_tokens is None and per_block:  # H200, bf16: per-block tile 64
+        tile_tokens = 64 if head_dim <= 128 else 32
+    if tile_tokens is not None and (not _is_power_of_two(tile_tokens) or tile_tokens < 16):
         raise ValueError(f"tile_tokens={tile_tokens} must be a power of two >= 16")
     if tokens_per_split is not None and tokens_per_split < 1:
         raise ValueError(f"tokens_per_split={tokens_per_split} must be >= 1")
@@ -254,9 +263,10 @@ def sparse_decode(
         )  # fmt: skip
         return out, lse
 
-    entries, num_splits = _split_plan(capacity, rows, block_size, tile_tokens, tokens_per_split, device)
+    tile_tokens, entries, num_splits = _split_plan(capacity, rows, block_size, head_dim, tile_tokens,
+                                                   tokens_per_split, device)
     if num_splits == 1 and merge_splits:
-        out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32, device=device)
+        out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
         lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
         out_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
         lse_strides = (lse.stride(0), lse.stride(1), 0)
@@ -266,7 +276,7 @@ def sparse_decode(
         out_strides, lse_strides = out.stride(), lse.stride()
     fused = fuse_merge and num_splits > 1
     if fused:  # the row's last split merges: (out, lse) of the row, no second launch
-        merged_out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32, device=device)
+        merged_out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
         merged_lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
         if arrivals is None:
             arrivals = torch.zeros(rows, dtype=torch.int32, device=device)
@@ -292,39 +302,54 @@ def sparse_decode(
         return merged_out, merged_lse
     if num_splits == 1 or not merge_splits:
         return out, lse
-    return merge_partials(out, lse)
+    return merge_partials(out, lse, out_dtype=out_dtype)
 
 
 def _split_plan(
-    capacity: int, rows: int, block_size: int, tile_tokens: int, tokens_per_split: int | None, device: torch.device
-) -> tuple[int, int]:
-    """-> (list entries per split, number of splits) for per_block=False; static shapes only."""
+    capacity: int, rows: int, block_size: int, head_dim: int, tile_tokens: int | None, tokens_per_split: int | None,
+    device: torch.device,
+) -> tuple[int, int, int]:
+    """-> (tile tokens, list entries per split, number of splits) for per_block=False; static
+    shapes only. Default tile: 32 tokens; 128 when every split is one program on its own SM
+    (H200, bf16, batch 1, 2K budget: 9.2-9.7 vs 11.1 µs; with 4+ programs per SM (8K budget)
+    tile 128 lost, 26.8 vs 18.3 µs: fewer programs in flight per SM)."""
+    tile = 32 if tile_tokens is None else tile_tokens
     if tokens_per_split is None:
         splits_wanted = max(1, -(-SPLIT_PROGRAMS_PER_SM * _num_sms(device) // rows))
         tokens_per_split = max(-(-capacity // splits_wanted) * block_size, MIN_TOKENS_PER_SPLIT)
     entries = max(1, -(-tokens_per_split // block_size))
-    if block_size < tile_tokens:  # whole tiles per split
-        per_tile = tile_tokens // block_size
-        entries = -(-entries // per_tile) * per_tile
-    return entries, max(1, -(-capacity // entries))
+
+    def whole_tiles(entries: int, tile: int) -> int:
+        per_tile = max(1, tile // block_size)
+        return -(-entries // per_tile) * per_tile
+
+    entries_at = whole_tiles(entries, tile)
+    if tile_tokens is None and head_dim <= 128 and rows * -(-capacity // entries_at) <= _num_sms(device):
+        wide = whole_tiles(entries, 128)
+        if rows * -(-capacity // wide) <= _num_sms(device):
+            tile, entries_at = 128, wide
+    return tile, entries_at, max(1, -(-capacity // entries_at))
 
 
 def sparse_decode_num_splits(
     capacity: int, batch: int, num_kv_heads: int, block_size: int, device: torch.device | str = "cuda",
-    tile_tokens: int = 32, tokens_per_split: int | None = None,
+    tile_tokens: int | None = None, tokens_per_split: int | None = None, head_dim: int = 128,
 ) -> int:
     """How many splits (programs per (batch, KV head)) sparse_decode(per_block=False) launches."""
-    return _split_plan(capacity, batch * num_kv_heads, block_size, tile_tokens, tokens_per_split, torch.device(device))[1]
+    return _split_plan(capacity, batch * num_kv_heads, block_size, head_dim, tile_tokens, tokens_per_split,
+                       torch.device(device))[2]
 
 
-def merge_partials(out: Tensor, lse: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def merge_partials(
+    out: Tensor, lse: Tensor, keep: Tensor | None = None, out_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """⊕ over the second-to-last axis of stacked partial states, in one launch.
 
     out:  [..., N, D] float (fp32 expected), the partials' normalised outputs.
     lse:  [..., N] float, their natural-log sums of exp(scaled scores) (-inf: empty).
     keep: [..., N] bool or None; False entries are dropped exactly (weight 0, never
           subtracted, their out never read).
-    -> (out [..., D] fp32, lse [...] fp32); nothing kept -> lse = -inf, out = 0.
+    -> (out [..., D] out_dtype, lse [...] fp32); nothing kept -> lse = -inf, out = 0.
     """
     if not isinstance(out, Tensor) or not isinstance(lse, Tensor):
         raise TypeError("out and lse must be torch.Tensors")
@@ -339,13 +364,15 @@ def merge_partials(out: Tensor, lse: Tensor, keep: Tensor | None = None) -> tupl
         if tuple(keep.shape) != tuple(lse.shape):
             raise ValueError(f"keep must have lse's shape {list(lse.shape)}, got {list(keep.shape)}")
         tensors.append(keep)
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not supported; use one of fp16, bf16, fp32")
     _check_device(*tensors)
     *lead, num_partials, head_dim = out.shape
     rows = math.prod(lead)
     if rows == 0 or head_dim == 0 or num_partials == 0:
-        merged_out = torch.zeros(*lead, head_dim, dtype=torch.float32, device=out.device)
+        merged_out = torch.zeros(*lead, head_dim, dtype=out_dtype, device=out.device)
         return merged_out, torch.full(lead, float("-inf"), dtype=torch.float32, device=out.device)
-    merged_out = torch.empty(*lead, head_dim, dtype=torch.float32, device=out.device)
+    merged_out = torch.empty(*lead, head_dim, dtype=out_dtype, device=out.device)
     merged_lse = torch.empty(lead, dtype=torch.float32, device=out.device)
     out3 = out.reshape(rows, num_partials, head_dim)
     lse2 = lse.reshape(rows, num_partials)

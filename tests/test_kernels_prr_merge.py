@@ -109,3 +109,19 @@ def test_merge_speculation_folds_in_the_unmerged_repair_splits():
     want_out, want_lse = pm.merge_speculation_reference(part_out, part_lse, keep, merged_out.cpu(), merged_lse.cpu())
     torch.testing.assert_close(out.cpu().double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_merge_speculation_out_dtype_rounds_the_fp32_output_once(out_dtype):
+    g = torch.Generator().manual_seed(5)
+    batch, hq, hkv, parts, splits, d = 2, 6, 2, 5, 3, 64
+    part_out, part_lse = torch.randn(batch, hq, parts, d, generator=g), torch.randn(batch, hq, parts, generator=g)
+    rep_out, rep_lse = torch.randn(batch, hq, splits, d, generator=g), torch.randn(batch, hq, splits, generator=g)
+    keep = torch.rand(batch, hkv, parts, generator=g) < 0.5
+    args = [t.to(DEVICE) for t in (part_out, part_lse, keep, rep_out, rep_lse)]
+    want_out, want_lse = pm.merge_speculation(*args)
+    out, lse = pm.merge_speculation(*args, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and torch.equal(lse, want_lse)
+    assert ((out.float() - want_out).abs() <= torch.finfo(out_dtype).eps * want_out.abs() + 1e-30).all()
+    with pytest.raises(ValueError, match="out_dtype"):
+        pm.merge_speculation(*args, out_dtype=torch.int32)

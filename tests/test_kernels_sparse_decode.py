@@ -53,6 +53,8 @@ CASES = [
     pytest.param([113, 200], 6, 2, 64, 64, 3, 4, torch.float32, {"tile_tokens": 16}, id="bs64-subtiles-G3"),
     pytest.param([61, 113], 4, 1, 128, 16, 5, 7, torch.float16, {"native_dot": False}, id="fp16-fp32-dot"),
     pytest.param([113], 2, 1, 256, 16, 4, 6, torch.float32, {}, id="D256"),
+    pytest.param([1110, 577], 6, 2, 64, 16, 40, 48, torch.float32, {"tile_tokens": 32, "tokens_per_split": 64},
+                 id="tile32-splits"),  # small grids default to tile 128: keep tile 32 covered
 ]
 
 
@@ -265,6 +267,45 @@ def test_input_checks_name_the_problem():
         sd.merge_partials(torch.zeros(2, 3, 4), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="keep must be a bool"):
         sd.merge_partials(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kw", [{"tokens_per_split": 1 << 20}, {"tokens_per_split": 64},
+                                {"tokens_per_split": 64, "fuse_merge": True}], ids=["one-split", "merge", "fused"])
+def test_out_dtype_is_the_fp32_output_rounded(out_dtype, kw):
+    """out_dtype rounds the merged output once (single split, merge launch, fused merge); lse stays fp32."""
+    inputs = ref.random_sparse_decode_inputs(11, [1110, 577], 6, 2, 64, 16, 40, 48, dtype=torch.float32)
+    want_out, want_lse = sd.sparse_decode(*inputs.args(), **kw)
+    out, lse = sd.sparse_decode(*inputs.args(), out_dtype=out_dtype, **kw)
+    assert out.dtype == out_dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    ulp = torch.finfo(out_dtype).eps  # one rounding: within half an ulp of the fp32 value (an ulp: any rounding mode)
+    assert ((out.float() - want_out).abs() <= ulp * want_out.abs() + 1e-30).all()
+    merged, _ = sd.merge_partials(*sd.sparse_decode(*inputs.args(), merge_splits=False, tokens_per_split=64),
+                                  out_dtype=out_dtype)
+    assert merged.dtype == out_dtype and ((merged.float() - want_out).abs() <= ulp * want_out.abs() + 1e-30).all()
+    with pytest.raises(ValueError, match="merged output only"):
+        sd.sparse_decode(*inputs.args(), per_block=True, out_dtype=out_dtype)
+
+
+def test_split_plan_takes_wide_tiles_only_for_one_program_per_sm():
+    """Default tile: 128 tokens when rows x splits fits the SMs once (batch 1, 2K budget), else 32;
+    an explicit tile is kept; the split count matches what sparse_decode launches."""
+    sms = sd.DEFAULT_NUM_SMS
+    cpu = torch.device("cpu")
+    assert sd._split_plan(128, 8, 16, 128, None, None, cpu)[0] == 128  # b1, 2K tokens in blocks of 16
+    assert sd._split_plan(32, 8, 64, 128, None, None, cpu)[0] == 128  # b1, 2K tokens in blocks of 64
+    assert sd._split_plan(512, 8, 16, 128, None, None, cpu)[0] == 32  # b1, 8K: 512 programs
+    assert sd._split_plan(128, 64, 16, 128, None, None, cpu)[0] == 32  # b8, 2K
+    assert sd._split_plan(128, 8, 16, 256, None, None, cpu)[0] == 32  # D 256: not measured, kept at 32
+    assert sd._split_plan(128, 8, 16, 128, 64, None, cpu)[0] == 64
+    for capacity, tokens_per_split in ((48, None), (48, 64), (48, 200), (7, None)):
+        tile, entries, splits = sd._split_plan(capacity, 4, 16, 64, None, tokens_per_split, cpu)
+        assert splits * 4 <= sms or tile == 32
+        inputs = ref.random_sparse_decode_inputs(5, [1110, 577], 4, 2, 64, 16, min(capacity, 40), capacity)
+        out, _ = sd.sparse_decode(*inputs.args(), merge_splits=False, tokens_per_split=tokens_per_split)
+        assert out.shape[2] == splits == sd.sparse_decode_num_splits(capacity, 2, 2, 16, "cpu", head_dim=64,
+                                                                     tokens_per_split=tokens_per_split)
 
 
 def test_split_plan_depends_only_on_static_shapes():

@@ -81,18 +81,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
-def pre_attention(x: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Tensor | None, cos: Tensor, sin: Tensor,
-                  eps: float, hq: int, hkv: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
-    """x: [B, 1, H]; cos, sin: [1, D] -> q [B, Hq, D], k [B, Hkv, D] (post-RoPE), v [B, Hkv, D]."""
+def pre_attention(x: Tensor, delta: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Tensor | None, cos: Tensor,
+                  sin: Tensor, eps: float, hq: int, hkv: int, d: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x: [B, 1, H] residual stream without the previous layer's MLP output delta [B, 1, H]
+    (zeros for the first layer); cos, sin: [1, D] -> (x + delta, q [B, Hq, D], k [B, Hkv, D]
+    post-RoPE, v [B, Hkv, D]). The residual add happens here, inside the norm's kernel, and
+    RoPE runs once over q|k: two launches fewer per layer than add, norm, RoPE q, RoPE k."""
+    x = x + delta
     b = x.shape[0]
     qkv = F.linear(rms_norm(x, ln1, eps), wqkv, bqkv).view(b, hq + 2 * hkv, d)
-    q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # [B, Hq + Hkv, D]
+    return x, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
 
 
 def post_attention(x: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, ln2: Tensor, w_gate_up: Tensor,
-                   b_gate_up: Tensor | None, w_down: Tensor, b_down: Tensor | None, eps: float) -> Tensor:
-    """x: [B, 1, H] residual stream, attn: [B, 1, Hq D] -> the layer's output [B, 1, H]."""
+                   b_gate_up: Tensor | None, w_down: Tensor, b_down: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """x: [B, 1, H] residual stream, attn: [B, 1, Hq D] -> (x + o_proj(attn), the MLP's output
+    [B, 1, H]): the caller adds the MLP output (the next layer's pre_attention, or final_norm)."""
     x = x + F.linear(attn, wo, bo)
     gate, up = F.linear(rms_norm(x, ln2, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down, b_down)
+    return x, F.linear(F.silu(gate) * up, w_down, b_down)
+
+
+def final_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The last layer's residual add and the model's final RMSNorm: x, delta [B, 1, H] -> [B, 1, H]."""
+    return rms_norm(x + delta, weight, eps)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from prr.model.decoder import Decoder
 from prr.model.rope import apply_rope, rope_cos_sin
-from prr.runtime.dense_layer import fuse_layer_weights, post_attention, pre_attention
+from prr.runtime.dense_layer import final_norm, fuse_layer_weights, post_attention, pre_attention
 
 VARIANTS = ("dense", "serial", "prr")
 SELECTORS = ("quest", "infllm")
@@ -166,10 +166,12 @@ class GraphDecoder:
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
         self.fused = fuse_layer_weights(model)
         self.eps = c.rms_norm_eps
-        self._pre, self._post = pre_attention, post_attention
+        self._pre, self._post, self._final = pre_attention, post_attention, final_norm
         if compile:
             self._pre = torch.compile(pre_attention, dynamic=False, fullgraph=True)
             self._post = torch.compile(post_attention, dynamic=False, fullgraph=True)
+            self._final = torch.compile(final_norm, dynamic=False, fullgraph=True)
+        self.no_delta = torch.zeros(B, 1, c.hidden_size, dtype=self.dtype, device=dev)  # the first layer's
 
     # --- context ------------------------------------------------------------------------
     @torch.no_grad()
@@ -262,13 +264,15 @@ class GraphDecoder:
         return kt.topk_select(scores, p.topk_blocks, num_blocks, p.sink_blocks, p.recent_blocks)
 
     def _attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
-                merge_splits: bool = True, fuse: bool = False):
-        """fuse: merge the splits in the split kernel (plan.fuse_merge; main-stream calls only:
-        its arrival workspace serves one stream)."""
-        fused = fuse and self.plan.fuse_merge
+                merge_splits: bool = True, final: bool = False):
+        """final: this is the layer's output (main stream): merged in the model dtype (no cast
+        launch before the output projection), in the split kernel when plan.fuse_merge (its
+        arrival workspace serves one stream)."""
+        fused = final and self.plan.fuse_merge
         return self._k["sparse_decode"].sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
                                                       self.plan.block_size, self.scale, per_block=per_block,
                                                       merge_splits=merge_splits, fuse_merge=fused,
+                                                      out_dtype=self.dtype if final else torch.float32,
                                                       arrivals=self.merge_arrivals if fused else None)
 
     def step_positions(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -279,7 +283,8 @@ class GraphDecoder:
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                   positions: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
-        """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] fp32.
+        """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] in the
+        model dtype.
         positions: `step_positions()` of this step (computed here when not given)."""
         p = self.plan
         _, lengths, num_blocks = positions if positions is not None else self.step_positions()
@@ -290,11 +295,11 @@ class GraphDecoder:
             self.key_max[layer] if quest_meta else None, self.key_min[layer] if quest_meta else None, p.block_size)
         if not self.sparse[layer] or p.variant == "dense":
             counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
-            return self._attend(layer, q, self.all_blocks, counts, lengths, fuse=True)[0]
+            return self._attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
         if p.variant == "serial":
             idx, cnt = self.select(layer, q, num_blocks)
             self._note(layer, idx, cnt, None)
-            return self._attend(layer, q, idx, cnt, lengths, fuse=True)[0]
+            return self._attend(layer, q, idx, cnt, lengths, final=True)[0]
 
         self._fork()
         with self._side():  # speculate over P, set by the previous step (or from outside)
@@ -314,7 +319,7 @@ class GraphDecoder:
         if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
             spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
             keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
-        out, _ = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse)
+        out, _ = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=self.dtype)
         self._note(layer, idx, cnt, keep)
         if p.predictor == "fixed":  # P is set from outside: nothing to learn
             return out
@@ -371,14 +376,14 @@ class GraphDecoder:
         """One decode step of every layer -> logits [B, V] (greedy token and pos + 1 written
         back when advance). Graph-capturable: no host synchronisation, static shapes."""
         m, B = self.model, self.batch
-        x = m.model.embed_tokens(self.token)  # [B, 1, H]
+        x, delta = m.model.embed_tokens(self.token), self.no_delta  # [B, 1, H] each
         positions = self.step_positions()
         cos, sin = self.cos.index_select(0, positions[0]), self.sin.index_select(0, positions[0])  # [1, D]
         for i, w in enumerate(self.fused):
-            q, k, v = self._pre(x, w.ln1, w.wqkv, w.bqkv, cos, sin, self.eps, self.hq, self.hkv, self.d)
-            out = self.attention(i, q, k, v, positions).to(x.dtype).view(B, 1, self.hq * self.d)
-            x = self._post(x, out, w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down, self.eps)
-        logits = m.lm_head(m.model.norm(x))[:, 0]  # [B, V]
+            x, q, k, v = self._pre(x, delta, w.ln1, w.wqkv, w.bqkv, cos, sin, self.eps, self.hq, self.hkv, self.d)
+            out = self.attention(i, q, k, v, positions).to(x.dtype).view(B, 1, self.hq * self.d)  # cast: no-op
+            x, delta = self._post(x, out, w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down, self.eps)
+        logits = m.lm_head(self._final(x, delta, m.model.norm.weight, m.model.norm.eps))[:, 0]  # [B, V]
         if advance:
             self.token.copy_(logits.argmax(-1, keepdim=True))
             self.pos.add_(1)

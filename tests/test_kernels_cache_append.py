@@ -103,3 +103,61 @@ def test_bf16_metadata_scores_equal_fp32_metadata():
 @gpu
 def test_gpu_append_token():
     _run("cuda", 128, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim,group,dtype", [(24, 3, torch.float32), (64, 4, torch.float32),
+                                                  (128, 4, torch.bfloat16)])
+def test_append_token_with_rope_equals_apply_rope_then_append(head_dim, group, dtype):
+    """rope=(cos, sin, q): the key is rotated before it is stored (metadata of the rotated key) and
+    the rotated queries are returned, as prr.model.rope.apply_rope at each row's position."""
+    _run_rope("cpu", head_dim, group, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_append_token_with_rope():
+    _run_rope("cuda", 128, 4, torch.bfloat16)
+
+
+def _run_rope(device: str, head_dim: int, group: int, dtype: torch.dtype) -> None:
+    from prr.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+    batch, hkv, bs, max_blocks = 2, 3, 8, 4
+    g = torch.Generator().manual_seed(head_dim + group)
+    cos, sin = rope_cos_sin(torch.arange(max_blocks * bs + 5), rope_inv_freq(head_dim, 10000.0, None))
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    keys = torch.zeros(batch, hkv, max_blocks * bs, head_dim, dtype=dtype)
+    values = torch.zeros_like(keys)
+    key_max = torch.full((batch, hkv, max_blocks, head_dim), float("-inf"), dtype=dtype)
+    key_min = torch.full_like(key_max, float("inf"))
+    ref_keys, ref_values, ref_max, ref_min = keys.clone(), values.clone(), key_max.float(), key_min.float()
+    on = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    d_keys, d_values, d_max, d_min, d_cos, d_sin = on(keys, values, key_max, key_min, cos, sin)
+    for starts in ([7, 16], [8, 17], [9, 18]):
+        qkv = torch.randn(batch, hkv * group + 2 * hkv, head_dim, generator=g).to(dtype)  # the fused projection
+        q, k, v = qkv[:, : hkv * group], qkv[:, hkv * group: hkv * (group + 1)], qkv[:, hkv * (group + 1):]
+        pos = torch.tensor(starts, dtype=torch.int32)
+        d_q, d_k, d_v, d_pos = on(q, k, v, pos)
+        q_rot = append_token(d_keys, d_values, d_k, d_v, d_pos, d_max, d_min, bs, rope=(d_cos, d_sin, d_q)).cpu()
+        keys, values, key_max, key_min = d_keys.cpu(), d_values.cpu(), d_max.cpu(), d_min.cpu()
+        want_q = torch.stack([apply_rope(q[b].float(), cos[p].float()[None], sin[p].float()[None])
+                              for b, p in enumerate(starts)])
+        want_k = torch.stack([apply_rope(k[b].float(), cos[p].float()[None], sin[p].float()[None])
+                              for b, p in enumerate(starts)])
+        for b, p in enumerate(starts):
+            ref_keys[b, :, p], ref_values[b, :, p] = want_k[b].to(dtype), v[b]
+        quest_update(ref_max, ref_min, want_k.to(dtype), pos, bs)
+        tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
+        assert q_rot.shape == q.shape and q_rot.dtype == dtype
+        torch.testing.assert_close(q_rot.float(), want_q, **tol)
+        torch.testing.assert_close(keys.float(), ref_keys.float(), **tol)
+        assert torch.equal(values, ref_values)
+    # The metadata is of the keys as stored (exact however the rotation rounded): the blocks each
+    # row started during the steps (row 0: tokens 8, 9 of block 1; row 1: 16..18 of block 2).
+    for b, (lo, hi) in ((0, (8, 10)), (1, (16, 19))):
+        assert torch.equal(key_max[b, :, lo // bs].float(), keys[b, :, lo:hi].float().amax(1))
+        assert torch.equal(key_min[b, :, lo // bs].float(), keys[b, :, lo:hi].float().amin(1))
+    with pytest.raises(ValueError, match="rope's cos and sin"):
+        append_token(d_keys, d_values, d_k, d_v, d_pos, rope=(d_cos[:3], d_sin[:3], d_q))
+    with pytest.raises(ValueError, match="rope's q"):
+        append_token(d_keys, d_values, d_k, d_v, d_pos, rope=(d_cos, d_sin, d_q[:, :1, :5]))

@@ -1,7 +1,7 @@
 """The dense parts of a decoder layer for the graph engine, with fused projections.
 
-Per layer, before attention: RMSNorm, one q|k|v projection (one GEMV instead of three),
-RoPE; after attention: o_proj + residual, RMSNorm, one gate|up projection, SiLU·up, down
+Per layer, before attention: RMSNorm, one q|k|v projection (one GEMV instead of three;
+RoPE follows in the cache-append kernel); after attention: o_proj + residual, RMSNorm, one gate|up projection, SiLU·up, down
 + residual. The math is prr.model.decoder's; the fused weights are views the modules
 share (`fuse_layer_weights` re-points each module's weight into them, so nothing is
 stored twice). With torch.compile (GraphDecoder(compile=True)) the pointwise work around
@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prr.model.decoder import Decoder
-from prr.model.rope import apply_rope
 
 
 @dataclass(frozen=True)
@@ -81,17 +80,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
-def pre_attention(x: Tensor, delta: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Tensor | None, cos: Tensor,
-                  sin: Tensor, eps: float, hq: int, hkv: int, d: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def pre_attention(x: Tensor, delta: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Tensor | None, eps: float,
+                  heads: int, d: int) -> tuple[Tensor, Tensor]:
     """x: [B, 1, H] residual stream without the previous layer's MLP output delta [B, 1, H]
-    (zeros for the first layer); cos, sin: [1, D] -> (x + delta, q [B, Hq, D], k [B, Hkv, D]
-    post-RoPE, v [B, Hkv, D]). The residual add happens here, inside the norm's kernel, and
-    RoPE runs once over q|k: two launches fewer per layer than add, norm, RoPE q, RoPE k."""
+    (zeros for the first layer) -> (x + delta, qkv [B, heads = Hq + 2 Hkv, D] before RoPE).
+    The residual add happens here, inside the norm's kernel (one launch fewer per layer);
+    RoPE is applied by the cache append (cache_append.append_token(rope=...)), not here."""
     x = x + delta
-    b = x.shape[0]
-    qkv = F.linear(rms_norm(x, ln1, eps), wqkv, bqkv).view(b, hq + 2 * hkv, d)
-    qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # [B, Hq + Hkv, D]
-    return x, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+    return x, F.linear(rms_norm(x, ln1, eps), wqkv, bqkv).view(x.shape[0], heads, d)
 
 
 def post_attention(x: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, ln2: Tensor, w_gate_up: Tensor,

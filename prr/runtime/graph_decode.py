@@ -282,17 +282,20 @@ class GraphDecoder:
         return self.pos[:1].long(), self.pos + 1, (self.pos + bs).div(bs, rounding_mode="floor")
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                  positions: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                  positions: tuple[Tensor, Tensor, Tensor] | None = None, rope: bool = False) -> Tensor:
         """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] in the
         model dtype.
-        positions: `step_positions()` of this step (computed here when not given)."""
+        positions: `step_positions()` of this step (computed here when not given).
+        rope: q and k are pre-RoPE; the append kernel rotates both (one launch fewer)."""
         p = self.plan
         _, lengths, num_blocks = positions if positions is not None else self.step_positions()
         # K/V at pos, and the Quest metadata of its block, in one launch.
         quest_meta = p.selector == "quest" and self.sparse[layer]
-        self._k["cache_append"].append_token(
+        q_rot = self._k["cache_append"].append_token(
             self.keys[layer], self.values[layer], k, v, self.pos,
-            self.key_max[layer] if quest_meta else None, self.key_min[layer] if quest_meta else None, p.block_size)
+            self.key_max[layer] if quest_meta else None, self.key_min[layer] if quest_meta else None, p.block_size,
+            rope=(self.cos, self.sin, q) if rope else None)
+        q = q_rot if rope else q
         if not self.sparse[layer] or p.variant == "dense":
             counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
             return self._attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
@@ -378,10 +381,11 @@ class GraphDecoder:
         m, B = self.model, self.batch
         x, delta = m.model.embed_tokens(self.token), self.no_delta  # [B, 1, H] each
         positions = self.step_positions()
-        cos, sin = self.cos.index_select(0, positions[0]), self.sin.index_select(0, positions[0])  # [1, D]
+        split = [self.hq, self.hkv, self.hkv]
         for i, w in enumerate(self.fused):
-            x, q, k, v = self._pre(x, delta, w.ln1, w.wqkv, w.bqkv, cos, sin, self.eps, self.hq, self.hkv, self.d)
-            out = self.attention(i, q, k, v, positions).to(x.dtype).view(B, 1, self.hq * self.d)  # cast: no-op
+            x, qkv = self._pre(x, delta, w.ln1, w.wqkv, w.bqkv, self.eps, sum(split), self.d)
+            q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
+            out = self.attention(i, q, k, v, positions, rope=True).view(B, 1, self.hq * self.d)  # model dtype
             x, delta = self._post(x, out, w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down, self.eps)
         logits = m.lm_head(self._final(x, delta, m.model.norm.weight, m.model.norm.eps))[:, 0]  # [B, V]
         if advance:

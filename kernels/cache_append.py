@@ -10,6 +10,7 @@ import triton
 from torch import Tensor
 
 from .cache_append_jit import _append_token_kernel
+from .pdl import launch_kwargs
 from .quest import _check_head_dim, _check_metadata, _check_per_row
 
 
@@ -89,5 +90,6 @@ def append_token(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor,
         HAS_META=has_meta, ROPE=rope is not None, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_SIZE=block_size if has_meta else 16,
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
+        **launch_kwargs(k_cache.device),
     )  # fmt: skip
     return q_out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_prologue
 from .quest_jit import _quest_update_one
 
 
@@ -41,7 +42,9 @@ def _append_token_kernel(
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (a power of two)
     BLOCK_D: tl.constexpr,  # next power of two >= D
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
     position = tl.load(positions_ptr + batch).to(tl.int64)

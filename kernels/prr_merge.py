@@ -19,6 +19,7 @@ from torch import Tensor
 
 from prr.attention_state import AttentionState, merge, merge_many
 
+from .pdl import launch_kwargs, pdl_prologue
 from .sparse_decode import _check_device, _next_power_of_two
 
 # --- repair plan ---------------------------------------------------------------------------
@@ -31,11 +32,13 @@ def _repair_plan_kernel(
     num_kv_heads, sel_cap, pred_cap,
     stride_scratch_row,
     BLOCK_A: tl.constexpr, BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """One (KV head, batch row). Lists are [rows, cap] contiguous, rows = B * Hkv.
 
     scratch: a zeroed int8 bitmap row per (b, h) over the block ids; set, read, and cleared
     again here, so it stays zero between launches (no memset per call)."""
+    pdl_prologue(PDL)
     row = (tl.program_id(1) * num_kv_heads + tl.program_id(0)).to(tl.int64)
     offs_a = tl.arange(0, BLOCK_A)
     offs_p = tl.arange(0, BLOCK_P)
@@ -104,7 +107,7 @@ def repair_plan(
         num_kv_heads, sel_cap, pred_cap,
         scratch.stride(1),
         BLOCK_A=_next_power_of_two(max(sel_cap, 2)), BLOCK_P=_next_power_of_two(max(pred_cap, 2)),
-        num_warps=4,
+        num_warps=4, **launch_kwargs(sel_idx.device),
     )  # fmt: skip
     return miss_idx, miss_cnt, keep
 
@@ -135,11 +138,13 @@ def _merge_speculation_kernel(
     num_partials, num_repair, head_dim, group,
     stride_po_r, stride_po_n, stride_pl_r, stride_k_r, stride_ro_r, stride_ro_n, stride_rl_r, stride_o_r,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """One query-head row (b * Hq + h), one BLOCK_D slice: ⊕ of the kept speculative partials
     and every repair partial (the repair's splits, merged here instead of in a launch of
     their own). keep is per KV head (row // group). Two passes over lse (max, weights);
     dropped or empty terms get weight exactly 0 and their out is never read."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
@@ -229,7 +234,7 @@ def merge_speculation(
         po.stride(0), po.stride(1), num_partials, num_partials, ro.stride(0), ro.stride(1), num_repair, head_dim,
         BLOCK_N=max(2, min(_next_power_of_two(max(num_partials, 1)), 128)),
         BLOCK_S=max(2, min(_next_power_of_two(max(num_repair, 1)), 64)), BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **launch_kwargs(part_out.device),
     )  # fmt: skip
     return out, lse
 

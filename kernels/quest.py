@@ -15,6 +15,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .pdl import launch_kwargs
 from .quest_jit import _quest_score_kernel, _quest_select_kernel, _quest_update_kernel
 from .topk import MAX_ROW_BLOCK, PAD_BLOCK, _check_topk_args
 
@@ -140,7 +141,7 @@ def quest_score(
         q, key_max, key_min, num_blocks, gqa_reduce, out, block_n, num_warps, d_chunk, default_warps=4
     )
     if grid is not None:
-        _quest_score_kernel[grid](q, key_max, key_min, num_blocks, out, *args, **constexprs)
+        _quest_score_kernel[grid](q, key_max, key_min, num_blocks, out, *args, **constexprs, **launch_kwargs(q.device))
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_prologue
 from .topk_jit import _order_keys, _select_row
 
 
@@ -133,7 +134,9 @@ def _quest_score_kernel(
     stride_ob, stride_oh, stride_on,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SUM_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     # grid: (cdiv(NB_max, BLOCK_N), Hkv, B)
     _quest_score_tile(
         q_ptr, key_max_ptr, key_min_ptr, num_blocks_ptr, out_ptr, max_blocks, head_dim,

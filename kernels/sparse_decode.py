@@ -23,6 +23,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from .pdl import launch_kwargs
 from .sparse_decode_jit import (
     LOG2E,
     merge_partials_kernel,
@@ -228,7 +229,7 @@ def sparse_decode(
         return (torch.zeros(*shape, head_dim, device=device), torch.zeros(shape, device=device))
     ids = block_ids if capacity > 0 else block_counts  # never dereferenced when C = 0
     target_programs = PROGRAMS_PER_SM * _num_sms(device)
-    launch = {"num_warps": num_warps}
+    launch = {"num_warps": num_warps, **launch_kwargs(device)}
     if num_stages is not None:
         launch["num_stages"] = num_stages
     common = (
@@ -393,6 +394,6 @@ def merge_partials(
         flat_out.stride(0), flat_out.stride(1),
         flat_lse.stride(0),
         HAS_KEEP=keep is not None, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **launch_kwargs(out.device),
     )  # fmt: skip
     return merged_out, merged_lse

@@ -30,6 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_prologue
+
 LOG2E = 1.4426950408889634  # scores are scaled by scale * LOG2E (launcher side)
 
 
@@ -166,6 +168,7 @@ def sparse_decode_split_kernel(
     NATIVE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
     FUSED_MERGE: tl.constexpr,  # the last split of a row to finish merges the row (no merge launch)
     SPLITS_PAD: tl.constexpr,  # next power of two >= the number of splits (FUSED_MERGE)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Attention of one (batch, kv head)'s query group over one split of its block list.
 
@@ -175,6 +178,7 @@ def sparse_decode_split_kernel(
     of TILE_TOKENS rows, so a tile spans several small blocks or part of a large one.
     Writes the split's state to out[b, head, s, :] [B, Hq, S, D] and lse[b, head, s].
     """
+    pdl_prologue(PDL)
     split = tl.program_id(0)
     row = tl.program_id(1)
     batch = (row // num_kv_heads).to(tl.int64)
@@ -239,6 +243,7 @@ def sparse_decode_per_block_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SUB_TILE: tl.constexpr,
     NATIVE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """One attention state per list entry, for one (batch, kv head)'s query group.
 
@@ -247,6 +252,7 @@ def sparse_decode_per_block_kernel(
     padding entries (>= count) and blocks with no live token get lse = -inf, out = 0.
     A block is walked in SUB_TILE-token sub-tiles (SUB_TILE divides BLOCK_SIZE).
     """
+    pdl_prologue(PDL)
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     batch = (row // num_kv_heads).to(tl.int64)
@@ -297,6 +303,7 @@ def merge_partials_kernel(
     stride_mr, stride_md,
     stride_mlr,
     HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Log-sum-exp merge of one row's N partial states, for one BLOCK_D slice of D.
 
@@ -307,6 +314,7 @@ def merge_partials_kernel(
     exactly 0 and their `out` is never read (a NaN there cannot leak); all dropped ->
     lse = -inf, out = 0.
     """
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

@@ -69,7 +69,9 @@ def test_append_token_without_metadata_and_out_of_range():
     assert torch.equal(keys[:, :, 31], k) and torch.equal(values[:, :, 31], v)
     assert keys[:, :, :31].abs().sum() == 0
     append_token(keys, values, k * 2, v, torch.tensor([32], dtype=torch.int32))  # past T_max: no write
-    assert torch.equal(keys[:, :, 31], k) and keys.abs().sum() == k.abs().sum()
+    expected = torch.zeros_like(keys)
+    expected[:, :, 31] = k
+    assert torch.equal(keys, expected)  # (a float sum here compared orders of summation: flaky)
 
 
 def test_append_token_rejects_bad_input():

@@ -8,6 +8,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .pdl import launch_kwargs
 from .topk_jit import _topk_row_kernel, _topk_tiled_kernel
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -115,6 +116,7 @@ def topk_select(
             RADIX_BITS=radix_bits,
             PAD_BLOCK=PAD_BLOCK,
             num_warps=num_warps or _default_num_warps(block),
+            **launch_kwargs(scores.device),
         )
     else:
         _topk_tiled_kernel[grid](

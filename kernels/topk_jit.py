@@ -6,9 +6,13 @@ One program per (batch row, KV head). Scores are mapped to an order-preserving u
 float ties stay integer ties). The k-th largest key T is found by a most-significant-first
 radix search: each pass fixes RADIX_BITS bits of T with one counting reduction over the row
 (2^RADIX_BITS - 1 candidate thresholds, their counts packed into one integer; 4 bits, for the
-short candidate rows, count 16 thresholds as a vector). Then every
-block with key > T is taken, plus the lowest-index blocks with key == T up to k, and written
-in ascending block order (positions from one prefix sum). That is exactly the set of
+short candidate rows, count 16 thresholds as a vector). T lies between the row's smallest valid
+key and its largest one below +inf (forced blocks; unless the +inf keys alone fill k), so it has
+the bits above the highest bit where those two differ: the search
+starts from them and only the passes over the lower digits run (none when all keys are equal;
+the tiled kernel runs them all). Then every block with key > T is taken, plus the lowest-index
+blocks with key == T up to k, and written in ascending block order (positions from one prefix
+sum). That is exactly the set of
 `prr.blocks.top_blocks`: scores compared first, ties towards the lower block index.
 
 Blocks the caller forces (the first `sink` blocks, the last `recent` blocks of the context)
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .pdl import pdl_prologue
 
 
 @triton.jit
@@ -48,21 +54,23 @@ def _order_keys(
 
 
 @triton.jit
-def _count_at_least(keys, threshold, shift: tl.constexpr, RADIX_BITS: tl.constexpr):
+def _count_at_least(keys, threshold, shift, RADIX_BITS: tl.constexpr):
     """How many keys are >= threshold | (j << shift), for j = 1 .. 2^RADIX_BITS - 1, packed:
-    RADIX_BITS 1 -> int32 count of j=1; RADIX_BITS 2 -> int64 with 21-bit fields j=1,2,3."""
+    RADIX_BITS 1 -> int32 count of j=1; RADIX_BITS 2 -> int64 with 21-bit fields j=1,2,3.
+    shift: a constant or a runtime value (the digits are built as uint32: 3 << 30 fits)."""
+    one = tl.full([], 1, tl.uint32) << shift
     if RADIX_BITS == 1:
-        packed = (keys >= (threshold | (1 << shift))).to(tl.int32)
+        packed = (keys >= (threshold | one)).to(tl.int32)
     else:
-        ge1 = (keys >= (threshold | (1 << shift))).to(tl.int64)
-        ge2 = (keys >= (threshold | (2 << shift))).to(tl.int64)
-        ge3 = (keys >= (threshold | (3 << shift))).to(tl.int64)
+        ge1 = (keys >= (threshold | one)).to(tl.int64)
+        ge2 = (keys >= (threshold | (one << 1))).to(tl.int64)
+        ge3 = (keys >= (threshold | (one * 3))).to(tl.int64)
         packed = ge1 + (ge2 << 21) + (ge3 << 42)
     return tl.sum(packed, axis=0)
 
 
 @triton.jit
-def _next_threshold(threshold, counts, shift: tl.constexpr, k_eff, RADIX_BITS: tl.constexpr):
+def _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS: tl.constexpr):
     """Fix the digit at `shift`: the largest j whose candidate still has >= k_eff keys above."""
     if RADIX_BITS == 1:
         digit = (counts >= k_eff).to(tl.uint32)
@@ -73,6 +81,32 @@ def _next_threshold(threshold, counts, shift: tl.constexpr, k_eff, RADIX_BITS: t
         n3 = counts >> 42
         digit = tl.where(n3 >= k_eff, 3, tl.where(n2 >= k_eff, 2, tl.where(n1 >= k_eff, 1, 0))).to(tl.uint32)
     return threshold | (digit << shift)
+
+
+@triton.jit
+def _sum_sum_min_max(n_a, m_a, lo_a, hi_a, n_b, m_b, lo_b, hi_b):
+    return n_a + n_b, m_a + m_b, tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
+
+
+@triton.jit
+def _common_prefix(lo, hi, RADIX_BITS: tl.constexpr):
+    """-> (threshold, top, passes) for a k-th largest key T known to lie in [lo, hi]: T shares
+    every bit above the highest bit where lo and hi differ, so the search starts from those
+    bits (threshold) and only the `passes` digit passes at shifts top, top - RADIX_BITS, ..., 0
+    are left. lo == hi: T = lo, no pass at all."""
+    diff = lo ^ hi
+    # top = RADIX_BITS * floor(highest set bit of diff / RADIX_BITS), by binary search on the
+    # scalar (no clz in the interpreter): steps 16, 8, ..., RADIX_BITS; shifts stay <= 31.
+    top = tl.zeros([], dtype=tl.int32)
+    for i in tl.static_range(5):
+        if (16 >> i) >= RADIX_BITS:
+            above = top + (16 >> i)
+            top = tl.where((diff >> above.to(tl.uint32)) != 0, above, top)
+    # lo with its digits from `top` down cleared (two shifts: top + RADIX_BITS may be 32)
+    cleared = ((lo >> top.to(tl.uint32)) >> RADIX_BITS) << RADIX_BITS << top.to(tl.uint32)
+    threshold = tl.where(diff == 0, lo, cleared)
+    passes = tl.where(diff == 0, 0, top // RADIX_BITS + 1)
+    return threshold, top, passes
 
 
 @triton.jit
@@ -108,24 +142,45 @@ def _select_row(
 ):
     """Top-k of one row held in registers (keys/valid from _order_keys, block ids offs):
     writes idx_out[out_row : out_row + k_out] and count_out[count_index]."""
-    k_eff = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), k)
-    threshold = tl.zeros([], dtype=tl.uint32)
+    # One reduction: valid keys, those of +inf (forced blocks), the smallest valid key lo and the
+    # largest one below +inf hi. Valid keys are at most +inf's (NaN scores are invalid).
+    INF_KEY: tl.constexpr = 0xFF800000
+    finite = valid & (keys < INF_KEY)
+    n_valid, n_inf, lo, hi = tl.reduce(
+        (
+            valid.to(tl.int32),
+            (keys == INF_KEY).to(tl.int32),
+            tl.where(valid, keys, 0xFFFFFFFF),
+            tl.where(finite, keys, tl.zeros_like(keys)),
+        ),
+        0,
+        _sum_sum_min_max,
+    )
+    k_eff = tl.minimum(n_valid, k)
+    # T lies in [lo, hi] unless the +inf keys (always in the candidates once a block is forced)
+    # fill k_eff: then T is +inf's key, no pass. That covers k_eff = 0 too: no key is above
+    # +inf's and no tie is taken, so nothing is (as with the all-ones T of a full search).
+    lo = tl.where(n_inf >= k_eff, INF_KEY, lo)
+    hi = tl.where(n_inf >= k_eff, INF_KEY, hi)
+    # Each pass costs a block-wide reduction's latency: run only the passes over the digits
+    # where lo and hi differ (the higher bits of T are theirs), most significant first.
+    threshold, top, passes = _common_prefix(lo, hi, RADIX_BITS)
     if RADIX_BITS == 4:
         # Short rows (the candidate filter's): all 15 candidate digits counted in one [N, 16]
-        # reduction per pass, 8 passes; each pass costs a block-wide reduction's latency.
+        # reduction per pass.
         digits = tl.arange(0, 16)
-        for p in tl.static_range(8):
-            shift = 28 - 4 * p
+        for p in range(0, passes):
+            shift = (top - 4 * p).to(tl.uint32)
             candidates = threshold | (digits.to(tl.uint32) << shift)  # [16]
             counts = tl.sum((keys[:, None] >= candidates[None, :]).to(tl.int32), axis=0)  # [16]
             digit = tl.max(tl.where(counts >= k_eff, digits, 0), axis=0)
             threshold = threshold | (digit.to(tl.uint32) << shift)
     else:
-        for p in tl.static_range(32 // RADIX_BITS):
-            shift = 32 - RADIX_BITS * (p + 1)
+        for p in range(0, passes):
+            shift = (top - RADIX_BITS * p).to(tl.uint32)
             counts = _count_at_least(keys, threshold, shift, RADIX_BITS)
             threshold = _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS)
-    # threshold is now the k_eff-th largest valid key (all ones when k_eff = 0: nothing taken)
+    # threshold is now the k_eff-th largest valid key (+inf's when k_eff = 0: nothing taken)
     n_gt = tl.sum((keys > threshold).to(tl.int32), axis=0)  # invalid keys are 0 <= threshold
     _emit(keys, valid, offs, threshold, 0, 0, k_eff - n_gt, out_row, idx_out_ptr, k_out)
     _pad_and_count(idx_out_ptr, count_out_ptr, out_row, count_index, k_eff, k_out, PAD_BLOCK)
@@ -151,7 +206,9 @@ def _topk_row_kernel(
     PAD_BLOCK: tl.constexpr,
     GROUPS: tl.constexpr,  # candidate filter over GROUPS groups of the row (0: off)
     CAP: tl.constexpr,  # candidates the filter keeps at most (a power of two)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
     num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)

@@ -318,6 +318,102 @@ def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def bit_range_row(g: torch.Generator, n: int, base: float | None, spread: int, valid_fraction: float):
+    """n fp32 scores whose bit patterns are base's plus 0 .. spread (one sign, no inf: their keys
+    share every bit above those of spread; spread 0: all equal; base None: N(0, 1), both signs),
+    a random valid_fraction of them kept and the rest -inf. Exactly one valid: valid_fraction < 0;
+    none: 0."""
+    if base is None:
+        row = torch.randn(n, generator=g)
+    else:
+        bits = torch.tensor([base], dtype=torch.float32).view(torch.int32)
+        row = (bits + torch.randint(0, spread + 1, (n,), generator=g, dtype=torch.int32)).view(torch.float32)
+    if valid_fraction < 0:
+        keep = torch.zeros(n, dtype=torch.bool)
+        keep[torch.randint(0, n, (1,), generator=g)] = True
+    else:
+        keep = torch.rand(n, generator=g) < valid_fraction
+    return row.masked_fill(~keep, float("-inf"))
+
+
+# (base, spread of the bit patterns, valid fraction): where the smallest and largest key differ
+# from bit 0 to bit 30 (digit boundaries 4/16/256 and just past them), both signs, no shared bit
+# (sparse N(0, 1)), ties at the threshold (few distinct values), all equal (no pass), one valid
+# key, no valid key (k_eff 0).
+BIT_RANGE_ROWS = [
+    (1000.0, 0, 0.1), (1000.0, 1, 0.1), (1000.0, 15, 0.12), (1000.0, 16, 0.12),
+    (-3.5, 255, 0.15), (-3.5, 256, 0.15), (0.7, 4099, 0.15), (1e-30, 1 << 20, 0.15),
+    (-1e30, 7, 0.15), (1000.0, 63, 1.0), (None, 0, 0.03), (1000.0, 0, -1.0),
+    (2.0, 1 << 28, 0.15), (-7.0, 2, 0.002), (1.0, 0, 0.0), (1000.0, 1 << 14, 1.0),
+]
+
+
+def bit_range_scores(n: int, seed: int) -> torch.Tensor:
+    """[2, 8, n]: one row of BIT_RANGE_ROWS per (batch, head); the last row is 1000 + U[0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [bit_range_row(g, n, *spec) for spec in BIT_RANGE_ROWS]
+    rows[-1] = 1000.0 + torch.rand(n, generator=g)  # all in [1000, 1001): 10 leading bits shared
+    return torch.stack(rows).view(2, 8, n)
+
+
+def filter_keeps_candidates(scores: torch.Tensor, k: int, num_blocks: torch.Tensor, sink: int, recent: int):
+    """[B, Hkv] bool: the row kernel's candidate filter keeps the row's candidates (its 4-bit
+    passes run on them) rather than falling back to the full row; the kernel's rule in floats."""
+    from prr.kernels.reference_selection import forced_scores
+    from prr.kernels.topk import candidate_filter_shape
+
+    n = scores.shape[-1]
+    block = triton_next_pow2(n)
+    groups, cap = candidate_filter_shape(block, k)
+    assert groups > 0
+    s = forced_scores(scores, num_blocks, sink, recent)
+    s = torch.nn.functional.pad(s, (0, block - n), value=float("-inf"))
+    valid = s > float("-inf")
+    k_eff = valid.sum(-1).clamp(max=k)
+    group_max = s.view(*s.shape[:2], block // groups, groups).amax(2)  # block b in group b % groups
+    nonempty = group_max > float("-inf")
+    bound = torch.where(nonempty, group_max, float("inf")).amin(-1)
+    bound = torch.where(nonempty.sum(-1) >= k_eff, bound, float("-inf"))
+    return (valid & (s >= bound[..., None])).sum(-1) <= cap
+
+
+@pytest.mark.parametrize("k,sink,recent", [(24, 0, 0), (7, 1, 2), (5, 0, 1), (3, 1, 2), (5, 3, 3)])
+def test_topk_radix_skips_common_leading_bits_candidate_rows(k, sink, recent):
+    """The 4-bit passes over the candidate filter's rows start from the bits the smallest and
+    largest candidate share: same selection as top_blocks for keys differing from bit 0 up to
+    bit 30, all equal (no pass), ties at the threshold, -inf and forced blocks, k_eff 0."""
+    n = 1500
+    scores = bit_range_scores(n, seed=k + 10 * sink + recent)
+    nb = torch.tensor([n, 1234], dtype=torch.int32)
+    assert filter_keeps_candidates(scores, k, nb, sink, recent).all()  # every row on the 4-bit path
+    _, cnt = check_topk(scores, k, nb, sink, recent)
+    if sink + recent == 0:
+        assert (cnt == 0).any() and (cnt == 1).any()  # a row without valid keys, one with one
+
+
+@pytest.mark.parametrize("n,radix_bits", [(201, 1), (201, 2), (77, 2)])
+def test_topk_radix_skips_common_leading_bits_full_rows(n, radix_bits):
+    """The same pass skipping on the full-row 1- and 2-bit passes (rows under 1024 blocks)."""
+    scores = bit_range_scores(n, seed=n + radix_bits)
+    nb = torch.tensor([n, n - 20], dtype=torch.int32)
+    for k, sink, recent in ((13, 0, 0), (40, 1, 1), (1, 1, 1), (2, 0, 2)):
+        check_topk(scores, k, nb, sink, recent, radix_bits=radix_bits)
+
+
+def test_topk_radix_skip_dense_narrow_row_falls_back_to_full_row():
+    """Dense rows of a few distinct close values: too many candidates, the full 2-bit row
+    passes from the shared bits (and the filtered and unfiltered launches agree)."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 1100, 16
+    bits = torch.tensor([1000.0]).view(torch.int32)
+    scores = (bits + torch.randint(0, 3, (1, 2, n), generator=g, dtype=torch.int32)).view(torch.float32)
+    nb = torch.tensor([n], dtype=torch.int32)
+    assert not filter_keeps_candidates(scores, k, nb, 0, 0).any()
+    idx, cnt = check_topk(scores, k, nb, 0, 0)
+    full = topk_select(scores, k, nb, 0, 0, candidate_filter=False)
+    assert torch.equal(idx, full[0]) and torch.equal(cnt, full[1])
+
+
 def test_topk_select_k_zero_and_counts():
     scores, nb = make_topk_scores(2, 2, 27, [27, 4], "randn")
     idx, cnt = topk_select(scores, 0, nb)

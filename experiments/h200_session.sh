@@ -13,10 +13,10 @@ if has tests; then
     tests/test_kernels_sparse_decode.py tests/test_kernels_prr_merge.py tests/test_graph_decode.py \
     tests/test_graph_budget.py tests/test_graph_run.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
-  # the same checks without programmatic dependent launch (kernels/pdl.py; on by default)
-  PRR_PDL=0 python3 -m pytest -q -m gpu tests/test_kernels_sparse_decode.py tests/test_kernels_cache_append.py \
-    tests/test_graph_decode.py tests/test_graph_run.py > "$OUT/gpu_tests_nopdl.log" 2>&1
-  tail -1 "$OUT/gpu_tests_nopdl.log"
+  # the same checks with programmatic dependent launch (kernels/pdl.py; opt-in)
+  PRR_PDL=1 python3 -m pytest -q -m gpu tests/test_kernels_sparse_decode.py tests/test_kernels_cache_append.py \
+    tests/test_graph_decode.py tests/test_graph_run.py > "$OUT/gpu_tests_pdl.log" 2>&1
+  tail -1 "$OUT/gpu_tests_pdl.log"
 fi
 if has kernels; then
   python3 experiments/bench_kernels.py --only decode_tuning --out "$OUT/bench_decode_tuning" > "$OUT/bench_decode_tuning.log" 2>&1
@@ -28,7 +28,7 @@ if has decode; then
   grep -E "^(token|stage) " "$OUT/bench_decode.log" | tail -12
 fi
 if has profile; then
-  for pdl in "" --no-pdl; do
+  for pdl in "" --pdl; do
     python3 experiments/profile_decode.py $pdl --out "$OUT" 2>&1 | tail -1
     python3 experiments/profile_decode.py $pdl --block 64 --out "$OUT" 2>&1 | tail -1
   done

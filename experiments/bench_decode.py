@@ -19,7 +19,8 @@ Part `token` (per-token decode latency, whole model): batch 1 at 32K/64K/128K an
 where the cache fits, with CUDA graphs on and off: dense, serial DSA, PRR at controlled
 hit rates (one step replayed at a fixed position, P fixed), and PRR with the EMA and
 last-step predictors decoding for real (the hit rate they had is counted in a separate,
-identical pass). Floor: weights + KV bytes read per token / copy bandwidth.
+identical pass). Floor: bytes read per token (the weights, less the rows of an untied embedding
+table a step does not read, + KV + metadata) / bandwidth.
 
 Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_{stage,token}.csv;
 prints short tables last.
@@ -214,6 +215,9 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     base = StaticPlan(variant="prr", selector=selector, topk_blocks=k_blocks, predicted_blocks=k_blocks,
                       predictor="fixed", block_size=block, dense_layers=(0, 1))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_word_embeddings:  # a step reads one embedding row per batch row, not the table
+        emb = model.model.embed_tokens.weight  # [V, H]
+        weight_bytes -= (emb.shape[0] - batch) * emb.shape[1] * emb.element_size()
     hkv, d, nl = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     kv_dense = batch * hkv * (context + 1) * d * 2 * BF16
     num_blocks = context // block + 1

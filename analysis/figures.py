@@ -259,8 +259,8 @@ TOKEN_PARTS = (
     ("select: fused score + top-k", ("_quest_select",)),
     ("attention over A (and 2 dense layers)", ("sparse_decode",)),
     ("merge of split partials", ("merge_partials",)),
-    ("KV append + metadata", ("_append_token",)),
-    ("norms, RoPE, SiLU (compiled)", ("triton_",)),
+    ("KV append + RoPE + metadata", ("_append_token",)),
+    ("norms + residual adds, SiLU (compiled)", ("triton_",)),
 )
 
 

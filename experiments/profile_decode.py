@@ -40,7 +40,9 @@ def main() -> None:
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (sets PRR_PDL=1)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200")
     args = parser.parse_args()
-    os.environ["PRR_PDL"] = "1" if args.pdl else "0"  # read at each launch (kernels/pdl.py)
+    if args.pdl:
+        os.environ["PRR_PDL"] = "1"  # read at each launch (kernels/pdl.py)
+    args.pdl = os.environ.get("PRR_PDL", "0") == "1"  # PRR_PDL=1 from outside counts too (file name)
     import pandas as pd
     from torch.profiler import ProfilerActivity, profile
 

@@ -23,7 +23,8 @@ def append_token(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor,
     rope = (cos, sin, q): k_new and q [B, Hq, D] are pre-RoPE; both are rotated by the table
     rows cos[positions[b]], sin[positions[b]] (cos, sin: [T >= T_max, D]) as
     prr.model.rope.apply_rope does (in fp32, rounded once), the key before it is stored.
-    -> the rotated q [B, Hq, D] in q's dtype (None without rope).
+    -> the rotated q [B, Hq, D] in q's dtype (None without rope); a row whose position is
+    outside [0, T_max) gets q = 0 (and writes nothing).
 
     k_cache, v_cache: [B, Hkv, T_max, D] (one dtype, one layout); k_new, v_new: [B, Hkv, D]
     (cast to the cache dtype on store); positions: [B] int32/int64 (positions outside

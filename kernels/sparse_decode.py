@@ -131,7 +131,7 @@ def sparse_decode(
                   contract (never checked: that would sync).
     block_size:   power of two >= 16. D must be in SUPPORTED_HEAD_DIMS.
     scale:        softmax scale (a Python number), e.g. D ** -0.5.
-    per_block:    False -> (out [B, Hq, D] fp32, lse [B, Hq] fp32): attention over the union
+    per_block:    False -> (out [B, Hq, D] out_dtype, lse [B, Hq] fp32): attention over the union
                   of the listed blocks. True -> (out [B, Hq, C, D] fp32, lse [B, Hq, C] fp32):
                   one state per list entry; padding entries and blocks with no live token have
                   lse = -inf, out = 0.
@@ -226,7 +226,7 @@ def sparse_decode(
     rows = batch * num_kv_heads
     if batch == 0:
         shape = (0, num_q_heads, capacity) if per_block else (0, num_q_heads)
-        return (torch.zeros(*shape, head_dim, device=device), torch.zeros(shape, device=device))
+        return (torch.zeros(*shape, head_dim, dtype=out_dtype, device=device), torch.zeros(shape, device=device))
     ids = block_ids if capacity > 0 else block_counts  # never dereferenced when C = 0
     target_programs = PROGRAMS_PER_SM * _num_sms(device)
     launch = {"num_warps": num_warps, **launch_kwargs(device)}
@@ -264,8 +264,8 @@ def sparse_decode(
         )  # fmt: skip
         return out, lse
 
-    tile_tokens, entries, num_splits = _split_plan(capacity, rows, block_size, head_dim, tile_tokens,
-                                                   tokens_per_split, device)
+    tile_tokens, entries, num_splits = _split_plan(capacity, rows, block_size, head_dim, k_cache.element_size(),
+                                                   tile_tokens, tokens_per_split, device)
     if num_splits == 1 and merge_splits:
         out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
         lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
@@ -307,25 +307,29 @@ def sparse_decode(
 
 
 def _split_plan(
-    capacity: int, rows: int, block_size: int, head_dim: int, tile_tokens: int | None, tokens_per_split: int | None,
-    device: torch.device,
+    capacity: int, rows: int, block_size: int, head_dim: int, elem_size: int, tile_tokens: int | None,
+    tokens_per_split: int | None, device: torch.device,
 ) -> tuple[int, int, int]:
     """-> (tile tokens, list entries per split, number of splits) for per_block=False; static
-    shapes only. Default tile: 32 tokens; 128 when every split is one program on its own SM
-    (H200, bf16, batch 1, 2K budget: 9.2-9.7 vs 11.1 µs; with 4+ programs per SM (8K budget)
-    tile 128 lost, 26.8 vs 18.3 µs: fewer programs in flight per SM)."""
+    shapes only (elem_size: bytes per cache element). Default tile: 32 tokens; 128 for a 16-bit
+    cache with D <= 128 when the default plan gives every split an SM of its own (H200, bf16,
+    batch 1, 2K budget: 9.2-9.7 vs 11.1 µs; with 4+ programs per SM (8K budget) tile 128 lost,
+    26.8 vs 18.3 µs: fewer programs in flight per SM). fp32 tiles of 128 would need ~270 KB of
+    shared memory at D = 128, more than any GPU has."""
     tile = 32 if tile_tokens is None else tile_tokens
-    if tokens_per_split is None:
+    per_split = tokens_per_split
+    if per_split is None:
         splits_wanted = max(1, -(-SPLIT_PROGRAMS_PER_SM * _num_sms(device) // rows))
-        tokens_per_split = max(-(-capacity // splits_wanted) * block_size, MIN_TOKENS_PER_SPLIT)
-    entries = max(1, -(-tokens_per_split // block_size))
+        per_split = max(-(-capacity // splits_wanted) * block_size, MIN_TOKENS_PER_SPLIT)
+    entries = max(1, -(-per_split // block_size))
 
     def whole_tiles(entries: int, tile: int) -> int:
         per_tile = max(1, tile // block_size)
         return -(-entries // per_tile) * per_tile
 
     entries_at = whole_tiles(entries, tile)
-    if tile_tokens is None and head_dim <= 128 and rows * -(-capacity // entries_at) <= _num_sms(device):
+    wide_ok = tile_tokens is None and tokens_per_split is None and elem_size == 2 and head_dim <= 128
+    if wide_ok and rows * -(-capacity // entries_at) <= _num_sms(device):
         wide = whole_tiles(entries, 128)
         if rows * -(-capacity // wide) <= _num_sms(device):
             tile, entries_at = 128, wide
@@ -334,11 +338,14 @@ def _split_plan(
 
 def sparse_decode_num_splits(
     capacity: int, batch: int, num_kv_heads: int, block_size: int, device: torch.device | str = "cuda",
-    tile_tokens: int | None = None, tokens_per_split: int | None = None, head_dim: int = 128,
+    tile_tokens: int | None = None, tokens_per_split: int | None = None, *, head_dim: int,
+    cache_dtype: torch.dtype,
 ) -> int:
-    """How many splits (programs per (batch, KV head)) sparse_decode(per_block=False) launches."""
-    return _split_plan(capacity, batch * num_kv_heads, block_size, head_dim, tile_tokens, tokens_per_split,
-                       torch.device(device))[2]
+    """How many splits (programs per (batch, KV head)) sparse_decode(per_block=False) launches
+    for a [B, Hkv, T, head_dim] cache of cache_dtype (the default tile depends on both)."""
+    elem_size = torch.empty((), dtype=cache_dtype).element_size()
+    return _split_plan(capacity, batch * num_kv_heads, block_size, head_dim, elem_size, tile_tokens,
+                       tokens_per_split, torch.device(device))[2]
 
 
 def merge_partials(

@@ -76,7 +76,8 @@ def test_fused_merge_equals_the_merge_launch(lengths, hq, hkv, d, bs, topk, capa
     inputs = ref.random_sparse_decode_inputs(len(lengths) + hq, lengths, hq, hkv, d, bs, topk, capacity,
                                              dtype=dtype, empty_rows=((0, 1),))
     kw = dict(tokens_per_split=tokens_per_split)
-    assert sd.sparse_decode_num_splits(capacity, len(lengths), hkv, bs, "cpu", tokens_per_split=tokens_per_split) > 1
+    assert sd.sparse_decode_num_splits(capacity, len(lengths), hkv, bs, "cpu", tokens_per_split=tokens_per_split,
+                                       head_dim=d, cache_dtype=dtype) > 1
     want = sd.sparse_decode(*inputs.args(), **kw)
     arrivals = torch.zeros(len(lengths) * hkv, dtype=torch.int32)
     for _ in range(2):  # the workspace is re-armed by each launch
@@ -289,30 +290,35 @@ def test_out_dtype_is_the_fp32_output_rounded(out_dtype, kw):
 
 
 def test_split_plan_takes_wide_tiles_only_for_one_program_per_sm():
-    """Default tile: 128 tokens when rows x splits fits the SMs once (batch 1, 2K budget), else 32;
-    an explicit tile is kept; the split count matches what sparse_decode launches."""
-    sms = sd.DEFAULT_NUM_SMS
+    """Default tile: 128 tokens for a 16-bit cache when the default plan's rows x splits fit the
+    SMs once (batch 1, 2K budget), else 32 (fp32 tiles of 128 overflow shared memory); an
+    explicit tile or split size is kept; the split count matches what sparse_decode launches."""
     cpu = torch.device("cpu")
-    assert sd._split_plan(128, 8, 16, 128, None, None, cpu)[0] == 128  # b1, 2K tokens in blocks of 16
-    assert sd._split_plan(32, 8, 64, 128, None, None, cpu)[0] == 128  # b1, 2K tokens in blocks of 64
-    assert sd._split_plan(512, 8, 16, 128, None, None, cpu)[0] == 32  # b1, 8K: 512 programs
-    assert sd._split_plan(128, 64, 16, 128, None, None, cpu)[0] == 32  # b8, 2K
-    assert sd._split_plan(128, 8, 16, 256, None, None, cpu)[0] == 32  # D 256: not measured, kept at 32
-    assert sd._split_plan(128, 8, 16, 128, 64, None, cpu)[0] == 64
-    for capacity, tokens_per_split in ((48, None), (48, 64), (48, 200), (7, None)):
-        tile, entries, splits = sd._split_plan(capacity, 4, 16, 64, None, tokens_per_split, cpu)
-        assert splits * 4 <= sms or tile == 32
-        inputs = ref.random_sparse_decode_inputs(5, [1110, 577], 4, 2, 64, 16, min(capacity, 40), capacity)
-        out, _ = sd.sparse_decode(*inputs.args(), merge_splits=False, tokens_per_split=tokens_per_split)
-        assert out.shape[2] == splits == sd.sparse_decode_num_splits(capacity, 2, 2, 16, "cpu", head_dim=64,
-                                                                     tokens_per_split=tokens_per_split)
+    assert sd._split_plan(128, 8, 16, 128, 2, None, None, cpu)[0] == 128  # b1, 2K tokens in blocks of 16
+    assert sd._split_plan(32, 8, 64, 128, 2, None, None, cpu)[0] == 128  # b1, 2K tokens in blocks of 64
+    assert sd._split_plan(128, 8, 16, 128, 4, None, None, cpu)[0] == 32  # fp32 cache
+    assert sd._split_plan(512, 8, 16, 128, 2, None, None, cpu)[0] == 32  # b1, 8K: 512 programs
+    assert sd._split_plan(128, 64, 16, 128, 2, None, None, cpu)[0] == 32  # b8, 2K
+    assert sd._split_plan(128, 8, 16, 256, 2, None, None, cpu)[0] == 32  # D 256: not measured, kept at 32
+    assert sd._split_plan(128, 8, 16, 128, 2, 64, None, cpu)[0] == 64
+    assert sd._split_plan(128, 8, 16, 128, 2, None, 64, cpu)[0] == 32  # a split size asked for: not rounded up
+    for dtype in (torch.float16, torch.float32):
+        for capacity, tokens_per_split in ((48, None), (48, 64), (48, 200), (7, None)):
+            tile, entries, splits = sd._split_plan(capacity, 4, 16, 64, 2 if dtype == torch.float16 else 4, None,
+                                                   tokens_per_split, cpu)
+            assert tile == (128 if dtype == torch.float16 and tokens_per_split is None else 32)
+            inputs = ref.random_sparse_decode_inputs(5, [1110, 577], 4, 2, 64, 16, min(capacity, 40), capacity,
+                                                     dtype=dtype)
+            out, _ = sd.sparse_decode(*inputs.args(), merge_splits=False, tokens_per_split=tokens_per_split)
+            assert out.shape[2] == splits == sd.sparse_decode_num_splits(
+                capacity, 2, 2, 16, "cpu", tokens_per_split=tokens_per_split, head_dim=64, cache_dtype=dtype)
 
 
 def test_split_plan_depends_only_on_static_shapes():
     # Llama-8B at batch 1, 8K-token budget in blocks of 16: enough programs for 132 SMs.
-    splits = sd.sparse_decode_num_splits(512, 1, 8, 16, device="cpu")
+    splits = sd.sparse_decode_num_splits(512, 1, 8, 16, device="cpu", head_dim=128, cache_dtype=torch.bfloat16)
     assert splits * 8 >= 2 * sd.DEFAULT_NUM_SMS
-    assert sd.sparse_decode_num_splits(0, 1, 8, 16, device="cpu") == 1
+    assert sd.sparse_decode_num_splits(0, 1, 8, 16, device="cpu", head_dim=128, cache_dtype=torch.bfloat16) == 1
 
 
 # ------------------------------------------------------------------------- GPU
@@ -458,7 +464,7 @@ def test_gpu_timing_report():
     import triton
 
     context, budget, hkv, hq, d = 131072, 8192, 8, 32, 128
-    splits = sd.sparse_decode_num_splits(budget // 16, 1, hkv, 16, device="cuda")
+    splits = sd.sparse_decode_num_splits(budget // 16, 1, hkv, 16, device="cuda", head_dim=d, cache_dtype=torch.bfloat16)
     print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
           f"{context} context, {budget}-token budget, default splits at bs16: {splits}")  # fmt: skip
     print(f"{'variant':60s} {'graph µs':>9s} {'do_bench µs':>11s} {'GB/s':>7s} {'floor/t':>7s}", flush=True)

@@ -1,8 +1,9 @@
 """The dense parts of a decoder layer for the graph engine, with fused projections.
 
-Per layer, before attention: RMSNorm, one q|k|v projection (one GEMV instead of three;
-RoPE follows in the cache-append kernel); after attention: o_proj + residual, RMSNorm, one gate|up projection, SiLU·up, down
-+ residual. The math is prr.model.decoder's; the fused weights are views the modules
+Per layer, before attention: the previous layer's MLP residual add, RMSNorm, one q|k|v
+projection (one GEMV instead of three; RoPE follows in the cache-append kernel); after
+attention: o_proj + residual, RMSNorm, one gate|up projection, SiLU·up, down (its residual
+add is the next layer's, or final_norm's). The math is prr.model.decoder's; the fused weights are views the modules
 share (`fuse_layer_weights` re-points each module's weight into them, so nothing is
 stored twice). With torch.compile (GraphDecoder(compile=True)) the pointwise work around
 the GEMVs becomes a few generated kernels instead of dozens of tiny ones — at batch 1 those

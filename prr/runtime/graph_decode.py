@@ -101,8 +101,9 @@ class GraphDecoder:
     """Static buffers and the decode step of `model` for `batch` rows of up to `max_tokens`."""
 
     def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False) -> None:
-        """compile: torch.compile the dense parts of each layer (norms, RoPE, SiLU around the
-        fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute)."""
+        """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
+        the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
+        (RoPE runs in the cache-append kernel.)"""
         from prr.kernels import cache_append, prr_merge, quest, sparse_decode, topk
 
         if plan.problems():

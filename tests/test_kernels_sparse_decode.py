@@ -357,6 +357,20 @@ def test_gpu_llama8b_bf16(bs, budget, lengths, native_dot):
     assert ref.relative_error(fused[1][finite], whole[1][finite].double()) <= 1e-6
 
 
+@pytest.mark.gpu
+@needs_cuda
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_batch1_default_plan_launches_at_head_dim_128(dtype):
+    """Batch 1, 2K budget, D = 128: the plan whose 16-bit tile is 128 tokens; fp32 must keep a
+    tile that fits shared memory (it launches) and both match the reference."""
+    inputs = ref.random_sparse_decode_inputs(3, [32768], 32, 8, 128, 16, 128, capacity=128, dtype=dtype, device="cuda")
+    out, lse = sd.sparse_decode(*inputs.args(), out_dtype=torch.bfloat16)
+    ref_out, ref_lse = ref.sparse_decode_reference(*inputs.args())
+    assert out.dtype == torch.bfloat16
+    assert ref.relative_error(out.float(), ref_out) <= 1e-2 and ref.relative_error(lse, ref_lse) <= 1e-3
+
+
 def _graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:
     """Median µs per call of `fn(i)` (i = 0..calls-1) captured in one CUDA graph."""
     stream = torch.cuda.Stream()

@@ -40,7 +40,8 @@ def test_graph_engine_decodes_like_the_eager_runtime(tmp_path):
     assert prr["variant"] == "prr" and prr["predicted_blocks"] == 6 and 0 < prr["hit_rate"] <= 1
     assert prr["decode_steps"] == 6 and prr["token_latency_median_ms"] > 0
     run_dir = tmp_path / "prr"
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "complete"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["command"].startswith("python ") and summary["torch"]
     layers = pd.read_csv(run_dir / "layers.csv")
     assert layers["layer"].tolist() == [1] and 0 < layers["hit_rate"].iloc[0] <= 1  # layer 0 is dense
     assert len((run_dir / "records" / "tokens.jsonl").read_text().splitlines()) == 6

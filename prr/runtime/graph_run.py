@@ -23,7 +23,9 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +268,10 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     median_ms = 1e3 * statistics.median(latencies)
     summary = {
         "status": "complete",
+        # how this file was produced (results copied elsewhere keep their provenance)
+        "command": "python " + " ".join(sys.argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
         "engine": "graph",
         "model": model.name,
         "selector": OmegaConf.to_container(cfg.selector, resolve=True),

@@ -276,20 +276,20 @@ class GraphDecoder:
                                                       out_dtype=self.dtype if final else torch.float32,
                                                       arrivals=self.merge_arrivals if fused else None)
 
-    def step_positions(self) -> tuple[Tensor, Tensor, Tensor]:
-        """-> (pos [1] int64, lengths [B] int32, num_blocks [B] int32) for this step: computed
-        once per step and shared by every layer (each is a launch)."""
+    def step_positions(self) -> tuple[Tensor, Tensor]:
+        """-> (lengths [B] int32, num_blocks [B] int32) for this step: computed once per step
+        and shared by every layer (each is a launch)."""
         bs = self.plan.block_size
-        return self.pos[:1].long(), self.pos + 1, (self.pos + bs).div(bs, rounding_mode="floor")
+        return self.pos + 1, (self.pos + bs).div(bs, rounding_mode="floor")
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                  positions: tuple[Tensor, Tensor, Tensor] | None = None, rope: bool = False) -> Tensor:
+                  positions: tuple[Tensor, Tensor] | None = None, rope: bool = False) -> Tensor:
         """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] in the
         model dtype.
         positions: `step_positions()` of this step (computed here when not given).
         rope: q and k are pre-RoPE; the append kernel rotates both (one launch fewer)."""
         p = self.plan
-        _, lengths, num_blocks = positions if positions is not None else self.step_positions()
+        lengths, num_blocks = positions if positions is not None else self.step_positions()
         # K/V at pos, and the Quest metadata of its block, in one launch.
         quest_meta = p.selector == "quest" and self.sparse[layer]
         q_rot = self._k["cache_append"].append_token(

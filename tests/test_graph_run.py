@@ -59,6 +59,22 @@ def test_graph_engine_proposes_what_the_eager_runtime_proposes(tmp_path, predict
     assert graph["hit_rate"] == pytest.approx(eager["hit_rate"], abs=1e-12) and 0 < graph["hit_rate"] < 1
 
 
+@pytest.mark.parametrize("predictor", ["last_step", "ema_membership"])
+def test_graph_engine_adaptive_switches_between_serial_and_prr(tmp_path, predictor):
+    """budget=adaptive: both variants run over one cache (each measured, then the faster), the
+    tokens stay serial DSA's, and the hit rate counts PRR's steps only."""
+    eager = run_tiny(tmp_path, "predictor=none", name="eager")
+    graph = run_tiny(tmp_path, f"predictor={predictor}", "budget=adaptive", "budget.min_hit=0",
+                     "runtime.engine=graph", name="graph")
+    assert graph["generated_token_ids"] == eager["generated_token_ids"]
+    setup = graph["budget_setup"]
+    assert setup["policy"] == "AdaptiveBudget" and setup["steps_prr"] + setup["steps_serial"] == 6
+    assert [w["variant"] for w in setup["windows"]][:2] == ["serial", "prr"] and setup["steps_prr"] >= 1
+    steps = [json.loads(line) for line in (tmp_path / "graph" / "records" / "tokens.jsonl").read_text().splitlines()]
+    assert [s["variant"] for s in steps] == [w["variant"] for w in setup["windows"]]  # CPU: one step per window
+    assert 0 < graph["hit_rate"] <= 1
+
+
 def test_eos_stop_matches_decode_run():
     """decode_run stops after the first step by which every row has read an EOS."""
     from prr.runtime.graph_run import steps_until_eos
@@ -100,6 +116,8 @@ def test_ema_membership_predictor_state_is_the_membership_average():
     (["predictor=none", "runtime.mode=shadow"], "sparse only"),
     (["predictor=none", "model=tiny-random"], "head_dim=16"),
     (["predictor=ema_membership", "budget.ratio=4"], "exceeds the prompt"),
+    (["predictor=none", "budget=adaptive"], "needs a predictor"),
+    (["predictor=last_step", "budget=adaptive", "budget.ratio=1.5"], "budget.ratio=1"),
 ])
 def test_graph_engine_refuses_what_it_cannot_run(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -122,6 +140,21 @@ def test_graph_engine_on_the_gpu_decodes_like_the_eager_runtime(tmp_path, budget
         assert 0 < graph["hit_rate"] <= 1
     if budget == "profiled":
         assert graph["budget_setup"]["choice"] == graph["variant"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+def test_graph_engine_adaptive_on_the_gpu_replays_both_graphs(tmp_path):
+    """budget=adaptive captures serial DSA and PRR over one cache and replays either per
+    16-step window; fp32, so the tokens equal the eager runtime's serial DSA."""
+    cuda = ["runtime=cuda", "runtime.dtype=float32", "task.max_new_tokens=40"]
+    eager = run_tiny(tmp_path, *cuda, "predictor=none", name="eager")
+    graph = run_tiny(tmp_path, *cuda, "predictor=last_step", "runtime.engine=graph", "budget=adaptive",
+                     "budget.min_hit=0", name="graph")
+    assert graph["generated_token_ids"] == eager["generated_token_ids"]
+    setup = graph["budget_setup"]
+    assert [w["variant"] for w in setup["windows"]][:2] == ["serial", "prr"] and len(setup["windows"]) == 3
+    assert setup["steps_prr"] >= 16 and 0 < graph["hit_rate"] <= 1
 
 
 @pytest.mark.gpu

@@ -13,7 +13,10 @@ selector=quest (gqa_reduce=max; sink_blocks, local_blocks + force_newest, dense_
 topk_blocks carry over); predictor=none -> serial DSA; predictor=last_step -> PRR with
 P = last step's A (|P| = |A|); predictor=ema_membership -> PRR with the engine's EMA of
 membership (|P| = budget.ratio × |A| or budget.blocks). budget=profiled: on a GPU the
-engine times serial DSA against PRR at this prompt length and keeps the faster. The
+engine times serial DSA against PRR at this prompt length and keeps the faster.
+budget=adaptive: both are captured and chosen online per window of steps by measured time
+and PRR's hit rate (graph_adaptive.py; of AdaptiveBudget's keys it reads ratio, min_hit and
+smoothing: the per-layer |P| rules are the eager runtime's, and are logged as unused). The
 predictor's state is warmed on the prefill tail's selections, as the eager runtime does,
 so both propose the same P from the first step.
 """
@@ -45,7 +48,10 @@ log = logging.getLogger("prr")
 # predictor class -> (the engine's variant, its predictor)
 PREDICTORS = {"NoPredictor": ("serial", "fixed"), "LastStepPredictor": ("prr", "last_step"),
               "EmaMembershipPredictor": ("prr", "ema")}
-BUDGETS = ("FixedBudget", "ProfiledBudget")
+BUDGETS = ("FixedBudget", "ProfiledBudget", "AdaptiveBudget")
+STATIC_P = ("FixedBudget", "AdaptiveBudget")  # budgets whose |P| comes from ratio / blocks
+# AdaptiveBudget keys the engine does not use (its |P| is static; it adapts serial vs PRR)
+EAGER_ONLY_ADAPTIVE = ("min_ratio", "max_ratio", "growth", "target_miss", "max_waste", "profile")
 
 
 def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
@@ -67,20 +73,26 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
         out.append(f"{head} runs predictor=none, last_step or ema_membership (got {name}: its state and update "
                    "live in the eager runtime only); use runtime.engine=eager")
     if type(budget).__name__ not in BUDGETS:
-        out.append(f"{head} takes budget=fixed or budget=profiled (got {type(budget).__name__})")
+        out.append(f"{head} takes budget=fixed, profiled or adaptive (got {type(budget).__name__})")
     elif name == "LastStepPredictor" and type(budget).__name__ == "FixedBudget" and (
             budget.blocks not in (None, getattr(selector, "topk_blocks", None)) or budget.blocks is None and budget.ratio != 1):
         out.append(f"{head} with predictor=last_step speculates over last step's A, |P| = |A|: set budget.ratio=1 "
                    f"(got ratio={budget.ratio}, blocks={budget.blocks})")
-    elif name == "EmaMembershipPredictor" and type(budget).__name__ == "FixedBudget" and predicted_blocks(
+    elif name == "EmaMembershipPredictor" and type(budget).__name__ in STATIC_P and predicted_blocks(
             budget, getattr(selector, "topk_blocks", 1)) < 1:
         out.append(f"{head} with predictor=ema_membership needs |P| >= 1 (got budget.ratio={budget.ratio}, "
                    f"blocks={budget.blocks}); use predictor=none for serial DSA")
+    if name == "NoPredictor" and type(budget).__name__ == "AdaptiveBudget":
+        out.append(f"{head} with budget=adaptive chooses between serial DSA and PRR: it needs a predictor "
+                   "(last_step or ema_membership); predictor=none is serial DSA already")
+    if name == "LastStepPredictor" and type(budget).__name__ == "AdaptiveBudget" and budget.ratio != 1:
+        out.append(f"{head} with predictor=last_step speculates over last step's A, |P| = |A|: set budget.ratio=1 "
+                   f"(got ratio={budget.ratio})")
     if name in PREDICTORS and name != "NoPredictor" and type(budget).__name__ == "ProfiledBudget" and \
             runtime.device == "cpu":
         out.append(f"{head} with budget=profiled times CUDA graphs: use runtime=cuda (or budget=fixed)")
     prompt_blocks = getattr(task, "prompt_tokens", 0) // max(runtime.block_size, 1)
-    if name == "EmaMembershipPredictor" and type(budget).__name__ == "FixedBudget" and prompt_blocks and \
+    if name == "EmaMembershipPredictor" and type(budget).__name__ in STATIC_P and prompt_blocks and \
             predicted_blocks(budget, getattr(selector, "topk_blocks", 1)) > prompt_blocks:
         out.append(f"{head}: |P| = {predicted_blocks(budget, selector.topk_blocks)} blocks exceeds the prompt's "
                    f"{prompt_blocks} blocks; lower budget.ratio / budget.blocks")
@@ -102,14 +114,15 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
 
 
 def predicted_blocks(budget: Any, topk_blocks: int) -> int:
-    """|P| of budget=fixed (the engine's P has a static size)."""
-    return budget.blocks if budget.blocks is not None else round(budget.ratio * topk_blocks)
+    """|P| of budget=fixed or adaptive (the engine's P has a static size)."""
+    blocks = getattr(budget, "blocks", None)
+    return blocks if blocks is not None else round(budget.ratio * topk_blocks)
 
 
 def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any) -> StaticPlan:
     variant, engine_predictor = PREDICTORS[type(predictor).__name__]
     k = selector.topk_blocks
-    size = 0 if variant == "serial" else k if engine_predictor == "last_step" or type(budget).__name__ != "FixedBudget" \
+    size = 0 if variant == "serial" else k if engine_predictor == "last_step" or type(budget).__name__ == "ProfiledBudget" \
         else predicted_blocks(budget, k)
     return StaticPlan(variant=variant, selector="quest", topk_blocks=k, predicted_blocks=size,
                       predictor=engine_predictor, ema_alpha=getattr(predictor, "alpha", 0.8),
@@ -200,6 +213,15 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     del cache, backend  # (history holds only the prefill tail's selections)
     log.info("prompt: %s (%d tokens); engine=graph, %s", prompt.description, prompt_len, plan)
 
+    adaptive = type(budget).__name__ == "AdaptiveBudget"
+    chooser = None
+    if adaptive:
+        from prr.runtime.graph_adaptive import WindowChoice
+
+        chooser = WindowChoice(min_hit=budget.min_hit, smoothing=budget.smoothing)
+        log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of steps, by measured "
+                 "time and PRR's hit rate (min_hit=%s); unused here (eager-only per-layer rules): %s",
+                 plan.predicted_blocks, budget.min_hit, ", ".join(EAGER_ONLY_ADAPTIVE))
     # Hit counters (two small reductions per sparse layer) are part of the step: set before capture.
     engine.count_hits = plan.variant == "prr"
     steps = task.max_new_tokens
@@ -209,23 +231,42 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         engine.step(advance=True)
         outputs.index_copy_(1, (engine.pos[:1] - prompt_len - 1).long(), engine.token)
 
-    replay = step
-    if device.type == "cuda":  # capture one step; its warm-up steps advance the state: start over after
-        graph = engine.capture(step)
+    # One step function per variant this run can take (adaptive: both, over the same cache).
+    plans = {"serial": dataclasses.replace(plan, variant="serial"), "prr": plan} if adaptive else {plan.variant: plan}
+
+    def stepper(variant: str):
+        def run() -> None:
+            engine.plan = plans[variant]  # read while the step is built (eager) or captured
+            step()
+        return run
+
+    replays = {variant: stepper(variant) for variant in plans}
+    if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: start over after
+        replays = {variant: engine.capture(fn).replay for variant, fn in replays.items()}
         engine.start_at(prompt_len, first)
         if plan.variant == "prr":
             warm_predictor(engine, history, prompt_len)
-        replay = graph.replay
     eos = mc.eos_token_id
     eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     # Steps run back to back; the host looks at tokens (EOS) every CHECK_EVERY steps, and on a
     # GPU each step's time is its replay's device time (CUDA events): no host sync per token.
     check_every = 16 if device.type == "cuda" else 1
     latencies: list[float] = []
+    ran: list[str] = []  # the variant of each step
+    sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
+    # Hit counters summed over PRR steps only (an adaptive run's serial steps count |A|, no hits).
+    prr_hits = torch.zeros(mc.num_layers, dtype=torch.float64)
+    prr_selected = torch.zeros(mc.num_layers, dtype=torch.float64)
     done = 0
     with torch.inference_mode(), tqdm(total=steps, desc="decode (graph)", unit="tok") as bar:
         while done < steps:
             chunk = min(check_every, steps - done)
+            variant = chooser.next_variant() if chooser is not None else plan.variant
+            replay = replays[variant]
+            # copies: on the CPU .cpu() would alias the counters the steps add to in place
+            before = (engine.hits.to("cpu", copy=True), engine.selected.to("cpu", copy=True)) \
+                if engine.count_hits else None
+            first_latency = len(latencies)
             if device.type == "cuda":
                 events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                           for _ in range(chunk)]
@@ -241,30 +282,41 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
                     replay()
                     latencies.append(time.perf_counter() - t0)
             done += chunk
+            ran += [variant] * chunk
             bar.update(chunk)
+            if before is not None and variant == "prr":
+                prr_hits += engine.hits.cpu() - before[0]
+                prr_selected += engine.selected.cpu() - before[1]
+            if chooser is not None:
+                window_hit = None
+                if variant == "prr":
+                    d_hits = (engine.hits.cpu() - before[0])[sparse].sum()
+                    d_sel = (engine.selected.cpu() - before[1])[sparse].sum()
+                    window_hit = float(d_hits / d_sel) if d_sel > 0 else None
+                chooser.observe(variant, statistics.median(latencies[first_latency:]), window_hit)
             inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, done]
             stop = steps_until_eos(inputs, eos_ids) if task.stop_at_eos else None
             if stop is not None:
                 done = stop
-                latencies = latencies[:done]
+                latencies, ran = latencies[:done], ran[:done]
                 break
     inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, steps]: tokens each step read
     tokens_out = JsonlWriter(run_dir / "records" / "tokens.jsonl")
-    tokens_out.write([{"step": i, "token": int(inputs[0, i]), "wall_s": t, "measure_s": 0.0, "latency_s": t}
-                      for i, t in enumerate(latencies)])
+    tokens_out.write([{"step": i, "token": int(inputs[0, i]), "wall_s": t, "measure_s": 0.0, "latency_s": t,
+                       "variant": v} for i, (t, v) in enumerate(zip(latencies, ran, strict=True))])
     tokens_out.close()
 
     token_ids = inputs
-    selected = engine.selected.cpu()
-    hits = engine.hits.cpu()
-    sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
+    selected, hits = prr_selected, prr_hits
     layers = pd.DataFrame({"layer": sparse,
-                           "hit_rate": [float(hits[i] / selected[i]) if engine.count_hits and selected[i] > 0
+                           "hit_rate": [float(hits[i] / selected[i]) if selected[i] > 0
                                         else None for i in sparse]})
     layers.to_csv(run_dir / "layers.csv", index=False)
     text = model.tokenizer.decode(token_ids[0].tolist()) if model.tokenizer is not None else None
     write_text_atomic(run_dir / "generation.txt", f"prompt: {prompt.description}\n\n{text or token_ids[0].tolist()}\n")
-    total_selected = float(selected[sparse].sum())
+    total_selected = float(selected[sparse].sum())  # over PRR steps
+    if chooser is not None:
+        budget_info.update(windows=chooser.windows, steps_prr=ran.count("prr"), steps_serial=ran.count("serial"))
     median_ms = 1e3 * statistics.median(latencies)
     summary = {
         "status": "complete",
@@ -293,7 +345,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "token_latency_median_ms": median_ms,
         "token_latency_p90_ms": 1e3 * float(pd.Series(latencies).quantile(0.9)),
         "tokens_per_s": settings.batch_size * 1e3 / median_ms,
-        "hit_rate": float(hits[sparse].sum()) / total_selected if engine.count_hits and total_selected else None,
+        "hit_rate": float(hits[sparse].sum()) / total_selected if total_selected else None,
         "generated_token_ids": token_ids.tolist(),
     }
     write_json_atomic(run_dir / "summary.json", summary)

@@ -68,6 +68,7 @@ def test_graph_engine_adaptive_switches_between_serial_and_prr(tmp_path, predict
                      "runtime.engine=graph", name="graph")
     assert graph["generated_token_ids"] == eager["generated_token_ids"]
     setup = graph["budget_setup"]
+    assert graph["variant"] == "adaptive"
     assert setup["policy"] == "AdaptiveBudget" and setup["steps_prr"] + setup["steps_serial"] == 6
     assert [w["variant"] for w in setup["windows"]][:2] == ["serial", "prr"] and setup["steps_prr"] >= 1
     steps = [json.loads(line) for line in (tmp_path / "graph" / "records" / "tokens.jsonl").read_text().splitlines()]

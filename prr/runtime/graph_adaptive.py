@@ -3,8 +3,9 @@
 The engine's P has a static size (a CUDA graph fixes every shape), so instead of resizing P per
 layer as the eager runtime's AdaptiveBudget does, the run captures both variants over one
 cache and picks, for each window of steps (the windows the host already waits on for EOS),
-the one that measured faster. A PRR window whose hit rate fell below `min_hit` counts as
-slower whatever its time. The first two windows measure both; afterwards the variant not in
+the one that measured faster. A PRR window whose hit rate (|P ∩ A| / |A| at the engine's
+|P|; the eager budget's `min_hit` is the predictor's hit rate at K) fell below `min_hit`
+counts as slower whatever its time. The first two windows measure both; afterwards the variant not in
 use is re-measured one window in every `probe_every`, so a change of regime (the context
 grows, the predictor warms up or degrades) is seen. Per-window times are medians of the
 steps' latencies, smoothed over windows of the same variant. The predictor learns inside

@@ -51,7 +51,8 @@ PREDICTORS = {"NoPredictor": ("serial", "fixed"), "LastStepPredictor": ("prr", "
 BUDGETS = ("FixedBudget", "ProfiledBudget", "AdaptiveBudget")
 STATIC_P = ("FixedBudget", "AdaptiveBudget")  # budgets whose |P| comes from ratio / blocks
 # AdaptiveBudget keys the engine does not use (its |P| is static; it adapts serial vs PRR)
-EAGER_ONLY_ADAPTIVE = ("min_ratio", "max_ratio", "growth", "target_miss", "max_waste", "profile")
+EAGER_ONLY_ADAPTIVE = ("min_ratio", "max_ratio", "growth", "target_miss", "max_waste", "use_profile",
+                       "profile_ratios", "profile_context_points")
 
 
 def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
@@ -235,14 +236,17 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     plans = {"serial": dataclasses.replace(plan, variant="serial"), "prr": plan} if adaptive else {plan.variant: plan}
 
     def stepper(variant: str):
-        def run() -> None:
-            engine.plan = plans[variant]  # read while the step is built (eager) or captured
+        def run() -> None:  # plan and counters are read while the step is built (eager) or captured
+            engine.plan = plans[variant]
+            engine.count_hits = variant == "prr"  # serial steps do not pay for PRR's counters
             step()
         return run
 
     replays = {variant: stepper(variant) for variant in plans}
-    if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: start over after
-        replays = {variant: engine.capture(fn).replay for variant, fn in replays.items()}
+    if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: start each
+        for variant, fn in list(replays.items()):  # capture, and the decode, from the prompt's end
+            engine.start_at(prompt_len, first)
+            replays[variant] = engine.capture(fn).replay
         engine.start_at(prompt_len, first)
         if plan.variant == "prr":
             warm_predictor(engine, history, prompt_len)
@@ -265,7 +269,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
             replay = replays[variant]
             # copies: on the CPU .cpu() would alias the counters the steps add to in place
             before = (engine.hits.to("cpu", copy=True), engine.selected.to("cpu", copy=True)) \
-                if engine.count_hits else None
+                if variant == "prr" else None
             first_latency = len(latencies)
             if device.type == "cuda":
                 events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -284,7 +288,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
             done += chunk
             ran += [variant] * chunk
             bar.update(chunk)
-            if before is not None and variant == "prr":
+            if before is not None:
                 prr_hits += engine.hits.cpu() - before[0]
                 prr_selected += engine.selected.cpu() - before[1]
             if chooser is not None:
@@ -331,7 +335,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "budget": OmegaConf.to_container(cfg.budget, resolve=True),
         "mode": "sparse",
         "repair_mode": plan.repair_mode,
-        "variant": plan.variant,
+        "variant": "adaptive" if chooser is not None else plan.variant,  # adaptive: per step in tokens.jsonl
         "device": device_name(device),
         "prompt_tokens": prompt_len,
         "block_size": plan.block_size,

@@ -44,6 +44,7 @@ def test_graph_engine_decodes_like_the_eager_runtime(tmp_path):
     assert summary["status"] == "complete" and summary["command"].startswith("python ") and summary["torch"]
     layers = pd.read_csv(run_dir / "layers.csv")
     assert layers["layer"].tolist() == [1] and 0 < layers["hit_rate"].iloc[0] <= 1  # layer 0 is dense
+    assert layers["command"].str.startswith("python ").all()
     assert len((run_dir / "records" / "tokens.jsonl").read_text().splitlines()) == 6
 
 

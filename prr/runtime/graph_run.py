@@ -315,7 +315,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     layers = pd.DataFrame({"layer": sparse,
                            "hit_rate": [float(hits[i] / selected[i]) if selected[i] > 0
                                         else None for i in sparse]})
-    layers.to_csv(run_dir / "layers.csv", index=False)
+    command = "python " + " ".join(sys.argv)  # provenance travels with copies of either file
+    layers.assign(command=command).to_csv(run_dir / "layers.csv", index=False)
     text = model.tokenizer.decode(token_ids[0].tolist()) if model.tokenizer is not None else None
     write_text_atomic(run_dir / "generation.txt", f"prompt: {prompt.description}\n\n{text or token_ids[0].tolist()}\n")
     total_selected = float(selected[sparse].sum())  # over PRR steps
@@ -325,7 +326,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     summary = {
         "status": "complete",
         # how this file was produced (results copied elsewhere keep their provenance)
-        "command": "python " + " ".join(sys.argv),
+        "command": command,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "engine": "graph",

@@ -232,9 +232,10 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         fn = lambda: eng.step(advance=advance)  # noqa: E731
         us = time_graph_us(fn, repeats=steps) if graphs else time_eager_us(fn, repeats=max(8, steps // 4))
         eng.pos.copy_(start)
-        floor = floors["dense" if name == "dense" else "sparse"]
+        floor = floors["dense" if name.startswith("dense") else "sparse"]
         rows.append(dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
-                         variant=name, cuda_graphs=graphs, compiled=eng._pre is not pre_attention, hit_rate=hit,
+                         variant=name, cuda_graphs=graphs, compiled=eng._pre is not pre_attention, projections=eng.projections,
+                         hit_rate=hit,
                          token_us=us, floor_us=floor,
                          over_floor=us / floor))
 
@@ -252,6 +253,10 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         eng.plan = dataclasses.replace(base, variant=name)
         for graphs in (True, False):
             record(name, eng, advance=False, hit=None, graphs=graphs)
+        if batch == 1:  # the fused Triton projections (GraphDecoder(projections="fused")), graphs on
+            eng.projections = "fused"
+            record(f"{name}_fused", eng, advance=False, hit=None)
+            eng.projections = "torch"
     eng.plan = dataclasses.replace(base, variant="serial")
     eng.step(advance=False)
     torch.cuda.synchronize()
@@ -264,6 +269,10 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
                 eng.set_predictions(i, *controlled_predictions(s, hit, num_blocks, hgen))
         for graphs in ((True, False) if hit == 1.0 else (True,)):
             record(f"prr_fixed_{hit:.2f}", eng, advance=False, hit=hit, graphs=graphs)
+        if hit == 1.0 and batch == 1:
+            eng.projections = "fused"
+            record(f"prr_fixed_{hit:.2f}_fused", eng, advance=False, hit=hit)
+            eng.projections = "torch"
         if hit == 0.9:  # the profiled choice, timed on the same data as the other variants
             eng.plan = dataclasses.replace(base, variant=profile.choice(context))
             record("prr_profiled_0.90", eng, advance=False, hit=hit)

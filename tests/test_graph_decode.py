@@ -172,3 +172,40 @@ def test_compiled_graph_equals_eager_on_the_gpu():
     for step, a in enumerate(want):
         graph.replay()
         torch.testing.assert_close(compiled.graph_output.float().cpu(), a, rtol=1e-3, atol=1e-3, msg=f"step {step}")
+
+
+def fused_projection_engine(plan: StaticPlan, device: str = DEVICE, context: int = 203) -> GraphDecoder:
+    model = Decoder(CONFIG, torch.float32, device).init_random_(seed=3, std=0.05)
+    engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40, projections="fused")
+    engine.fill_random_context(context, seed=5)
+    return engine
+
+
+@pytest.mark.parametrize("variant", ["serial", "prr"])
+def test_fused_projections_decode_like_torch_projections(variant):
+    """projections="fused" (Triton GEMVs with the norms, SwiGLU and residual adds inside) gives
+    the logits of the F.linear path, step after step (fp32: only summation order differs)."""
+    plan = StaticPlan(variant=variant, topk_blocks=6, predicted_blocks=8)
+    want = decode(make(plan), 3)
+    got = decode(fused_projection_engine(plan), 3)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_projections_are_refused():
+    model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
+    with pytest.raises(ValueError, match="projections='cublas' is not one of"):
+        GraphDecoder(model, StaticPlan(variant="serial", topk_blocks=6), batch=1, max_tokens=64, projections="cublas")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+def test_fused_projections_graph_equals_torch_projections_on_the_gpu():
+    plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
+    want = decode(make(plan, context=3001, device="cuda"), 6)
+    fused = fused_projection_engine(plan, device="cuda", context=3001)
+    graph = fused.capture(lambda: fused.step(advance=True))
+    fused.fill_random_context(3001, seed=5)
+    for step, a in enumerate(want):
+        graph.replay()
+        torch.testing.assert_close(fused.graph_output.float().cpu(), a, rtol=1e-4, atol=1e-4, msg=f"step {step}")

@@ -41,6 +41,7 @@ VARIANTS = ("dense", "serial", "prr")
 SELECTORS = ("quest", "infllm")
 PREDICTORS = ("ema", "last_step", "fixed")  # fixed: P set from outside (controlled hit rates)
 REPAIR_MODES = ("exact", "superset")
+PROJECTIONS = ("torch", "fused")
 
 
 def metadata_dtype(selector: str, cache_dtype: torch.dtype) -> torch.dtype:
@@ -100,19 +101,27 @@ class StaticPlan:
 class GraphDecoder:
     """Static buffers and the decode step of `model` for `batch` rows of up to `max_tokens`."""
 
-    def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False) -> None:
+    def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False,
+                 projections: str = "torch") -> None:
         """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
         the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
-        (RoPE runs in the cache-append kernel.)"""
-        from prr.kernels import cache_append, prr_merge, quest, sparse_decode, topk
+        (RoPE runs in the cache-append kernel.)
+        projections: "torch" (F.linear, i.e. cuBLAS, with the norms / SiLU / residual adds as
+        separate kernels) or "fused" (prr.kernels.dense_gemv: each projection one Triton launch
+        with its RMSNorm, SwiGLU or residual add inside; 4 launches per layer's dense part).
+        An attribute: benchmarks switch it between captures, as they switch `plan`."""
+        from prr.kernels import cache_append, dense_gemv, prr_merge, quest, sparse_decode, topk
 
         if plan.problems():
             raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
         c = model.config
         if c.num_heads % c.num_kv_heads:
             raise ValueError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
-        self._k = dict(cache_append=cache_append, prr_merge=prr_merge, quest=quest, sparse_decode=sparse_decode,
-                       topk=topk)
+        if projections not in PROJECTIONS:
+            raise ValueError(f"projections={projections!r} is not one of {list(PROJECTIONS)}")
+        self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, quest=quest,
+                       sparse_decode=sparse_decode, topk=topk)
+        self.projections = projections
         self.model, self.plan, self.batch = model, plan, batch
         self.device, self.dtype = model.device, model.dtype
         bs = plan.block_size
@@ -380,20 +389,44 @@ class GraphDecoder:
         """One decode step of every layer -> logits [B, V] (greedy token and pos + 1 written
         back when advance). Graph-capturable: no host synchronisation, static shapes."""
         m, B = self.model, self.batch
-        x, delta = m.model.embed_tokens(self.token), self.no_delta  # [B, 1, H] each
         positions = self.step_positions()
         split = [self.hq, self.hkv, self.hkv]
-        for i, w in enumerate(self.fused):
-            x, qkv = self._pre(x, delta, w.ln1, w.wqkv, w.bqkv, self.eps, sum(split), self.d)
-            q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
-            out = self.attention(i, q, k, v, positions, rope=True).view(B, 1, self.hq * self.d)  # model dtype
-            x, delta = self._post(x, out, w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down, self.eps)
-        logits = m.lm_head(self._final(x, delta, m.model.norm.weight, m.model.norm.eps))[:, 0]  # [B, V]
+        if self.projections == "fused":
+            logits = self._fused_layers(positions, split)
+        else:
+            logits = self._torch_layers(positions, split)
         if advance:
             self.token.copy_(logits.argmax(-1, keepdim=True))
             self.pos.add_(1)
         self._join()  # the side stream's last work (next-P writes) belongs to this step
         return logits
+
+    def _torch_layers(self, positions: tuple[Tensor, Tensor], split: list[int]) -> Tensor:
+        """Every layer with F.linear projections -> logits [B, V]."""
+        m, B = self.model, self.batch
+        x, delta = m.model.embed_tokens(self.token), self.no_delta  # [B, 1, H] each
+        for i, w in enumerate(self.fused):
+            x, qkv = self._pre(x, delta, w.ln1, w.wqkv, w.bqkv, self.eps, sum(split), self.d)
+            q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
+            out = self.attention(i, q, k, v, positions, rope=True).view(B, 1, self.hq * self.d)  # model dtype
+            x, delta = self._post(x, out, w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down, self.eps)
+        return m.lm_head(self._final(x, delta, m.model.norm.weight, m.model.norm.eps))[:, 0]  # [B, V]
+
+    def _fused_layers(self, positions: tuple[Tensor, Tensor], split: list[int]) -> Tensor:
+        """Every layer with prr.kernels.dense_gemv -> logits [B, V]: the residual stream x [B, H]
+        is updated in place by o_proj's and down's epilogues; the norms run inside the next
+        projection."""
+        m, B, gemv = self.model, self.batch, self._k["dense_gemv"].dense_gemv
+        x = m.model.embed_tokens(self.token).view(B, -1)  # [B, H]: a fresh buffer, ours to update
+        for i, w in enumerate(self.fused):
+            qkv = gemv(x, w.wqkv, w.bqkv, norm_weight=w.ln1, eps=self.eps).view(B, sum(split), self.d)
+            q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
+            out = self.attention(i, q, k, v, positions, rope=True).view(B, self.hq * self.d)
+            gemv(out, w.wo, w.bo, residual=x)  # x += o_proj(out)
+            h = gemv(x, w.w_gate_up, w.b_gate_up, norm_weight=w.ln2, eps=self.eps, swiglu=True)  # [B, I]
+            gemv(h, w.w_down, w.b_down, residual=x)  # x += down(h)
+        head = m.lm_head
+        return gemv(x, head.weight, head.bias, norm_weight=m.model.norm.weight, eps=m.model.norm.eps)  # [B, V]
 
     def capture(self, fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
         """Capture `fn()` (e.g. lambda: d.step(False)) after `warmup` eager calls on a side

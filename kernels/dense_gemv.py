@@ -1,0 +1,84 @@
+"""Launcher for the fused decode projections (checks, grid, tile sizes); the kernel is in
+`prr.kernels.dense_gemv_jit`. The math is prr.runtime.dense_layer's:
+
+    norm_weight given:  y = F.linear(rms_norm(x, norm_weight, eps), weight, bias)
+    swiglu:             y = silu(gate) * up,  [gate | up] = that projection's two halves
+    residual given:     residual += y  (in place; the residual stream of a decoder layer)
+
+except that the RMSNorm's 1 / rms factor scales the dot products instead of each input (one
+pass over x; the reference rounds the normalised x to the model dtype first: the two agree to
+the model dtype's rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from .dense_gemv_jit import _dense_gemv_kernel
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def default_tiles(out_features: int, in_features: int, batch: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a GEMV of out_features x in_features.
+    Small row tiles keep many programs streaming the weight at once (a GEMV is a pure weight
+    read); the K tile is as wide as 16-byte loads of every thread allow."""
+    block_k = min(1024, triton.next_power_of_2(max(in_features, 16)))
+    return 4, block_k, 4
+
+
+def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
+               eps: float = 1e-6, residual: Tensor | None = None, swiglu: bool = False,
+               tiles: tuple[int, int, int] | None = None) -> Tensor:
+    """x: [M, K]; weight: [N_w, K] (nn.Linear layout, last dim contiguous); bias: [N_w] or None;
+    norm_weight: [K] RMSNorm weight applied to x first (None: x as it is);
+    swiglu: weight is [gate | up] with N_w = 2 N, the output silu(gate) * up;
+    residual: [M, N] in x's dtype, updated in place with the projection (and returned).
+    -> y [M, N] in x's dtype (N = N_w, or N_w / 2 with swiglu).
+    tiles: (BLOCK_N, BLOCK_K, num_warps) instead of `default_tiles` (benchmarks tune them)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K] with one K; got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share one of {SUPPORTED_DTYPES}; got {x.dtype} and {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x and weight need a contiguous last dim; got strides {x.stride()} and {weight.stride()}")
+    M, K = x.shape
+    n_w = weight.shape[0]
+    if swiglu and n_w % 2:
+        raise ValueError(f"swiglu needs a [gate | up] weight with an even number of rows; got {n_w}")
+    N = n_w // 2 if swiglu else n_w
+    for name, t, shape in (("bias", bias, (n_w,)), ("norm_weight", norm_weight, (K,)), ("residual", residual, (M, N))):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}; got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}; put them on one device")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim; got strides {t.stride()}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}; put them on one device")
+    if residual is not None:
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual must be in x's dtype {x.dtype}; got {residual.dtype}")
+        if residual.data_ptr() == x.data_ptr():
+            raise ValueError("residual must not be x itself (programs would read rows others already updated)")
+        y = residual
+    else:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        raise ValueError("in_features K must be >= 1")
+    block_n, block_k, num_warps = tiles or default_tiles(N, K, M)
+    grid = (triton.cdiv(N, block_n), M)
+    _dense_gemv_kernel[grid](
+        x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, y,
+        N, K, float(eps),
+        x.stride(0), weight.stride(0), y.stride(0),
+        NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
+        EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return y

@@ -1,0 +1,85 @@
+"""Triton kernel for the dense projections of a decode step, with the work around them fused
+in: y = W · f(x) with an optional RMSNorm prologue, bias,
+residual-add epilogue, or the SwiGLU epilogue of a fused gate|up weight. At batch 1 each
+projection is a GEMV that only streams its weight; the norms, residual adds and SiLU around
+it are launches that move almost no bytes but cost a kernel each (DESIGN.md §3: launches,
+not bytes, set much of the batch-1 token time). Launcher: `prr.kernels.dense_gemv`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr,  # [M, K] input rows (model dtype)
+    norm_w_ptr,  # [K] RMSNorm weight (NORM)
+    w_ptr,  # [N_w, K] row-major weight (nn.Linear layout); N_w = 2 N for SWIGLU
+    bias_ptr,  # [N_w] (HAS_BIAS)
+    y_ptr,  # [M, N] output; with RESIDUAL it holds the residual and is updated in place
+    N,  # output columns (for SWIGLU: the gate half's rows)
+    K,  # input features
+    eps,  # RMSNorm epsilon
+    stride_xm, stride_wn, stride_ym,
+    NORM: tl.constexpr,  # y = W · (norm_w * x * rsqrt(mean(x^2) + eps))
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,  # y <- y + round(W · x + b)
+    SWIGLU: tl.constexpr,  # y = round(silu(round(gate))) * round(up), gate rows [0, N), up rows [N, 2 N)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
+    BLOCK_N: tl.constexpr,  # weight rows per program
+    BLOCK_K: tl.constexpr,  # input features per loop iteration
+):
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)  # the batch row m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if SWIGLU:
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        up_rows = w_rows + N.to(tl.int64) * stride_wn
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        live_k = cols < K
+        if EVEN_K:
+            x = tl.load(x_ptr + row * stride_xm + cols)
+        else:
+            x = tl.load(x_ptr + row * stride_xm + cols, mask=live_k, other=0.0)
+        xf = x.to(tl.float32)
+        if NORM:  # the 1 / rms factor is applied to the dot products at the end (one pass over x)
+            squares += xf * xf
+            xf = xf * tl.load(norm_w_ptr + cols, mask=live_k, other=0.0).to(tl.float32)
+        if EVEN_K:
+            w = tl.load(w_rows + cols[None, :], mask=live_n[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
+        acc += w.to(tl.float32) * xf[None, :]
+        if SWIGLU:
+            if EVEN_K:
+                u = tl.load(up_rows + cols[None, :], mask=live_n[:, None], other=0.0)
+            else:
+                u = tl.load(up_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
+            acc_up += u.to(tl.float32) * xf[None, :]
+    out_ty = y_ptr.dtype.element_ty
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0).to(tl.float32)
+    y_at = y_ptr + row * stride_ym + offs_n
+    if SWIGLU:
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + N + offs_n, mask=live_n, other=0.0).to(tl.float32)
+        gate = y.to(out_ty).to(tl.float32)  # the reference rounds each projection, then silu, then the product
+        silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
+        y = silu * up.to(out_ty).to(tl.float32)
+    if RESIDUAL:
+        y = tl.load(y_at, mask=live_n, other=0.0).to(tl.float32) + y.to(out_ty).to(tl.float32)
+    tl.store(y_at, y.to(out_ty), mask=live_n)

@@ -87,7 +87,7 @@ def bench_shape(shape: dict, batch: int, bandwidth: float, grid: list, gen: torc
     cublas = graph_time_us(lambda i: (lambda: F.linear(x, ws[i])), sets)
     rows.append(base | dict(kernel="cublas_linear", tiles=None, us=cublas, over_floor=cublas / floor_us, rel_err=0.0))
     want = torch_form(form, x.double(), ws[0].double(), ln.double(), res.double())
-    default = default_tiles(out_n, k, batch)
+    default = default_tiles(out_n, k, form == "swiglu")
     for tiles in grid + ([default] if default not in grid else []):
         got = fused_call(form, x, ws[0], ln, res.clone(), tiles)
         err = float((got.double() - want).abs().max() / want.abs().max())

@@ -21,12 +21,31 @@ from .dense_gemv_jit import _dense_gemv_kernel
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def default_tiles(out_features: int, in_features: int, batch: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a GEMV of out_features x in_features.
-    Small row tiles keep many programs streaming the weight at once (a GEMV is a pure weight
-    read); the K tile is as wide as 16-byte loads of every thread allow."""
-    block_k = min(1024, triton.next_power_of_2(max(in_features, 16)))
-    return 4, block_k, 4
+# (BLOCK_N, BLOCK_K, num_warps) that measured fastest at batch 1 on the H200 per
+# (out_features, in_features, swiglu) of the Llama-3.1-8B shape (experiments/bench_gemv.py,
+# results/h200/bench_gemv.csv: 40 tile configs per shape). Tiles that suit one shape can be 2x
+# slower on another (gate_up at (4, 1024, 4): 110 µs against 60), hence a table.
+TUNED_TILES = {
+    (6144, 4096, False): (16, 512, 4),  # q|k|v
+    (4096, 4096, False): (2, 2048, 2),  # o_proj
+    (14336, 4096, True): (1, 512, 2),  # gate|up with SwiGLU
+    (4096, 14336, False): (2, 2048, 2),  # down
+    (128256, 4096, False): (16, 256, 4),  # lm_head
+}
+# Every other shape: the config whose worst ratio to cuBLAS over those five shapes was lowest
+# (1.08x; 0.99x on average).
+GENERIC_TILES = (2, 512, 4)
+
+
+def default_tiles(out_features: int, in_features: int, swiglu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an out_features x in_features projection (out_features
+    counts SwiGLU's outputs, half the weight's rows): the tuned entry, else GENERIC_TILES with
+    the K tile no wider than the input."""
+    tuned = TUNED_TILES.get((out_features, in_features, swiglu))
+    if tuned is not None:
+        return tuned
+    block_n, block_k, warps = GENERIC_TILES
+    return block_n, min(block_k, triton.next_power_of_2(max(in_features, 16))), warps
 
 
 def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
@@ -72,7 +91,7 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_we
         return y
     if K == 0:
         raise ValueError("in_features K must be >= 1")
-    block_n, block_k, num_warps = tiles or default_tiles(N, K, M)
+    block_n, block_k, num_warps = tiles or default_tiles(N, K, swiglu)
     grid = (triton.cdiv(N, block_n), M)
     _dense_gemv_kernel[grid](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, y,

@@ -55,6 +55,7 @@ def test_unknown_option_lists_choices():
         ("+selector.topk=4", "did you mean selector.topk_blocks"),
         ("selector.topk_blocks=abc", "wrong type"),
         ("runtime.mode=dense", "runtime.mode='dense' is not one of"),
+        ("runtime.projections=cublas", "runtime.projections='cublas' is not one of"),
         ("task.max_new_tokens=100000", "exceeds the model's context"),
         ("selector.dense_layers=[7]", "outside the model's layers"),
     ],
@@ -76,3 +77,12 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as err:
         validate(cfg(*TINY, "runtime.block_size=24", "runtime.mode=dense"))
     assert len(err.value.problems) == 2
+
+
+def test_graph_projections_auto_means_fused_only_on_a_gpu_at_batch_one():
+    from prr.runtime.settings import RuntimeSettings
+
+    assert RuntimeSettings(device="cuda", batch_size=1).graph_projections() == "fused"
+    assert RuntimeSettings(device="cuda:1", batch_size=8).graph_projections() == "torch"
+    assert RuntimeSettings(device="cpu", batch_size=1).graph_projections() == "torch"
+    assert RuntimeSettings(device="cuda", batch_size=8, projections="fused").graph_projections() == "fused"

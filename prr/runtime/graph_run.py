@@ -206,7 +206,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         prefill_s = time.perf_counter() - t0
 
     history = backend.history
-    engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda")
+    engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda",
+                          projections=settings.graph_projections())
     first = logits.argmax(-1)  # [B] greedy
     engine.fill_from_cache(cache.keys, cache.values, prompt_len, first)
     if plan.variant == "prr":
@@ -336,6 +337,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "budget": OmegaConf.to_container(cfg.budget, resolve=True),
         "mode": "sparse",
         "repair_mode": plan.repair_mode,
+        "projections": engine.projections,
         "variant": "adaptive" if chooser is not None else plan.variant,  # adaptive: per step in tokens.jsonl
         "device": device_name(device),
         "prompt_tokens": prompt_len,

@@ -9,6 +9,7 @@ from prr.runtime.dsa_backend import RUN_MODES
 from prr.runtime.prr_step import REPAIR_MODES
 
 ENGINES = ("eager", "graph")
+PROJECTIONS = ("auto", "torch", "fused")
 
 
 @dataclass
@@ -25,6 +26,17 @@ class RuntimeSettings:
     # eager: the research runtime (records per step, every selector/predictor); graph: the
     # CUDA-graph engine (prr/runtime/graph_decode.py) for latency, quest and predictor none/last_step.
     engine: str = "eager"
+    # engine=graph only: the decode step's projections. torch: F.linear (cuBLAS) with separate
+    # norm / SiLU / residual kernels; fused: prr.kernels.dense_gemv (one Triton GEMV each, those
+    # inside; batch 1: it streams the weight once per batch row); auto: fused on a GPU at
+    # batch_size 1, torch otherwise.
+    projections: str = "auto"
+
+    def graph_projections(self) -> str:
+        """The graph engine's projections for this run (`projections` with auto resolved)."""
+        if self.projections != "auto":
+            return self.projections
+        return "fused" if self.device.startswith("cuda") and self.batch_size == 1 else "torch"
 
     def problems(self) -> list[str]:
         out = []
@@ -44,6 +56,8 @@ class RuntimeSettings:
             out.append(f"runtime.calibration_tokens={self.calibration_tokens} must be >= 1")
         if self.engine not in ENGINES:
             out.append(f"runtime.engine={self.engine!r} is not one of {list(ENGINES)}")
+        if self.projections not in PROJECTIONS:
+            out.append(f"runtime.projections={self.projections!r} is not one of {list(PROJECTIONS)}")
         if self.dense_metrics_every < 1:
             out.append(f"runtime.dense_metrics_every={self.dense_metrics_every} must be >= 1")
         return out

@@ -235,7 +235,6 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         floor = floors["dense" if name.startswith("dense") else "sparse"]
         rows.append(dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
                          variant=name, cuda_graphs=graphs, compiled=eng._pre is not pre_attention, projections=eng.projections,
-                         prefetch_o_proj=eng.prefetch_o_proj,
                          hit_rate=hit,
                          token_us=us, floor_us=floor,
                          over_floor=us / floor))
@@ -254,13 +253,9 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         eng.plan = dataclasses.replace(base, variant=name)
         for graphs in (True, False):
             record(name, eng, advance=False, hit=None, graphs=graphs)
-        if batch == 1:  # the fused Triton projections (GraphDecoder(projections="fused")), graphs on,
-            eng.projections = "fused"  # without and with o_proj's weight read into L2 during attention
+        if batch == 1:  # the fused Triton projections (GraphDecoder(projections="fused")), graphs on
+            eng.projections = "fused"
             record(f"{name}_fused", eng, advance=False, hit=None)
-            if name == "serial":
-                eng.prefetch_o_proj = True
-                record(f"{name}_fused_prefetch", eng, advance=False, hit=None)
-                eng.prefetch_o_proj = False
             eng.projections = "torch"
     eng.plan = dataclasses.replace(base, variant="serial")
     eng.step(advance=False)
@@ -277,9 +272,6 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         if hit == 1.0 and batch == 1:
             eng.projections = "fused"
             record(f"prr_fixed_{hit:.2f}_fused", eng, advance=False, hit=hit)
-            eng.prefetch_o_proj = True
-            record(f"prr_fixed_{hit:.2f}_fused_prefetch", eng, advance=False, hit=hit)
-            eng.prefetch_o_proj = False
             eng.projections = "torch"
         if hit == 0.9:  # the profiled choice, timed on the same data as the other variants
             eng.plan = dataclasses.replace(base, variant=profile.choice(context))

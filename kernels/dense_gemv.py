@@ -17,6 +17,7 @@ import triton
 from torch import Tensor
 
 from .dense_gemv_jit import _dense_gemv_kernel
+from .pdl import launch_kwargs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -98,6 +99,6 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_we
         N, K, float(eps),
         x.stride(0), weight.stride(0), y.stride(0),
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
-        EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_kwargs(x.device),
     )
     return y

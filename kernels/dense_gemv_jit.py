@@ -11,6 +11,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_prologue
+
+
+@triton.jit
+def _weight_tile(rows, cols, K, live_n):
+    """rows [BLOCK_N, 1] pointers, cols [BLOCK_K] -> the weight tile, zeros outside [0, K)."""
+    return tl.load(rows + cols[None, :], mask=live_n[:, None] & (cols < K)[None, :], other=0.0)
+
 
 @triton.jit
 def _dense_gemv_kernel(
@@ -27,9 +35,10 @@ def _dense_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,  # y <- y + round(W · x + b)
     SWIGLU: tl.constexpr,  # y = round(silu(round(gate))) * round(up), gate rows [0, N), up rows [N, 2 N)
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks on x along K
     BLOCK_N: tl.constexpr,  # weight rows per program
     BLOCK_K: tl.constexpr,  # input features per loop iteration
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)  # the batch row m
@@ -42,6 +51,12 @@ def _dense_gemv_kernel(
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         up_rows = w_rows + N.to(tl.int64) * stride_wn
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    # The weights never depend on the kernel before this one: the first tile is requested before
+    # waiting for it (with PDL this overlaps that kernel's tail), every later one a tile ahead.
+    w = _weight_tile(w_rows, offs_k, K, live_n)
+    if SWIGLU:
+        u = _weight_tile(up_rows, offs_k, K, live_n)
+    pdl_prologue(PDL)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + offs_k
         live_k = cols < K
@@ -53,17 +68,11 @@ def _dense_gemv_kernel(
         if NORM:  # the 1 / rms factor is applied to the dot products at the end (one pass over x)
             squares += xf * xf
             xf = xf * tl.load(norm_w_ptr + cols, mask=live_k, other=0.0).to(tl.float32)
-        if EVEN_K:
-            w = tl.load(w_rows + cols[None, :], mask=live_n[:, None], other=0.0)
-        else:
-            w = tl.load(w_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
         acc += w.to(tl.float32) * xf[None, :]
+        w = _weight_tile(w_rows, cols + BLOCK_K, K, live_n)  # past K: masked off, no traffic
         if SWIGLU:
-            if EVEN_K:
-                u = tl.load(up_rows + cols[None, :], mask=live_n[:, None], other=0.0)
-            else:
-                u = tl.load(up_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
             acc_up += u.to(tl.float32) * xf[None, :]
+            u = _weight_tile(up_rows, cols + BLOCK_K, K, live_n)
     out_ty = y_ptr.dtype.element_ty
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if NORM:

@@ -122,11 +122,7 @@ class GraphDecoder:
         self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, quest=quest,
                        sparse_decode=sparse_decode, topk=topk)
         self.projections = projections
-        # Read o_proj's weight into L2 on a third stream while a sparse layer's attention runs
-        # (prr.kernels.l2_prefetch: HBM idles during the latency-bound attention stage). An
-        # attribute, like projections: off until timed.
-        self.prefetch_o_proj = False
-        self._prefetching = False
+
         self.model, self.plan, self.batch = model, plan, batch
         self.device, self.dtype = model.device, model.dtype
         bs = plan.block_size
@@ -180,10 +176,6 @@ class GraphDecoder:
         self._forked = False
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
         self.fused = fuse_layer_weights(model)
-        self.prefetch_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        from prr.kernels.l2_prefetch import prefetch_sink
-
-        self._prefetch_sinks = [prefetch_sink(w.wo) for w in self.fused]
         self.eps = c.rms_norm_eps
         self._pre, self._post, self._final = pre_attention, post_attention, final_norm
         if compile:
@@ -392,28 +384,6 @@ class GraphDecoder:
         self.pred_idx[layer].copy_(pidx)
         self.pred_cnt[layer].copy_(pcnt)
 
-    # --- o_proj's weight into L2 during attention ------------------------------------------------
-    def _prefetch_begin(self, layer: int) -> None:
-        """Start reading layer's o_proj weight on the prefetch stream (sparse layers, when on)."""
-        if not (self.prefetch_o_proj and self.sparse[layer]):
-            return
-        from prr.kernels.l2_prefetch import l2_prefetch
-
-        ps = self.prefetch_stream
-        if ps is None:  # CPU: in order (the outputs must not change either way)
-            l2_prefetch(self.fused[layer].wo, self._prefetch_sinks[layer])
-            return
-        ps.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(ps):
-            l2_prefetch(self.fused[layer].wo, self._prefetch_sinks[layer])
-        self._prefetching = True
-
-    def _prefetch_end(self) -> None:
-        """o_proj waits for the read (it would otherwise race it for HBM)."""
-        if self._prefetching:
-            torch.cuda.current_stream(self.device).wait_stream(self.prefetch_stream)
-            self._prefetching = False
-
     # --- the whole step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, advance: bool = True) -> Tensor:
@@ -439,9 +409,7 @@ class GraphDecoder:
         for i, w in enumerate(self.fused):
             x, qkv = self._pre(x, delta, w.ln1, w.wqkv, w.bqkv, self.eps, sum(split), self.d)
             q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
-            self._prefetch_begin(i)
             out = self.attention(i, q, k, v, positions, rope=True).view(B, 1, self.hq * self.d)  # model dtype
-            self._prefetch_end()
             x, delta = self._post(x, out, w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down, self.eps)
         return m.lm_head(self._final(x, delta, m.model.norm.weight, m.model.norm.eps))[:, 0]  # [B, V]
 
@@ -454,9 +422,7 @@ class GraphDecoder:
         for i, w in enumerate(self.fused):
             qkv = gemv(x, w.wqkv, w.bqkv, norm_weight=w.ln1, eps=self.eps).view(B, sum(split), self.d)
             q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
-            self._prefetch_begin(i)
             out = self.attention(i, q, k, v, positions, rope=True).view(B, self.hq * self.d)
-            self._prefetch_end()
             gemv(out, w.wo, w.bo, residual=x)  # x += o_proj(out)
             h = gemv(x, w.w_gate_up, w.b_gate_up, norm_weight=w.ln2, eps=self.eps, swiglu=True)  # [B, I]
             gemv(h, w.w_down, w.b_down, residual=x)  # x += down(h)

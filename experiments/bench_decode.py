@@ -29,8 +29,10 @@ prints short tables last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -208,6 +210,21 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
 
 # --- part 2: per-token latency of the whole model -------------------------------------------------
 
+@contextlib.contextmanager
+def pdl_on():
+    """Programmatic dependent launch for prr's kernels while a variant is captured (kernels/pdl.py
+    reads PRR_PDL at each launch)."""
+    before = os.environ.get("PRR_PDL")
+    os.environ["PRR_PDL"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PRR_PDL"]
+        else:
+            os.environ["PRR_PDL"] = before
+
+
 def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector: str, model: Decoder,
                bandwidth: float, steps: int, capacity: int, compile: bool) -> list[dict]:
     k_blocks = topk_tokens // block
@@ -235,6 +252,7 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         floor = floors["dense" if name.startswith("dense") else "sparse"]
         rows.append(dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
                          variant=name, cuda_graphs=graphs, compiled=eng._pre is not pre_attention, projections=eng.projections,
+                         pdl=os.environ.get("PRR_PDL", "0") == "1",
                          hit_rate=hit,
                          token_us=us, floor_us=floor,
                          over_floor=us / floor))
@@ -256,6 +274,8 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         if batch == 1:  # the fused Triton projections (GraphDecoder(projections="fused")), graphs on
             eng.projections = "fused"
             record(f"{name}_fused", eng, advance=False, hit=None)
+            with pdl_on():
+                record(f"{name}_fused_pdl", eng, advance=False, hit=None)
             eng.projections = "torch"
     eng.plan = dataclasses.replace(base, variant="serial")
     eng.step(advance=False)
@@ -272,6 +292,8 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         if hit == 1.0 and batch == 1:
             eng.projections = "fused"
             record(f"prr_fixed_{hit:.2f}_fused", eng, advance=False, hit=hit)
+            with pdl_on():
+                record(f"prr_fixed_{hit:.2f}_fused_pdl", eng, advance=False, hit=hit)
             eng.projections = "torch"
         if hit == 0.9:  # the profiled choice, timed on the same data as the other variants
             eng.plan = dataclasses.replace(base, variant=profile.choice(context))

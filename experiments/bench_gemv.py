@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 from bench_decode import read_bandwidth  # noqa: E402
 from bench_kernels import environment, graph_time_us  # noqa: E402
-
 from prr.kernels.dense_gemv import default_tiles, dense_gemv  # noqa: E402
+
 from prr.model.zoo import ZOO  # noqa: E402
 from prr.runtime.dense_layer import rms_norm  # noqa: E402
 
@@ -94,10 +94,10 @@ def bench_shape(shape: dict, batch: int, bandwidth: float, grid: list, gen: torc
         if err > 2e-2:
             raise AssertionError(f"{shape['name']} batch {batch} tiles {tiles}: relative error {err:.3g}")
         r = res.clone()
-        us = graph_time_us(lambda i, t=tiles: (lambda: fused_call(form, x, ws[i], ln, r, t)), sets)
+        us = graph_time_us(lambda i, t=tiles, r=r: (lambda: fused_call(form, x, ws[i], ln, r, t)), sets)
         rows.append(base | dict(kernel="triton_fused", tiles=list(tiles), default=tiles == default, us=us,
                                 over_floor=us / floor_us, vs_cublas=us / cublas, rel_err=err))
-    del ws
+    ws.clear()  # free the copies before the next shape
     torch.cuda.empty_cache()
     return rows
 

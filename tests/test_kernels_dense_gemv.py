@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from prr.kernels.dense_gemv import dense_gemv
+
 from prr.runtime.dense_layer import rms_norm
 
 gpu = pytest.mark.skipif(

@@ -389,7 +389,6 @@ class GraphDecoder:
     def step(self, advance: bool = True) -> Tensor:
         """One decode step of every layer -> logits [B, V] (greedy token and pos + 1 written
         back when advance). Graph-capturable: no host synchronisation, static shapes."""
-        m, B = self.model, self.batch
         positions = self.step_positions()
         split = [self.hq, self.hkv, self.hkv]
         if self.projections == "fused":

@@ -212,6 +212,9 @@ def speedup_from_bench_decode(frame: pd.DataFrame) -> pd.DataFrame:
                             "hit_rate", "token_us"], "speedup_h200")
     # The baseline (serial) and PRR's variants; dense and other baselines (serial_uncompiled) are left out.
     keep = frame["variant"].eq("serial") | frame["variant"].str.startswith("prr_")
+    # One engine configuration: cuBLAS projections, no PDL (the _fused / _fused_pdl variants are
+    # another baseline's; README compares them).
+    keep &= ~frame["variant"].str.contains("_fused")
     frame = first_setting(frame[frame["cuda_graphs"].astype(bool) & keep])
     method = frame["variant"].map(lambda v: BENCH_METHODS.get(v, v.replace("prr_fixed_", "fixed P, hit ")))
     return pd.DataFrame({"context_tokens": frame["context"], "method": method, "latency_ms": frame["token_us"] / 1e3,
@@ -253,6 +256,7 @@ def prr_map(frame: pd.DataFrame) -> MplFigure:
 
 # Kernel name -> where a decode token's device time goes (profile_decode.py's rows).
 TOKEN_PARTS = (
+    # (_dense_gemv_kernel: the fused projections, their norm / SwiGLU / residual add inside)
     ("dense GEMVs (weights)", ("nvjet", "gemv", "gemm", "cublas", "splitkreduce", "sm90_xmma")),
     ("select: Quest score", ("_quest_score",)),
     ("select: top-k", ("_topk",)),
@@ -462,8 +466,10 @@ FIGURES: list[Figure] = [
            "Per-layer attention-stage times against context (each stage alone, hit rate 0.90), 8B shape, H200"),
     Figure("token_profile_h200", token_profile,
            ("experiments/results/h200/profile_decode_serial_quest_1x131072_bs16_k2048.csv",
-            "experiments/results/h200/profile_decode_serial_quest_1x131072_bs64_k2048.csv"), read_profiles,
-           "python experiments/profile_decode.py && python experiments/profile_decode.py --block 64 (on an H200)",
+            "experiments/results/h200/profile_decode_serial_quest_1x131072_bs16_k2048_fused.csv",
+            "experiments/results/h200/profile_decode_serial_quest_1x131072_bs64_k2048.csv",
+            "experiments/results/h200/profile_decode_serial_quest_1x131072_bs64_k2048_fused.csv"), read_profiles,
+           "python experiments/profile_decode.py [--block 64] [--projections fused] (on an H200)",
            "Where a decode token's device time goes: serial DSA (Quest, top-K 2K), Llama-3.1-8B shape, batch 1, "
            "128K context, H200"),
     Figure("prr_map_h200", prr_map, ("experiments/results/h200/bench_decode_stage.csv",), pd.read_csv,

@@ -142,9 +142,11 @@ def test_bench_decode_files_feed_the_speedup_and_breakdown_figures():
                            "cuda_graphs": g, "hit_rate": h, "token_us": us}
                           for b in (1, 8) for c in (32768, 131072) for g in (True, False)
                           for v, h, us in (("dense", None, 900.0), ("serial_uncompiled", None, 990.0), ("serial", None, 500.0 * c / 32768),
-                                           ("prr_ema", 0.97, 400.0 * c / 32768), ("prr_fixed_0.90", 0.9, 450.0))])
+                                           ("prr_ema", 0.97, 400.0 * c / 32768), ("prr_fixed_0.90", 0.9, 450.0),
+                                           ("serial_fused", None, 300.0), ("prr_fixed_1.00_fused", 1.0, 280.0))])
     frame = figures.speedup_from_bench_decode(token)
-    assert set(frame["method"]) == {"none", "ema", "fixed P, hit 0.90"}  # serial is the baseline; dense left out
+    # serial is the baseline; dense and the fused-projection variants (another engine setting) left out
+    assert set(frame["method"]) == {"none", "ema", "fixed P, hit 0.90"}
     assert len(frame) == 2 * 3  # batch 1, CUDA graphs on, two contexts
     fig = figures.speedup(frame)
     (ema,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "EMA"]
@@ -161,6 +163,7 @@ def test_bench_decode_files_feed_the_speedup_and_breakdown_figures():
 def test_token_profile_sorts_kernels_into_parts():
     assert figures.token_part("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") == "dense GEMVs (weights)"
     assert figures.token_part("_topk_row_kernel") == "select: top-k"
+    assert figures.token_part("_dense_gemv_kernel") == "dense GEMVs (weights)"
     assert figures.token_part("sparse_decode_split_kernel") == "attention over A (and 2 dense layers)"
     assert figures.token_part("void at::native::fill") == "other (copies, index, fill)"
     frame = pd.DataFrame({"profile": ["a", "a", "b"], "kernel": ["nvjet_x", "_quest_score_kernel", "nvjet_x"],

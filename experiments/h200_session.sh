@@ -11,10 +11,10 @@ has() { [[ ",$parts," == *",$1,"* ]]; }
 if has tests; then
   python3 -m pytest -q -m gpu tests/test_kernels_selection.py tests/test_kernels_cache_append.py tests/test_kernels_dense_gemv.py \
     tests/test_kernels_sparse_decode.py tests/test_kernels_prr_merge.py tests/test_graph_decode.py \
-    tests/test_graph_budget.py tests/test_graph_run.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_graph_budget.py tests/test_graph_run.py tests/test_graph_adaptive.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
   # the same checks with programmatic dependent launch (kernels/pdl.py; opt-in)
-  PRR_PDL=1 python3 -m pytest -q -m gpu tests/test_kernels_sparse_decode.py tests/test_kernels_cache_append.py \
+  PRR_PDL=1 python3 -m pytest -q -m gpu tests/test_kernels_sparse_decode.py tests/test_kernels_cache_append.py tests/test_kernels_dense_gemv.py \
     tests/test_graph_decode.py tests/test_graph_run.py > "$OUT/gpu_tests_pdl.log" 2>&1
   tail -1 "$OUT/gpu_tests_pdl.log"
 fi
@@ -22,6 +22,7 @@ if has kernels; then
   python3 experiments/bench_kernels.py --only decode_tuning --out "$OUT/bench_decode_tuning" > "$OUT/bench_decode_tuning.log" 2>&1
   python3 experiments/bench_kernels.py --only selection --out "$OUT/bench_selection" > "$OUT/bench_selection.log" 2>&1
   tail -3 "$OUT/bench_selection.log"
+  python3 experiments/bench_gemv.py --out "$OUT/bench_gemv" 2>&1 | tail -10
 fi
 if has decode; then
   python3 experiments/bench_decode.py --out "$OUT/bench_decode" > "$OUT/bench_decode.log" 2>&1
@@ -29,7 +30,9 @@ if has decode; then
 fi
 if has profile; then
   for pdl in "" --pdl; do
-    python3 experiments/profile_decode.py $pdl --out "$OUT" 2>&1 | tail -1
-    python3 experiments/profile_decode.py $pdl --block 64 --out "$OUT" 2>&1 | tail -1
+    for proj in torch fused; do
+      python3 experiments/profile_decode.py $pdl --projections $proj --out "$OUT" 2>&1 | tail -1
+      python3 experiments/profile_decode.py $pdl --projections $proj --block 64 --out "$OUT" 2>&1 | tail -1
+    done
   done
 fi

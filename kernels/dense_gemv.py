@@ -12,11 +12,13 @@ the model dtype's rounding).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from torch import Tensor
 
-from .dense_gemv_jit import _dense_gemv_kernel
+from .dense_gemv_jit import _dense_gemv_kernel, _dense_rows_kernel
 from .pdl import launch_kwargs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,6 +40,16 @@ TUNED_TILES = {
 GENERIC_TILES = (2, 512, 4)
 
 
+# More than one row (M >= 2): 16 rows per program (the smallest tensor-core tile), these
+# (BLOCK_N, BLOCK_K, num_warps) unless given. Not yet tuned on a GPU.
+ROWS_PER_PROGRAM = 16
+ROW_TILES = (32, 128, 4)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def default_tiles(out_features: int, in_features: int, swiglu: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an out_features x in_features projection (out_features
     counts SwiGLU's outputs, half the weight's rows): the tuned entry, else GENERIC_TILES with
@@ -57,7 +69,8 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_we
     swiglu: weight is [gate | up] with N_w = 2 N, the output silu(gate) * up;
     residual: [M, N] in x's dtype, updated in place with the projection (and returned).
     -> y [M, N] in x's dtype (N = N_w, or N_w / 2 with swiglu).
-    tiles: (BLOCK_N, BLOCK_K, num_warps) instead of `default_tiles` (benchmarks tune them)."""
+    tiles: (BLOCK_N, BLOCK_K, num_warps) instead of `default_tiles` (M = 1) or ROW_TILES (M >= 2;
+    both powers of two >= 16 there); benchmarks tune them."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K] with one K; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
@@ -92,13 +105,23 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_we
         return y
     if K == 0:
         raise ValueError("in_features K must be >= 1")
-    block_n, block_k, num_warps = tiles or default_tiles(N, K, swiglu)
-    grid = (triton.cdiv(N, block_n), M)
-    _dense_gemv_kernel[grid](
-        x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, y,
-        N, K, float(eps),
-        x.stride(0), weight.stride(0), y.stride(0),
-        NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
-        EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_kwargs(x.device),
-    )
+    args = (x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, y)
+    flags = dict(NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+                 SWIGLU=swiglu, **launch_kwargs(x.device))
+    if M == 1:  # a GEMV: the weight streamed once
+        block_n, block_k, num_warps = tiles or default_tiles(N, K, swiglu)
+        _dense_gemv_kernel[(triton.cdiv(N, block_n), 1)](
+            *args, N, K, float(eps), x.stride(0), weight.stride(0), y.stride(0),
+            EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **flags)
+        return y
+    # Several rows: tensor-core tiles of ROWS_PER_PROGRAM rows, each weight tile read once per tile
+    # of rows (the GEMV kernel would read it once per row).
+    block_n, block_k, num_warps = tiles or ROW_TILES
+    if min(block_n, block_k) < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
+        raise ValueError(f"tiles={tiles}: with M={M} rows BLOCK_N and BLOCK_K must be powers of two >= 16")
+    _dense_rows_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, ROWS_PER_PROGRAM))](
+        *args, M, N, K, float(eps), x.stride(0), weight.stride(0), y.stride(0),
+        # bf16 arithmetic is wrong in the interpreter (DESIGN.md §3): fp32 operands there
+        NATIVE_DOT=x.dtype != torch.float32 and not (_interpreting() and x.dtype == torch.bfloat16),
+        BLOCK_M=ROWS_PER_PROGRAM, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=3, **flags)
     return y

@@ -73,22 +73,90 @@ def _dense_gemv_kernel(
         if SWIGLU:
             acc_up += u.to(tl.float32) * xf[None, :]
             u = _weight_tile(up_rows, cols + BLOCK_K, K, live_n)
-    out_ty = y_ptr.dtype.element_ty
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if NORM:
-        y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    up = tl.sum(acc_up, axis=1) if SWIGLU else y
+    rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps) if NORM else 1.0
+    _epilogue(y, up, rstd, bias_ptr, offs_n, N, y_ptr + row * stride_ym + offs_n, live_n,
+              HAS_BIAS, RESIDUAL, SWIGLU)
+
+
+@triton.jit
+def _epilogue(y, up, rstd, bias_ptr, offs_n, N, y_at, mask, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+              SWIGLU: tl.constexpr):
+    """y, up: fp32 dot products ([BLOCK_N] or [BLOCK_M, BLOCK_N]; up only for SWIGLU), rstd: the
+    RMSNorm factor (1.0 without, or per row [BLOCK_M, 1]) -> stored at y_at (mask) in its dtype."""
+    out_ty = y_at.dtype.element_ty
+    y = y * rstd
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=live_n, other=0.0).to(tl.float32)
-    y_at = y_ptr + row * stride_ym + offs_n
+        y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     if SWIGLU:
-        up = tl.sum(acc_up, axis=1)
-        if NORM:
-            up = up * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        up = up * rstd
         if HAS_BIAS:
-            up += tl.load(bias_ptr + N + offs_n, mask=live_n, other=0.0).to(tl.float32)
+            up += tl.load(bias_ptr + N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         gate = y.to(out_ty).to(tl.float32)  # the reference rounds each projection, then silu, then the product
         silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
         y = silu * up.to(out_ty).to(tl.float32)
     if RESIDUAL:
-        y = tl.load(y_at, mask=live_n, other=0.0).to(tl.float32) + y.to(out_ty).to(tl.float32)
-    tl.store(y_at, y.to(out_ty), mask=live_n)
+        y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32) + y.to(out_ty).to(tl.float32)
+    tl.store(y_at, y.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _dense_rows_kernel(
+    x_ptr,  # [M, K] input rows (model dtype), M >= 2
+    norm_w_ptr,  # [K] RMSNorm weight (NORM)
+    w_ptr,  # [N_w, K] row-major weight; N_w = 2 N for SWIGLU
+    bias_ptr,  # [N_w] (HAS_BIAS)
+    y_ptr,  # [M, N] output; with RESIDUAL it holds the residual and is updated in place
+    M, N, K,
+    eps,
+    stride_xm, stride_wn, stride_ym,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,  # 16-bit operands into the tensor cores; else fp32 operands, IEEE dot
+    BLOCK_M: tl.constexpr,  # batch rows per program (16: the smallest tensor-core tile)
+    BLOCK_N: tl.constexpr,  # weight rows per program (>= 16)
+    BLOCK_K: tl.constexpr,  # input features per loop iteration (>= 16)
+    PDL: tl.constexpr,
+):
+    """The same math as _dense_gemv_kernel for a few batch rows at once: each weight tile is read
+    once for all BLOCK_M rows (tensor-core dots), where the GEMV would read it once per row."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live_m = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_rows + N.to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    pdl_prologue(PDL)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        live_k = cols < K
+        x = tl.load(x_rows + cols[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
+        if NORM:  # as in the GEMV: norm weight now, 1 / rms per row at the end
+            xf = x.to(tl.float32)
+            squares += xf * xf
+            x = (xf * tl.load(norm_w_ptr + cols, mask=live_k, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
+        w = _weight_tile(w_rows, cols, K, live_n)  # [BLOCK_N, BLOCK_K]
+        acc = _dot(x, w, acc, NATIVE_DOT)
+        if SWIGLU:
+            acc_up = _dot(x, _weight_tile(up_rows, cols, K, live_n), acc_up, NATIVE_DOT)
+    rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None] if NORM else 1.0
+    y_at = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    _epilogue(acc, acc_up, rstd, bias_ptr, offs_n[None, :], N, y_at, live_m[:, None] & live_n[None, :],
+              HAS_BIAS, RESIDUAL, SWIGLU)
+
+
+@triton.jit
+def _dot(x, w, acc, NATIVE_DOT: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] · w [BLOCK_N, BLOCK_K]^T in fp32."""
+    if NATIVE_DOT:
+        return tl.dot(x, tl.trans(w), acc)
+    return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")

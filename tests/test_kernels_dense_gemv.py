@@ -1,7 +1,7 @@
 """The fused decode projections (prr.kernels.dense_gemv) equal the torch layer math they
 replace (prr.runtime.dense_layer): plain, RMSNorm-first, SwiGLU and residual-add forms, at odd
-sizes, with and without bias, with K tiles that do and do not divide K; bad input is refused
-before launch."""
+sizes, with and without bias, with K tiles that do and do not divide K, one row (the GEMV) and
+several (tensor-core tiles); bad input is refused before launch."""
 
 from __future__ import annotations
 
@@ -64,9 +64,12 @@ def _check(device, M, N_w, K, dtype, bias=False, norm=False, residual=False, swi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N_w,K,tiles", [
-    (1, 37, 70, (4, 32, 4)),  # K tile does not divide K, N not a multiple of the row tile
-    (3, 50, 64, (8, 16, 2)),  # K tile divides K (no masks along K)
-    (2, 19, 13, None),  # default tiles: one K tile wider than K
+    (1, 37, 70, (4, 32, 4)),  # GEMV: K tile does not divide K, N not a multiple of the row tile
+    (1, 50, 64, (8, 16, 2)),  # GEMV: K tile divides K (no masks along K)
+    (1, 19, 13, None),  # GEMV, default tiles: one K tile wider than K
+    (3, 50, 64, (16, 16, 2)),  # several rows (tensor-core tiles), K tile divides K
+    (17, 40, 70, (16, 32, 4)),  # rows over two row tiles, K and N tails
+    (2, 19, 13, None),  # several rows, default tiles
 ])
 @pytest.mark.parametrize("form", ["plain", "bias", "norm", "norm_bias", "residual", "swiglu_norm"])
 def test_dense_gemv_equals_layer_math(dtype, M, N_w, K, tiles, form):
@@ -76,12 +79,13 @@ def test_dense_gemv_equals_layer_math(dtype, M, N_w, K, tiles, form):
     _check("cpu", M, N_w, K, dtype, tiles=tiles, seed=M * 100 + N_w, **kw)
 
 
-def test_dense_gemv_norm_is_scale_invariant_in_x():
+@pytest.mark.parametrize("M,tiles", [(1, (4, 16, 2)), (2, (16, 16, 2))])
+def test_dense_gemv_norm_is_scale_invariant_in_x(M, tiles):
     """RMSNorm's defining property survives the one-pass form: scaling x changes nothing
     (up to rounding)."""
-    x, weight, _, nw, _ = _inputs(2, 33, 48, torch.float32, "cpu", False, True, False, False, 3)
-    a = dense_gemv(x, weight, norm_weight=nw, eps=0.0, tiles=(4, 16, 2))
-    b = dense_gemv(x * 7.5, weight, norm_weight=nw, eps=0.0, tiles=(4, 16, 2))
+    x, weight, _, nw, _ = _inputs(M, 33, 48, torch.float32, "cpu", False, True, False, False, 3)
+    a = dense_gemv(x, weight, norm_weight=nw, eps=0.0, tiles=tiles)
+    b = dense_gemv(x * 7.5, weight, norm_weight=nw, eps=0.0, tiles=tiles)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -103,6 +107,8 @@ def test_dense_gemv_refuses_bad_input():
     r = torch.randn(2, 6)
     with pytest.raises(ValueError, match="not be x itself"):
         dense_gemv(r, torch.randn(6, 6), residual=r)
+    with pytest.raises(ValueError, match="powers of two >= 16"):
+        dense_gemv(x, w, tiles=(8, 16, 2))  # M = 2 rows: tensor-core tiles
     with pytest.raises(ValueError, match="contiguous last dim"):
         dense_gemv(torch.randn(8, 2).t(), w)
 
@@ -113,6 +119,6 @@ def test_dense_gemv_refuses_bad_input():
 def test_dense_gemv_on_the_gpu(form):
     """Llama-like and odd shapes in bf16 on the GPU, default tiles and a masked K tail."""
     kw = dict(bias="bias" in form, norm="norm" in form, residual=form == "residual", swiglu="swiglu" in form)
-    for M, N_w, K, tiles in ((1, 6144, 4096, None), (1, 1002, 1000, None), (3, 1026, 4096, (8, 512, 4)),
-                             (8, 4096, 14336, None)):
+    for M, N_w, K, tiles in ((1, 6144, 4096, None), (1, 1002, 1000, None), (3, 1026, 4096, (16, 64, 4)),
+                             (8, 4096, 14336, None), (20, 1002, 1000, None)):
         _check("cuda", M, N_w, K, torch.bfloat16, tiles=tiles, seed=N_w, **kw)

@@ -41,9 +41,11 @@ GENERIC_TILES = (2, 512, 4)
 
 
 # More than one row (M >= 2): 16 rows per program (the smallest tensor-core tile), these
-# (BLOCK_N, BLOCK_K, num_warps) unless given. Not yet tuned on a GPU.
+# (BLOCK_N, BLOCK_K, num_warps) unless given: the best of 18 on the H200 at batch 8
+# (bench_gemv_rows.csv), and still 1.05-1.94x cuBLAS's time there (o_proj 1.05x, q|k|v 1.94x),
+# which is why runtime.projections=auto keeps cuBLAS above batch 1.
 ROWS_PER_PROGRAM = 16
-ROW_TILES = (32, 128, 4)
+ROW_TILES = (64, 256, 4)
 
 
 def _interpreting() -> bool:

@@ -27,9 +27,9 @@ class RuntimeSettings:
     # CUDA-graph engine (prr/runtime/graph_decode.py) for latency, quest and predictor none/last_step.
     engine: str = "eager"
     # engine=graph only: the decode step's projections. torch: F.linear (cuBLAS) with separate
-    # norm / SiLU / residual kernels; fused: prr.kernels.dense_gemv (one Triton GEMV each, those
-    # inside; batch 1: it streams the weight once per batch row); auto: fused on a GPU at
-    # batch_size 1, torch otherwise.
+    # norm / SiLU / residual kernels; fused: prr.kernels.dense_gemv (one Triton launch each, those
+    # inside; faster than cuBLAS at batch 1, slower above it on the H200); auto: fused on a GPU
+    # at batch_size 1, torch otherwise.
     projections: str = "auto"
 
     def graph_projections(self) -> str:

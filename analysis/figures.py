@@ -257,7 +257,7 @@ def prr_map(frame: pd.DataFrame) -> MplFigure:
 # Kernel name -> where a decode token's device time goes (profile_decode.py's rows).
 TOKEN_PARTS = (
     # (_dense_gemv_kernel: the fused projections, their norm / SwiGLU / residual add inside)
-    ("dense GEMVs (weights)", ("nvjet", "gemv", "gemm", "cublas", "splitkreduce", "sm90_xmma")),
+    ("dense GEMVs (weights)", ("nvjet", "gemv", "_dense_rows", "gemm", "cublas", "splitkreduce", "sm90_xmma")),
     ("select: Quest score", ("_quest_score",)),
     ("select: top-k", ("_topk",)),
     ("select: fused score + top-k", ("_quest_select",)),

@@ -211,11 +211,11 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
 # --- part 2: per-token latency of the whole model -------------------------------------------------
 
 @contextlib.contextmanager
-def pdl_on():
-    """Programmatic dependent launch for prr's kernels while a variant is captured (kernels/pdl.py
-    reads PRR_PDL at each launch)."""
+def pdl(on: bool):
+    """Programmatic dependent launch for prr's kernels on or off while a variant is captured
+    (kernels/pdl.py reads PRR_PDL at each launch)."""
     before = os.environ.get("PRR_PDL")
-    os.environ["PRR_PDL"] = "1"
+    os.environ["PRR_PDL"] = "1" if on else "0"
     try:
         yield
     finally:
@@ -251,7 +251,8 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         eng.pos.copy_(start)
         floor = floors["dense" if name.startswith("dense") else "sparse"]
         rows.append(dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
-                         variant=name, cuda_graphs=graphs, compiled=eng._pre is not pre_attention, projections=eng.projections,
+                         variant=name, cuda_graphs=graphs, compiled=eng._pre is not pre_attention and eng.projections == "torch",
+                         projections=eng.projections,
                          pdl=os.environ.get("PRR_PDL", "0") == "1",
                          hit_rate=hit,
                          token_us=us, floor_us=floor,
@@ -273,8 +274,9 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
             record(name, eng, advance=False, hit=None, graphs=graphs)
         if batch == 1:  # the fused Triton projections (GraphDecoder(projections="fused")), graphs on
             eng.projections = "fused"
-            record(f"{name}_fused", eng, advance=False, hit=None)
-            with pdl_on():
+            with pdl(False):
+                record(f"{name}_fused", eng, advance=False, hit=None)
+            with pdl(True):
                 record(f"{name}_fused_pdl", eng, advance=False, hit=None)
             eng.projections = "torch"
     eng.plan = dataclasses.replace(base, variant="serial")
@@ -291,8 +293,9 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
             record(f"prr_fixed_{hit:.2f}", eng, advance=False, hit=hit, graphs=graphs)
         if hit == 1.0 and batch == 1:
             eng.projections = "fused"
-            record(f"prr_fixed_{hit:.2f}_fused", eng, advance=False, hit=hit)
-            with pdl_on():
+            with pdl(False):
+                record(f"prr_fixed_{hit:.2f}_fused", eng, advance=False, hit=hit)
+            with pdl(True):
                 record(f"prr_fixed_{hit:.2f}_fused_pdl", eng, advance=False, hit=hit)
             eng.projections = "torch"
         if hit == 0.9:  # the profiled choice, timed on the same data as the other variants

@@ -4,7 +4,8 @@ above) over a grid of tile sizes, at batch 1 and 8, each
 as a ratio to its byte floor (weight + input + output bytes / the read bandwidth measured in the
 same run). Every Triton config is checked against the torch layer math before it is timed.
 Weights rotate through enough copies that no call finds its weight in L2 (as in a real step,
-where 32 layers' weights stream by).
+where 32 layers' weights stream by). The cuBLAS rows time F.linear alone: the norm, SiLU and
+residual kernels the torch path adds around it are not counted (in cuBLAS's favour).
 
     python experiments/bench_gemv.py            # -> experiments/results/h200/bench_gemv.{json,csv}
 """

@@ -49,7 +49,8 @@ def _dense_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SWIGLU:
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        up_rows = w_rows + N.to(tl.int64) * stride_wn
+        # (N may arrive as a constexpr: Triton specialises an int argument equal to 1)
+        up_rows = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * stride_wn
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     # The weights never depend on the kernel before this one: the first tile is requested before
     # waiting for it (with PDL this overlaps that kernel's tail), every later one a tile ahead.
@@ -131,7 +132,7 @@ def _dense_rows_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_rows + N.to(tl.int64) * stride_wn
+    up_rows = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * stride_wn  # (N may be a constexpr 1)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)

@@ -2,10 +2,12 @@
 
 A kernel launched with PDL may be scheduled while the kernel before it on the stream is still
 running; the decode step's kernels (append, Quest score, top-k rows, split / per-block
-attention, merges, repair plan) start with `pdl_prologue(PDL)`: it waits for its predecessor to
-finish and flush (griddepcontrol.wait) before touching memory, then lets its own successor
-launch. Only launch and scheduling latency overlap, never memory traffic, so results are
-those of plain launches. At batch 1 the decode step is ~450 short kernels with ~0.4 µs gaps
+attention, merges, repair plan, fused projections) start with `pdl_prologue(PDL)`: it waits
+for its predecessor to finish and flush (griddepcontrol.wait), then lets its own successor
+launch. Before the wait a kernel may read only what no earlier kernel writes: the fused
+projections (dense_gemv) request their first weight tile there, so model weights must not be
+written by the decode step (they are not). Everything else happens after the wait, so
+results are those of plain launches. At batch 1 the decode step is ~450 short kernels with ~0.4 µs gaps
 between them (profile_decode): the gaps are what PDL is for. On the H200 (128K, batch 1) it
 measured within run-to-run noise, so it stays off: with / without, ms per token, two runs:
 block 64 5.33 / 5.38 and 5.46 / 5.35; block 16 5.91 / 5.95 and 5.91 / 5.96. The GPU tests

@@ -56,6 +56,7 @@ def test_unknown_option_lists_choices():
         ("selector.topk_blocks=abc", "wrong type"),
         ("runtime.mode=dense", "runtime.mode='dense' is not one of"),
         ("runtime.projections=cublas", "runtime.projections='cublas' is not one of"),
+        ("runtime.projections=fused", "applies to runtime.engine=graph only"),
         ("task.max_new_tokens=100000", "exceeds the model's context"),
         ("selector.dense_layers=[7]", "outside the model's layers"),
     ],

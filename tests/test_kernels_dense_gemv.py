@@ -71,9 +71,10 @@ def _check(device, M, N_w, K, dtype, bias=False, norm=False, residual=False, swi
     (17, 40, 70, (16, 32, 4)),  # rows over two row tiles, K and N tails
     (2, 19, 13, None),  # several rows, default tiles
 ])
-@pytest.mark.parametrize("form", ["plain", "bias", "norm", "norm_bias", "residual", "swiglu_norm"])
+@pytest.mark.parametrize("form", ["plain", "bias", "norm", "norm_bias", "residual", "residual_bias", "swiglu_norm",
+                                  "swiglu_norm_bias"])
 def test_dense_gemv_equals_layer_math(dtype, M, N_w, K, tiles, form):
-    kw = dict(bias="bias" in form, norm="norm" in form, residual=form == "residual", swiglu="swiglu" in form)
+    kw = dict(bias="bias" in form, norm="norm" in form, residual="residual" in form, swiglu="swiglu" in form)
     if kw["swiglu"] and N_w % 2:
         N_w += 1
     _check("cpu", M, N_w, K, dtype, tiles=tiles, seed=M * 100 + N_w, **kw)
@@ -105,8 +106,12 @@ def test_dense_gemv_refuses_bad_input():
     with pytest.raises(ValueError, match="residual must have shape"):
         dense_gemv(x, w, residual=torch.randn(2, 3))
     r = torch.randn(2, 6)
-    with pytest.raises(ValueError, match="not be x itself"):
+    with pytest.raises(ValueError, match="must not overlap x"):
         dense_gemv(r, torch.randn(6, 6), residual=r)
+    both = torch.randn(2, 12)  # x and residual: two views of one buffer
+    with pytest.raises(ValueError, match="must not overlap x"):
+        dense_gemv(both[:, :6], torch.randn(6, 6), residual=both[:, 6:])
+    dense_gemv(both[:1, :6], torch.randn(6, 6), residual=both[1:, 6:])  # disjoint rows: fine
     with pytest.raises(ValueError, match="powers of two >= 16"):
         dense_gemv(x, w, tiles=(8, 16, 2))  # M = 2 rows: tensor-core tiles
     with pytest.raises(ValueError, match="contiguous last dim"):
@@ -115,10 +120,13 @@ def test_dense_gemv_refuses_bad_input():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("form", ["plain", "bias", "norm", "residual", "swiglu_norm"])
+@pytest.mark.parametrize("form", ["plain", "bias", "norm", "residual", "swiglu_norm", "swiglu_norm_bias"])
 def test_dense_gemv_on_the_gpu(form):
-    """Llama-like and odd shapes in bf16 on the GPU, default tiles and a masked K tail."""
+    """Llama-like and odd shapes in bf16 on the GPU, default tiles and a masked K tail; N = 1
+    (Triton turns an int argument equal to 1 into a constant: the kernels must compile so)."""
     kw = dict(bias="bias" in form, norm="norm" in form, residual=form == "residual", swiglu="swiglu" in form)
+    n_one = 2 if kw["swiglu"] else 1
     for M, N_w, K, tiles in ((1, 6144, 4096, None), (1, 1002, 1000, None), (3, 1026, 4096, (16, 64, 4)),
-                             (8, 4096, 14336, None), (20, 1002, 1000, None)):
+                             (8, 4096, 14336, None), (20, 1002, 1000, None), (1, n_one, 256, None),
+                             (2, n_one, 256, None)):
         _check("cuda", M, N_w, K, torch.bfloat16, tiles=tiles, seed=N_w, **kw)

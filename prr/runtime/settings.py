@@ -58,6 +58,9 @@ class RuntimeSettings:
             out.append(f"runtime.engine={self.engine!r} is not one of {list(ENGINES)}")
         if self.projections not in PROJECTIONS:
             out.append(f"runtime.projections={self.projections!r} is not one of {list(PROJECTIONS)}")
+        elif self.projections != "auto" and self.engine != "graph":
+            out.append(f"runtime.projections={self.projections} applies to runtime.engine=graph only (engine is "
+                       f"{self.engine!r}); leave it at auto or add runtime.engine=graph")
         if self.dense_metrics_every < 1:
             out.append(f"runtime.dense_metrics_every={self.dense_metrics_every} must be >= 1")
         return out

@@ -258,6 +258,15 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
                          token_us=us, floor_us=floor,
                          over_floor=us / floor))
 
+    def record_fused(name: str, eng: GraphDecoder, hit: float | None) -> None:
+        """`name` again with the fused Triton projections (GraphDecoder(projections="fused")),
+        graphs on, PDL off (name_fused) and on (name_fused_pdl)."""
+        eng.projections = "fused"
+        for on, suffix in ((False, "_fused"), (True, "_fused_pdl")):
+            with pdl(on):
+                record(name + suffix, eng, advance=False, hit=hit)
+        eng.projections = "torch"
+
     if compile:  # what compiling the dense parts buys: serial DSA without it, graphs on
         eng = GraphDecoder(model, dataclasses.replace(base, variant="serial"), batch=batch, max_tokens=capacity)
         eng.fill_random_context(context, seed=1)
@@ -272,13 +281,8 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         eng.plan = dataclasses.replace(base, variant=name)
         for graphs in (True, False):
             record(name, eng, advance=False, hit=None, graphs=graphs)
-        if batch == 1:  # the fused Triton projections (GraphDecoder(projections="fused")), graphs on
-            eng.projections = "fused"
-            with pdl(False):
-                record(f"{name}_fused", eng, advance=False, hit=None)
-            with pdl(True):
-                record(f"{name}_fused_pdl", eng, advance=False, hit=None)
-            eng.projections = "torch"
+        if batch == 1:
+            record_fused(name, eng, hit=None)
     eng.plan = dataclasses.replace(base, variant="serial")
     eng.step(advance=False)
     torch.cuda.synchronize()
@@ -292,12 +296,7 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         for graphs in ((True, False) if hit == 1.0 else (True,)):
             record(f"prr_fixed_{hit:.2f}", eng, advance=False, hit=hit, graphs=graphs)
         if hit == 1.0 and batch == 1:
-            eng.projections = "fused"
-            with pdl(False):
-                record(f"prr_fixed_{hit:.2f}_fused", eng, advance=False, hit=hit)
-            with pdl(True):
-                record(f"prr_fixed_{hit:.2f}_fused_pdl", eng, advance=False, hit=hit)
-            eng.projections = "torch"
+            record_fused(f"prr_fixed_{hit:.2f}", eng, hit=hit)
         if hit == 0.9:  # the profiled choice, timed on the same data as the other variants
             eng.plan = dataclasses.replace(base, variant=profile.choice(context))
             record("prr_profiled_0.90", eng, advance=False, hit=hit)

@@ -48,6 +48,14 @@ ROWS_PER_PROGRAM = 16
 ROW_TILES = (64, 256, 4)
 
 
+def default_row_tiles(dtype: torch.dtype) -> tuple[int, int, int]:
+    """ROW_TILES for 2-byte dtypes; fp32 halves BLOCK_K so the pipelined tiles fit in shared
+    memory (fp32 SwiGLU at (64, 256): 306 KiB > the H200's 227 KiB; at (64, 128): 153 KiB, sm_90
+    compile of Triton 3.6)."""
+    block_n, block_k, warps = ROW_TILES
+    return block_n, block_k * 2 // torch.empty((), dtype=dtype).element_size(), warps
+
+
 def _overlap(a: Tensor, b: Tensor) -> bool:
     """Whether the bytes a and b span intersect (bounds of each view's extent)."""
     def span(t: Tensor) -> tuple[int, int]:
@@ -83,7 +91,7 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_we
     swiglu: weight is [gate | up] with N_w = 2 N, the output silu(gate) * up;
     residual: [M, N] in x's dtype, updated in place with the projection (and returned).
     -> y [M, N] in x's dtype (N = N_w, or N_w / 2 with swiglu).
-    tiles: (BLOCK_N, BLOCK_K, num_warps) instead of `default_tiles` (M = 1) or ROW_TILES (M >= 2;
+    tiles: (BLOCK_N, BLOCK_K, num_warps) instead of `default_tiles` (M = 1) or `default_row_tiles` (M >= 2;
     both powers of two >= 16 there); benchmarks tune them."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K] with one K; got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -130,7 +138,7 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_we
         return y
     # Several rows: tensor-core tiles of ROWS_PER_PROGRAM rows, each weight tile read once per tile
     # of rows (the GEMV kernel would read it once per row).
-    block_n, block_k, num_warps = tiles or ROW_TILES
+    block_n, block_k, num_warps = tiles or default_row_tiles(x.dtype)
     if min(block_n, block_k) < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"tiles={tiles}: with M={M} rows BLOCK_N and BLOCK_K must be powers of two >= 16")
     _dense_rows_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, ROWS_PER_PROGRAM))](

@@ -130,3 +130,13 @@ def test_dense_gemv_on_the_gpu(form):
                              (8, 4096, 14336, None), (20, 1002, 1000, None), (1, n_one, 256, None),
                              (2, n_one, 256, None)):
         _check("cuda", M, N_w, K, torch.bfloat16, tiles=tiles, seed=N_w, **kw)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_dense_rows_default_tiles_fit_shared_memory_in_fp32_on_the_gpu(swiglu):
+    """fp32 at several rows with the default row tiles: bf16's (64, 256) SwiGLU tiles need 306 KiB
+    of shared memory in fp32 (the H200 has 227); default_row_tiles halves BLOCK_K there."""
+    _check("cuda", 4, 2 * 500 if swiglu else 1000, 4096, torch.float32, tiles=None, seed=5,
+           bias=True, norm=True, residual=not swiglu, swiglu=swiglu)

@@ -42,6 +42,7 @@ PROGRAMS_PER_SM = 4  # per-block target: about this many programs per SM
 SPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 128  # a split reads at least this many tokens (amortises its partial write)
 MIN_TOKENS_PER_BLOCK_PROGRAM = 64  # per_block mode: tokens a program covers, at least
+MERGE_TILE_ELEMENTS = 8192  # fuse_merge: fp32 elements of split outputs loaded at once (64 registers per thread at 4 warps)
 MERGE_MIN_BLOCK_D = 32  # merge: D slice per program, at least (128-byte rows)
 DEFAULT_NUM_SMS = 132  # H200; used when not on CUDA (the interpreter) so splits look like the GPU's
 
@@ -296,7 +297,8 @@ def sparse_decode(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_TOKENS=tile_tokens,
         NATIVE_DOT=bool(native_dot), INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
-        FUSED_MERGE=fused, SPLITS_PAD=_next_power_of_two(num_splits),
+        FUSED_MERGE=fused, SPLITS_PAD=_next_power_of_two(num_splits), MERGE_GROUP=_next_power_of_two(group),
+        SPLIT_CHUNK=min(_next_power_of_two(num_splits), max(1, MERGE_TILE_ELEMENTS // (_next_power_of_two(group) * head_dim))),
         **launch,
     )  # fmt: skip
     if fused:

@@ -116,30 +116,39 @@ def _store_state(
 
 @triton.jit
 def _merge_row_splits(
-    out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, batch, kv_head, num_splits, offs_g, offs_d,
+    out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, batch, kv_head, num_splits, offs_d,
     stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
     stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    GROUP: tl.constexpr, MERGE_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):
     """⊕ of one (batch, KV head)'s split states (every split stored; read from L2) into
-    merged_out [B, Hq, D], merged_lse [B, Hq] for its GROUP query heads."""
-    heads = kv_head * GROUP + offs_g  # [GROUP_PAD]
+    merged_out [B, Hq, D], merged_lse [B, Hq] for its GROUP query heads (MERGE_GROUP: the next
+    power of two). The splits are read SPLIT_CHUNK at a time as [MERGE_GROUP, SPLIT_CHUNK, D]
+    tiles in an unrolled loop, so the loads do not wait for each other: this tail runs after the
+    row's last split, on the critical path (one load per split in a loop cost ~0.3 µs each)."""
+    offs_g = tl.arange(0, MERGE_GROUP)
+    heads = kv_head * GROUP + offs_g  # [MERGE_GROUP]
     row_ok = offs_g < GROUP
+    lse_row = lse_ptr + batch * stride_lb + heads[:, None] * stride_lh  # [MERGE_GROUP, 1]
     offs_s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_ptr + batch * stride_lb + heads[:, None] * stride_lh + offs_s[None, :] * stride_ls,
-                  mask=row_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
-                  cache_modifier=".cg")  # [GROUP_PAD, SPLITS_PAD]
+    lse = tl.load(lse_row + offs_s[None, :] * stride_ls, mask=row_ok[:, None] & (offs_s < num_splits)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")  # [MERGE_GROUP, SPLITS_PAD]
     m = tl.max(lse, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe[:, None])  # 0 for empty and absent splits
-    total = tl.sum(w, axis=1)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for split in range(num_splits):
-        w_s = tl.sum(tl.where(offs_s[None, :] == split, w, 0.0), axis=1)  # [GROUP_PAD]
-        o = tl.load(out_ptr + batch * stride_ob + split * stride_os + heads[:, None] * stride_oh
-                    + offs_d[None, :] * stride_od, mask=(row_ok & (w_s > 0.0))[:, None], other=0.0,
-                    cache_modifier=".cg")
-        acc += w_s[:, None] * o
+    total = tl.sum(tl.exp(lse - m_safe[:, None]), axis=1)  # 0 for empty and absent splits
+    acc = tl.zeros([MERGE_GROUP, HEAD_DIM], tl.float32)
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    out_row = out_ptr + batch * stride_ob + heads[:, None, None] * stride_oh + offs_d[None, None, :] * stride_od
+    for s0 in tl.static_range(0, SPLITS_PAD, SPLIT_CHUNK):
+        splits = s0 + offs_c  # [SPLIT_CHUNK]
+        live = row_ok[:, None] & (splits < num_splits)[None, :]
+        # this chunk's weights, from its lse (a slice of a register tensor is not expressible)
+        w = tl.exp(tl.load(lse_row + splits[None, :] * stride_ls, mask=live, other=float("-inf"),
+                           cache_modifier=".cg") - m_safe[:, None])  # [MERGE_GROUP, SPLIT_CHUNK]
+        o = tl.load(out_row + splits[None, :, None] * stride_os, mask=(live & (w > 0.0))[:, :, None], other=0.0,
+                    cache_modifier=".cg")  # [MERGE_GROUP, SPLIT_CHUNK, HEAD_DIM]
+        acc += tl.sum(w[:, :, None] * o, axis=1)
     has_mass = total > 0.0
     total_safe = tl.where(has_mass, total, 1.0)
     merged_lse = tl.where(has_mass, m_safe + tl.log(total_safe), float("-inf"))
@@ -168,6 +177,8 @@ def sparse_decode_split_kernel(
     NATIVE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
     FUSED_MERGE: tl.constexpr,  # the last split of a row to finish merges the row (no merge launch)
     SPLITS_PAD: tl.constexpr,  # next power of two >= the number of splits (FUSED_MERGE)
+    MERGE_GROUP: tl.constexpr,  # next power of two >= GROUP (FUSED_MERGE)
+    SPLIT_CHUNK: tl.constexpr,  # splits the merge reads per load (FUSED_MERGE)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Attention of one (batch, kv head)'s query group over one split of its block list.
@@ -222,9 +233,9 @@ def sparse_decode_split_kernel(
         arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(0) - 1:
             _merge_row_splits(out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, batch, kv_head, tl.num_programs(0),
-                              offs_g, offs_d, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
+                              offs_d, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
                               stride_ls, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
-                              GROUP, GROUP_PAD, HEAD_DIM, SPLITS_PAD)
+                              GROUP, MERGE_GROUP, HEAD_DIM, SPLITS_PAD, SPLIT_CHUNK)
             tl.store(arrivals_ptr + row, 0)  # re-armed for the next launch (all arrivals are in)
 
 

@@ -69,6 +69,7 @@ def test_sparse_decode_matches_reference(lengths, hq, hkv, d, bs, topk, capacity
 @pytest.mark.parametrize("lengths, hq, hkv, d, bs, topk, capacity, dtype, tokens_per_split", [
     ([1110, 577], 6, 2, 64, 16, 40, 48, torch.float32, 64),  # G3, ragged, 12 splits
     ([113, 61], 8, 2, 128, 32, 3, 5, torch.float16, 32),  # fp16, a padded list
+    ([900], 8, 1, 128, 16, 40, 48, torch.float32, 32),  # 24 splits merged in 4 chunks of 8 (G8, D 128)
 ])
 def test_fused_merge_equals_the_merge_launch(lengths, hq, hkv, d, bs, topk, capacity, dtype, tokens_per_split):
     """fuse_merge: the last split of a row merges it in the split kernel; equals the separate

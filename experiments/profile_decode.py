@@ -1,12 +1,12 @@
 """Where one decode token's GPU time goes: a kernel-by-kernel profile of the graph engine.
 
     python experiments/profile_decode.py [--variant serial] [--context 131072] [--batch 1] [--pdl]
-        [--projections torch|fused] [--out DIR]
+        [--projections torch|fused] [--fuse-merge] [--out DIR]
 
 Llama-3.1-8B shape, random bf16 weights and KV (as bench_decode). Runs a few eager steps under
 torch.profiler and sums each kernel's device time per step (device durations do not include
 launch gaps, so the sum is below the step's wall time; the gap is printed too). Writes
-DIR/profile_decode_{variant}_{selector}_{batch}x{context}_bs{block}_k{topk}[_pdl][_fused].csv and
+DIR/profile_decode_{variant}_{selector}_{batch}x{context}_bs{block}_k{topk}[_pdl][_fused][_fusemerge].csv and
 prints the table. --pdl launches prr's kernels with programmatic dependent launch (kernels/pdl.py);
 --projections fused uses prr.kernels.dense_gemv for the projections (GraphDecoder(projections=)).
 """
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (sets PRR_PDL=1)")
     parser.add_argument("--projections", default="torch", choices=("torch", "fused"))
+    parser.add_argument("--fuse-merge", action="store_true", help="splits merged inside the split kernel (StaticPlan.fuse_merge)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200")
     args = parser.parse_args()
     if args.pdl:
@@ -52,7 +53,7 @@ def main() -> None:
     model = model_of(32)
     k = args.topk_tokens // args.block
     plan = StaticPlan(variant=args.variant, selector=args.selector, topk_blocks=k, predicted_blocks=k,
-                      predictor="fixed", block_size=args.block)
+                      predictor="fixed", block_size=args.block, fuse_merge=args.fuse_merge)
     eng = GraphDecoder(model, plan, batch=args.batch, max_tokens=args.context, compile=True,
                        projections=args.projections)
     eng.fill_random_context(args.context - HEADROOM, seed=1)
@@ -81,7 +82,7 @@ def main() -> None:
     frame["share"] = frame["us_per_step"] / frame["us_per_step"].sum()
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"profile_decode_{args.variant}_{args.selector}_{args.batch}x{args.context}_bs{args.block}_k{args.topk_tokens}" + ("_pdl" if args.pdl else "") \
-        + ("_fused" if args.projections == "fused" else "")
+        + ("_fused" if args.projections == "fused" else "") + ("_fusemerge" if args.fuse_merge else "")
     frame.insert(0, "command", "python " + " ".join(sys.argv))
     frame["graph_replay_us_per_step"] = graph_us  # the whole step replayed as a CUDA graph (gaps included)
     frame.to_csv(args.out / f"{name}.csv", index=False)

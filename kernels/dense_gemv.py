@@ -30,9 +30,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # results/h200/bench_gemv.csv: 40 tile configs per shape). Tiles that suit one shape can be 2x
 # slower on another (gate_up at (4, 1024, 4): 110 µs against 60), hence a table. A fourth entry
 # runs the persistent GEMV (that many programs per SM, each walking several row tiles):
-# experiments/try_persistent_gemv.py, results/h200/try_persistent_gemv.json, 33 configs per
-# shape: lm_head 263 µs against 287 (1.07x its floor against 1.17x), o_proj 11.4 against 11.8;
-# slower on the other three (q|k|v 16.9 against 15.2).
+# results/h200/try_persistent_gemv.json (experiments/try_persistent_gemv.py of commit ad23543, a
+# copy of this kernel; `bench_gemv.py --batches 1 --persistent` sweeps the same 33 configs),
+# lm_head 263 µs against 287 (1.07x its floor against 1.17x), o_proj 11.4 against 11.8; slower
+# on the other three (q|k|v 16.9 against 15.2).
 TUNED_TILES = {
     (6144, 4096, False): (16, 512, 4),  # q|k|v
     (4096, 4096, False): (8, 512, 4, 16),  # o_proj, persistent

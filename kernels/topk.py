@@ -30,7 +30,10 @@ def candidate_filter_shape(block: int, k: int) -> tuple[int, int]:
 
 
 def _default_num_warps(block: int) -> int:
-    return max(4, min(16, block // 512))
+    """8 warps from rows of 2048 blocks up: at 128K on the H200 (results/h200/try_select_latency.json)
+    8 beat 4 at 2048 blocks (7.05 vs 7.61 µs, batch 1) and 16 at 8192 (16.9 vs 19.1); 1 or 2 warps
+    were slower everywhere (their reductions are cheaper, each thread has more keys)."""
+    return max(4, min(8, block // 256))
 
 
 def _check_topk_args(

@@ -180,7 +180,8 @@ def _quest_select_kernel(
         row_base = batch.to(tl.int64) * stride_ob + kv_head.to(tl.int64) * stride_oh
         offs = tl.arange(0, ROW_BLOCK)
         # .cg: read the other programs' scores from L2, never from a stale L1 line.
-        keys, valid = _order_keys(out_ptr, row_base, offs, stride_on, num_blocks, sink_blocks, recent_blocks, True)
+        keys, valid = _order_keys(out_ptr, row_base, offs, stride_on, num_blocks, sink_blocks, recent_blocks, num_blocks,
+                                  True)
         _select_row(
             keys, valid, offs, k, k_out, row.to(tl.int64) * k_out, row, idx_out_ptr, count_out_ptr,
             RADIX_BITS, PAD_BLOCK,

@@ -214,11 +214,17 @@ def sparse_decode_split_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    # Block ids a tile ahead, masked by the list's capacity only: the first tile's load does not
+    # wait for `count` (written by the kernel before, like the ids), so the two L2 reads overlap.
+    ahead = entry_begin + offs_t // BLOCK_SIZE
+    block_ahead = tl.load(ids_row + ahead * stride_ic, mask=ahead < capacity, other=0)
     for flat_start in range(entry_begin * BLOCK_SIZE, entry_end * BLOCK_SIZE, TILE_TOKENS):
         flat = flat_start + offs_t  # [TILE]
         entry = flat // BLOCK_SIZE
         in_list = entry < entry_end
-        block = tl.load(ids_row + entry * stride_ic, mask=in_list, other=0).to(tl.int64)
+        block = block_ahead.to(tl.int64)  # list entries past `count` are padding: masked by in_list
+        ahead = (flat + TILE_TOKENS) // BLOCK_SIZE
+        block_ahead = tl.load(ids_row + ahead * stride_ic, mask=ahead < entry_end, other=0)
         tokens = block * BLOCK_SIZE + (flat % BLOCK_SIZE)
         live = in_list & (tokens >= 0) & (tokens < length)
         k = _load_kv_tile(k_row, tokens, live, offs_d, stride_kt, stride_kd, NATIVE_DOT)

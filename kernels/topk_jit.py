@@ -29,19 +29,23 @@ from .pdl import pdl_prologue
 
 @triton.jit
 def _order_keys(
-    scores_ptr, row_base, offs, stride_n, num_blocks, sink_blocks, recent_blocks, L2_ONLY: tl.constexpr
+    scores_ptr, row_base, offs, stride_n, num_blocks, sink_blocks, recent_blocks, load_bound,
+    L2_ONLY: tl.constexpr
 ):
     """-> (keys uint32, valid bool) for block ids `offs` of one row: keys order like the scores
     (forced blocks as +inf); invalid blocks (past the context or scored -inf) get key 0, below
     every valid key (the key of -inf is 0x007FFFFF, of -FLT_MAX 0x00800000).
+    load_bound: scores are read below it (the row's length N: the load need not wait for
+    num_blocks, itself a load; or num_blocks, reading no more than the context).
     L2_ONLY: load with .cg (scores written by other programs of the same launch).
     (Always pass L2_ONLY: triton 3.6 fails on a defaulted constexpr of a nested call.)"""
     in_context = offs < num_blocks
     ptrs = scores_ptr + row_base + offs * stride_n
     if L2_ONLY:
-        s = tl.load(ptrs, mask=in_context, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+        s = tl.load(ptrs, mask=offs < load_bound, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     else:
-        s = tl.load(ptrs, mask=in_context, other=float("-inf")).to(tl.float32)
+        s = tl.load(ptrs, mask=offs < load_bound, other=float("-inf")).to(tl.float32)
+    s = tl.where(in_context, s, float("-inf"))
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 == +0.0 as floats: give them one key
     forced = in_context & ((offs < sink_blocks) | (offs >= num_blocks - recent_blocks))
     s = tl.where(forced, float("inf"), s)
@@ -216,7 +220,8 @@ def _topk_row_kernel(
     out_row = (batch.to(tl.int64) * num_kv_heads + kv_head) * k_out
 
     offs = tl.arange(0, BLOCK)
-    keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
+    keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, num_cols,
+                               False)
     row = batch * num_kv_heads + kv_head
     if GROUPS == 0:
         _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
@@ -275,7 +280,8 @@ def _topk_tiled_kernel(
 
     n_valid = tl.zeros([], dtype=tl.int32)
     for start in range(0, num_blocks, TILE):
-        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
+        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, num_blocks,
+                                    False)
         n_valid += tl.sum(valid.to(tl.int32), axis=0)
     k_eff = tl.minimum(n_valid, k)
 
@@ -288,21 +294,23 @@ def _topk_tiled_kernel(
             counts = tl.zeros([], dtype=tl.int64)
         for start in range(0, num_blocks, TILE):
             keys, valid = _order_keys(
-                scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, False
+                scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, num_blocks, False
             )
             counts += _count_at_least(keys, threshold, shift, RADIX_BITS)
         threshold = _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS)
 
     n_gt = tl.zeros([], dtype=tl.int32)
     for start in range(0, num_blocks, TILE):
-        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
+        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks, recent_blocks, num_blocks,
+                                    False)
         n_gt += tl.sum((keys > threshold).to(tl.int32), axis=0)
     need_eq = k_eff - n_gt
     base_gt = tl.zeros([], dtype=tl.int32)
     base_eq = tl.zeros([], dtype=tl.int32)
     for start in range(0, num_blocks, TILE):
         offs = start + lane
-        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, False)
+        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, num_blocks,
+                                  False)
         tile_gt, tile_eq = _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr, k_out)
         base_gt += tile_gt
         base_eq += tile_eq

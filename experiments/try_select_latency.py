@@ -40,8 +40,8 @@ def main() -> None:
             for warps in (1, 2, 4, 8, 16):
                 got = topk_select(scores[0], k, num_blocks, 1, 1, num_warps=warps)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (batch, block, warps)
-                us = graph_time_us(lambda i, w=warps: (lambda: topk_select(scores[i], k, num_blocks, 1, 1,
-                                                                            num_warps=w)), sets)
+                us = graph_time_us(lambda i, w=warps, s=scores, kb=k, n=num_blocks: (
+                    lambda: topk_select(s[i], kb, n, 1, 1, num_warps=w)), sets)
                 rows.append(dict(op="topk", batch=batch, block=block, blocks=nb, k=k, warps=warps, us=us))
             kmax = [torch.randn(batch, hkv, nb, d, device="cuda", generator=gen).to(torch.bfloat16)
                     for _ in range(sets)]
@@ -52,8 +52,8 @@ def main() -> None:
                 for warps in (2, 4, 8):
                     got = quest_score(q, kmax[0], kmin[0], num_blocks, "max", block_n=block_n, num_warps=warps)
                     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-3), (batch, block, block_n, warps)
-                    us = graph_time_us(lambda i, bn=block_n, w=warps: (lambda: quest_score(
-                        q, kmax[i], kmin[i], num_blocks, "max", block_n=bn, num_warps=w)), sets)
+                    us = graph_time_us(lambda i, bn=block_n, w=warps, qq=q, hi=kmax, lo=kmin, n=num_blocks: (
+                        lambda: quest_score(qq, hi[i], lo[i], n, "max", block_n=bn, num_warps=w)), sets)
                     rows.append(dict(op="quest_score", batch=batch, block=block, blocks=nb, block_n=block_n,
                                      warps=warps, us=us))
             del kmax, kmin

@@ -44,16 +44,28 @@ def _dense_gemv_kernel(
     row = tl.program_id(1).to(tl.int64)  # the batch row m
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    # (N may arrive as a constexpr: Triton specialises an int argument equal to 1)
+    up_rows = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * stride_wn
+    y, up, rstd = _gemv_tile(x_ptr + row * stride_xm, norm_w_ptr, w_rows, up_rows, live_n, K, eps,
+                             NORM, SWIGLU, EVEN_K, BLOCK_N, BLOCK_K, PDL)
+    _epilogue(y, up, rstd, bias_ptr, offs_n, N, y_ptr + row * stride_ym + offs_n, live_n,
+              HAS_BIAS, RESIDUAL, SWIGLU)
+
+
+@triton.jit
+def _gemv_tile(x_ptr, norm_w_ptr, w_rows, up_rows, live_n, K, eps,
+               NORM: tl.constexpr, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One row x [K] against BLOCK_N weight rows (w_rows [BLOCK_N, 1] pointers; up_rows: SwiGLU's
+    up rows) -> (y, up: [BLOCK_N] fp32 dot products, up = y without SWIGLU; rstd: the RMSNorm
+    factor of x, 1.0 without NORM). The kernel's PDL wait is in here: the first weight tile is
+    requested before it (weights never depend on the kernel before; with PDL this overlaps that
+    kernel's tail), every later one a tile ahead."""
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if SWIGLU:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        # (N may arrive as a constexpr: Triton specialises an int argument equal to 1)
-        up_rows = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * stride_wn
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    # The weights never depend on the kernel before this one: the first tile is requested before
-    # waiting for it (with PDL this overlaps that kernel's tail), every later one a tile ahead.
     w = _weight_tile(w_rows, offs_k, K, live_n)
     if SWIGLU:
         u = _weight_tile(up_rows, offs_k, K, live_n)
@@ -62,9 +74,9 @@ def _dense_gemv_kernel(
         cols = k0 + offs_k
         live_k = cols < K
         if EVEN_K:
-            x = tl.load(x_ptr + row * stride_xm + cols)
+            x = tl.load(x_ptr + cols)
         else:
-            x = tl.load(x_ptr + row * stride_xm + cols, mask=live_k, other=0.0)
+            x = tl.load(x_ptr + cols, mask=live_k, other=0.0)
         xf = x.to(tl.float32)
         if NORM:  # the 1 / rms factor is applied to the dot products at the end (one pass over x)
             squares += xf * xf
@@ -77,8 +89,7 @@ def _dense_gemv_kernel(
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     up = tl.sum(acc_up, axis=1) if SWIGLU else y
     rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps) if NORM else 1.0
-    _epilogue(y, up, rstd, bias_ptr, offs_n, N, y_ptr + row * stride_ym + offs_n, live_n,
-              HAS_BIAS, RESIDUAL, SWIGLU)
+    return y, up, rstd
 
 
 @triton.jit

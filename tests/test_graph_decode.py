@@ -174,9 +174,9 @@ def test_compiled_graph_equals_eager_on_the_gpu():
         torch.testing.assert_close(compiled.graph_output.float().cpu(), a, rtol=1e-3, atol=1e-3, msg=f"step {step}")
 
 
-def fused_projection_engine(plan: StaticPlan, device: str = DEVICE, context: int = 203) -> GraphDecoder:
+def fused_projection_engine(plan: StaticPlan, device: str = DEVICE, context: int = 203, batch: int = 2) -> GraphDecoder:
     model = Decoder(CONFIG, torch.float32, device).init_random_(seed=3, std=0.05)
-    engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40, projections="fused")
+    engine = GraphDecoder(model, plan, batch=batch, max_tokens=context + 40, projections="fused")
     engine.fill_random_context(context, seed=5)
     return engine
 
@@ -192,6 +192,41 @@ def test_fused_projections_decode_like_torch_projections(variant):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+class _NoAppendLaunch:
+    """Stands in for prr.kernels.cache_append: the one-launch projection + append must not need it."""
+
+    def append_token(self, *args, **kwargs):
+        raise AssertionError("append_token launched: the q|k|v projection should have appended")
+
+
+@pytest.mark.parametrize("variant,selector", [("serial", "quest"), ("prr", "quest"),
+                                              pytest.param("dense", "infllm", marks=pytest.mark.slow)])
+def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, selector):
+    """Batch 1, projections="fused": the q|k|v GEMV also rotates q and k and appends K/V and the
+    Quest metadata (prr.kernels.qkv_append; append_token never launches). It decodes the logits
+    of the F.linear path, and leaves the caches and metadata of the two-launch fused path."""
+    plan = StaticPlan(variant=variant, selector=selector, topk_blocks=6, predicted_blocks=8)
+    want = decode(make(plan, batch=1), 3)
+    two = fused_projection_engine(plan, batch=1)
+    assert two._paired_qkv is not None  # built with the engine, not inside a first (captured) step
+    two.fuse_append = False  # dense_gemv, then append_token(rope=...)
+    two_launches = decode(two, 3)
+    one = make(plan, batch=1)
+    one.projections = "fused"  # as benchmarks switch it: the paired weights are built on first use
+    one._k = {**one._k, "cache_append": _NoAppendLaunch()}
+    got = decode(one, 3)
+    for a, b, c in zip(want, two_launches, got, strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(one.pos, two.pos)
+    for layer in range(CONFIG.num_layers):
+        torch.testing.assert_close(one.keys[layer], two.keys[layer], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(one.values[layer], two.values[layer], rtol=1e-6, atol=1e-6)
+        if selector == "quest" and one.sparse[layer]:
+            torch.testing.assert_close(one.key_max[layer], two.key_max[layer], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(one.key_min[layer], two.key_min[layer], rtol=1e-6, atol=1e-6)
+
+
 def test_unknown_projections_are_refused():
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
     with pytest.raises(ValueError, match="projections='cublas' is not one of"):
@@ -204,6 +239,21 @@ def test_fused_projections_graph_equals_torch_projections_on_the_gpu():
     plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
     want = decode(make(plan, context=3001, device="cuda"), 6)
     fused = fused_projection_engine(plan, device="cuda", context=3001)
+    graph = fused.capture(lambda: fused.step(advance=True))
+    fused.fill_random_context(3001, seed=5)
+    for step, a in enumerate(want):
+        graph.replay()
+        torch.testing.assert_close(fused.graph_output.float().cpu(), a, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+def test_fused_append_graph_at_batch_one_equals_torch_projections_on_the_gpu():
+    """Batch 1, fused projections with the append in the q|k|v projection, captured in a graph."""
+    plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
+    want = decode(make(plan, context=3001, device="cuda", batch=1), 6)
+    fused = fused_projection_engine(plan, device="cuda", context=3001, batch=1)
+    fused._k = {**fused._k, "cache_append": _NoAppendLaunch()}
     graph = fused.capture(lambda: fused.step(advance=True))
     fused.fill_random_context(3001, seed=5)
     for step, a in enumerate(want):

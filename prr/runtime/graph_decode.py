@@ -105,13 +105,16 @@ class GraphDecoder:
                  projections: str = "torch") -> None:
         """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
         the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
-        (RoPE runs in the cache-append kernel.)
+        (RoPE runs in the cache-append kernel, or at batch 1 with fused projections in the q|k|v
+        projection's.)
         projections: "torch" (F.linear, i.e. cuBLAS, with the norms / SiLU / residual adds as
         separate kernels) or "fused" (prr.kernels.dense_gemv: each projection one Triton launch
         with its RMSNorm, SwiGLU or residual add inside; 4 launches per layer's dense part;
-        faster than cuBLAS at batch 1 on the H200, slower at batch 8).
+        faster than cuBLAS at batch 1 on the H200, slower at batch 8). At batch 1 "fused" also
+        folds RoPE and the cache append into the q|k|v projection (prr.kernels.qkv_append; one
+        launch fewer per layer) unless `fuse_append` is set False.
         An attribute: benchmarks switch it between captures, as they switch `plan`."""
-        from prr.kernels import cache_append, dense_gemv, prr_merge, quest, sparse_decode, topk
+        from prr.kernels import cache_append, dense_gemv, prr_merge, qkv_append, quest, sparse_decode, topk
 
         if plan.problems():
             raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
@@ -120,9 +123,12 @@ class GraphDecoder:
             raise ValueError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
         if projections not in PROJECTIONS:
             raise ValueError(f"projections={projections!r} is not one of {list(PROJECTIONS)}")
-        self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, quest=quest,
-                       sparse_decode=sparse_decode, topk=topk)
+        self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, qkv_append=qkv_append,
+                       quest=quest, sparse_decode=sparse_decode, topk=topk)
         self.projections = projections
+        # Batch 1, projections="fused": q|k|v GEMV + RoPE + append in one launch (an attribute, so
+        # benchmarks can time the two-launch path too).
+        self.fuse_append = True
 
         self.model, self.plan, self.batch = model, plan, batch
         self.device, self.dtype = model.device, model.dtype
@@ -184,6 +190,9 @@ class GraphDecoder:
             self._post = torch.compile(post_attention, dynamic=False, fullgraph=True)
             self._final = torch.compile(final_norm, dynamic=False, fullgraph=True)
         self.no_delta = torch.zeros(B, 1, c.hidden_size, dtype=self.dtype, device=dev)  # the first layer's
+        self._paired_qkv: list[tuple[Tensor, Tensor | None]] | None = None  # see paired_qkv_weights
+        if self._appends_in_projection():
+            self.paired_qkv_weights()  # now rather than inside a first step (that may be a capture)
 
     # --- context ------------------------------------------------------------------------
     @torch.no_grad()
@@ -293,21 +302,34 @@ class GraphDecoder:
         bs = self.plan.block_size
         return self.pos + 1, (self.pos + bs).div(bs, rounding_mode="floor")
 
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                  positions: tuple[Tensor, Tensor] | None = None, rope: bool = False) -> Tensor:
+    def _quest_metadata(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
+        """(key_max, key_min) [B, Hkv, NB, D] the append updates, or (None, None): dense layers
+        and InfLLM (its representatives are built by start_at)."""
+        if self.plan.selector == "quest" and self.sparse[layer]:
+            return self.key_max[layer], self.key_min[layer]
+        return None, None
+
+    def append(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: bool = False) -> Tensor:
+        """This step's K/V at pos, and the Quest metadata of its block, in one launch.
+        q: [B, Hq, D], k, v: [B, Hkv, D] (post-RoPE, or pre-RoPE with rope: the append kernel
+        rotates q and k, one launch fewer) -> q [B, Hq, D] post-RoPE."""
+        q_rot = self._k["cache_append"].append_token(
+            self.keys[layer], self.values[layer], k, v, self.pos, *self._quest_metadata(layer), self.plan.block_size,
+            rope=(self.cos, self.sin, q) if rope else None)
+        return q_rot if rope else q
+
+    def attention(self, layer: int, q: Tensor, k: Tensor | None, v: Tensor | None,
+                  positions: tuple[Tensor, Tensor] | None = None, rope: bool = False, appended: bool = False) -> Tensor:
         """q: [B, Hq, D], k, v: [B, Hkv, D] post-RoPE, this step's token -> out [B, Hq, D] in the
         model dtype.
         positions: `step_positions()` of this step (computed here when not given).
-        rope: q and k are pre-RoPE; the append kernel rotates both (one launch fewer)."""
+        rope: q and k are pre-RoPE; the append kernel rotates both (one launch fewer).
+        appended: this step's K/V (and metadata) are in the cache already and q is post-RoPE
+        (prr.kernels.qkv_append did both in the q|k|v projection); k and v are unused (None)."""
         p = self.plan
         lengths, num_blocks = positions if positions is not None else self.step_positions()
-        # K/V at pos, and the Quest metadata of its block, in one launch.
-        quest_meta = p.selector == "quest" and self.sparse[layer]
-        q_rot = self._k["cache_append"].append_token(
-            self.keys[layer], self.values[layer], k, v, self.pos,
-            self.key_max[layer] if quest_meta else None, self.key_min[layer] if quest_meta else None, p.block_size,
-            rope=(self.cos, self.sin, q) if rope else None)
-        q = q_rot if rope else q
+        if not appended:
+            q = self.append(layer, q, k, v, rope)
         if not self.sparse[layer] or p.variant == "dense":
             counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
             return self._attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
@@ -418,16 +440,42 @@ class GraphDecoder:
         is updated in place by o_proj's and down's epilogues; the norms run inside the next
         projection."""
         m, B, gemv = self.model, self.batch, self._k["dense_gemv"].dense_gemv
+        paired = self.paired_qkv_weights() if self._appends_in_projection() else None
         x = m.model.embed_tokens(self.token).view(B, -1)  # [B, H]: a fresh buffer, ours to update
         for i, w in enumerate(self.fused):
-            qkv = gemv(x, w.wqkv, w.bqkv, norm_weight=w.ln1, eps=self.eps).view(B, sum(split), self.d)
-            q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
-            out = self.attention(i, q, k, v, positions, rope=True).view(B, self.hq * self.d)
+            if paired is not None:  # batch 1: projection, RoPE and append in one launch
+                q = self._k["qkv_append"].qkv_rope_append(
+                    x, *paired[i], w.ln1, self.eps, self.keys[i], self.values[i], self.pos, self.cos, self.sin,
+                    *self._quest_metadata(i), self.plan.block_size, self.hq, self.hkv)  # [1, Hq, D] post-RoPE
+                out = self.attention(i, q, None, None, positions, appended=True).view(B, self.hq * self.d)
+            else:
+                qkv = gemv(x, w.wqkv, w.bqkv, norm_weight=w.ln1, eps=self.eps).view(B, sum(split), self.d)
+                q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
+                out = self.attention(i, q, k, v, positions, rope=True).view(B, self.hq * self.d)
             gemv(out, w.wo, w.bo, residual=x)  # x += o_proj(out)
             h = gemv(x, w.w_gate_up, w.b_gate_up, norm_weight=w.ln2, eps=self.eps, swiglu=True)  # [B, I]
             gemv(h, w.w_down, w.b_down, residual=x)  # x += down(h)
         head = m.lm_head
         return gemv(x, head.weight, head.bias, norm_weight=m.model.norm.weight, eps=m.model.norm.eps)  # [B, V]
+
+    def _appends_in_projection(self) -> bool:
+        return self.projections == "fused" and self.batch == 1 and self.fuse_append
+
+    def paired_qkv_weights(self) -> list[tuple[Tensor, Tensor | None]]:
+        """Per layer (wqkv [(Hq + 2 Hkv) D, H], bqkv [(Hq + 2 Hkv) D] or None) with the q and k
+        rows of every head in RoPE pair order (prr.kernels.qkv_append.rope_pair_permutation):
+        what the one-launch projection + append reads. Built once, on first need: a copy (the
+        q|k|v weights twice in memory, ~1.6 GB for Llama-3.1-8B in bf16), since the torch path and
+        batch > 1 read `fused[i].wqkv` as it is; later in-place edits of the model's weights do
+        not reach it."""
+        if self._paired_qkv is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the paired q|k|v weights are built on first use: run a step before capturing "
+                                   "(capture() warms up first), or call paired_qkv_weights()")
+            perm = self._k["qkv_append"].rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device)
+            with torch.no_grad():
+                self._paired_qkv = [(w.wqkv[perm], None if w.bqkv is None else w.bqkv[perm]) for w in self.fused]
+        return self._paired_qkv
 
     def capture(self, fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
         """Capture `fn()` (e.g. lambda: d.step(False)) after `warmup` eager calls on a side

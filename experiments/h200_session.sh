@@ -10,11 +10,11 @@ parts=${1:-tests,kernels,decode,profile}
 has() { [[ ",$parts," == *",$1,"* ]]; }
 if has tests; then
   python3 -m pytest -q -m gpu tests/test_kernels_selection.py tests/test_kernels_cache_append.py tests/test_kernels_dense_gemv.py \
-    tests/test_kernels_sparse_decode.py tests/test_kernels_prr_merge.py tests/test_graph_decode.py \
+    tests/test_kernels_qkv_append.py tests/test_kernels_sparse_decode.py tests/test_kernels_prr_merge.py tests/test_graph_decode.py \
     tests/test_graph_budget.py tests/test_graph_run.py tests/test_graph_adaptive.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
   # the same checks with programmatic dependent launch (kernels/pdl.py; opt-in)
-  PRR_PDL=1 python3 -m pytest -q -m gpu tests/test_kernels_sparse_decode.py tests/test_kernels_cache_append.py tests/test_kernels_dense_gemv.py \
+  PRR_PDL=1 python3 -m pytest -q -m gpu tests/test_kernels_sparse_decode.py tests/test_kernels_cache_append.py tests/test_kernels_dense_gemv.py tests/test_kernels_qkv_append.py \
     tests/test_graph_decode.py tests/test_graph_run.py > "$OUT/gpu_tests_pdl.log" 2>&1
   tail -1 "$OUT/gpu_tests_pdl.log"
 fi

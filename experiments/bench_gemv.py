@@ -8,7 +8,6 @@ where 32 layers' weights stream by). The cuBLAS rows time F.linear alone: the no
 residual kernels the torch path adds around it are not counted (in cuBLAS's favour).
 
     python experiments/bench_gemv.py            # -> experiments/results/h200/bench_gemv.{json,csv}
-    python experiments/bench_gemv.py --batches 1 --persistent --out .../bench_gemv_persistent
 """
 
 from __future__ import annotations
@@ -46,12 +45,8 @@ def shapes(arch: str) -> list[dict]:
             dict(name="lm_head", n=c.vocab_size, k=c.hidden_size, form="norm")]
 
 
-def tile_grid(batch: int, persistent: bool = False) -> list[tuple[int, ...]]:
-    """(BLOCK_N, BLOCK_K, num_warps) to try: the GEMV's at batch 1, tensor-core tiles above;
-    persistent: the persistent GEMV's (BLOCK_N, BLOCK_K, num_warps, programs per SM) at batch 1."""
-    if persistent:
-        return [(bn, bk, warps, per_sm) for bn in (1, 2, 4, 8) for bk in (512, 1024) for warps in (2, 4)
-                for per_sm in (4, 8, 16) if 8 <= bn * bk // (32 * warps) <= 32]
+def tile_grid(batch: int) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, BLOCK_K, num_warps) to try: the GEMV's at batch 1, tensor-core tiles above."""
     if batch > 1:
         return [(bn, bk, warps) for bn in (16, 32, 64) for bk in (64, 128, 256) for warps in (4, 8)]
     out = []
@@ -117,7 +112,6 @@ def main() -> None:
     parser.add_argument("--arch", default="llama-3.1-8b-shape")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--quick", action="store_true", help="default tiles only")
-    parser.add_argument("--persistent", action="store_true", help="batch 1: the persistent GEMV's configs")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_gemv")
     args = parser.parse_args()
     if args.arch not in ZOO:
@@ -132,9 +126,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{env['gpu']}: read bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
-        if args.persistent and batch != 1:
-            parser.error("--persistent sweeps batch 1 only (--batches 1)")
-        grid = [] if args.quick else tile_grid(batch, args.persistent)
+        grid = [] if args.quick else tile_grid(batch)
         for shape in shapes(args.arch):
             rows = bench_shape(shape, batch, bandwidth, grid, gen)
             results["rows"].extend(rows)

@@ -18,28 +18,25 @@ import torch
 import triton
 from torch import Tensor
 
-from .dense_gemv_jit import _dense_gemv_kernel, _dense_gemv_persistent_kernel, _dense_rows_kernel
+from .dense_gemv_jit import _dense_gemv_kernel, _dense_rows_kernel
 from .pdl import launch_kwargs
-from .sparse_decode import _num_sms
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# (BLOCK_N, BLOCK_K, num_warps[, programs per SM]) that measured fastest at batch 1 on the H200
-# per (out_features, in_features, swiglu) of the Llama-3.1-8B shape (experiments/bench_gemv.py,
+# (BLOCK_N, BLOCK_K, num_warps) that measured fastest at batch 1 on the H200 per
+# (out_features, in_features, swiglu) of the Llama-3.1-8B shape (experiments/bench_gemv.py,
 # results/h200/bench_gemv.csv: 40 tile configs per shape). Tiles that suit one shape can be 2x
-# slower on another (gate_up at (4, 1024, 4): 110 µs against 60), hence a table. A fourth entry
-# runs the persistent GEMV (that many programs per SM, each walking several row tiles):
-# results/h200/try_persistent_gemv.json (experiments/try_persistent_gemv.py of commit ad23543, a
-# copy of this kernel; `bench_gemv.py --batches 1 --persistent` sweeps the same 33 configs),
-# lm_head 263 µs against 287 (1.07x its floor against 1.17x), o_proj 11.4 against 11.8; slower
-# on the other three (q|k|v 16.9 against 15.2).
+# slower on another (gate_up at (4, 1024, 4): 110 µs against 60), hence a table. (A persistent
+# GEMV, programs walking several row tiles, was tried for o_proj and lm_head and removed: 263 µs
+# against 287 for lm_head in its experiment, results/h200/try_persistent_gemv.json, but 304 in
+# bench_gemv and +29 µs per token in the engine once in this file; see the README.)
 TUNED_TILES = {
     (6144, 4096, False): (16, 512, 4),  # q|k|v
-    (4096, 4096, False): (8, 512, 4, 16),  # o_proj, persistent
+    (4096, 4096, False): (2, 2048, 2),  # o_proj
     (14336, 4096, True): (1, 512, 2),  # gate|up with SwiGLU
     (4096, 14336, False): (2, 2048, 2),  # down
-    (128256, 4096, False): (8, 512, 4, 4),  # lm_head, persistent
+    (128256, 4096, False): (16, 256, 4),  # lm_head
 }
 # Every other shape: the config whose worst ratio to cuBLAS over those five shapes was lowest
 # (1.08x; 0.99x on average).
@@ -76,8 +73,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def default_tiles(out_features: int, in_features: int, swiglu: bool) -> tuple[int, ...]:
-    """(BLOCK_N, BLOCK_K, num_warps[, programs per SM]) for an out_features x in_features projection (out_features
+def default_tiles(out_features: int, in_features: int, swiglu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an out_features x in_features projection (out_features
     counts SwiGLU's outputs, half the weight's rows): the tuned entry, else GENERIC_TILES with
     the K tile no wider than the input."""
     tuned = TUNED_TILES.get((out_features, in_features, swiglu))
@@ -91,15 +88,14 @@ def default_tiles(out_features: int, in_features: int, swiglu: bool) -> tuple[in
 
 def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
                eps: float = 1e-6, residual: Tensor | None = None, swiglu: bool = False,
-               tiles: tuple[int, ...] | None = None) -> Tensor:
+               tiles: tuple[int, int, int] | None = None) -> Tensor:
     """x: [M, K]; weight: [N_w, K] (nn.Linear layout, last dim contiguous); bias: [N_w] or None;
     norm_weight: [K] RMSNorm weight applied to x first (None: x as it is);
     swiglu: weight is [gate | up] with N_w = 2 N, the output silu(gate) * up;
     residual: [M, N] in x's dtype, updated in place with the projection (and returned).
     -> y [M, N] in x's dtype (N = N_w, or N_w / 2 with swiglu).
     tiles: (BLOCK_N, BLOCK_K, num_warps) instead of `default_tiles` (M = 1) or `default_row_tiles` (M >= 2;
-    both powers of two >= 16 there); benchmarks tune them. At M = 1 a fourth entry, programs per
-    SM, runs the persistent GEMV (grid = SMs x that, each program walking several row tiles)."""
+    both powers of two >= 16 there); benchmarks tune them."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K] with one K; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
@@ -138,21 +134,13 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_we
     flags = dict(NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
                  SWIGLU=swiglu, **launch_kwargs(x.device))
     if M == 1:  # a GEMV: the weight streamed once
-        block_n, block_k, num_warps, *persistent = tiles or default_tiles(N, K, swiglu)
-        if persistent:  # (programs per SM,)
-            programs = min(triton.cdiv(N, block_n), persistent[0] * _num_sms(x.device))
-            _dense_gemv_persistent_kernel[(programs,)](
-                *args, N, K, float(eps), weight.stride(0),
-                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **flags)
-            return y
+        block_n, block_k, num_warps = tiles or default_tiles(N, K, swiglu)
         _dense_gemv_kernel[(triton.cdiv(N, block_n), 1)](
             *args, N, K, float(eps), x.stride(0), weight.stride(0), y.stride(0),
             EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **flags)
         return y
     # Several rows: tensor-core tiles of ROWS_PER_PROGRAM rows, each weight tile read once per tile
     # of rows (the GEMV kernel would read it once per row).
-    if len(tiles or ()) > 3:
-        raise ValueError(f"tiles={tiles}: the persistent GEMV (a 4th entry) takes one row; got M={M} rows")
     block_n, block_k, num_warps = tiles or default_row_tiles(x.dtype)
     if min(block_n, block_k) < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"tiles={tiles}: with M={M} rows BLOCK_N and BLOCK_K must be powers of two >= 16")

@@ -93,60 +93,6 @@ def _gemv_tile(x_ptr, norm_w_ptr, w_rows, up_rows, live_n, K, eps,
 
 
 @triton.jit
-def _dense_gemv_persistent_kernel(
-    x_ptr, norm_w_ptr, w_ptr, bias_ptr, y_ptr,  # as _dense_gemv_kernel (M = 1: one row)
-    N, K, eps, stride_wn,
-    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """_dense_gemv_kernel's math for one row, with a grid of P programs (a few per SM) that each
-    walk row tiles pid, pid + P, ...: the weight stream of a program runs on across its tiles
-    (the next tile is requested while the last K step of this one is summed) instead of ending
-    with every tile. grid = (P,), P <= the number of row tiles."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    steps = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs) * k_steps  # this program's (tile, K step)s
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = pid * BLOCK_N + offs_n0
-    w = _weight_tile(w_ptr + rows.to(tl.int64)[:, None] * stride_wn, offs_k, K, rows < N)
-    if SWIGLU:
-        u = _weight_tile(w_ptr + (rows.to(tl.int64) + N)[:, None] * stride_wn, offs_k, K, rows < N)
-    pdl_prologue(PDL)  # weights never depend on the previous kernel (see _dense_gemv_kernel)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for step in range(0, steps):
-        k_step = step % k_steps
-        cols = k_step * BLOCK_K + offs_k
-        # the next step's tile (past this program's last: rows >= N, masked off, no traffic)
-        next_rows = (pid + ((step + 1) // k_steps) * programs) * BLOCK_N + offs_n0
-        next_cols = ((step + 1) % k_steps) * BLOCK_K + offs_k
-        w_next = _weight_tile(w_ptr + next_rows.to(tl.int64)[:, None] * stride_wn, next_cols, K, next_rows < N)
-        xf = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if NORM:
-            squares += xf * xf
-            xf = xf * tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * xf[None, :]
-        w = w_next
-        if SWIGLU:
-            u_next = _weight_tile(w_ptr + (next_rows.to(tl.int64) + N)[:, None] * stride_wn, next_cols, K,
-                                  next_rows < N)
-            acc_up += u.to(tl.float32) * xf[None, :]
-            u = u_next
-        if k_step == k_steps - 1:  # this tile's last K step: its outputs
-            offs_n = (pid + (step // k_steps) * programs) * BLOCK_N + offs_n0
-            rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps) if NORM else 1.0
-            _epilogue(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), rstd, bias_ptr, offs_n, N, y_ptr + offs_n,
-                      offs_n < N, HAS_BIAS, RESIDUAL, SWIGLU)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-
-
-@triton.jit
 def _epilogue(y, up, rstd, bias_ptr, offs_n, N, y_at, mask, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
               SWIGLU: tl.constexpr):
     """y, up: fp32 dot products ([BLOCK_N] or [BLOCK_M, BLOCK_N]; up only for SWIGLU), rstd: the

@@ -67,8 +67,6 @@ def _check(device, M, N_w, K, dtype, bias=False, norm=False, residual=False, swi
     (1, 37, 70, (4, 32, 4)),  # GEMV: K tile does not divide K, N not a multiple of the row tile
     (1, 50, 64, (8, 16, 2)),  # GEMV: K tile divides K (no masks along K)
     (1, 19, 13, None),  # GEMV, default tiles: one K tile wider than K
-    # persistent GEMV: 1 program per SM (132 when not on a GPU) walks up to 3 row tiles, K tail
-    (1, 283, 40, (1, 32, 2, 1)),
     (3, 50, 64, (16, 16, 2)),  # several rows (tensor-core tiles), K tile divides K
     (17, 40, 70, (16, 32, 4)),  # rows over two row tiles, K and N tails
     (2, 19, 13, None),  # several rows, default tiles
@@ -114,8 +112,6 @@ def test_dense_gemv_refuses_bad_input():
     with pytest.raises(ValueError, match="must not overlap x"):
         dense_gemv(both[:, :6], torch.randn(6, 6), residual=both[:, 6:])
     dense_gemv(both[:1, :6], torch.randn(6, 6), residual=both[1:, 6:])  # disjoint rows: fine
-    with pytest.raises(ValueError, match="persistent GEMV"):
-        dense_gemv(x, w, tiles=(16, 16, 2, 4))  # M = 2 rows
     with pytest.raises(ValueError, match="powers of two >= 16"):
         dense_gemv(x, w, tiles=(8, 16, 2))  # M = 2 rows: tensor-core tiles
     with pytest.raises(ValueError, match="contiguous last dim"):

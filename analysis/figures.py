@@ -258,6 +258,7 @@ def prr_map(frame: pd.DataFrame) -> MplFigure:
 TOKEN_PARTS = (
     # (_dense_gemv_kernel: the fused projections, their norm / SwiGLU / residual add inside)
     ("dense GEMVs (weights)", ("nvjet", "gemv", "_dense_rows", "gemm", "cublas", "splitkreduce", "sm90_xmma")),
+    ("q|k|v GEMV + RoPE + KV append (one launch)", ("_qkv_rope_append",)),
     ("select: Quest score", ("_quest_score",)),
     ("select: top-k", ("_topk",)),
     ("select: fused score + top-k", ("_quest_select",)),

@@ -53,7 +53,7 @@ METHOD_COLORS = {
     "ema_membership": "#E7298A",  # magenta: EMA of selection membership (the graph engine's)
 }
 METHOD_ALIASES = {"serial": "none"}  # bench_decode's word for serial DSA
-RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E5C494", "#1B9E77")
+RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E5C494", "#1B9E77", "#7570B3", "#4D4D4D")
 
 METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)", "infllm": "InfLLM",
                  "quest": "Quest", "less": "LESS", "exact": "exact top-K", "dense": "dense", "oracle": "oracle",

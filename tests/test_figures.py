@@ -164,6 +164,7 @@ def test_token_profile_sorts_kernels_into_parts():
     assert figures.token_part("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") == "dense GEMVs (weights)"
     assert figures.token_part("_topk_row_kernel") == "select: top-k"
     assert figures.token_part("_dense_gemv_kernel") == "dense GEMVs (weights)"
+    assert figures.token_part("_qkv_rope_append_kernel") == "q|k|v GEMV + RoPE + KV append (one launch)"
     assert figures.token_part("sparse_decode_split_kernel") == "attention over A (and 2 dense layers)"
     assert figures.token_part("void at::native::fill") == "other (copies, index, fill)"
     frame = pd.DataFrame({"profile": ["a", "a", "b"], "kernel": ["nvjet_x", "_quest_score_kernel", "nvjet_x"],

@@ -30,7 +30,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # slower on another (gate_up at (4, 1024, 4): 110 µs against 60), hence a table. (A persistent
 # GEMV, programs walking several row tiles, was tried for o_proj and lm_head and removed: 263 µs
 # against 287 for lm_head in its experiment, results/h200/try_persistent_gemv.json, but 304 in
-# bench_gemv and +29 µs per token in the engine once in this file; see the README.)
+# bench_gemv once in this file, and within noise per token: results/h200/persistent_3639057/.)
 TUNED_TILES = {
     (6144, 4096, False): (16, 512, 4),  # q|k|v
     (4096, 4096, False): (2, 2048, 2),  # o_proj

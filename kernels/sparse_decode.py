@@ -147,8 +147,9 @@ def sparse_decode(
     an int32 workspace of B * Hkv zeros that every launch leaves zeroed (default: allocated);
     one per stream, never shared by launches that can run at once (a counter that does not
     start at zero merges before every split is in).
-    Off by default: slower than the two launches on an H200 (bench_decode_tuning.csv,
-    us_default_fused_merge: 14.8 vs 11.1 µs at batch 1, 2K budget; 37.0 vs 18.3 µs at 8K).
+    Off by default: on an H200 (bench_decode_stage.csv, serial_fused_merge, at 15d9e22) it
+    took 0.95-0.99x the serial stage time at batch 1 with 2K budgets, 1.01-1.06x at 8K and at
+    batch 8, and a decode token 34 µs longer at 128K (profile_decode_*_fusemerge.csv).
 
     Tuning (keyword-only; defaults are chosen from static shapes and the SM count):
     tokens_per_split (per_block=False: tokens of block list per program; per_block=True:

@@ -75,7 +75,8 @@ class StaticPlan:
     # the H200 than two launches (bench_selection), kept for comparison.
     fused_select: bool = False
     # Serial and dense attention merge their splits inside the split kernel (sparse_decode
-    # fuse_merge; main stream only): one launch fewer per layer. Off until timed on a GPU.
+    # fuse_merge; main stream only): one launch fewer per layer. Off: +34 µs per token on the
+    # H200 at 128K, batch 1 (README, "PRR on the GPU").
     fuse_merge: bool = False
 
     def problems(self) -> list[str]:

@@ -56,7 +56,7 @@ def default_row_tiles(dtype: torch.dtype) -> tuple[int, int, int]:
     memory (fp32 SwiGLU at (64, 256): 306 KiB > the H200's 227 KiB; at (64, 128): 153 KiB, sm_90
     compile of Triton 3.6)."""
     block_n, block_k, warps = ROW_TILES
-    return block_n, block_k * 2 // torch.empty((), dtype=dtype).element_size(), warps
+    return block_n, block_k * 2 // dtype.itemsize, warps
 
 
 def _overlap(a: Tensor, b: Tensor) -> bool:

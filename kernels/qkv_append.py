@@ -111,6 +111,9 @@ def qkv_rope_append(x: Tensor, weight_perm: Tensor, bias_perm: Tensor | None, no
     for name, t, shape in (("bias_perm", bias_perm, (rows,)), ("norm_weight", norm_weight, (hidden,))):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)}; got {tuple(t.shape)}")
+    for name, t in (("bias_perm", bias_perm), ("norm_weight", norm_weight), ("cos", cos), ("sin", sin)):
+        if t is not None and t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES} (read as fp32); got {t.dtype}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim or cos.shape[0] < max_tokens \
             or cos.stride() != sin.stride():
         raise ValueError(f"cos and sin must be one [T >= T_max={max_tokens}, D={head_dim}] layout; got "

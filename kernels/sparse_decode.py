@@ -42,6 +42,7 @@ PROGRAMS_PER_SM = 4  # per-block target: about this many programs per SM
 SPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 128  # a split reads at least this many tokens (amortises its partial write)
 MIN_TOKENS_PER_BLOCK_PROGRAM = 64  # per_block mode: tokens a program covers, at least
+MAX_FUSED_MERGE_SPLITS = 256  # fuse_merge: splits its unrolled merge tail takes (code size, registers)
 MERGE_TILE_ELEMENTS = 8192  # fuse_merge: fp32 elements of split outputs loaded at once (64 registers per thread at 4 warps)
 MERGE_MIN_BLOCK_D = 32  # merge: D slice per program, at least (128-byte rows)
 DEFAULT_NUM_SMS = 132  # H200; used when not on CUDA (the interpreter) so splits look like the GPU's
@@ -278,6 +279,9 @@ def sparse_decode(
         lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
         out_strides, lse_strides = out.stride(), lse.stride()
     fused = fuse_merge and num_splits > 1
+    if fused and num_splits > MAX_FUSED_MERGE_SPLITS:
+        raise ValueError(f"fuse_merge=True merges {num_splits} splits in an unrolled tail of at most "
+                         f"{MAX_FUSED_MERGE_SPLITS}: raise tokens_per_split (now {tokens_per_split}) or use fuse_merge=False")
     if fused:  # the row's last split merges: (out, lse) of the row, no second launch
         merged_out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
         merged_lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)

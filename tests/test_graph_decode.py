@@ -227,6 +227,21 @@ def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, select
             torch.testing.assert_close(one.key_min[layer], two.key_min[layer], rtol=1e-6, atol=1e-6)
 
 
+def test_fused_append_follows_in_place_edits_of_the_model_weights():
+    """The paired q|k|v copy is refreshed when the model's q|k|v weights change in place (a
+    reload), so the one-launch path keeps decoding what the two-launch path decodes."""
+    plan = StaticPlan(variant="serial", topk_blocks=6)
+    one, two = fused_projection_engine(plan, batch=1), fused_projection_engine(plan, batch=1)
+    two.fuse_append = False
+    paired = one.paired_qkv_weights()[0][0]
+    with torch.no_grad():
+        one.model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # a view into the fused q|k|v weight
+        two.model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    for a, b in zip(decode(one, 2), decode(two, 2), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert one.paired_qkv_weights()[0][0] is paired  # refreshed where it is (captured graphs keep pointers)
+
+
 def test_unknown_projections_are_refused():
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
     with pytest.raises(ValueError, match="projections='cublas' is not one of"):

@@ -41,7 +41,7 @@ class Case:
     """Random inputs of one layer and its caches / metadata (on `device`), and the launch."""
 
     def __init__(self, device, dtype, hidden, hq, hkv, head_dim, bias, norm, meta, block_size=8, max_blocks=4,
-                 seed=0):
+                 seed=0, random_tables=False, strided=False):
         g = torch.Generator().manual_seed(seed)
         rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype).to(device)  # noqa: E731
         rows = (hq + 2 * hkv) * head_dim
@@ -54,15 +54,22 @@ class Case:
         self.weight_perm = self.weight[perm].contiguous()
         self.bias_perm = None if self.bias is None else self.bias[perm].contiguous()
         t_max = max_blocks * block_size
-        cos, sin = rope_cos_sin(torch.arange(t_max + 3), rope_inv_freq(head_dim, 10000.0, None))
-        self.cos, self.sin = cos.to(dtype).to(device), sin.to(dtype).to(device)
+        if random_tables:  # cos / sin halves differ (a real table repeats them: a mixed-up half would pass)
+            self.cos, self.sin = rnd(t_max + 3, head_dim), rnd(t_max + 3, head_dim)
+        else:
+            cos, sin = rope_cos_sin(torch.arange(t_max + 3), rope_inv_freq(head_dim, 10000.0, None))
+            self.cos, self.sin = cos.to(dtype).to(device), sin.to(dtype).to(device)
         # Stale caches and metadata: a block's first token must ignore the old metadata.
-        self.keys, self.values = rnd(1, hkv, t_max, head_dim), rnd(1, hkv, t_max, head_dim)
-        self.key_max = rnd(1, hkv, max_blocks, head_dim) if meta else None
-        self.key_min = self.key_max - 1 if meta else None
+        # strided: views into longer buffers (token and block strides that are not T_max D / NB D)
+        extra = 5 if strided else 0
+        self.keys = rnd(1, hkv, t_max + extra, head_dim)[:, :, :t_max]
+        self.values = rnd(1, hkv, t_max + extra, head_dim)[:, :, :t_max]
+        big = rnd(1, hkv, max_blocks + extra, head_dim) if meta else None
+        self.key_max = big[:, :, :max_blocks] if meta else None
+        self.key_min = (big - 1)[:, :, :max_blocks] if meta else None
 
-    def run(self, pos: int, weight=None, tiles=None):
-        positions = torch.tensor([pos], dtype=torch.int32, device=self.x.device)
+    def run(self, pos: int, weight=None, tiles=None, pos_dtype=torch.int32):
+        positions = torch.tensor([pos], dtype=pos_dtype, device=self.x.device)
         return qkv_rope_append(self.x, self.weight_perm if weight is None else weight, self.bias_perm, self.norm, EPS,
                                self.keys, self.values, positions, self.cos, self.sin, self.key_max, self.key_min,
                                self.bs, self.hq, self.hkv, tiles=tiles)
@@ -83,11 +90,11 @@ def _tolerance(got, want_wide, want_own, dtype):
     return err, (1e-5 * scale if dtype == torch.float32 else 2 * own + 2 ** -6 * scale)
 
 
-def _check_step(case: Case, pos: int, tiles=None) -> None:
+def _check_step(case: Case, pos: int, tiles=None, pos_dtype=torch.int32) -> None:
     keys, values = case.keys.clone(), case.values.clone()
     old_max = None if case.key_max is None else case.key_max.clone()
     old_min = None if case.key_min is None else case.key_min.clone()
-    q_rot = case.run(pos, tiles=tiles)
+    q_rot = case.run(pos, tiles=tiles, pos_dtype=pos_dtype)
     want_q, want_k, want_v = case.reference(pos, wide=True)
     own_q, own_k, own_v = case.reference(pos)
     assert q_rot.shape == (1, case.hq, case.d) and q_rot.dtype == case.dtype
@@ -121,6 +128,16 @@ def test_qkv_rope_append_equals_projection_rope_and_append(dtype, hidden, hq, hk
         _check_step(case, pos, tiles)
 
 
+def test_random_rope_tables_strided_caches_two_row_tiles_int64_positions():
+    """Tables whose halves differ (each half of a pair reads its own cos / sin), caches and
+    metadata as views with longer token / block strides, BLOCK_N = 2 (one pair per tile; what
+    default_tiles picks for D = 2 mod 4), int64 positions."""
+    case = Case("cpu", torch.float32, 40, 2, 1, 16, bias=True, norm=True, meta=True, seed=11, random_tables=True,
+                strided=True)
+    for pos in (5, 8):
+        _check_step(case, pos, tiles=(2, 16, 1), pos_dtype=torch.int64)
+
+
 def test_qkv_rope_append_without_norm():
     case = Case("cpu", torch.float32, 40, 2, 2, 16, bias=False, norm=False, meta=True, seed=1)
     _check_step(case, 0)
@@ -128,8 +145,8 @@ def test_qkv_rope_append_without_norm():
 
 def test_qkv_rope_append_equals_the_two_launches_it_replaces():
     """fp32: dense_gemv (same K tile) then append_token(rope=...) on the unpermuted weight."""
-    case = Case("cpu", torch.float32, 100, 4, 2, 32, bias=True, norm=True, meta=True, seed=7)
-    two = Case("cpu", torch.float32, 100, 4, 2, 32, bias=True, norm=True, meta=True, seed=7)
+    case = Case("cpu", torch.float32, 100, 4, 2, 32, bias=True, norm=True, meta=True, seed=7, random_tables=True)
+    two = Case("cpu", torch.float32, 100, 4, 2, 32, bias=True, norm=True, meta=True, seed=7, random_tables=True)
     pos = torch.tensor([9], dtype=torch.int32)
     q_rot = case.run(9)
     qkv = dense_gemv(two.x, two.weight, two.bias, norm_weight=two.norm, eps=EPS).view(1, 8, 32)
@@ -215,6 +232,8 @@ def test_bad_input_is_refused():
         qkv_rope_append(**args(cos=case.cos[:5], sin=case.sin[:5]))
     with pytest.raises(ValueError, match="contiguous last dim"):
         qkv_rope_append(**args(weight_perm=torch.zeros(40, 64).t()))
+    with pytest.raises(ValueError, match="cos must be one of"):
+        qkv_rope_append(**args(cos=case.cos.to(torch.int32), sin=case.sin.to(torch.int32)))
     with pytest.raises(ValueError, match="head_dim must be even"):
         rope_pair_permutation(2, 1, 7)
 
@@ -231,3 +250,25 @@ def test_qkv_rope_append_on_the_gpu():
             _check_step(case, pos)
     case = Case("cuda", torch.float32, 1000, 4, 2, 32, bias=True, norm=True, meta=True, seed=2)
     _check_step(case, 9)
+
+
+@pytest.mark.gpu
+@gpu
+def test_qkv_rope_append_is_bitwise_the_two_launches_on_the_gpu():
+    """bf16 at Llama-3.1-8B's q|k|v shape (the tuned tile, dense_gemv's K tile): the same bits as
+    dense_gemv then append_token(rope=...) in q, the cache and the metadata (the bf16 tolerance
+    of the other tests could not see a rounding step dropped before the rotation)."""
+    for pos in (37, 48, 1234):
+        case = Case("cuda", torch.bfloat16, 4096, 32, 8, 128, bias=True, norm=True, meta=True, block_size=16,
+                    max_blocks=128, seed=pos)
+        two = Case("cuda", torch.bfloat16, 4096, 32, 8, 128, bias=True, norm=True, meta=True, block_size=16,
+                   max_blocks=128, seed=pos)
+        q_rot = case.run(pos)
+        qkv = dense_gemv(two.x, two.weight, two.bias, norm_weight=two.norm, eps=EPS).view(1, 48, 128)
+        q, k, v = qkv.split([32, 8, 8], dim=1)
+        positions = torch.tensor([pos], dtype=torch.int32, device="cuda")
+        want = append_token(two.keys, two.values, k, v, positions, two.key_max, two.key_min, two.bs,
+                            rope=(two.cos, two.sin, q))
+        for got, ref in ((q_rot, want), (case.keys, two.keys), (case.values, two.values),
+                         (case.key_max, two.key_max), (case.key_min, two.key_min)):
+            assert torch.equal(got, ref)

@@ -94,6 +94,14 @@ def test_fused_merge_equals_the_merge_launch(lengths, hq, hkv, d, bs, topk, capa
     assert torch.isneginf(got[1][0, group:2 * group]).all() and (got[0][0, group:2 * group] == 0).all()
 
 
+def test_fused_merge_refuses_more_splits_than_its_unrolled_tail_takes():
+    q, cache = torch.zeros(1, 2, 64), torch.zeros(1, 1, 300 * 16, 64)
+    ids, counts = torch.arange(300, dtype=torch.int32).view(1, 1, 300), torch.full((1, 1), 300, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"merges 300 splits .* raise tokens_per_split \(now 16\)"):
+        sd.sparse_decode(q, cache, cache, ids, counts, torch.tensor([4800]), 16, 0.125, fuse_merge=True, tile_tokens=16,
+                         tokens_per_split=16)
+
+
 def test_int64_ids_and_empty_rows():
     inputs = ref.random_sparse_decode_inputs(
         7, [113, 61], 4, 2, 64, 16, 4, capacity=6, ids_dtype=torch.int64, empty_rows=((0, 1), (1, 0))

@@ -192,6 +192,7 @@ class GraphDecoder:
             self._final = torch.compile(final_norm, dynamic=False, fullgraph=True)
         self.no_delta = torch.zeros(B, 1, c.hidden_size, dtype=self.dtype, device=dev)  # the first layer's
         self._paired_qkv: list[tuple[Tensor, Tensor | None]] | None = None  # see paired_qkv_weights
+        self._paired_versions: list[tuple[int, ...]] = []
         if self._appends_in_projection():
             self.paired_qkv_weights()  # now rather than inside a first step (that may be a capture)
 
@@ -465,17 +466,32 @@ class GraphDecoder:
     def paired_qkv_weights(self) -> list[tuple[Tensor, Tensor | None]]:
         """Per layer (wqkv [(Hq + 2 Hkv) D, H], bqkv [(Hq + 2 Hkv) D] or None) with the q and k
         rows of every head in RoPE pair order (prr.kernels.qkv_append.rope_pair_permutation):
-        what the one-launch projection + append reads. Built once, on first need: a copy (the
-        q|k|v weights twice in memory, ~1.6 GB for Llama-3.1-8B in bf16), since the torch path and
-        batch > 1 read `fused[i].wqkv` as it is; later in-place edits of the model's weights do
-        not reach it."""
-        if self._paired_qkv is None:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the paired q|k|v weights are built on first use: run a step before capturing "
-                                   "(capture() warms up first), or call paired_qkv_weights()")
-            perm = self._k["qkv_append"].rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device)
-            with torch.no_grad():
+        what the one-launch projection + append reads. A copy (the q|k|v weights twice in memory,
+        ~1.6 GB for Llama-3.1-8B in bf16), since the torch path and batch > 1 read `fused[i].wqkv`
+        as it is; built on first need, and re-copied in place (captured graphs keep their
+        pointers) when the model's q|k|v weights were edited in place since (tensor versions)."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        # The fused q|k|v weight and the module parameters that are views of it (`.data` views:
+        # an in-place edit through either bumps only its own version counter).
+        versions = [tuple(t._version for t in (w.wqkv, w.bqkv, *layer.self_attn.q_proj.parameters(),
+                                               *layer.self_attn.k_proj.parameters(),
+                                               *layer.self_attn.v_proj.parameters()) if t is not None)
+                    for w, layer in zip(self.fused, self.model.model.layers, strict=True)]
+        if self._paired_qkv is not None and versions == self._paired_versions:
+            return self._paired_qkv
+        if capturing:
+            raise RuntimeError("the paired q|k|v weights are (re)built before use: run a step before capturing "
+                               "(capture() warms up first), or call paired_qkv_weights()")
+        perm = self._k["qkv_append"].rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device)
+        with torch.no_grad():
+            if self._paired_qkv is None:
                 self._paired_qkv = [(w.wqkv[perm], None if w.bqkv is None else w.bqkv[perm]) for w in self.fused]
+            else:  # the model changed in place: refresh the copy where it is
+                for w, (pw, pb) in zip(self.fused, self._paired_qkv, strict=True):
+                    torch.index_select(w.wqkv, 0, perm, out=pw)
+                    if pb is not None:
+                        torch.index_select(w.bqkv, 0, perm, out=pb)
+        self._paired_versions = versions
         return self._paired_qkv
 
     def capture(self, fn, warmup: int = 2) -> torch.cuda.CUDAGraph:

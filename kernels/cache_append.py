@@ -14,6 +14,29 @@ from .pdl import launch_kwargs
 from .quest import _check_head_dim, _check_metadata, _check_per_row
 
 
+def check_append_metadata(key_max: Tensor | None, key_min: Tensor | None, k_cache: Tensor, block_size: int) -> bool:
+    """Checks of the Quest metadata an append updates -> whether there is any.
+    key_max, key_min: [B, Hkv, NB_max, D] (fp32 or k_cache's dtype), both or neither;
+    k_cache: [B, Hkv, T_max, D]; block_size: tokens per block, a power of two."""
+    if key_max is None and key_min is None:
+        return False
+    if key_max is None or key_min is None:
+        raise ValueError("pass both key_max and key_min, or neither")
+    _check_metadata(key_max, key_min)
+    if key_max.dtype not in (torch.float32, k_cache.dtype):
+        # Rounding a key's max to a narrower dtype could fall below the key: no longer a bound.
+        raise ValueError(f"key_max/key_min dtype {key_max.dtype} must be fp32 or the cache's {k_cache.dtype}")
+    if key_max.device != k_cache.device:
+        raise ValueError(f"the metadata is on {key_max.device}, the cache on {k_cache.device}; put them on one device")
+    batch, num_kv_heads, _, head_dim = k_cache.shape
+    if key_max.shape[:2] != (batch, num_kv_heads) or key_max.shape[3] != head_dim:
+        raise ValueError(f"key_max must be [B, Hkv, NB_max, D]=[{batch}, {num_kv_heads}, NB_max, {head_dim}]; "
+                         f"got {tuple(key_max.shape)}")
+    if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16, 32, 64)")
+    return True
+
+
 def append_token(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, positions: Tensor,
                  key_max: Tensor | None = None, key_min: Tensor | None = None, block_size: int = 16,
                  rope: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor | None:
@@ -45,21 +68,7 @@ def append_token(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor,
             raise ValueError(f"{name} is on {t.device}, the cache on {k_cache.device}; put them on one device")
     _check_head_dim(head_dim)
     _check_per_row("positions", positions, batch, k_cache.device)
-    has_meta = key_max is not None or key_min is not None
-    if has_meta:
-        if key_max is None or key_min is None:
-            raise ValueError("pass both key_max and key_min, or neither")
-        _check_metadata(key_max, key_min)
-        if key_max.dtype not in (torch.float32, k_cache.dtype):
-            # Rounding a key's max to a narrower dtype could fall below the key: no longer a bound.
-            raise ValueError(f"key_max/key_min dtype {key_max.dtype} must be fp32 or the cache's {k_cache.dtype}")
-        if key_max.device != k_cache.device:
-            raise ValueError(f"the metadata is on {key_max.device}, the cache on {k_cache.device}; put them on one device")
-        if key_max.shape[:2] != (batch, num_kv_heads) or key_max.shape[3] != head_dim:
-            raise ValueError(f"key_max must be [B, Hkv, NB_max, D]=[{batch}, {num_kv_heads}, NB_max, {head_dim}]; "
-                             f"got {tuple(key_max.shape)}")
-        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
-            raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16, 32, 64)")
+    has_meta = check_append_metadata(key_max, key_min, k_cache, block_size)
     q_out = None
     if rope is not None:
         cos, sin, q = rope

@@ -17,9 +17,9 @@ import torch
 import triton
 from torch import Tensor
 
+from .cache_append import check_append_metadata
 from .pdl import launch_kwargs
 from .qkv_append_jit import _qkv_rope_append_kernel
-from .quest import _check_metadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -121,19 +121,7 @@ def qkv_rope_append(x: Tensor, weight_perm: Tensor, bias_perm: Tensor | None, no
     if positions.shape != (1,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be an int32/int64 tensor of shape [1]; got {positions.dtype} "
                          f"{tuple(positions.shape)}")
-    has_meta = key_max is not None or key_min is not None
-    if has_meta:
-        if key_max is None or key_min is None:
-            raise ValueError("pass both key_max and key_min, or neither")
-        _check_metadata(key_max, key_min)
-        if key_max.dtype not in (torch.float32, k_cache.dtype):
-            # Rounding a key's max to a narrower dtype could fall below the key: no longer a bound.
-            raise ValueError(f"key_max/key_min dtype {key_max.dtype} must be fp32 or the cache's {k_cache.dtype}")
-        if key_max.shape[:2] != (1, num_kv_heads) or key_max.shape[3] != head_dim:
-            raise ValueError(f"key_max must be [1, Hkv, NB_max, D]=[1, {num_kv_heads}, NB_max, {head_dim}]; "
-                             f"got {tuple(key_max.shape)}")
-        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
-            raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16, 32, 64)")
+    has_meta = check_append_metadata(key_max, key_min, k_cache, block_size)
     _same_device(x.device, weight_perm=weight_perm, bias_perm=bias_perm, norm_weight=norm_weight, k_cache=k_cache,
                  v_cache=v_cache, positions=positions, cos=cos, sin=sin, key_max=key_max, key_min=key_min)
     # The kernel indexes these last dims with unit stride (the ones Triton would specialise anyway).

@@ -225,8 +225,10 @@ def prr_map(frame: pd.DataFrame) -> MplFigure:
     """Where PRR pays on the attention stage: speedup of PRR over serial DSA against the hit
     rate, one line per (batch, block, top-K) configuration, left Quest, right InfLLM; the
     dotted line at each configuration's 100%-hit point is the overlap ceiling (perfect
-    overlap with the same kernels). Columns: bench_decode's OUT_stage.csv (selector, batch,
-    context, block, topk_tokens, target_hit_rate, serial, prr, prr_ideal_overlap)."""
+    overlap with the same kernels), and where the frame has `stage_overlap` an x at serial /
+    (PRR's step up to the join): the most a free repair + merge could give. Columns:
+    bench_decode's OUT_stage.csv (selector, batch, context, block, topk_tokens,
+    target_hit_rate, serial, prr, prr_ideal_overlap[, stage_overlap])."""
     frame = require(frame, ["selector", "batch", "context", "block", "topk_tokens", "target_hit_rate", "serial", "prr",
                             "prr_ideal_overlap"], "prr_map_h200")
     frame = frame[frame["context"] == frame["context"].max()]  # the longest context: one panel per selector
@@ -246,6 +248,9 @@ def prr_map(frame: pd.DataFrame) -> MplFigure:
             top = cfg[cfg["target_hit_rate"] == cfg["target_hit_rate"].max()]
             ax.plot(100 * top["target_hit_rate"], top["serial"] / top["prr_ideal_overlap"], marker="_", markersize=14,
                     color=color, linestyle="none")
+            if "stage_overlap" in top:
+                ax.plot(100 * top["target_hit_rate"], top["serial"] / top["stage_overlap"], marker="x", color=color,
+                        linestyle="none")
         ax.axhline(1.0, color=method_color("none"), linewidth=0.8, linestyle="--")
         ax.set_title(f"{method_label(selector)}, {round(int(rows['context'].iloc[0]) / 1024)}K context")
         ax.set_xlabel("hit rate |P∩A|/|A| (%)")

@@ -1,7 +1,7 @@
 """Where one decode token's GPU time goes: a kernel-by-kernel profile of the graph engine.
 
     python experiments/profile_decode.py [--variant serial] [--context 131072] [--batch 1] [--pdl]
-        [--projections torch|fused] [--fuse-merge] [--out DIR]
+        [--projections torch|fused] [--fuse-merge off|on|one_wave] [--out DIR]
 
 Llama-3.1-8B shape, random bf16 weights and KV (as bench_decode). Runs a few eager steps under
 torch.profiler and sums each kernel's device time per step (device durations do not include
@@ -41,7 +41,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (sets PRR_PDL=1)")
     parser.add_argument("--projections", default="torch", choices=("torch", "fused"))
-    parser.add_argument("--fuse-merge", action="store_true", help="splits merged inside the split kernel (StaticPlan.fuse_merge)")
+    parser.add_argument("--fuse-merge", default="off", choices=("off", "on", "one_wave"),
+                        help="splits merged inside the split kernel (StaticPlan.fuse_merge: False, True, 'one_wave')")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200")
     args = parser.parse_args()
     if args.pdl:
@@ -53,7 +54,8 @@ def main() -> None:
     model = model_of(32)
     k = args.topk_tokens // args.block
     plan = StaticPlan(variant=args.variant, selector=args.selector, topk_blocks=k, predicted_blocks=k,
-                      predictor="fixed", block_size=args.block, fuse_merge=args.fuse_merge)
+                      predictor="fixed", block_size=args.block,
+                      fuse_merge={"off": False, "on": True, "one_wave": "one_wave"}[args.fuse_merge])
     eng = GraphDecoder(model, plan, batch=args.batch, max_tokens=args.context, compile=True,
                        projections=args.projections)
     eng.fill_random_context(args.context - HEADROOM, seed=1)
@@ -82,7 +84,7 @@ def main() -> None:
     frame["share"] = frame["us_per_step"] / frame["us_per_step"].sum()
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"profile_decode_{args.variant}_{args.selector}_{args.batch}x{args.context}_bs{args.block}_k{args.topk_tokens}" + ("_pdl" if args.pdl else "") \
-        + ("_fused" if args.projections == "fused" else "") + ("_fusemerge" if args.fuse_merge else "")
+        + ("_fused" if args.projections == "fused" else "") + {"off": "", "on": "_fusemerge", "one_wave": "_fusemerge_one_wave"}[args.fuse_merge]
     frame.insert(0, "command", "python " + " ".join(sys.argv))
     frame["graph_replay_us_per_step"] = graph_us  # the whole step replayed as a CUDA graph (gaps included)
     frame.to_csv(args.out / f"{name}.csv", index=False)

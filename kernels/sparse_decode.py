@@ -355,6 +355,19 @@ def sparse_decode_num_splits(
                        tokens_per_split, torch.device(device))[2]
 
 
+def sparse_decode_one_wave(
+    capacity: int, batch: int, num_kv_heads: int, block_size: int, device: torch.device | str = "cuda", *,
+    head_dim: int, cache_dtype: torch.dtype,
+) -> bool:
+    """Whether sparse_decode(per_block=False) with default tiles launches several splits and at
+    most one program per SM: where fuse_merge=True measured faster than the merge launch on an
+    H200 (batch 1, 2K budgets: 0.96-0.99x the serial stage time; slower with more programs
+    than SMs, bench_decode_stage.csv, serial_fused_merge)."""
+    splits = sparse_decode_num_splits(capacity, batch, num_kv_heads, block_size, device, head_dim=head_dim,
+                                      cache_dtype=cache_dtype)
+    return 1 < splits and batch * num_kv_heads * splits <= _num_sms(torch.device(device))
+
+
 def merge_partials(
     out: Tensor, lse: Tensor, keep: Tensor | None = None, out_dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor]:

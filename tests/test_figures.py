@@ -172,3 +172,15 @@ def test_token_profile_sorts_kernels_into_parts():
     fig = figures.token_profile(frame)
     widths = sorted(round(p.get_width(), 3) for p in fig.axes[0].patches if p.get_width() > 0)
     assert widths == [0.3, 3.9, 4.0]
+
+
+def test_prr_map_marks_the_ceiling_and_the_overlap_bound_at_full_hit():
+    stage = pd.DataFrame([{"selector": "quest", "batch": 1, "context": 131072, "block": 64, "topk_tokens": 8192,
+                           "target_hit_rate": h, "serial": 30.0, "prr": 40.0, "prr_ideal_overlap": 25.0,
+                           "stage_overlap": 20.0} for h in (1.0, 0.9)])
+    lines = figures.prr_map(stage).axes[0].get_lines()
+    markers = {ln.get_marker(): ln.get_ydata().tolist() for ln in lines if ln.get_marker() in ("_", "x")}
+    assert markers == {"_": pytest.approx([1.2]), "x": pytest.approx([1.5])}
+    # older results without stage_overlap: no x
+    lines = figures.prr_map(stage.drop(columns="stage_overlap")).axes[0].get_lines()
+    assert "x" not in {ln.get_marker() for ln in lines}

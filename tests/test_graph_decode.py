@@ -64,15 +64,35 @@ def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
     assert selected > 0 and 0 < hits <= selected  # the predictor hit something after the first step
 
 
-@pytest.mark.parametrize("variant", ["serial", "dense"])
-def test_fused_merge_decodes_like_the_merge_launch(variant):
+@pytest.mark.parametrize("variant,fuse_merge", [("serial", True), ("dense", True), ("serial", "one_wave")])
+def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     """plan.fuse_merge (splits merged inside the split kernel) decodes what the merge launch does."""
     kwargs = dict(variant=variant, topk_blocks=12)  # 12 blocks of 16: two splits of 128 tokens
     want = decode(make(StaticPlan(**kwargs)), 3)
-    engine = make(StaticPlan(fuse_merge=True, **kwargs))
+    engine = make(StaticPlan(fuse_merge=fuse_merge, **kwargs))
+    sparse_idx = torch.zeros(2, 2, 12, dtype=torch.int32)
+    assert engine._fuse_merge(sparse_idx)  # 2 rows x 2 splits: one wave, so "one_wave" fuses here too
     for a, b in zip(want, decode(engine, 3), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert int(engine.merge_arrivals.abs().sum()) == 0  # re-armed
+
+
+def test_one_wave_fuses_the_merge_only_where_every_split_has_an_sm():
+    """fuse_merge="one_wave" at the Llama-3.1-8B shape on 132 SMs (the H200's; the CPU plan uses
+    it too): batch 1 with 2K-token budgets fuses; 8K budgets, batch 8 and the dense layers'
+    whole-context lists (more programs than SMs, where fusing measured slower) keep the launch."""
+    from prr.kernels.sparse_decode import sparse_decode_num_splits, sparse_decode_one_wave
+
+    def one_wave(batch, entries, block):
+        return sparse_decode_one_wave(entries, batch, 8, block, "cpu", head_dim=128, cache_dtype=torch.bfloat16)
+    assert one_wave(1, 2048 // 64, 64) and one_wave(1, 2048 // 16, 16)
+    assert not one_wave(1, 8192 // 64, 64) and not one_wave(1, 8192 // 16, 16)
+    assert not one_wave(8, 2048 // 64, 64) and not one_wave(1, 131072 // 64, 64)
+    assert not one_wave(1, 1, 64)  # one split: nothing to merge
+    for batch, entries, block in ((1, 32, 64), (1, 128, 16), (1, 128, 64), (8, 32, 64)):
+        splits = sparse_decode_num_splits(entries, batch, 8, block, "cpu", head_dim=128, cache_dtype=torch.bfloat16)
+        assert one_wave(batch, entries, block) == (1 < splits and 8 * batch * splits <= 132)
+    assert "fuse_merge='always'" in StaticPlan(fuse_merge="always").problems()[0]
 
 
 def test_fixed_predictions_set_from_the_true_selection_hit_everything():

@@ -41,6 +41,7 @@ VARIANTS = ("dense", "serial", "prr")
 SELECTORS = ("quest", "infllm")
 PREDICTORS = ("ema", "last_step", "fixed")  # fixed: P set from outside (controlled hit rates)
 REPAIR_MODES = ("exact", "superset")
+FUSE_MERGE = (False, True, "one_wave")
 PROJECTIONS = ("torch", "fused")
 
 
@@ -75,9 +76,10 @@ class StaticPlan:
     # the H200 than two launches (bench_selection), kept for comparison.
     fused_select: bool = False
     # Serial and dense attention merge their splits inside the split kernel (sparse_decode
-    # fuse_merge; main stream only): one launch fewer per layer. Off: +34 µs per token on the
-    # H200 at 128K, batch 1 (README, "PRR on the GPU").
-    fuse_merge: bool = False
+    # fuse_merge; main stream only): one launch fewer per layer. True: every such attention
+    # (+34 µs per token on the H200 at 128K, batch 1: the dense layers' 128-split rows);
+    # "one_wave": only launches of at most one program per SM (sparse_decode_one_wave).
+    fuse_merge: bool | str = False
 
     def problems(self) -> list[str]:
         out = []
@@ -96,6 +98,8 @@ class StaticPlan:
                        f"must equal topk_blocks={self.topk_blocks}")
         if not 0.0 <= self.ema_alpha < 1.0:
             out.append(f"ema_alpha={self.ema_alpha} must lie in [0, 1)")
+        if self.fuse_merge not in FUSE_MERGE:
+            out.append(f"fuse_merge={self.fuse_merge!r} is not one of {list(FUSE_MERGE)}")
         return out
 
 
@@ -291,12 +295,22 @@ class GraphDecoder:
         """final: this is the layer's output (main stream): merged in the model dtype (no cast
         launch before the output projection), in the split kernel when plan.fuse_merge (its
         arrival workspace serves one stream)."""
-        fused = final and self.plan.fuse_merge
+        fused = final and self._fuse_merge(idx)
         return self._k["sparse_decode"].sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
                                                       self.plan.block_size, self.scale, per_block=per_block,
                                                       merge_splits=merge_splits, fuse_merge=fused,
                                                       out_dtype=self.dtype if final else torch.float32,
                                                       arrivals=self.merge_arrivals if fused else None)
+
+    def _fuse_merge(self, idx: Tensor) -> bool:
+        """Whether a layer's output attention over idx [B, Hkv, C] merges its splits in the
+        split kernel (plan.fuse_merge)."""
+        mode = self.plan.fuse_merge
+        if mode == "one_wave":
+            return self._k["sparse_decode"].sparse_decode_one_wave(
+                idx.shape[-1], self.batch, self.hkv, self.plan.block_size, self.device, head_dim=self.d,
+                cache_dtype=self.dtype)
+        return bool(mode)
 
     def step_positions(self) -> tuple[Tensor, Tensor]:
         """-> (lengths [B] int32, num_blocks [B] int32) for this step: computed once per step

@@ -11,7 +11,8 @@ top-K × selector, one cache of NL layers (so replays walk NL different caches a
 time the L2), and in one run: dense (our split kernel, and torch SDPA), serial DSA, PRR at
 controlled hit rates (P = the true A with a fraction of its blocks swapped for unselected
 ones), with speculation overlapped on a second stream and not; and each stage alone
-(select, speculate, repair at that hit rate, merge), and PRR's step up to the join (append,
+(select, speculate, repair at that hit rate, merge; serial DSA with the merge launch, and with
+the splits merged in the split kernel: serial_fused_merge), and PRR's step up to the join (append,
 then select ∥ speculate: serial over it bounds what any repair + merge could leave PRR).
 The profiled choice is compared with serial DSA timed again next to it (the PRR runs leave
 the L2 in another state than the first serial timing saw). Times: CUDA-graph replays of all NL
@@ -115,7 +116,7 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     ks = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
     vs = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
 
-    def run(variant: str, overlap: bool = True, repair_mode: str = "exact", fuse_merge: bool = False):
+    def run(variant: str, overlap: bool = True, repair_mode: str = "exact", fuse_merge: bool | str = False):
         eng.plan = dataclasses.replace(plan, variant=variant, overlap=overlap, repair_mode=repair_mode,
                                        fuse_merge=fuse_merge)
 
@@ -304,9 +305,9 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
             record(name, eng, advance=False, hit=None, graphs=graphs)
         if batch == 1:
             record_fused(name, eng, hit=None)
-    if batch == 1:  # the sparse layers' splits merged in the split kernel where they fit one wave
-        eng.plan = dataclasses.replace(base, variant="serial", fuse_merge="one_wave")
-        record_fused("serial_onewave", eng, hit=None)
+    if batch == 1:  # every split merged by a merge launch (the default merges one-wave launches in the split kernel)
+        eng.plan = dataclasses.replace(base, variant="serial", fuse_merge=False)
+        record_fused("serial_mergelaunch", eng, hit=None)
     eng.plan = dataclasses.replace(base, variant="serial")
     eng.step(advance=False)
     torch.cuda.synchronize()

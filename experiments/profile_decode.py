@@ -41,8 +41,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (sets PRR_PDL=1)")
     parser.add_argument("--projections", default="torch", choices=("torch", "fused"))
-    parser.add_argument("--fuse-merge", default="off", choices=("off", "on", "one_wave"),
-                        help="splits merged inside the split kernel (StaticPlan.fuse_merge: False, True, 'one_wave')")
+    parser.add_argument("--fuse-merge", default="one_wave", choices=("off", "on", "one_wave"),
+                        help="splits merged inside the split kernel (StaticPlan.fuse_merge: False, True, 'one_wave' "
+                             "the engine's default); the file name says which (off: no suffix, as before one_wave existed)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200")
     args = parser.parse_args()
     if args.pdl:

@@ -68,7 +68,9 @@ def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
 def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     """plan.fuse_merge (splits merged inside the split kernel) decodes what the merge launch does."""
     kwargs = dict(variant=variant, topk_blocks=12)  # 12 blocks of 16: two splits of 128 tokens
-    want = decode(make(StaticPlan(**kwargs)), 3)
+    reference = make(StaticPlan(fuse_merge=False, **kwargs))
+    assert not reference._fuse_merge(torch.zeros(2, 2, 12, dtype=torch.int32))
+    want = decode(reference, 3)
     engine = make(StaticPlan(fuse_merge=fuse_merge, **kwargs))
     sparse_idx = torch.zeros(2, 2, 12, dtype=torch.int32)
     assert engine._fuse_merge(sparse_idx)  # 2 rows x 2 splits: one wave, so "one_wave" fuses here too

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from bench_decode import HEADROOM, model_of  # noqa: E402
 from bench_kernels import environment  # noqa: E402
 
-from prr.runtime.graph_budget import controlled_predictions  # noqa: E402
+from prr.runtime.graph_budget import controlled_predictions, graph_median_us  # noqa: E402
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan  # noqa: E402
 
 LAYERS = 4
@@ -40,25 +39,7 @@ LAYERS = 4
 
 def graph_us(fn, stream: torch.cuda.Stream, repeats: int = 20) -> float:
     """Median µs of one replay of fn() captured on `stream` (its priority goes into the graph)."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+    return graph_median_us([fn], repeats, stream=stream)
 
 
 def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, streams) -> list[dict]:

@@ -28,10 +28,12 @@ from prr.runtime.graph_decode import GraphDecoder
 from prr.runtime.probe import device_name
 
 
-def graph_median_us(calls: Sequence[Callable[[], object]], repeats: int = 15) -> float:
+def graph_median_us(calls: Sequence[Callable[[], object]], repeats: int = 15,
+                    stream: torch.cuda.Stream | None = None) -> float:
     """Median µs per call of `calls` captured in one CUDA graph (after one eager warm-up of
-    each on a side stream), over `repeats` replays: launch overhead excluded."""
-    stream = torch.cuda.Stream()
+    each on a side stream), over `repeats` replays: launch overhead excluded.
+    stream: the capture stream (its priority goes into the graph's kernel nodes); default a new one."""
+    stream = stream if stream is not None else torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for fn in calls:
@@ -39,7 +41,7 @@ def graph_median_us(calls: Sequence[Callable[[], object]], repeats: int = 15) ->
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for fn in calls:
             fn()
     graph.replay()

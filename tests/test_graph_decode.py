@@ -79,6 +79,31 @@ def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     assert int(engine.merge_arrivals.abs().sum()) == 0  # re-armed
 
 
+def test_speculation_in_fewer_programs_decodes_like_the_default():
+    """plan.speculation_tokens_per_program (fewer, longer speculation programs) changes only the
+    grid: exact PRR still decodes serial DSA's logits; a value that is not whole blocks is refused."""
+    kwargs = dict(variant="prr", topk_blocks=6, predictor="last_step", predicted_blocks=6)
+    want = decode(make(StaticPlan(variant="serial", topk_blocks=6)), 3)
+    engine = make(StaticPlan(speculation_tokens_per_program=64, **kwargs))  # 4 blocks of 16 per program
+    calls = []
+    kernel = engine._k["sparse_decode"]
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def sparse_decode(self, *args, **kw):
+            if kw.get("per_block"):
+                calls.append(kw.get("tokens_per_split"))
+            return kernel.sparse_decode(*args, **kw)
+    engine._k["sparse_decode"] = Spy()
+    for step, (a, b) in enumerate(zip(want, decode(engine, 3), strict=True)):
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
+    assert calls and set(calls) == {64}
+    assert "speculation_tokens_per_program=24" in StaticPlan(speculation_tokens_per_program=24).problems()[0]
+    assert "speculation_tokens_per_program=0" in StaticPlan(speculation_tokens_per_program=0).problems()[0]
+
+
 def test_one_wave_fuses_the_merge_only_where_every_split_has_an_sm():
     """fuse_merge="one_wave" at the Llama-3.1-8B shape on 132 SMs (the H200's; the CPU plan uses
     it too): batch 1 with 2K-token budgets fuses; 8K budgets, batch 8 and the dense layers'

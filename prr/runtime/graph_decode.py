@@ -83,6 +83,10 @@ class StaticPlan:
     # (bench_decode_token.csv, serial_onewave_fused; 30 launches fewer at 128K, block 64);
     # False: always the merge launch.
     fuse_merge: bool | str = "one_wave"
+    # Speculation's per-block attention: tokens of P each program covers (None: the kernel's
+    # default, about 4 programs per SM). Larger values launch fewer programs, which leaves SMs
+    # to the selection running beside it on the other stream (experiments/try_spec_programs.py).
+    speculation_tokens_per_program: int | None = None
 
     def problems(self) -> list[str]:
         out = []
@@ -103,6 +107,10 @@ class StaticPlan:
             out.append(f"ema_alpha={self.ema_alpha} must lie in [0, 1)")
         if self.fuse_merge not in FUSE_MERGE:
             out.append(f"fuse_merge={self.fuse_merge!r} is not one of {list(FUSE_MERGE)}")
+        spec_tokens = self.speculation_tokens_per_program
+        if spec_tokens is not None and (spec_tokens < self.block_size or spec_tokens % self.block_size):
+            out.append(f"speculation_tokens_per_program={spec_tokens} must be None or a positive multiple of "
+                       f"block_size={self.block_size} (whole blocks per program)")
         return out
 
 
@@ -297,13 +305,16 @@ class GraphDecoder:
                 merge_splits: bool = True, final: bool = False):
         """final: this is the layer's output (main stream): merged in the model dtype (no cast
         launch before the output projection), in the split kernel when plan.fuse_merge (its
-        arrival workspace serves one stream)."""
+        arrival workspace serves one stream). per_block (speculation): programs of
+        plan.speculation_tokens_per_program tokens each."""
         fused = final and self._fuse_merge(idx)
         return self._k["sparse_decode"].sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
                                                       self.plan.block_size, self.scale, per_block=per_block,
                                                       merge_splits=merge_splits, fuse_merge=fused,
                                                       out_dtype=self.dtype if final else torch.float32,
-                                                      arrivals=self.merge_arrivals if fused else None)
+                                                      arrivals=self.merge_arrivals if fused else None,
+                                                      tokens_per_split=self.plan.speculation_tokens_per_program
+                                                      if per_block else None)
 
     def _fuse_merge(self, idx: Tensor) -> bool:
         """Whether a layer's output attention over idx [B, Hkv, C] merges its splits in the

@@ -1,0 +1,149 @@
+"""Experiment: does speculation overlap selection better when it launches fewer programs?
+
+At batch 1 select ∥ speculate took 28.4 µs against 14.8 (select) and 17.6 (speculate) alone at
+128K, block 64, 8K budget (try_stream_priority.json): the per-block speculation launches about
+4 programs per SM (512 at batch 1), so it holds every SM while selection's score (~128
+programs) and top-k (8 programs) wait for room. With StaticPlan.speculation_tokens_per_program
+the speculation covers more of P per program, so fewer programs leave SMs free for selection;
+each program then walks more blocks one after another, so speculation alone gets slower. This
+times, per layer over NL caches of the Llama-3.1-8B shape (random bf16, P = the true A, i.e.
+100% hit): serial DSA, select alone, and for each program size speculate alone, select ∥
+speculate (nothing after) and the PRR stage, on default streams and with selection's stream at
+high priority; PRR's output is checked against serial DSA's (exact mode) every time.
+
+    python experiments/try_spec_programs.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from bench_decode import HEADROOM, model_of  # noqa: E402
+from bench_kernels import environment  # noqa: E402
+from try_stream_priority import LAYERS, graph_us  # noqa: E402
+
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan  # noqa: E402
+
+TOKENS_PER_PROGRAM = (None, 256, 512, 1024, 2048)  # None: the kernel's default (~4 programs per SM)
+CONFIGS = ((1, 131072, 64, 8192), (1, 32768, 64, 8192), (1, 131072, 16, 8192), (1, 131072, 64, 2048),
+           (8, 131072, 64, 2048), (8, 32768, 64, 8192))  # (batch, cache tokens, block, top-K tokens)
+
+
+def spec_programs(batch: int, block: int, topk_tokens: int, tokens: int | None) -> int:
+    """Programs the per-block speculation launches (kernels/sparse_decode.py's rule)."""
+    from prr.kernels.sparse_decode import MIN_TOKENS_PER_BLOCK_PROGRAM, PROGRAMS_PER_SM
+    rows, capacity = batch * 8, topk_tokens // block
+    if tokens is None:
+        chunks = -(-PROGRAMS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count // rows)
+        entries = max(-(-capacity // chunks), -(-MIN_TOKENS_PER_BLOCK_PROGRAM // block))
+    else:
+        entries = max(1, tokens // block)
+    return -(-capacity // entries) * rows
+
+
+def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, streams) -> list[dict]:
+    k_blocks = topk_tokens // block
+    plan = StaticPlan(variant="prr", selector="quest", topk_blocks=k_blocks, predicted_blocks=k_blocks,
+                      predictor="fixed", block_size=block, dense_layers=(), sink_blocks=1, recent_blocks=1)
+    eng = GraphDecoder(model, plan, batch=batch, max_tokens=context + HEADROOM)
+    eng.fill_random_context(context, seed=1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    qs = [torch.randn(batch, eng.hq, eng.d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+    positions = eng.step_positions()
+    lengths, nb_t = positions
+    default_side = eng.side
+
+    def stage(variant: str, tokens: int | None = None):
+        def fn():
+            eng.plan = dataclasses.replace(plan, variant=variant, speculation_tokens_per_program=tokens)
+            return [eng.attention(i, qs[i], None, None, positions, appended=True) for i in range(LAYERS)]
+        return fn
+
+    outs_serial = [o.clone() for o in stage("serial")()]
+    for i in range(LAYERS):  # P = A: 100% hit
+        eng.set_predictions(i, *eng.last_selection[i])
+
+    def select_only():
+        for i in range(LAYERS):
+            eng.select(i, qs[i], nb_t)
+
+    def spec_only(tokens):
+        def fn():
+            eng.plan = dataclasses.replace(plan, speculation_tokens_per_program=tokens)
+            for i in range(LAYERS):
+                eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
+        return fn
+
+    def overlap_only(tokens):  # select ∥ speculate, joined; nothing after
+        def fn():
+            eng.plan = dataclasses.replace(plan, speculation_tokens_per_program=tokens)
+            for i in range(LAYERS):
+                eng._fork()
+                with eng._side():
+                    eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
+                eng.select(i, qs[i], nb_t)
+                eng._join()
+        return fn
+
+    rows = []
+    for name, (main, side) in streams.items():
+        eng.side = side if side is not None else default_side
+        serial = graph_us(stage("serial"), main) / LAYERS
+        select = graph_us(select_only, main) / LAYERS
+        for tokens in TOKENS_PER_PROGRAM:
+            if tokens is not None and tokens % block:
+                continue
+            outs = stage("prr", tokens)()
+            torch.cuda.synchronize()
+            err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(outs, outs_serial, strict=True))
+            row = dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, streams=name,
+                       tokens_per_program=tokens or 0, programs=spec_programs(batch, block, topk_tokens, tokens),
+                       serial=serial, select=select,
+                       speculate=graph_us(spec_only(tokens), main) / LAYERS,
+                       overlap=graph_us(overlap_only(tokens), main) / LAYERS,
+                       prr=graph_us(stage("prr", tokens), main) / LAYERS,
+                       max_abs_diff_prr_vs_serial=err)
+            row["prr_speedup"] = row["serial"] / row["prr"]
+            row["overlap_vs_longer"] = row["overlap"] / max(row["select"], row["speculate"])
+            rows.append(row)
+            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    eng.side = default_side
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    streams = {  # lower is higher priority (0 is the default and the lowest)
+        "default": (torch.cuda.Stream(), None),
+        "prio": (torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0)),
+    }
+    model = model_of(LAYERS)
+    rows = []
+    for batch, context, block, k in CONFIGS:
+        rows.extend(rows_for(batch, context - HEADROOM, block, k, model, streams))
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "try_spec_programs.json").write_text(json.dumps(
+        {"command": "python " + " ".join(sys.argv), "environment": environment(), "layers": LAYERS,
+         "hit_rate": 1.0, "rows": rows}, indent=1))
+    import pandas as pd
+    df = pd.DataFrame(rows)
+    cols = ["batch", "context", "block", "topk_tokens", "streams", "tokens_per_program", "programs", "serial",
+            "select", "speculate", "overlap", "prr", "prr_speedup"]
+    print(df[cols].round(2).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -40,15 +40,10 @@ CONFIGS = ((1, 131072, 64, 8192), (1, 32768, 64, 8192), (1, 131072, 16, 8192), (
 
 
 def spec_programs(batch: int, block: int, topk_tokens: int, tokens: int | None) -> int:
-    """Programs the per-block speculation launches (kernels/sparse_decode.py's rule)."""
-    from prr.kernels.sparse_decode import MIN_TOKENS_PER_BLOCK_PROGRAM, PROGRAMS_PER_SM
+    """Programs the per-block speculation launches."""
+    from prr.kernels.sparse_decode import per_block_entries
     rows, capacity = batch * 8, topk_tokens // block
-    if tokens is None:
-        chunks = -(-PROGRAMS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count // rows)
-        entries = max(-(-capacity // chunks), -(-MIN_TOKENS_PER_BLOCK_PROGRAM // block))
-    else:
-        entries = max(1, tokens // block)
-    return -(-capacity // entries) * rows
+    return -(-capacity // per_block_entries(capacity, rows, block, "cuda", tokens)) * rows
 
 
 def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, streams) -> list[dict]:

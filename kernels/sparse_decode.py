@@ -41,7 +41,11 @@ PROGRAMS_PER_SM = 4  # per-block target: about this many programs per SM
 # MIN_TOKENS_PER_SPLIT and unchanged.
 SPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 128  # a split reads at least this many tokens (amortises its partial write)
-MIN_TOKENS_PER_BLOCK_PROGRAM = 64  # per_block mode: tokens a program covers, at least
+# per_block mode: list entries a program walks, at least. H200, bf16, batch 1, 128K, 8K budget, block
+# 64 (experiments/try_spec_programs.py): 4 entries (256 tokens) took speculation 16.9 -> 14.6 µs and
+# PRR's stage 40.0 -> 37.2 µs against 1 entry (the old 64-token minimum; at block 16 that minimum
+# was 4 entries already).
+MIN_ENTRIES_PER_BLOCK_PROGRAM = 4
 MAX_FUSED_MERGE_SPLITS = 256  # fuse_merge: splits its unrolled merge tail takes (code size, registers)
 MERGE_TILE_ELEMENTS = 8192  # fuse_merge: fp32 elements of split outputs loaded at once (64 registers per thread at 4 warps)
 MERGE_MIN_BLOCK_D = 32  # merge: D slice per program, at least (128-byte rows)
@@ -231,7 +235,6 @@ def sparse_decode(
         shape = (0, num_q_heads, capacity) if per_block else (0, num_q_heads)
         return (torch.zeros(*shape, head_dim, dtype=out_dtype, device=device), torch.zeros(shape, device=device))
     ids = block_ids if capacity > 0 else block_counts  # never dereferenced when C = 0
-    target_programs = PROGRAMS_PER_SM * _num_sms(device)
     launch = {"num_warps": num_warps, **launch_kwargs(device)}
     if num_stages is not None:
         launch["num_stages"] = num_stages
@@ -249,11 +252,7 @@ def sparse_decode(
         lse = torch.empty(batch, num_q_heads, capacity, dtype=torch.float32, device=device)
         if capacity == 0:
             return out, lse
-        if tokens_per_split is None:
-            chunks_wanted = max(1, -(-target_programs // rows))
-            entries = max(-(-capacity // chunks_wanted), -(-MIN_TOKENS_PER_BLOCK_PROGRAM // block_size))
-        else:
-            entries = max(1, -(-tokens_per_split // block_size))
+        entries = per_block_entries(capacity, rows, block_size, device, tokens_per_split)
         grid = (-(-capacity // entries), rows)
         sparse_decode_per_block_kernel[grid](
             q, k_cache, v_cache, ids, block_counts, lengths, out, lse,
@@ -311,6 +310,20 @@ def sparse_decode(
     if num_splits == 1 or not merge_splits:
         return out, lse
     return merge_partials(out, lse, out_dtype=out_dtype)
+
+
+def per_block_entries(capacity: int, rows: int, block_size: int, device: torch.device | str,
+                      tokens_per_program: int | None = None) -> int:
+    """List entries each program of sparse_decode(per_block=True) walks, for C = capacity entries
+    per row and rows = B * Hkv: grid = (ceil(C / entries), rows). tokens_per_program: the caller's
+    choice (whole blocks, at least one); None: about PROGRAMS_PER_SM programs per SM, never more
+    (rounding the chunks per row up had batch 8 with an 8K budget launch 576 programs on 132 SMs, a
+    partial second wave: 85 µs against 77 µs with 512, try_spec_programs.json), and at least
+    MIN_ENTRIES_PER_BLOCK_PROGRAM entries."""
+    if tokens_per_program is not None:
+        return max(1, -(-tokens_per_program // block_size))
+    chunks_wanted = max(1, PROGRAMS_PER_SM * _num_sms(torch.device(device)) // rows)
+    return max(-(-capacity // chunks_wanted), MIN_ENTRIES_PER_BLOCK_PROGRAM)
 
 
 def _split_plan(

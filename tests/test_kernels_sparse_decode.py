@@ -330,6 +330,23 @@ def test_split_plan_depends_only_on_static_shapes():
     assert sd.sparse_decode_num_splits(0, 1, 8, 16, device="cpu", head_dim=128, cache_dtype=torch.bfloat16) == 1
 
 
+def test_per_block_programs_fill_at_most_one_wave_of_whole_entries():
+    """per_block's default grid: never more than PROGRAMS_PER_SM programs per SM when the rows
+    allow it (no partial second wave), at least MIN_ENTRIES_PER_BLOCK_PROGRAM entries per program;
+    tokens_per_program is taken as whole blocks."""
+    sms = sd.DEFAULT_NUM_SMS
+    for capacity in (1, 7, 32, 128, 129, 512, 2048):
+        for rows in (1, 8, 13, 64, 200):
+            entries = sd.per_block_entries(capacity, rows, 64, "cpu")
+            programs = -(-capacity // entries) * rows
+            assert entries >= sd.MIN_ENTRIES_PER_BLOCK_PROGRAM
+            assert programs <= max(rows, sd.PROGRAMS_PER_SM * sms), (capacity, rows, entries)
+    assert sd.per_block_entries(128, 64, 64, "cpu") == 16  # batch 8, 8K tokens of 64: 512 programs, not 576
+    assert sd.per_block_entries(128, 8, 64, "cpu") == 4  # batch 1: 256 tokens per program
+    assert sd.per_block_entries(128, 8, 64, "cpu", tokens_per_program=100) == 2
+    assert sd.per_block_entries(128, 8, 64, "cpu", tokens_per_program=1) == 1
+
+
 # ------------------------------------------------------------------------- GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -95,6 +95,42 @@ def _online_softmax_step(
 
 
 @triton.jit
+def _attend_list(
+    q, ids_row, stride_ic, k_row, v_row, stride_kt, stride_kd, stride_vt, stride_vd,
+    entry_begin, entry_end, capacity, length, qk_scale,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_TOKENS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
+):
+    """Online softmax of q [GROUP_PAD, D] over the tokens of list entries [entry_begin, entry_end)
+    of ids_row (a list of `capacity` block ids; tokens >= length masked) -> (m, l_sum, acc), the
+    running state of _online_softmax_step. The entries' tokens are walked as one flat sequence
+    (entry e, offset o) -> e * BLOCK_SIZE + o in tiles of TILE_TOKENS rows."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, TILE_TOKENS)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    # Block ids a tile ahead, masked by the list's capacity only: the first tile's load does not
+    # wait for the list's count (written by the kernel before, like the ids), so the two L2 reads overlap.
+    ahead = entry_begin + offs_t // BLOCK_SIZE
+    block_ahead = tl.load(ids_row + ahead * stride_ic, mask=ahead < capacity, other=0)
+    for flat_start in range(entry_begin * BLOCK_SIZE, entry_end * BLOCK_SIZE, TILE_TOKENS):
+        flat = flat_start + offs_t  # [TILE]
+        entry = flat // BLOCK_SIZE
+        in_list = entry < entry_end
+        block = block_ahead.to(tl.int64)  # list entries past the end are padding: masked by in_list
+        ahead = (flat + TILE_TOKENS) // BLOCK_SIZE
+        block_ahead = tl.load(ids_row + ahead * stride_ic, mask=ahead < entry_end, other=0)
+        tokens = block * BLOCK_SIZE + (flat % BLOCK_SIZE)
+        live = in_list & (tokens >= 0) & (tokens < length)
+        k = _load_kv_tile(k_row, tokens, live, offs_d, stride_kt, stride_kd, NATIVE_DOT)
+        v = _load_kv_tile(v_row, tokens, live, offs_d, stride_vt, stride_vd, NATIVE_DOT)
+        m, l_sum, acc = _online_softmax_step(q, k, v, live, m, l_sum, acc, qk_scale, NATIVE_DOT, INPUT_PRECISION,
+                                             PRECISE_PV)
+    return m, l_sum, acc
+
+
+@triton.jit
 def _store_state(
     out_ptr, lse_ptr, batch, kv_head, slot, offs_g, offs_d, m, l_sum, acc,
     stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
@@ -203,7 +239,6 @@ def sparse_decode_split_kernel(
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_t = tl.arange(0, TILE_TOKENS)
     q = _load_query_group(q_ptr, batch, kv_head, offs_g, offs_d, stride_qb, stride_qh, stride_qd,
                           GROUP, NATIVE_DOT)
 
@@ -211,27 +246,9 @@ def sparse_decode_split_kernel(
     k_row = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_row = v_ptr + batch * stride_vb + kv_head * stride_vh
 
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # Block ids a tile ahead, masked by the list's capacity only: the first tile's load does not
-    # wait for `count` (written by the kernel before, like the ids), so the two L2 reads overlap.
-    ahead = entry_begin + offs_t // BLOCK_SIZE
-    block_ahead = tl.load(ids_row + ahead * stride_ic, mask=ahead < capacity, other=0)
-    for flat_start in range(entry_begin * BLOCK_SIZE, entry_end * BLOCK_SIZE, TILE_TOKENS):
-        flat = flat_start + offs_t  # [TILE]
-        entry = flat // BLOCK_SIZE
-        in_list = entry < entry_end
-        block = block_ahead.to(tl.int64)  # list entries past `count` are padding: masked by in_list
-        ahead = (flat + TILE_TOKENS) // BLOCK_SIZE
-        block_ahead = tl.load(ids_row + ahead * stride_ic, mask=ahead < entry_end, other=0)
-        tokens = block * BLOCK_SIZE + (flat % BLOCK_SIZE)
-        live = in_list & (tokens >= 0) & (tokens < length)
-        k = _load_kv_tile(k_row, tokens, live, offs_d, stride_kt, stride_kd, NATIVE_DOT)
-        v = _load_kv_tile(v_row, tokens, live, offs_d, stride_vt, stride_vd, NATIVE_DOT)
-        m, l_sum, acc = _online_softmax_step(q, k, v, live, m, l_sum, acc, qk_scale, NATIVE_DOT, INPUT_PRECISION,
-                                             PRECISE_PV)
-
+    m, l_sum, acc = _attend_list(q, ids_row, stride_ic, k_row, v_row, stride_kt, stride_kd, stride_vt, stride_vd,
+                                 entry_begin, entry_end, capacity, length, qk_scale,
+                                 GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE_TOKENS, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
     _store_state(out_ptr, lse_ptr, batch, kv_head, split, offs_g, offs_d, m, l_sum, acc,
                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, GROUP)
     if FUSED_MERGE:

@@ -79,6 +79,26 @@ def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     assert int(engine.merge_arrivals.abs().sum()) == 0  # re-armed
 
 
+@pytest.mark.parametrize("selector,predictor", [("quest", "ema"), ("infllm", "last_step")])
+def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
+    """plan.fused_repair (repair plan, repair and merge in one launch): the same logits as the
+    three launches and as serial DSA (exact PRR), the same hits."""
+    kwargs = dict(variant="prr", selector=selector, topk_blocks=6, predictor=predictor,
+                  predicted_blocks=6 if predictor == "last_step" else 8)
+    serial = decode(make(StaticPlan(variant="serial", selector=selector, topk_blocks=6)), 3)
+    engines = [make(StaticPlan(fused_repair=fused, **kwargs)) for fused in (False, True)]
+    for e in engines:
+        e.count_hits = True
+    three, fused = (decode(e, 3) for e in engines)
+    for step, (a, b, c) in enumerate(zip(serial, three, fused, strict=True)):
+        torch.testing.assert_close(c, b, rtol=2e-5, atol=2e-5, msg=f"step {step}")
+        torch.testing.assert_close(c, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
+    assert torch.equal(engines[0].hits, engines[1].hits) and float(engines[1].hits.sum()) > 0
+    assert int(engines[1].merge_arrivals.abs().sum()) == 0
+    assert "fused_repair=True needs repair_mode='exact'" in StaticPlan(fused_repair=True,
+                                                                     repair_mode="superset").problems()[0]
+
+
 def test_speculation_in_fewer_programs_decodes_like_the_default():
     """plan.speculation_tokens_per_program (fewer, longer speculation programs) changes only the
     grid: exact PRR still decodes serial DSA's logits; a value that is not whole blocks is refused."""

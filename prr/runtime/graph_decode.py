@@ -87,6 +87,9 @@ class StaticPlan:
     # default, about 4 programs per SM). Larger values launch fewer programs, which leaves SMs
     # to the selection running beside it on the other stream (experiments/try_spec_programs.py).
     speculation_tokens_per_program: int | None = None
+    # PRR's tail (repair plan, repair over A \ P, merge) in one launch (prr.kernels.prr_repair)
+    # instead of three; exact repair mode only.
+    fused_repair: bool = False
 
     def problems(self) -> list[str]:
         out = []
@@ -107,6 +110,9 @@ class StaticPlan:
             out.append(f"ema_alpha={self.ema_alpha} must lie in [0, 1)")
         if self.fuse_merge not in FUSE_MERGE:
             out.append(f"fuse_merge={self.fuse_merge!r} is not one of {list(FUSE_MERGE)}")
+        if self.fused_repair and self.repair_mode != "exact":
+            out.append(f"fused_repair=True needs repair_mode='exact' (got {self.repair_mode!r}): it drops the "
+                       f"speculated blocks that A lacks")
         spec_tokens = self.speculation_tokens_per_program
         if spec_tokens is not None and (spec_tokens < self.block_size or spec_tokens % self.block_size):
             out.append(f"speculation_tokens_per_program={spec_tokens} must be None or a positive multiple of "
@@ -130,7 +136,16 @@ class GraphDecoder:
         folds RoPE and the cache append into the q|k|v projection (prr.kernels.qkv_append; one
         launch fewer per layer) unless `fuse_append` is set False.
         An attribute: benchmarks switch it between captures, as they switch `plan`."""
-        from prr.kernels import cache_append, dense_gemv, prr_merge, qkv_append, quest, sparse_decode, topk
+        from prr.kernels import (
+            cache_append,
+            dense_gemv,
+            prr_merge,
+            prr_repair,
+            qkv_append,
+            quest,
+            sparse_decode,
+            topk,
+        )
 
         if plan.problems():
             raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
@@ -139,8 +154,8 @@ class GraphDecoder:
             raise ValueError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
         if projections not in PROJECTIONS:
             raise ValueError(f"projections={projections!r} is not one of {list(PROJECTIONS)}")
-        self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, qkv_append=qkv_append,
-                       quest=quest, sparse_decode=sparse_decode, topk=topk)
+        self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, prr_repair=prr_repair,
+                       qkv_append=qkv_append, quest=quest, sparse_decode=sparse_decode, topk=topk)
         self.projections = projections
         # Batch 1, projections="fused": q|k|v GEMV + RoPE + append in one launch (an attribute, so
         # benchmarks can time the two-launch path too).
@@ -190,7 +205,8 @@ class GraphDecoder:
                     for s in self.sparse]
         self.scratch = prr_merge.repair_scratch(B, H, NB, dev) if prr else None
         self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
-        self.merge_arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)  # fuse_merge's, main stream
+        # fuse_merge's and fused_repair's, main stream (their kernels run one after the other there)
+        self.merge_arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
         # Optional device counters for hit rate (off while timing: they add launches).
         self.count_hits = False
         self.hits = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P ∩ A| summed
@@ -375,18 +391,11 @@ class GraphDecoder:
         idx, cnt = self.select(layer, q, num_blocks)
         self._join()  # the speculation is done (the side stream's queue up to here)
         self._shared(q, lengths, spec_out, spec_lse)
-        kp = self._k["prr_merge"]
-        miss_idx, miss_cnt, keep = kp.repair_plan(idx, cnt, self.pred_idx[layer], self.pred_cnt[layer], self.scratch)
-        # P may be overwritten (next step's prediction) once repair_plan has read it.
+        out, keep = self._repair(layer, q, idx, cnt, lengths, spec_out, spec_lse)
+        # P may be overwritten (next step's prediction) once the repair has read it.
         planned = torch.cuda.Event() if self.side is not None and p.overlap else None
         if planned is not None:
             planned.record()
-        # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
-        rep_out, rep_lse = self._attend(layer, q, miss_idx, miss_cnt, lengths, merge_splits=False)
-        if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
-            spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
-            keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
-        out, _ = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=self.dtype)
         self._note(layer, idx, cnt, keep)
         if p.predictor == "fixed":  # P is set from outside: nothing to learn
             return out
@@ -397,6 +406,28 @@ class GraphDecoder:
         with self._side():  # learn from A and write next step's P (history only)
             self._predict_next(layer, idx, cnt)
         return out
+
+    def _repair(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, spec_out: Tensor,
+                spec_lse: Tensor) -> tuple[Tensor, Tensor]:
+        """A = (idx [B, Hkv, K], cnt [B, Hkv]), P's speculative states spec_out [B, Hq, |P|, D] and
+        spec_lse [B, Hq, |P|] (exact mode; superset: [B, Hq, D], [B, Hq]) -> (out [B, Hq, D] in the
+        model dtype, keep [B, Hkv, |P| or 1] bool: which states survived)."""
+        p = self.plan
+        pred_idx, pred_cnt = self.pred_idx[layer], self.pred_cnt[layer]
+        if p.fused_repair:  # plan, repair and merge in one launch
+            out, _, keep = self._k["prr_repair"].repair_and_merge(
+                q, self.keys[layer], self.values[layer], idx, cnt, pred_idx, pred_cnt, lengths, spec_out, spec_lse,
+                p.block_size, self.scale, out_dtype=self.dtype, arrivals=self.merge_arrivals)
+            return out, keep
+        kp = self._k["prr_merge"]
+        miss_idx, miss_cnt, keep = kp.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)
+        # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
+        rep_out, rep_lse = self._attend(layer, q, miss_idx, miss_cnt, lengths, merge_splits=False)
+        if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
+            spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
+            keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
+        out, _ = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=self.dtype)
+        return out, keep
 
     def _shared(self, *tensors: Tensor) -> None:
         """Tensors used on both streams: the caching allocator must not recycle them before

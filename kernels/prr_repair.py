@@ -40,7 +40,7 @@ from .sparse_decode import (
     _split_plan,
 )
 from .sparse_decode_jit import (
-    LOG2E,
+    LOG2E,  # host side only: a jit function cannot read a plain global
     _attend_list,
     _load_query_group,
     _merge_row_splits,
@@ -136,7 +136,7 @@ def _repair_and_merge_kernel(
         tl.store(keep_ptr + row.to(tl.int64) * pred_cap + c, kept.to(tl.int8), mask=c < p_stop)
         live = g_ok[:, None] & kept[None, :]  # [GROUP_PAD, STATE_CHUNK]
         lse2 = tl.load(part_lse_ptr + batch * stride_plb + heads[:, None] * stride_plh + c[None, :] * stride_plc,
-                       mask=live, other=float("-inf")) * LOG2E  # log2 units, as m
+                       mask=live, other=float("-inf")) * 1.4426950408889634  # log2(e): log2 units, as m
         m_new = tl.maximum(m, tl.max(lse2, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)  # 0 while m = -inf

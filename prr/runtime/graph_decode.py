@@ -90,6 +90,8 @@ class StaticPlan:
     # PRR's tail (repair plan, repair over A \ P, merge) in one launch (prr.kernels.prr_repair)
     # instead of three; exact repair mode only.
     fused_repair: bool = False
+    # fused_repair: tokens of A each of its programs covers (None: serial DSA's split plan).
+    repair_tokens_per_split: int | None = None
 
     def problems(self) -> list[str]:
         out = []
@@ -113,10 +115,11 @@ class StaticPlan:
         if self.fused_repair and self.repair_mode != "exact":
             out.append(f"fused_repair=True needs repair_mode='exact' (got {self.repair_mode!r}): it drops the "
                        f"speculated blocks that A lacks")
-        spec_tokens = self.speculation_tokens_per_program
-        if spec_tokens is not None and (spec_tokens < self.block_size or spec_tokens % self.block_size):
-            out.append(f"speculation_tokens_per_program={spec_tokens} must be None or a positive multiple of "
-                       f"block_size={self.block_size} (whole blocks per program)")
+        for name in ("speculation_tokens_per_program", "repair_tokens_per_split"):
+            tokens = getattr(self, name)
+            if tokens is not None and (tokens < self.block_size or tokens % self.block_size):
+                out.append(f"{name}={tokens} must be None or a positive multiple of block_size={self.block_size} "
+                           f"(whole blocks per program)")
         return out
 
 
@@ -417,7 +420,8 @@ class GraphDecoder:
         if p.fused_repair:  # plan, repair and merge in one launch
             out, _, keep = self._k["prr_repair"].repair_and_merge(
                 q, self.keys[layer], self.values[layer], idx, cnt, pred_idx, pred_cnt, lengths, spec_out, spec_lse,
-                p.block_size, self.scale, out_dtype=self.dtype, arrivals=self.merge_arrivals)
+                p.block_size, self.scale, out_dtype=self.dtype, arrivals=self.merge_arrivals,
+                tokens_per_split=p.repair_tokens_per_split)
             return out, keep
         kp = self._k["prr_merge"]
         miss_idx, miss_cnt, keep = kp.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)

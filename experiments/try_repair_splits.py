@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 from bench_decode import HEADROOM, model_of  # noqa: E402
 from bench_kernels import environment  # noqa: E402
+from prr.kernels.sparse_decode import _split_plan  # noqa: E402
 from try_stream_priority import LAYERS, graph_us  # noqa: E402
 
-from prr.kernels.sparse_decode import _split_plan  # noqa: E402
 from prr.runtime.graph_budget import controlled_predictions  # noqa: E402
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan  # noqa: E402
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import sparse_decode as sd
 from .pdl import launch_kwargs, pdl_prologue
 from .prr_merge import merge_speculation_reference, repair_plan_reference
 from .sparse_decode import (
@@ -49,6 +50,14 @@ from .sparse_decode_jit import (
 
 LIST_CHUNK = 8  # list entries compared against the other list at once ([8, 512] at an 8K budget of 16)
 STATE_ELEMENTS = 8192  # fp32 elements of speculative states loaded at once
+# Default split plan (H200, bf16, Llama-3.1-8B shape, experiments/try_repair_splits.py at 388e9bd): a
+# split folds at most this many speculative states (32 per split took 0.70-0.90x the time of 16
+# or fewer wherever both were timed) and a row gets at least ceil(SMs / rows) splits (batch 1: 16
+# splits of 8 blocks ran 33.99 µs at 128K, block 64, 8K, against 35.87 with serial DSA's 64).
+MAX_STATES_PER_SPLIT = 16
+# Beyond this many programs per SM the fused tail lost to the three launches (batch 8, 8K budget
+# of blocks of 16: 512 P entries per row, 182.8-248.7 µs against 170.4).
+MAX_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -161,6 +170,22 @@ def _repair_and_merge_kernel(
         tl.store(arrivals_ptr + row, 0)  # re-armed for the next launch (all arrivals are in)
 
 
+def default_splits(sel_cap: int, pred_cap: int, rows: int, device: torch.device | str) -> int:
+    """Splits per row `repair_and_merge` launches by default, for C_A = sel_cap, C_P = pred_cap
+    and rows = B * Hkv: at most MAX_STATES_PER_SPLIT speculative states per split, at least one
+    program per SM, at most one split per A entry (and the fused merge's limit)."""
+    sms = sd._num_sms(torch.device(device))
+    wanted = max(-(-pred_cap // MAX_STATES_PER_SPLIT), -(-sms // max(rows, 1)))
+    return max(1, min(sel_cap, wanted, MAX_FUSED_MERGE_SPLITS))
+
+
+def fused_tail_pays(sel_cap: int, pred_cap: int, rows: int, device: torch.device | str) -> bool:
+    """Whether the default plan stays within MAX_PROGRAMS_PER_SM programs per SM, where the one
+    launch measured faster than the three (StaticPlan.fused_repair="auto")."""
+    sms = sd._num_sms(torch.device(device))
+    return rows * default_splits(sel_cap, pred_cap, rows, device) <= MAX_PROGRAMS_PER_SM * sms
+
+
 def repair_and_merge(
     q: Tensor, k_cache: Tensor, v_cache: Tensor,
     sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor,
@@ -173,10 +198,9 @@ def repair_and_merge(
     [B, Hkv] int32; lengths [B]; part_out [B, Hq, C_P, D], part_lse [B, Hq, C_P] fp32: the
     per-block states of P (sparse_decode per_block=True over pred_idx).
     arrivals: [B * Hkv] int32 zeros (left zeroed; one per stream), allocated when None.
+    tokens_per_split: tokens of A per program; None: `default_splits`.
     -> (out [B, Hq, D] out_dtype, lse [B, Hq] fp32, keep [B, Hkv, C_P] bool): out, lse =
     attention over A's blocks = (⊕ kept states of P) ⊕ attention over A \\ P."""
-    from . import sparse_decode as sd
-
     _check_device(q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths, part_out, part_lse)
     batch, num_heads, head_dim = q.shape
     if k_cache.dim() != 4 or k_cache.shape[0] != batch or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
@@ -208,6 +232,8 @@ def repair_and_merge(
     device = q.device
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
+    if tokens_per_split is None:
+        tokens_per_split = block_size * -(-sel_cap // default_splits(sel_cap, pred_cap, rows, device))
     tile_tokens, entries, num_splits = _split_plan(sel_cap, rows, block_size, head_dim, k_cache.element_size(),
                                                    None, tokens_per_split, device)
     if num_splits > MAX_FUSED_MERGE_SPLITS:

@@ -95,6 +95,10 @@ def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
         torch.testing.assert_close(c, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
     assert torch.equal(engines[0].hits, engines[1].hits) and float(engines[1].hits.sum()) > 0
     assert int(engines[1].merge_arrivals.abs().sum()) == 0
+    auto = make(StaticPlan(**kwargs))  # the default, "auto": one launch at these small shapes
+    idx, pred = torch.zeros(2, 2, 6, dtype=torch.int32), auto.pred_idx[-1]  # layer 2: sparse
+    assert auto.plan.fused_repair == "auto" and auto._fused_repair(idx, pred)
+    assert not make(StaticPlan(repair_mode="superset", **kwargs))._fused_repair(idx, pred)
     assert "fused_repair=True needs repair_mode='exact'" in StaticPlan(fused_repair=True,
                                                                      repair_mode="superset").problems()[0]
 

@@ -119,6 +119,25 @@ def test_input_checks_name_the_problem():
         pr.repair_and_merge(*args[:10], 24, inputs.scale)
 
 
+def test_default_plan_bounds_the_states_per_split_and_fills_the_sms():
+    """default_splits: a split folds at most MAX_STATES_PER_SPLIT states of P when A has entries
+    enough, rows x splits reaches the SM count when A has entries enough, never more splits
+    than A entries; fused_tail_pays at the Llama-3.1-8B shape on 132 SMs (the H200's)."""
+    sms = sd.DEFAULT_NUM_SMS
+    for sel_cap in (1, 5, 32, 128, 512):
+        for pred_cap in (1, 7, 32, 128, 512):
+            for rows in (1, 8, 64, 200):
+                s = pr.default_splits(sel_cap, pred_cap, rows, "cpu")
+                assert 1 <= s <= min(sel_cap, sd.MAX_FUSED_MERGE_SPLITS)
+                if s < sel_cap:
+                    assert -(-pred_cap // s) <= pr.MAX_STATES_PER_SPLIT and rows * s >= sms, (sel_cap, pred_cap, rows)
+    def pays(batch, budget, block):
+        return pr.fused_tail_pays(budget // block, budget // block, batch * 8, "cpu")
+    assert all(pays(1, k, bs) for k in (2048, 8192) for bs in (16, 64))
+    assert pays(8, 2048, 16) and pays(8, 2048, 64) and pays(8, 8192, 64)
+    assert not pays(8, 8192, 16)  # 32 splits x 64 rows: where the three launches measured faster
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("batch,bs,budget,hit", [(1, 64, 8192, 1.0), (1, 16, 2048, 0.9), (8, 64, 2048, 0.68),

@@ -42,6 +42,7 @@ SELECTORS = ("quest", "infllm")
 PREDICTORS = ("ema", "last_step", "fixed")  # fixed: P set from outside (controlled hit rates)
 REPAIR_MODES = ("exact", "superset")
 FUSE_MERGE = (False, True, "one_wave")
+FUSED_REPAIR = (False, True, "auto")
 PROJECTIONS = ("torch", "fused")
 
 
@@ -88,8 +89,11 @@ class StaticPlan:
     # to the selection running beside it on the other stream (experiments/try_spec_programs.py).
     speculation_tokens_per_program: int | None = None
     # PRR's tail (repair plan, repair over A \ P, merge) in one launch (prr.kernels.prr_repair)
-    # instead of three; exact repair mode only.
-    fused_repair: bool = False
+    # instead of three; exact repair mode only. "auto" (default): where its default plan keeps
+    # within 4 programs per SM (prr_repair.fused_tail_pays: everywhere in bench_decode's grid
+    # but batch 8 with 512 blocks of P per row, where the three launches measured faster on the
+    # H200; experiments/try_repair_splits.py, bench_decode_stage.csv).
+    fused_repair: bool | str = "auto"
     # fused_repair: tokens of A each of its programs covers (None: serial DSA's split plan).
     repair_tokens_per_split: int | None = None
 
@@ -112,7 +116,9 @@ class StaticPlan:
             out.append(f"ema_alpha={self.ema_alpha} must lie in [0, 1)")
         if self.fuse_merge not in FUSE_MERGE:
             out.append(f"fuse_merge={self.fuse_merge!r} is not one of {list(FUSE_MERGE)}")
-        if self.fused_repair and self.repair_mode != "exact":
+        if self.fused_repair not in FUSED_REPAIR:
+            out.append(f"fused_repair={self.fused_repair!r} is not one of {list(FUSED_REPAIR)}")
+        if self.fused_repair is True and self.repair_mode != "exact":
             out.append(f"fused_repair=True needs repair_mode='exact' (got {self.repair_mode!r}): it drops the "
                        f"speculated blocks that A lacks")
         for name in ("speculation_tokens_per_program", "repair_tokens_per_split"):
@@ -417,7 +423,7 @@ class GraphDecoder:
         model dtype, keep [B, Hkv, |P| or 1] bool: which states survived)."""
         p = self.plan
         pred_idx, pred_cnt = self.pred_idx[layer], self.pred_cnt[layer]
-        if p.fused_repair:  # plan, repair and merge in one launch
+        if self._fused_repair(idx, pred_idx):  # plan, repair and merge in one launch
             out, _, keep = self._k["prr_repair"].repair_and_merge(
                 q, self.keys[layer], self.values[layer], idx, cnt, pred_idx, pred_cnt, lengths, spec_out, spec_lse,
                 p.block_size, self.scale, out_dtype=self.dtype, arrivals=self.merge_arrivals,
@@ -432,6 +438,15 @@ class GraphDecoder:
             keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
         out, _ = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=self.dtype)
         return out, keep
+
+    def _fused_repair(self, idx: Tensor, pred_idx: Tensor) -> bool:
+        """Whether PRR's tail over A = idx [B, Hkv, K] and P = pred_idx [B, Hkv, |P|] is one
+        launch (plan.fused_repair)."""
+        mode = self.plan.fused_repair
+        if mode == "auto":
+            return self.plan.repair_mode == "exact" and self._k["prr_repair"].fused_tail_pays(
+                idx.shape[-1], pred_idx.shape[-1], self.batch * self.hkv, self.device)
+        return bool(mode)
 
     def _shared(self, *tensors: Tensor) -> None:
         """Tensors used on both streams: the caching allocator must not recycle them before

@@ -15,6 +15,9 @@ from prr.runtime.graph_decode import GraphDecoder, StaticPlan, dense_reference_l
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"  # CPU: the kernels run in the interpreter
+# fp32 logits of two fused-projection paths: compiled on a GPU the paired (permuted) q|k|v tiles
+# sum in another order (up to 1.4e-6 apart on the H200, gpu_tests_cuda_unmarked_78f359e.txt).
+SAME_LOGITS = 1e-6 if DEVICE == "cpu" else 1e-5
 CONFIG = ModelConfig(arch="llama", vocab_size=97, hidden_size=128, intermediate_size=160, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=64, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
                      tie_word_embeddings=False, max_position_embeddings=4096)
@@ -288,7 +291,7 @@ def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, select
     got = decode(one, 3)
     for a, b, c in zip(want, two_launches, got, strict=True):
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(c, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(c, b, rtol=SAME_LOGITS, atol=SAME_LOGITS)
     assert torch.equal(one.pos, two.pos)
     for layer in range(CONFIG.num_layers):
         torch.testing.assert_close(one.keys[layer], two.keys[layer], rtol=1e-6, atol=1e-6)
@@ -309,7 +312,7 @@ def test_fused_append_follows_in_place_edits_of_the_model_weights():
         one.model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # a view into the fused q|k|v weight
         two.model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
     for a, b in zip(decode(one, 2), decode(two, 2), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=SAME_LOGITS, atol=SAME_LOGITS)
     assert one.paired_qkv_weights()[0][0] is paired  # refreshed where it is (captured graphs keep pointers)
 
 

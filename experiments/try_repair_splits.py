@@ -30,10 +30,9 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from bench_decode import HEADROOM, model_of  # noqa: E402
 from bench_kernels import environment  # noqa: E402
 from prr.kernels.sparse_decode import _split_plan  # noqa: E402
-from try_stream_priority import LAYERS, graph_us  # noqa: E402
+from try_stream_priority import LAYERS, fixed_prediction_engine, graph_us  # noqa: E402
 
 from prr.runtime.graph_budget import controlled_predictions  # noqa: E402
-from prr.runtime.graph_decode import GraphDecoder, StaticPlan  # noqa: E402
 
 SPLITS = (None, 64, 32, 16, 8, 4)  # None: serial DSA's split plan
 CONFIGS = ((1, 131072, 64, 8192), (1, 32768, 64, 8192), (1, 131072, 16, 8192), (1, 131072, 64, 2048),
@@ -41,13 +40,8 @@ CONFIGS = ((1, 131072, 64, 8192), (1, 32768, 64, 8192), (1, 131072, 16, 8192), (
 
 
 def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stream) -> list[dict]:
+    eng, plan, qs = fixed_prediction_engine(model, batch, context, block, topk_tokens)
     k_blocks = topk_tokens // block
-    plan = StaticPlan(variant="prr", selector="quest", topk_blocks=k_blocks, predicted_blocks=k_blocks,
-                      predictor="fixed", block_size=block, dense_layers=(), sink_blocks=1, recent_blocks=1)
-    eng = GraphDecoder(model, plan, batch=batch, max_tokens=context + HEADROOM)
-    eng.fill_random_context(context, seed=1)
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    qs = [torch.randn(batch, eng.hq, eng.d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
     positions = eng.step_positions()
 
     def stage(**changes):

@@ -42,7 +42,10 @@ def graph_us(fn, stream: torch.cuda.Stream, repeats: int = 20) -> float:
     return graph_median_us([fn], repeats, stream=stream)
 
 
-def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, streams) -> list[dict]:
+def fixed_prediction_engine(model, batch: int, context: int, block: int,
+                            topk_tokens: int) -> tuple[GraphDecoder, StaticPlan, list[torch.Tensor]]:
+    """A Quest PRR engine with P set from outside (predictor="fixed", |P| = |A|, no dense
+    layers) over `context` random tokens, and LAYERS random post-RoPE queries [B, Hq, D]."""
     k_blocks = topk_tokens // block
     plan = StaticPlan(variant="prr", selector="quest", topk_blocks=k_blocks, predicted_blocks=k_blocks,
                       predictor="fixed", block_size=block, dense_layers=(), sink_blocks=1, recent_blocks=1)
@@ -50,6 +53,11 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
     eng.fill_random_context(context, seed=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
     qs = [torch.randn(batch, eng.hq, eng.d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+    return eng, plan, qs
+
+
+def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, streams) -> list[dict]:
+    eng, plan, qs = fixed_prediction_engine(model, batch, context, block, topk_tokens)
     positions = eng.step_positions()
     lengths, nb_t = positions
     num_blocks = context // block + 1

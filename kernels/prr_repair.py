@@ -246,11 +246,7 @@ def repair_and_merge(
     lse = torch.empty(batch, num_heads, dtype=torch.float32, device=device)
     keep = torch.empty(batch, num_kv_heads, pred_cap, dtype=torch.bool, device=device)
     miss = torch.empty(rows, sel_cap, dtype=torch.int32, device=device)
-    if arrivals is None:
-        arrivals = torch.zeros(rows, dtype=torch.int32, device=device)
-    elif arrivals.shape != (rows,) or arrivals.dtype != torch.int32 or arrivals.device != device:
-        raise ValueError(f"arrivals must be an int32 tensor of B * Hkv = {rows} zeros on {device}; got "
-                         f"{arrivals.dtype} {tuple(arrivals.shape)} on {arrivals.device}")
+    arrivals = sd.arrival_counters(arrivals, rows, device)
     if rows == 0:
         return out, lse, keep
     native_ok = q.dtype == k_cache.dtype and k_cache.dtype in (torch.float16, torch.bfloat16)

@@ -284,11 +284,7 @@ def sparse_decode(
     if fused:  # the row's last split merges: (out, lse) of the row, no second launch
         merged_out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
         merged_lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
-        if arrivals is None:
-            arrivals = torch.zeros(rows, dtype=torch.int32, device=device)
-        elif arrivals.shape != (rows,) or arrivals.dtype != torch.int32 or arrivals.device != device:
-            raise ValueError(f"arrivals must be an int32 tensor of B * Hkv = {rows} zeros on {device}; got "
-                             f"{arrivals.dtype} {tuple(arrivals.shape)} on {arrivals.device}")
+        arrivals = arrival_counters(arrivals, rows, device)
         merged = (arrivals, merged_out, merged_lse, *merged_out.stride(), *merged_lse.stride())
     else:
         merged = (lengths, out, lse, 0, 0, 0, 0, 0)  # never dereferenced
@@ -310,6 +306,17 @@ def sparse_decode(
     if num_splits == 1 or not merge_splits:
         return out, lse
     return merge_partials(out, lse, out_dtype=out_dtype)
+
+
+def arrival_counters(arrivals: Tensor | None, rows: int, device: torch.device) -> Tensor:
+    """The [rows] int32 zeros a launch whose programs count their arrivals per row uses (fused
+    merges: the last to arrive merges and re-arms it): `arrivals` checked, or new zeros."""
+    if arrivals is None:
+        return torch.zeros(rows, dtype=torch.int32, device=device)
+    if arrivals.shape != (rows,) or arrivals.dtype != torch.int32 or arrivals.device != device:
+        raise ValueError(f"arrivals must be an int32 tensor of B * Hkv = {rows} zeros on {device}; got "
+                         f"{arrivals.dtype} {tuple(arrivals.shape)} on {arrivals.device}")
+    return arrivals
 
 
 def per_block_entries(capacity: int, rows: int, block_size: int, device: torch.device | str,

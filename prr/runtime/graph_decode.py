@@ -94,7 +94,7 @@ class StaticPlan:
     # but batch 8 with 512 blocks of P per row, where the three launches measured faster on the
     # H200; experiments/try_repair_splits.py, bench_decode_stage.csv).
     fused_repair: bool | str = "auto"
-    # fused_repair: tokens of A each of its programs covers (None: serial DSA's split plan).
+    # fused_repair: tokens of A each of its programs covers (None: prr_repair.default_splits).
     repair_tokens_per_split: int | None = None
 
     def problems(self) -> list[str]:

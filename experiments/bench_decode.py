@@ -197,11 +197,7 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
             positions = eng.step_positions()
             for i in range(layers):
                 q = eng.append(i, qs[i], ks[i], vs[i])
-                eng._fork()
-                with eng._side():
-                    eng._attend(i, q, eng.pred_idx[i], eng.pred_cnt[i], positions[0], per_block=True)
-                eng.select(i, q, positions[1])
-                eng._join()
+                eng.speculate_beside_selection(i, q, *positions)
         t["stage_overlap"] = per_layer(overlap_stage)
         measured_hit = float(sum(p[2].sum() for p in plans) / sum(c.sum() for c in a_cnt))
         # Floors (bytes / measured copy bandwidth): selection reads the metadata once; attention

@@ -75,11 +75,7 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
         def fn():
             eng.plan = dataclasses.replace(plan, speculation_tokens_per_program=tokens)
             for i in range(LAYERS):
-                eng._fork()
-                with eng._side():
-                    eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
-                eng.select(i, qs[i], nb_t)
-                eng._join()
+                eng.speculate_beside_selection(i, qs[i], lengths, nb_t)
         return fn
 
     rows = []

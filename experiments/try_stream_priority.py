@@ -84,11 +84,7 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
     def overlap_only():  # select ∥ speculate, joined; nothing after
         eng.plan = plan
         for i in range(LAYERS):
-            eng._fork()
-            with eng._side():
-                eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
-            eng.select(i, qs[i], nb_t)
-            eng._join()
+            eng.speculate_beside_selection(i, qs[i], lengths, nb_t)
 
     rows = []
     for hit in (1.0, 0.9):

@@ -393,12 +393,7 @@ class GraphDecoder:
             self._note(layer, idx, cnt, None)
             return self._attend(layer, q, idx, cnt, lengths, final=True)[0]
 
-        self._fork()
-        with self._side():  # speculate over P, set by the previous step (or from outside)
-            spec_out, spec_lse = self._attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
-                                              per_block=p.repair_mode == "exact")
-        idx, cnt = self.select(layer, q, num_blocks)
-        self._join()  # the speculation is done (the side stream's queue up to here)
+        (spec_out, spec_lse), (idx, cnt) = self.speculate_beside_selection(layer, q, lengths, num_blocks)
         self._shared(q, lengths, spec_out, spec_lse)
         out, keep = self._repair(layer, q, idx, cnt, lengths, spec_out, spec_lse)
         # P may be overwritten (next step's prediction) once the repair has read it.
@@ -415,6 +410,20 @@ class GraphDecoder:
         with self._side():  # learn from A and write next step's P (history only)
             self._predict_next(layer, idx, cnt)
         return out
+
+    def speculate_beside_selection(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor):
+        """PRR's overlapped part: attention over P (set by the previous step, or from outside) on
+        the side stream while A is selected on the main one, joined after.
+        q: [B, Hq, D] post-RoPE; lengths, num_blocks: [B] int32 (step_positions).
+        -> ((spec_out, spec_lse): exact mode [B, Hq, |P|, D], [B, Hq, |P|] per-block states,
+            superset [B, Hq, D], [B, Hq]; (idx [B, Hkv, K], cnt [B, Hkv]): A)."""
+        self._fork()
+        with self._side():
+            spec = self._attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
+                                per_block=self.plan.repair_mode == "exact")
+        selection = self.select(layer, q, num_blocks)
+        self._join()  # the speculation is done (the side stream's queue up to here)
+        return spec, selection
 
     def _repair(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, spec_out: Tensor,
                 spec_lse: Tensor) -> tuple[Tensor, Tensor]:

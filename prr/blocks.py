@@ -15,8 +15,8 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class BlockSet:
-    indices: Tensor  # [B, Hkv, C] int64 block ids; entries at positions >= count are padding (0)
-    count: Tensor  # [B, Hkv] int64 number of valid entries
+    indices: Tensor  # [B, Hkv, C] int32 or int64 block ids; entries at positions >= count are padding (0)
+    count: Tensor  # [B, Hkv] int32 or int64 number of valid entries
 
     @property
     def capacity(self) -> int:
@@ -31,7 +31,7 @@ class BlockSet:
         """[B, Hkv, max_blocks] bool membership mask."""
         # Padding entries write into a spare slot past the end, so they cannot clear a member.
         out = torch.zeros(*self.indices.shape[:-1], max_blocks + 1, dtype=torch.bool, device=self.indices.device)
-        index = torch.where(self.valid(), self.indices, torch.full_like(self.indices, max_blocks))
+        index = torch.where(self.valid(), self.indices.long(), max_blocks)
         return out.scatter_(-1, index, True)[..., :max_blocks]
 
     @staticmethod
@@ -56,6 +56,21 @@ class BlockSet:
             indices=torch.zeros(batch, num_kv_heads, 0, dtype=torch.int64, device=device),
             count=torch.zeros(batch, num_kv_heads, dtype=torch.int64, device=device),
         )
+
+
+def block_counts(num_blocks: int | Tensor, batch: int, device: torch.device | str) -> Tensor:
+    """Blocks in each row's context as a device tensor [B] int64: a host int (the eager
+    runtime, tests) is broadcast, a tensor (the graph engine's per-row count) is used as is,
+    so one static-shape definition serves both."""
+    if isinstance(num_blocks, Tensor):
+        return num_blocks.to(device=device, dtype=torch.int64).expand(batch) if num_blocks.dim() == 0 \
+            else num_blocks.to(device=device, dtype=torch.int64)
+    return torch.full((batch,), int(num_blocks), dtype=torch.int64, device=device)
+
+
+def inside_context(num_blocks: Tensor, max_blocks: int) -> Tensor:
+    """num_blocks [B] -> [B, 1, max_blocks] bool: block ids below each row's count."""
+    return (torch.arange(max_blocks, device=num_blocks.device) < num_blocks.view(-1, 1)).unsqueeze(1)
 
 
 def top_blocks(scores: Tensor, k: int) -> BlockSet:

@@ -33,7 +33,7 @@ def test_selection_has_k_blocks_and_every_forced_block(length, block_pow, k, sin
     mask = a.blocks.mask(cache.max_blocks)
     assert torch.all(a.blocks.count == min(k, nb))
     assert torch.all(mask.sum(-1) == a.blocks.count)  # no duplicates among the valid entries
-    forced = sel.forced_mask(nb, cache.max_blocks, torch.device("cpu"))
+    forced = sel.forced_mask(nb, cache.max_blocks, torch.device("cpu"))[0, 0]  # [max_blocks]
     if forced.sum() <= k:
         assert torch.all(mask[..., forced])
     assert not mask[..., nb:].any()

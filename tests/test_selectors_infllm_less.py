@@ -61,7 +61,8 @@ def test_infllm_representatives_and_block_score(per_head, group):
     sel = InfLLMSelector(topk_blocks=5, sink_blocks=1, local_blocks=2, representatives=r, per_head=per_head)
     cache = random_cache(sel, length=77, num_kv_heads=2, head_dim=d, block_size=bs, seed=group)
     q = torch.randn(1, 2, group, d)
-    scores = sel.head_scores(q, cache, 0, 77)  # finalises blocks 0..6 (window: blocks 7, 8, 9)
+    sel.catch_up(q, cache, 0, 77)  # the prefill's backlog: finalises blocks 0..6 (window: blocks 7, 8, 9)
+    scores = sel.head_scores(q, cache, 0, torch.tensor([77]))
     final = int(cache.metadata[0]["infllm_finalised"])
     assert final == 10 - 3
     keys = cache.keys[0][:, :, : final * bs].view(1, 2, final, bs, d)
@@ -108,6 +109,7 @@ def test_infllm_retrieves_a_block_with_matching_representatives():
     keys[:, :, 5 * bs + 2 : 5 * bs + 6] = q.mean(2, keepdim=True) * 3  # four planted tokens in old block 5
     cache.append(0, keys, torch.randn(1, 3, 301, d))
     sel.update_metadata(cache, 0, 0, 301)
+    sel.catch_up(q, cache, 0, 301)
     a = sel.select(q, cache, 0)
     assert torch.all(a.blocks.mask(cache.max_blocks)[..., 5])
 

@@ -101,6 +101,8 @@ class DSABackend:
             history = []
             for t in range(tail_start, end):
                 self.selector.update_metadata(self.cache, layer, t, t + 1)
+                if t == tail_start:  # the backlog of bounded per-step metadata work (InfLLM's finalising)
+                    self.selector.catch_up(qg[:, :, :, t], self.cache, layer, t + 1)
                 history.append(self.selector.select(qg[:, :, :, t], self.cache, layer, length=t + 1))
             self.history[layer] = history
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -123,7 +125,8 @@ class DSABackend:
         if self.predictor_state is None:
             raise RuntimeError("call finish_prefill() after the prefill and before decoding")
         start, end = self.cache.append(layer, k.unsqueeze(2), v.unsqueeze(2))
-        self.selector.update_metadata(self.cache, layer, start, end)
+        if not self.selector.is_dense_layer(layer):  # the decode step's own metadata update (static shapes)
+            self.selector.append_metadata(self.cache, layer, torch.full((self.cache.batch,), start, device=q.device))
         qg = self._grouped(q)  # [B, Hkv, G, D]
         if self.selector.is_dense_layer(layer):
             dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)

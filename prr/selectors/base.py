@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from prr.attention_state import AttentionState
-from prr.blocks import BlockSet, top_blocks
+from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
 from prr.cache import PagedKVCache
 
 GQA_REDUCTIONS = ("max", "sum", "union")
@@ -61,26 +61,34 @@ class Selector(ABC):
 
     # --- what subclasses provide -------------------------------------------------------
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:  # noqa: B027 - optional hook
-        """Tokens [start, end) of `layer` were appended to the cache; refresh their blocks."""
+        """Tokens [start, end) of `layer` were appended to the cache (host range: the prefill,
+        eager); refresh their blocks."""
+
+    def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:  # noqa: B027 - optional hook
+        """One decode token per row was written at positions [B] (device ints): refresh its
+        block. Static shapes, no host synchronisation (runs inside the captured step); the
+        same metadata `update_metadata` builds."""
 
     @abstractmethod
-    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
-        """q: [B, Hkv, G, D] -> block scores per query head [B, Hkv, G, max_blocks] over the
-        first `length` tokens (entries past the context are ignored)."""
+    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
+        """q: [B, Hkv, G, D], lengths [B] int64 tokens per row -> block scores per query head
+        [B, Hkv, G, max_blocks] (entries past each row's context are ignored). Static shapes."""
 
     # Selectors that change the attention output beyond choosing blocks (LESS's low-rank
     # compensation of the unselected blocks) set `compensates` and implement `compensation`;
     # the runtime merges its state after repair, in the timed merge stage.
     compensates = False
 
-    def compensation(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection) -> AttentionState:
+    def compensation(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection,
+                     length: int | Tensor | None = None) -> AttentionState:
         """q: [B, Hkv, G, D] -> a partial state (out [B, Hkv, G, D], lse [B, Hkv, G], prr's LSE
-        convention) for the tokens of the cache's blocks outside `selection`."""
+        convention) for the tokens of the cache's blocks outside `selection`, within each row's
+        first `length` tokens (host int or [B] tensor; default: the cache's length)."""
         raise NotImplementedError(f"{type(self).__name__} has no compensation (compensates=False)")
 
     # --- backends ---------------------------------------------------------------------------
-    # Selectors with Triton kernels override `triton_problems` and honour self.backend; the
-    # others score with torch under every runtime.backend (the run summary says which ran).
+    # Selectors with Triton kernels override `triton_problems` and `select_triton`; the others
+    # score with torch ops under every runtime.backend (the run summary says which ran).
     backend = "torch"
 
     def triton_problems(self) -> list[str] | None:
@@ -107,30 +115,61 @@ class Selector(ABC):
         per_head = self.topk_blocks * (group_size if self.gqa_reduce == "union" else 1)
         return min(per_head, max_blocks)
 
-    def forced_mask(self, num_blocks: int, max_blocks: int, device: torch.device) -> Tensor:
-        """[max_blocks] bool: sinks, local window and newest block of a context of num_blocks."""
+    def forced_mask(self, num_blocks: int | Tensor, max_blocks: int, device: torch.device) -> Tensor:
+        """[B or 1, 1, max_blocks] bool: sinks, local window and newest block of each row's
+        context of num_blocks (host int or [B] tensor) blocks."""
+        nb = block_counts(num_blocks, 1 if not isinstance(num_blocks, Tensor) else num_blocks.numel(), device)
         ids = torch.arange(max_blocks, device=device)
+        nb = nb.view(-1, 1, 1)
         recent = self.local_blocks + int(self.force_newest)
-        return (ids < min(self.sink_blocks, num_blocks)) | ((ids >= num_blocks - recent) & (ids < num_blocks))
+        return ((ids < torch.clamp(nb, max=self.sink_blocks)) | (ids >= nb - recent)) & (ids < nb)
 
-    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | None = None) -> Selection:
-        """q: [B, Hkv, G, D] -> Selection A over the first `length` tokens (default: all)."""
-        length = cache.length(layer) if length is None else length
-        num_blocks = cache.num_blocks(layer, length)
-        per_head = self.head_scores(q, cache, layer, length).float()  # [B, Hkv, G, NB]
-        ids = torch.arange(cache.max_blocks, device=q.device)
-        outside = ids >= num_blocks
-        per_head = per_head.masked_fill(outside, float("-inf"))
+    def catch_up(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> None:  # noqa: B027 - optional hook
+        """Called once, eagerly, before the first selection after a bulk metadata update (the
+        prefill), with that selection's query q [B, Hkv, G, D]: selectors whose per-step
+        metadata work is bounded (InfLLM finalises at most one block per selection) do the
+        backlog here. Never inside a decode step."""
+
+    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | Tensor | None = None) -> Selection:
+        """q: [B, Hkv, G, D] -> Selection A over the first `length` tokens of each row (a host
+        int, or [B] int tensor: the graph engine's device positions; default: the cache's
+        length). Static shapes, no host synchronisation: capturable in a CUDA graph.
+        A's indices are int32 in ascending block order, padded with 0, whatever the backend."""
+        lengths = token_counts(cache, layer, length, q.shape[0], q.device)  # [B] int64
+        num_blocks = (lengths + cache.block_size - 1) // cache.block_size  # [B]
+        if self.backend == "triton":
+            return self.select_triton(q, cache, layer, lengths, num_blocks)
+        per_head = self.head_scores(q, cache, layer, lengths).float()  # [B, Hkv, G, NB]
+        outside = ~inside_context(num_blocks, cache.max_blocks)  # [B, 1, NB]
+        per_head = per_head.masked_fill(outside.unsqueeze(2), float("-inf"))
         reduced = per_head.sum(2) if self.gqa_reduce == "sum" else per_head.amax(2)  # [B, Hkv, NB]
         reduced = reduced.masked_fill(outside, float("-inf"))
-        forced = self.forced_mask(num_blocks, cache.max_blocks, q.device)
-        k = min(self.topk_blocks, num_blocks)
+        forced = self.forced_mask(num_blocks, cache.max_blocks, q.device)  # [B, 1, NB]
         if self.gqa_reduce == "union":
-            forced_scores = per_head.masked_fill(forced, float("inf"))
+            forced_scores = per_head.masked_fill(forced.unsqueeze(2), float("inf"))
             b, h, g, n = forced_scores.shape
-            per_head_sets = top_blocks(forced_scores.reshape(b, h * g, n), k)
+            per_head_sets = top_blocks(forced_scores.reshape(b, h * g, n), self.topk_blocks)
             union = per_head_sets.mask(n).view(b, h, g, n).any(2)
             blocks = BlockSet.from_mask(union, self.capacity(g, cache.max_blocks))
         else:
-            blocks = top_blocks(reduced.masked_fill(forced, float("inf")), k)
-        return Selection(blocks=blocks, scores=reduced)
+            blocks = top_blocks(reduced.masked_fill(forced, float("inf")), self.topk_blocks)
+        return Selection(blocks=ascending(blocks), scores=reduced)
+
+    def select_triton(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor,
+                      num_blocks: Tensor) -> Selection:
+        """The Triton fast path of `select` (same set; tested equal). Selectors with kernels override it."""
+        raise NotImplementedError(f"{type(self).__name__} has no Triton selection (triton_problems() is None)")
+
+
+def token_counts(cache: PagedKVCache, layer: int, length: int | Tensor | None, batch: int,
+                 device: torch.device) -> Tensor:
+    """Tokens in each row's context: [B] int64 on `device` (default: the cache's host length)."""
+    return block_counts(cache.length(layer) if length is None else length, batch, device)
+
+
+def ascending(blocks: BlockSet) -> BlockSet:
+    """The same set with its valid ids in ascending order, padding 0, int32 (the kernels' layout)."""
+    n = torch.iinfo(torch.int32).max
+    ordered = torch.where(blocks.valid(), blocks.indices, n).sort(-1).values
+    ordered = torch.where(ordered == n, 0, ordered)
+    return BlockSet(ordered.to(torch.int32), blocks.count.to(torch.int32))

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from prr.blocks import BlockSet
+from prr.blocks import BlockSet, inside_context
 from prr.cache import PagedKVCache
-from prr.selectors.base import Selection, Selector
+from prr.selectors.base import Selection, Selector, token_counts
 
 
 class DenseSelector(Selector):
@@ -25,14 +25,16 @@ class DenseSelector(Selector):
     def selected_blocks(self, num_blocks: int) -> int:
         return num_blocks
 
-    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
+    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         b, h, g, _ = q.shape
         return torch.zeros(b, h, g, cache.max_blocks, device=q.device)
 
-    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | None = None) -> Selection:
-        length = cache.length(layer) if length is None else length
-        num_blocks = cache.num_blocks(layer, length)
-        inside = torch.arange(cache.max_blocks, device=q.device) < num_blocks
-        mask = inside.expand(q.shape[0], q.shape[1], -1)
-        scores = torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
-        return Selection(blocks=BlockSet.from_mask(mask, cache.max_blocks), scores=scores)
+    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | Tensor | None = None) -> Selection:
+        b, h = q.shape[:2]
+        lengths = token_counts(cache, layer, length, b, q.device)
+        num_blocks = (lengths + cache.block_size - 1) // cache.block_size  # [B]
+        inside = inside_context(num_blocks, cache.max_blocks).expand(b, h, -1)  # [B, Hkv, NB]
+        ids = torch.arange(cache.max_blocks, dtype=torch.int32, device=q.device).expand(b, h, -1)
+        count = num_blocks.to(torch.int32).view(b, 1).expand(b, h).contiguous()
+        scores = torch.zeros(inside.shape, device=q.device).masked_fill(~inside, float("-inf"))
+        return Selection(blocks=BlockSet(torch.where(inside, ids, 0), count), scores=scores)

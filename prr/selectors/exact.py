@@ -13,7 +13,7 @@ from prr.selectors.base import Selector
 
 
 class ExactSelector(Selector):
-    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
+    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         # q: [B, Hkv, G, D] -> attention mass per block [B, Hkv, G, max_blocks]
-        _, block_mass = attend_dense(q, cache, layer, length, 1.0 / math.sqrt(q.shape[-1]))
+        _, block_mass = attend_dense(q, cache, layer, lengths, 1.0 / math.sqrt(q.shape[-1]))
         return block_mass

@@ -18,8 +18,8 @@ Mapping onto prr:
   all query heads of the layer with `per_head=false`, one set of positions shared by every
   KV head) become the representatives, and their mean key is stored. InfLLM's own score
   averages q·k over the local window's queries; ours uses one of them (the newest).
-  At prefill, the blocks older than the window are finalised by the first selection (the
-  first replayed prompt-tail position), i.e. with that query.
+  At prefill, the blocks older than the window are finalised with the query of the first
+  replayed prompt-tail position (`catch_up`).
 - blocks not finalised yet (inside the window, or a partially filled newest block) are
   scored with the mean of their live keys; they are normally forced anyway;
 - `per_head=false` (default, as in InfLLM): one score per block for the whole layer,
@@ -27,12 +27,15 @@ Mapping onto prr:
   head selects the same blocks; `per_head=true`: scores per query head, reduced over each
   GQA group by `gqa_reduce` (with `sum`, Σ over the group's heads).
 
-Metadata, maintained incrementally: slot `infllm_repr` [B, Hkv, max_blocks, D] fp32 (mean
-representative key, or mean live key until finalised) and `infllm_finalised`, a CPU int64
-scalar in the layer's metadata dict: blocks [0, n) are final (they finalise in order, so a
-count suffices; reading it never syncs with a GPU). Finalising is idempotent for a given
-length: a second selection at the same step (the oracle's untimed look) changes nothing.
-No Triton kernels: selection runs in torch under every backend.
+Metadata, maintained incrementally with static shapes (the same code runs eagerly and in the
+captured CUDA-graph step): slot `infllm_repr` [B, Hkv, max_blocks, D] fp32 (mean
+representative key, or mean live key until finalised) and `infllm_finalised` [B] int64 on
+the device: blocks [0, n) of each row are final (they finalise in order, so a count
+suffices). A selection finalises at most the one block that left the window with its
+token; the prefill's backlog is finalised by `catch_up`, called by the runtime before the
+first replayed prompt-tail selection with that selection's query. Finalising is idempotent
+for a given length: a second selection at the same step (the oracle's look) changes nothing.
+No Triton kernels: selection runs in torch ops under every backend.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from prr.blocks import block_counts
 from prr.cache import PagedKVCache
 from prr.selectors.base import Selector
 
@@ -75,53 +79,83 @@ class InfLLMSelector(Selector):
         return cache.metadata_slot(layer, REPR_SLOT, (cache.head_dim,), torch.float32)  # [B, Hkv, NB, D]
 
     def _finalised(self, cache: PagedKVCache, layer: int) -> Tensor:
+        """[B] int64 on the cache's device: blocks [0, n) of each row are final."""
         slots = cache.metadata[layer]
         if FINALISED not in slots:
-            slots[FINALISED] = torch.zeros((), dtype=torch.int64)  # on the CPU on purpose
+            slots[FINALISED] = torch.zeros(cache.batch, dtype=torch.int64, device=cache.device)
         return slots[FINALISED]
 
+    def _provisional(self, cache: PagedKVCache, layer: int, first: Tensor, count: int, end: Tensor) -> None:
+        """Blocks first + [0, count) of each row (first: [B] int64) that are not final yet get
+        the mean of their live keys (positions < end [B]). Static shapes."""
+        s, b, h, d = cache.block_size, cache.batch, cache.num_kv_heads, cache.head_dim
+        blocks = (first.view(b, 1) + torch.arange(count, device=cache.device)).clamp(max=cache.max_blocks - 1)  # [B, n]
+        tokens = (blocks.unsqueeze(-1) * s + torch.arange(s, device=cache.device)).view(b, 1, count * s, 1)
+        keys = torch.gather(cache.keys[layer], 2, tokens.expand(b, h, count * s, d)).float().view(b, h, count, s, d)
+        live = (tokens.view(b, 1, count, s, 1) < end.view(b, 1, 1, 1, 1))
+        mean = (keys * live).sum(3) / live.sum(3).clamp(min=1)  # [B, Hkv, n, D]
+        repr_keys = self._slot(cache, layer)
+        index = blocks.view(b, 1, count, 1).expand(b, h, count, d)
+        final = (blocks < self._finalised(cache, layer).view(b, 1)).view(b, 1, count, 1)  # final blocks stay
+        repr_keys.scatter_(2, index, torch.where(final, torch.gather(repr_keys, 2, index), mean))
+
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        if self.is_dense_layer(layer) or end <= start:
+            return
+        s = cache.block_size
+        first, last = start // s, -(-end // s)
+        rows = torch.full((cache.batch,), first, dtype=torch.int64, device=cache.device)
+        self._provisional(cache, layer, rows, last - first, torch.full_like(rows, end))
+
+    def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
         if self.is_dense_layer(layer):
             return
-        repr_keys = self._slot(cache, layer)
-        s = cache.block_size
-        first = max(start // s, int(self._finalised(cache, layer)))  # final blocks are never rewritten
-        last = -(-end // s)
-        if first >= last:
-            return
-        keys = cache.keys[layer][:, :, first * s : last * s].float()  # [B, Hkv, n*S, D]
-        b, h, _, d = keys.shape
-        keys = keys.view(b, h, last - first, s, d)
-        live = (torch.arange(first * s, last * s, device=keys.device) < end).view(1, 1, last - first, s, 1)
-        # Provisional summary of unfinalised blocks: the mean of their live keys.
-        repr_keys[:, :, first:last] = (keys * live).sum(3) / live.sum(3).clamp(min=1)
+        positions = positions.long()
+        self._provisional(cache, layer, positions // cache.block_size, 1, positions + 1)
 
-    def _finalise(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> None:
-        """Blocks that have left the local window by `length` get their representatives from q."""
-        s = cache.block_size
-        num_blocks = cache.num_blocks(layer, length)
+    def _finalise(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor, first: Tensor, count: int) -> None:
+        """Blocks first + [0, count) (first: [B] int64) of each row that have left the local
+        window by `lengths` [B] and are not final yet get their representatives from
+        q [B, Hkv, G, D]. Static shapes: a selection looks at one block, the oldest not final
+        (the window moves by at most one block per token); `catch_up` passes the prefill's
+        backlog (all blocks from 0)."""
+        s, b, h, d = cache.block_size, cache.batch, cache.num_kv_heads, cache.head_dim
+        lengths = block_counts(lengths, b, cache.device)
+        num_blocks = (lengths + s - 1) // s
         window = self.local_blocks + int(self.force_newest)
-        target = min(length // s, num_blocks - window)  # full blocks older than the window
-        counter = self._finalised(cache, layer)
-        first = int(counter)
-        if target <= first:
-            return
-        keys = cache.keys[layer][:, :, first * s : target * s].float()  # [B, Hkv, n*S, D]
-        b, h, _, d = keys.shape
+        target = torch.minimum(lengths // s, num_blocks - window)  # [B] full blocks older than the window
+        done = self._finalised(cache, layer)
+        blocks = first.view(b, 1) + torch.arange(count, device=cache.device)  # [B, n] candidates, distinct
+        todo = (blocks >= done.view(b, 1)) & (blocks < target.view(b, 1))
+        blocks = blocks.clamp(max=cache.max_blocks - 1)
+        tokens = (blocks.unsqueeze(-1) * s + torch.arange(s, device=cache.device)).view(b, 1, count * s, 1)
+        keys = torch.gather(cache.keys[layer], 2, tokens.expand(b, h, count * s, d)).float()  # [B, Hkv, n*S, D]
         token_scores = (q.float() @ keys.transpose(-1, -2)).sum(2)  # Σ over the group: [B, Hkv, n*S]
         if not self.per_head:
             token_scores = token_scores.sum(1, keepdim=True).expand(b, h, -1)  # one set per layer
         r = min(self.representatives, s)
-        top = token_scores.reshape(b, h, target - first, s).topk(r, dim=-1).indices  # [B, Hkv, n, r]
-        keys = keys.view(b, h, target - first, s, d)
-        chosen = torch.gather(keys, 3, top.unsqueeze(-1).expand(b, h, target - first, r, d))
-        self._slot(cache, layer)[:, :, first:target] = chosen.mean(3)
-        counter.fill_(target)
+        top = token_scores.reshape(b, h, count, s).topk(r, dim=-1).indices  # [B, Hkv, n, r]
+        keys = keys.view(b, h, count, s, d)
+        chosen = torch.gather(keys, 3, top.unsqueeze(-1).expand(b, h, count, r, d)).mean(3)  # [B, Hkv, n, D]
+        repr_keys = self._slot(cache, layer)
+        index = blocks.view(b, 1, count, 1).expand(b, h, count, d)
+        write = todo.view(b, 1, count, 1)
+        repr_keys.scatter_(2, index, torch.where(write, chosen, torch.gather(repr_keys, 2, index)))
+        done.copy_(torch.maximum(done, torch.minimum(first + count, target)))
+
+    def catch_up(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> None:
+        """Finalise every block older than the window at `length` with q (the prefill's backlog)."""
+        if self.is_dense_layer(layer):
+            return
+        backlog = cache.num_blocks(layer, length)
+        if backlog:
+            rows = torch.full((cache.batch,), length, device=cache.device)
+            self._finalise(q, cache, layer, rows, torch.zeros_like(rows), backlog)
 
     # --- scores ------------------------------------------------------------------------------
-    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
+    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         # q: [B, Hkv, G, D] -> [B, Hkv, G, max_blocks]: ⟨q_h, mean representative key⟩
-        self._finalise(q, cache, layer, length)
+        self._finalise(q, cache, layer, lengths, self._finalised(cache, layer), 1)
         scores = q.float() @ self._slot(cache, layer).transpose(-1, -2)  # [B, Hkv, G, NB]
         if not self.per_head:
             scores = scores.sum((1, 2), keepdim=True).expand_as(scores)  # Σ over every head of the layer

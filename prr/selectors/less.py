@@ -66,7 +66,8 @@ from torch import Tensor
 
 from prr.attention_state import AttentionState
 from prr.cache import PagedKVCache
-from prr.selectors.base import Selection
+from prr.blocks import inside_context
+from prr.selectors.base import Selection, token_counts
 from prr.selectors.quest import QuestSelector
 
 SCORES = ("quest", "features")
@@ -159,50 +160,72 @@ class LessSelector(QuestSelector):
         if self.is_dense_layer(layer) or end <= start:
             return
         super().update_metadata(cache, layer, start, end)  # Quest's key max/min
-        b, h, d, m, s = cache.batch, cache.num_kv_heads, cache.head_dim, self.num_features, cache.block_size
-        scale = 1.0 / math.sqrt(d)
-        w = self._features(cache, layer)
         slots = cache.metadata[layer]
-        if "less_center" not in slots:
+        if "less_center" not in slots:  # the first append (the prefill) fixes the centre and the totals' shape
+            b, h, m, d = cache.batch, cache.num_kv_heads, self.num_features, cache.head_dim
             new_keys = cache.keys[layer][:, :, start:end].float()
             slots["less_center"] = new_keys.mean(2) if self.center_keys else torch.zeros_like(new_keys[:, :, 0])
             slots["less_S_tot"] = torch.zeros(b, h, m, d, device=cache.device)
             slots["less_s_tot"] = torch.zeros(b, h, m, device=cache.device)
             slots["less_c_tot"] = torch.full((b, h, m), float("-inf"), device=cache.device)
-        center = slots["less_center"].unsqueeze(2)  # [B, Hkv, 1, D]
-        big_s = cache.metadata_slot(layer, "less_S", (m, d), torch.float32)
-        small_s = cache.metadata_slot(layer, "less_s", (m,), torch.float32)
-        offset = cache.metadata_slot(layer, "less_c", (m,), torch.float32, float("-inf"))
+        self._add_to_totals(cache, layer, cache.keys[layer][:, :, start:end], cache.values[layer][:, :, start:end])
+        s = cache.block_size
+        first = torch.full((cache.batch,), start // s, dtype=torch.int64, device=cache.device)
+        self._summarise(cache, layer, first, -(-end // s) - start // s, torch.full_like(first, end))
 
-        # Running totals: add the new tokens [start, end).
-        logits = self._logits(cache.keys[layer][:, :, start:end] - center, w, scale, layer, "k")  # [B, Hkv, T, m]
-        values = cache.values[layer][:, :, start:end].float()  # [B, Hkv, T, D]
+    def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
+        if self.is_dense_layer(layer):
+            return
+        super().append_metadata(cache, layer, positions)  # Quest's key max/min
+        b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
+        positions = positions.long()
+        index = positions.view(b, 1, 1, 1).expand(b, h, 1, d)
+        self._add_to_totals(cache, layer, torch.gather(cache.keys[layer], 2, index),
+                            torch.gather(cache.values[layer], 2, index))
+        self._summarise(cache, layer, positions // cache.block_size, 1, positions + 1)
+
+    def _add_to_totals(self, cache: PagedKVCache, layer: int, keys: Tensor, values: Tensor) -> None:
+        """Running totals S_tot, s_tot (offset c_tot) += the tokens keys, values [B, Hkv, T, D]."""
+        slots = cache.metadata[layer]
+        scale = 1.0 / math.sqrt(cache.head_dim)
+        center = slots["less_center"].unsqueeze(2)  # [B, Hkv, 1, D]
+        logits = self._logits(keys - center, self._features(cache, layer), scale, layer, "k")  # [B, Hkv, T, m]
         c_old = slots["less_c_tot"]
         c_new = torch.maximum(c_old, logits.amax(2))
         keep = torch.exp(c_old - c_new)  # 0 while the totals are empty
         weights = torch.exp(logits - c_new.unsqueeze(2))  # [B, Hkv, T, m]
-        slots["less_S_tot"] = slots["less_S_tot"] * keep.unsqueeze(-1) + weights.transpose(-1, -2) @ values
-        slots["less_s_tot"] = slots["less_s_tot"] * keep + weights.sum(2)
-        slots["less_c_tot"] = c_new
+        slots["less_S_tot"].copy_(slots["less_S_tot"] * keep.unsqueeze(-1) + weights.transpose(-1, -2) @ values.float())
+        slots["less_s_tot"].copy_(slots["less_s_tot"] * keep + weights.sum(2))
+        slots["less_c_tot"].copy_(c_new)
 
-        # Per-block summaries: recompute the touched blocks from all their live tokens.
-        first, last = start // s, -(-end // s)
-        n = last - first
-        keys = cache.keys[layer][:, :, first * s : last * s]
-        logits = self._logits(keys - center, w, scale, layer, "k").view(b, h, n, s, m)
-        live = (torch.arange(first * s, last * s, device=keys.device) < end).view(1, 1, n, s, 1)
+    def _summarise(self, cache: PagedKVCache, layer: int, first: Tensor, count: int, end: Tensor) -> None:
+        """Per-block summaries of blocks first + [0, count) (first: [B]) recomputed from their
+        live tokens (positions < end [B]). Static shapes."""
+        b, h, d, m, s = cache.batch, cache.num_kv_heads, cache.head_dim, self.num_features, cache.block_size
+        slots = cache.metadata[layer]
+        big_s = cache.metadata_slot(layer, "less_S", (m, d), torch.float32)
+        small_s = cache.metadata_slot(layer, "less_s", (m,), torch.float32)
+        offset = cache.metadata_slot(layer, "less_c", (m,), torch.float32, float("-inf"))
+        blocks = first.view(b, 1) + torch.arange(count, device=cache.device)  # [B, n]
+        tokens = (blocks.unsqueeze(-1) * s + torch.arange(s, device=cache.device)).view(b, 1, count * s, 1)
+        keys = torch.gather(cache.keys[layer], 2, tokens.expand(b, h, count * s, d))  # [B, Hkv, n*S, D]
+        values = torch.gather(cache.values[layer], 2, tokens.expand(b, h, count * s, d)).float().view(b, h, count, s, d)
+        center = slots["less_center"].unsqueeze(2)
+        logits = self._logits(keys - center, self._features(cache, layer), 1.0 / math.sqrt(d), layer, "k")
+        logits = logits.view(b, h, count, s, m)
+        live = tokens.view(b, 1, count, s, 1) < end.view(b, 1, 1, 1, 1)
         logits = logits.masked_fill(~live, float("-inf"))
         c_block = logits.amax(3)  # [B, Hkv, n, m]; finite: a touched block has a live token
         weights = torch.exp(logits - c_block.unsqueeze(3))  # [B, Hkv, n, S, m]; 0 past `end`
-        values = cache.values[layer][:, :, first * s : last * s].float().view(b, h, n, s, d)
-        big_s[:, :, first:last] = weights.transpose(-1, -2) @ values  # [B, Hkv, n, m, D]
-        small_s[:, :, first:last] = weights.sum(3)
-        offset[:, :, first:last] = c_block
+        index = blocks.view(b, 1, count, 1)
+        big_s.scatter_(2, index.view(b, 1, count, 1, 1).expand(b, h, count, m, d), weights.transpose(-1, -2) @ values)
+        small_s.scatter_(2, index.expand(b, h, count, m), weights.sum(3))
+        offset.scatter_(2, index.expand(b, h, count, m), c_block)
 
     # --- selection scores ------------------------------------------------------------------------
-    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> Tensor:
+    def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         if self.scores == "quest":
-            return super().head_scores(q, cache, layer, length)
+            return super().head_scores(q, cache, layer, lengths)
         # Estimated log attention mass per block: log Σ_j φ_j(q) s_{b,j} + scale·q·c.
         scale = 1.0 / math.sqrt(cache.head_dim)
         slots = cache.metadata[layer]
@@ -213,22 +236,25 @@ class LessSelector(QuestSelector):
         return per_block + exact
 
     # --- compensation ----------------------------------------------------------------------------
-    def compensation(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection) -> AttentionState:
+    def compensation(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection,
+                     length: int | Tensor | None = None) -> AttentionState:
         """q: [B, Hkv, G, D] -> the unselected blocks' estimated state: out [B, Hkv, G, D],
-        lse [B, Hkv, G] (log of the estimated Σ exp(scale·q·k) over their tokens; −inf if none)."""
+        lse [B, Hkv, G] (log of the estimated Σ exp(scale·q·k) over their tokens; −inf if none)
+        over each row's first `length` tokens (host int or [B] tensor; default the cache's).
+        Static shapes."""
         if self.trained is not None and not self.trained.enabled(layer):
             # Held-out validation found no gain on this layer (make train-less): no compensation.
             empty = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             return AttentionState(out=torch.zeros_like(q, dtype=torch.float32), lse=empty)
         scale = 1.0 / math.sqrt(cache.head_dim)
         slots = cache.metadata[layer]
-        num_blocks = cache.num_blocks(layer)
+        num_blocks = (token_counts(cache, layer, length, q.shape[0], q.device) + cache.block_size - 1) // cache.block_size
         blocks = selection.blocks
         b, h, c = blocks.indices.shape
         m, d = self.num_features, cache.head_dim
         c_tot = slots["less_c_tot"]  # [B, Hkv, m]
         # Σ over A of the block summaries, brought to the totals' offsets (c_b <= c_tot: no overflow).
-        index = blocks.indices.unsqueeze(-1)  # [B, Hkv, C, 1]
+        index = blocks.indices.long().unsqueeze(-1)  # [B, Hkv, C, 1]
         rescale = torch.exp(torch.gather(cache.metadata[layer]["less_c"], 2, index.expand(b, h, c, m)) - c_tot.unsqueeze(2))
         rescale = rescale * blocks.valid().unsqueeze(-1)  # padding entries count nothing: [B, Hkv, C, m]
         sel_small = (torch.gather(slots["less_s"], 2, index.expand(b, h, c, m)) * rescale).sum(2)  # [B, Hkv, m]
@@ -244,7 +270,7 @@ class LessSelector(QuestSelector):
         total = (weights * slots["less_s_tot"].unsqueeze(2)).sum(-1)
         numerator = weights @ rest_big  # [B, Hkv, G, D]
 
-        inside = torch.arange(cache.max_blocks, device=q.device) < num_blocks
+        inside = inside_context(num_blocks, cache.max_blocks)  # [B, 1, NB]
         unselected = (inside & ~blocks.mask(cache.max_blocks)).any(-1)  # [B, Hkv]
         use = unselected.unsqueeze(-1) & (mass > MIN_RELATIVE_MASS * total)  # [B, Hkv, G]
         safe_mass = torch.where(use, mass, torch.ones_like(mass))

@@ -142,8 +142,19 @@ def test_cross_layer_predicts_the_layer_below_of_the_same_step():
     assert sorted(members(p.propose(st, 2, N, 3))) == [3, 8, 12]  # not layer 2's own [20, 21]
     # the first sparse layer has nothing below: its own temporal EMA (stickiness on its last set)
     assert p.source_layer(st, 1) is None
-    p.update(st, 2, selection([1, 2]))  # step done; next step, layer 2 before layer 1: no source
-    assert p.source_layer(st, 2) is None
+    # The source is structural, the same on every step: the nearest layer ever selected below
+    # (layer 0 is dense and never is), not a count of this step's updates that would live on the host.
+    p.update(st, 2, selection([1, 2]))
+    assert p.source_layer(st, 2) == 1 and p.source_layer(st, 0) is None
+
+
+def test_cross_layer_source_skips_dense_layers_and_ignores_layers_above():
+    p = CrossLayerPredictor(temporal_weight=0.0, calibrate=False)
+    st = p.init_state(5, 1, 1, N, "cpu")
+    for layer in (1, 4):  # layers 0, 2 and 3 dense
+        p.update(st, layer, consistent([layer, 10]))
+    assert [p.source_layer(st, i) for i in range(5)] == [None, None, 1, 1, 1]
+    assert sorted(members(p.propose(st, 4, N, 2))) == [1, 10]  # layer 1's set, past dense layers 2-3
 
 
 def test_cross_layer_with_full_temporal_weight_is_the_ema():

@@ -4,6 +4,14 @@ top-ranked blocks form the predicted set P.
 
 State lives in an explicit object made by `init_state` and handed back on every call,
 so one predictor instance can serve several runs and the runtime owns all state.
+
+One definition runs eagerly on the CPU and captured in a CUDA graph on the GPU, so
+`rank`, `propose` and `update` use static shapes and device tensors only: no host syncs
+(`.item()`, `.tolist()`, Python branches on tensor values) and no host-side state that
+changes from step to step (a captured graph replays device work only). Host values fixed
+for the run (the constructor's options, what `calibrate` fitted before decoding) are fine.
+`num_blocks` is a host int or a device tensor [B] (rows may differ); implementations read
+it through `prr.blocks.block_counts`.
 """
 
 from __future__ import annotations
@@ -20,28 +28,40 @@ NEVER = float("-inf")  # a rank that keeps a block out of P whatever the budget
 
 
 class Predictor(ABC):
-    # The oracle sees the current step's selection (computed untimed); nobody else may.
+    # What `propose` reads besides the state, so an engine knows when it may run:
+    # - history_only: only state written by past steps' `update`s, so the next step's P
+    #   may be computed right after `update`, off the critical path (False for
+    #   query_similarity, oracle and cross_layer, which read the current step);
+    # - needs_query: this step's query (query_similarity): propose(..., query=q);
+    # - needs_current_selection: this step's selection, computed untimed (the oracle
+    #   alone may see it): propose(..., current=A_t).
+    history_only: bool = True
+    needs_query: bool = False
     needs_current_selection: bool = False
 
     @abstractmethod
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
-        """A fresh state for one run."""
+        """A fresh state for one run, every buffer allocated."""
 
     @abstractmethod
-    def rank(self, state: Any, layer: int, num_blocks: int) -> Tensor:
-        """-> [B, Hkv, max_blocks] fp32 ranking for the next step; NEVER for blocks not to propose."""
+    def rank(self, state: Any, layer: int, num_blocks: int | Tensor) -> Tensor:
+        """num_blocks: host int or [B] blocks in each row's context at the step predicted.
+        -> [B, Hkv, max_blocks] fp32 ranking for the next step; NEVER for blocks not to propose."""
 
     @abstractmethod
     def update(self, state: Any, layer: int, selection: Selection) -> None:
-        """Learn from this step's selection A_t of `layer` (in place)."""
+        """Learn from this step's selection A_t of `layer` (in place; indices int32 or int64)."""
 
     def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
         """Fit parameters to selections of the prefill tail (history[layer] = A over steps,
-        None for dense layers). Returns what was chosen, for the run record."""
+        None for dense layers), on the host before decoding. Returns what was chosen, for
+        the run record."""
         return {}
 
     def propose(
-        self, state: Any, layer: int, num_blocks: int, budget_blocks: int, current: Selection | None = None
+        self, state: Any, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+        current: Selection | None = None, query: Tensor | None = None,
     ) -> BlockSet:
-        """P: the `budget_blocks` best-ranked blocks. -> BlockSet [B, Hkv, budget_blocks]."""
+        """P: the `budget_blocks` best-ranked blocks (a host int, static per captured graph).
+        -> BlockSet [B, Hkv, budget_blocks]."""
         return top_blocks(self.rank(state, layer, num_blocks), budget_blocks)

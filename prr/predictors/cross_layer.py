@@ -4,24 +4,29 @@ step, optionally mixed with the temporal EMA of layer l itself.
 The runtime updates the predictor layer by layer inside a step, so when layer l proposes,
 the nearest sparse layer below it (l−1, or further down past dense layers) has already
 been selected this step; that selection is history for layer l (it never sees its own
-current selection). With c = that source layer:
+current selection). The source c is found structurally, the same on every step: the
+nearest layer below l that has ever received an update (`updated_layers`, a host set that
+changes only when a layer gets its first selection; dense layers never get one). In decode
+every sparse layer below l was selected earlier in the same step, so c's latest selection
+is this step's. With c = that source layer:
 
     cross(b) = z_{c,t}(b) + source_stickiness · 1[b ∈ A_{c,t}]       z: standardised scores
     rank(b)  = (1 − w) · cross(b) + w · ema_l(b)                    w = temporal_weight
 
 ema_l is `ema`'s rank for layer l (prr/predictors/ema.py, calibrated on the prefill tail
-when calibrate=true). When no sparse layer below has been selected this step (the first
-sparse layer), rank = ema_l alone. w = 0: pure cross-layer; w = 1: the plain EMA.
+when calibrate=true). When no layer below has ever been selected (the first sparse layer),
+rank = ema_l alone. w = 0: pure cross-layer; w = 1: the plain EMA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from prr.blocks import block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.predictors.ema import EmaPredictor, EmaState, standardise
 from prr.selectors.base import Selection
@@ -32,10 +37,14 @@ class CrossLayerState:
     ema: EmaState  # the temporal part, per layer
     z: Tensor  # [L, B, Hkv, max_blocks] fp32 standardised scores of each layer's latest selection
     selected: Tensor  # [L, B, Hkv, max_blocks] bool: each layer's latest selection
-    updates: list[int]  # [L] selections seen per layer: a layer below is "this step" when it saw one more
+    # Layers that ever received a selection: structural (dense layers never do), fixed once the
+    # first step has run, so a graph captured after it replays the same source layers.
+    updated_layers: set[int] = field(default_factory=set)
 
 
 class CrossLayerPredictor(Predictor):
+    history_only = False  # reads the layer below's selection of the same step
+
     def __init__(
         self,
         temporal_weight: float = 0.0,
@@ -61,34 +70,29 @@ class CrossLayerPredictor(Predictor):
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> CrossLayerState:
         shape = (num_layers, batch, num_kv_heads, max_blocks)
         return CrossLayerState(self.temporal.init_state(num_layers, batch, num_kv_heads, max_blocks, device),
-                               torch.zeros(shape, device=device), torch.zeros(shape, dtype=torch.bool, device=device),
-                               [0] * num_layers)
+                               torch.zeros(shape, device=device), torch.zeros(shape, dtype=torch.bool, device=device))
 
     def source_layer(self, state: CrossLayerState, layer: int) -> int | None:
-        """The nearest layer below `layer` already selected in the current step, if any."""
-        for below in range(layer - 1, -1, -1):
-            if state.updates[below] == state.updates[layer] + 1:
-                return below
-            if state.updates[below] > 0:
-                return None  # a sparse layer below that is not ahead: nothing this step yet
-        return None
+        """The nearest layer below `layer` that has ever been selected, if any (see the module docstring)."""
+        below = [i for i in state.updated_layers if i < layer]
+        return max(below) if below else None
 
-    def rank(self, state: CrossLayerState, layer: int, num_blocks: int) -> Tensor:
-        temporal = self.temporal.rank(state.ema, layer, num_blocks)  # [B, Hkv, N], NEVER past the context
+    def rank(self, state: CrossLayerState, layer: int, num_blocks: int | Tensor) -> Tensor:
+        nb = block_counts(num_blocks, state.z.shape[1], state.z.device)  # [B]
+        temporal = self.temporal.rank(state.ema, layer, nb)  # [B, Hkv, N], NEVER past the context
         source = self.source_layer(state, layer)
         if source is None or self.temporal_weight == 1.0:
             return temporal
-        cross = state.z[source] + self.source_stickiness * state.selected[source]
+        cross = state.z[source] + self.source_stickiness * state.selected[source]  # [B, Hkv, N]
         w = self.temporal_weight
         score = (1 - w) * cross + w * temporal if w > 0 else cross
-        inside = torch.arange(score.shape[-1], device=score.device) < num_blocks
-        return score.masked_fill(~inside, NEVER)
+        return score.masked_fill(~inside_context(nb, score.shape[-1]), NEVER)
 
     def update(self, state: CrossLayerState, layer: int, selection: Selection) -> None:
         self.temporal.update(state.ema, layer, selection)
         state.z[layer] = standardise(selection.scores)
         state.selected[layer] = selection.blocks.mask(state.z.shape[-1])
-        state.updates[layer] += 1
+        state.updated_layers.add(layer)  # structural: changes on a layer's first selection only
 
     def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
         """Calibrates the temporal EMA (see EmaPredictor.calibrate); the cross-layer part has no fitted parameters."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prr.blocks import block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.selectors.base import Selection
 
@@ -45,9 +46,11 @@ def standardise(scores: Tensor) -> Tensor:
     return torch.where(finite, z, torch.zeros_like(z))
 
 
-def newest_mask(num_blocks: int, recent_blocks: int, max_blocks: int, device: Any) -> Tensor:
-    ids = torch.arange(max_blocks, device=device)
-    return (ids >= num_blocks - recent_blocks) & (ids < num_blocks)
+def newest_mask(num_blocks: Tensor, recent_blocks: int, max_blocks: int) -> Tensor:
+    """num_blocks [B] -> [B, 1, max_blocks] bool: each row's `recent_blocks` newest blocks."""
+    ids = torch.arange(max_blocks, device=num_blocks.device)
+    nb = num_blocks.view(-1, 1, 1)
+    return (ids >= nb - recent_blocks) & (ids < nb)
 
 
 class EmaPredictor(Predictor):
@@ -88,16 +91,16 @@ class EmaPredictor(Predictor):
         return EmaState(torch.zeros(shape, device=device), torch.zeros(shape, dtype=torch.bool, device=device),
                         alpha, stick, rec)
 
-    def rank(self, state: EmaState, layer: int, num_blocks: int) -> Tensor:
+    def rank(self, state: EmaState, layer: int, num_blocks: int | Tensor) -> Tensor:
         max_blocks = state.ema.shape[-1]
-        recent = newest_mask(num_blocks, self.recent_blocks, max_blocks, state.ema.device)
+        nb = block_counts(num_blocks, state.ema.shape[1], state.ema.device)  # [B]
+        recent = newest_mask(nb, self.recent_blocks, max_blocks)  # [B, 1, N]
         score = state.ema[layer] + state.stickiness[layer] * state.last_selected[layer] + state.recency[layer] * recent
-        inside = torch.arange(max_blocks, device=score.device) < num_blocks
-        return score.masked_fill(~inside, NEVER)
+        return score.masked_fill(~inside_context(nb, max_blocks), NEVER)  # [B, Hkv, N]
 
     def update(self, state: EmaState, layer: int, selection: Selection) -> None:
-        z = standardise(selection.scores)
-        a = state.alpha[layer]
+        z = standardise(selection.scores)  # [B, Hkv, N]
+        a = state.alpha[layer]  # a 0-dim device tensor: no sync
         state.ema[layer] = torch.where(torch.isfinite(selection.scores), a * state.ema[layer] + (1 - a) * z, state.ema[layer])
         state.last_selected[layer] = selection.blocks.mask(state.ema.shape[-1])
 

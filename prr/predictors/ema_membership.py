@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prr.blocks import block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.selectors.base import Selection
 
@@ -28,10 +29,10 @@ class EmaMembershipPredictor(Predictor):
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
         return torch.zeros(num_layers, batch, num_kv_heads, max_blocks, device=device)  # [L, B, Hkv, NB]
 
-    def rank(self, state: Tensor, layer: int, num_blocks: int) -> Tensor:
-        in_context = torch.arange(state.shape[-1], device=state.device) < num_blocks
-        return torch.where(in_context, state[layer], torch.full_like(state[layer], NEVER))
+    def rank(self, state: Tensor, layer: int, num_blocks: int | Tensor) -> Tensor:
+        nb = block_counts(num_blocks, state.shape[1], state.device)  # [B]
+        return state[layer].masked_fill(~inside_context(nb, state.shape[-1]), NEVER)  # [B, Hkv, N]
 
     def update(self, state: Tensor, layer: int, selection: Selection) -> None:
-        member = selection.blocks.mask(state.shape[-1]).to(state.dtype)
+        member = selection.blocks.mask(state.shape[-1]).to(state.dtype)  # [B, Hkv, N]
         state[layer].mul_(self.alpha).add_(member, alpha=1.0 - self.alpha)

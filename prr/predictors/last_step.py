@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from prr.blocks import block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.selectors.base import Selection
 
@@ -17,11 +18,13 @@ class LastStepPredictor(Predictor):
         # rank per layer: [L, B, Hkv, max_blocks]; NEVER until a selection is seen
         return torch.full((num_layers, batch, num_kv_heads, max_blocks), NEVER, device=device)
 
-    def rank(self, state: Tensor, layer: int, num_blocks: int) -> Tensor:
-        return state[layer]
+    def rank(self, state: Tensor, layer: int, num_blocks: int | Tensor) -> Tensor:
+        nb = block_counts(num_blocks, state.shape[1], state.device)  # [B]
+        # A_{t-1} lies inside the context already; the mask only guards a row whose context shrank.
+        return state[layer].masked_fill(~inside_context(nb, state.shape[-1]), NEVER)  # [B, Hkv, N]
 
     def update(self, state: Tensor, layer: int, selection: Selection) -> None:
-        chosen = selection.blocks.mask(state.shape[-1])
+        chosen = selection.blocks.mask(state.shape[-1])  # [B, Hkv, N]
         # Forced blocks may score -inf-free but low; any finite rank keeps them in P.
         finite = torch.nan_to_num(selection.scores, neginf=-1e30, posinf=1e30)
         state[layer] = torch.where(chosen, finite, torch.full_like(finite, NEVER))

@@ -16,12 +16,15 @@ class NoPredictor(Predictor):
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
         return {"shape": (batch, num_kv_heads, max_blocks), "device": device}
 
-    def rank(self, state: Any, layer: int, num_blocks: int) -> Tensor:
+    def rank(self, state: Any, layer: int, num_blocks: int | Tensor) -> Tensor:
         return torch.full(state["shape"], NEVER, device=state["device"])
 
     def update(self, state: Any, layer: int, selection: Selection) -> None:
         pass  # nothing to learn: P is always empty
 
-    def propose(self, state: Any, layer: int, num_blocks: int, budget_blocks: int, current: Selection | None = None) -> BlockSet:
-        b, h, _ = state["shape"]
+    def propose(
+        self, state: Any, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+        current: Selection | None = None, query: Tensor | None = None,
+    ) -> BlockSet:
+        b, h, _ = state["shape"]  # capacity 0 whatever the budget: a static shape, no speculation
         return BlockSet.empty(b, h, state["device"])

@@ -15,17 +15,21 @@ from prr.selectors.base import Selection
 
 class OraclePredictor(Predictor):
     needs_current_selection = True
+    history_only = False  # P is this step's selection
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
         return {"shape": (batch, num_kv_heads, max_blocks), "device": device}
 
-    def rank(self, state: Any, layer: int, num_blocks: int) -> Tensor:
+    def rank(self, state: Any, layer: int, num_blocks: int | Tensor) -> Tensor:
         return torch.full(state["shape"], NEVER, device=state["device"])  # unused: propose is exact
 
     def update(self, state: Any, layer: int, selection: Selection) -> None:
         pass
 
-    def propose(self, state: Any, layer: int, num_blocks: int, budget_blocks: int, current: Selection | None = None) -> BlockSet:
+    def propose(
+        self, state: Any, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+        current: Selection | None = None, query: Tensor | None = None,
+    ) -> BlockSet:
         if current is None:
             raise RuntimeError("the oracle predictor needs the current selection; the runtime must pass it")
         return current.blocks

@@ -17,6 +17,17 @@ so P is the union of the neighbours' selections and the recent window when |P| c
 the best-voted part of it otherwise. Before any pair is cached (the prefill tail reaches
 predictors as selections without queries) the last selection stands in for the neighbours.
 Memory is bounded: cache_size × (G·D fp32 + max_blocks bool) per layer and KV head.
+
+Static shapes (one definition, eager or captured in a CUDA graph): the ring buffer's
+`cursor` and `filled` are device counters; rank scores all `cache_size` slots and masks the
+unfilled ones (-inf similarity, a vote weight of 0), so the neighbour top-k has a fixed size.
+The query reaches `update` through the state: `propose` copies it (normalised) into the
+buffer `pending[layer]` and raises the device flag `has_pending[layer]`; `update`
+writes the pair into slot `cursor` only where the flag is up, then lowers it. Selections
+that arrive without a propose (the prefill tail) therefore pair with nothing, and no Python
+value changes from step to step. The query size G·D is not an argument of `init_state`:
+`keys` and `pending` are sized by the first propose (an eager warm-up call before any
+capture) and never re-allocated.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prr.blocks import BlockSet, top_blocks
+from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
 from prr.predictors.base import NEVER, Predictor
 from prr.predictors.ema import newest_mask, standardise
 from prr.selectors.base import Selection
@@ -38,17 +49,19 @@ TIE = 1e-3  # |z| stays well below 1/TIE, so scores only order blocks of equal v
 
 @dataclass
 class QuerySimilarityState:
-    keys: Tensor  # [L, B, Hkv, C, G·D] fp32 normalised past queries (C = cache_size)
+    keys: Tensor  # [L, B, Hkv, C, G·D] fp32 normalised past queries (C = cache_size); G·D = 0 until the first propose
     sets: Tensor  # [L, B, Hkv, C, max_blocks] bool: the selection each past query got
-    filled: list[int]  # [L] pairs cached per layer (<= C)
-    cursor: list[int]  # [L] ring-buffer slot the next pair goes to
-    pending: list[Tensor | None]  # [L] this step's query [B, Hkv, G·D], set by propose, paired in update
+    filled: Tensor  # [L] int64 pairs cached per layer (<= C)
+    cursor: Tensor  # [L] int64 ring-buffer slot the next pair goes to
+    pending: Tensor  # [L, B, Hkv, G·D] fp32 this step's normalised query, written by propose, paired in update
+    has_pending: Tensor  # [L] bool: a propose of this step left a query in `pending` for update to pair
     last_selected: Tensor  # [L, B, Hkv, max_blocks] bool: A_{t−1}
     last_z: Tensor  # [L, B, Hkv, max_blocks] fp32 standardised scores of step t−1
 
 
 class QuerySimilarityPredictor(Predictor):
     needs_query = True  # the runtime passes propose(..., query=q)
+    history_only = False  # ranks this step's query
 
     def __init__(self, cache_size: int = 64, neighbours: int = 2, recent_blocks: int = 1) -> None:
         if cache_size < 1:
@@ -60,62 +73,68 @@ class QuerySimilarityPredictor(Predictor):
         self.cache_size, self.neighbours, self.recent_blocks = cache_size, neighbours, recent_blocks
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> QuerySimilarityState:
-        # keys are sized on the first query (G·D is not an argument of init_state)
         per_layer = (num_layers, batch, num_kv_heads)
+        counter = torch.zeros(num_layers, dtype=torch.int64, device=device)
         return QuerySimilarityState(
             keys=torch.zeros(*per_layer, self.cache_size, 0, device=device),
             sets=torch.zeros(*per_layer, self.cache_size, max_blocks, dtype=torch.bool, device=device),
-            filled=[0] * num_layers, cursor=[0] * num_layers, pending=[None] * num_layers,
+            filled=counter, cursor=counter.clone(),
+            pending=torch.zeros(*per_layer, 0, device=device),
+            has_pending=torch.zeros(num_layers, dtype=torch.bool, device=device),
             last_selected=torch.zeros(*per_layer, max_blocks, dtype=torch.bool, device=device),
             last_z=torch.zeros(*per_layer, max_blocks, device=device),
         )
 
     def propose(
-        self, state: QuerySimilarityState, layer: int, num_blocks: int, budget_blocks: int,
+        self, state: QuerySimilarityState, layer: int, num_blocks: int | Tensor, budget_blocks: int,
         current: Selection | None = None, query: Tensor | None = None,
     ) -> BlockSet:
         """query: [B, Hkv, G, D] this step's (post-RoPE) query; required."""
         if query is None:
             raise ValueError("query_similarity needs this step's query: call propose(..., query=q) with q [B, Hkv, G, D]"
                              " (prr's runtime does so for predictors with needs_query=True)")
-        state.pending[layer] = F.normalize(query.float().flatten(2), dim=-1)  # [B, Hkv, G·D]
+        q = F.normalize(query.float().flatten(2), dim=-1)  # [B, Hkv, G·D]
+        if state.pending.shape[-1] != q.shape[-1]:  # a shape, known on the host: sizes the buffers once
+            if state.pending.shape[-1] != 0:
+                raise ValueError(f"query size changed from {state.pending.shape[-1]} to {q.shape[-1]} within a run")
+            state.keys = state.keys.new_zeros(*state.keys.shape[:-1], q.shape[-1])
+            state.pending = state.pending.new_zeros(*state.pending.shape[:-1], q.shape[-1])
+        state.pending[layer] = q
+        state.has_pending[layer].fill_(True)  # a device fill: setting a Python bool would copy from the host
         return top_blocks(self.rank(state, layer, num_blocks), budget_blocks)
 
-    def rank(self, state: QuerySimilarityState, layer: int, num_blocks: int) -> Tensor:
+    def rank(self, state: QuerySimilarityState, layer: int, num_blocks: int | Tensor) -> Tensor:
         """-> [B, Hkv, max_blocks] for the query given to the last propose of this layer."""
-        q = state.pending[layer]
-        if q is None:
+        if state.pending.shape[-1] == 0:
             raise ValueError("query_similarity ranks the query of the last propose(..., query=q); none was given for "
-                             f"layer {layer} this step")
+                             f"layer {layer} yet")
+        q = state.pending[layer]  # [B, Hkv, G·D]
         max_blocks = state.sets.shape[-1]
-        filled = state.filled[layer]
-        if filled == 0:
-            votes = state.last_selected[layer].float()  # no pair cached yet: the last selection stands in
-        else:
-            keys = state.keys[layer, :, :, :filled]  # [B, Hkv, F, G·D]
-            similarity = torch.einsum("bhfd,bhd->bhf", keys, q)  # [B, Hkv, F]
-            best, which = similarity.topk(min(self.neighbours, filled), dim=-1)  # [B, Hkv, m]
-            sets = torch.gather(state.sets[layer, :, :, :filled], 2,
-                                which.unsqueeze(-1).expand(-1, -1, -1, max_blocks))  # [B, Hkv, m, N]
-            votes = ((1.5 + best / 2).unsqueeze(-1) * sets).sum(2)  # [B, Hkv, N]
-        recent = newest_mask(num_blocks, self.recent_blocks, max_blocks, q.device)
+        filled = state.filled[layer]  # 0-dim device tensor
+        similarity = torch.einsum("bhcd,bhd->bhc", state.keys[layer], q)  # [B, Hkv, C]
+        cached = torch.arange(self.cache_size, device=q.device) < filled  # [C]
+        best, which = similarity.masked_fill(~cached, NEVER).topk(self.neighbours, dim=-1)  # [B, Hkv, m]
+        sets = torch.gather(state.sets[layer], 2, which.unsqueeze(-1).expand(-1, -1, -1, max_blocks))  # [B, Hkv, m, N]
+        weight = torch.where(best > NEVER, 1.5 + best / 2, 0.0)  # unfilled slots picked when filled < m do not vote
+        votes = (weight.unsqueeze(-1) * sets).sum(2)  # [B, Hkv, N]
+        votes = torch.where(filled > 0, votes, state.last_selected[layer].float())  # no pair cached yet: A_{t−1} stands in
+        nb = block_counts(num_blocks, q.shape[0], q.device)  # [B]
+        recent = newest_mask(nb, self.recent_blocks, max_blocks)  # [B, 1, N]
         score = votes + (2 * self.neighbours + 1) * recent + TIE * state.last_z[layer]
-        inside = torch.arange(max_blocks, device=q.device) < num_blocks
-        return score.masked_fill(~inside, NEVER)
+        return score.masked_fill(~inside_context(nb, max_blocks), NEVER)
 
     def update(self, state: QuerySimilarityState, layer: int, selection: Selection) -> None:
         chosen = selection.blocks.mask(state.sets.shape[-1])  # [B, Hkv, N]
-        q = state.pending[layer]
-        if q is not None:  # pair this step's query with its selection
-            if state.keys.shape[-1] != q.shape[-1]:
-                if any(state.filled):
-                    raise ValueError(f"query size changed from {state.keys.shape[-1]} to {q.shape[-1]} within a run")
-                state.keys = state.keys.new_zeros(*state.keys.shape[:-1], q.shape[-1])
-            slot = state.cursor[layer]
-            state.keys[layer, :, :, slot] = q
-            state.sets[layer, :, :, slot] = chosen
-            state.cursor[layer] = (slot + 1) % self.cache_size
-            state.filled[layer] = min(state.filled[layer] + 1, self.cache_size)
-            state.pending[layer] = None
+        if state.pending.shape[-1] != 0:  # structural: false only before the first propose of the run
+            # Pair this step's query with its selection where propose left one; else rewrite the slot as it was.
+            paired = state.has_pending[layer]  # 0-dim bool
+            slot = state.cursor[layer : layer + 1]  # [1] int64
+            keys, sets = state.keys[layer], state.sets[layer]  # [B, Hkv, C, G·D], [B, Hkv, C, N] views
+            keys.index_copy_(2, slot, torch.where(paired, state.pending[layer].unsqueeze(2), keys.index_select(2, slot)))
+            sets.index_copy_(2, slot, torch.where(paired, chosen.unsqueeze(2), sets.index_select(2, slot)))
+            step = paired.long()
+            state.cursor[layer] = (state.cursor[layer] + step) % self.cache_size
+            state.filled[layer] = (state.filled[layer] + step).clamp(max=self.cache_size)
+            state.has_pending[layer].fill_(False)
         state.last_selected[layer] = chosen
         state.last_z[layer] = standardise(selection.scores)

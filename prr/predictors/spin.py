@@ -12,8 +12,15 @@ random-exploration share (after SPIN, arXiv 2610.09025; our reading of its descr
 
 P = the best ⌈(1 − explore)·|P|⌉ blocks by rank, then the rest of the budget drawn uniformly
 from the other blocks of the context (exploration finds blocks that turn relevant without a
-score history). The draw is seeded by (seed, layer, selections seen), so a proposal is a
-deterministic function of the state: proposing twice in one step gives the same P.
+score history). The draw is counter-based, computed on the device: each block gets
+
+    u(b) = hash(seed, layer, selections seen by the layer, KV head, b) / 2^32   in [0, 1)
+
+(`uniform_draw`: the lowbias32 integer mixer chained over those keys, in int64 arithmetic
+that never overflows), and the drawn blocks are the other blocks of highest u. So a
+proposal is a deterministic function of the state (proposing twice in one step gives the
+same P), nothing is seeded on the host per call, and it captures in a CUDA graph. The batch
+row is not a key: a row's P does not depend on which batch it runs in.
 Unseen blocks and distances start at 0 (average).
 """
 
@@ -26,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import BlockSet, top_blocks
+from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
 from prr.predictors.base import NEVER, Predictor
 from prr.predictors.ema import standardise
 from prr.selectors.base import Selection
@@ -36,7 +43,39 @@ from prr.selectors.base import Selection
 class SpinState:
     vertical: Tensor  # [L, B, Hkv, max_blocks] fp32 EMA per block id
     diagonal: Tensor  # [L, B, Hkv, max_blocks] fp32 EMA per distance δ from the newest block (δ = 0: newest)
-    updates: list[int]  # [L] selections seen per layer (host ints: seeds the exploration draw, no sync)
+    updates: Tensor  # [L] int64 selections seen per layer (a key of the exploration draw)
+
+
+MASK32 = 0xFFFF_FFFF
+
+
+def mul32(x: Tensor | int, c: int) -> Tensor | int:
+    """x · c mod 2^32 for x in [0, 2^32), by 16-bit halves of c: every product stays below
+    2^49, so int64 never overflows (its wrap-around is undefined behaviour in C++ kernels)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: Tensor | int) -> Tensor | int:
+    """lowbias32 (C. Wellons' hash-prospector): a bijection of [0, 2^32) where every input
+    bit flips about half the output bits. Values stay non-negative, so >> is a logical shift.
+    Works alike on host ints and int64 tensors."""
+    x = x ^ (x >> 16)
+    x = mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_draw(seed: int, layer: int, step: Tensor, shape: tuple[int, int, int]) -> Tensor:
+    """step: 0-dim int64 device tensor -> [B, Hkv, N] fp32 uniform in [0, 1), a pure function
+    of (seed, layer, step, KV head, block); rows of the batch share it (batch invariance)."""
+    key = 0
+    for part in (seed & MASK32, (seed >> 32) & MASK32, layer):  # host constants, fixed per layer
+        key = mix32(key ^ part)
+    b, h, n = shape
+    head_block = torch.arange(h * n, device=step.device).view(1, h, n)  # [1, Hkv, N]
+    bits = mix32(mix32(key ^ (step & MASK32)) ^ head_block)  # [1, Hkv, N] in [0, 2^32)
+    return ((bits >> 8).float() * 2.0**-24).expand(b, h, n)  # 24 bits: exact in fp32, never 1.0
 
 
 class SpinPredictor(Predictor):
@@ -62,22 +101,25 @@ class SpinPredictor(Predictor):
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> SpinState:
         shape = (num_layers, batch, num_kv_heads, max_blocks)
-        return SpinState(torch.zeros(shape, device=device), torch.zeros(shape, device=device), [0] * num_layers)
+        return SpinState(torch.zeros(shape, device=device), torch.zeros(shape, device=device),
+                         torch.zeros(num_layers, dtype=torch.int64, device=device))
 
-    def rank(self, state: SpinState, layer: int, num_blocks: int) -> Tensor:
+    def rank(self, state: SpinState, layer: int, num_blocks: int | Tensor) -> Tensor:
         """-> [B, Hkv, max_blocks]: max of the vertical and diagonal EMAs; NEVER past the context."""
-        max_blocks = state.vertical.shape[-1]
-        ids = torch.arange(max_blocks, device=state.vertical.device)
-        distance = (num_blocks - 1 - ids).clamp(min=0)  # of block b from the newest block
-        diagonal = state.diagonal[layer][..., distance]  # [B, Hkv, max_blocks], indexed by block id
+        batch, heads, max_blocks = state.vertical.shape[1:]
+        nb = block_counts(num_blocks, batch, state.vertical.device)  # [B]
+        ids = torch.arange(max_blocks, device=nb.device)
+        distance = (nb.view(-1, 1, 1) - 1 - ids).clamp(0, max_blocks - 1)  # [B, 1, N] of block b from the newest
+        diagonal = torch.gather(state.diagonal[layer], -1, distance.expand(-1, heads, -1))  # [B, Hkv, N] by block id
         score = torch.maximum(state.vertical[layer], diagonal)
-        return score.masked_fill(ids >= num_blocks, NEVER)
+        return score.masked_fill(~inside_context(nb, max_blocks), NEVER)
 
     def propose(
-        self, state: SpinState, layer: int, num_blocks: int, budget_blocks: int, current: Selection | None = None
+        self, state: SpinState, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+        current: Selection | None = None, query: Tensor | None = None,
     ) -> BlockSet:
         rank = self.rank(state, layer, num_blocks)  # [B, Hkv, N]
-        explored = math.floor(self.explore * budget_blocks)
+        explored = math.floor(self.explore * budget_blocks)  # host int: the budget is static
         if explored == 0:
             return top_blocks(rank, budget_blocks)
         n = rank.shape[-1]
@@ -86,9 +128,7 @@ class SpinPredictor(Predictor):
         position = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=rank.device).expand_as(order))
         inside = rank > NEVER
         best = (position < exploit) & inside
-        generator = torch.Generator(device=rank.device).manual_seed(
-            hash((self.seed, layer, state.updates[layer])) & 0x7FFF_FFFF_FFFF_FFFF)
-        draw = torch.rand(rank.shape, generator=generator, device=rank.device)  # [0, 1)
+        draw = uniform_draw(self.seed, layer, state.updates[layer], tuple(rank.shape))  # [B, Hkv, N] in [0, 1)
         # Exploited blocks keep their order ahead of every drawn one (keys > 1), so the
         # proposal stays best-first; the drawn ones follow in random order.
         key = torch.where(best, 2.0 + (exploit - position).float(), torch.where(inside, draw, torch.full_like(draw, NEVER)))
@@ -107,4 +147,4 @@ class SpinPredictor(Predictor):
         x_by_distance = torch.gather(x, -1, source)
         state.diagonal[layer] = torch.where(distance < num_blocks, a_d * state.diagonal[layer] + (1 - a_d) * x_by_distance,
                                             state.diagonal[layer])
-        state.updates[layer] += 1
+        state.updates[layer] += 1  # in place on the device

@@ -109,17 +109,13 @@ def test_ema_membership_predictor_state_is_the_membership_average():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["predictor=ema"], "predictor=none, last_step or ema_membership"),
     (["predictor=ema_membership", "budget.ratio=0"], "needs |P| >= 1"),
-    (["selector=infllm"], "selector=quest"),
-    (["selector.gqa_reduce=sum", "predictor=none"], "gqa_reduce=max"),
-    (["predictor=last_step", "budget.ratio=0.5"], "budget.ratio=1"),
+    (["selector=dense", "predictor=last_step", "budget.ratio=0.5"], "budget.ratio=1"),
     (["predictor=none", "task.temperature=0.7"], "greedily"),
     (["predictor=none", "runtime.mode=shadow"], "sparse only"),
     (["predictor=none", "model=tiny-random"], "head_dim=16"),
     (["predictor=ema_membership", "budget.ratio=4"], "exceeds the prompt"),
     (["predictor=none", "budget=adaptive"], "needs a predictor"),
-    (["predictor=last_step", "budget=adaptive", "budget.ratio=1.5"], "budget.ratio=1"),
 ])
 def test_graph_engine_refuses_what_it_cannot_run(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

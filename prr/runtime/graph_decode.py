@@ -18,14 +18,23 @@ Per sparse layer (variant "prr"):
 learns on the side stream and writes next step's P there, so prediction costs the critical
 path nothing; it sees only selections of past steps.
 
-Research features of the torch runtime (records per step, shadow mode, LESS, union GQA)
-are not here: this engine exists to measure latency. Its math equals the torch runtime's
-(tests/test_graph_decode.py, and exact-mode PRR equals serial DSA).
+Selection and prediction are not defined here: the engine runs the run's own selector and
+predictor objects (prr.selectors, prr.predictors) — the same classes, with the same static-
+shape code, as the eager research runtime (DSABackend), Quest's through its Triton kernels.
+`StaticPlan.selector` / `predictor` only name which of those classes to build when the
+caller passes none (benchmarks). Predictors that rank from history alone (`history_only`)
+write next step's P right after learning, on the side stream; the others (query_similarity,
+cross_layer, oracle) propose at the start of the layer, on the side stream before
+speculation (the oracle after selection: it needs A). Selectors that `compensate` (LESS)
+merge their estimate of the unselected blocks after repair, as in the eager runtime.
+Still eager-only: shadow mode and the per-head records (tests/test_graph_decode.py checks
+the engine against the eager runtime: same A, P, tokens and hit rates).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -33,13 +42,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from prr.attention_state import AttentionState, merge
+from prr.blocks import BlockSet
+from prr.cache import PagedKVCache
 from prr.model.decoder import Decoder
 from prr.model.rope import apply_rope, rope_cos_sin
+from prr.predictors import EmaMembershipPredictor, LastStepPredictor, Predictor
 from prr.runtime.dense_layer import final_norm, fuse_layer_weights, post_attention, pre_attention
+from prr.selectors import InfLLMSelector, QuestSelector, Selection, Selector
 
 VARIANTS = ("dense", "serial", "prr")
-SELECTORS = ("quest", "infllm")
-PREDICTORS = ("ema", "last_step", "fixed")  # fixed: P set from outside (controlled hit rates)
+SELECTORS = ("quest", "infllm")  # the classes StaticPlan can build (any Selector object may be passed)
+# fixed: P set from outside (controlled hit rates); the others name prr.predictors classes
+PREDICTORS = ("ema_membership", "last_step", "fixed")
 REPAIR_MODES = ("exact", "superset")
 FUSE_MERGE = (False, True, "one_wave")
 FUSED_REPAIR = (False, True, "auto")
@@ -64,8 +79,8 @@ class StaticPlan:
     selector: str = "quest"
     topk_blocks: int = 128  # |A| capacity per KV head, forced blocks included
     predicted_blocks: int = 128  # |P| (prr only)
-    predictor: str = "ema"
-    ema_alpha: float = 0.8  # state <- alpha * state + (1 - alpha) * [b in A]
+    predictor: str = "ema_membership"
+    ema_alpha: float = 0.8  # ema_membership: state <- alpha * state + (1 - alpha) * [b in A]
     repair_mode: str = "exact"
     block_size: int = 16
     sink_blocks: int = 1
@@ -73,9 +88,6 @@ class StaticPlan:
     dense_layers: tuple[int, ...] = (0, 1)
     overlap: bool = True  # speculation on a second CUDA stream (False: one after the other)
     infllm_representatives: int = 4
-    # Quest score + top-k in one launch (the last program of a row selects): measured slower on
-    # the H200 than two launches (bench_selection), kept for comparison.
-    fused_select: bool = False
     # Serial and dense attention merge their splits inside the split kernel (sparse_decode
     # fuse_merge; main stream only): one launch fewer per layer. True: every such attention
     # (+34 µs per token on the H200 at 128K, batch 1: the dense layers' 128-split rows);
@@ -109,9 +121,6 @@ class StaticPlan:
                        f"({self.sink_blocks} + {self.recent_blocks}) and >= 1")
         if self.variant == "prr" and self.predicted_blocks < 1:
             out.append(f"predicted_blocks={self.predicted_blocks} must be >= 1 for variant=prr (use variant=serial for |P| = 0)")
-        if self.predictor == "last_step" and self.predicted_blocks != self.topk_blocks:
-            out.append(f"predictor=last_step proposes A of the last step: predicted_blocks={self.predicted_blocks} "
-                       f"must equal topk_blocks={self.topk_blocks}")
         if not 0.0 <= self.ema_alpha < 1.0:
             out.append(f"ema_alpha={self.ema_alpha} must lie in [0, 1)")
         if self.fuse_merge not in FUSE_MERGE:
@@ -128,12 +137,30 @@ class StaticPlan:
                            f"(whole blocks per program)")
         return out
 
+    def make_selector(self) -> Selector:
+        """The prr.selectors object this plan names (callers with any other selector pass their own)."""
+        recent = self.recent_blocks
+        common = dict(topk_blocks=self.topk_blocks, sink_blocks=self.sink_blocks, local_blocks=max(recent - 1, 0),
+                      force_newest=recent > 0, dense_layers=self.dense_layers)
+        if self.selector == "quest":
+            return QuestSelector(gqa_reduce="max", **common)
+        return InfLLMSelector(gqa_reduce="sum", representatives=self.infllm_representatives, **common)
+
+    def make_predictor(self) -> Predictor | None:
+        """The prr.predictors object this plan names; None for predictor="fixed" (P set from outside)."""
+        if self.predictor == "last_step":
+            return LastStepPredictor()
+        if self.predictor == "ema_membership":
+            return EmaMembershipPredictor(alpha=self.ema_alpha)
+        return None
+
 
 class GraphDecoder:
     """Static buffers and the decode step of `model` for `batch` rows of up to `max_tokens`."""
 
     def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False,
-                 projections: str = "torch") -> None:
+                 projections: str = "torch", selector: Selector | None = None, predictor: Predictor | None = None,
+                 cache: PagedKVCache | None = None) -> None:
         """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
         the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
         (RoPE runs in the cache-append kernel, or at batch 1 with fused projections in the q|k|v
@@ -144,7 +171,12 @@ class GraphDecoder:
         faster than cuBLAS at batch 1 on the H200, slower at batch 8). At batch 1 "fused" also
         folds RoPE and the cache append into the q|k|v projection (prr.kernels.qkv_append; one
         launch fewer per layer) unless `fuse_append` is set False.
-        An attribute: benchmarks switch it between captures, as they switch `plan`."""
+        An attribute: benchmarks switch it between captures, as they switch `plan`.
+        selector / predictor: the run's prr.selectors / prr.predictors objects (default: built
+        from `plan`, `StaticPlan.make_selector` / `make_predictor`); the plan's topk / sink /
+        recent / dense-layer fields then describe nothing (the selector's own settings rule).
+        cache: a prefilled PagedKVCache to decode from (its K/V and the selector's metadata,
+        e.g. after the eager prefill); default: a new empty one of max_tokens."""
         from prr.kernels import (
             cache_append,
             dense_gemv,
@@ -172,32 +204,45 @@ class GraphDecoder:
 
         self.model, self.plan, self.batch = model, plan, batch
         self.device, self.dtype = model.device, model.dtype
+        self.selector = selector if selector is not None else plan.make_selector()
+        self.predictor = predictor if predictor is not None else plan.make_predictor()
+        if plan.variant == "prr" and self.selector.compensates and plan.repair_mode != "exact":
+            raise ValueError("a compensating selector (LESS) needs repair_mode='exact' in the engine")
         bs = plan.block_size
-        self.max_tokens = -(-max_tokens // bs) * bs
-        self.max_blocks = self.max_tokens // bs
-        budgets = {"topk_blocks": plan.topk_blocks if plan.variant != "dense" else 0,
+        if cache is None:
+            cache = PagedKVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, bs, max_tokens, self.dtype, self.device)
+        problems = []
+        if (cache.batch, cache.num_kv_heads, cache.head_dim, cache.block_size) != (batch, c.num_kv_heads, c.head_dim, bs):
+            problems.append(f"cache [B={cache.batch}, Hkv={cache.num_kv_heads}, D={cache.head_dim}, block_size="
+                            f"{cache.block_size}] does not fit batch={batch}, the model and plan.block_size={bs}")
+        if cache.dtype != self.dtype or cache.device != self.device:
+            problems.append(f"cache dtype/device {cache.dtype}/{cache.device} differ from the model's "
+                            f"{self.dtype}/{self.device}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.cache = cache
+        self.max_tokens, self.max_blocks = cache.max_tokens, cache.max_blocks
+        self.num_layers, self.hkv, self.d = c.num_layers, c.num_kv_heads, c.head_dim
+        self.hq, self.group = c.num_heads, c.num_heads // c.num_kv_heads
+        self.topk_capacity = self.selector.capacity(self.group, self.max_blocks)
+        budgets = {"topk_blocks": self.selector.topk_blocks if plan.variant != "dense" else 0,
                    "predicted_blocks": plan.predicted_blocks if plan.variant == "prr" else 0}
         for name, blocks in budgets.items():
             if blocks > self.max_blocks:
                 raise ValueError(f"{name}={blocks} exceeds the {self.max_blocks} blocks of max_tokens={max_tokens} "
                                  f"(block_size={bs}): lower it or raise max_tokens")
-        self.num_layers, self.hkv, self.d = c.num_layers, c.num_kv_heads, c.head_dim
-        self.hq, self.group = c.num_heads, c.num_heads // c.num_kv_heads
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        dev, B, H, NB, D = self.device, batch, self.hkv, self.max_blocks, self.d
-        kv_shape = (B, H, self.max_tokens, D)
-        self.keys = [torch.zeros(kv_shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(kv_shape, dtype=self.dtype, device=dev) for _ in range(self.num_layers)]
+        dev, B, H, NB = self.device, batch, self.hkv, self.max_blocks
+        self.keys, self.values = cache.keys, cache.values  # [B, Hkv, T_max, D] per layer
         # Sparse layers keep metadata whatever the variant, so one engine can time every variant
         # (bench_decode switches `plan` between variants over the same cache).
-        self.sparse = [i not in plan.dense_layers for i in range(self.num_layers)]
-        meta_dtype = metadata_dtype(plan.selector, self.dtype)
-        meta = lambda fill: [torch.full((B, H, NB, D), fill, dtype=meta_dtype, device=dev) if s else None  # noqa: E731
-                             for s in self.sparse]
-        if plan.selector == "quest":
-            self.key_max, self.key_min = meta(float("-inf")), meta(float("inf"))
-        else:  # infllm: the mean representative key of each block
-            self.representative = meta(0.0)
+        self.sparse = [not self.selector.is_dense_layer(i) for i in range(self.num_layers)]
+        # Selection in Triton where the selector has kernels (Quest), torch ops otherwise.
+        self.selector.set_backend("triton")
+        # Selectors whose whole metadata is Quest's key max / min let the append kernels update it.
+        # (Metadata slots are allocated by the fill or the prefill, or by the first eager step:
+        # captures always follow eager warm-up steps.)
+        self.kernel_metadata = self.selector.metadata_in_append_kernel
         # Tokens in the cache before this step, per row (rows advance together: equal lengths).
         self.pos = torch.zeros(B, dtype=torch.int32, device=dev)
         self.token = torch.zeros(B, 1, dtype=torch.long, device=dev)
@@ -205,21 +250,27 @@ class GraphDecoder:
         self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # [T_max, D]
         self.all_blocks = torch.arange(NB, dtype=torch.int32, device=dev).expand(B, H, NB).contiguous()
         prr = plan.variant == "prr"  # P buffers exist only when built for prr (switching to prr later is refused)
-        cap = plan.predicted_blocks
+        # The oracle's P is A itself: A's capacity, whatever the plan's |P|.
+        oracle = self.predictor is not None and self.predictor.needs_current_selection
+        cap = self.topk_capacity if oracle else plan.predicted_blocks
         self.pred_idx = [torch.zeros(B, H, cap, dtype=torch.int32, device=dev) if prr and s else None
                          for s in self.sparse]
         self.pred_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if prr and s else None for s in self.sparse]
-        # EMA state: one extra column swallows the padding entries of A in the scatter.
-        self.ema = [torch.zeros(B, H, NB + 1, dtype=torch.float32, device=dev) if prr and s else None
-                    for s in self.sparse]
+        self.predictor_state = None
+        if prr and self.predictor is not None:
+            self.predictor_state = self.predictor.init_state(self.num_layers, B, H, NB, dev)
         self.scratch = prr_merge.repair_scratch(B, H, NB, dev) if prr else None
         self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
         # fuse_merge's and fused_repair's, main stream (their kernels run one after the other there)
         self.merge_arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
-        # Optional device counters for hit rate (off while timing: they add launches).
+        # Optional device counters (off while timing: they add launches), per layer, summed over
+        # steps, rows and KV heads: read once per window (`counters()`).
         self.count_hits = False
-        self.hits = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P ∩ A| summed
-        self.selected = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |A| summed
+        self.hits = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P ∩ A|
+        self.selected = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |A|
+        self.predicted = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P|
+        self.overlap = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |A_t ∩ A_{t-1}|
+        self.previous = [torch.zeros(B, H, NB, dtype=torch.bool, device=dev) if s else None for s in self.sparse]
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._forked = False
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
@@ -249,13 +300,14 @@ class GraphDecoder:
                 cache.zero_()
                 cache[:, :, :length].normal_(generator=gen)
         token = torch.randint(0, self.model.config.vocab_size, (self.batch,), generator=gen, device=self.device)
-        self.start_at(length, token)
+        self.start_at(length, token, gen)
 
     @torch.no_grad()
     def fill_from_cache(self, keys: list[Tensor], values: list[Tensor], length: int, token: Tensor) -> None:
-        """Decode from a prefilled context: keys / values [B, Hkv, >= length, D] per layer (e.g.
-        prr.cache.PagedKVCache.keys after the research runtime's prefill), the metadata rebuilt
-        from them, pos = length; token [B]: the first token to decode."""
+        """Decode from a prefilled context: keys / values [B, Hkv, >= length, D] per layer, the
+        metadata rebuilt from them (`start_at`), pos = length; token [B]: the first token to
+        decode. (A run with the eager prefill passes its PagedKVCache to the constructor
+        instead, metadata included, and calls `begin`.)"""
         if not 0 < length < self.max_tokens:
             raise ValueError(f"context length {length} must be in [1, {self.max_tokens}) (max_tokens)")
         if len(keys) != self.num_layers or len(values) != self.num_layers:
@@ -270,31 +322,74 @@ class GraphDecoder:
                     cache[:, :, :length].copy_(source[:, :, :length])
         self.start_at(length, token.view(self.batch).to(self.device))
 
-    def start_at(self, length: int, token: Tensor) -> None:
-        """Decode from position `length` of the cache as it is: metadata of every sparse layer
-        rebuilt from its first `length` tokens, pos = length, token [B] the next input,
-        predictor state and hit counters cleared (e.g. after a capture's warm-up steps)."""
-        bs, nb = self.plan.block_size, -(-length // self.plan.block_size)
+    def start_at(self, length: int, token: Tensor, gen: torch.Generator | None = None) -> None:
+        """Decode from position `length` of the cache as it is: the selector's metadata of every
+        sparse layer rebuilt from its first `length` tokens (new slots: call before capturing),
+        its backlog (`Selector.catch_up`, InfLLM's finalising) done with a random query from
+        `gen`, then `begin(length, token)`."""
+        q_gen = gen if gen is not None else torch.Generator(device=self.device).manual_seed(0)
         for layer in range(self.num_layers):
             if not self.sparse[layer]:
                 continue
-            k = self.keys[layer][:, :, : nb * bs].float().view(self.batch, self.hkv, nb, bs, self.d)
-            live = (torch.arange(nb * bs, device=self.device) < length).view(1, 1, nb, bs, 1)
-            if self.plan.selector == "quest":
-                self.key_max[layer][:, :, :nb] = k.masked_fill(~live, float("-inf")).amax(3)
-                self.key_min[layer][:, :, :nb] = k.masked_fill(~live, float("inf")).amin(3)
-            else:  # representatives: the mean of the first r live tokens of each block
-                r = min(self.plan.infllm_representatives, bs)
-                first = live[..., :r, :].to(k.dtype)  # [1, 1, nb, r, 1]
-                self.representative[layer][:, :, :nb] = (k[:, :, :, :r] * first).sum(3) / first.sum(3).clamp(min=1)
+            self.cache.metadata[layer].clear()
+            self.cache._lengths[layer] = length
+            self.selector.update_metadata(self.cache, layer, 0, length)
+            q = torch.randn(self.batch, self.hkv, self.group, self.d, generator=q_gen, device=self.device)
+            self.selector.catch_up(q.to(self.dtype), self.cache, layer, length)
+        self.begin(length, token)
+
+    def begin(self, length: int, token: Tensor) -> None:
+        """pos = length, token [B] the next input; hit counters cleared. The selector's
+        metadata and the predictor state stay as they are (e.g. after the eager prefill; see
+        `checkpoint` / `restore` to rewind capture warm-up steps)."""
         self.pos.fill_(length)
         self.token.copy_(token.view(self.batch, 1))
         for layer in range(self.num_layers):
-            if self.ema[layer] is not None:
-                self.ema[layer].zero_()
+            if self.pred_cnt[layer] is not None:
                 self.pred_cnt[layer].zero_()
-        self.hits.zero_()
-        self.selected.zero_()
+        for counter in (self.hits, self.selected, self.predicted, self.overlap):
+            counter.zero_()
+
+    def adopt_predictor_state(self, state: object) -> None:
+        """Decode on from a predictor state warmed elsewhere (the eager prefill's, same class)."""
+        if self.predictor is None:
+            raise ValueError("this engine has no predictor (variant != 'prr' or predictor='fixed')")
+        self.predictor_state = state
+
+    def prime_predictions(self, length: int) -> None:
+        """P of the first decode step (a context of length + 1 tokens) from the predictor state,
+        for predictors that propose from history at the end of a step (the others propose inside it)."""
+        if self.predictor is None or not self.predictor.history_only:
+            return
+        bs = self.plan.block_size
+        num_blocks = torch.full((self.batch,), (length + bs) // bs, dtype=torch.int32, device=self.device)
+        for layer in range(self.num_layers):
+            if self.sparse[layer]:
+                self._propose(layer, None, num_blocks)
+
+    def set_previous_selections(self, masks: list[Tensor | None]) -> None:
+        """A_{t-1} per layer ([B, Hkv, NB] bool, None for dense layers; e.g. the eager prefill's
+        last prompt-tail selections), for the last-step overlap counter."""
+        for mine, theirs in zip(self.previous, masks, strict=True):
+            if mine is not None and theirs is not None:
+                mine.copy_(theirs[..., : self.max_blocks])
+
+    def checkpoint(self) -> list[Tensor]:
+        """Copies of every tensor a step mutates besides K/V (a step writes K/V only at pos and
+        beyond): position, token, metadata, predictor state, P, counters."""
+        return [t.clone() for t in self._mutable()]
+
+    def restore(self, saved: list[Tensor]) -> None:
+        """Back to a `checkpoint`, in place (captured graphs keep their pointers)."""
+        for t, old in zip(self._mutable(), saved, strict=True):
+            t.copy_(old)
+
+    def _mutable(self) -> list[Tensor]:
+        out = [self.pos, self.token, self.hits, self.selected, self.predicted, self.overlap]
+        for layer in range(self.num_layers):
+            out += [t for t in self.cache.metadata[layer].values() if isinstance(t, Tensor)]
+            out += [t for t in (self.pred_idx[layer], self.pred_cnt[layer], self.previous[layer]) if t is not None]
+        return out + state_tensors(self.predictor_state)
 
     # --- one layer's attention ------------------------------------------------------------
     def _side(self):
@@ -312,19 +407,14 @@ class GraphDecoder:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
             self._forked = False
 
-    def select(self, layer: int, q: Tensor, num_blocks: Tensor) -> tuple[Tensor, Tensor]:
-        """q: [B, Hq, D] -> A: (indices [B, Hkv, K] int32 ascending, counts [B, Hkv] int32)."""
-        p, kq, kt = self.plan, self._k["quest"], self._k["topk"]
-        if p.selector == "quest":
-            if p.fused_select and self.max_blocks <= kt.MAX_ROW_BLOCK:
-                _, idx, cnt = kq.quest_select(q, self.key_max[layer], self.key_min[layer], num_blocks, p.topk_blocks,
-                                              p.sink_blocks, p.recent_blocks, "max", arrivals=self.arrivals)
-                return idx, cnt
-            scores = kq.quest_score(q, self.key_max[layer], self.key_min[layer], num_blocks, "max")
-        else:  # infllm: Σ over the group's heads of <q_h, mean representative key>
-            qg = q.view(self.batch, self.hkv, self.group, self.d).float()
-            scores = (qg @ self.representative[layer].transpose(-1, -2)).sum(2)  # [B, Hkv, NB]
-        return kt.topk_select(scores, p.topk_blocks, num_blocks, p.sink_blocks, p.recent_blocks)
+    def select(self, layer: int, q: Tensor, lengths: Tensor) -> Selection:
+        """q: [B, Hq, D] post-RoPE, lengths [B] tokens -> A of the run's selector (indices
+        [B, Hkv, K] int32 ascending, counts [B, Hkv] int32, scores [B, Hkv, NB])."""
+        return self.selector.select(self._grouped(q), self.cache, layer, lengths)
+
+    def _grouped(self, q: Tensor) -> Tensor:
+        """q: [B, Hq, D] -> [B, Hkv, G, D] (a view)."""
+        return q.view(self.batch, self.hkv, self.group, self.d)
 
     def _attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
                 merge_splits: bool = True, final: bool = False):
@@ -358,10 +448,10 @@ class GraphDecoder:
         return self.pos + 1, (self.pos + bs).div(bs, rounding_mode="floor")
 
     def _quest_metadata(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
-        """(key_max, key_min) [B, Hkv, NB, D] the append updates, or (None, None): dense layers
-        and InfLLM (its representatives are built by start_at)."""
-        if self.plan.selector == "quest" and self.sparse[layer]:
-            return self.key_max[layer], self.key_min[layer]
+        """(key_max, key_min) [B, Hkv, NB, D] the append kernels update, or (None, None): dense
+        layers and selectors with other metadata (updated by `append_metadata` after the append)."""
+        if self.kernel_metadata and self.sparse[layer]:
+            return self.selector.metadata(self.cache, layer)
         return None, None
 
     def append(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: bool = False) -> Tensor:
@@ -388,56 +478,99 @@ class GraphDecoder:
         if not self.sparse[layer] or p.variant == "dense":
             counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
             return self._attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
+        if not self.kernel_metadata:  # the selector's own metadata update (InfLLM, LESS)
+            self.selector.append_metadata(self.cache, layer, self.pos)
+        compensates = self.selector.compensates
         if p.variant == "serial":
-            idx, cnt = self.select(layer, q, num_blocks)
-            self._note(layer, idx, cnt, None)
-            return self._attend(layer, q, idx, cnt, lengths, final=True)[0]
+            selection = self.select(layer, q, lengths)
+            self._note(layer, selection)
+            if not compensates:
+                return self._attend(layer, q, selection.blocks.indices, selection.blocks.count, lengths, final=True)[0]
+            out, lse = self._attend(layer, q, selection.blocks.indices, selection.blocks.count, lengths)
+            return self._compensated(layer, q, out, lse, selection, lengths)
 
-        (spec_out, spec_lse), (idx, cnt) = self.speculate_beside_selection(layer, q, lengths, num_blocks)
+        predictor = self.predictor
+        if predictor is not None and predictor.needs_current_selection:  # the oracle: P = A, no overlap
+            selection = self.select(layer, q, lengths)
+            self._propose(layer, q, num_blocks, selection)
+            spec = self._attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
+                                per_block=p.repair_mode == "exact")
+        else:
+            spec, selection = self.speculate_beside_selection(layer, q, lengths, num_blocks)
+        spec_out, spec_lse = spec
         self._shared(q, lengths, spec_out, spec_lse)
-        out, keep = self._repair(layer, q, idx, cnt, lengths, spec_out, spec_lse)
+        out, lse, keep = self._repair(layer, q, selection, lengths, spec_out, spec_lse, fp32=compensates)
         # P may be overwritten (next step's prediction) once the repair has read it.
         planned = torch.cuda.Event() if self.side is not None and p.overlap else None
         if planned is not None:
             planned.record()
-        self._note(layer, idx, cnt, keep)
-        if p.predictor == "fixed":  # P is set from outside: nothing to learn
+        self._note(layer, selection)
+        if compensates:
+            out = self._compensated(layer, q, out, lse, selection, lengths)
+        if predictor is None:  # P is set from outside: nothing to learn
             return out
         if planned is not None:
             self.side.wait_event(planned)
             self._forked = True
-            self._shared(idx, cnt)
-        with self._side():  # learn from A and write next step's P (history only)
-            self._predict_next(layer, idx, cnt)
+            self._shared(selection.blocks.indices, selection.blocks.count, selection.scores)
+        with self._side():  # learn from A; history-only predictors write next step's P now
+            predictor.update(self.predictor_state, layer, selection)
+            if predictor.history_only:
+                bs = p.block_size  # the next step's context holds pos + 2 tokens
+                self._propose(layer, q, (self.pos + 1 + bs).div(bs, rounding_mode="floor"))
         return out
 
+    def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,
+                     lengths: Tensor) -> Tensor:
+        """out [B, Hq, D] fp32, lse [B, Hq] of the attended blocks ⊕ the selector's estimate of the
+        others (LESS) -> [B, Hq, D] in the model dtype."""
+        b, h, g, d = self.batch, self.hkv, self.group, self.d
+        state = AttentionState(out.float().view(b, h, g, d), lse.view(b, h, g))
+        state = merge(state, self.selector.compensation(self._grouped(q), self.cache, layer, selection, lengths))
+        return state.out.to(self.dtype).view(b, h * g, d)
+
+    def _propose(self, layer: int, q: Tensor | None, num_blocks: Tensor, current: Selection | None = None) -> None:
+        """Write the predictor's P for a context of num_blocks [B] blocks into this layer's P
+        buffers (q [B, Hq, D]: this step's query, for predictors that `needs_query`)."""
+        predictor = self.predictor
+        query = {"query": self._grouped(q)} if predictor.needs_query else {}
+        proposed = predictor.propose(self.predictor_state, layer, num_blocks, self.pred_idx[layer].shape[-1], current,
+                                     **query)
+        self.pred_idx[layer][..., : proposed.capacity].copy_(proposed.indices)
+        self.pred_cnt[layer].copy_(proposed.count)
+
     def speculate_beside_selection(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor):
-        """PRR's overlapped part: attention over P (set by the previous step, or from outside) on
-        the side stream while A is selected on the main one, joined after.
+        """PRR's overlapped part: attention over P on the side stream while A is selected on the
+        main one, joined after. P was written by the previous step (history-only predictors, or
+        from outside with predictor None), or is proposed first on the side stream (predictors
+        that need this step's query or the layer below's selection).
         q: [B, Hq, D] post-RoPE; lengths, num_blocks: [B] int32 (step_positions).
         -> ((spec_out, spec_lse): exact mode [B, Hq, |P|, D], [B, Hq, |P|] per-block states,
-            superset [B, Hq, D], [B, Hq]; (idx [B, Hkv, K], cnt [B, Hkv]): A)."""
+            superset [B, Hq, D], [B, Hq]; the Selection A)."""
         self._fork()
         with self._side():
+            if self.predictor is not None and not self.predictor.history_only:
+                self._propose(layer, q, num_blocks)
             spec = self._attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
                                 per_block=self.plan.repair_mode == "exact")
-        selection = self.select(layer, q, num_blocks)
+        selection = self.select(layer, q, lengths)
         self._join()  # the speculation is done (the side stream's queue up to here)
         return spec, selection
 
-    def _repair(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, spec_out: Tensor,
-                spec_lse: Tensor) -> tuple[Tensor, Tensor]:
-        """A = (idx [B, Hkv, K], cnt [B, Hkv]), P's speculative states spec_out [B, Hq, |P|, D] and
-        spec_lse [B, Hq, |P|] (exact mode; superset: [B, Hq, D], [B, Hq]) -> (out [B, Hq, D] in the
-        model dtype, keep [B, Hkv, |P| or 1] bool: which states survived)."""
+    def _repair(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, spec_out: Tensor,
+                spec_lse: Tensor, fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """A = selection, P's speculative states spec_out [B, Hq, |P|, D] and spec_lse [B, Hq, |P|]
+        (exact mode; superset: [B, Hq, D], [B, Hq]) -> (out [B, Hq, D] in the model dtype, or fp32
+        with fp32=True; lse [B, Hq]; keep [B, Hkv, |P| or 1] bool: which states survived)."""
         p = self.plan
+        idx, cnt = selection.blocks.indices, selection.blocks.count
         pred_idx, pred_cnt = self.pred_idx[layer], self.pred_cnt[layer]
+        out_dtype = torch.float32 if fp32 else self.dtype
         if self._fused_repair(idx, pred_idx):  # plan, repair and merge in one launch
-            out, _, keep = self._k["prr_repair"].repair_and_merge(
+            return self._k["prr_repair"].repair_and_merge(
                 q, self.keys[layer], self.values[layer], idx, cnt, pred_idx, pred_cnt, lengths, spec_out, spec_lse,
-                p.block_size, self.scale, out_dtype=self.dtype, arrivals=self.merge_arrivals,
+                p.block_size, self.scale, out_dtype=out_dtype, arrivals=self.merge_arrivals,
                 tokens_per_split=p.repair_tokens_per_split)
-            return out, keep
         kp = self._k["prr_merge"]
         miss_idx, miss_cnt, keep = kp.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)
         # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
@@ -445,8 +578,8 @@ class GraphDecoder:
         if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
             spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
             keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
-        out, _ = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=self.dtype)
-        return out, keep
+        out, lse = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=out_dtype)
+        return out, lse, keep
 
     def _fused_repair(self, idx: Tensor, pred_idx: Tensor) -> bool:
         """Whether PRR's tail over A = idx [B, Hkv, K] and P = pred_idx [B, Hkv, |P|] is one
@@ -466,35 +599,26 @@ class GraphDecoder:
                 t.record_stream(self.side)
                 t.record_stream(main)
 
-    def _note(self, layer: int, idx: Tensor, cnt: Tensor, keep: Tensor | None) -> None:
+    def _note(self, layer: int, selection: Selection) -> None:
+        """Keep A for callers (benchmarks) and, with count_hits, add this step's |A|, |P|,
+        |P ∩ A| and |A_t ∩ A_{t-1}| to the layer's device counters (masks: any repair mode)."""
+        idx, cnt = selection.blocks.indices, selection.blocks.count
         self.last_selection[layer] = (idx, cnt)
-        if self.count_hits:
-            self.selected[layer] += cnt.sum()
-            if keep is not None:
-                self.hits[layer] += keep.sum()
-
-    def _predict_next(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
-        # The next step's context holds pos + 2 tokens (this step's included): rank over its blocks.
-        bs = self.plan.block_size
-        self.learn(layer, idx, cnt, (self.pos + 1 + bs).div(bs, rounding_mode="floor"))
-
-    def learn(self, layer: int, idx: Tensor, cnt: Tensor, next_blocks: Tensor) -> None:
-        """The predictor sees A = (idx [B, Hkv, K] block ids, cnt [B, Hkv] valid entries) and
-        writes P for a step whose context has next_blocks [B] int32 blocks. Called by the
-        step (side stream), and from outside to warm the state on a prefill's selections."""
-        p = self.plan
-        if p.predictor == "last_step":
-            self.pred_idx[layer].copy_(idx)
-            self.pred_cnt[layer].copy_(cnt)
+        if not self.count_hits:
             return
-        state = self.ema[layer]  # [B, Hkv, NB + 1]
-        valid = torch.arange(idx.shape[-1], device=self.device) < cnt.unsqueeze(-1)
-        state.mul_(p.ema_alpha).scatter_add_(
-            -1, torch.where(valid, idx, self.max_blocks).long(),
-            torch.full(idx.shape, 1.0 - p.ema_alpha, device=self.device))
-        pidx, pcnt = self._k["topk"].topk_select(state[..., : self.max_blocks], p.predicted_blocks, next_blocks, 0, 0)
-        self.pred_idx[layer].copy_(pidx)
-        self.pred_cnt[layer].copy_(pcnt)
+        chosen = selection.blocks.mask(self.max_blocks)  # [B, Hkv, NB]
+        self.selected[layer] += cnt.sum()
+        self.overlap[layer] += (chosen & self.previous[layer]).sum()
+        self.previous[layer].copy_(chosen)
+        if self.pred_idx[layer] is not None and self.plan.variant == "prr":
+            predicted = BlockSet(self.pred_idx[layer], self.pred_cnt[layer]).mask(self.max_blocks)
+            self.predicted[layer] += self.pred_cnt[layer].sum()
+            self.hits[layer] += (chosen & predicted).sum()
+
+    def counters(self) -> dict[str, list[float]]:
+        """The device counters per layer (one host read: call once per window)."""
+        stacked = torch.stack([self.selected, self.predicted, self.hits, self.overlap]).cpu()
+        return dict(zip(("selected", "predicted", "hits", "overlap"), stacked.tolist(), strict=True))
 
     # --- the whole step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -598,9 +722,22 @@ class GraphDecoder:
         return graph
 
     def set_predictions(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
-        """For predictor=fixed: P of `layer` ([B, Hkv, |P|] int32 ascending, [B, Hkv] int32)."""
+        """For predictor=fixed: P of `layer` ([B, Hkv, |P|] int32, [B, Hkv] int32)."""
         self.pred_idx[layer].copy_(idx)
         self.pred_cnt[layer].copy_(cnt)
+
+
+def state_tensors(state: object) -> list[Tensor]:
+    """Every tensor of a predictor state (a tensor, a dataclass, a dict, or lists of them)."""
+    if isinstance(state, Tensor):
+        return [state]
+    if dataclasses.is_dataclass(state):
+        state = [getattr(state, f.name) for f in dataclasses.fields(state)]
+    elif isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, list | tuple):
+        return [t for item in state for t in state_tensors(item)]
+    return []
 
 
 def dense_reference_logits(model: Decoder, keys: list[Tensor], values: list[Tensor], token: Tensor, pos: int) -> Tensor:

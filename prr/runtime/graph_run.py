@@ -59,42 +59,30 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     """Why this config cannot run on runtime.engine=graph (empty: it can)."""
     from prr.kernels.sparse_decode import MIN_BLOCK_SIZE, SUPPORTED_HEAD_DIMS
 
-    from prr.selectors.quest import QuestSelector
-
     runtime, selector, predictor, budget, task = (built[g] for g in ("runtime", "selector", "predictor", "budget",
                                                                      "task"))
     out = []
     head = "runtime.engine=graph"
-    if not isinstance(selector, QuestSelector) or selector.gqa_reduce != "max":
-        out.append(f"{head} runs selector=quest with gqa_reduce=max (got {type(selector).__name__}"
-                   f"{', gqa_reduce=' + selector.gqa_reduce if isinstance(selector, QuestSelector) else ''}); "
-                   "use runtime.engine=eager for the others")
     name = type(predictor).__name__
-    if name not in PREDICTORS:
-        out.append(f"{head} runs predictor=none, last_step or ema_membership (got {name}: its state and update "
-                   "live in the eager runtime only); use runtime.engine=eager")
     if type(budget).__name__ not in BUDGETS:
         out.append(f"{head} takes budget=fixed, profiled or adaptive (got {type(budget).__name__})")
-    elif name == "LastStepPredictor" and type(budget).__name__ == "FixedBudget" and (
-            budget.blocks not in (None, getattr(selector, "topk_blocks", None)) or budget.blocks is None and budget.ratio != 1):
-        out.append(f"{head} with predictor=last_step speculates over last step's A, |P| = |A|: set budget.ratio=1 "
-                   f"(got ratio={budget.ratio}, blocks={budget.blocks})")
-    elif name == "EmaMembershipPredictor" and type(budget).__name__ in STATIC_P and predicted_blocks(
-            budget, getattr(selector, "topk_blocks", 1)) < 1:
-        out.append(f"{head} with predictor=ema_membership needs |P| >= 1 (got budget.ratio={budget.ratio}, "
-                   f"blocks={budget.blocks}); use predictor=none for serial DSA")
+    elif type(budget).__name__ in STATIC_P and name not in ("NoPredictor", "OraclePredictor") and predicted_blocks(
+            budget, selector.topk_blocks) < 1:
+        out.append(f"{head} with predictor={name} needs |P| >= 1 (got budget.ratio={budget.ratio}, "
+                   f"blocks={getattr(budget, 'blocks', None)}); use predictor=none for serial DSA")
+    if type(selector).__name__ == "DenseSelector" and type(budget).__name__ in STATIC_P and \
+            name not in ("NoPredictor", "OraclePredictor") and (getattr(budget, "blocks", None) is not None or budget.ratio != 1):
+        out.append(f"{head} with selector=dense speculates over a static |P| = every block of the cache: set "
+                   f"budget.ratio=1 (got ratio={budget.ratio}, blocks={getattr(budget, 'blocks', None)}); a |P| that "
+                   "grows with the context is eager-only")
     if name == "NoPredictor" and type(budget).__name__ == "AdaptiveBudget":
-        out.append(f"{head} with budget=adaptive chooses between serial DSA and PRR: it needs a predictor "
-                   "(last_step or ema_membership); predictor=none is serial DSA already")
-    if name == "LastStepPredictor" and type(budget).__name__ == "AdaptiveBudget" and budget.ratio != 1:
-        out.append(f"{head} with predictor=last_step speculates over last step's A, |P| = |A|: set budget.ratio=1 "
-                   f"(got ratio={budget.ratio})")
-    if name in PREDICTORS and name != "NoPredictor" and type(budget).__name__ == "ProfiledBudget" and \
-            runtime.device == "cpu":
+        out.append(f"{head} with budget=adaptive chooses between serial DSA and PRR: it needs a predictor; "
+                   "predictor=none is serial DSA already")
+    if name != "NoPredictor" and type(budget).__name__ == "ProfiledBudget" and runtime.device == "cpu":
         out.append(f"{head} with budget=profiled times CUDA graphs: use runtime=cuda (or budget=fixed)")
     prompt_blocks = getattr(task, "prompt_tokens", 0) // max(runtime.block_size, 1)
-    if name == "EmaMembershipPredictor" and type(budget).__name__ in STATIC_P and prompt_blocks and \
-            predicted_blocks(budget, getattr(selector, "topk_blocks", 1)) > prompt_blocks:
+    if name not in ("NoPredictor", "OraclePredictor") and type(budget).__name__ in STATIC_P and prompt_blocks and \
+            predicted_blocks(budget, selector.topk_blocks) > prompt_blocks:
         out.append(f"{head}: |P| = {predicted_blocks(budget, selector.topk_blocks)} blocks exceeds the prompt's "
                    f"{prompt_blocks} blocks; lower budget.ratio / budget.blocks")
     if runtime.mode != "sparse":
@@ -120,38 +108,24 @@ def predicted_blocks(budget: Any, topk_blocks: int) -> int:
     return blocks if blocks is not None else round(budget.ratio * topk_blocks)
 
 
-def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any) -> StaticPlan:
-    variant, engine_predictor = PREDICTORS[type(predictor).__name__]
-    k = selector.topk_blocks
-    size = 0 if variant == "serial" else k if engine_predictor == "last_step" or type(budget).__name__ == "ProfiledBudget" \
-        else predicted_blocks(budget, k)
-    return StaticPlan(variant=variant, selector="quest", topk_blocks=k, predicted_blocks=size,
-                      predictor=engine_predictor, ema_alpha=getattr(predictor, "alpha", 0.8),
-                      repair_mode=settings.repair_mode, block_size=settings.block_size, sink_blocks=selector.sink_blocks,
-                      recent_blocks=selector.local_blocks + int(selector.force_newest),
-                      dense_layers=tuple(sorted(selector.dense_layers)))
-
-
-def warm_predictor(engine: Any, history: list, prompt_len: int) -> None:
-    """Replay the prefill tail's selections (DSABackend.history: per layer, Selections of
-    the last prompt positions, oldest first) into the engine's predictor, as the eager
-    runtime's finish_prefill does; P then serves the first decode step (prompt_len + 1 tokens)."""
-    bs = engine.plan.block_size
-    first_step_blocks = torch.full((engine.batch,), (prompt_len + bs) // bs, dtype=torch.int32, device=engine.device)
-    width = engine.plan.topk_blocks
-    for layer, selections in enumerate(history):
-        if not selections or not engine.sparse[layer]:
-            continue
-        for selection in selections:
-            blocks = selection.blocks
-            valid = blocks.valid()
-            # Ascending ids, padding last (as the engine's selections are), at the engine's width.
-            idx = torch.where(valid, blocks.indices, torch.iinfo(torch.int32).max).sort(-1).values[..., :width]
-            cnt = blocks.count.clamp(max=width).to(torch.int32)
-            idx = torch.where(torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1), idx, 0)
-            if idx.shape[-1] < width:
-                idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]))
-            engine.learn(layer, idx.to(torch.int32).to(engine.device), cnt.to(engine.device), first_step_blocks)
+def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_blocks: int) -> StaticPlan:
+    """The engine's plan for this run's objects: serial DSA for predictor=none, else PRR with a
+    static |P| (the oracle: |A|'s capacity, it ignores the budget; budget=profiled: |A|)."""
+    serial = type(predictor).__name__ == "NoPredictor"
+    k = min(selector.topk_blocks, max_blocks)
+    if serial:
+        size = 0
+    elif type(selector).__name__ == "DenseSelector":
+        size = max_blocks
+    elif predictor.needs_current_selection:
+        size = k  # (the engine sizes the oracle's P as A's capacity)
+    elif type(budget).__name__ == "ProfiledBudget":
+        size = k
+    else:
+        size = min(predicted_blocks(budget, k), max_blocks)
+    return StaticPlan(variant="serial" if serial else "prr", topk_blocks=k, predicted_blocks=size,
+                      predictor="fixed", repair_mode=settings.repair_mode, block_size=settings.block_size,
+                      sink_blocks=0, recent_blocks=0, dense_layers=tuple(sorted(selector.dense_layers)))
 
 
 def steps_until_eos(inputs: torch.Tensor, eos_ids: torch.Tensor) -> int | None:
@@ -179,11 +153,11 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + task.max_new_tokens + 1
 
-    plan = graph_plan(settings, selector, predictor, budget)
+    max_blocks = -(-capacity // settings.block_size)
+    plan = graph_plan(settings, selector, predictor, budget, max_blocks)
     budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
     if plan.variant == "prr" and type(budget).__name__ == "ProfiledBudget":  # before the prefill: less memory at once
-        profiler = GraphDecoder(model.decoder, dataclasses.replace(plan, predictor="fixed"), settings.batch_size,
-                                capacity)
+        profiler = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, selector=selector)
         profile = profile_speculation(profiler, [prompt_len], use_cache=budget.use_cache)
         del profiler
         if device.type == "cuda":
@@ -191,8 +165,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         plan = dataclasses.replace(plan, variant=profile.choice(prompt_len))
         budget_info.update(choice=plan.variant, profile=profile.rows)
         if plan.variant == "serial":
-            plan = dataclasses.replace(plan, predicted_blocks=0, predictor="fixed")
-    # Prefill through the research runtime (dense over the prompt), into a paged cache.
+            plan = dataclasses.replace(plan, predicted_blocks=0)
+    # Prefill through the research runtime (dense over the prompt), into a paged cache: its K/V,
+    # the selector's metadata and the warmed predictor state are what the engine decodes from.
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
                          capacity, dtype, device)
     ops = instantiate(cfg.backend)
@@ -203,16 +178,22 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     with torch.inference_mode():
         t0 = time.perf_counter()
         logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]
+        calibration = backend.finish_prefill()  # calibrates and warms the predictor on the prefill tail
         prefill_s = time.perf_counter() - t0
+    if calibration:
+        budget_info["calibration"] = calibration
 
-    history = backend.history
+    speculating = plan.variant == "prr"
     engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda",
-                          projections=settings.graph_projections())
+                          projections=settings.graph_projections(), selector=selector,
+                          predictor=predictor if speculating else None, cache=cache)
     first = logits.argmax(-1)  # [B] greedy
-    engine.fill_from_cache(cache.keys, cache.values, prompt_len, first)
-    if plan.variant == "prr":
-        warm_predictor(engine, history, prompt_len)
-    del cache, backend  # (history holds only the prefill tail's selections)
+    engine.begin(prompt_len, first)
+    if speculating:
+        engine.adopt_predictor_state(backend.predictor_state)
+        engine.prime_predictions(prompt_len)
+    engine.set_previous_selections(backend.previous)  # A of the last prompt-tail step: last-step overlap
+    del backend
     log.info("prompt: %s (%d tokens); engine=graph, %s", prompt.description, prompt_len, plan)
 
     adaptive = type(budget).__name__ == "AdaptiveBudget"
@@ -224,8 +205,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of steps, by measured "
                  "time and PRR's hit rate (min_hit=%s); unused here (eager-only per-layer rules): %s",
                  plan.predicted_blocks, budget.min_hit, ", ".join(EAGER_ONLY_ADAPTIVE))
-    # Hit counters (two small reductions per sparse layer) are part of the step: set before capture.
-    engine.count_hits = plan.variant == "prr"
+    # Device counters (|A|, |P|, hits, last-step overlap: a few small reductions per sparse layer)
+    # are part of the step, read once per window.
+    engine.count_hits = True
     steps = task.max_new_tokens
     outputs = torch.zeros(settings.batch_size, steps + 2, dtype=torch.long, device=device)  # each step's token
 
@@ -239,18 +221,15 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     def stepper(variant: str):
         def run() -> None:  # plan and counters are read while the step is built (eager) or captured
             engine.plan = plans[variant]
-            engine.count_hits = variant == "prr"  # serial steps do not pay for PRR's counters
             step()
         return run
 
     replays = {variant: stepper(variant) for variant in plans}
-    if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: start each
-        for variant, fn in list(replays.items()):  # capture, and the decode, from the prompt's end
-            engine.start_at(prompt_len, first)
+    if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: rewind it
+        start = engine.checkpoint()  # after each capture, and before the decode, to the prompt's end
+        for variant, fn in list(replays.items()):
             replays[variant] = engine.capture(fn).replay
-        engine.start_at(prompt_len, first)
-        if plan.variant == "prr":
-            warm_predictor(engine, history, prompt_len)
+            engine.restore(start)
     eos = mc.eos_token_id
     eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     # Steps run back to back; the host looks at tokens (EOS) every CHECK_EVERY steps, and on a
@@ -260,8 +239,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     ran: list[str] = []  # the variant of each step
     sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
     # Hit counters summed over PRR steps only (an adaptive run's serial steps count |A|, no hits).
-    prr_hits = torch.zeros(mc.num_layers, dtype=torch.float64)
-    prr_selected = torch.zeros(mc.num_layers, dtype=torch.float64)
+    totals = {v: torch.zeros(4, mc.num_layers, dtype=torch.float64) for v in ("serial", "prr")}
+    names = ("selected", "predicted", "hits", "overlap")
     done = 0
     with torch.inference_mode(), tqdm(total=steps, desc="decode (graph)", unit="tok") as bar:
         while done < steps:
@@ -269,8 +248,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
             variant = chooser.next_variant() if chooser is not None else plan.variant
             replay = replays[variant]
             # copies: on the CPU .cpu() would alias the counters the steps add to in place
-            before = (engine.hits.to("cpu", copy=True), engine.selected.to("cpu", copy=True)) \
-                if variant == "prr" else None
+            before = torch.tensor([engine.counters()[n] for n in names], dtype=torch.float64)
             first_latency = len(latencies)
             if device.type == "cuda":
                 events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -289,14 +267,12 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
             done += chunk
             ran += [variant] * chunk
             bar.update(chunk)
-            if before is not None:
-                prr_hits += engine.hits.cpu() - before[0]
-                prr_selected += engine.selected.cpu() - before[1]
+            window = torch.tensor([engine.counters()[n] for n in names], dtype=torch.float64) - before
+            totals[variant] += window
             if chooser is not None:
                 window_hit = None
                 if variant == "prr":
-                    d_hits = (engine.hits.cpu() - before[0])[sparse].sum()
-                    d_sel = (engine.selected.cpu() - before[1])[sparse].sum()
+                    d_hits, d_sel = window[2, sparse].sum(), window[0, sparse].sum()
                     window_hit = float(d_hits / d_sel) if d_sel > 0 else None
                 chooser.observe(variant, statistics.median(latencies[first_latency:]), window_hit)
             inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, done]
@@ -312,10 +288,12 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     tokens_out.close()
 
     token_ids = inputs
-    selected, hits = prr_selected, prr_hits
+    selected, predicted, hits, _ = totals["prr"]  # hit rate and precision: over PRR steps
+    both = totals["prr"] + totals["serial"]  # last-step overlap: over every step
     layers = pd.DataFrame({"layer": sparse,
-                           "hit_rate": [float(hits[i] / selected[i]) if selected[i] > 0
-                                        else None for i in sparse]})
+                           "hit_rate": [float(hits[i] / selected[i]) if selected[i] > 0 else None for i in sparse],
+                           "last_step_overlap": [float(both[3, i] / both[0, i]) if both[0, i] > 0 else None
+                                                 for i in sparse]})
     command = "python " + " ".join(sys.argv)  # provenance travels with copies of either file
     layers.assign(command=command).to_csv(run_dir / "layers.csv", index=False)
     text = model.tokenizer.decode(token_ids[0].tolist()) if model.tokenizer is not None else None
@@ -353,6 +331,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "token_latency_p90_ms": 1e3 * float(pd.Series(latencies).quantile(0.9)),
         "tokens_per_s": settings.batch_size * 1e3 / median_ms,
         "hit_rate": float(hits[sparse].sum()) / total_selected if total_selected else None,
+        "precision": float(hits[sparse].sum() / predicted[sparse].sum()) if predicted[sparse].sum() > 0 else None,
+        "last_step_overlap": float(both[3, sparse].sum() / both[0, sparse].sum()) if both[0, sparse].sum() > 0 else None,
         "generated_token_ids": token_ids.tolist(),
     }
     write_json_atomic(run_dir / "summary.json", summary)

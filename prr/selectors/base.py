@@ -86,6 +86,11 @@ class Selector(ABC):
         first `length` tokens (host int or [B] tensor; default: the cache's length)."""
         raise NotImplementedError(f"{type(self).__name__} has no compensation (compensates=False)")
 
+    # Selectors whose whole per-block metadata is Quest's key max / min (`metadata(cache, layer)`)
+    # let the engine's append kernels update it (prr.kernels.cache_append, qkv_append); the
+    # others get `append_metadata` after the append.
+    metadata_in_append_kernel = False
+
     # --- backends ---------------------------------------------------------------------------
     # Selectors with Triton kernels override `triton_problems` and `select_triton`; the others
     # score with torch ops under every runtime.backend (the run summary says which ran).

@@ -65,8 +65,8 @@ import torch
 from torch import Tensor
 
 from prr.attention_state import AttentionState
-from prr.cache import PagedKVCache
 from prr.blocks import inside_context
+from prr.cache import PagedKVCache
 from prr.selectors.base import Selection, token_counts
 from prr.selectors.quest import QuestSelector
 
@@ -76,6 +76,7 @@ MIN_RELATIVE_MASS = 1e-6  # compensations carrying less of the estimated total m
 
 
 class LessSelector(QuestSelector):
+    metadata_in_append_kernel = False  # its feature summaries are updated by append_metadata
     def __init__(
         self,
         topk_blocks: int,

@@ -191,7 +191,10 @@ def speedup_from_runs(runs: pd.DataFrame) -> pd.DataFrame:
                          "hit_rate": runs.get("hit_rate", pd.Series(np.nan, index=runs.index))})
 
 
-BENCH_METHODS = {"serial": "none", "prr_ema": "ema", "prr_last_step": "last_step", "prr_profiled_0.90": "profiled"}
+# bench_decode's token rows -> predictor names. Files before the one-engine change call the
+# engine's EMA of selection membership "prr_ema": it is the `ema_membership` predictor.
+BENCH_METHODS = {"serial": "none", "prr_ema": "ema_membership", "prr_ema_membership": "ema_membership",
+                 "prr_last_step": "last_step", "prr_profiled_0.90": "profiled"}
 
 
 def first_setting(frame: pd.DataFrame) -> pd.DataFrame:

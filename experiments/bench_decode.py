@@ -21,10 +21,11 @@ bandwidth measured in the same run.
 
 Part `token` (per-token decode latency, whole model): batch 1 at 32K/64K/128K and batch 8
 where the cache fits, with CUDA graphs on and off: dense, serial DSA, PRR at controlled
-hit rates (one step replayed at a fixed position, P fixed), and PRR with the EMA and
-last-step predictors decoding for real (the hit rate they had is counted in a separate,
-identical pass). Floor: bytes read per token (the weights, less the rows of an untied embedding
-table a step does not read, + KV + metadata) / bandwidth.
+hit rates (one step replayed at a fixed position, P fixed), and PRR with the engine's
+ema_membership (EMA of selection membership) and last_step predictors decoding for real (the
+hit rate, precision and last-step overlap they had are counted in a separate, identical pass).
+Floor: bytes read per token (the weights, less the rows of an untied embedding table a step
+does not read, + KV + metadata) / bandwidth.
 
 Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_{stage,token}.csv;
 prints short tables last.
@@ -138,8 +139,7 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     torch.cuda.synchronize()
     selections = [eng.last_selection[i] for i in range(layers)]
     num_blocks = context // block + 1
-    lengths = eng.pos + 1
-    nb_t = (eng.pos + block).div(block, rounding_mode="floor")
+    lengths = eng.pos + 1  # [B] tokens at this step (the engine's step_positions()[0])
     kq, kp = eng._k["quest"], eng._k["prr_merge"]
 
     def per_layer(fn) -> float:
@@ -153,11 +153,13 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     out["serial"] = per_layer(run("serial"))
     out["serial_fused_merge"] = per_layer(run("serial", fuse_merge=True))  # splits merged in the split kernel
 
-    def select_only():
+    def select_only():  # the token's metadata update, then A: the selection part of the engine's layer
         for i in range(layers):
-            if selector == "quest":
-                kq.quest_update(eng.key_max[i], eng.key_min[i], ks[i], eng.pos, block)
-            eng.select(i, qs[i], nb_t)
+            if eng.kernel_metadata:  # Quest: the running key max / min the append kernel keeps
+                kq.quest_update(*eng.selector.metadata(eng.cache, i), ks[i], eng.pos, block)
+            else:  # InfLLM: the selector's own update of the token's block (GraphDecoder.attention's)
+                eng.selector.append_metadata(eng.cache, i, eng.pos)
+            eng.select(i, qs[i], lengths)
     out["stage_select"] = per_layer(select_only)
     a_idx = [s[0] for s in selections]
     a_cnt = [s[1] for s in selections]
@@ -197,6 +199,8 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
             positions = eng.step_positions()
             for i in range(layers):
                 q = eng.append(i, qs[i], ks[i], vs[i])
+                if not eng.kernel_metadata:  # InfLLM's metadata update, as GraphDecoder.attention does
+                    eng.selector.append_metadata(eng.cache, i, eng.pos)
                 eng.speculate_beside_selection(i, q, *positions)
         t["stage_overlap"] = per_layer(overlap_stage)
         measured_hit = float(sum(p[2].sum() for p in plans) / sum(c.sum() for c in a_cnt))
@@ -271,7 +275,8 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
               "sparse": (weight_bytes + 2 * kv_dense + (nl - 2) * (meta + kv_sel)) / bandwidth * 1e6}
     rows = []
 
-    def record(name: str, eng: GraphDecoder, advance: bool, hit: float | None, graphs: bool = True) -> None:
+    def record(name: str, eng: GraphDecoder, advance: bool, hit: float | None, graphs: bool = True,
+               **extra) -> None:
         start = eng.pos.clone()
         fn = lambda: eng.step(advance=advance)  # noqa: E731
         us = time_graph_us(fn, repeats=steps) if graphs else time_eager_us(fn, repeats=max(8, steps // 4))
@@ -283,7 +288,7 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
                          pdl=os.environ.get("PRR_PDL", "0") == "1",
                          hit_rate=hit,
                          token_us=us, floor_us=floor,
-                         over_floor=us / floor))
+                         over_floor=us / floor, **extra))
 
     def record_fused(name: str, eng: GraphDecoder, hit: float | None) -> None:
         """`name` again with the fused Triton projections (GraphDecoder(projections="fused")),
@@ -340,18 +345,27 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
             rows[-1]["profile"] = json.dumps(profile.rows[0])
             eng.plan = base
     del eng
-    # Real predictors decode for real: count the hit rate in one pass, time an identical one.
-    for predictor in ("ema", "last_step"):
+    # Real predictors (the engine's prr.predictors objects) decode for real: count the hit rate in
+    # one pass, time an identical one from the same state (checkpoint / restore rewinds the
+    # position, metadata, P and the predictor state; fill_random_context would keep the state).
+    for predictor in ("ema_membership", "last_step"):
         plan = dataclasses.replace(base, predictor=predictor)
         eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity, compile=compile)
         eng.fill_random_context(context, seed=1)
+        start = eng.checkpoint()
         eng.count_hits = True
-        for _ in range(steps):
+        first = {}
+        for step in range(steps):
             eng.step(advance=True)
-        hits = float(eng.hits.sum() / eng.selected.sum().clamp(min=1))
+            if step == 0:  # the first step has no A_{t-1}: left out of the last-step overlap
+                first = {k: sum(v) for k, v in eng.counters().items()}
+        n = {k: sum(v) for k, v in eng.counters().items()}  # |A|, |P|, |P ∩ A|, |A_t ∩ A_t-1| over layers
         eng.count_hits = False
-        eng.fill_random_context(context, seed=1)
-        record(f"prr_{predictor}", eng, advance=True, hit=hits)
+        eng.restore(start)
+        later = n["selected"] - first["selected"]
+        record(f"prr_{predictor}", eng, advance=True, hit=n["hits"] / max(n["selected"], 1),
+               precision=n["hits"] / max(n["predicted"], 1),
+               last_step_overlap=(n["overlap"] - first["overlap"]) / later if later > 0 else None)
         del eng
     torch.cuda.empty_cache()
     return rows

@@ -59,7 +59,8 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
         hgen = torch.Generator().manual_seed(int(hit * 1000))
         for i in range(LAYERS):
             eng.set_predictions(i, *controlled_predictions(selections[i], hit, context // block + 1, hgen))
-        three = graph_us(stage(), stream) / LAYERS
+        # the three-launch tail (repair plan, repair over A \ P, merge), whatever the engine's default
+        three = graph_us(stage(fused_repair=False), stream) / LAYERS
         for splits in SPLITS:
             if splits is not None and splits >= serial_splits:
                 continue  # the serial plan is timed as None

@@ -60,9 +60,9 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
     for i in range(LAYERS):  # P = A: 100% hit
         eng.set_predictions(i, *eng.last_selection[i])
 
-    def select_only():
+    def select_only():  # A of the engine's selector over `lengths` tokens per row
         for i in range(LAYERS):
-            eng.select(i, qs[i], nb_t)
+            eng.select(i, qs[i], lengths)
 
     def spec_only(tokens):
         def fn():

@@ -73,9 +73,9 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
     outs_serial = [o.clone() for o in stage("serial")()]
     selections = [eng.last_selection[i] for i in range(LAYERS)]
 
-    def select_only():
+    def select_only():  # A of the engine's selector over `lengths` tokens per row
         for i in range(LAYERS):
-            eng.select(i, qs[i], nb_t)
+            eng.select(i, qs[i], lengths)
 
     def spec_only():
         for i in range(LAYERS):

@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from prr.attention_state import AttentionState, merge, merge_many
-
 from .pdl import launch_kwargs, pdl_prologue
+from .reference_merge import lse_merge, lse_merge_many
 from .sparse_decode import _check_device, _next_power_of_two
 
 # --- repair plan ---------------------------------------------------------------------------
@@ -242,12 +241,12 @@ def merge_speculation(
 def merge_speculation_reference(
     part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """prr.attention_state's merge_many (and merge_many of the repair's splits), then merge, in float64."""
+    """The kept speculative partials merged (lse_merge_many), the repair's splits merged, then
+    the two merged (lse_merge), in float64."""
     batch, num_heads, num_partials, _ = part_out.shape
     group = num_heads // keep.shape[1]
     keep_q = keep.repeat_interleave(group, dim=1)  # [B, Hq, C]
-    spec = merge_many(part_out.double(), part_lse.double(), keep_q)
-    repair = merge_many(rep_out.double(), rep_lse.double()) if rep_out.dim() == 4 \
-        else AttentionState(rep_out.double(), rep_lse.double())
-    merged = merge(spec, repair)
-    return merged.out, merged.lse
+    spec = lse_merge_many(part_out.double(), part_lse.double(), keep_q)
+    repair = lse_merge_many(rep_out.double(), rep_lse.double()) if rep_out.dim() == 4 \
+        else (rep_out.double(), rep_lse.double())
+    return lse_merge(*spec, *repair)

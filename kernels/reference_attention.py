@@ -1,7 +1,7 @@
 """Torch references and seeded input generators for kernels/sparse_decode.py.
 
 References compute in float64 (or a chosen dtype) with the repo's conventions
-(prr.attention_state): lse = natural log of Σ exp(scale · q·k), empty key set ->
+(kernels/reference_merge.py, which prr.attention_state wraps): lse = natural log of Σ exp(scale · q·k), empty key set ->
 lse = -inf, out = 0. They take the kernels' exact argument layout, including ragged
 per-row lengths, so tests and benchmarks compare like with like.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from prr.attention_state import merge_many
+from .reference_merge import lse_merge_many
 
 
 @dataclass
@@ -140,16 +140,15 @@ def sparse_decode_reference(
     lse = lse.permute(0, 1, 3, 2)  # [B, Hkv, G, C]
     if per_block:
         return out.reshape(batch, num_q_heads, capacity, head_dim), lse.reshape(batch, num_q_heads, capacity)
-    merged = merge_many(out, lse)
-    return merged.out.reshape(batch, num_q_heads, head_dim), merged.lse.reshape(batch, num_q_heads)
+    merged_out, merged_lse = lse_merge_many(out, lse)
+    return merged_out.reshape(batch, num_q_heads, head_dim), merged_lse.reshape(batch, num_q_heads)
 
 
 def merge_partials_reference(
     out: Tensor, lse: Tensor, keep: Tensor | None = None, compute_dtype: torch.dtype = torch.float64
 ) -> tuple[Tensor, Tensor]:
     """Reference for kernels.sparse_decode.merge_partials: out [..., N, D], lse [..., N] -> ([..., D], [...])."""
-    merged = merge_many(out.to(compute_dtype), lse.to(compute_dtype), keep)
-    return merged.out, merged.lse
+    return lse_merge_many(out.to(compute_dtype), lse.to(compute_dtype), keep)
 
 
 def random_partials(

@@ -3,7 +3,7 @@
 
 The references follow prr's own code: Quest's formula as in `QuestSelector.head_scores`
 (computed in fp64 here) with the GQA reduction of `Selector.select`, the metadata rebuild of
-`QuestSelector.update_metadata`, and `prr.blocks.top_blocks` for the selected set.
+`QuestSelector.update_metadata`, and `top_k_blocks` (below; prr.blocks.top_blocks wraps it) for the selected set.
 """
 
 from __future__ import annotations
@@ -11,9 +11,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from prr.blocks import top_blocks
-
 # --- references ------------------------------------------------------------------------
+
+
+def top_k_blocks(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best-scoring blocks per row; blocks scored -inf are never taken.
+
+    scores: [B, Hkv, N] float -> (indices [B, Hkv, min(k, N)] int64 best first, padding 0;
+    count [B, Hkv] int64). Ties are broken towards the lower block index (scores are
+    compared, then indices), so a selection is a deterministic function of its scores.
+    Static shapes (prr.blocks.top_blocks wraps it; the top-k kernel's reference)."""
+    k = min(k, scores.shape[-1])
+    # Stable descending sort gives the documented tie-break; topk does not promise one.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    taken = torch.gather(scores, -1, order) > float("-inf")
+    # Valid entries come first because -inf sorts last.
+    return torch.where(taken, order, torch.zeros_like(order)), taken.sum(-1)
+
 
 
 def quest_score_reference(
@@ -66,17 +80,17 @@ def topk_select_reference(
     scores: Tensor, k: int, num_blocks: Tensor, sink_blocks: int = 0, recent_blocks: int = 1
 ) -> tuple[Tensor, Tensor]:
     """-> (indices [B, Hkv, min(k, N)] int32 ascending then padding 0, counts [B, Hkv] int32):
-    the set of prr.blocks.top_blocks over `forced_scores`, sorted like the kernel writes it."""
+    the set of `top_k_blocks` over `forced_scores`, sorted like the kernel writes it."""
     n = scores.shape[-1]
     k_out = min(k, n)
-    chosen = top_blocks(forced_scores(scores, num_blocks, sink_blocks, recent_blocks), k)
     if k_out == 0:
         b, h = scores.shape[:2]
         return torch.zeros(b, h, 0, dtype=torch.int32), torch.zeros(b, h, dtype=torch.int32)
-    big = torch.full_like(chosen.indices, n)
-    ordered = torch.where(chosen.valid(), chosen.indices, big).sort(-1).values
+    indices, count = top_k_blocks(forced_scores(scores, num_blocks, sink_blocks, recent_blocks), k)
+    valid = torch.arange(k_out, device=scores.device) < count.unsqueeze(-1)
+    ordered = torch.where(valid, indices, n).sort(-1).values
     ordered = torch.where(ordered == n, torch.zeros_like(ordered), ordered)
-    return ordered.to(torch.int32), chosen.count.to(torch.int32)
+    return ordered.to(torch.int32), count.to(torch.int32)
 
 
 # --- seeded input generators -------------------------------------------------------------

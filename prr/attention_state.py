@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
+
+from prr.kernels.reference_merge import lse_merge, lse_merge_many
 
 
 @dataclass(frozen=True)
@@ -23,15 +24,7 @@ class AttentionState:
 
 def merge(a: AttentionState, b: AttentionState) -> AttentionState:
     """a ⊕ b: attention over the union of two disjoint key sets."""
-    m = torch.maximum(a.lse, b.lse)
-    # When both are empty, m = -inf; use 0 so the weights are exp(-inf) = 0, not NaN.
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wa = torch.exp(a.lse - m_safe)
-    wb = torch.exp(b.lse - m_safe)
-    total = wa + wb
-    denom = torch.where(total > 0, total, torch.ones_like(total))
-    out = (wa.unsqueeze(-1) * a.out + wb.unsqueeze(-1) * b.out) / denom.unsqueeze(-1)
-    return AttentionState(out=out, lse=m_safe + torch.log(total))
+    return AttentionState(*lse_merge(a.out, a.lse, b.out, b.lse))
 
 
 def merge_many(out: Tensor, lse: Tensor, keep: Tensor | None = None) -> AttentionState:
@@ -40,10 +33,4 @@ def merge_many(out: Tensor, lse: Tensor, keep: Tensor | None = None) -> Attentio
     out: [..., N, D], lse: [..., N], keep: [..., N] bool (partials to include; others are
     dropped exactly, never subtracted) -> AttentionState over [...].
     """
-    if keep is not None:
-        lse = torch.where(keep, lse, torch.full_like(lse, float("-inf")))
-    total_lse = torch.logsumexp(lse, dim=-1)  # [...]; -inf when nothing is kept
-    safe = torch.where(torch.isfinite(total_lse), total_lse, torch.zeros_like(total_lse))
-    weights = torch.exp(lse - safe.unsqueeze(-1))  # [..., N]; 0 for dropped/empty partials
-    merged = (weights.unsqueeze(-1) * out).sum(-2)
-    return AttentionState(out=merged, lse=total_lse)
+    return AttentionState(*lse_merge_many(out, lse, keep))

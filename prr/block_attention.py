@@ -72,3 +72,9 @@ def attend_dense(q: Tensor, cache: PagedKVCache, layer: int, length: int | Tenso
     out = probs @ v  # [B, Hkv, G, D]
     block_mass = probs.view(*probs.shape[:-1], cache.max_blocks, cache.block_size).sum(-1)
     return AttentionState(out=out, lse=lse), block_mass
+
+
+def relative_error(x: Tensor, ref: Tensor) -> Tensor:
+    """x, ref: [B, Hkv, G, D] -> [B, Hkv]: ‖x − ref‖ / ‖ref‖ over each KV head's group."""
+    num = (x.float() - ref.float()).flatten(2).norm(dim=-1)
+    return num / ref.float().flatten(2).norm(dim=-1).clamp(min=1e-30)

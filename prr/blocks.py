@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from prr.kernels.reference_selection import top_k_blocks
+
 
 @dataclass(frozen=True)
 class BlockSet:
@@ -76,18 +78,9 @@ def inside_context(num_blocks: Tensor, max_blocks: int) -> Tensor:
 def top_blocks(scores: Tensor, k: int) -> BlockSet:
     """The k best-scoring blocks per row; blocks scored -inf are never taken.
 
-    scores: [B, Hkv, N] float -> BlockSet with capacity min(k, N).
-    Ties are broken towards the lower block index (scores are compared, then indices),
-    so a selection is a deterministic function of its scores.
+    scores: [B, Hkv, N] float -> BlockSet with capacity min(k, N), best first (ties towards
+    the lower block index; prr.kernels.reference_selection.top_k_blocks is the definition).
     """
-    n = scores.shape[-1]
-    k = min(k, n)
-    if k <= 0:
+    if min(k, scores.shape[-1]) <= 0:
         return BlockSet.empty(scores.shape[0], scores.shape[1], scores.device)
-    # Stable descending sort gives the documented tie-break; topk does not promise one.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    taken = torch.gather(scores, -1, order) > float("-inf")
-    count = taken.sum(-1)
-    indices = torch.where(taken, order, torch.zeros_like(order))
-    # Valid entries come first because -inf sorts last.
-    return BlockSet(indices=indices, count=count)
+    return BlockSet(*top_k_blocks(scores, k))

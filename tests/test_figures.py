@@ -146,10 +146,10 @@ def test_bench_decode_files_feed_the_speedup_and_breakdown_figures():
                                            ("serial_fused", None, 300.0), ("prr_fixed_1.00_fused", 1.0, 280.0))])
     frame = figures.speedup_from_bench_decode(token)
     # serial is the baseline; dense and the fused-projection variants (another engine setting) left out
-    assert set(frame["method"]) == {"none", "ema", "fixed P, hit 0.90"}
+    assert set(frame["method"]) == {"none", "ema_membership", "fixed P, hit 0.90"}  # the engine's "prr_ema" was it
     assert len(frame) == 2 * 3  # batch 1, CUDA graphs on, two contexts
     fig = figures.speedup(frame)
-    (ema,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "EMA"]
+    (ema,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "EMA of membership"]
     assert ema.get_ydata().tolist() == pytest.approx([1.25, 1.25])
     stage = pd.DataFrame([{"batch": 1, "context": c, "block": 16, "topk_tokens": 2048, "selector": "quest",
                            "target_hit_rate": h, "stage_select": 60.0, "stage_speculate": 50.0, "stage_repair": 10.0,

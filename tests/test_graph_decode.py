@@ -63,8 +63,9 @@ def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
     prr_engine.count_hits = True
     for step, (a, b) in enumerate(zip(serial, decode(prr_engine, 4), strict=True)):
         torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
-    hits, selected = prr_engine.hits[1:].sum(), prr_engine.selected[1:].sum()
-    assert selected > 0 and 0 < hits <= selected  # the predictor hit something after the first step
+    counts = prr_engine.counters()
+    hits, selected = sum(counts["hits"][1:]), sum(counts["selected"][1:])
+    assert selected > 0 and 0 < hits <= selected  # the predictor hit something
 
 
 @pytest.mark.parametrize("variant,fuse_merge", [("serial", True), ("dense", True), ("serial", "one_wave")])
@@ -96,7 +97,8 @@ def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
     for step, (a, b, c) in enumerate(zip(serial, three, fused, strict=True)):
         torch.testing.assert_close(c, b, rtol=2e-5, atol=2e-5, msg=f"step {step}")
         torch.testing.assert_close(c, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
-    assert torch.equal(engines[0].hits, engines[1].hits) and float(engines[1].hits.sum()) > 0
+    hits = [engine.counters()["hits"] for engine in engines]
+    assert hits[0] == hits[1] and sum(hits[1]) > 0
     assert int(engines[1].merge_arrivals.abs().sum()) == 0
     auto = make(StaticPlan(**kwargs))  # the default, "auto": one launch at these small shapes
     idx, pred = torch.zeros(2, 2, 6, dtype=torch.int32), auto.pred_idx[-1]  # layer 2: sparse
@@ -154,15 +156,16 @@ def test_fixed_predictions_set_from_the_true_selection_hit_everything():
     engine.count_hits = True
     pos = engine.pos.clone()
     engine.step(advance=False)  # learn A at this position (P empty: everything repaired)
-    assert float(engine.hits.sum()) == 0
+    assert sum(engine.counters()["hits"]) == 0
     for layer, sel in enumerate(engine.last_selection):
         if sel is not None:
             engine.set_predictions(layer, *sel)
-    engine.hits.zero_()
-    engine.selected.zero_()
+    engine.step_counts.zero_()
     first = engine.step(advance=False)
     assert torch.equal(engine.pos, pos)
-    assert float(engine.hits.sum()) == float(engine.selected.sum()) > 0
+    counts = engine.counters()
+    assert sum(counts["hits"]) == sum(counts["selected"]) == sum(counts["predicted"]) > 0
+    assert sum(counts["overlap"]) == sum(counts["selected"])  # the same position selects the same A again
     torch.testing.assert_close(engine.step(advance=False), first)  # a repeated step is the same step
 
 

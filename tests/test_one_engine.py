@@ -3,26 +3,32 @@ CUDA-graph engine (runtime.engine=graph; CPU: its kernels under TRITON_INTERPRET
 decodes what the eager research runtime decodes from the same prompt, model and prefill:
 identical tokens over 16 steps, equal hit rate, precision and last-step overlap (pooled
 |P ∩ A|, |P|, |A_t ∩ A_{t-1}| over every step, layer, row and KV head, fp32: the same A and P
-at every step, or the counts would differ)."""
+at every step, or the counts would differ), and the same attention-mass recall and output
+error against dense attention on the sampled steps; in shadow mode too."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from prr.runner import run
 from tests.test_graph_run import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
+GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 SELECTORS = sorted(p.stem for p in (ROOT / "conf" / "selector").glob("*.yaml"))
 PREDICTORS = sorted(p.stem for p in (ROOT / "conf" / "predictor").glob("*.yaml"))
 # 2 layers (layer 0 dense), 16 steps; sinks + newest forced in a top-K of 6 blocks of 16.
 COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration_tokens=12"]
 CASES = [(s, "ema") for s in SELECTORS] + [(s, "last_step") for s in ("quest",)] + \
         [("quest", p) for p in PREDICTORS if p not in ("ema", "last_step")] + \
-        [("quest", "ema", "selector.gqa_reduce=sum"), ("quest", "ema", "selector.gqa_reduce=union")]
+        [("quest", "ema", "selector.gqa_reduce=sum"), ("quest", "ema", "selector.gqa_reduce=union"),
+         ("quest", "ema", "runtime.mode=shadow"), ("infllm", "last_step", "runtime.dense_metrics_every=3"),
+         ("less", "ema", "runtime.repair_mode=superset")]
 
 
 def overrides(selector: str, predictor: str, *extra: str) -> list[str]:
@@ -38,11 +44,28 @@ def run_case(tmp_path: Path, args: list[str], name: str) -> dict:
     return run(cfg, tmp_path / name)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(x.split("=")[-1] for x in c))
+def case_id(case: tuple[str, ...]) -> str:
+    return "-".join(x.split("=")[-1] for x in case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_graph_engine_runs_the_same_algorithm(tmp_path, case):
+    check_same_algorithm(tmp_path, case, [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_captured_engine_runs_the_same_algorithm_on_a_gpu(tmp_path, case):
+    """The same on a GPU, fp32: the engine's steps are CUDA-graph replays with speculation on a
+    second stream; the eager runtime runs the same objects op by op."""
+    check_same_algorithm(tmp_path, case, ["runtime=cuda", "runtime.dtype=float32", "runtime.dense_metrics_every=1"])
+
+
+def check_same_algorithm(tmp_path: Path, case: tuple[str, ...], device: list[str]) -> None:
     selector, predictor, *extra = case
-    args = overrides(selector, predictor, *extra)
-    eager = run_case(tmp_path, args, "eager")
+    args = [*overrides(selector, predictor, *extra), *device]
+    eager = run_case(tmp_path, [*args, "runtime.engine=eager"], "eager")
     graph = run_case(tmp_path, [*args, "runtime.engine=graph"], "graph")
     assert graph["generated_token_ids"] == eager["generated_token_ids"]
     assert graph["decode_steps"] == eager["decode_steps"] == 16
@@ -52,3 +75,16 @@ def test_graph_engine_runs_the_same_algorithm(tmp_path, case):
             assert graph.get(key) is None, key
             continue
         assert graph.get(key) == pytest.approx(want, abs=1e-12), key
+    # Dense-reference metrics on the same sampled steps (float sums in another order).
+    assert graph["mean_mass_recall"] == pytest.approx(eager["mean_mass_recall"], abs=1e-6)
+    assert graph["mean_output_relerr"] == pytest.approx(eager["mean_output_relerr"], rel=1e-3, abs=1e-6)
+    assert graph["mode"] == eager["mode"]
+
+
+def test_a_dense_selection_with_a_partial_static_p_is_refused(tmp_path):
+    """|P| that grows with the context (dense, ratio != 1) has no static shape: refused, named."""
+    from prr.config_check import ConfigError
+
+    with pytest.raises(ConfigError, match="budget.ratio=1"):
+        run_case(tmp_path, [*overrides("dense", "last_step"), "budget.ratio=0.5", "runtime.engine=graph"], "refused")
+    assert not (tmp_path / "refused").exists()

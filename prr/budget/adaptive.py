@@ -24,6 +24,7 @@ from prr.runtime.records import LayerStepRecord
 
 
 class AdaptiveBudget(SpeculationBudget):
+    adapts_online = True
     def __init__(
         self,
         ratio: float = 1.0,
@@ -60,6 +61,9 @@ class AdaptiveBudget(SpeculationBudget):
 
     def setup(self, probe: TimingProbe, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
         return self.profile.setup(probe, selected_blocks, max_blocks) if self.profile is not None else {}
+
+    def static_blocks(self, selected_blocks: int) -> int:
+        return round(self.ratio * selected_blocks)
 
     def predicted_blocks(self, layer: int, context_blocks: int, selected_blocks: int) -> int:
         if self.off.get(layer, False):

@@ -29,6 +29,16 @@ class TimingProbe(Protocol):
 
 
 class SpeculationBudget(ABC):
+    # Capabilities engines dispatch on: `profiles` decides |P| from timings measured before
+    # decoding (profiled); `adapts_online` changes its decision while decoding (adaptive).
+    profiles: bool = False
+    adapts_online: bool = False
+
+    def static_blocks(self, selected_blocks: int) -> int | None:
+        """|P| for a selection of selected_blocks blocks when it is known before decoding
+        (fixed; adaptive's starting size), None when it is measured (profiled)."""
+        return None
+
     def setup(self, probe: TimingProbe, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
         """Called once before decoding (selected_blocks: the selector's |A| at max_blocks);
         returns what it decided, for the run record."""

@@ -14,6 +14,9 @@ class FixedBudget(SpeculationBudget):
         self.ratio = ratio
         self.blocks = blocks
 
+    def static_blocks(self, selected_blocks: int) -> int:
+        return self.blocks if self.blocks is not None else round(self.ratio * selected_blocks)
+
     def predicted_blocks(self, layer: int, context_blocks: int, selected_blocks: int) -> int:
         n = self.blocks if self.blocks is not None else round(self.ratio * selected_blocks)
         return min(n, context_blocks)

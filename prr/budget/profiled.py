@@ -17,6 +17,7 @@ from prr.paths import cache_dir, write_json_atomic
 
 
 class ProfiledBudget(SpeculationBudget):
+    profiles = True
     def __init__(
         self,
         ratios: Sequence[float] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0),

@@ -28,6 +28,9 @@ NEVER = float("-inf")  # a rank that keeps a block out of P whatever the budget
 
 
 class Predictor(ABC):
+    # Capabilities engines dispatch on (never on class names):
+    speculates: bool = True  # False: P is always empty (serial DSA)
+    uses_budget: bool = True  # False: |P| is set by the predictor itself (the oracle's P = A)
     # What `propose` reads besides the state, so an engine knows when it may run:
     # - history_only: only state written by past steps' `update`s, so the next step's P
     #   may be computed right after `update`, off the critical path (False for

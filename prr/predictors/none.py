@@ -13,6 +13,7 @@ from prr.selectors.base import Selection
 
 
 class NoPredictor(Predictor):
+    speculates = False  # P is always empty: serial DSA
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
         return {"shape": (batch, num_kv_heads, max_blocks), "device": device}
 

@@ -14,6 +14,7 @@ from prr.selectors.base import Selection
 
 
 class OraclePredictor(Predictor):
+    uses_budget = False  # P = A, whatever |P| the budget asks for
     needs_current_selection = True
     history_only = False  # P is this step's selection
 

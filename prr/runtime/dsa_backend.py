@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prr.attention_state import AttentionState, merge
-from prr.block_attention import attend_blocks, attend_dense
+from prr.block_attention import attend_blocks, attend_dense, relative_error
 from prr.blocks import BlockSet
 from prr.budget.base import SpeculationBudget
 from prr.cache import PagedKVCache
@@ -30,12 +30,6 @@ from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
 
 RUN_MODES = ("sparse", "shadow")
-
-
-def relative_error(x: Tensor, ref: Tensor) -> Tensor:
-    """x, ref: [B, Hkv, G, D] -> [B, Hkv]: ‖x − ref‖ / ‖ref‖ over each KV head's group."""
-    num = (x.float() - ref.float()).flatten(2).norm(dim=-1)
-    return num / ref.float().flatten(2).norm(dim=-1).clamp(min=1e-30)
 
 
 class DSABackend:

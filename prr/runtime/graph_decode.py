@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prr.attention_state import AttentionState, merge
+from prr.block_attention import attend_dense, relative_error
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
 from prr.model.decoder import Decoder
@@ -56,6 +57,7 @@ SELECTORS = ("quest", "infllm")  # the classes StaticPlan can build (any Selecto
 # fixed: P set from outside (controlled hit rates); the others name prr.predictors classes
 PREDICTORS = ("ema_membership", "last_step", "fixed")
 REPAIR_MODES = ("exact", "superset")
+MODES = ("sparse", "shadow")
 FUSE_MERGE = (False, True, "one_wave")
 FUSED_REPAIR = (False, True, "auto")
 PROJECTIONS = ("torch", "fused")
@@ -82,6 +84,9 @@ class StaticPlan:
     predictor: str = "ema_membership"
     ema_alpha: float = 0.8  # ema_membership: state <- alpha * state + (1 - alpha) * [b in A]
     repair_mode: str = "exact"
+    # sparse: the selection decides what is attended; shadow: dense attention continues the
+    # model while selection, prediction and speculation run beside it and are measured.
+    mode: str = "sparse"
     block_size: int = 16
     sink_blocks: int = 1
     recent_blocks: int = 1
@@ -113,7 +118,7 @@ class StaticPlan:
         out = []
         for name, value, allowed in (("variant", self.variant, VARIANTS), ("selector", self.selector, SELECTORS),
                                      ("predictor", self.predictor, PREDICTORS),
-                                     ("repair_mode", self.repair_mode, REPAIR_MODES)):
+                                     ("repair_mode", self.repair_mode, REPAIR_MODES), ("mode", self.mode, MODES)):
             if value not in allowed:
                 out.append(f"{name}={value!r} is not one of {list(allowed)}")
         if self.topk_blocks < self.sink_blocks + self.recent_blocks or self.topk_blocks < 1:
@@ -185,6 +190,7 @@ class GraphDecoder:
             qkv_append,
             quest,
             sparse_decode,
+            step_counters,
             topk,
         )
 
@@ -196,6 +202,7 @@ class GraphDecoder:
         if projections not in PROJECTIONS:
             raise ValueError(f"projections={projections!r} is not one of {list(PROJECTIONS)}")
         self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, prr_repair=prr_repair,
+                       step_counters=step_counters,
                        qkv_append=qkv_append, quest=quest, sparse_decode=sparse_decode, topk=topk)
         self.projections = projections
         # Batch 1, projections="fused": q|k|v GEMV + RoPE + append in one launch (an attribute, so
@@ -206,8 +213,6 @@ class GraphDecoder:
         self.device, self.dtype = model.device, model.dtype
         self.selector = selector if selector is not None else plan.make_selector()
         self.predictor = predictor if predictor is not None else plan.make_predictor()
-        if plan.variant == "prr" and self.selector.compensates and plan.repair_mode != "exact":
-            raise ValueError("a compensating selector (LESS) needs repair_mode='exact' in the engine")
         bs = plan.block_size
         if cache is None:
             cache = PagedKVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, bs, max_tokens, self.dtype, self.device)
@@ -266,11 +271,18 @@ class GraphDecoder:
         # Optional device counters (off while timing: they add launches), per layer, summed over
         # steps, rows and KV heads: read once per window (`counters()`).
         self.count_hits = False
-        self.hits = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P ∩ A|
-        self.selected = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |A|
-        self.predicted = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |P|
-        self.overlap = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)  # |A_t ∩ A_{t-1}|
-        self.previous = [torch.zeros(B, H, NB, dtype=torch.bool, device=dev) if s else None for s in self.sparse]
+        # [L, 4, B * Hkv] int64: |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}| (prr.kernels.step_counters)
+        self.step_counts = torch.zeros(self.num_layers, 4, B * H, dtype=torch.int64, device=dev)
+        self.counter_scratch = step_counters.counter_scratch(B, H, NB, dev)
+        kcap = self.topk_capacity
+        self.prev_idx = [torch.zeros(B, H, kcap, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
+        self.prev_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
+        # Dense-reference metrics of sampled steps (measure_dense set before building / capturing
+        # the step; every step in shadow mode): sums over measured (row, KV head)s, per layer.
+        self.measure_dense = False
+        self.mass_recall = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
+        self.output_relerr = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
+        self.measured = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._forked = False
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
@@ -347,7 +359,7 @@ class GraphDecoder:
         for layer in range(self.num_layers):
             if self.pred_cnt[layer] is not None:
                 self.pred_cnt[layer].zero_()
-        for counter in (self.hits, self.selected, self.predicted, self.overlap):
+        for counter in (self.step_counts, self.mass_recall, self.output_relerr, self.measured):
             counter.zero_()
 
     def adopt_predictor_state(self, state: object) -> None:
@@ -370,9 +382,11 @@ class GraphDecoder:
     def set_previous_selections(self, masks: list[Tensor | None]) -> None:
         """A_{t-1} per layer ([B, Hkv, NB] bool, None for dense layers; e.g. the eager prefill's
         last prompt-tail selections), for the last-step overlap counter."""
-        for mine, theirs in zip(self.previous, masks, strict=True):
-            if mine is not None and theirs is not None:
-                mine.copy_(theirs[..., : self.max_blocks])
+        for layer, mask in enumerate(masks):
+            if mask is not None and self.prev_idx[layer] is not None:
+                blocks = BlockSet.from_mask(mask[..., : self.max_blocks].to(self.device), self.topk_capacity)
+                self.prev_idx[layer].copy_(blocks.indices)
+                self.prev_cnt[layer].copy_(blocks.count)
 
     def checkpoint(self) -> list[Tensor]:
         """Copies of every tensor a step mutates besides K/V (a step writes K/V only at pos and
@@ -385,10 +399,11 @@ class GraphDecoder:
             t.copy_(old)
 
     def _mutable(self) -> list[Tensor]:
-        out = [self.pos, self.token, self.hits, self.selected, self.predicted, self.overlap]
+        out = [self.pos, self.token, self.step_counts, self.mass_recall, self.output_relerr, self.measured]
         for layer in range(self.num_layers):
             out += [t for t in self.cache.metadata[layer].values() if isinstance(t, Tensor)]
-            out += [t for t in (self.pred_idx[layer], self.pred_cnt[layer], self.previous[layer]) if t is not None]
+            out += [t for t in (self.pred_idx[layer], self.pred_cnt[layer], self.prev_idx[layer], self.prev_cnt[layer])
+                    if t is not None]
         return out + state_tensors(self.predictor_state)
 
     # --- one layer's attention ------------------------------------------------------------
@@ -476,18 +491,44 @@ class GraphDecoder:
         if not appended:
             q = self.append(layer, q, k, v, rope)
         if not self.sparse[layer] or p.variant == "dense":
-            counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
-            return self._attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
+            return self._dense(layer, q, lengths, num_blocks)
         if not self.kernel_metadata:  # the selector's own metadata update (InfLLM, LESS)
             self.selector.append_metadata(self.cache, layer, self.pos)
+        out, selection = self._sparse(layer, q, lengths, num_blocks)
+        if self.measure_dense or p.mode == "shadow":
+            self._measure(layer, q, out, selection, lengths)
+        if p.mode == "shadow":  # the dense output continues the model; the sparse one was measured
+            return self._dense(layer, q, lengths, num_blocks)
+        return out
+
+    def _dense(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor) -> Tensor:
+        """Attention over every block of the context -> [B, Hq, D] in the model dtype."""
+        counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
+        return self._attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
+
+    def _measure(self, layer: int, q: Tensor, out: Tensor, selection: Selection, lengths: Tensor) -> None:
+        """Dense-reference metrics of this layer's step, added to device sums: attention-mass
+        recall (dense softmax mass inside A, mean over the group) and the output's relative
+        error against dense attention, per (row, KV head) — the eager runtime's definitions."""
+        dense, mass = attend_dense(self._grouped(q), self.cache, layer, lengths, self.scale)  # mass [B, Hkv, G, NB]
+        recall = (mass.mean(2) * selection.blocks.mask(self.max_blocks)).sum(-1)  # [B, Hkv]
+        error = relative_error(self._grouped(out), dense.out)  # [B, Hkv]
+        self.mass_recall[layer] += recall.sum()
+        self.output_relerr[layer] += error.sum()
+        self.measured[layer] += recall.numel()
+
+    def _sparse(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor) -> tuple[Tensor, Selection]:
+        """The DSA step of a sparse layer (serial or PRR) -> (out [B, Hq, D] model dtype, A)."""
+        p = self.plan
         compensates = self.selector.compensates
         if p.variant == "serial":
             selection = self.select(layer, q, lengths)
             self._note(layer, selection)
+            idx, cnt = selection.blocks.indices, selection.blocks.count
             if not compensates:
-                return self._attend(layer, q, selection.blocks.indices, selection.blocks.count, lengths, final=True)[0]
-            out, lse = self._attend(layer, q, selection.blocks.indices, selection.blocks.count, lengths)
-            return self._compensated(layer, q, out, lse, selection, lengths)
+                return self._attend(layer, q, idx, cnt, lengths, final=True)[0], selection
+            out, lse = self._attend(layer, q, idx, cnt, lengths)
+            return self._compensated(layer, q, out, lse, selection, lengths), selection
 
         predictor = self.predictor
         if predictor is not None and predictor.needs_current_selection:  # the oracle: P = A, no overlap
@@ -508,7 +549,7 @@ class GraphDecoder:
         if compensates:
             out = self._compensated(layer, q, out, lse, selection, lengths)
         if predictor is None:  # P is set from outside: nothing to learn
-            return out
+            return out, selection
         if planned is not None:
             self.side.wait_event(planned)
             self._forked = True
@@ -518,7 +559,7 @@ class GraphDecoder:
             if predictor.history_only:
                 bs = p.block_size  # the next step's context holds pos + 2 tokens
                 self._propose(layer, q, (self.pos + 1 + bs).div(bs, rounding_mode="floor"))
-        return out
+        return out, selection
 
     def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,
                      lengths: Tensor) -> Tensor:
@@ -601,24 +642,25 @@ class GraphDecoder:
 
     def _note(self, layer: int, selection: Selection) -> None:
         """Keep A for callers (benchmarks) and, with count_hits, add this step's |A|, |P|,
-        |P ∩ A| and |A_t ∩ A_{t-1}| to the layer's device counters (masks: any repair mode)."""
+        |P ∩ A| and |A_t ∩ A_{t-1}| to the layer's device counters (one launch; any repair mode)."""
         idx, cnt = selection.blocks.indices, selection.blocks.count
         self.last_selection[layer] = (idx, cnt)
         if not self.count_hits:
             return
-        chosen = selection.blocks.mask(self.max_blocks)  # [B, Hkv, NB]
-        self.selected[layer] += cnt.sum()
-        self.overlap[layer] += (chosen & self.previous[layer]).sum()
-        self.previous[layer].copy_(chosen)
-        if self.pred_idx[layer] is not None and self.plan.variant == "prr":
-            predicted = BlockSet(self.pred_idx[layer], self.pred_cnt[layer]).mask(self.max_blocks)
-            self.predicted[layer] += self.pred_cnt[layer].sum()
-            self.hits[layer] += (chosen & predicted).sum()
+        speculating = self.plan.variant == "prr"
+        self._k["step_counters"].step_counters(idx, cnt, self.pred_idx[layer] if speculating else None,
+                                    self.pred_cnt[layer] if speculating else None, self.prev_idx[layer],
+                                    self.prev_cnt[layer], self.counter_scratch, self.step_counts[layer])
+
+    COUNTERS = ("selected", "predicted", "hits", "overlap", "mass_recall", "output_relerr", "measured")
 
     def counters(self) -> dict[str, list[float]]:
-        """The device counters per layer (one host read: call once per window)."""
-        stacked = torch.stack([self.selected, self.predicted, self.hits, self.overlap]).cpu()
-        return dict(zip(("selected", "predicted", "hits", "overlap"), stacked.tolist(), strict=True))
+        """The device counters per layer, summed since `begin` (one host read: call once per
+        window): |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}|, and over dense-measured (row, KV head)s the
+        sums of mass recall and output error and their count."""
+        counts = self.step_counts.sum(-1).double().T  # [4, L]
+        stacked = torch.cat([counts, torch.stack([self.mass_recall, self.output_relerr, self.measured])]).cpu()
+        return dict(zip(self.COUNTERS, stacked.tolist(), strict=True))
 
     # --- the whole step ---------------------------------------------------------------------
     @torch.no_grad()

@@ -45,11 +45,6 @@ from prr.sinks import JsonlWriter
 from prr.summary_table import format_summary
 
 log = logging.getLogger("prr")
-# predictor class -> (the engine's variant, its predictor)
-PREDICTORS = {"NoPredictor": ("serial", "fixed"), "LastStepPredictor": ("prr", "last_step"),
-              "EmaMembershipPredictor": ("prr", "ema")}
-BUDGETS = ("FixedBudget", "ProfiledBudget", "AdaptiveBudget")
-STATIC_P = ("FixedBudget", "AdaptiveBudget")  # budgets whose |P| comes from ratio / blocks
 # AdaptiveBudget keys the engine does not use (its |P| is static; it adapts serial vs PRR)
 EAGER_ONLY_ADAPTIVE = ("min_ratio", "max_ratio", "growth", "target_miss", "max_waste", "use_profile",
                        "profile_ratios", "profile_context_points")
@@ -63,30 +58,24 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
                                                                      "task"))
     out = []
     head = "runtime.engine=graph"
-    name = type(predictor).__name__
-    if type(budget).__name__ not in BUDGETS:
-        out.append(f"{head} takes budget=fixed, profiled or adaptive (got {type(budget).__name__})")
-    elif type(budget).__name__ in STATIC_P and name not in ("NoPredictor", "OraclePredictor") and predicted_blocks(
-            budget, selector.topk_blocks) < 1:
-        out.append(f"{head} with predictor={name} needs |P| >= 1 (got budget.ratio={budget.ratio}, "
-                   f"blocks={getattr(budget, 'blocks', None)}); use predictor=none for serial DSA")
-    if type(selector).__name__ == "DenseSelector" and type(budget).__name__ in STATIC_P and \
-            name not in ("NoPredictor", "OraclePredictor") and (getattr(budget, "blocks", None) is not None or budget.ratio != 1):
+    name = type(predictor).__name__  # (for messages only)
+    # |P| known before decoding (fixed, adaptive's start) for predictors that take the budget's size
+    size = budget.static_blocks(selector.topk_blocks) if predictor.speculates and predictor.uses_budget else None
+    if size is not None and size < 1:
+        out.append(f"{head} with predictor={name} needs |P| >= 1 (the budget gives |P| = {size}); use predictor=none "
+                   "for serial DSA")
+    if selector.selects_every_block and size is not None and size != selector.topk_blocks:
         out.append(f"{head} with selector=dense speculates over a static |P| = every block of the cache: set "
-                   f"budget.ratio=1 (got ratio={budget.ratio}, blocks={getattr(budget, 'blocks', None)}); a |P| that "
-                   "grows with the context is eager-only")
-    if name == "NoPredictor" and type(budget).__name__ == "AdaptiveBudget":
+                   f"budget.ratio=1 (got |P| = {size}); a |P| that grows with the context is eager-only")
+    if not predictor.speculates and budget.adapts_online:
         out.append(f"{head} with budget=adaptive chooses between serial DSA and PRR: it needs a predictor; "
                    "predictor=none is serial DSA already")
-    if name != "NoPredictor" and type(budget).__name__ == "ProfiledBudget" and runtime.device == "cpu":
+    if predictor.speculates and budget.profiles and runtime.device == "cpu":
         out.append(f"{head} with budget=profiled times CUDA graphs: use runtime=cuda (or budget=fixed)")
     prompt_blocks = getattr(task, "prompt_tokens", 0) // max(runtime.block_size, 1)
-    if name not in ("NoPredictor", "OraclePredictor") and type(budget).__name__ in STATIC_P and prompt_blocks and \
-            predicted_blocks(budget, selector.topk_blocks) > prompt_blocks:
-        out.append(f"{head}: |P| = {predicted_blocks(budget, selector.topk_blocks)} blocks exceeds the prompt's "
-                   f"{prompt_blocks} blocks; lower budget.ratio / budget.blocks")
-    if runtime.mode != "sparse":
-        out.append(f"{head} decodes sparse only (got runtime.mode={runtime.mode!r}); shadow mode is eager-only")
+    if size is not None and not selector.selects_every_block and prompt_blocks and size > prompt_blocks:
+        out.append(f"{head}: |P| = {size} blocks exceeds the prompt's {prompt_blocks} blocks; lower budget.ratio / "
+                   "budget.blocks")
     if runtime.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         out.append(f"{head} runs Triton kernels: use runtime=cuda (on the CPU they run only with TRITON_INTERPRET=1 "
                    "set before Python starts, for tests)")
@@ -102,30 +91,23 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     return out
 
 
-def predicted_blocks(budget: Any, topk_blocks: int) -> int:
-    """|P| of budget=fixed or adaptive (the engine's P has a static size)."""
-    blocks = getattr(budget, "blocks", None)
-    return blocks if blocks is not None else round(budget.ratio * topk_blocks)
-
-
 def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_blocks: int) -> StaticPlan:
-    """The engine's plan for this run's objects: serial DSA for predictor=none, else PRR with a
-    static |P| (the oracle: |A|'s capacity, it ignores the budget; budget=profiled: |A|)."""
-    serial = type(predictor).__name__ == "NoPredictor"
+    """The engine's plan for this run's objects: serial DSA for a predictor that never
+    speculates, else PRR with a static |P| (every block for `dense`; the budget's size; |A|
+    for budget=profiled, which then chooses serial or PRR; the oracle's P is sized by the engine)."""
     k = min(selector.topk_blocks, max_blocks)
-    if serial:
+    if not predictor.speculates:
         size = 0
-    elif type(selector).__name__ == "DenseSelector":
+    elif selector.selects_every_block:
         size = max_blocks
-    elif predictor.needs_current_selection:
-        size = k  # (the engine sizes the oracle's P as A's capacity)
-    elif type(budget).__name__ == "ProfiledBudget":
+    elif not predictor.uses_budget or budget.profiles:
         size = k
     else:
-        size = min(predicted_blocks(budget, k), max_blocks)
-    return StaticPlan(variant="serial" if serial else "prr", topk_blocks=k, predicted_blocks=size,
-                      predictor="fixed", repair_mode=settings.repair_mode, block_size=settings.block_size,
-                      sink_blocks=0, recent_blocks=0, dense_layers=tuple(sorted(selector.dense_layers)))
+        size = min(budget.static_blocks(k), max_blocks)
+    return StaticPlan(variant="prr" if predictor.speculates else "serial", topk_blocks=k, predicted_blocks=size,
+                      predictor="fixed", repair_mode=settings.repair_mode, mode=settings.mode,
+                      block_size=settings.block_size, sink_blocks=0, recent_blocks=0,
+                      dense_layers=tuple(sorted(selector.dense_layers)))
 
 
 def steps_until_eos(inputs: torch.Tensor, eos_ids: torch.Tensor) -> int | None:
@@ -156,7 +138,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     max_blocks = -(-capacity // settings.block_size)
     plan = graph_plan(settings, selector, predictor, budget, max_blocks)
     budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
-    if plan.variant == "prr" and type(budget).__name__ == "ProfiledBudget":  # before the prefill: less memory at once
+    if plan.variant == "prr" and budget.profiles:  # before the prefill: less memory at once
         profiler = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, selector=selector)
         profile = profile_speculation(profiler, [prompt_len], use_cache=budget.use_cache)
         del profiler
@@ -196,7 +178,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     del backend
     log.info("prompt: %s (%d tokens); engine=graph, %s", prompt.description, prompt_len, plan)
 
-    adaptive = type(budget).__name__ == "AdaptiveBudget"
+    adaptive = budget.adapts_online
     chooser = None
     if adaptive:
         from prr.runtime.graph_adaptive import WindowChoice
@@ -217,18 +199,23 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
 
     # One step function per variant this run can take (adaptive: both, over the same cache).
     plans = {"serial": dataclasses.replace(plan, variant="serial"), "prr": plan} if adaptive else {plan.variant: plan}
+    # Steps that also measure against dense attention (runtime.dense_metrics_every; shadow mode
+    # measures every step) are a second step function of each variant.
+    every = 1 if plan.mode == "shadow" else settings.dense_metrics_every
+    measures = (True,) if every == 1 else (True, False)
 
-    def stepper(variant: str):
-        def run() -> None:  # plan and counters are read while the step is built (eager) or captured
+    def stepper(variant: str, measure: bool):
+        def run() -> None:  # plan and flags are read while the step is built (eager) or captured
             engine.plan = plans[variant]
+            engine.measure_dense = measure
             step()
         return run
 
-    replays = {variant: stepper(variant) for variant in plans}
+    replays = {(variant, m): stepper(variant, m) for variant in plans for m in measures}
     if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: rewind it
         start = engine.checkpoint()  # after each capture, and before the decode, to the prompt's end
-        for variant, fn in list(replays.items()):
-            replays[variant] = engine.capture(fn).replay
+        for key, fn in list(replays.items()):
+            replays[key] = engine.capture(fn).replay
             engine.restore(start)
     eos = mc.eos_token_id
     eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -239,28 +226,28 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     ran: list[str] = []  # the variant of each step
     sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
     # Hit counters summed over PRR steps only (an adaptive run's serial steps count |A|, no hits).
-    totals = {v: torch.zeros(4, mc.num_layers, dtype=torch.float64) for v in ("serial", "prr")}
-    names = ("selected", "predicted", "hits", "overlap")
+    names = engine.COUNTERS
+    totals = {v: torch.zeros(len(names), mc.num_layers, dtype=torch.float64) for v in ("serial", "prr")}
     done = 0
     with torch.inference_mode(), tqdm(total=steps, desc="decode (graph)", unit="tok") as bar:
         while done < steps:
             chunk = min(check_every, steps - done)
             variant = chooser.next_variant() if chooser is not None else plan.variant
-            replay = replays[variant]
+            window_replays = [replays[variant, (done + i) % every == 0] for i in range(chunk)]
             # copies: on the CPU .cpu() would alias the counters the steps add to in place
             before = torch.tensor([engine.counters()[n] for n in names], dtype=torch.float64)
             first_latency = len(latencies)
             if device.type == "cuda":
                 events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                           for _ in range(chunk)]
-                for start, stop in events:
+                for (start, stop), replay in zip(events, window_replays, strict=True):
                     start.record()
                     replay()
                     stop.record()
                 events[-1][1].synchronize()
                 latencies += [start.elapsed_time(stop) * 1e-3 for start, stop in events]
             else:
-                for _ in range(chunk):
+                for replay in window_replays:
                     t0 = time.perf_counter()
                     replay()
                     latencies.append(time.perf_counter() - t0)
@@ -288,12 +275,18 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     tokens_out.close()
 
     token_ids = inputs
-    selected, predicted, hits, _ = totals["prr"]  # hit rate and precision: over PRR steps
-    both = totals["prr"] + totals["serial"]  # last-step overlap: over every step
+    selected, predicted, hits = (totals["prr"][names.index(n)] for n in ("selected", "predicted", "hits"))
+    both = dict(zip(names, totals["prr"] + totals["serial"], strict=True))  # over every step
+
+    def ratio(num: torch.Tensor, den: torch.Tensor) -> float | None:
+        return float(num.sum() / den.sum()) if den.sum() > 0 else None
+
+    # hit rate and precision over PRR steps; overlap and the dense-reference metrics over every step
     layers = pd.DataFrame({"layer": sparse,
-                           "hit_rate": [float(hits[i] / selected[i]) if selected[i] > 0 else None for i in sparse],
-                           "last_step_overlap": [float(both[3, i] / both[0, i]) if both[0, i] > 0 else None
-                                                 for i in sparse]})
+                           "hit_rate": [ratio(hits[i], selected[i]) for i in sparse],
+                           "last_step_overlap": [ratio(both["overlap"][i], both["selected"][i]) for i in sparse],
+                           "mass_recall": [ratio(both["mass_recall"][i], both["measured"][i]) for i in sparse],
+                           "output_relerr": [ratio(both["output_relerr"][i], both["measured"][i]) for i in sparse]})
     command = "python " + " ".join(sys.argv)  # provenance travels with copies of either file
     layers.assign(command=command).to_csv(run_dir / "layers.csv", index=False)
     text = model.tokenizer.decode(token_ids[0].tolist()) if model.tokenizer is not None else None
@@ -313,7 +306,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "selector": OmegaConf.to_container(cfg.selector, resolve=True),
         "predictor": OmegaConf.to_container(cfg.predictor, resolve=True),
         "budget": OmegaConf.to_container(cfg.budget, resolve=True),
-        "mode": "sparse",
+        "mode": plan.mode,
         "repair_mode": plan.repair_mode,
         "projections": engine.projections,
         "variant": "adaptive" if chooser is not None else plan.variant,  # adaptive: per step in tokens.jsonl
@@ -329,10 +322,14 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         # GPU: device time of each step's graph replay (CUDA events); CPU: wall time of eager steps.
         "token_latency_median_ms": median_ms,
         "token_latency_p90_ms": 1e3 * float(pd.Series(latencies).quantile(0.9)),
+        "token_latency_mean_ms": 1e3 * statistics.fmean(latencies),  # with the dense-measured steps' cost
         "tokens_per_s": settings.batch_size * 1e3 / median_ms,
         "hit_rate": float(hits[sparse].sum()) / total_selected if total_selected else None,
-        "precision": float(hits[sparse].sum() / predicted[sparse].sum()) if predicted[sparse].sum() > 0 else None,
-        "last_step_overlap": float(both[3, sparse].sum() / both[0, sparse].sum()) if both[0, sparse].sum() > 0 else None,
+        "precision": ratio(hits[sparse], predicted[sparse]),
+        "last_step_overlap": ratio(both["overlap"][sparse], both["selected"][sparse]),
+        "mean_mass_recall": ratio(both["mass_recall"][sparse], both["measured"][sparse]),
+        "mean_output_relerr": ratio(both["output_relerr"][sparse], both["measured"][sparse]),
+        "dense_metrics_every": every,
         "generated_token_ids": token_ids.tolist(),
     }
     write_json_atomic(run_dir / "summary.json", summary)

@@ -6,9 +6,11 @@ Selectors that `compensate` (LESS) add one partial state for the unselected bloc
 after repair in the merge stage (also under serial DSA, |P| = 0), so exact-mode PRR and
 serial DSA receive the same compensation.
 
-Torch reference: the stages run one after the other and are timed one by one; on a GPU
-speculate and select run concurrently (prr.runtime on CUDA). No stage calls another;
-each returns a typed value, and the record of the step is built from them.
+The research runtime's step (DSABackend): the stages run one after the other and are timed
+one by one, with host-side stage timers, on the CPU and on a GPU alike — it does not overlap
+speculation with selection anywhere. The overlapped, CUDA-graph-captured step is the engine's
+(prr/runtime/graph_decode.py), which runs the same selector and predictor objects. No stage
+calls another; each returns a typed value, and the record of the step is built from them.
 """
 
 from __future__ import annotations

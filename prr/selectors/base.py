@@ -90,6 +90,8 @@ class Selector(ABC):
     # let the engine's append kernels update it (prr.kernels.cache_append, qkv_append); the
     # others get `append_metadata` after the append.
     metadata_in_append_kernel = False
+    # True for `dense`: A is every block of the context, |A| grows with it (no fixed top-K).
+    selects_every_block = False
 
     # --- backends ---------------------------------------------------------------------------
     # Selectors with Triton kernels override `triton_problems` and `select_triton`; the others

@@ -14,6 +14,7 @@ from prr.selectors.base import Selection, Selector, token_counts
 
 
 class DenseSelector(Selector):
+    selects_every_block = True  # |A| grows with the context
     def __init__(self, gqa_reduce: str = "max", dense_layers: Sequence[int] = ()) -> None:
         # topk is irrelevant: every block is selected.
         super().__init__(topk_blocks=1, sink_blocks=0, local_blocks=0, force_newest=False,

@@ -220,7 +220,7 @@ class GraphDecoder:
         if (cache.batch, cache.num_kv_heads, cache.head_dim, cache.block_size) != (batch, c.num_kv_heads, c.head_dim, bs):
             problems.append(f"cache [B={cache.batch}, Hkv={cache.num_kv_heads}, D={cache.head_dim}, block_size="
                             f"{cache.block_size}] does not fit batch={batch}, the model and plan.block_size={bs}")
-        if cache.dtype != self.dtype or cache.device != self.device:
+        if cache.dtype != self.dtype or cache.keys[0].device != self.device:
             problems.append(f"cache dtype/device {cache.dtype}/{cache.device} differ from the model's "
                             f"{self.dtype}/{self.device}")
         if problems:

@@ -13,8 +13,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .pdl import launch_kwargs
-
 COUNTERS = ("selected", "predicted", "hits", "overlap")
 
 
@@ -95,7 +93,7 @@ def step_counters(sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pre
         sel_idx, sel_cnt, pred_idx if has_pred else sel_idx, pred_cnt if has_pred else sel_cnt, prev_idx, prev_cnt,
         scratch, out, num_kv_heads, rows, sel_cap, pred_cap, scratch.shape[-1],
         HAS_PRED=has_pred, BLOCK_A=triton.next_power_of_2(max(sel_cap, 2)),
-        BLOCK_P=triton.next_power_of_2(max(pred_cap, 2)), num_warps=4, **launch_kwargs(sel_idx.device),
+        BLOCK_P=triton.next_power_of_2(max(pred_cap, 2)), num_warps=4,
     )  # fmt: skip
 
 

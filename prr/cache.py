@@ -45,6 +45,7 @@ class PagedKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._lengths = [0] * num_layers
         self.metadata: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
+        self._fills: list[dict[str, float]] = [{} for _ in range(num_layers)]  # slot -> its empty value
 
     def length(self, layer: int) -> int:
         return self._lengths[layer]
@@ -52,6 +53,12 @@ class PagedKVCache:
     def num_blocks(self, layer: int, length: int | None = None) -> int:
         length = self._lengths[layer] if length is None else length
         return -(-length // self.block_size)
+
+    def set_length(self, layer: int, length: int) -> None:
+        """The first `length` tokens of `layer` are real (e.g. filled in place by a benchmark)."""
+        if not 0 <= length <= self.max_tokens:
+            raise ValueError(f"length {length} is outside the cache's [0, {self.max_tokens}] tokens")
+        self._lengths[layer] = length
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[int, int]:
         """k, v: [B, Hkv, T, D] -> the token range [start, end) they now occupy."""
@@ -76,8 +83,20 @@ class PagedKVCache:
         self, layer: int, name: str, per_block_shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0
     ) -> Tensor:
         """The slot `name` of `layer`: [B, Hkv, max_blocks, *per_block_shape], allocated on first use."""
+        return self.state_slot(layer, name, (self.batch, self.num_kv_heads, self.max_blocks, *per_block_shape), dtype,
+                               fill)
+
+    def state_slot(self, layer: int, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> Tensor:
+        """A selector's per-layer state tensor of any shape (e.g. running totals, a counter),
+        allocated on first use filled with `fill`, which `reset_metadata` restores."""
         slots = self.metadata[layer]
         if name not in slots:
-            shape = (self.batch, self.num_kv_heads, self.max_blocks, *per_block_shape)
             slots[name] = torch.full(shape, fill, dtype=dtype, device=self.device)
+            self._fills[layer][name] = fill
         return slots[name]
+
+    def reset_metadata(self, layer: int) -> None:
+        """Every slot of `layer` back to its empty value, in place (captured CUDA graphs keep
+        their pointers). Entries set without a fill (constants such as LESS's feature draw) stay."""
+        for name, fill in self._fills[layer].items():
+            self.metadata[layer][name].fill_(fill)

@@ -336,18 +336,26 @@ class GraphDecoder:
 
     def start_at(self, length: int, token: Tensor, gen: torch.Generator | None = None) -> None:
         """Decode from position `length` of the cache as it is: the selector's metadata of every
-        sparse layer rebuilt from its first `length` tokens (new slots: call before capturing),
-        its backlog (`Selector.catch_up`, InfLLM's finalising) done with a random query from
-        `gen`, then `begin(length, token)`."""
+        sparse layer rebuilt in place from its first `length` tokens, its backlog
+        (`Selector.catch_up`, InfLLM's finalising) done with a random query from `gen`, the
+        predictor state back to `init_state`'s, then `begin(length, token)`. In place: graphs
+        captured before stay valid."""
         q_gen = gen if gen is not None else torch.Generator(device=self.device).manual_seed(0)
         for layer in range(self.num_layers):
             if not self.sparse[layer]:
                 continue
-            self.cache.metadata[layer].clear()
-            self.cache._lengths[layer] = length
+            self.cache.reset_metadata(layer)
+            self.cache.set_length(layer, length)
             self.selector.update_metadata(self.cache, layer, 0, length)
             q = torch.randn(self.batch, self.hkv, self.group, self.d, generator=q_gen, device=self.device)
             self.selector.catch_up(q.to(self.dtype), self.cache, layer, length)
+        if self.predictor_state is not None:
+            fresh = self.predictor.init_state(self.num_layers, self.batch, self.hkv, self.max_blocks, self.device)
+            for mine, new in zip(state_tensors(self.predictor_state), state_tensors(fresh), strict=True):
+                if mine.shape == new.shape:
+                    mine.copy_(new)
+                else:  # sized on first use (query_similarity's query store): its empty value is 0
+                    mine.zero_()
         self.begin(length, token)
 
     def begin(self, length: int, token: Tensor) -> None:

@@ -213,10 +213,11 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
 
     replays = {(variant, m): stepper(variant, m) for variant in plans for m in measures}
     if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: rewind it
-        start = engine.checkpoint()  # after each capture, and before the decode, to the prompt's end
-        for key, fn in list(replays.items()):
-            replays[key] = engine.capture(fn).replay
-            engine.restore(start)
+        with torch.inference_mode():  # (the prefill's tensors are inference tensors)
+            start = engine.checkpoint()  # after each capture, and before the decode, to the prompt's end
+            for key, fn in list(replays.items()):
+                replays[key] = engine.capture(fn).replay
+                engine.restore(start)
     eos = mc.eos_token_id
     eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     # Steps run back to back; the host looks at tokens (EOS) every CHECK_EVERY steps, and on a

@@ -80,10 +80,7 @@ class InfLLMSelector(Selector):
 
     def _finalised(self, cache: PagedKVCache, layer: int) -> Tensor:
         """[B] int64 on the cache's device: blocks [0, n) of each row are final."""
-        slots = cache.metadata[layer]
-        if FINALISED not in slots:
-            slots[FINALISED] = torch.zeros(cache.batch, dtype=torch.int64, device=cache.device)
-        return slots[FINALISED]
+        return cache.state_slot(layer, FINALISED, (cache.batch,), torch.int64)
 
     def _provisional(self, cache: PagedKVCache, layer: int, first: Tensor, count: int, end: Tensor) -> None:
         """Blocks first + [0, count) of each row (first: [B] int64) that are not final yet get

@@ -161,14 +161,16 @@ class LessSelector(QuestSelector):
         if self.is_dense_layer(layer) or end <= start:
             return
         super().update_metadata(cache, layer, start, end)  # Quest's key max/min
-        slots = cache.metadata[layer]
-        if "less_center" not in slots:  # the first append (the prefill) fixes the centre and the totals' shape
-            b, h, m, d = cache.batch, cache.num_kv_heads, self.num_features, cache.head_dim
-            new_keys = cache.keys[layer][:, :, start:end].float()
-            slots["less_center"] = new_keys.mean(2) if self.center_keys else torch.zeros_like(new_keys[:, :, 0])
-            slots["less_S_tot"] = torch.zeros(b, h, m, d, device=cache.device)
-            slots["less_s_tot"] = torch.zeros(b, h, m, device=cache.device)
-            slots["less_c_tot"] = torch.full((b, h, m), float("-inf"), device=cache.device)
+        b, h, m, d = cache.batch, cache.num_kv_heads, self.num_features, cache.head_dim
+        center = cache.state_slot(layer, "less_center", (b, h, d), torch.float32)
+        totals = (cache.state_slot(layer, "less_S_tot", (b, h, m, d), torch.float32),
+                  cache.state_slot(layer, "less_s_tot", (b, h, m), torch.float32),
+                  cache.state_slot(layer, "less_c_tot", (b, h, m), torch.float32, float("-inf")))
+        if start == 0:  # the first append (the prefill) fixes the centre; the totals start empty
+            if self.center_keys:
+                center.copy_(cache.keys[layer][:, :, start:end].float().mean(2))
+            for total, empty in zip(totals, (0.0, 0.0, float("-inf")), strict=True):
+                total.fill_(empty)
         self._add_to_totals(cache, layer, cache.keys[layer][:, :, start:end], cache.values[layer][:, :, start:end])
         s = cache.block_size
         first = torch.full((cache.batch,), start // s, dtype=torch.int64, device=cache.device)

@@ -55,6 +55,10 @@ class Predictor(ABC):
     def update(self, state: Any, layer: int, selection: Selection) -> None:
         """Learn from this step's selection A_t of `layer` (in place; indices int32 or int64)."""
 
+    def size_for_query(self, state: Any, query_size: int) -> None:  # noqa: B027 - optional hook
+        """Predictors that keep past queries (needs_query) size their buffers for queries of
+        query_size = G·D values here, before an engine captures its step."""
+
     def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
         """Fit parameters to selections of the prefill tail (history[layer] = A over steps,
         None for dense layers), on the host before decoding. Returns what was chosen, for

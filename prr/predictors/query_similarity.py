@@ -94,14 +94,20 @@ class QuerySimilarityPredictor(Predictor):
             raise ValueError("query_similarity needs this step's query: call propose(..., query=q) with q [B, Hkv, G, D]"
                              " (prr's runtime does so for predictors with needs_query=True)")
         q = F.normalize(query.float().flatten(2), dim=-1)  # [B, Hkv, G·D]
-        if state.pending.shape[-1] != q.shape[-1]:  # a shape, known on the host: sizes the buffers once
-            if state.pending.shape[-1] != 0:
-                raise ValueError(f"query size changed from {state.pending.shape[-1]} to {q.shape[-1]} within a run")
-            state.keys = state.keys.new_zeros(*state.keys.shape[:-1], q.shape[-1])
-            state.pending = state.pending.new_zeros(*state.pending.shape[:-1], q.shape[-1])
+        self.size_for_query(state, q.shape[-1])
         state.pending[layer] = q
         state.has_pending[layer].fill_(True)  # a device fill: setting a Python bool would copy from the host
         return top_blocks(self.rank(state, layer, num_blocks), budget_blocks)
+
+    def size_for_query(self, state: QuerySimilarityState, query_size: int) -> None:
+        """Size the query buffers for queries of query_size = G·D values, once (a host shape; an
+        engine calls it before capturing, so no buffer is replaced afterwards)."""
+        if state.pending.shape[-1] == query_size:
+            return
+        if state.pending.shape[-1] != 0:
+            raise ValueError(f"query size changed from {state.pending.shape[-1]} to {query_size} within a run")
+        state.keys = state.keys.new_zeros(*state.keys.shape[:-1], query_size)
+        state.pending = state.pending.new_zeros(*state.pending.shape[:-1], query_size)
 
     def rank(self, state: QuerySimilarityState, layer: int, num_blocks: int | Tensor) -> Tensor:
         """-> [B, Hkv, max_blocks] for the query given to the last propose of this layer."""

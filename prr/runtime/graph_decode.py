@@ -264,6 +264,7 @@ class GraphDecoder:
         self.predictor_state = None
         if prr and self.predictor is not None:
             self.predictor_state = self.predictor.init_state(self.num_layers, B, H, NB, dev)
+            self.predictor.size_for_query(self.predictor_state, self.group * self.d)
         self.scratch = prr_merge.repair_scratch(B, H, NB, dev) if prr else None
         self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
         # fuse_merge's and fused_repair's, main stream (their kernels run one after the other there)
@@ -375,6 +376,7 @@ class GraphDecoder:
         if self.predictor is None:
             raise ValueError("this engine has no predictor (variant != 'prr' or predictor='fixed')")
         self.predictor_state = state
+        self.predictor.size_for_query(state, self.group * self.d)
 
     def prime_predictions(self, length: int) -> None:
         """P of the first decode step (a context of length + 1 tokens) from the predictor state,

@@ -82,10 +82,21 @@ def main() -> None:
     p.add_argument("--runs", default="/tmp/prr_engine_runs", help="parent of the runs' directories")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .csv)")
     args = p.parse_args()
+    rows = []
+    for name, overrides in cases(args.cases).items():
+        rows.append(run_case(name, overrides, args))
+        write(rows, args)  # after every case: a cut session keeps what ran
+    table = write(rows, args)
+    shown = [c for c in ("case", "variant", "predicted_blocks", "token_latency_median_ms", "token_latency_mean_ms",
+                         "median_over_serial", "mean_over_serial", "hit_rate", "mean_mass_recall") if c in table]
+    print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> pd.DataFrame:
+    """The table with ratios to serial DSA -> <out>.json and <out>.csv."""
     import torch
     import triton
 
-    rows = [run_case(name, overrides, args) for name, overrides in cases(args.cases).items()]
     table = pd.DataFrame(rows)
     by_case = table.set_index("case")
     for col in ("token_latency_median_ms", "token_latency_mean_ms"):
@@ -99,9 +110,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(meta, indent=1, default=str))
     table.drop(columns=["budget_setup", "error"], errors="ignore").to_csv(args.out + ".csv", index=False)
-    shown = [c for c in ("case", "variant", "predicted_blocks", "token_latency_median_ms", "token_latency_mean_ms",
-                         "median_over_serial", "mean_over_serial", "hit_rate", "mean_mass_recall") if c in table]
-    print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    return table
 
 
 if __name__ == "__main__":

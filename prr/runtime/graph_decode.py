@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prr.attention_state import AttentionState, merge
-from prr.block_attention import attend_dense, relative_error
+from prr.block_attention import relative_error
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
 from prr.model.decoder import Decoder
@@ -506,7 +506,7 @@ class GraphDecoder:
             self.selector.append_metadata(self.cache, layer, self.pos)
         out, selection = self._sparse(layer, q, lengths, num_blocks)
         if self.measure_dense or p.mode == "shadow":
-            self._measure(layer, q, out, selection, lengths)
+            self._measure(layer, q, out, selection, lengths, num_blocks)
         if p.mode == "shadow":  # the dense output continues the model; the sparse one was measured
             return self._dense(layer, q, lengths, num_blocks)
         return out
@@ -516,13 +516,20 @@ class GraphDecoder:
         counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
         return self._attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
 
-    def _measure(self, layer: int, q: Tensor, out: Tensor, selection: Selection, lengths: Tensor) -> None:
+    def _measure(self, layer: int, q: Tensor, out: Tensor, selection: Selection, lengths: Tensor,
+                 num_blocks: Tensor) -> None:
         """Dense-reference metrics of this layer's step, added to device sums: attention-mass
         recall (dense softmax mass inside A, mean over the group) and the output's relative
-        error against dense attention, per (row, KV head) — the eager runtime's definitions."""
-        dense, mass = attend_dense(self._grouped(q), self.cache, layer, lengths, self.scale)  # mass [B, Hkv, G, NB]
-        recall = (mass.mean(2) * selection.blocks.mask(self.max_blocks)).sum(-1)  # [B, Hkv]
-        error = relative_error(self._grouped(out), dense.out)  # [B, Hkv]
+        error against dense attention, per (row, KV head) — the eager runtime's definitions,
+        from the attention kernels: dense attention (out, lse) over every block, and one lse per
+        block of A, so mass(A) = Σ_{b∈A} exp(lse_b − lse_dense)."""
+        counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
+        dense_out, dense_lse = self._attend(layer, q, self.all_blocks, counts, lengths)  # [B, Hq, D], [B, Hq] fp32
+        _, block_lse = self._attend(layer, q, selection.blocks.indices, selection.blocks.count, lengths,
+                                    per_block=True)  # [B, Hq, |A|]; -inf for padding entries
+        mass = torch.exp(block_lse - dense_lse.unsqueeze(-1)).sum(-1)  # [B, Hq]
+        recall = mass.view(self.batch, self.hkv, self.group).mean(-1)  # [B, Hkv]
+        error = relative_error(self._grouped(out), self._grouped(dense_out))  # [B, Hkv]
         self.mass_recall[layer] += recall.sum()
         self.output_relerr[layer] += error.sum()
         self.measured[layer] += recall.numel()

@@ -559,10 +559,10 @@ class GraphDecoder:
         self._shared(q, lengths, spec_out, spec_lse)
         out, lse, keep = self._repair(layer, q, selection, lengths, spec_out, spec_lse, fp32=compensates)
         # P may be overwritten (next step's prediction) once the repair has read it.
+        self._note(layer, selection)  # (its counters read P: before the side stream may rewrite it)
         planned = torch.cuda.Event() if self.side is not None and p.overlap else None
         if planned is not None:
             planned.record()
-        self._note(layer, selection)
         if compensates:
             out = self._compensated(layer, q, out, lse, selection, lengths)
         if predictor is None:  # P is set from outside: nothing to learn

@@ -574,8 +574,10 @@ class GraphDecoder:
         with self._side():  # learn from A; history-only predictors write next step's P now
             predictor.update(self.predictor_state, layer, selection)
             if predictor.history_only:
-                bs = p.block_size  # the next step's context holds pos + 2 tokens
-                self._propose(layer, q, (self.pos + 1 + bs).div(bs, rounding_mode="floor"))
+                # The next step's context holds lengths + 1 tokens. (From `lengths`, made at the
+                # step's start: `pos` advances on the main stream while this side work may still run.)
+                bs = p.block_size
+                self._propose(layer, q, (lengths + bs).div(bs, rounding_mode="floor"))
         return out, selection
 
     def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,

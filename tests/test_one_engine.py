@@ -22,13 +22,20 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 SELECTORS = sorted(p.stem for p in (ROOT / "conf" / "selector").glob("*.yaml"))
 PREDICTORS = sorted(p.stem for p in (ROOT / "conf" / "predictor").glob("*.yaml"))
-# 2 layers (layer 0 dense), 16 steps; sinks + newest forced in a top-K of 6 blocks of 16.
-COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration_tokens=12"]
-CASES = [(s, "ema") for s in SELECTORS] + [(s, "last_step") for s in ("quest",)] + \
-        [("quest", p) for p in PREDICTORS if p not in ("ema", "last_step")] + \
-        [("quest", "ema", "selector.gqa_reduce=sum"), ("quest", "ema", "selector.gqa_reduce=union"),
-         ("quest", "ema", "runtime.mode=shadow"), ("infllm", "last_step", "runtime.dense_metrics_every=3"),
-         ("less", "ema", "runtime.repair_mode=superset")]
+# 2 layers (layer 0 dense), 16 steps; sinks + newest forced in a top-K of 6 blocks of 16;
+# dense metrics on every 4th step (the engine's sampled-step graphs and the always-measured ones).
+COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration_tokens=12",
+          "runtime.dense_metrics_every=4"]
+# `make test`: every selector and every predictor config at least once (each predictor paired
+# with a selector other than Quest where it can be), and every mode and Quest GQA reduction.
+CASES = [("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
+         ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),
+         ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3"),
+         ("infllm", "query_similarity"), ("less", "ema_calibrated", "runtime.repair_mode=superset"),
+         ("dense", "ema")]
+# `make test-full` adds the rest of every selector x ema and Quest x every predictor.
+MORE_CASES = [c for c in [(s, "ema") for s in SELECTORS] + [("quest", p) for p in PREDICTORS] if c not in CASES]
+assert {c[0] for c in CASES} == set(SELECTORS) and {c[1] for c in CASES} == set(PREDICTORS)
 
 
 def overrides(selector: str, predictor: str, *extra: str) -> list[str]:
@@ -48,14 +55,14 @@ def case_id(case: tuple[str, ...]) -> str:
     return "-".join(x.split("=")[-1] for x in case)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + [pytest.param(c, marks=pytest.mark.slow) for c in MORE_CASES], ids=case_id)
 def test_graph_engine_runs_the_same_algorithm(tmp_path, case):
     check_same_algorithm(tmp_path, case, [])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + MORE_CASES, ids=case_id)
 def test_captured_engine_runs_the_same_algorithm_on_a_gpu(tmp_path, case):
     """The same on a GPU, fp32: the engine's steps are CUDA-graph replays with speculation on a
     second stream; the eager runtime runs the same objects op by op, with backend=triton so

@@ -1,6 +1,6 @@
 """Decode-latency benchmark of PRR against serial DSA, dense attention and the memory floors.
 
-    python experiments/bench_decode.py [--quick] [--parts stage,token] [--out experiments/results/h200/bench_decode]
+    python experiments/bench_decode.py [--quick] [--parts stage,token,matrix] [--out experiments/results/h200/bench_decode]
 
 Model: the Llama-3.1-8B shape (32 query / 8 KV heads, head_dim 128, 32 layers) with random
 bf16 weights and random KV contexts (timings do not depend on values), through
@@ -27,7 +27,14 @@ hit rate, precision and last-step overlap they had are counted in a separate, id
 Floor: bytes read per token (the weights, less the rows of an untied embedding table a step
 does not read, + KV + metadata) / bandwidth.
 
-Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_{stage,token}.csv;
+Part `matrix` (every conf/selector YAML × predictor none, last_step, ema, as run.py builds them):
+batch 1, 32K, block 16, K = 2048 tokens, dense layers 0 and 1, budget=fixed ratio 1 (|P| = |A|;
+every block for selector=dense), no torch.compile: per-token latency (the step's CUDA-graph
+replay), the attention stage per sparse layer, each over the same selector's serial DSA
+(predictor=none) in the same run, and the hit rate, precision and last-step overlap the
+engine's device counters give over the same steps (`matrix_rows`).
+
+Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_{stage,token,matrix}.csv;
 prints short tables last.
 """
 
@@ -131,7 +138,7 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
             positions = eng.step_positions()  # once per step, as GraphDecoder.step does
             for i in range(layers):
                 eng.attention(i, qs[i], ks[i], vs[i], positions)
-            eng._join()  # a captured graph must end with the side stream joined
+            eng.join()  # a captured graph must end with the side stream joined
         return attention_of_all_layers
 
     # The true selections at this position (advance never happens here: pos stays `context`).
@@ -371,6 +378,95 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     return rows
 
 
+# --- part 3: every selector × {none, last_step, ema} through the one engine ---------------------
+
+MATRIX_PREDICTORS = ("none", "last_step", "ema")
+
+
+def configured(group: str, name: str, **overrides):
+    """The object conf/<group>/<name>.yaml describes, with `overrides` (hydra instantiate): the
+    same classes and defaults run.py builds."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    return instantiate(OmegaConf.merge(OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml"), overrides))
+
+
+def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, model: Decoder, capacity: int,
+                steps: int, stage_repeats: int = 15) -> list[dict]:
+    """One row per predictor in MATRIX_PREDICTORS for `selector_name`'s YAML at K = topk_tokens:
+    the engine built from the run's objects (graph_plan, budget=fixed ratio 1, as run.py with
+    runtime.engine=graph builds it), a random context, then
+    - counted: `steps` real decode steps with the device counters on; hit rate, precision and
+      last-step overlap over steps 2.. (step 1 has no A_{t-1} and no P);
+    - token_us: the same steps again from the same state (checkpoint / restore), one CUDA-graph
+      replay each, counters off, median;
+    - stage_us: the attention stage of every sparse layer (append, select, speculate, repair,
+      merge, next P) captured once over all of them, per layer, median.
+    predictor=none is the selector's serial DSA; ema runs uncalibrated (α=0.8, β=γ=1: a random
+    context has nothing to calibrate on)."""
+    from types import SimpleNamespace
+
+    from prr.runtime.graph_run import graph_plan
+
+    overrides = {"dense_layers": [0, 1]}
+    if selector_name != "dense":
+        overrides["topk_blocks"] = topk_tokens // block
+    if selector_name == "less":  # random features: the trained map's model name is never read
+        overrides["feature_map_model"] = "unused"
+    budget = configured("budget", "fixed", ratio=1.0)
+    settings = SimpleNamespace(repair_mode="exact", mode="sparse", block_size=block)
+    max_blocks = -(-capacity // block)
+    rows = []
+    for predictor_name in MATRIX_PREDICTORS:
+        selector = configured("selector", selector_name, **overrides)
+        predictor = configured("predictor", predictor_name, **({"calibrate": False} if predictor_name == "ema" else {}))
+        plan = graph_plan(settings, selector, predictor, budget, max_blocks)
+        eng = GraphDecoder(model, plan, batch=1, max_tokens=capacity, selector=selector,
+                           predictor=predictor if predictor.speculates else None)
+        eng.fill_random_context(context, seed=1)
+        start = eng.checkpoint()
+        eng.count_hits = True
+        first = {}
+        for step in range(steps):
+            eng.step(advance=True)
+            if step == 0:
+                first = {k: sum(v) for k, v in eng.counters().items()}
+        n = {k: sum(v) for k, v in eng.counters().items()}  # summed over layers
+        eng.count_hits = False
+        eng.restore(start)
+        token_us = time_graph_us(lambda eng=eng: eng.step(advance=True), repeats=steps)
+        eng.restore(start)
+        sparse = [i for i in range(model.config.num_layers) if i not in plan.dense_layers]
+        gen = torch.Generator(device=eng.device).manual_seed(2)
+        hq, hkv, d = eng.hq, eng.hkv, eng.d
+        qkv = {i: [torch.randn(1, h, d, generator=gen, device=eng.device).to(model.dtype) for h in (hq, hkv, hkv)]
+               for i in sparse}
+
+        def stage(eng=eng, qkv=qkv, sparse=sparse):
+            positions = eng.step_positions()
+            for i in sparse:
+                eng.attention(i, *qkv[i], positions)
+            eng.join()
+        stage_us = time_graph_us(stage, repeats=stage_repeats) / len(sparse)
+        later = {k: n[k] - first[k] for k in n}  # steps 2..: step 1 has no A_{t-1} and no P yet
+        rows.append(dict(selector=selector_name, predictor=predictor_name, context=context, block=block,
+                         topk_tokens=topk_tokens, variant=plan.variant,
+                         topk_blocks=max_blocks if selector.selects_every_block else plan.topk_blocks,
+                         predicted_blocks=plan.predicted_blocks, token_us=token_us, stage_us=stage_us,
+                         hit_rate=later["hits"] / later["selected"] if predictor.speculates else None,
+                         precision=later["hits"] / later["predicted"] if later["predicted"] else None,
+                         last_step_overlap=later["overlap"] / later["selected"] if later["selected"] else None,
+                         counted_steps=steps, sparse_layers=len(sparse)))
+        del eng, qkv
+        torch.cuda.empty_cache()
+    serial = rows[0]  # predictor=none: this selector's serial DSA, timed in the same run
+    for r in rows:
+        r["token_over_serial"] = r["token_us"] / serial["token_us"]
+        r["stage_over_serial"] = r["stage_us"] / serial["stage_us"]
+    return rows
+
+
 def fits(batch: int, context: int, layers: int, weight_gib: float) -> bool:
     kv_gib = 2 * batch * 8 * context * 128 * BF16 * layers / 2**30
     free = torch.cuda.mem_get_info()[0] / 2**30
@@ -384,6 +480,8 @@ def main() -> None:
     parser.add_argument("--stage-layers", type=int, default=4, help="caches the stage timing walks through")
     parser.add_argument("--no-compile", action="store_true", help="per-token runs without torch.compile")
     parser.add_argument("--steps", type=int, default=48, help="timed decode steps (graph replays) per variant")
+    parser.add_argument("--selectors", default="dense,exact,quest,infllm,less",
+                        help="part matrix: conf/selector YAMLs to run (each × none, last_step, ema)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_decode")
     args = parser.parse_args()
     if 4 * args.steps + 64 > HEADROOM:
@@ -395,7 +493,7 @@ def main() -> None:
     print(f"{env['gpu']}: bandwidth for the floors {bandwidth / 1e12:.2f} TB/s ("
           + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in bw.items()) + ")", flush=True)
     results = {"command": "python " + " ".join(sys.argv), "environment": env, "copy_bandwidth": bw,
-               "hit_rates": HIT_RATES, "stage": [], "token": []}
+               "hit_rates": HIT_RATES, "stage": [], "token": [], "matrix": []}
     parts = set(args.parts.split(","))
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -438,6 +536,17 @@ def main() -> None:
             save()
             print(f"token B={b} ctx={c} bs={bs} K={k} {sel}: " + ", ".join(
                 f"{r['variant']}{'' if r['cuda_graphs'] else '(eager)'} {r['token_us']:.0f}" for r in rows), flush=True)
+    if "matrix" in parts:
+        model = model_of(32)
+        c = 32768
+        for sel in args.selectors.split(","):
+            rows = matrix_rows(sel, c - HEADROOM, 16, 2048, model, capacity=c, steps=args.steps)
+            results["matrix"].extend(rows)
+            save()
+            print(f"matrix {sel}: " + ", ".join(f"{r['predictor']} {r['token_us']:.0f} µs/token "
+                                                 f"{r['stage_us']:.1f} µs/layer" for r in rows), flush=True)
+        del model
+        torch.cuda.empty_cache()
     save()
     try:
         import pandas as pd
@@ -455,6 +564,12 @@ def main() -> None:
         df = pd.DataFrame(results["token"]).assign(command=results["command"])
         df.to_csv(args.out.parent / (args.out.name + "_token.csv"), index=False)
         print(df.round(3).to_string(index=False))
+    if results["matrix"]:
+        df = pd.DataFrame(results["matrix"]).assign(command=results["command"])
+        df.to_csv(args.out.parent / (args.out.name + "_matrix.csv"), index=False)
+        cols = ["selector", "predictor", "variant", "predicted_blocks", "token_us", "token_over_serial", "stage_us",
+                "stage_over_serial", "hit_rate", "precision", "last_step_overlap"]
+        print(df[cols].round(3).to_string(index=False))
 
 
 if __name__ == "__main__":

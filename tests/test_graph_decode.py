@@ -68,7 +68,10 @@ def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
     assert selected > 0 and 0 < hits <= selected  # the predictor hit something
 
 
-@pytest.mark.parametrize("variant,fuse_merge", [("serial", True), ("dense", True), ("serial", "one_wave")])
+# make test runs the default (one_wave); every split fused is in make test-full and on the GPU.
+@pytest.mark.parametrize("variant,fuse_merge", [pytest.param("serial", True, marks=pytest.mark.slow),
+                                                pytest.param("dense", True, marks=pytest.mark.slow),
+                                                ("serial", "one_wave")])
 def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     """plan.fuse_merge (splits merged inside the split kernel) decodes what the merge launch does."""
     kwargs = dict(variant=variant, topk_blocks=12)  # 12 blocks of 16: two splits of 128 tokens
@@ -83,7 +86,8 @@ def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     assert int(engine.merge_arrivals.abs().sum()) == 0  # re-armed
 
 
-@pytest.mark.parametrize("selector,predictor", [("quest", "ema_membership"), ("infllm", "last_step")])
+@pytest.mark.parametrize("selector,predictor", [("quest", "ema_membership"),
+                                                pytest.param("infllm", "last_step", marks=pytest.mark.slow)])
 def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
     """plan.fused_repair (repair plan, repair and merge in one launch): the same logits as the
     three launches and as serial DSA (exact PRR), the same hits."""
@@ -257,7 +261,7 @@ def fused_projection_engine(plan: StaticPlan, device: str = DEVICE, context: int
     return engine
 
 
-@pytest.mark.parametrize("variant", ["serial", "prr"])
+@pytest.mark.parametrize("variant", [pytest.param("serial", marks=pytest.mark.slow), "prr"])
 def test_fused_projections_decode_like_torch_projections(variant):
     """projections="fused" (Triton GEMVs with the norms, SwiGLU and residual adds inside) gives
     the logits of the F.linear path, step after step (fp32: only summation order differs);."""
@@ -275,7 +279,7 @@ class _NoAppendLaunch:
         raise AssertionError("append_token launched: the q|k|v projection should have appended")
 
 
-@pytest.mark.parametrize("variant,selector", [("serial", "quest"), ("prr", "quest"),
+@pytest.mark.parametrize("variant,selector", [pytest.param("serial", "quest", marks=pytest.mark.slow), ("prr", "quest"),
                                               pytest.param("dense", "infllm", marks=pytest.mark.slow)])
 def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, selector):
     """Batch 1, projections="fused": the q|k|v GEMV also rotates q and k and appends K/V and the

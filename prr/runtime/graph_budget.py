@@ -99,7 +99,7 @@ def attention_stage_us(engine: GraphDecoder, variant: str, q: list[Tensor], k: l
         positions = engine.step_positions()
         for i in range(engine.num_layers):
             engine.attention(i, q[i], k[i], v[i], positions)
-        engine._join()
+        engine.join()
     return graph_median_us([stage], repeats) / engine.num_layers
 
 

@@ -425,7 +425,7 @@ class GraphDecoder:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             self._forked = True
 
-    def _join(self) -> None:
+    def join(self) -> None:
         """The main stream waits for the side stream's work (only if this step forked it:
         a graph capture refuses to wait on work it did not capture)."""
         if self._forked:
@@ -614,7 +614,7 @@ class GraphDecoder:
             spec = self._attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
                                 per_block=self.plan.repair_mode == "exact")
         selection = self.select(layer, q, lengths)
-        self._join()  # the speculation is done (the side stream's queue up to here)
+        self.join()  # the speculation is done (the side stream's queue up to here)
         return spec, selection
 
     def _repair(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, spec_out: Tensor,
@@ -695,7 +695,7 @@ class GraphDecoder:
         if advance:
             self.token.copy_(logits.argmax(-1, keepdim=True))
             self.pos.add_(1)
-        self._join()  # the side stream's last work (next-P writes) belongs to this step
+        self.join()  # the side stream's last work (next-P writes) belongs to this step
         return logits
 
     def _torch_layers(self, positions: tuple[Tensor, Tensor], split: list[int]) -> Tensor:

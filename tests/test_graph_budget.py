@@ -53,8 +53,31 @@ def test_profile_speculation_checks_its_engine_and_inputs():
                          batch=1, max_tokens=256)
     with pytest.raises(ValueError, match="contexts="):
         profile_speculation(fixed, [300])
-    with pytest.raises(ValueError, match="CUDA device"):
-        profile_speculation(fixed, [100])
+
+
+def test_profile_speculation_on_the_cpu_times_both_by_the_host_clock_and_caches(tmp_path, monkeypatch):
+    """No CUDA graphs on the CPU: both variants are timed eagerly by the host clock (under the
+    interpreter: a test of the machinery, each row says which timer), the choice follows the
+    margin rule, and a second call reads the cached table."""
+    from prr.model.config import ModelConfig
+    from prr.model.decoder import Decoder
+
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
+    config = ModelConfig(arch="llama", vocab_size=97, hidden_size=128, intermediate_size=160, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, rope_scaling=None,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096)
+    model = Decoder(config, torch.float32, "cpu").init_random_(seed=0)
+    engine = GraphDecoder(model, StaticPlan(variant="prr", predictor="fixed", topk_blocks=4, predicted_blocks=4,
+                                            dense_layers=(0,)), batch=1, max_tokens=160)
+    profile = profile_speculation(engine, [70, 130], margin=0.05)
+    assert [r["context"] for r in profile.rows] == [70, 130]
+    for row in profile.rows:
+        assert row["timer"] == "cpu_wall_clock" and row["serial_us"] > 0 and row["prr_us"] > 0
+        assert row["choice"] == ("prr" if row["prr_us"] < 0.95 * row["serial_us"] else "serial")
+    assert profile.choice(100) == profile.rows[0]["choice"] and profile.choice(10) == profile.rows[0]["choice"]
+    assert engine.plan.variant == "prr"  # the engine's plan is left as it was built
+    assert len(list((tmp_path / "budget").glob("graph-*.json"))) == 1
+    assert profile_speculation(engine, [70, 130], margin=0.05).rows == profile.rows  # read back, not re-timed
 
 
 @pytest.mark.gpu

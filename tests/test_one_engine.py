@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 SELECTORS = sorted(p.stem for p in (ROOT / "conf" / "selector").glob("*.yaml"))
 PREDICTORS = sorted(p.stem for p in (ROOT / "conf" / "predictor").glob("*.yaml"))
+BUDGETS = sorted(p.stem for p in (ROOT / "conf" / "budget").glob("*.yaml"))
 # 2 layers (layer 0 dense), 16 steps; sinks + newest forced in a top-K of 6 blocks of 16;
 # dense metrics on every 4th step (the engine's sampled-step graphs and the always-measured ones).
 COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration_tokens=12",
@@ -99,3 +100,27 @@ def test_a_dense_selection_with_a_partial_static_p_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="budget.ratio=1"):
         run_case(tmp_path, [*overrides("dense", "last_step"), "budget.ratio=0.5", "runtime.engine=graph"], "refused")
     assert not (tmp_path / "refused").exists()
+
+
+def test_every_budget_config_runs_in_the_graph_engine(tmp_path, monkeypatch):
+    """Every YAML in conf/budget under runtime.engine=graph (Quest + last-step P, exact repair):
+    each decodes serial DSA's tokens and records its decision: fixed |P| = |A|; profiled its
+    timed choice (on the CPU by the host clock: the machinery, not a speed claim); adaptive its
+    windows of serial and PRR steps."""
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path / "cache"))
+    base = [*TINY, "++model.num_layers=2", "selector=quest", "predictor=last_step"]
+    serial = run_case(tmp_path, [*base, "predictor=none", "runtime.engine=eager"], "serial")
+    for budget in BUDGETS:
+        graph = run_case(tmp_path, [*base, f"budget={budget}", "runtime.engine=graph"], budget)
+        assert graph["generated_token_ids"] == serial["generated_token_ids"], budget
+        setup = graph["budget_setup"]
+        if budget == "fixed":
+            assert graph["variant"] == "prr" and graph["predicted_blocks"] == 6 and 0 < graph["hit_rate"] <= 1
+        elif budget == "profiled":
+            (row,) = setup["profile"]
+            assert row["timer"] == "cpu_wall_clock" and setup["choice"] == row["choice"] == graph["variant"]
+        elif budget == "adaptive":
+            assert graph["variant"] == "adaptive"
+            assert setup["steps_prr"] + setup["steps_serial"] == graph["decode_steps"] == 6
+        else:
+            raise AssertionError(f"conf/budget/{budget}.yaml has no check here: add one")

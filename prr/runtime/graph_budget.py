@@ -3,8 +3,11 @@ from timings of the attention stage on the running device.
 
 For each profiled context the engine's cache is filled with random K/V, the true selections
 of random queries are taken, P is set to them with a share (1 − hit_rate) of blocks swapped
-for unselected ones, and the attention stage of every layer is timed (CUDA-graph replays)
-as serial DSA and as PRR. The choice at a context is PRR (|P| = |A|) only where it measured
+for unselected ones, and the attention stage of every layer is timed
+as serial DSA and as PRR: on a GPU as CUDA-graph replays (device time), on the CPU by the
+host clock over eager runs (no graphs there; under TRITON_INTERPRET=1 that times the
+interpreter, so a CPU choice is for tests of the machinery, not a speed claim; each row
+names its timer). The choice at a context is PRR (|P| = |A|) only where it measured
 faster by more than `margin`, else serial DSA (|P| = 0), so speculating never makes the step
 slower than the noise of the measurement. The table is cached per device, model shape,
 plan, batch, hit rate and contexts (cache_dir()/budget), like `budget=profiled`.
@@ -17,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +61,25 @@ def graph_median_us(calls: Sequence[Callable[[], object]], repeats: int = 15,
     return statistics.median(samples)
 
 
+def wall_median_us(calls: Sequence[Callable[[], object]], repeats: int = 3) -> float:
+    """Median µs per call of `calls` run eagerly by the host clock, after one warm-up run of
+    each (the CPU's timer: no CUDA graphs there)."""
+    for fn in calls:
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for fn in calls:
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return statistics.median(samples)
+
+
+def stage_timer(device: torch.device) -> str:
+    """The timer profile_speculation uses on `device`."""
+    return "cuda_graph_replay" if device.type == "cuda" else "cpu_wall_clock"
+
+
 def controlled_predictions(selection: tuple[Tensor, Tensor], hit_rate: float, num_blocks: int,
                            gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """P with |P| = |A| for A = selection (indices [B, Hkv, K] ascending, counts [B, Hkv]):
@@ -92,7 +115,8 @@ class SpeculationProfile:
 
 def attention_stage_us(engine: GraphDecoder, variant: str, q: list[Tensor], k: list[Tensor], v: list[Tensor],
                        repeats: int = 15) -> float:
-    """Median µs per layer of the attention stage of every layer as `variant` (graph-timed)."""
+    """Median µs per layer of the attention stage of every layer as `variant` (`stage_timer`:
+    graph replays on a GPU, the host clock on the CPU)."""
     engine.plan = dataclasses.replace(engine.plan, variant=variant)
 
     def stage() -> None:
@@ -100,7 +124,9 @@ def attention_stage_us(engine: GraphDecoder, variant: str, q: list[Tensor], k: l
         for i in range(engine.num_layers):
             engine.attention(i, q[i], k[i], v[i], positions)
         engine.join()
-    return graph_median_us([stage], repeats) / engine.num_layers
+    if stage_timer(engine.device) == "cuda_graph_replay":
+        return graph_median_us([stage], repeats) / engine.num_layers
+    return wall_median_us([stage], min(repeats, 3)) / engine.num_layers
 
 
 # PRR is chosen only when faster than serial DSA by more than this: timing the same ~20 µs graph
@@ -124,8 +150,6 @@ def profile_speculation(engine: GraphDecoder, contexts: Sequence[int], hit_rate:
         problems.append(f"hit_rate={hit_rate} must lie in [0, 1] and margin={margin} be >= 0")
     if not contexts or any(not 0 < c < engine.max_tokens for c in contexts):
         problems.append(f"contexts={list(contexts)} must be non-empty, each in [1, {engine.max_tokens})")
-    if engine.device.type != "cuda":
-        problems.append("profile_speculation times CUDA graphs: the engine must be on a CUDA device")
     if problems:
         raise ValueError("; ".join(problems))
     c = engine.model.config
@@ -157,7 +181,7 @@ def profile_speculation(engine: GraphDecoder, contexts: Sequence[int], hit_rate:
                 engine.set_predictions(i, *controlled_predictions(selection, hit_rate, num_blocks, host_gen))
         serial_us = attention_stage_us(engine, "serial", q, k, v)
         prr_us = attention_stage_us(engine, "prr", q, k, v)
-        rows.append({"context": context, "serial_us": serial_us, "prr_us": prr_us,
+        rows.append({"context": context, "timer": stage_timer(engine.device), "serial_us": serial_us, "prr_us": prr_us,
                      "choice": "prr" if prr_us < serial_us * (1.0 - margin) else "serial"})
     engine.plan = plan
     if use_cache:

@@ -12,8 +12,9 @@ Mapping from the config (anything else is refused by `graph_problems`, with the 
 selector=quest (gqa_reduce=max; sink_blocks, local_blocks + force_newest, dense_layers,
 topk_blocks carry over); predictor=none -> serial DSA; predictor=last_step -> PRR with
 P = last step's A (|P| = |A|); predictor=ema_membership -> PRR with the engine's EMA of
-membership (|P| = budget.ratio × |A| or budget.blocks). budget=profiled: on a GPU the
-engine times serial DSA against PRR at this prompt length and keeps the faster.
+membership (|P| = budget.ratio × |A| or budget.blocks). budget=profiled: the engine
+times serial DSA against PRR at this prompt length and keeps the faster (graph_budget.py:
+CUDA-graph replays on a GPU, the host clock on the CPU).
 budget=adaptive: both are captured and chosen online per window of steps by measured time
 and PRR's hit rate (graph_adaptive.py; of AdaptiveBudget's keys it reads ratio, min_hit and
 smoothing: the per-layer |P| rules are the eager runtime's, and are logged as unused). The
@@ -70,8 +71,6 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     if not predictor.speculates and budget.adapts_online:
         out.append(f"{head} with budget=adaptive chooses between serial DSA and PRR: it needs a predictor; "
                    "predictor=none is serial DSA already")
-    if predictor.speculates and budget.profiles and runtime.device == "cpu":
-        out.append(f"{head} with budget=profiled times CUDA graphs: use runtime=cuda (or budget=fixed)")
     prompt_blocks = getattr(task, "prompt_tokens", 0) // max(runtime.block_size, 1)
     if size is not None and not selector.selects_every_block and prompt_blocks and size > prompt_blocks:
         out.append(f"{head}: |P| = {size} blocks exceeds the prompt's {prompt_blocks} blocks; lower budget.ratio / "

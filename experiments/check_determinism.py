@@ -21,7 +21,8 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prr.runner import read_jsonl, run  # noqa: E402
+from prr.runner import run  # noqa: E402
+from prr.sinks import read_jsonl  # noqa: E402
 
 
 def main() -> None:

@@ -49,7 +49,8 @@ from prr.blocks import BlockSet  # noqa: E402
 from prr.cache import PagedKVCache  # noqa: E402
 from prr.config_check import validate  # noqa: E402
 from prr.predictors.base import Predictor  # noqa: E402
-from prr.runner import DTYPES, next_token  # noqa: E402
+from prr.run_inputs import DTYPES  # noqa: E402
+from prr.runner import next_token  # noqa: E402
 from prr.runtime.dsa_backend import DSABackend  # noqa: E402
 from prr.selectors.base import Selection  # noqa: E402
 

@@ -27,10 +27,11 @@ from torch import Tensor
 from prr.cache import PagedKVCache
 from prr.metrics import layer_step_rows, per_layer, summarize
 from prr.paths import write_json_atomic, write_text_atomic
-from prr.runtime.dsa_backend import DSABackend
+from prr.run_inputs import DTYPES
+from prr.runtime.dsa_backend import DSABackend, check_finite
 from prr.runtime.probe import StageProbe
 from prr.selectors.dense import DenseSelector
-from prr.sinks import JsonlWriter
+from prr.sinks import JsonlWriter, read_jsonl
 from prr.summary_table import format_summary
 from prr.tasks.base import Task
 from prr.tasks.samples import ByteTokenizer
@@ -90,8 +91,6 @@ class Engine:
         if model.tokenizer is None and mc.vocab_size < 256:
             raise ValueError(f"model {model.name!r} has no tokenizer and a vocab of {mc.vocab_size} < 256 byte ids")
         self.device = torch.device(self.settings.device)
-        from prr.runner import DTYPES
-
         self.dtype = DTYPES[self.settings.dtype]
         self.ops = instantiate(cfg.backend)
         self.budget = instantiate(cfg.budget)
@@ -187,8 +186,6 @@ class Engine:
 
     def _step(self, backend: DSABackend, token: int, position: int, step: int) -> Tensor:
         """One decode step of `token` at `position` -> logits [1, V]; records written."""
-        from prr.runner import check_finite
-
         t0 = time.perf_counter()
         with torch.inference_mode():
             logits = self.model.decoder(torch.tensor([[token]], device=self.device), position, backend)[:, -1]
@@ -263,8 +260,6 @@ class Engine:
 def evaluate_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     """The runner's path for scored tasks: every request through one engine, then the task's
     metrics (accuracy, perplexity, lm-eval scores) in summary.json and the logger."""
-    from prr.runner import read_jsonl
-
     torch.manual_seed(cfg.seed)
     task = instantiate(cfg.task)
     settings = instantiate(cfg.runtime)

@@ -185,7 +185,7 @@ def load_layers(*paths: str | Path) -> pd.DataFrame:
 def load_steps(*paths: str | Path, columns: list[str] | None = None) -> pd.DataFrame:
     """One row per (complete run, decode step, layer, batch row, KV head) from records/steps.jsonl.
     `columns` keeps only those metric columns (the index columns always stay): steps files are large."""
-    from prr.runner import read_jsonl  # the reader that skips a cut-off last line
+    from prr.sinks import read_jsonl  # the reader that skips a cut-off last line
 
     def read(run_dir: Path) -> pd.DataFrame | None:
         path = run_dir / "records" / "steps.jsonl"

@@ -18,11 +18,9 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -30,16 +28,18 @@ from tqdm.auto import tqdm
 
 from prr.cache import PagedKVCache
 from prr.config_check import validate
+from prr.evaluation import evaluate_run, is_evaluation_task
 from prr.metrics import layer_step_rows, per_layer, summarize
 from prr.paths import write_json_atomic, write_text_atomic
-from prr.runtime.dsa_backend import DSABackend
+from prr.run_inputs import build_run
+from prr.runtime.dsa_backend import DSABackend, check_finite
+from prr.runtime.graph_run import graph_decode_run
 from prr.runtime.probe import StageProbe
 from prr.selectors.dense import DenseSelector
-from prr.sinks import JsonlWriter
+from prr.sinks import JsonlWriter, read_jsonl
 from prr.summary_table import format_summary
 
 log = logging.getLogger("prr")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
@@ -88,9 +88,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     ok = False
     try:
         with terminate_as_interrupt():
-            from prr.evaluation import evaluate_run, is_evaluation_task
-            from prr.runtime.graph_run import graph_decode_run
-
             # Scored tasks (many requests: accuracy, perplexity, lm-eval) take the evaluation path;
             # runtime.engine=graph decodes through the CUDA-graph engine.
             if is_evaluation_task(instantiate(cfg.task)):
@@ -139,38 +136,6 @@ def count_lines(path: Path) -> int:
 
 def run_name(cfg: DictConfig) -> str:
     return "-".join(OmegaConf.select(cfg, f"{g}._target_").rsplit(".", 1)[-1] for g in ("selector", "predictor", "budget"))
-
-
-@dataclass
-class RunInputs:
-    """What a decode run builds from its config before any decoding."""
-
-    settings: Any
-    task: Any
-    selector: Any
-    predictor: Any
-    budget: Any
-    device: torch.device
-    dtype: torch.dtype
-    model: Any
-    load_s: float
-    prompt: Any
-    input_ids: torch.Tensor  # [B, T_prompt] on the device
-
-
-def build_run(cfg: DictConfig) -> RunInputs:
-    """Seed, instantiate the config groups, load the model, build the prompt (shared by
-    decode_run and prr.runtime.graph_run)."""
-    torch.manual_seed(cfg.seed)
-    settings = instantiate(cfg.runtime)
-    task = instantiate(cfg.task)
-    device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
-    t0 = time.perf_counter()
-    model = instantiate(cfg.model).load(settings.dtype, settings.device)
-    load_s = time.perf_counter() - t0
-    prompt = task.build(model.tokenizer, model.config.vocab_size, settings.batch_size)
-    return RunInputs(settings, task, instantiate(cfg.selector), instantiate(cfg.predictor), instantiate(cfg.budget),
-                     device, dtype, model, load_s, prompt, prompt.input_ids.to(device))
 
 
 def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
@@ -263,20 +228,3 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     logger.log_run(summary, layers, steps)
     print(format_summary(summary, layers))
     return summary
-
-
-def check_finite(logits: torch.Tensor, step: int, backend: DSABackend) -> None:
-    """NaN/Inf in a step's logits stop the run with the step and the first bad layer."""
-    if bool(torch.isfinite(logits).all()):
-        return
-    bad = backend.nonfinite_layers()
-    where = f"first in the attention output of layer {bad[0]}" if bad else "not in any attention output (MLP/norm?)"
-    raise FloatingPointError(f"non-finite logits at decode step {step}, {where}; non-finite attention layers: {bad}")
-
-
-def read_jsonl(path: Path) -> pd.DataFrame:
-    """Rows of a records file. A last line cut short by a killed writer is left out (the
-    file is appended one step at a time, so every earlier line is whole)."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    return pd.DataFrame([json.loads(line) for line in lines[:-1] if line.strip()])

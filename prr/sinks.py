@@ -143,3 +143,11 @@ def run_figures_module() -> Any:
         sys.modules["prr.analysis"] = module
         spec.loader.exec_module(module)
     return importlib.import_module("prr.analysis.run_figures")
+
+
+def read_jsonl(path: Path) -> pd.DataFrame:
+    """Rows of a records file. A last line cut short by a killed writer is left out (the
+    file is appended one step at a time, so every earlier line is whole)."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    return pd.DataFrame([json.loads(line) for line in lines[:-1] if line.strip()])

@@ -162,7 +162,7 @@ def test_graph_engine_bf16_selects_what_the_eager_runtime_selects():
     from hydra.utils import instantiate
 
     from prr.cache import PagedKVCache
-    from prr.runner import build_run
+    from prr.run_inputs import build_run
     from prr.runtime.dsa_backend import DSABackend
     from prr.runtime.graph_decode import GraphDecoder
     from prr.runtime.graph_run import graph_plan

@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 
 import prr.paths
 from prr.model.loading import CorruptModelFile, load_model
-from prr.runner import read_jsonl, run
+from prr.runner import run
+from prr.sinks import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny-random", "logger=none", "selector.dense_layers=[]", "task.prompt_tokens=300",

@@ -192,3 +192,12 @@ class DSABackend:
         measure_s, self.measure_s = self.measure_s, 0.0
         self.step += 1
         return records, measure_s
+
+
+def check_finite(logits: torch.Tensor, step: int, backend: DSABackend) -> None:
+    """NaN/Inf in a step's logits stop the run with the step and the first bad layer."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    bad = backend.nonfinite_layers()
+    where = f"first in the attention output of layer {bad[0]}" if bad else "not in any attention output (MLP/norm?)"
+    raise FloatingPointError(f"non-finite logits at decode step {step}, {where}; non-finite attention layers: {bad}")

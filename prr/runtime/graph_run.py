@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from prr.cache import PagedKVCache
 from prr.paths import write_json_atomic, write_text_atomic
+from prr.run_inputs import build_run
 from prr.runtime.graph_decode import StaticPlan
 from prr.sinks import JsonlWriter
 from prr.summary_table import format_summary
@@ -121,7 +122,6 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     layers.csv, generation.txt and summary.json like decode_run."""
     import dataclasses
 
-    from prr.runner import build_run
     from prr.runtime.dsa_backend import DSABackend
     from prr.runtime.graph_budget import profile_speculation
     from prr.runtime.graph_decode import GraphDecoder

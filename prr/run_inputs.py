@@ -1,0 +1,47 @@
+"""What a run builds from its config before any decoding: the seed, the config groups'
+objects, the model and the prompt (shared by the runner's decode, the graph engine's run and
+the evaluation path, so none of them imports another for it)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RunInputs:
+    """What a decode run builds from its config before any decoding."""
+
+    settings: Any
+    task: Any
+    selector: Any
+    predictor: Any
+    budget: Any
+    device: torch.device
+    dtype: torch.dtype
+    model: Any
+    load_s: float
+    prompt: Any
+    input_ids: torch.Tensor  # [B, T_prompt] on the device
+
+
+def build_run(cfg: DictConfig) -> RunInputs:
+    """Seed, instantiate the config groups, load the model, build the prompt (shared by
+    decode_run and prr.runtime.graph_run)."""
+    torch.manual_seed(cfg.seed)
+    settings = instantiate(cfg.runtime)
+    task = instantiate(cfg.task)
+    device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
+    t0 = time.perf_counter()
+    model = instantiate(cfg.model).load(settings.dtype, settings.device)
+    load_s = time.perf_counter() - t0
+    prompt = task.build(model.tokenizer, model.config.vocab_size, settings.batch_size)
+    return RunInputs(settings, task, instantiate(cfg.selector), instantiate(cfg.predictor), instantiate(cfg.budget),
+                     device, dtype, model, load_s, prompt, prompt.input_ids.to(device))

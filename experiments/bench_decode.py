@@ -57,10 +57,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 from bench_kernels import copy_bandwidth, environment  # noqa: E402
+from prr.kernels import prr_merge, quest  # noqa: E402
 
 from prr.model.decoder import Decoder  # noqa: E402
 from prr.model.zoo import ZOO  # noqa: E402
-from prr.runtime.dense_layer import pre_attention  # noqa: E402
 from prr.runtime.graph_budget import (  # noqa: E402
     DEFAULT_MARGIN,
     controlled_predictions,
@@ -131,14 +131,14 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
 
     def run(variant: str, overlap: bool = True, repair_mode: str = "exact", fuse_merge: bool | str = False,
             fused_repair: bool | str = "auto"):
-        eng.plan = dataclasses.replace(plan, variant=variant, overlap=overlap, repair_mode=repair_mode,
-                                       fuse_merge=fuse_merge, fused_repair=fused_repair)
+        view = eng.with_plan(variant=variant, overlap=overlap, repair_mode=repair_mode, fuse_merge=fuse_merge,
+                             fused_repair=fused_repair)
 
         def attention_of_all_layers():
-            positions = eng.step_positions()  # once per step, as GraphDecoder.step does
+            positions = view.step_positions()  # once per step, as GraphDecoder.step does
             for i in range(layers):
-                eng.attention(i, qs[i], ks[i], vs[i], positions)
-            eng.join()  # a captured graph must end with the side stream joined
+                view.attention(i, qs[i], ks[i], vs[i], positions)
+            view.join()  # a captured graph must end with the side stream joined
         return attention_of_all_layers
 
     # The true selections at this position (advance never happens here: pos stays `context`).
@@ -147,7 +147,6 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     selections = [eng.last_selection[i] for i in range(layers)]
     num_blocks = context // block + 1
     lengths = eng.pos + 1  # [B] tokens at this step (the engine's step_positions()[0])
-    kq, kp = eng._k["quest"], eng._k["prr_merge"]
 
     def per_layer(fn) -> float:
         return time_graph_us(fn) / layers
@@ -163,14 +162,14 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     def select_only():  # the token's metadata update, then A: the selection part of the engine's layer
         for i in range(layers):
             if eng.kernel_metadata:  # Quest: the running key max / min the append kernel keeps
-                kq.quest_update(*eng.selector.metadata(eng.cache, i), ks[i], eng.pos, block)
+                quest.quest_update(*eng.selector.metadata(eng.cache, i), ks[i], eng.pos, block)
             else:  # InfLLM: the selector's own update of the token's block (GraphDecoder.attention's)
                 eng.selector.append_metadata(eng.cache, i, eng.pos)
             eng.select(i, qs[i], lengths)
     out["stage_select"] = per_layer(select_only)
     a_idx = [s[0] for s in selections]
     a_cnt = [s[1] for s in selections]
-    out["stage_attend_A"] = per_layer(lambda: [eng._attend(i, qs[i], a_idx[i], a_cnt[i], lengths)
+    out["stage_attend_A"] = per_layer(lambda: [eng.attend(i, qs[i], a_idx[i], a_cnt[i], lengths)
                                                for i in range(layers)])
     rows = []
     for hit in HIT_RATES:
@@ -183,26 +182,25 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         t["prr_fused_repair"] = per_layer(run("prr", fused_repair=True))  # plan + repair + merge: one launch
         t["prr_no_overlap"] = per_layer(run("prr", overlap=False))
         t["prr_superset"] = per_layer(run("prr", repair_mode="superset", fused_repair=False))
-        t["stage_speculate"] = per_layer(lambda: [eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths,
+        t["stage_speculate"] = per_layer(lambda: [eng.attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths,
                                                               per_block=True) for i in range(layers)])
-        plans = [kp.repair_plan(a_idx[i], a_cnt[i], eng.pred_idx[i], eng.pred_cnt[i], eng.scratch)
+        plans = [prr_merge.repair_plan(a_idx[i], a_cnt[i], eng.pred_idx[i], eng.pred_cnt[i], eng.scratch)
                  for i in range(layers)]
-        spec = [eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True) for i in range(layers)]
-        rep = [eng._attend(i, qs[i], plans[i][0], plans[i][1], lengths, merge_splits=False) for i in range(layers)]
+        spec = [eng.attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True) for i in range(layers)]
+        rep = [eng.attend(i, qs[i], plans[i][0], plans[i][1], lengths, merge_splits=False) for i in range(layers)]
 
         def repair_stage(plans=plans):  # the plan, then attention over A \ P (splits left unmerged)
             for i in range(layers):
-                kp.repair_plan(a_idx[i], a_cnt[i], eng.pred_idx[i], eng.pred_cnt[i], eng.scratch)
-                eng._attend(i, qs[i], plans[i][0], plans[i][1], lengths, merge_splits=False)
+                prr_merge.repair_plan(a_idx[i], a_cnt[i], eng.pred_idx[i], eng.pred_cnt[i], eng.scratch)
+                eng.attend(i, qs[i], plans[i][0], plans[i][1], lengths, merge_splits=False)
 
         def merge_stage(plans=plans, spec=spec, rep=rep):
             for i in range(layers):
-                kp.merge_speculation(spec[i][0], spec[i][1], plans[i][2], rep[i][0], rep[i][1])
+                prr_merge.merge_speculation(spec[i][0], spec[i][1], plans[i][2], rep[i][0], rep[i][1])
         t["stage_repair"] = per_layer(repair_stage)
         t["stage_merge"] = per_layer(merge_stage)
 
         def overlap_stage():  # PRR's step up to the join: append, then select ∥ speculate; no repair, no merge
-            eng.plan = plan
             positions = eng.step_positions()
             for i in range(layers):
                 q = eng.append(i, qs[i], ks[i], vs[i])
@@ -290,21 +288,20 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         eng.pos.copy_(start)
         floor = floors["dense" if name.startswith("dense") else "sparse"]
         rows.append(dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
-                         variant=name, cuda_graphs=graphs, compiled=eng._pre is not pre_attention and eng.projections == "torch",
-                         projections=eng.projections,
+                         variant=name, cuda_graphs=graphs, compiled=eng.compiled and eng.plan.projections == "torch",
+                         projections=eng.plan.projections,
                          pdl=os.environ.get("PRR_PDL", "0") == "1",
                          hit_rate=hit,
                          token_us=us, floor_us=floor,
                          over_floor=us / floor, **extra))
 
     def record_fused(name: str, eng: GraphDecoder, hit: float | None) -> None:
-        """`name` again with the fused Triton projections (GraphDecoder(projections="fused")),
+        """`name` again with the fused Triton projections (a view with plan.projections="fused"),
         graphs on, PDL off (name_fused) and on (name_fused_pdl)."""
-        eng.projections = "fused"
+        fused = eng.with_plan(projections="fused")
         for on, suffix in ((False, "_fused"), (True, "_fused_pdl")):
             with pdl(on):
-                record(name + suffix, eng, advance=False, hit=hit)
-        eng.projections = "torch"
+                record(name + suffix, fused, advance=False, hit=hit)
 
     if compile:  # what compiling the dense parts buys: serial DSA without it, graphs on
         eng = GraphDecoder(model, dataclasses.replace(base, variant="serial"), batch=batch, max_tokens=capacity)
@@ -317,19 +314,16 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     profile = profile_speculation(eng, [context], hit_rate=0.9, use_cache=False, seed=7)
     eng.fill_random_context(context, seed=1)
     for name in ("dense", "serial"):
-        eng.plan = dataclasses.replace(base, variant=name)
+        view = eng.with_plan(variant=name)
         for graphs in (True, False):
-            record(name, eng, advance=False, hit=None, graphs=graphs)
+            record(name, view, advance=False, hit=None, graphs=graphs)
         if batch == 1:
-            record_fused(name, eng, hit=None)
+            record_fused(name, view, hit=None)
     if batch == 1:  # every split merged by a merge launch (the default merges one-wave launches in the split kernel)
-        eng.plan = dataclasses.replace(base, variant="serial", fuse_merge=False)
-        record_fused("serial_mergelaunch", eng, hit=None)
-    eng.plan = dataclasses.replace(base, variant="serial")
-    eng.step(advance=False)
+        record_fused("serial_mergelaunch", eng.with_plan(variant="serial", fuse_merge=False), hit=None)
+    eng.with_plan(variant="serial").step(advance=False)
     torch.cuda.synchronize()
     selections = list(eng.last_selection)
-    eng.plan = base
     for hit in (1.0, 0.9, 0.68):
         hgen = torch.Generator().manual_seed(int(hit * 1000))
         for i, s in enumerate(selections):
@@ -340,17 +334,14 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         if hit == 1.0 and batch == 1:
             record_fused(f"prr_fixed_{hit:.2f}", eng, hit=hit)
         if hit in (1.0, 0.9):  # PRR's tail in three launches (plan.fused_repair=False; the default is "auto")
-            eng.plan = dataclasses.replace(base, fused_repair=False)
-            record(f"prr_threelaunch_{hit:.2f}", eng, advance=False, hit=hit)
+            three = eng.with_plan(fused_repair=False)
+            record(f"prr_threelaunch_{hit:.2f}", three, advance=False, hit=hit)
             if batch == 1:
-                record_fused(f"prr_threelaunch_{hit:.2f}", eng, hit=hit)
-            eng.plan = base
+                record_fused(f"prr_threelaunch_{hit:.2f}", three, hit=hit)
         if hit == 0.9:  # the profiled choice, timed on the same data as the other variants
-            eng.plan = dataclasses.replace(base, variant=profile.choice(context))
-            record("prr_profiled_0.90", eng, advance=False, hit=hit)
+            record("prr_profiled_0.90", eng.with_plan(variant=profile.choice(context)), advance=False, hit=hit)
             rows[-1]["profiled_choice"] = profile.choice(context)
             rows[-1]["profile"] = json.dumps(profile.rows[0])
-            eng.plan = base
     del eng
     # Real predictors (the engine's prr.predictors objects) decode for real: count the hit rate in
     # one pass, time an identical one from the same state (checkpoint / restore rewinds the
@@ -360,14 +351,13 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity, compile=compile)
         eng.fill_random_context(context, seed=1)
         start = eng.checkpoint()
-        eng.count_hits = True
+        counted = eng.with_plan(count_hits=True)  # the same step with the device counters
         first = {}
         for step in range(steps):
-            eng.step(advance=True)
+            counted.step(advance=True)
             if step == 0:  # the first step has no A_{t-1}: left out of the last-step overlap
                 first = {k: sum(v) for k, v in eng.counters().items()}
         n = {k: sum(v) for k, v in eng.counters().items()}  # |A|, |P|, |P ∩ A|, |A_t ∩ A_t-1| over layers
-        eng.count_hits = False
         eng.restore(start)
         later = n["selected"] - first["selected"]
         record(f"prr_{predictor}", eng, advance=True, hit=n["hits"] / max(n["selected"], 1),
@@ -426,14 +416,13 @@ def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, 
                            predictor=predictor if predictor.speculates else None)
         eng.fill_random_context(context, seed=1)
         start = eng.checkpoint()
-        eng.count_hits = True
+        counted = eng.with_plan(count_hits=True)  # the same step with the device counters
         first = {}
         for step in range(steps):
-            eng.step(advance=True)
+            counted.step(advance=True)
             if step == 0:
                 first = {k: sum(v) for k, v in eng.counters().items()}
         n = {k: sum(v) for k, v in eng.counters().items()}  # summed over layers
-        eng.count_hits = False
         eng.restore(start)
         token_us = time_graph_us(lambda eng=eng: eng.step(advance=True), repeats=steps)
         eng.restore(start)

@@ -8,13 +8,12 @@ torch.profiler and sums each kernel's device time per step (device durations do 
 launch gaps, so the sum is below the step's wall time; the gap is printed too). Writes
 DIR/profile_decode_{variant}_{selector}_{batch}x{context}_bs{block}_k{topk}[_pdl][_fused][_fusemerge].csv and
 prints the table. --pdl launches prr's kernels with programmatic dependent launch (kernels/pdl.py);
---projections fused uses prr.kernels.dense_gemv for the projections (GraphDecoder(projections=)).
+--projections fused uses prr.kernels.dense_gemv for the projections (StaticPlan.projections).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -56,17 +55,15 @@ def main() -> None:
     k = args.topk_tokens // args.block
     plan = StaticPlan(variant=args.variant, selector=args.selector, topk_blocks=k, predicted_blocks=k,
                       predictor="fixed", block_size=args.block,
-                      fuse_merge={"off": False, "on": True, "one_wave": "one_wave"}[args.fuse_merge])
-    eng = GraphDecoder(model, plan, batch=args.batch, max_tokens=args.context, compile=True,
-                       projections=args.projections)
+                      fuse_merge={"off": False, "on": True, "one_wave": "one_wave"}[args.fuse_merge],
+                      projections=args.projections)
+    eng = GraphDecoder(model, plan, batch=args.batch, max_tokens=args.context, compile=True)
     eng.fill_random_context(args.context - HEADROOM, seed=1)
     if args.variant == "prr":  # P = last step's A: a 100% hit rate at a fixed position
-        eng.plan = dataclasses.replace(plan, variant="serial")
-        eng.step(advance=False)
+        eng.with_plan(variant="serial").step(advance=False)
         for i, s in enumerate(eng.last_selection):
             if s is not None:
                 eng.set_predictions(i, *s)
-        eng.plan = plan
     for _ in range(3):
         eng.step(advance=False)
     graph_us = time_graph_us(lambda: eng.step(advance=False), repeats=20)

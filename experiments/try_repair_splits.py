@@ -16,7 +16,6 @@ hit rates; every PRR output is checked against serial DSA's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -45,9 +44,10 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
     positions = eng.step_positions()
 
     def stage(**changes):
+        view = eng.with_plan(**changes)
+
         def fn():
-            eng.plan = dataclasses.replace(plan, **changes)
-            return [eng.attention(i, qs[i], None, None, positions, appended=True) for i in range(LAYERS)]
+            return [view.attention(i, qs[i], None, None, positions, appended=True) for i in range(LAYERS)]
         return fn
 
     outs_serial = [o.clone() for o in stage(variant="serial")()]

@@ -17,7 +17,6 @@ high priority; PRR's output is checked against serial DSA's (exact mode) every t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -51,9 +50,10 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
     default_side = eng.side
 
     def stage(variant: str, tokens: int | None = None):
+        view = eng.with_plan(variant=variant, speculation_tokens_per_program=tokens)
+
         def fn():
-            eng.plan = dataclasses.replace(plan, variant=variant, speculation_tokens_per_program=tokens)
-            return [eng.attention(i, qs[i], None, None, positions, appended=True) for i in range(LAYERS)]
+            return [view.attention(i, qs[i], None, None, positions, appended=True) for i in range(LAYERS)]
         return fn
 
     outs_serial = [o.clone() for o in stage("serial")()]
@@ -65,17 +65,19 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
             eng.select(i, qs[i], lengths)
 
     def spec_only(tokens):
+        view = eng.with_plan(speculation_tokens_per_program=tokens)
+
         def fn():
-            eng.plan = dataclasses.replace(plan, speculation_tokens_per_program=tokens)
             for i in range(LAYERS):
-                eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
+                view.attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
         return fn
 
     def overlap_only(tokens):  # select ∥ speculate, joined; nothing after
+        view = eng.with_plan(speculation_tokens_per_program=tokens)
+
         def fn():
-            eng.plan = dataclasses.replace(plan, speculation_tokens_per_program=tokens)
             for i in range(LAYERS):
-                eng.speculate_beside_selection(i, qs[i], lengths, nb_t)
+                view.speculate_beside_selection(i, qs[i], lengths, nb_t)
         return fn
 
     rows = []

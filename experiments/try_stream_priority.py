@@ -17,7 +17,6 @@ serial DSA's (exact mode) in both.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -64,10 +63,10 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
     default_side = eng.side
 
     def stage(variant: str):
-        eng.plan = dataclasses.replace(plan, variant=variant)
+        view = eng.with_plan(variant=variant)  # (a view takes the engine's side stream as it is now)
 
         def fn():
-            return [eng.attention(i, qs[i], None, None, positions, appended=True) for i in range(LAYERS)]
+            return [view.attention(i, qs[i], None, None, positions, appended=True) for i in range(LAYERS)]
         return fn
 
     outs_serial = [o.clone() for o in stage("serial")()]
@@ -79,10 +78,9 @@ def rows_for(batch: int, context: int, block: int, topk_tokens: int, model, stre
 
     def spec_only():
         for i in range(LAYERS):
-            eng._attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
+            eng.attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
 
     def overlap_only():  # select ∥ speculate, joined; nothing after
-        eng.plan = plan
         for i in range(LAYERS):
             eng.speculate_beside_selection(i, qs[i], lengths, nb_t)
 

@@ -4,6 +4,7 @@ TRITON_INTERPRET=1, one stream. GPU (-m gpu, TRITON_INTERPRET=0): two streams an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -59,8 +60,7 @@ def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
     plan = StaticPlan(variant="serial", selector=selector, topk_blocks=6, sink_blocks=1, recent_blocks=1)
     serial = decode(make(plan), 4)
     prr_engine = make(StaticPlan(variant="prr", selector=selector, topk_blocks=6, predictor=predictor,
-                                 predicted_blocks=predicted))
-    prr_engine.count_hits = True
+                                 predicted_blocks=predicted, count_hits=True))
     for step, (a, b) in enumerate(zip(serial, decode(prr_engine, 4), strict=True)):
         torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
     counts = prr_engine.counters()
@@ -94,9 +94,7 @@ def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
     kwargs = dict(variant="prr", selector=selector, topk_blocks=6, predictor=predictor,
                   predicted_blocks=6 if predictor == "last_step" else 8)
     serial = decode(make(StaticPlan(variant="serial", selector=selector, topk_blocks=6)), 3)
-    engines = [make(StaticPlan(fused_repair=fused, **kwargs)) for fused in (False, True)]
-    for e in engines:
-        e.count_hits = True
+    engines = [make(StaticPlan(fused_repair=fused, count_hits=True, **kwargs)) for fused in (False, True)]
     three, fused = (decode(e, 3) for e in engines)
     for step, (a, b, c) in enumerate(zip(serial, three, fused, strict=True)):
         torch.testing.assert_close(c, b, rtol=2e-5, atol=2e-5, msg=f"step {step}")
@@ -156,8 +154,7 @@ def test_one_wave_fuses_the_merge_only_where_every_split_has_an_sm():
 
 
 def test_fixed_predictions_set_from_the_true_selection_hit_everything():
-    engine = make(StaticPlan(variant="prr", topk_blocks=5, predicted_blocks=5, predictor="fixed"))
-    engine.count_hits = True
+    engine = make(StaticPlan(variant="prr", topk_blocks=5, predicted_blocks=5, predictor="fixed", count_hits=True))
     pos = engine.pos.clone()
     engine.step(advance=False)  # learn A at this position (P empty: everything repaired)
     assert sum(engine.counters()["hits"]) == 0
@@ -256,7 +253,7 @@ def test_compiled_graph_equals_eager_on_the_gpu():
 
 def fused_projection_engine(plan: StaticPlan, device: str = DEVICE, context: int = 203, batch: int = 2) -> GraphDecoder:
     model = Decoder(CONFIG, torch.float32, device).init_random_(seed=3, std=0.05)
-    engine = GraphDecoder(model, plan, batch=batch, max_tokens=context + 40, projections="fused")
+    engine = GraphDecoder(model, dataclasses.replace(plan, projections="fused"), batch=batch, max_tokens=context + 40)
     engine.fill_random_context(context, seed=5)
     return engine
 
@@ -287,12 +284,10 @@ def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, select
     of the F.linear path, and leaves the caches and metadata of the two-launch fused path."""
     plan = StaticPlan(variant=variant, selector=selector, topk_blocks=6, predicted_blocks=8)
     want = decode(make(plan, batch=1), 3)
-    two = fused_projection_engine(plan, batch=1)
-    assert two._paired_qkv is not None  # built with the engine, not inside a first (captured) step
-    two.fuse_append = False  # dense_gemv, then append_token(rope=...)
+    two = fused_projection_engine(dataclasses.replace(plan, fuse_append=False), batch=1)  # dense_gemv, then append_token(rope=...)
     two_launches = decode(two, 3)
-    one = make(plan, batch=1)
-    one.projections = "fused"  # as benchmarks switch it: the paired weights are built on first use
+    one = make(plan, batch=1).with_plan(projections="fused")  # a view: its paired weights built with it
+    assert one._paired["weights"] is not None  # not inside a first (captured) step
     one._k = {**one._k, "cache_append": _NoAppendLaunch()}
     got = decode(one, 3)
     for a, b, c in zip(want, two_launches, got, strict=True):
@@ -311,8 +306,8 @@ def test_fused_append_follows_in_place_edits_of_the_model_weights():
     """The paired q|k|v copy is refreshed when the model's q|k|v weights change in place (a
     reload), so the one-launch path keeps decoding what the two-launch path decodes."""
     plan = StaticPlan(variant="serial", topk_blocks=6)
-    one, two = fused_projection_engine(plan, batch=1), fused_projection_engine(plan, batch=1)
-    two.fuse_append = False
+    one = fused_projection_engine(plan, batch=1)
+    two = fused_projection_engine(dataclasses.replace(plan, fuse_append=False), batch=1)
     paired = one.paired_qkv_weights()[0][0]
     with torch.no_grad():
         one.model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # a view into the fused q|k|v weight
@@ -325,7 +320,27 @@ def test_fused_append_follows_in_place_edits_of_the_model_weights():
 def test_unknown_projections_are_refused():
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
     with pytest.raises(ValueError, match="projections='cublas' is not one of"):
-        GraphDecoder(model, StaticPlan(variant="serial", topk_blocks=6), batch=1, max_tokens=64, projections="cublas")
+        GraphDecoder(model, StaticPlan(variant="serial", topk_blocks=6, projections="cublas"), batch=1, max_tokens=64)
+
+
+def test_a_view_runs_another_plan_over_the_same_buffers_and_changes_neither_plan():
+    """with_plan: serial DSA as a view of a PRR engine decodes what a serial engine decodes,
+    advancing the shared position and cache; the engine's own plan is untouched; what sizes the
+    buffers cannot change in a view, and a serial engine has no P for a PRR view."""
+    kwargs = dict(topk_blocks=6, predictor="last_step", predicted_blocks=6)
+    want = decode(make(StaticPlan(variant="serial", **kwargs)), 2)
+    engine = make(StaticPlan(variant="prr", **kwargs))
+    view = engine.with_plan(variant="serial", count_hits=True)
+    for a, b in zip(want, decode(view, 2), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    assert engine.plan.variant == "prr" and not engine.plan.count_hits and view.plan.variant == "serial"
+    assert int(engine.pos[0]) == 205 and sum(engine.counters()["selected"]) > 0  # shared state and counters
+    with pytest.raises(ValueError, match=r"\['topk_blocks'\] size the engine's buffers"):
+        engine.with_plan(topk_blocks=8)
+    with pytest.raises(ValueError, match="needs an engine built with variant='prr'"):
+        make(StaticPlan(variant="serial", topk_blocks=6)).with_plan(variant="prr")
+    with pytest.raises(ValueError, match="variant='fast' is not one of"):
+        engine.with_plan(variant="fast")
 
 
 @pytest.mark.gpu

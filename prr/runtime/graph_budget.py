@@ -117,13 +117,13 @@ def attention_stage_us(engine: GraphDecoder, variant: str, q: list[Tensor], k: l
                        repeats: int = 15) -> float:
     """Median µs per layer of the attention stage of every layer as `variant` (`stage_timer`:
     graph replays on a GPU, the host clock on the CPU)."""
-    engine.plan = dataclasses.replace(engine.plan, variant=variant)
+    view = engine.with_plan(variant=variant)
 
     def stage() -> None:
-        positions = engine.step_positions()
-        for i in range(engine.num_layers):
-            engine.attention(i, q[i], k[i], v[i], positions)
-        engine.join()
+        positions = view.step_positions()
+        for i in range(view.num_layers):
+            view.attention(i, q[i], k[i], v[i], positions)
+        view.join()
     if stage_timer(engine.device) == "cuda_graph_replay":
         return graph_median_us([stage], repeats) / engine.num_layers
     return wall_median_us([stage], min(repeats, 3)) / engine.num_layers
@@ -170,10 +170,10 @@ def profile_speculation(engine: GraphDecoder, contexts: Sequence[int], hit_rate:
     rows = []
     for context in sorted(contexts):
         engine.fill_random_context(context, seed=seed)
-        engine.plan = dataclasses.replace(plan, variant="serial")
-        positions = engine.step_positions()
+        serial = engine.with_plan(variant="serial")
+        positions = serial.step_positions()
         for i in range(engine.num_layers):  # the true A of each layer at this context
-            engine.attention(i, q[i], k[i], v[i], positions)
+            serial.attention(i, q[i], k[i], v[i], positions)
         host_gen = torch.Generator().manual_seed(seed)
         num_blocks = context // plan.block_size + 1
         for i, selection in enumerate(engine.last_selection):
@@ -183,7 +183,6 @@ def profile_speculation(engine: GraphDecoder, contexts: Sequence[int], hit_rate:
         prr_us = attention_stage_us(engine, "prr", q, k, v)
         rows.append({"context": context, "timer": stage_timer(engine.device), "serial_us": serial_us, "prr_us": prr_us,
                      "choice": "prr" if prr_us < serial_us * (1.0 - margin) else "serial"})
-    engine.plan = plan
     if use_cache:
         write_json_atomic(path, {"key": key, "rows": rows})
     return SpeculationProfile(tuple(rows), key)

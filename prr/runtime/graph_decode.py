@@ -34,6 +34,7 @@ the engine against the eager runtime: same A, P, tokens and hit rates).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -113,6 +114,19 @@ class StaticPlan:
     fused_repair: bool | str = "auto"
     # fused_repair: tokens of A each of its programs covers (None: prr_repair.default_splits).
     repair_tokens_per_split: int | None = None
+    # The dense parts' projections: "torch" (F.linear, i.e. cuBLAS, with the norms / SiLU /
+    # residual adds as separate kernels) or "fused" (prr.kernels.dense_gemv: each projection one
+    # Triton launch with its RMSNorm, SwiGLU or residual add inside; 4 launches per layer's dense
+    # part; faster than cuBLAS at batch 1 on the H200, slower at batch 8).
+    projections: str = "torch"
+    # Batch 1 with fused projections: RoPE and the cache append folded into the q|k|v projection
+    # (prr.kernels.qkv_append; one launch fewer per layer); False: the two-launch path.
+    fuse_append: bool = True
+    # Device counters of |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}| per layer (a few launches per sparse
+    # layer: off while timing), read once per window by `GraphDecoder.counters`.
+    count_hits: bool = False
+    # Dense-reference metrics (mass recall, output error) on this step (every step in shadow mode).
+    measure_dense: bool = False
 
     def problems(self) -> list[str]:
         out = []
@@ -121,6 +135,8 @@ class StaticPlan:
                                      ("repair_mode", self.repair_mode, REPAIR_MODES), ("mode", self.mode, MODES)):
             if value not in allowed:
                 out.append(f"{name}={value!r} is not one of {list(allowed)}")
+        if self.projections not in PROJECTIONS:
+            out.append(f"projections={self.projections!r} is not one of {list(PROJECTIONS)}")
         if self.topk_blocks < self.sink_blocks + self.recent_blocks or self.topk_blocks < 1:
             out.append(f"topk_blocks={self.topk_blocks} must be >= sink_blocks + recent_blocks "
                        f"({self.sink_blocks} + {self.recent_blocks}) and >= 1")
@@ -164,19 +180,14 @@ class GraphDecoder:
     """Static buffers and the decode step of `model` for `batch` rows of up to `max_tokens`."""
 
     def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False,
-                 projections: str = "torch", selector: Selector | None = None, predictor: Predictor | None = None,
+                 selector: Selector | None = None, predictor: Predictor | None = None,
                  cache: PagedKVCache | None = None) -> None:
         """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
         the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
-        (RoPE runs in the cache-append kernel, or at batch 1 with fused projections in the q|k|v
-        projection's.)
-        projections: "torch" (F.linear, i.e. cuBLAS, with the norms / SiLU / residual adds as
-        separate kernels) or "fused" (prr.kernels.dense_gemv: each projection one Triton launch
-        with its RMSNorm, SwiGLU or residual add inside; 4 launches per layer's dense part;
-        faster than cuBLAS at batch 1 on the H200, slower at batch 8). At batch 1 "fused" also
-        folds RoPE and the cache append into the q|k|v projection (prr.kernels.qkv_append; one
-        launch fewer per layer) unless `fuse_append` is set False.
-        An attribute: benchmarks switch it between captures, as they switch `plan`.
+        (RoPE runs in the cache-append kernel, or at batch 1 with plan.projections="fused" in the
+        q|k|v projection's.)
+        The plan never changes: another variant or launch choice over the same buffers is
+        another engine view, `with_plan(**changes)`, captured on its own.
         selector / predictor: the run's prr.selectors / prr.predictors objects (default: built
         from `plan`, `StaticPlan.make_selector` / `make_predictor`); the plan's topk / sink /
         recent / dense-layer fields then describe nothing (the selector's own settings rule).
@@ -199,16 +210,10 @@ class GraphDecoder:
         c = model.config
         if c.num_heads % c.num_kv_heads:
             raise ValueError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
-        if projections not in PROJECTIONS:
-            raise ValueError(f"projections={projections!r} is not one of {list(PROJECTIONS)}")
         self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, prr_repair=prr_repair,
                        step_counters=step_counters,
                        qkv_append=qkv_append, quest=quest, sparse_decode=sparse_decode, topk=topk)
-        self.projections = projections
-        # Batch 1, projections="fused": q|k|v GEMV + RoPE + append in one launch (an attribute, so
-        # benchmarks can time the two-launch path too).
-        self.fuse_append = True
-
+        self.compiled = compile
         self.model, self.plan, self.batch = model, plan, batch
         self.device, self.dtype = model.device, model.dtype
         self.selector = selector if selector is not None else plan.make_selector()
@@ -239,8 +244,8 @@ class GraphDecoder:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         dev, B, H, NB = self.device, batch, self.hkv, self.max_blocks
         self.keys, self.values = cache.keys, cache.values  # [B, Hkv, T_max, D] per layer
-        # Sparse layers keep metadata whatever the variant, so one engine can time every variant
-        # (bench_decode switches `plan` between variants over the same cache).
+        # Sparse layers keep metadata whatever the variant, so views of one engine (`with_plan`)
+        # can run every variant over the same cache.
         self.sparse = [not self.selector.is_dense_layer(i) for i in range(self.num_layers)]
         # Selection in Triton where the selector has kernels (Quest), torch ops otherwise.
         self.selector.set_backend("triton")
@@ -254,7 +259,7 @@ class GraphDecoder:
         cos, sin = rope_cos_sin(torch.arange(self.max_tokens, device=dev), model.rope.inv_freq.to(dev))
         self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # [T_max, D]
         self.all_blocks = torch.arange(NB, dtype=torch.int32, device=dev).expand(B, H, NB).contiguous()
-        prr = plan.variant == "prr"  # P buffers exist only when built for prr (switching to prr later is refused)
+        prr = plan.variant == "prr"  # P buffers exist only when built for prr (a prr view of another is refused)
         # The oracle's P is A itself: A's capacity, whatever the plan's |P|.
         oracle = self.predictor is not None and self.predictor.needs_current_selection
         cap = self.topk_capacity if oracle else plan.predicted_blocks
@@ -269,18 +274,15 @@ class GraphDecoder:
         self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
         # fuse_merge's and fused_repair's, main stream (their kernels run one after the other there)
         self.merge_arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
-        # Optional device counters (off while timing: they add launches), per layer, summed over
-        # steps, rows and KV heads: read once per window (`counters()`).
-        self.count_hits = False
+        # Device counters (plan.count_hits), per layer, summed over steps, rows and KV heads.
         # [L, 4, B * Hkv] int64: |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}| (prr.kernels.step_counters)
         self.step_counts = torch.zeros(self.num_layers, 4, B * H, dtype=torch.int64, device=dev)
         self.counter_scratch = step_counters.counter_scratch(B, H, NB, dev)
         kcap = self.topk_capacity
         self.prev_idx = [torch.zeros(B, H, kcap, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
         self.prev_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
-        # Dense-reference metrics of sampled steps (measure_dense set before building / capturing
-        # the step; every step in shadow mode): sums over measured (row, KV head)s, per layer.
-        self.measure_dense = False
+        # Dense-reference metrics of sampled steps (plan.measure_dense; every step in shadow
+        # mode): sums over measured (row, KV head)s, per layer.
         self.mass_recall = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
         self.output_relerr = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
         self.measured = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
@@ -295,10 +297,36 @@ class GraphDecoder:
             self._post = torch.compile(post_attention, dynamic=False, fullgraph=True)
             self._final = torch.compile(final_norm, dynamic=False, fullgraph=True)
         self.no_delta = torch.zeros(B, 1, c.hidden_size, dtype=self.dtype, device=dev)  # the first layer's
-        self._paired_qkv: list[tuple[Tensor, Tensor | None]] | None = None  # see paired_qkv_weights
-        self._paired_versions: list[tuple[int, ...]] = []
+        # paired_qkv_weights' copy and the weight versions it was made from; one dict that every
+        # `with_plan` view shares, so views never hold a second copy.
+        self._paired: dict[str, list] = {"weights": None, "versions": []}
         if self._appends_in_projection():
             self.paired_qkv_weights()  # now rather than inside a first step (that may be a capture)
+
+    # Plan fields that size the engine's buffers or name its objects: equal in every view.
+    BUFFER_FIELDS = ("selector", "topk_blocks", "predicted_blocks", "predictor", "ema_alpha", "mode", "block_size",
+                     "sink_blocks", "recent_blocks", "dense_layers", "infllm_representatives")
+
+    def with_plan(self, **changes) -> GraphDecoder:
+        """This engine running another plan: the same buffers, cache, metadata, selector,
+        predictor and state tensors, with `changes` to the step's choices (variant, overlap,
+        repair_mode, fuse_merge, fused_repair, *_per_*, projections, fuse_append, count_hits,
+        measure_dense). Each view's step is captured on its own; neither plan ever changes.
+        variant="prr" needs an engine built for prr (its P buffers)."""
+        plan = dataclasses.replace(self.plan, **changes)
+        problems = plan.problems()
+        fixed = sorted(set(changes) & set(self.BUFFER_FIELDS))
+        if fixed:
+            problems.append(f"{fixed} size the engine's buffers or name its objects: build another GraphDecoder")
+        if plan.variant == "prr" and self.scratch is None:
+            problems.append(f"variant='prr' needs an engine built with variant='prr' (this one: {self.plan.variant!r})")
+        if problems:
+            raise ValueError("GraphDecoder.with_plan: " + "; ".join(problems))
+        view = copy.copy(self)  # shares every buffer and list; only the plan and the per-step fork flag differ
+        view.plan, view._forked = plan, False
+        if view._appends_in_projection():
+            view.paired_qkv_weights()  # now rather than inside a first step (that may be a capture)
+        return view
 
     # --- context ------------------------------------------------------------------------
     @torch.no_grad()
@@ -441,9 +469,13 @@ class GraphDecoder:
         """q: [B, Hq, D] -> [B, Hkv, G, D] (a view)."""
         return q.view(self.batch, self.hkv, self.group, self.d)
 
-    def _attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
+    def attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
                 merge_splits: bool = True, final: bool = False):
-        """final: this is the layer's output (main stream): merged in the model dtype (no cast
+        """Attention of q [B, Hq, D] over the blocks idx [B, Hkv, C] (counts cnt [B, Hkv]) of this
+        layer's cache, lengths [B] tokens -> (out [B, Hq, D], lse [B, Hq]) fp32, or with per_block
+        one state per block ([B, Hq, C, D], [B, Hq, C]), or with merge_splits=False the kernel's
+        unmerged split partials (prr.kernels.sparse_decode).
+        final: this is the layer's output (main stream): merged in the model dtype (no cast
         launch before the output projection), in the split kernel when plan.fuse_merge (its
         arrival workspace serves one stream). per_block (speculation): programs of
         plan.speculation_tokens_per_program tokens each."""
@@ -505,7 +537,7 @@ class GraphDecoder:
         if not self.kernel_metadata:  # the selector's own metadata update (InfLLM, LESS)
             self.selector.append_metadata(self.cache, layer, self.pos)
         out, selection = self._sparse(layer, q, lengths, num_blocks)
-        if self.measure_dense or p.mode == "shadow":
+        if p.measure_dense or p.mode == "shadow":
             self._measure(layer, q, out, selection, lengths, num_blocks)
         if p.mode == "shadow":  # the dense output continues the model; the sparse one was measured
             return self._dense(layer, q, lengths, num_blocks)
@@ -514,7 +546,7 @@ class GraphDecoder:
     def _dense(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor) -> Tensor:
         """Attention over every block of the context -> [B, Hq, D] in the model dtype."""
         counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
-        return self._attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
+        return self.attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
 
     def _measure(self, layer: int, q: Tensor, out: Tensor, selection: Selection, lengths: Tensor,
                  num_blocks: Tensor) -> None:
@@ -524,8 +556,8 @@ class GraphDecoder:
         from the attention kernels: dense attention (out, lse) over every block, and one lse per
         block of A, so mass(A) = Σ_{b∈A} exp(lse_b − lse_dense)."""
         counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
-        dense_out, dense_lse = self._attend(layer, q, self.all_blocks, counts, lengths)  # [B, Hq, D], [B, Hq] fp32
-        _, block_lse = self._attend(layer, q, selection.blocks.indices, selection.blocks.count, lengths,
+        dense_out, dense_lse = self.attend(layer, q, self.all_blocks, counts, lengths)  # [B, Hq, D], [B, Hq] fp32
+        _, block_lse = self.attend(layer, q, selection.blocks.indices, selection.blocks.count, lengths,
                                     per_block=True)  # [B, Hq, |A|]; -inf for padding entries
         mass = torch.exp(block_lse - dense_lse.unsqueeze(-1)).sum(-1)  # [B, Hq]
         recall = mass.view(self.batch, self.hkv, self.group).mean(-1)  # [B, Hkv]
@@ -543,15 +575,15 @@ class GraphDecoder:
             self._note(layer, selection)
             idx, cnt = selection.blocks.indices, selection.blocks.count
             if not compensates:
-                return self._attend(layer, q, idx, cnt, lengths, final=True)[0], selection
-            out, lse = self._attend(layer, q, idx, cnt, lengths)
+                return self.attend(layer, q, idx, cnt, lengths, final=True)[0], selection
+            out, lse = self.attend(layer, q, idx, cnt, lengths)
             return self._compensated(layer, q, out, lse, selection, lengths), selection
 
         predictor = self.predictor
         if predictor is not None and predictor.needs_current_selection:  # the oracle: P = A, no overlap
             selection = self.select(layer, q, lengths)
             self._propose(layer, q, num_blocks, selection)
-            spec = self._attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
+            spec = self.attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
                                 per_block=p.repair_mode == "exact")
         else:
             spec, selection = self.speculate_beside_selection(layer, q, lengths, num_blocks)
@@ -611,7 +643,7 @@ class GraphDecoder:
         with self._side():
             if self.predictor is not None and not self.predictor.history_only:
                 self._propose(layer, q, num_blocks)
-            spec = self._attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
+            spec = self.attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
                                 per_block=self.plan.repair_mode == "exact")
         selection = self.select(layer, q, lengths)
         self.join()  # the speculation is done (the side stream's queue up to here)
@@ -634,7 +666,7 @@ class GraphDecoder:
         kp = self._k["prr_merge"]
         miss_idx, miss_cnt, keep = kp.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)
         # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
-        rep_out, rep_lse = self._attend(layer, q, miss_idx, miss_cnt, lengths, merge_splits=False)
+        rep_out, rep_lse = self.attend(layer, q, miss_idx, miss_cnt, lengths, merge_splits=False)
         if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
             spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
             keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
@@ -664,7 +696,7 @@ class GraphDecoder:
         |P ∩ A| and |A_t ∩ A_{t-1}| to the layer's device counters (one launch; any repair mode)."""
         idx, cnt = selection.blocks.indices, selection.blocks.count
         self.last_selection[layer] = (idx, cnt)
-        if not self.count_hits:
+        if not self.plan.count_hits:
             return
         speculating = self.plan.variant == "prr"
         self._k["step_counters"].step_counters(idx, cnt, self.pred_idx[layer] if speculating else None,
@@ -688,7 +720,7 @@ class GraphDecoder:
         back when advance). Graph-capturable: no host synchronisation, static shapes."""
         positions = self.step_positions()
         split = [self.hq, self.hkv, self.hkv]
-        if self.projections == "fused":
+        if self.plan.projections == "fused":
             logits = self._fused_layers(positions, split)
         else:
             logits = self._torch_layers(positions, split)
@@ -733,7 +765,7 @@ class GraphDecoder:
         return gemv(x, head.weight, head.bias, norm_weight=m.model.norm.weight, eps=m.model.norm.eps)  # [B, V]
 
     def _appends_in_projection(self) -> bool:
-        return self.projections == "fused" and self.batch == 1 and self.fuse_append
+        return self.plan.projections == "fused" and self.batch == 1 and self.plan.fuse_append
 
     def paired_qkv_weights(self) -> list[tuple[Tensor, Tensor | None]]:
         """Per layer (wqkv [(Hq + 2 Hkv) D, H], bqkv [(Hq + 2 Hkv) D] or None) with the q and k
@@ -749,22 +781,23 @@ class GraphDecoder:
                                                *layer.self_attn.k_proj.parameters(),
                                                *layer.self_attn.v_proj.parameters()) if t is not None)
                     for w, layer in zip(self.fused, self.model.model.layers, strict=True)]
-        if self._paired_qkv is not None and versions == self._paired_versions:
-            return self._paired_qkv
+        paired = self._paired
+        if paired["weights"] is not None and versions == paired["versions"]:
+            return paired["weights"]
         if capturing:
             raise RuntimeError("the paired q|k|v weights are (re)built before use: run a step before capturing "
                                "(capture() warms up first), or call paired_qkv_weights()")
         perm = self._k["qkv_append"].rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device)
         with torch.no_grad():
-            if self._paired_qkv is None:
-                self._paired_qkv = [(w.wqkv[perm], None if w.bqkv is None else w.bqkv[perm]) for w in self.fused]
+            if paired["weights"] is None:
+                paired["weights"] = [(w.wqkv[perm], None if w.bqkv is None else w.bqkv[perm]) for w in self.fused]
             else:  # the model changed in place: refresh the copy where it is
-                for w, (pw, pb) in zip(self.fused, self._paired_qkv, strict=True):
+                for w, (pw, pb) in zip(self.fused, paired["weights"], strict=True):
                     torch.index_select(w.wqkv, 0, perm, out=pw)
                     if pb is not None:
                         torch.index_select(w.bqkv, 0, perm, out=pb)
-        self._paired_versions = versions
-        return self._paired_qkv
+        paired["versions"] = versions
+        return paired["weights"]
 
     def capture(self, fn, warmup: int = 2) -> torch.cuda.CUDAGraph:
         """Capture `fn()` (e.g. lambda: d.step(False)) after `warmup` eager calls on a side

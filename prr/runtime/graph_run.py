@@ -165,9 +165,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         budget_info["calibration"] = calibration
 
     speculating = plan.variant == "prr"
+    plan = dataclasses.replace(plan, projections=settings.graph_projections())
     engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda",
-                          projections=settings.graph_projections(), selector=selector,
-                          predictor=predictor if speculating else None, cache=cache)
+                          selector=selector, predictor=predictor if speculating else None, cache=cache)
     first = logits.argmax(-1)  # [B] greedy
     engine.begin(prompt_len, first)
     if speculating:
@@ -186,31 +186,26 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of steps, by measured "
                  "time and PRR's hit rate (min_hit=%s); unused here (eager-only per-layer rules): %s",
                  plan.predicted_blocks, budget.min_hit, ", ".join(EAGER_ONLY_ADAPTIVE))
-    # Device counters (|A|, |P|, hits, last-step overlap: a few small reductions per sparse layer)
-    # are part of the step, read once per window.
-    engine.count_hits = True
     steps = task.max_new_tokens
     outputs = torch.zeros(settings.batch_size, steps + 2, dtype=torch.long, device=device)  # each step's token
 
-    def step() -> None:  # one decode step; its greedy token lands in outputs[:, step index] on the device
-        engine.step(advance=True)
-        outputs.index_copy_(1, (engine.pos[:1] - prompt_len - 1).long(), engine.token)
-
-    # One step function per variant this run can take (adaptive: both, over the same cache).
-    plans = {"serial": dataclasses.replace(plan, variant="serial"), "prr": plan} if adaptive else {plan.variant: plan}
+    # One view of the engine per variant this run can take (adaptive: both, over the same cache).
     # Steps that also measure against dense attention (runtime.dense_metrics_every; shadow mode
-    # measures every step) are a second step function of each variant.
+    # measures every step) are a second view of each variant. Every view counts |A|, |P|, hits
+    # and last-step overlap on the device (a few small reductions per sparse layer), read once
+    # per window.
+    variants = ("serial", "prr") if adaptive else (plan.variant,)
     every = 1 if plan.mode == "shadow" else settings.dense_metrics_every
     measures = (True,) if every == 1 else (True, False)
 
-    def stepper(variant: str, measure: bool):
-        def run() -> None:  # plan and flags are read while the step is built (eager) or captured
-            engine.plan = plans[variant]
-            engine.measure_dense = measure
-            step()
+    def stepper(view: GraphDecoder):
+        def run() -> None:  # one decode step of this view; its greedy token lands in outputs[:, step index]
+            view.step(advance=True)
+            outputs.index_copy_(1, (view.pos[:1] - prompt_len - 1).long(), view.token)
         return run
 
-    replays = {(variant, m): stepper(variant, m) for variant in plans for m in measures}
+    replays = {(variant, m): stepper(engine.with_plan(variant=variant, measure_dense=m, count_hits=True))
+               for variant in variants for m in measures}
     if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: rewind it
         with torch.inference_mode():  # (the prefill's tensors are inference tensors)
             start = engine.checkpoint()  # after each capture, and before the decode, to the prompt's end
@@ -308,7 +303,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "budget": OmegaConf.to_container(cfg.budget, resolve=True),
         "mode": plan.mode,
         "repair_mode": plan.repair_mode,
-        "projections": engine.projections,
+        "projections": engine.plan.projections,
         "variant": "adaptive" if chooser is not None else plan.variant,  # adaptive: per step in tokens.jsonl
         "device": device_name(device),
         "prompt_tokens": prompt_len,

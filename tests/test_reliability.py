@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 
 import prr.paths
 from prr.model.loading import CorruptModelFile, load_model
+from prr.results_store import hydra_choices, run_row
 from prr.runner import run
 from prr.sinks import read_jsonl
 
@@ -182,6 +183,43 @@ def test_a_finished_run_is_skipped_and_never_overwritten(tmp_path):
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "r").rglob("*") if p.is_file()}
     with pytest.raises(FileExistsError, match="never overwrites"):
         run(tiny_cfg("predictor=last_step"), tmp_path / "r")
+
+
+def launch(run_dir, *overrides):
+    """run.py as a user starts it, into run_dir."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+
+
+def snapshot(folder):
+    """Every file and folder under folder; files with their mtime (ns) and sha256."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            if p.is_file() else "dir" for p in sorted(folder.rglob("*"))}
+
+
+def test_a_refused_relaunch_leaves_the_finished_run_and_its_hydra_record_as_they_were(tmp_path):
+    out = tmp_path / "r"
+    first = launch(out, "predictor=ema")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert hydra_choices(out)["predictor"] == "ema"
+    before = snapshot(out)
+    refused = launch(out, "predictor=last_step")
+    assert refused.returncode != 0 and "holds a finished run of a different config" in refused.stderr
+    assert snapshot(out) == before  # .hydra/ too: Hydra's record is written only for a run that goes ahead
+    assert run_row(out)["predictor"] == "ema"
+    skipped = launch(out, "predictor=ema")
+    assert skipped.returncode == 0 and "skipped" in skipped.stdout
+    assert snapshot(out) == before
+
+
+def test_a_refused_relaunch_adds_no_file_to_a_run_written_without_hydra(tmp_path):
+    out = tmp_path / "r"
+    run(tiny_cfg(), out)  # no .hydra/, no log file
+    before = snapshot(out)
+    refused = launch(out, "predictor=last_step")
+    assert refused.returncode != 0 and "holds a finished run of a different config" in refused.stderr
+    assert snapshot(out) == before
 
 
 def test_an_interrupted_run_runs_again(tmp_path):

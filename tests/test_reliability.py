@@ -4,6 +4,7 @@
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,24 +52,43 @@ def test_intact_converted_weights_load(converted_dir):
     assert load_model(str(converted_dir)).config.num_layers == 2
 
 
-def test_flipped_byte_fails_the_checksum(converted_dir):
-    weights = converted_dir / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-5] ^= 0xFF
-    weights.write_bytes(bytes(data))
-    with pytest.raises(CorruptModelFile, match="checksum mismatch.*delete"):
-        load_model(str(converted_dir))
-
-
-def test_truncated_and_garbage_weights_are_named(converted_dir):
-    weights = converted_dir / "model.safetensors"
+def corrupt(weights, how):
     data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CorruptModelFile, match="model.safetensors"):
+    if how == "flipped byte":
+        weights.write_bytes(data[:-5] + bytes([data[-5] ^ 0xFF]) + data[-4:])
+    elif how == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        weights.write_bytes(b"\xff" * 64)
+
+
+CORRUPTIONS = {"flipped byte": "checksum mismatch", "truncated": "model.safetensors", "garbage": "not a safetensors file"}
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_corrupt_file_in_the_users_own_model_dir_is_named_and_never_to_be_deleted(converted_dir, how):
+    corrupt(converted_dir / "model.safetensors", how)
+    with pytest.raises(CorruptModelFile, match=CORRUPTIONS[how]) as err:
         load_model(str(converted_dir))
-    weights.write_bytes(b"\xff" * 64)
-    with pytest.raises(CorruptModelFile, match="not a safetensors file"):
-        load_model(str(converted_dir))
+    assert str(err.value).startswith(str(converted_dir / "model.safetensors"))
+    assert "delete" not in str(err.value)
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_corrupt_file_in_prrs_conversion_cache_is_named_with_its_dir_to_delete(converted_dir, tmp_path, monkeypatch,
+                                                                              how):
+    from prr.model.loading import gguf_cache_path
+
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: its conversion is already in the cache
+    cached = gguf_cache_path(gguf, prr.paths.cache_dir())
+    shutil.copytree(converted_dir, cached)  # what a finished conversion leaves there
+    corrupt(cached / "model.safetensors", how)
+    with pytest.raises(CorruptModelFile, match=CORRUPTIONS[how]) as err:
+        load_model(str(gguf))
+    assert str(err.value).startswith(str(cached / "model.safetensors"))
+    assert f"delete {cached} (prr's conversion cache) to reconvert it" in str(err.value)
 
 
 # --- crashes and kills ------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from prr.runner import run
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     try:
-        summary = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        summary = run(cfg, Path(hydra_cfg.runtime.output_dir), hydra_cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

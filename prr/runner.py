@@ -7,6 +7,7 @@ Run directory layout (Hydra's run dir):
   records/tokens.jsonl     one row per decode step: token, latency
   layers.csv               per-layer aggregates
   generation.txt           the prompt's description and the generated text
+  .hydra/                  Hydra's record of the job (config, hydra.yaml, overrides), when Hydra launched it
 """
 
 from __future__ import annotations
@@ -73,7 +74,21 @@ def finished_run(run_dir: Path, config_yaml: str) -> dict[str, Any] | None:
     return summary
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def write_hydra_record(run_dir: Path, cfg: DictConfig, hydra_cfg: DictConfig) -> None:
+    """Hydra's record of a job in run_dir/.hydra, the three files Hydra itself writes when
+    hydra.output_subdir is set. conf/config.yaml sets it to null so that they are written
+    here, only once the run goes ahead: Hydra would write them before the job starts, over
+    the record of a finished run that the job then refuses or skips (and results_store reads
+    the run's group choices from .hydra/hydra.yaml)."""
+    record = run_dir / ".hydra"
+    write_text_atomic(record / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text_atomic(record / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
+    write_text_atomic(record / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.overrides.task))
+
+
+def run(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig | None = None) -> dict[str, Any]:
+    """hydra_cfg: the job's Hydra settings (HydraConfig.get()) when Hydra launched it,
+    recorded in run_dir/.hydra once the run goes ahead."""
     validate(cfg)  # every problem at once, before anything loads
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     done = finished_run(run_dir, config_yaml)
@@ -81,6 +96,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         print(f"prr: {run_dir} already holds this run, complete; skipped")
         return done
     run_dir.mkdir(parents=True, exist_ok=True)
+    if hydra_cfg is not None:
+        write_hydra_record(run_dir, cfg, hydra_cfg)
     write_text_atomic(run_dir / "config.yaml", config_yaml)
     write_json_atomic(run_dir / "summary.json", {"status": "running"})
     logger = instantiate(cfg.logger)

@@ -66,6 +66,45 @@ def test_bad_input_is_one_clear_error(override, message):
         validate(cfg(*TINY, override))
 
 
+PERPLEXITY = ["model=tiny-random", "selector.dense_layers=[]", "selector.topk_blocks=8", "task=perplexity",
+              "task.context_tokens=256", "task.score_tokens=8"]
+
+
+@pytest.mark.parametrize(
+    "content,task,message",
+    [
+        (b"text\x00" * 200, TINY, r"is binary, not text \(a NUL byte at offset 4 of 1000\); give a UTF-8 text file"),
+        ("caf\xe9 ".encode("latin-1") * 200, TINY,
+         r"is not UTF-8 text \(byte 0xe9 at offset 3 of 1000\); give a UTF-8 text file"),
+        (b"", TINY, r"is empty \(0 bytes\); task.prompt_tokens takes 512 tokens from it: give a UTF-8 text file of "
+                    r"at least 512 bytes"),
+        (b" \n\t\n" * 10, TINY, r"holds only whitespace \(40 bytes\)"),
+        (b"hello world " * 10, TINY, r"holds 120 bytes, too few for the 512 tokens task.prompt_tokens takes from it "
+                                     r"\(a token is at least one byte of text\); give a file of at least 512 bytes or "
+                                     r"lower task.prompt_tokens"),
+        (b"", PERPLEXITY, r"is empty \(0 bytes\); task.context_tokens \+ task.score_tokens takes 264 tokens"),
+        (b"hello world " * 10, PERPLEXITY, r"holds 120 bytes, too few for the 264 tokens task.context_tokens \+ "
+                                           r"task.score_tokens takes from it"),
+        (b"\xff\xfe" + "long text ".encode("utf-16-le") * 100, PERPLEXITY, r"is binary, not text"),
+    ],
+    ids=["nul-bytes", "latin-1", "empty", "whitespace", "short", "perplexity-empty", "perplexity-short", "utf-16"],
+)
+def test_a_prompt_file_that_cannot_be_the_prompt_is_one_line_naming_it(tmp_path, content, task, message):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg(*task, f"task.prompt_file={prompt}"))
+    assert len(err.value.problems) == 1 and err.value.problems[0].startswith(f"task: task.prompt_file='{prompt}' ")
+
+
+def test_a_utf8_prompt_file_long_enough_in_bytes_passes_startup(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("naïve café, déjà vu. " * 25, encoding="utf-8")
+    assert 512 <= prompt.stat().st_size < 512 * 2  # enough bytes for task.prompt_tokens=512, not a lot more
+    validate(cfg(*TINY, f"task.prompt_file={prompt}"))
+    validate(cfg(*PERPLEXITY, f"task.prompt_file={prompt}"))
+
+
 def test_triton_backend_on_cpu_is_refused_with_reasons(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="backend=triton runs on a CUDA device"):

@@ -108,6 +108,22 @@ def test_cli_bad_input_fails_before_loading(tmp_path):
     assert done.returncode != 0 and "Available options" in done.stderr and "quest" in done.stderr
 
 
+def test_cli_refuses_a_binary_or_empty_prompt_file_in_one_line_before_loading(tmp_path):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    for task, prompt in ((["task.prompt_file=" + str(binary)], binary),
+                         (["task=perplexity", "task.context_tokens=256", "task.score_tokens=8", "task.num_samples=1",
+                           "task.prompt_file=" + str(empty)], empty)):
+        base = [o for o in TINY if not (task[0] == "task=perplexity" and o.startswith("task."))]
+        done = cli(*base, *task, f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        problems = [line for line in done.stderr.splitlines() if line.startswith("  - ")]
+        assert len(problems) == 1 and problems[0].startswith(f"  - task: task.prompt_file='{prompt}' "), done.stderr
+        assert not (tmp_path / "bad" / "summary.json").exists()
+
+
 def test_default_model_short_run(tmp_path):
     """The real SmolLM2 model, a short prompt: the default path works end to end."""
     done = cli("logger=none", "task.prompt_tokens=1024", "task.max_new_tokens=8", f"hydra.run.dir={tmp_path / 'smol'}",

@@ -4,6 +4,7 @@
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from hydra import compose, initialize_config_dir
 
 import prr.paths
 from prr.model.loading import CorruptModelFile, load_model
+from prr.results_store import hydra_choices, run_row
 from prr.runner import run
 from prr.sinks import read_jsonl
 
@@ -50,24 +52,43 @@ def test_intact_converted_weights_load(converted_dir):
     assert load_model(str(converted_dir)).config.num_layers == 2
 
 
-def test_flipped_byte_fails_the_checksum(converted_dir):
-    weights = converted_dir / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-5] ^= 0xFF
-    weights.write_bytes(bytes(data))
-    with pytest.raises(CorruptModelFile, match="checksum mismatch.*delete"):
-        load_model(str(converted_dir))
-
-
-def test_truncated_and_garbage_weights_are_named(converted_dir):
-    weights = converted_dir / "model.safetensors"
+def corrupt(weights, how):
     data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CorruptModelFile, match="model.safetensors"):
+    if how == "flipped byte":
+        weights.write_bytes(data[:-5] + bytes([data[-5] ^ 0xFF]) + data[-4:])
+    elif how == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        weights.write_bytes(b"\xff" * 64)
+
+
+CORRUPTIONS = {"flipped byte": "checksum mismatch", "truncated": "model.safetensors", "garbage": "not a safetensors file"}
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_corrupt_file_in_the_users_own_model_dir_is_named_and_never_to_be_deleted(converted_dir, how):
+    corrupt(converted_dir / "model.safetensors", how)
+    with pytest.raises(CorruptModelFile, match=CORRUPTIONS[how]) as err:
         load_model(str(converted_dir))
-    weights.write_bytes(b"\xff" * 64)
-    with pytest.raises(CorruptModelFile, match="not a safetensors file"):
-        load_model(str(converted_dir))
+    assert str(err.value).startswith(str(converted_dir / "model.safetensors"))
+    assert "delete" not in str(err.value)
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_a_corrupt_file_in_prrs_conversion_cache_is_named_with_its_dir_to_delete(converted_dir, tmp_path, monkeypatch,
+                                                                              how):
+    from prr.model.loading import gguf_cache_path
+
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: its conversion is already in the cache
+    cached = gguf_cache_path(gguf, prr.paths.cache_dir())
+    shutil.copytree(converted_dir, cached)  # what a finished conversion leaves there
+    corrupt(cached / "model.safetensors", how)
+    with pytest.raises(CorruptModelFile, match=CORRUPTIONS[how]) as err:
+        load_model(str(gguf))
+    assert str(err.value).startswith(str(cached / "model.safetensors"))
+    assert f"delete {cached} (prr's conversion cache) to reconvert it" in str(err.value)
 
 
 # --- crashes and kills ------------------------------------------------------------------------
@@ -182,6 +203,43 @@ def test_a_finished_run_is_skipped_and_never_overwritten(tmp_path):
     assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "r").rglob("*") if p.is_file()}
     with pytest.raises(FileExistsError, match="never overwrites"):
         run(tiny_cfg("predictor=last_step"), tmp_path / "r")
+
+
+def launch(run_dir, *overrides):
+    """run.py as a user starts it, into run_dir."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+
+
+def snapshot(folder):
+    """Every file and folder under folder; files with their mtime (ns) and sha256."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            if p.is_file() else "dir" for p in sorted(folder.rglob("*"))}
+
+
+def test_a_refused_relaunch_leaves_the_finished_run_and_its_hydra_record_as_they_were(tmp_path):
+    out = tmp_path / "r"
+    first = launch(out, "predictor=ema")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert hydra_choices(out)["predictor"] == "ema"
+    before = snapshot(out)
+    refused = launch(out, "predictor=last_step")
+    assert refused.returncode != 0 and "holds a finished run of a different config" in refused.stderr
+    assert snapshot(out) == before  # .hydra/ too: Hydra's record is written only for a run that goes ahead
+    assert run_row(out)["predictor"] == "ema"
+    skipped = launch(out, "predictor=ema")
+    assert skipped.returncode == 0 and "skipped" in skipped.stdout
+    assert snapshot(out) == before
+
+
+def test_a_refused_relaunch_adds_no_file_to_a_run_written_without_hydra(tmp_path):
+    out = tmp_path / "r"
+    run(tiny_cfg(), out)  # no .hydra/, no log file
+    before = snapshot(out)
+    refused = launch(out, "predictor=last_step")
+    assert refused.returncode != 0 and "holds a finished run of a different config" in refused.stderr
+    assert snapshot(out) == before
 
 
 def test_an_interrupted_run_runs_again(tmp_path):

@@ -2,10 +2,10 @@
 launches only the jobs whose run directory does not already hold a complete run of the
 same config.
 
-Why not rely on the runner's own skip (prr/runner.py `finished_run`): a job that starts
-only to skip itself still costs a SLURM allocation, and Hydra and submitit rewrite its
-`.hydra/*.yaml`, append to its log and add `.submitit/<job id>/` files. Deciding here, before
-anything is launched, makes re-running a finished sweep launch nothing and change no file.
+Why not rely on the runner's own skip (prr/runner.py `finished_run`, which writes nothing into
+a run dir it skips or refuses): a job that starts only to skip itself still costs a SLURM
+allocation, and submitit adds `.submitit/<job id>/` files. Deciding here, before anything is
+launched, makes re-running a finished sweep launch nothing and change no file.
 
 Rules (the runner's, applied to each job's resolved config before launch):
 - complete run of the same config in the job's dir -> skipped;

@@ -105,13 +105,14 @@ def load_model(
 
     if isinstance(target, WheelGGUFSpec):
         weights_dir = ensure_gguf_converted(target.gguf_path(), cache_root / "models" / target.cache_key)
-        return _load_dir(weights_dir, target.name, torch_dtype, device)
+        return _load_dir(weights_dir, target.name, torch_dtype, device, in_conversion_cache=True)
     if kind == "gguf":
         return _load_dir(
             ensure_gguf_converted(target, gguf_cache_path(target, cache_root)),
             name_or_path,
             torch_dtype,
             device,
+            in_conversion_cache=True,
         )
     if kind == "hub":
         return _load_dir(_hub_snapshot(name_or_path), name_or_path, torch_dtype, device)
@@ -233,13 +234,15 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_dir(path: Path, name: str, dtype: torch.dtype, device: str) -> LoadedModel:
+def _load_dir(path: Path, name: str, dtype: torch.dtype, device: str, in_conversion_cache: bool = False) -> LoadedModel:
+    """in_conversion_cache: path is prr's own conversion of a GGUF (under the prr cache), which
+    a corrupt file's error may tell the user to delete; any other directory is the user's."""
     config = _read_dir_config(path)
     files = _safetensors_files(path)
     decoder = Decoder(config, dtype=dtype, device=device)
     marker = path / _DONE_MARKER  # present in caches prr converted: holds the weights' checksums
     checksums = json.loads(marker.read_text()).get("sha256") if marker.is_file() else None
-    load_safetensors_into(decoder, files, checksums)
+    load_safetensors_into(decoder, files, checksums, in_conversion_cache=in_conversion_cache)
     tokenizer = None
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
@@ -266,41 +269,46 @@ class CorruptModelFile(ValueError):
     """A weights file that cannot be what it claims (bad header, truncated, checksum mismatch)."""
 
 
-def read_safetensors(file: Path, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
+def read_safetensors(file: Path, expected_sha256: str | None = None, in_conversion_cache: bool = False
+                     ) -> dict[str, torch.Tensor]:
     """All tensors of a .safetensors file as CPU views into one buffer filled by a single read.
 
     Format: u64 little-endian header size N, N bytes of JSON {name: {dtype, shape,
     data_offsets: [begin, end]}} (offsets relative to the data after the header), then data.
     Why not safe_open/load: on VMs where page faults are slow, mmap page-faulting (safe_open)
     or per-tensor allocation (load) costs ~2 s for 540 MB; one readinto costs ~0.3 s.
+    in_conversion_cache: the file is prr's own conversion, which the next load redoes once its
+    directory is deleted; a corrupt file anywhere else is the user's and only named.
     """
-    fix = f"delete {file.parent} to reconvert it, or restore the file"
+    # Deleting is advised only for prr's cache: the same advice for a model directory of the
+    # user's own would destroy the only copy of their model.
+    delete_advice = f"; delete {file.parent} (prr's conversion cache) to reconvert it" if in_conversion_cache else ""
     with open(file, "rb") as handle:
         file_size = os.fstat(handle.fileno()).st_size
         prefix = handle.read(8)
         header_size = int.from_bytes(prefix, "little")
         if len(prefix) < 8 or header_size > file_size - 8:
             raise CorruptModelFile(f"{file}: not a safetensors file (header of {header_size} bytes in a "
-                                   f"{file_size}-byte file); {fix}")
+                                   f"{file_size}-byte file){delete_advice}")
         header_bytes = handle.read(header_size)
         try:
             header = json.loads(header_bytes)
         except ValueError as err:
-            raise CorruptModelFile(f"{file}: unreadable safetensors header ({err}); {fix}") from None
+            raise CorruptModelFile(f"{file}: unreadable safetensors header ({err}){delete_advice}") from None
         data_size = file_size - 8 - header_size
         buffer = torch.empty(data_size, dtype=torch.uint8)  # [bytes]
         if handle.readinto(memoryview(buffer.numpy())) != data_size:
-            raise CorruptModelFile(f"{file}: truncated safetensors file; {fix}")
+            raise CorruptModelFile(f"{file}: truncated safetensors file{delete_advice}")
     if expected_sha256 is not None:
         digest = hashlib.sha256(prefix)
         digest.update(header_bytes)
         digest.update(memoryview(buffer.numpy()))
         if digest.hexdigest() != expected_sha256:
             raise CorruptModelFile(f"{file}: checksum mismatch (sha256 {digest.hexdigest()[:16]}..., recorded "
-                                   f"{expected_sha256[:16]}... at conversion); {fix}")
+                                   f"{expected_sha256[:16]}... at conversion){delete_advice}")
     ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"]
     if ends and max(ends) > data_size:
-        raise CorruptModelFile(f"{file}: tensors extend past the end of the file; {fix}")
+        raise CorruptModelFile(f"{file}: tensors extend past the end of the file{delete_advice}")
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -317,18 +325,20 @@ def read_safetensors(file: Path, expected_sha256: str | None = None) -> dict[str
 
 
 @torch.no_grad()
-def load_safetensors_into(decoder: Decoder, files: list[Path], checksums: dict[str, str] | None = None) -> None:
+def load_safetensors_into(decoder: Decoder, files: list[Path], checksums: dict[str, str] | None = None,
+                          in_conversion_cache: bool = False) -> None:
     """Fill the decoder from HF-named safetensors files, one file in host memory at a time.
 
     Strict like load_state_dict(strict=True): unknown keys, missing keys and shape
     mismatches raise. A tied lm_head may be absent; rotary inv_freq buffers are skipped.
     checksums: {file name: sha256} recorded when prr converted the weights; verified on read.
+    in_conversion_cache: the files are prr's own conversion (see read_safetensors).
     """
     params = decoder.state_dict(keep_vars=True)  # tied lm_head appears under both names
     seen: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        tensors = read_safetensors(file, (checksums or {}).get(file.name))
+        tensors = read_safetensors(file, (checksums or {}).get(file.name), in_conversion_cache)
         for key, tensor in tensors.items():
             if key.endswith("rotary_emb.inv_freq"):
                 continue

@@ -38,7 +38,8 @@ class LongTextTask(Task):
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"task.temperature={temperature} must be >= 0 and task.top_p={top_p} in (0, 1]")
         if prompt_file is not None:
-            read_prompt_file(prompt_file)  # fail at startup on a missing file, not after the model loads
+            # A missing, binary or too short file fails at startup, not after the model loads.
+            read_prompt_file(prompt_file, prompt_tokens, "task.prompt_tokens")
         self.prompt_tokens = prompt_tokens
         self.prompt_file = prompt_file
         self.instruction = instruction
@@ -60,7 +61,8 @@ class LongTextTask(Task):
             gen = torch.Generator().manual_seed(self.seed)
             ids = torch.randint(0, vocab_size, (1, self.prompt_tokens), generator=gen)
             return PromptBatch(ids.expand(batch_size, -1).contiguous(), f"{self.prompt_tokens} random token ids (seed {self.seed})")
-        source = read_prompt_file(self.prompt_file) if self.prompt_file else python_reference_text()
+        source = (read_prompt_file(self.prompt_file, self.prompt_tokens, "task.prompt_tokens") if self.prompt_file
+                  else python_reference_text())
         from prr.model.prompt import encode_prompt, truncate_text_to_tokens
 
         available = len(tokenizer(source, add_special_tokens=False)["input_ids"])

@@ -17,6 +17,8 @@ import torch
 from prr.tasks.base import PromptBatch, Task
 from prr.tasks.text_sources import python_reference_text, read_prompt_file
 
+WINDOW_SETTINGS = "task.context_tokens + task.score_tokens"  # what sets the tokens a window takes from the text
+
 
 class PerplexityTask(Task):
     def __init__(
@@ -31,7 +33,8 @@ class PerplexityTask(Task):
             raise ValueError(f"task.context_tokens={context_tokens} (>= 2), task.score_tokens={score_tokens} (>= 1) and "
                              f"task.num_samples={num_samples} (>= 1) out of range")
         if prompt_file is not None:
-            read_prompt_file(prompt_file)  # a missing file fails at startup
+            # A missing, binary or too short file fails at startup, not after the model loads.
+            read_prompt_file(prompt_file, context_tokens + score_tokens, WINDOW_SETTINGS)
         self.context_tokens = self.prompt_tokens = context_tokens
         self.score_tokens = self.max_new_tokens = score_tokens
         self.num_samples, self.prompt_file, self.seed = num_samples, prompt_file, seed
@@ -41,9 +44,9 @@ class PerplexityTask(Task):
 
     def windows(self, tokenizer: Any) -> list[list[int]]:
         """num_samples windows of context_tokens + score_tokens token ids, at seeded offsets."""
-        text = read_prompt_file(self.prompt_file) if self.prompt_file else python_reference_text()
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         length = self.context_tokens + self.score_tokens
+        text = read_prompt_file(self.prompt_file, length, WINDOW_SETTINGS) if self.prompt_file else python_reference_text()
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) < length:
             raise ValueError(f"the text has {len(ids)} tokens, fewer than task.context_tokens + task.score_tokens = "
                              f"{length}; give a longer task.prompt_file or shorten the window")

@@ -14,11 +14,37 @@ def python_reference_text() -> str:
     return "\n\n".join(topics[name].strip() for name in sorted(topics))
 
 
-def read_prompt_file(path: str) -> str:
+def read_prompt_file(path: str, tokens_needed: int, needed_by: str) -> str:
+    """The text of task.prompt_file, refused with one line naming the file and the fix when it
+    cannot be a prompt: missing, binary (a NUL byte, or not UTF-8), without text, or too short.
+
+    tokens_needed: how many tokens the task takes from the file; needed_by: the setting(s) that
+    ask for them (e.g. "task.prompt_tokens"). Every token stands for at least one byte of text,
+    so a file of fewer bytes cannot hold them under any tokenizer: this is checked here, before
+    the model loads. The exact token count needs the tokenizer and is checked once it loads."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"task.prompt_file={path!r} does not exist (resolved to {file.resolve()})")
-    return file.read_text(encoding="utf-8", errors="replace")
+    data = file.read_bytes()
+    fix = "give a UTF-8 text file"
+    first_nul = data.find(b"\0")
+    if first_nul >= 0:  # valid UTF-8, but no text file holds NUL bytes
+        raise ValueError(f"task.prompt_file={path!r} is binary, not text (a NUL byte at offset {first_nul} of "
+                         f"{len(data)}); {fix}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:  # decoding it anyway would prompt the model with replacement characters
+        raise ValueError(f"task.prompt_file={path!r} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
+                         f"{err.start} of {len(data)}); {fix}, e.g. converted with iconv -t UTF-8") from None
+    if not text.strip():
+        content = "is empty (0 bytes)" if not data else f"holds only whitespace ({len(data)} bytes)"
+        raise ValueError(f"task.prompt_file={path!r} {content}; {needed_by} takes {tokens_needed} tokens from it: "
+                         f"{fix} of at least {tokens_needed} bytes")
+    if len(data) < tokens_needed:
+        raise ValueError(f"task.prompt_file={path!r} holds {len(data)} bytes, too few for the {tokens_needed} tokens "
+                         f"{needed_by} takes from it (a token is at least one byte of text); give a file of at least "
+                         f"{tokens_needed} bytes or lower {needed_by}")
+    return text
 
 
 NOISE_SENTENCES = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again."]

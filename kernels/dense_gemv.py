@@ -1,5 +1,5 @@
 """Launcher for the fused decode projections (checks, grid, tile sizes); the kernel is in
-`prr.kernels.dense_gemv_jit`. The math is prr.runtime.dense_layer's:
+`prr.kernels.dense_gemv_jit`. The math is prr.model.layer_math's:
 
     norm_weight given:  y = F.linear(rms_norm(x, norm_weight, eps), weight, bias)
     swiglu:             y = silu(gate) * up,  [gate | up] = that projection's two halves

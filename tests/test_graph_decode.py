@@ -12,7 +12,8 @@ import torch
 
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
-from prr.runtime.graph_decode import GraphDecoder, StaticPlan, dense_reference_logits
+from prr.model.dense import DenseAttention
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"  # CPU: the kernels run in the interpreter
@@ -39,7 +40,8 @@ def decode(engine: GraphDecoder, steps: int) -> list[torch.Tensor]:
 def test_dense_variant_equals_sdpa_over_the_cache():
     engine = make(StaticPlan(variant="dense", dense_layers=()))
     pos = int(engine.pos[0])
-    want = dense_reference_logits(engine.model, engine.keys, engine.values, engine.token.clone(), pos)
+    # The model's own forward over the engine's cache, with exact SDPA attention.
+    want = engine.model(engine.token.clone(), pos, DenseAttention.over(engine.keys, engine.values, pos))[:, 0]
     got = engine.step(advance=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert int(engine.pos[0]) == pos + 1 and torch.equal(engine.token[:, 0], got.argmax(-1))

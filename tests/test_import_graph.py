@@ -1,4 +1,5 @@
-"""The package's import graph, read from the source (every import, those inside functions too):
+"""The package's import graph, read from the source (every import that runs, those inside
+functions too; not those under `if TYPE_CHECKING:`):
 prr's modules form no cycle (runner, graph_run, config_check and evaluation once did), and
 kernels/ (installed as prr.kernels) imports nothing from the rest of prr."""
 
@@ -20,10 +21,23 @@ def module_files() -> dict[str, Path]:
     return out
 
 
+def type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """Nodes under `if TYPE_CHECKING:` (imports for annotations only: they never run)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {n for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
     """The prr modules `path` imports (`from a.b import c` names a.b.c when that is a module)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = type_checking_only(tree)
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [f"{node.module}.{a.name}" for a in node.names]
             found |= {n if n in modules else node.module for n in names}

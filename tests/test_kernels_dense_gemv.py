@@ -1,5 +1,5 @@
 """The fused decode projections (prr.kernels.dense_gemv) equal the torch layer math they
-replace (prr.runtime.dense_layer): plain, RMSNorm-first, SwiGLU and residual-add forms, at odd
+replace (prr.model.layer_math): plain, RMSNorm-first, SwiGLU and residual-add forms, at odd
 sizes, with and without bias, with K tiles that do and do not divide K, one row (the GEMV) and
 several (tensor-core tiles); bad input is refused before launch."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from prr.kernels.dense_gemv import dense_gemv
 
-from prr.runtime.dense_layer import rms_norm
+from prr.model.layer_math import rms_norm
 
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
@@ -21,7 +21,7 @@ gpu = pytest.mark.skipif(
 
 
 def _reference(x, weight, bias, norm_weight, eps, residual, swiglu):
-    """prr.runtime.dense_layer's math in x's dtype (what the graph engine computed before)."""
+    """prr.model.layer_math's math in x's dtype (what the graph engine computed before)."""
     h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
     y = F.linear(h, weight, bias)
     if swiglu:

@@ -1,8 +1,9 @@
 """Our decoder for the Llama family (Llama, Mistral, Qwen2), gpt-fast style.
 
-It computes embeddings, norms, projections, RoPE and the MLP itself and hands post-RoPE
-q/k/v to an AttentionBackend (prr.model.attention), which owns the KV cache and decides
-what is attended. Module and parameter names mirror transformers' (`model.embed_tokens`,
+It computes embeddings, norms, projections, RoPE and the MLP itself (the layer math of
+prr.model.layer_math, run by `Decoder.layers`, the one forward the graph engine runs too) and
+hands post-RoPE q/k/v to an AttentionBackend (prr.model.attention), which owns the KV cache
+and decides what is attended. Module and parameter names mirror transformers' (`model.embed_tokens`,
 `model.layers.N.self_attn.q_proj`, ..., `model.norm`, `lm_head`) so an HF state dict loads
 with `load_state_dict(strict=True)`.
 
@@ -12,12 +13,15 @@ D head_dim, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prr.model.attention import AttentionBackend
 from prr.model.config import ModelConfig
+from prr.model.layer_math import final_norm, fuse_layer_weights, post_attention, pre_attention
 from prr.model.rope import RopeTable, apply_rope
 
 
@@ -49,20 +53,16 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """The norm's weight and eps (the math: layer_math.rms_norm)."""
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [B, T, H]. Normalise in fp32, cast back before the weight (as transformers does).
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
 
 class Attention(nn.Module):
-    """Projections and RoPE around the backend's attention (the backend does softmax(qk)v)."""
+    """The attention projections (q, k, v, o); the math: layer_math via Decoder.layers."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -74,31 +74,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(hq * d, h, out_bias, dtype, device)
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attention: AttentionBackend, prefill: bool
-    ) -> Tensor:
-        # x: [B, T, H]; cos, sin: [T, D] -> [B, T, H]
-        B, T, _ = x.shape
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if prefill:
-            q = self.q_proj(x).view(B, T, hq, d).transpose(1, 2)  # [B, Hq, T, D]
-            k = self.k_proj(x).view(B, T, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
-            v = self.v_proj(x).view(B, T, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            out = attention.prefill(layer, q, k, v)  # [B, Hq, T, D]
-            out = out.transpose(1, 2).reshape(B, T, hq * d)  # [B, T, Hq*D]
-        else:
-            q = self.q_proj(x).view(B, hq, d)  # [B, Hq, D] (T == 1)
-            k = self.k_proj(x).view(B, hkv, d)  # [B, Hkv, D]
-            v = self.v_proj(x).view(B, hkv, d)  # [B, Hkv, D]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos, sin: [1, D] broadcast
-            out = attention.decode(layer, q, k, v)  # [B, Hq, D]
-            out = out.reshape(B, 1, hq * d)  # [B, 1, Hq*D]
-        return self.o_proj(out)  # [B, T, H]
-
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """The SwiGLU projections: down(silu(gate(x)) * up(x)) (layer_math.post_attention)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -107,10 +85,6 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, i, bias, dtype, device)
         self.up_proj = Linear(h, i, bias, dtype, device)
         self.down_proj = Linear(i, h, bias, dtype, device)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [B, T, H] -> [B, T, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -199,12 +173,40 @@ class Decoder(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rope.get(start_pos, T, x.device, x.dtype)  # [T, D] each
-        for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, attention, prefill)  # [B, T, H]
-            x = x + layer.mlp(layer.post_attention_layernorm(x))  # [B, T, H]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            """q [B, T, Hq, D], k, v [B, T, Hkv, D] before RoPE -> [B, T, Hq*D]."""
+            if prefill:
+                q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                return attention.prefill(layer, q, k, v).transpose(1, 2).reshape(B, T, -1)
+            q, k, v = q[:, 0], k[:, 0], v[:, 0]  # [B, H, D]; cos, sin: [1, D] broadcast
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            return attention.decode(layer, q, k, v).reshape(B, 1, -1)
+
+        hidden = self.layers(x, attend)  # [B, T, H]
         if last_logits_only:
-            x = x[:, -1:]  # [B, 1, H]
-        return self.lm_head(self.model.norm(x))  # [B, T, V]
+            hidden = hidden[:, -1:]  # [B, 1, H]
+        return self.lm_head(hidden)  # [B, T, V]
+
+    def layers(self, x: Tensor, attend: Callable[[int, Tensor, Tensor, Tensor], Tensor], delta: Tensor | None = None,
+               pre: Callable = pre_attention, post: Callable = post_attention, final: Callable = final_norm) -> Tensor:
+        """Every decoder layer, then the final norm: x [B, T, H] embeddings -> [B, T, H] (the
+        model's forward once, for the eager runtime and the graph engine alike).
+        attend(layer, q, k, v): q [B, T, Hq, D], k, v [B, T, Hkv, D] before RoPE -> [B, T, Hq*D]
+        in the model dtype (RoPE, the cache and what is attended are the caller's).
+        delta: zeros [B, T, H] for the first layer's residual add (default: allocated here; the
+        graph engine passes a static buffer). pre / post / final: layer_math's functions, or
+        the same functions compiled (the engine's torch.compile)."""
+        c = self.config
+        split = [c.num_heads, c.num_kv_heads, c.num_kv_heads]
+        delta = torch.zeros_like(x) if delta is None else delta
+        for i, w in enumerate(fuse_layer_weights(self)):
+            x, qkv = pre(x, delta, w.ln1, w.wqkv, w.bqkv, c.rms_norm_eps, sum(split), c.head_dim)
+            q, k, v = qkv.split(split, dim=-2)
+            x, delta = post(x, attend(i, q, k, v), w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down,
+                            c.rms_norm_eps)
+        return final(x, delta, self.model.norm.weight, self.model.norm.eps)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0, std: float = 0.02) -> Decoder:
@@ -235,6 +237,8 @@ class Decoder(nn.Module):
             state_dict[head] = state_dict[embed]
 
     def _retie(self, module, incompatible_keys) -> None:
-        # load_state_dict(assign=True) replaces Parameters one by one, splitting the tie.
+        # load_state_dict(assign=True) replaces Parameters one by one, splitting the tie, and
+        # the fused projections' views (layer_math.fuse_layer_weights rebuilds them on next use).
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._prr_fused_layers = None

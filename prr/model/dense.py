@@ -37,6 +37,15 @@ class DenseAttention:
         self.k: list[Tensor | None] = [None] * num_layers
         self.v: list[Tensor | None] = [None] * num_layers
 
+    @classmethod
+    def over(cls, keys: list[Tensor], values: list[Tensor], length: int) -> DenseAttention:
+        """A backend whose cache holds the first `length` tokens of keys / values [B, Hkv, >= length, D]
+        per layer (e.g. another engine's cache: the dense reference of its next step)."""
+        attention = cls(len(keys))
+        attention.k = [k[:, :, :length] for k in keys]
+        attention.v = [v[:, :, :length] for v in values]
+        return attention
+
     def reset(self) -> None:
         """Drop the cache (start a new sequence)."""
         self.k = [None] * self.num_layers

@@ -40,7 +40,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from prr.attention_state import AttentionState, merge
@@ -48,9 +47,9 @@ from prr.block_attention import relative_error
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
 from prr.model.decoder import Decoder
-from prr.model.rope import apply_rope, rope_cos_sin
+from prr.model.layer_math import final_norm, fuse_layer_weights, post_attention, pre_attention
+from prr.model.rope import rope_cos_sin
 from prr.predictors import EmaMembershipPredictor, LastStepPredictor, Predictor
-from prr.runtime.dense_layer import final_norm, fuse_layer_weights, post_attention, pre_attention
 from prr.selectors import InfLLMSelector, QuestSelector, Selection, Selector
 
 VARIANTS = ("dense", "serial", "prr")
@@ -719,27 +718,26 @@ class GraphDecoder:
         """One decode step of every layer -> logits [B, V] (greedy token and pos + 1 written
         back when advance). Graph-capturable: no host synchronisation, static shapes."""
         positions = self.step_positions()
-        split = [self.hq, self.hkv, self.hkv]
         if self.plan.projections == "fused":
-            logits = self._fused_layers(positions, split)
+            logits = self._fused_layers(positions, [self.hq, self.hkv, self.hkv])
         else:
-            logits = self._torch_layers(positions, split)
+            logits = self._torch_layers(positions)
         if advance:
             self.token.copy_(logits.argmax(-1, keepdim=True))
             self.pos.add_(1)
         self.join()  # the side stream's last work (next-P writes) belongs to this step
         return logits
 
-    def _torch_layers(self, positions: tuple[Tensor, Tensor], split: list[int]) -> Tensor:
-        """Every layer with F.linear projections -> logits [B, V]."""
+    def _torch_layers(self, positions: tuple[Tensor, Tensor]) -> Tensor:
+        """Every layer with F.linear projections: the model's own forward (Decoder.layers), with
+        this engine's attention -> logits [B, V]."""
         m, B = self.model, self.batch
-        x, delta = m.model.embed_tokens(self.token), self.no_delta  # [B, 1, H] each
-        for i, w in enumerate(self.fused):
-            x, qkv = self._pre(x, delta, w.ln1, w.wqkv, w.bqkv, self.eps, sum(split), self.d)
-            q, k, v = qkv.split(split, dim=1)  # [B, Hq | Hkv | Hkv, D], before RoPE
-            out = self.attention(i, q, k, v, positions, rope=True).view(B, 1, self.hq * self.d)  # model dtype
-            x, delta = self._post(x, out, w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down, self.eps)
-        return m.lm_head(self._final(x, delta, m.model.norm.weight, m.model.norm.eps))[:, 0]  # [B, V]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, 1, H*, D] before RoPE
+            return self.attention(layer, q[:, 0], k[:, 0], v[:, 0], positions, rope=True).view(B, 1, -1)
+        hidden = m.layers(m.model.embed_tokens(self.token), attend, delta=self.no_delta,  # [B, 1, H]
+                          pre=self._pre, post=self._post, final=self._final)
+        return m.lm_head(hidden)[:, 0]  # [B, V]
 
     def _fused_layers(self, positions: tuple[Tensor, Tensor], split: list[int]) -> Tensor:
         """Every layer with prr.kernels.dense_gemv -> logits [B, V]: the residual stream x [B, H]
@@ -832,25 +830,3 @@ def state_tensors(state: object) -> list[Tensor]:
     if isinstance(state, list | tuple):
         return [t for item in state for t in state_tensors(item)]
     return []
-
-
-def dense_reference_logits(model: Decoder, keys: list[Tensor], values: list[Tensor], token: Tensor, pos: int) -> Tensor:
-    """The model's logits for `token` at position `pos` over caches holding [0, pos) (torch SDPA,
-    fp32 softmax): what variant=dense computes. keys/values: [B, Hkv, T, D] per layer."""
-    m = model
-    B = token.shape[0]
-    c = m.config
-    x = m.model.embed_tokens(token)
-    cos, sin = m.rope.get(pos, 1, x.device, x.dtype)
-    for i, layer in enumerate(m.model.layers):
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = apply_rope(a.q_proj(h).view(B, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(a.k_proj(h).view(B, c.num_kv_heads, c.head_dim), cos, sin)
-        v = a.v_proj(h).view(B, c.num_kv_heads, c.head_dim)
-        kk = torch.cat([keys[i][:, :, :pos], k.unsqueeze(2)], 2).float()
-        vv = torch.cat([values[i][:, :, :pos], v.unsqueeze(2)], 2).float()
-        out = F.scaled_dot_product_attention(q.float().unsqueeze(2), kk, vv, enable_gqa=True, scale=c.head_dim ** -0.5)
-        x = x + a.o_proj(out.to(x.dtype).reshape(B, 1, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return m.lm_head(m.model.norm(x))[:, 0]

@@ -1,24 +1,28 @@
-"""The dense parts of a decoder layer for the graph engine, with fused projections.
+"""The decoder layer's dense math, written once: `Decoder.layers` runs it for the eager
+runtime (prefill and decode, any T) and the graph engine runs the same functions (its torch
+path, torch.compile'd on a GPU: the pointwise work around the GEMVs becomes a few generated
+kernels instead of dozens of tiny ones).
 
 Per layer, before attention: the previous layer's MLP residual add, RMSNorm, one q|k|v
-projection (one GEMV instead of three; RoPE follows in the cache-append kernel); after
-attention: o_proj + residual, RMSNorm, one gate|up projection, SiLU·up, down (its residual
-add is the next layer's, or final_norm's). The math is prr.model.decoder's; the fused weights are views the modules
-share (`fuse_layer_weights` re-points each module's weight into them, so nothing is
-stored twice). With torch.compile (GraphDecoder(compile=True)) the pointwise work around
-the GEMVs becomes a few generated kernels instead of dozens of tiny ones — at batch 1 those
-launches, not bytes, set much of the per-token time.
+projection (one GEMM instead of three; RoPE is the attention side's); after attention: o_proj
++ residual, RMSNorm, one gate|up projection, SiLU·up, down (its residual add is the next
+layer's, or final_norm's). The fused weights are views the modules share
+(`fuse_layer_weights` re-points each module's weight into them, so nothing is stored twice).
+The Triton GEMV path (prr.kernels.dense_gemv) is another backend of the same math, tested
+equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prr.model.decoder import Decoder
+if TYPE_CHECKING:  # (the decoder imports this module)
+    from prr.model.decoder import Decoder
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ def _fuse(modules: list) -> tuple[Tensor, Tensor | None]:
 
 @torch.no_grad()
 def fuse_layer_weights(model: Decoder) -> list[FusedLayer]:
-    """The model's layers with fused projections (done once per model; later calls reuse it)."""
+    """The model's layers with fused projections (done once per model; later calls reuse it;
+    loading a state dict drops it, see Decoder._retie)."""
     cached = getattr(model, "_prr_fused_layers", None)
     if cached is not None:
         return cached
@@ -75,7 +80,7 @@ def fuse_layer_weights(model: Decoder) -> list[FusedLayer]:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """As prr.model.decoder.RMSNorm: normalise in fp32, cast back before the weight."""
+    """x: [..., H]. Normalise in fp32, cast back before the weight (as transformers does)."""
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -83,23 +88,23 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def pre_attention(x: Tensor, delta: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Tensor | None, eps: float,
                   heads: int, d: int) -> tuple[Tensor, Tensor]:
-    """x: [B, 1, H] residual stream without the previous layer's MLP output delta [B, 1, H]
-    (zeros for the first layer) -> (x + delta, qkv [B, heads = Hq + 2 Hkv, D] before RoPE).
+    """x: [B, T, H] residual stream without the previous layer's MLP output delta [B, T, H]
+    (zeros for the first layer) -> (x + delta, qkv [B, T, heads = Hq + 2 Hkv, D] before RoPE).
     The residual add happens here, inside the norm's kernel (one launch fewer per layer);
-    RoPE is applied by the cache append (cache_append.append_token(rope=...)), not here."""
+    RoPE is the attention side's (the engine's cache append, the decoder's rope table)."""
     x = x + delta
-    return x, F.linear(rms_norm(x, ln1, eps), wqkv, bqkv).view(x.shape[0], heads, d)
+    return x, F.linear(rms_norm(x, ln1, eps), wqkv, bqkv).view(*x.shape[:-1], heads, d)
 
 
 def post_attention(x: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, ln2: Tensor, w_gate_up: Tensor,
                    b_gate_up: Tensor | None, w_down: Tensor, b_down: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """x: [B, 1, H] residual stream, attn: [B, 1, Hq D] -> (x + o_proj(attn), the MLP's output
-    [B, 1, H]): the caller adds the MLP output (the next layer's pre_attention, or final_norm)."""
+    """x: [B, T, H] residual stream, attn: [B, T, Hq D] -> (x + o_proj(attn), the MLP's output
+    [B, T, H]): the caller adds the MLP output (the next layer's pre_attention, or final_norm)."""
     x = x + F.linear(attn, wo, bo)
     gate, up = F.linear(rms_norm(x, ln2, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
     return x, F.linear(F.silu(gate) * up, w_down, b_down)
 
 
 def final_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """The last layer's residual add and the model's final RMSNorm: x, delta [B, 1, H] -> [B, 1, H]."""
+    """The last layer's residual add and the model's final RMSNorm: x, delta [B, T, H] -> [B, T, H]."""
     return rms_norm(x + delta, weight, eps)

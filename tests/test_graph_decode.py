@@ -371,3 +371,17 @@ def test_fused_append_graph_at_batch_one_equals_torch_projections_on_the_gpu():
     for step, a in enumerate(want):
         graph.replay()
         torch.testing.assert_close(fused.graph_output.float().cpu(), a, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+def test_weights_fused_by_a_first_forward_in_inference_mode_are_ordinary_tensors():
+    """The eager prefill runs the model's first forward under torch.inference_mode, which fuses
+    the projections (Decoder.layers): the fused weights and the parameters viewing them must
+    not become inference tensors (the engine's paired copy reads their version counters)."""
+    model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
+    with torch.inference_mode():
+        model(torch.zeros(1, 5, dtype=torch.long), 0, DenseAttention(CONFIG.num_layers))
+    layer = model._prr_fused_layers[0]
+    assert not layer.wqkv.is_inference() and not model.model.layers[0].self_attn.q_proj.weight.is_inference()
+    engine = GraphDecoder(model, StaticPlan(variant="serial", topk_blocks=6, projections="fused"), batch=1,
+                          max_tokens=160)  # builds the paired q|k|v copy now
+    assert engine.paired_qkv_weights()[0][0].shape == layer.wqkv.shape

@@ -16,8 +16,8 @@ from prr.kernels.cache_append import append_token
 from prr.kernels.dense_gemv import dense_gemv
 from prr.kernels.qkv_append import default_tiles, qkv_rope_append, rope_pair_permutation
 
-from prr.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from prr.model.layer_math import rms_norm
+from prr.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),

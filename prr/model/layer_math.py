@@ -64,6 +64,16 @@ def fuse_layer_weights(model: Decoder) -> list[FusedLayer]:
     cached = getattr(model, "_prr_fused_layers", None)
     if cached is not None:
         return cached
+    # Built outside inference mode even when the first forward runs inside it (the eager
+    # prefill): the module parameters become views of these, and inference tensors would
+    # stay so for every later use (no version counter, no autograd).
+    with torch.inference_mode(False):
+        out = _fused_layers_of(model)
+    model._prr_fused_layers = out
+    return out
+
+
+def _fused_layers_of(model: Decoder) -> list[FusedLayer]:
     out = []
     for layer in model.model.layers:
         a, mlp = layer.self_attn, layer.mlp
@@ -75,7 +85,6 @@ def fuse_layer_weights(model: Decoder) -> list[FusedLayer]:
             ln2=layer.post_attention_layernorm.weight.data, w_gate_up=w_gate_up, b_gate_up=b_gate_up,
             w_down=mlp.down_proj.weight.data, b_down=None if mlp.down_proj.bias is None else mlp.down_proj.bias.data,
         ))
-    model._prr_fused_layers = out
     return out
 
 

@@ -1,0 +1,81 @@
+"""run.py's convention for ending early: a refused input exits with code 2 and one line on
+stderr; an interrupted run (Ctrl-C, SIGTERM) exits with 130 and one line naming the run dir
+that holds its records. Never a traceback.
+(docs/reliability.md lists what the user sees.)"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model=tiny-random", "logger=none", "selector.dense_layers=[]", "task.prompt_tokens=300",
+        "task.max_new_tokens=10", "task.stop_at_eos=false", "selector.topk_blocks=6"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def cli(*args, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+
+
+def refused_line(done) -> str:
+    """The one line a refused command prints on stderr (asserting that it is the only one)."""
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.split("\n") if line.strip()]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def test_a_relaunch_with_another_config_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "r"
+    first = cli(*TINY, "predictor=ema", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    line = refused_line(cli(*TINY, "predictor=last_step", f"hydra.run.dir={out}", cwd=tmp_path))
+    assert f"{out} holds a finished run of a different config" in line
+
+
+# --- interrupts -------------------------------------------------------------------------------
+def interrupt_a_run(tmp_path, signum):
+    """Start a long run, send `signum` once it is decoding; its exit code, stderr and run dir."""
+    out = tmp_path / "r"
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:  # a file, not a pipe: tqdm's bar would fill a pipe nobody reads
+        # SIGINT back to its default in the child: a shell without job control starts it ignored
+        proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *TINY, "task.max_new_tokens=3000",
+                                 f"hydra.run.dir={out}"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        tokens = out / "records" / "tokens.jsonl"
+        deadline = time.time() + 120
+        while not (tokens.exists() and tokens.read_bytes().count(b"\n") >= 3):
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError(f"the run decoded nothing within 120 s: {stderr_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        returncode = proc.wait(timeout=60)
+    return returncode, stderr_path.read_text(), out
+
+
+def check_interrupted(returncode, stderr, out, cause):
+    assert returncode == 130, (returncode, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr[-3000:]
+    # tqdm's progress bar shares stderr; prr's line is the last one and the only one of its kind
+    lines = [line for line in stderr.split("\n") if line.strip()]
+    assert lines[-1].startswith(f"prr: {cause}; records kept in {out} "), stderr[-3000:]
+    assert sum("records kept" in line for line in lines) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["records_kept"]["tokens.jsonl"] >= 3
+    assert json.dumps(summary["records_kept"]) in lines[-1]
+
+
+def test_ctrl_c_exits_130_with_one_line_naming_the_records(tmp_path):
+    check_interrupted(*interrupt_a_run(tmp_path, signal.SIGINT), cause="interrupted (Ctrl-C)")
+
+
+def test_sigterm_exits_130_with_one_line_naming_the_records(tmp_path):
+    check_interrupted(*interrupt_a_run(tmp_path, signal.SIGTERM), cause="terminated by signal 15 (SIGTERM)")

@@ -5,6 +5,7 @@ with 130, each with one line on stderr."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -13,7 +14,10 @@ from omegaconf import DictConfig
 
 from prr.cli_exits import interrupted, refuse
 from prr.config_check import ConfigError
+from prr.override_check import BadOverride, check_command_line
 from prr.runner import RunDirTaken, run
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -33,6 +37,10 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     try:
+        # Hydra would report a bad override in several lines, in a sweep only at the bad job's turn
+        check_command_line(sys.argv[1:], CONF_DIR, "config")
         main()
+    except BadOverride as err:
+        refuse(str(err))
     except KeyboardInterrupt as err:  # outside a job (composing, between a sweep's jobs): no run to name
         interrupted(err, None)

@@ -1,6 +1,6 @@
 """run.py's convention for ending early: a refused input exits with code 2 and one line on
-stderr; an interrupted run (Ctrl-C, SIGTERM) exits with 130 and one line naming the run dir
-that holds its records. Never a traceback.
+stderr naming the bad value and the valid names; an interrupted run (Ctrl-C, SIGTERM) exits
+with 130 and one line naming the run dir that holds its records. Never a traceback.
 (docs/reliability.md lists what the user sees.)"""
 
 import json
@@ -29,6 +29,51 @@ def refused_line(done) -> str:
     lines = [line for line in done.stderr.split("\n") if line.strip()]
     assert len(lines) == 1, done.stderr
     return lines[0]
+
+
+def test_an_unknown_group_option_is_one_line_naming_the_options(tmp_path):
+    line = refused_line(cli(*TINY, "selector=qest", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path))
+    assert "selector=qest" in line and "dense, exact, infllm, less, quest" in line and "did you mean quest" in line
+    assert not (tmp_path / "r").exists()
+    helped = cli("--help", cwd=tmp_path)  # the check before Hydra leaves --help to Hydra, which lists them too
+    assert helped.returncode == 0 and "selector: dense, exact, infllm, less, quest" in helped.stdout, helped.stderr
+
+
+def test_an_unknown_option_in_a_sweep_is_refused_before_any_job_runs(tmp_path):
+    done = cli("-m", *TINY, "selector=quest,qest", f"hydra.sweep.dir={tmp_path / 's'}", cwd=tmp_path)
+    line = refused_line(done)
+    assert "selector=qest" in line and "did you mean quest" in line
+    assert not (tmp_path / "s").exists()  # job 0 (quest, valid) did not run either
+
+
+def test_an_unknown_hydra_group_option_lists_the_installed_ones(tmp_path):
+    line = refused_line(cli(*TINY, "hydra/launcher=nope", cwd=tmp_path))
+    assert "hydra/launcher=nope" in line and "basic" in line
+
+
+def test_a_misspelled_key_is_one_line_with_the_closest_key(tmp_path):
+    line = refused_line(cli(*TINY, "selector.topk_blok=3", cwd=tmp_path))
+    assert "selector.topk_blok=3" in line and "did you mean selector.topk_blocks?" in line
+    assert "quest" in line  # the option whose keys these are
+    line = refused_line(cli("-m", *TINY, "selector=quest,infllm", "selector.representatives=2", cwd=tmp_path))
+    assert "selector.representatives=2" in line and "quest" in line  # a key of infllm only, not of quest
+
+
+def test_an_unknown_top_level_key_lists_the_keys_and_the_plus_to_add_one(tmp_path):
+    line = refused_line(cli(*TINY, "foo=1", cwd=tmp_path))
+    assert "foo=1" in line and "seed" in line and "selector" in line and "+foo=1" in line
+    added = cli(*TINY, "+foo=1", "--cfg", "job", cwd=tmp_path)  # with + it composes (and --cfg still works)
+    assert added.returncode == 0 and "foo: 1" in added.stdout, added.stderr[-3000:]
+
+
+def test_a_sweep_without_multirun_is_one_line(tmp_path):
+    line = refused_line(cli(*TINY, "selector=quest,exact", cwd=tmp_path))
+    assert "selector=quest,exact" in line and "-m" in line
+
+
+def test_a_flag_among_the_overrides_is_one_line(tmp_path):
+    line = refused_line(cli(*TINY, "-m", "selector=quest,exact", cwd=tmp_path))  # argparse's usage text before
+    assert "unrecognized arguments: selector=quest,exact" in line and "-m go before or after the overrides" in line
 
 
 def test_a_relaunch_with_another_config_is_refused_in_one_line(tmp_path):

@@ -84,6 +84,19 @@ def test_a_relaunch_with_another_config_is_refused_in_one_line(tmp_path):
     assert f"{out} holds a finished run of a different config" in line
 
 
+def test_a_prompt_file_of_too_few_tokens_is_refused_in_one_line_once_the_tokenizer_loads(tmp_path):
+    prompt = tmp_path / "short.txt"
+    prompt.write_text("hello world " * 200)  # 2400 bytes pass the check before loading; about 400 tokens do not
+    line = refused_line(cli("logger=none", "task.prompt_tokens=1024", f"task.prompt_file={prompt}",
+                            f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path))
+    assert line.startswith("error: task.prompt_tokens=1024 but the text has only ")
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["status"] == "failed"
+    line = refused_line(cli("logger=none", "task=perplexity", "task.context_tokens=1024", "task.score_tokens=8",
+                            "task.num_samples=1", f"task.prompt_file={prompt}", f"hydra.run.dir={tmp_path / 'p'}",
+                            cwd=tmp_path))
+    assert line.startswith("error: the text has ") and "fewer than task.context_tokens + task.score_tokens" in line
+
+
 # --- interrupts -------------------------------------------------------------------------------
 def interrupt_a_run(tmp_path, signum):
     """Start a long run, send `signum` once it is decoding; its exit code, stderr and run dir."""

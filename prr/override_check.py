@@ -58,7 +58,9 @@ def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, mult
                                   f"or write a list as {override.key_or_group}=[a,b]")
         jobs = sweep_jobs(parsed, groups, loader)
         if multirun:  # the sweeper's params from the config (experiment presets) sweep too, before argv's
-            params = OmegaConf.select(compose_job(config_name, jobs[0], groups), "hydra.sweeper.params")
+            # read from the group options alone: argv's keys may exist only under the groups the params choose
+            chosen = [line for line in jobs[0] if parse([line], loader)[0].key_or_group in groups]
+            params = OmegaConf.select(compose_job(config_name, chosen, groups), "hydra.sweeper.params")
             if params:
                 preset = parse([f"{k}={v}" for k, v in params.items()], loader)
                 jobs = sweep_jobs(preset + parsed, groups, loader)

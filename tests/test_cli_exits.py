@@ -11,6 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from prr.override_check import BadOverride, check_command_line
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny-random", "logger=none", "selector.dense_layers=[]", "task.prompt_tokens=300",
         "task.max_new_tokens=10", "task.stop_at_eos=false", "selector.topk_blocks=6"]
@@ -64,6 +68,15 @@ def test_an_unknown_top_level_key_lists_the_keys_and_the_plus_to_add_one(tmp_pat
     assert "foo=1" in line and "seed" in line and "selector" in line and "+foo=1" in line
     added = cli(*TINY, "+foo=1", "--cfg", "job", cwd=tmp_path)  # with + it composes (and --cfg still works)
     assert added.returncode == 0 and "foo: 1" in added.stdout, added.stderr[-3000:]
+
+
+def test_a_presets_sweep_is_checked_under_the_group_options_its_params_choose():
+    # +experiment=accuracy sweeps task=ruler_niah,...: context_tokens is a key of those, not of the default long_text
+    check_command_line(["-m", "+experiment=accuracy", "task.context_tokens=512"], ROOT / "conf", "config")
+    with pytest.raises(BadOverride, match=r"task \(ruler_niah\) has no key 'context_tokns'; did you mean task.context_tokens"):
+        check_command_line(["-m", "+experiment=accuracy", "task.context_tokns=512"], ROOT / "conf", "config")
+    with pytest.raises(BadOverride, match="selector has no option 'qest'"):
+        check_command_line(["-m", "+experiment=accuracy", "selector=quest,qest"], ROOT / "conf", "config")
 
 
 def test_a_sweep_without_multirun_is_one_line(tmp_path):

@@ -55,6 +55,10 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
     return order.gather(-1, choice).squeeze(-1)
 
 
+class RunDirTaken(FileExistsError):
+    """The run dir holds a finished run of another config: refused, never overwritten."""
+
+
 def finished_run(run_dir: Path, config_yaml: str) -> dict[str, Any] | None:
     """The summary of a complete run of this config in run_dir, if there is one.
 
@@ -69,8 +73,8 @@ def finished_run(run_dir: Path, config_yaml: str) -> dict[str, Any] | None:
         return None
     config_path = run_dir / "config.yaml"
     if not config_path.is_file() or config_path.read_text() != config_yaml:
-        raise FileExistsError(f"{run_dir} holds a finished run of a different config, which prr never overwrites; "
-                              "choose another hydra.run.dir (or hydra.sweep.dir)")
+        raise RunDirTaken(f"{run_dir} holds a finished run of a different config, which prr never overwrites; "
+                          "choose another hydra.run.dir (or hydra.sweep.dir)")
     return summary
 
 
@@ -137,7 +141,7 @@ def terminate_as_interrupt() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: Any) -> None:
-        raise Terminated(f"terminated by signal {signum}")
+        raise Terminated(f"terminated by signal {signum} ({signal.Signals(signum).name})")
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:

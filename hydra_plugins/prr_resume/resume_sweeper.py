@@ -10,7 +10,8 @@ launched, makes re-running a finished sweep launch nothing and change no file.
 Rules (the runner's, applied to each job's resolved config before launch):
 - complete run of the same config in the job's dir -> skipped;
 - no run, or one marked running/failed (killed, interrupted) -> launched again;
-- complete run of a different config -> FileExistsError before any job of the batch launches.
+- complete run of a different config -> refused before any job launches: exit code 2 and one
+  line on stderr, as run.py refuses it (prr/cli_exits.py).
 Skipped jobs keep their numbers, so job i always lands in `<sweep dir>/<i>`.
 """
 
@@ -74,6 +75,9 @@ class ResumeSweeper(BasicSweeper):
         return todo
 
     def sweep(self, arguments: list[str]) -> Any:
+        from prr.cli_exits import refuse  # here, like finished_run: Hydra imports every plugin at startup
+        from prr.runner import RunDirTaken
+
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         params_conf = self._parse_config()
         params_conf.extend(arguments)
@@ -85,7 +89,10 @@ class ResumeSweeper(BasicSweeper):
         while not self.is_done():
             batch = [list(job) for job in self.get_job_batch()]
             self.validate_batch_is_legal(batch)
-            batches.append((first_job, batch, self.unfinished(batch, first_job)))
+            try:
+                batches.append((first_job, batch, self.unfinished(batch, first_job)))
+            except RunDirTaken as err:  # Hydra would print it with a traceback
+                refuse(str(err))
             first_job += len(batch)
         total, todo_total = first_job, sum(len(todo) for _, _, todo in batches)
         print(f"prr: {total - todo_total} of {total} jobs already complete in {sweep_dir}; launching {todo_total}")

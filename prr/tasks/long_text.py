@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from prr.config_check import ConfigError
 from prr.tasks.base import PromptBatch, Task
 from prr.tasks.text_sources import python_reference_text, read_prompt_file
 
@@ -66,11 +67,9 @@ class LongTextTask(Task):
         from prr.model.prompt import encode_prompt, truncate_text_to_tokens
 
         available = len(tokenizer(source, add_special_tokens=False)["input_ids"])
-        if available < self.prompt_tokens:
-            raise ValueError(
-                f"task.prompt_tokens={self.prompt_tokens} but the text has only {available} tokens; "
-                "lower prompt_tokens or give a longer task.prompt_file"
-            )
+        if available < self.prompt_tokens:  # a refused input found only now the tokenizer is loaded
+            raise ConfigError([f"task.prompt_tokens={self.prompt_tokens} but the text has only {available} tokens; "
+                               "lower prompt_tokens or give a longer task.prompt_file"])
         document = truncate_text_to_tokens(tokenizer, source, self.prompt_tokens)  # a prefix of the original text
         text = f"{document}\n\n{self.instruction}"
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from prr.config_check import ConfigError
 from prr.tasks.base import PromptBatch, Task
 from prr.tasks.text_sources import python_reference_text, read_prompt_file
 
@@ -47,9 +48,9 @@ class PerplexityTask(Task):
         length = self.context_tokens + self.score_tokens
         text = read_prompt_file(self.prompt_file, length, WINDOW_SETTINGS) if self.prompt_file else python_reference_text()
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) < length:
-            raise ValueError(f"the text has {len(ids)} tokens, fewer than task.context_tokens + task.score_tokens = "
-                             f"{length}; give a longer task.prompt_file or shorten the window")
+        if len(ids) < length:  # a refused input found only now the tokenizer is loaded
+            raise ConfigError([f"the text has {len(ids)} tokens, fewer than task.context_tokens + task.score_tokens "
+                               f"= {length}; give a longer task.prompt_file or shorten the window"])
         rng = random.Random(f"perplexity:{self.seed}")
         return [ids[s:s + length] for s in (rng.randrange(len(ids) - length + 1) for _ in range(self.num_samples))]
 

@@ -1,0 +1,46 @@
+"""How `python run.py` ends when a run does not finish, one convention for all of it:
+- a refused input (bad override, invalid config, a run dir holding another config's run)
+  exits with code 2 and one line per problem on stderr, `error: ...`;
+- an interrupted run (Ctrl-C, or SIGTERM, which the runner raises as Terminated) exits with
+  code 130 and one line on stderr naming the run dir that keeps its records.
+No traceback for either: neither is a bug of prr's, and the line says all there is."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from prr.runner import Terminated
+
+EXIT_REFUSED = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command
+
+
+def refuse(*problems: str) -> NoReturn:
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    sys.exit(EXIT_REFUSED)
+
+
+def interrupted(err: KeyboardInterrupt, run_dir: Path | None) -> NoReturn:
+    """Exit after `err` stopped the run in run_dir (None: no run had begun)."""
+    print(f"prr: {interrupt_cause(err)}; {records_left(run_dir)}", file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def interrupt_cause(err: KeyboardInterrupt) -> str:
+    return str(err) if isinstance(err, Terminated) else "interrupted (Ctrl-C)"
+
+
+def records_left(run_dir: Path | None) -> str:
+    if run_dir is None:
+        return "no run was in progress"
+    if not (run_dir / "summary.json").is_file():
+        return f"the run had not begun; nothing written to {run_dir}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if summary.get("status") != "failed" or "records_kept" not in summary:
+        return f"the run had not begun decoding; no records in {run_dir}"
+    return (f"records kept in {run_dir} (summary.json: status failed, "
+            f"records_kept {json.dumps(summary['records_kept'])})")

@@ -1,0 +1,197 @@
+"""The command line's overrides composed before Hydra runs anything, so that a misspelled group
+option or key is refused in one line that names it, the valid names and the closest one.
+Hydra reports these itself in several lines (a traceback for some), and in a sweep only when
+the bad job's turn comes, after the jobs before it have run.
+
+Each job that a sweep's group options produce is composed once: every override at its first
+value, then each other value of a swept group alone. A swept key's other values are not
+composed (they differ only in value, which prr's validation checks in each job)."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
+from hydra.core.config_loader import ConfigLoader
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class BadOverride(ValueError):
+    """A command-line override that does not compose; the message is one line."""
+
+
+def check_command_line(argv: list[str], conf_dir: Path, config_name: str) -> None:
+    """Raise BadOverride for the first override of argv (run.py's arguments) that Hydra would refuse."""
+    parser = get_args_parser()  # Hydra's own: what it refuses, Hydra would refuse with its usage text
+    parser.error = refuse_arguments  # type: ignore[method-assign]
+    args = parser.parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun:
+        return  # Hydra's help and information, as Hydra prints them; a rerun takes a pickled config, not argv
+    if args.config_path or args.config_dir:
+        return  # another config dir than conf_dir: Hydra reports what does not compose there
+    check_overrides(args.overrides, conf_dir, args.config_name or config_name, multirun=args.multirun)
+
+
+def refuse_arguments(message: str) -> NoReturn:
+    """argparse's error, one line instead of its usage text."""
+    if message.startswith("unrecognized arguments"):  # `a=1 -m b=2`: argparse takes no overrides after a flag
+        message += "; flags such as -m go before or after the overrides, not among them"
+    raise BadOverride(f"{message} (python run.py --hydra-help lists the flags)")
+
+
+def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, multirun: bool) -> None:
+    with initialize_config_dir(config_dir=str(conf_dir.absolute()), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        groups = config_groups(loader)
+        parsed = parse(overrides, loader)
+        for override in parsed:
+            if override.is_sweep_override() and not multirun:
+                raise BadOverride(f"{override.input_line} is a sweep: add -m (--multirun) to run one job per value, "
+                                  f"or write a list as {override.key_or_group}=[a,b]")
+        jobs = sweep_jobs(parsed, groups, loader)
+        if multirun:  # the sweeper's params from the config (experiment presets) sweep too, before argv's
+            # read from the group options alone: argv's keys may exist only under the groups the params choose
+            chosen = [line for line in jobs[0] if parse([line], loader)[0].key_or_group in groups]
+            params = OmegaConf.select(compose_job(config_name, chosen, groups), "hydra.sweeper.params")
+            if params:
+                preset = parse([f"{k}={v}" for k, v in params.items()], loader)
+                jobs = sweep_jobs(preset + parsed, groups, loader)
+        for job in jobs:
+            compose_job(config_name, job, groups)
+
+
+def parse(overrides: list[str], loader: ConfigLoader) -> list[Override]:
+    try:
+        return OverridesParser.create(config_loader=loader).parse_overrides(overrides)
+    except OverrideParseException as err:  # its message lacks the override it is about
+        raise BadOverride(f"{err.override}: {one_line(err)}") from None
+
+
+def config_groups(loader: ConfigLoader, parent: str = "") -> set[str]:
+    """Every config group in the search path: selector, model, ..., hydra/launcher, ..."""
+    found = set()
+    for name in loader.list_groups(parent):
+        group = f"{parent}/{name}" if parent else name
+        found |= {group} | config_groups(loader, group)
+    return found
+
+
+def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader) -> list[list[str]]:
+    """Override lines of the jobs to compose (module docstring), each group option checked on
+    the way. A later override of the same key replaces an earlier one, as in Hydra's basic sweeper."""
+    values: dict[str, list[str]] = {}
+    for override in parsed:
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            if not override.is_discrete_sweep():
+                continue  # interval(a,b) is for optimizing sweepers, which choose its values themselves
+            options: list[Any] = list(override.sweep_string_iterator())
+            lines = [f"{key}={option}" for option in options]
+        else:
+            options = [override.value()]
+            lines = [override.input_line or f"{key}={override.get_value_element_as_str()}"]
+        if override.key_or_group in groups:
+            for option, line in zip(options, lines, strict=True):
+                if isinstance(option, str):  # not null, a deletion (~group) or a list of configs
+                    check_group_option(loader, override.key_or_group, option, line)
+        else:
+            lines = lines[:1]
+        values[key] = lines
+    first = {key: lines[0] for key, lines in values.items()}
+    jobs = [list(first.values())]
+    for key, lines in values.items():
+        jobs += [list({**first, key: line}.values()) for line in lines[1:]]
+    return jobs
+
+
+def check_group_option(loader: ConfigLoader, group: str, option: str, line: str) -> None:
+    options = sorted(loader.get_group_options(group))
+    if option in options:
+        return
+    close = closest(option, options)
+    hint = f"did you mean {close}? " if close else ""
+    raise BadOverride(f"{line}: {group} has no option {option!r}; {hint}options: {', '.join(options)}")
+
+
+def compose_job(config_name: str, job: list[str], groups: set[str]) -> DictConfig:
+    try:
+        return compose(config_name=config_name, overrides=job, return_hydra_config=True)
+    except Exception as err:  # whatever composing raises (OmegaConf lets a ValueError through) is the overrides
+        raise BadOverride(unknown_key(config_name, job, groups) or one_line(err)) from None
+
+
+def unknown_key(config_name: str, job: list[str], groups: set[str]) -> str | None:
+    """One line naming the first override of `job` that changes or deletes a key the config
+    lacks, or None when every key it names exists (the failure is something else)."""
+    parsed = OverridesParser.create().parse_overrides(job)
+
+    def adds(o: Override) -> bool:  # chooses a group option or adds a key: composed first, as given
+        return o.key_or_group in groups or o.is_add() or o.is_force_add()
+
+    try:
+        cfg = compose(config_name=config_name, overrides=[o.input_line for o in parsed if adds(o)],
+                      return_hydra_config=True)
+    except Exception:
+        return None  # the group options or added keys themselves fail: Hydra's message says why
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(tree, dict)
+    choices = tree["hydra"]["runtime"]["choices"]
+    for override in parsed:
+        if adds(override):
+            continue
+        problem = missing_key(tree, override, choices)
+        if problem is not None:
+            return f"{override.input_line}: {problem}"
+    return None
+
+
+def missing_key(tree: dict[str, Any], override: Override, choices: dict[str, str]) -> str | None:
+    """Why the key `override` changes or deletes is not in tree (the config as plain
+    containers), or None when it is."""
+    node: Any = tree
+    parts = override.key_or_group.split(".")
+    for depth, part in enumerate(parts):
+        if isinstance(node, list):
+            if part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                continue
+            return f"{'.'.join(parts[:depth])} is the list {node!r}, which has no item {part!r}"
+        if not isinstance(node, dict):
+            return f"{'.'.join(parts[:depth])} is the value {node!r}, with no keys under it"
+        if part in node:
+            node = node[part]
+            continue
+        keys = sorted(k for k in node if not k.startswith("_"))
+        where = ".".join(parts[:depth])
+        close = closest(part, keys)
+        hint = f"did you mean {where + '.' if where else ''}{close}? " if close else ""
+        if not where:
+            if not close and not override.is_delete():
+                hint = f"+{override.input_line} adds it; "  # new top-level keys are free (+foo=1)
+            return f"the config has no key {part!r}; {hint}keys: {', '.join(keys)}"
+        owner = f"{where} ({choices[where]})" if where in choices else where
+        return f"{owner} has no key {part!r}; {hint}keys: {', '.join(keys)}"
+    return None
+
+
+def closest(name: str, names: list[str]) -> str | None:
+    """The valid name meant by `name`: one containing it (topk -> topk_blocks), else the most similar."""
+    containing = [n for n in names if name in n]
+    similar = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    return (containing or similar or [None])[0]
+
+
+def one_line(err: BaseException) -> str:
+    """Hydra's message (and OmegaConf's beneath it, which Hydra prints too) on one line."""
+    text = str(err)
+    if isinstance(err.__cause__, OmegaConfBaseException):
+        text += f" ({err.__cause__})"
+    return " ".join(text.split())

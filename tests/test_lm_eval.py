@@ -3,6 +3,7 @@ acceptance), its log-likelihoods equal a dense forward for the dense selector, g
 stops at `until`, and `python run.py task=lm_eval` logs lm-eval's scores like any metric."""
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -98,6 +99,41 @@ def test_generate_until_stops_and_cuts_at_the_stop_string(dense_lm):
         dense_lm.generate_until([SimpleNamespace(args=(context, {"do_sample": True, "temperature": 0.7}))])
 
 
+def test_requests_are_sized_from_the_model_context_by_default():
+    from prr.lm_eval_model import PRRLM
+
+    lm = PRRLM(model="tiny-random", selector="dense", predictor="none", **{"runtime.dense_metrics_every": 1000})
+    assert lm.max_length == lm.engine.model.config.max_position_embeddings == 4096
+    context = "Blocks of keys and values. " * 140  # 3780 tokens (bytes): beyond the old 2048 + 64
+    lm.generate_until([SimpleNamespace(args=(context, {"max_gen_toks": 2, "until": []}))])
+    assert lm.truncated_requests == 0
+
+
+def test_a_lower_max_length_truncates_and_counts_and_warns_once_per_request_type(caplog):
+    from prr.lm_eval_model import PRRLM
+
+    lm = PRRLM(model="tiny-random", selector="dense", predictor="none", max_length=1024,
+               **{"runtime.dense_metrics_every": 1000})
+    assert lm.max_length == 1024 and lm.engine.max_tokens == 1024
+    long, short = "Blocks of keys and values. " * 60, "abc " * 10  # 1620 and 40 tokens
+    with caplog.at_level(logging.WARNING, logger="prr"):
+        lm.generate_until([SimpleNamespace(args=(c, {"max_gen_toks": 2, "until": []})) for c in (long, long, short)])
+        lm.loglikelihood([SimpleNamespace(args=(long, " ok")), SimpleNamespace(args=(short, " ok"))])
+    assert lm.truncated_requests == 3 and lm.get_model_info()["truncated_requests"] == 3
+    warnings = [r.getMessage() for r in caplog.records if r.name == "prr"]
+    assert len(warnings) == 2  # one per request type, with the count
+    assert "2 of 3 generate_until requests exceed max_length=1024" in warnings[0]
+    assert "1 of 2 loglikelihood requests exceed max_length=1024" in warnings[1]
+    assert "up to the model's context of 4096" in warnings[0]
+
+
+def test_max_length_above_the_model_context_is_refused_before_loading():
+    from prr.lm_eval_model import PRRLM
+
+    with pytest.raises(ValueError, match=r"max_length=5000 exceeds the context of model 'tiny-random' \(4096 tokens\)"):
+        PRRLM(model="tiny-random", max_length=5000)
+
+
 @pytest.mark.slow  # ~25 s (lm-eval's import, a run); the CLI test above is the CI acceptance
 def test_run_py_task_lm_eval_logs_lm_eval_scores_in_the_summary(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -106,6 +142,7 @@ def test_run_py_task_lm_eval_logs_lm_eval_scores_in_the_summary(tmp_path):
             "+task.metadata.context_tokens=600", "selector.topk_blocks=4", "selector.dense_layers=[]"])
     summary = run(cfg, tmp_path / "run")
     assert summary["status"] == "complete" and "lm_eval/prr_niah/string_match" in summary
+    assert summary["lm_eval/truncated_requests"] == 0  # 600-token prompts within task.context_tokens (2048)
     saved = json.loads((tmp_path / "run" / "lm_eval_results.json").read_text())
     assert saved["prr_niah"]["string_match,none"] == summary["lm_eval/prr_niah/string_match"]
     assert (tmp_path / "run" / "records" / "steps.jsonl").stat().st_size > 0  # the runtime's records, as any run

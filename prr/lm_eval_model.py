@@ -1,7 +1,7 @@
 """The lm-eval model `prr`: lm-eval's requests decoded through our DSA/PRR runtime.
 
     prr-lm-eval --model prr --model_args model=smollm2-135m,selector=quest,predictor=ema \
-        --tasks prr_niah --limit 4       (prr/tasks/lm_eval_tasks is on the include path unless one is given)
+        --tasks prr_niah --limit 4       (prr/tasks/lm_eval_tasks is on the include path, with any given)
     python -m prr.lm_eval_model ...   (the same)
 
 Every model_args key is a Hydra override of conf/ (`selector=quest`, `selector.topk_blocks=16`,
@@ -28,6 +28,7 @@ uses lm-eval's rolling windows of max_length tokens, each scored the same way.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ from tqdm.auto import tqdm
 log = logging.getLogger("prr")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 LOCAL_TASKS = Path(__file__).resolve().parent / "tasks" / "lm_eval_tasks"
+# prr-lm-eval's --device when none is given (lm-eval's own default, cuda:0, would read as the
+# user's choice): the prr model runs on runtime.device, recorded in the results' prr_config.
+DEVICE_FROM_RUNTIME = "runtime.device"
 
 
 def compose_config(overrides: dict[str, Any], check: bool = True) -> Any:
@@ -116,8 +120,11 @@ class PRRLM(LM):
         if str(batch_size) not in ("1", "auto"):
             raise ValueError(f"batch_size={batch_size}: the prr model decodes one request at a time; use 1")
         if engine is None:
-            if device is not None:  # prr's runtime group owns the device: runtime.device in model_args
-                log.warning("lm-eval's device=%s is not used; the prr model runs on runtime.device", device)
+            # prr's runtime group owns the device (runtime.device in model_args); prr-lm-eval passes
+            # DEVICE_FROM_RUNTIME when no --device was given, in place of lm-eval's default cuda:0.
+            if device is not None and device != DEVICE_FROM_RUNTIME:
+                log.warning("prr: lm-eval's device=%s is not used; the prr model runs on runtime.device "
+                            "(set it in --model_args, e.g. runtime.device=cuda)", device)
             cfg, max_length = compose_lm_eval_config(overrides, max_length)
             from hydra.utils import instantiate
 
@@ -244,16 +251,41 @@ if model_registry.get("prr", None) is None:
     model_registry.register("prr", target="prr.lm_eval_model:PRRLM")
 
 
+def with_local_tasks(user_paths: str | list[str] | None) -> list[str]:
+    """lm-eval's include path: prr's local tasks, then the user's folders (a later folder wins
+    a task name both define, in lm-eval's TaskManager, which takes a list)."""
+    user = [] if user_paths is None else [user_paths] if isinstance(user_paths, (str, Path)) else list(user_paths)
+    folders = [Path(path).expanduser() for path in user]
+    for path, folder in zip(user, folders, strict=True):
+        if not folder.is_dir():  # lm-eval would skip it and then find no task in it
+            raise ValueError(f"include_path {path!r} is not a directory; give a folder of lm-eval task YAML files")
+    # prr's folder once: given again, lm-eval would index it twice and warn that each task overrides itself
+    return [str(LOCAL_TASKS), *(str(f) for f in folders if f.resolve() != LOCAL_TASKS)]
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`prr-lm-eval` / `python -m prr.lm_eval_model`: lm-eval's CLI with the `prr` model registered."""
-    from lm_eval.__main__ import cli_evaluate
+    """`prr-lm-eval` / `python -m prr.lm_eval_model`: lm-eval's CLI (its parser, then its run)
+    with the `prr` model registered, and with these changes to the parsed arguments:
+    include_path is prr's local tasks plus the user's folder (--include_path DIR or =DIR, or
+    the --config YAML's), and the prr model gets DEVICE_FROM_RUNTIME when no --device is given.
+    HF_DATASETS_OFFLINE=1 unless set: hub tasks (LongBench, ...) need HF_DATASETS_OFFLINE=0."""
+    # datasets reads this once, at its import (not done yet): local tasks need no hub, and without
+    # it datasets still tries the network. HF_HUB_OFFLINE is left alone: hub models may need the hub.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.utils import setup_logging
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--include_path" not in args and any(a in ("--tasks", "-t") for a in args):
-        args += ["--include_path", str(LOCAL_TASKS)]  # prr's local tasks (prr_niah, prr_vt, prr_qa) by default
-    sys.argv = [sys.argv[0], *args]
-    cli_evaluate()
-
+    sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    setup_logging()
+    cli = HarnessCLI()
+    args = cli.parse_args()  # inserts lm-eval's `run` when no subcommand is named, as lm-eval does
+    from_yaml = EvaluatorConfig.load_yaml_config(args.config) if getattr(args, "config", None) else {}
+    if hasattr(args, "include_path"):  # run, ls and validate
+        args.include_path = with_local_tasks(args.include_path or from_yaml.get("include_path"))
+    if (getattr(args, "model", None) or from_yaml.get("model")) == "prr" and not (args.device or from_yaml.get("device")):
+        args.device = DEVICE_FROM_RUNTIME
+    cli.execute(args)
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,77 @@ def test_lm_eval_command_line_runs_the_prr_model_on_a_local_task_offline(tmp_pat
     assert results["n-samples"]["prr_niah"]["effective"] == 2
 
 
+# A user's task folder: a loglikelihood task on a long context, its data made offline; it fails
+# if datasets may reach the hub (prr-lm-eval sets HF_DATASETS_OFFLINE=1 unless set).
+USER_TASK_YAML = """task: user_long_context
+dataset_path: ""
+dataset_name: ""
+output_type: loglikelihood
+test_split: test
+custom_dataset: !function user_data.rows
+doc_to_text: "{{text}}"
+doc_to_target: "{{target}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+USER_TASK_DATA = """import datasets
+
+
+def rows(**metadata):
+    if not datasets.config.HF_DATASETS_OFFLINE:
+        raise RuntimeError("datasets may reach the hub: HF_DATASETS_OFFLINE is not set")
+    return {"test": datasets.Dataset.from_list([{"text": "Blocks of keys and values. " * 140, "target": " ok"}])}
+"""
+
+
+def user_task_folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "user_long_context.yaml").write_text(USER_TASK_YAML)
+    (path / "user_data.py").write_text(USER_TASK_DATA)
+    return path
+
+
+def test_lm_eval_command_line_keeps_long_prompts_whole_up_to_the_model_context(tmp_path):
+    """tiny-random's context is 4096 tokens (bytes): prompts of ~3800 tokens, longer than the old
+    limit of task.context_tokens (2048) + 64, reach the model whole, with prr's own task and a
+    user's task folder (--include_path=DIR) in one run, no --device and no HF_*_OFFLINE set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    out = subprocess.run(
+        [sys.executable, "-m", "prr.lm_eval_model", "--model", "prr", "--model_args", TINY_ARGS,
+         "--tasks", "prr_niah,user_long_context", f"--include_path={user_task_folder(tmp_path / 'user_tasks')}",
+         "--limit", "1", "--metadata", '{"context_tokens": 3800}', "--output_path", str(tmp_path / "out")],
+        cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (results_file,) = list((tmp_path / "out").rglob("results_*.json"))
+    results = json.loads(results_file.read_text())
+    assert set(results["results"]) == {"prr_niah", "user_long_context"}
+    config = results["config"]
+    assert config["max_length"] == 4096 and config["truncated_requests"] == 0
+    prr = config["prr_config"]  # the resolved config of the run, as composed from --model_args
+    assert prr["model"]["name_or_path"] == "tiny-random" and prr["selector"]["topk_blocks"] == 4
+    assert prr["selector"]["dense_layers"] == [] and "block_size" in prr["runtime"] and "_target_" in prr["predictor"]
+    assert "budget" in prr
+    assert "is not used" not in out.stderr  # no --device given: no warning about lm-eval's default one
+    assert "lost their oldest" not in out.stderr
+
+
+@pytest.mark.parametrize("form", ["--include_path DIR", "--include_path=DIR"])
+def test_include_path_adds_the_users_folder_to_prrs_local_tasks(tmp_path, form, monkeypatch, capsys):
+    from prr.lm_eval_model import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # main sets it when unset: keep this process as it was
+    monkeypatch.setattr(sys, "argv", ["prr-lm-eval"])
+    folder = str(user_task_folder(tmp_path / "user_tasks"))
+    include = ["--include_path", folder] if form == "--include_path DIR" else [f"--include_path={folder}"]
+    main(["validate", "--tasks", "prr_niah,user_long_context", *include])  # exits 1 when a task is not found
+    assert "All tasks found" in capsys.readouterr().out
+
+
 def test_console_script_points_at_the_wrapper():
     (target,) = re.findall(r'^prr-lm-eval = "([\w.:]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
     module, _, name = target.partition(":")

@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lm_eval.models  # noqa: F401 - lm-eval fills its own registry only while it is empty: fill it first
 import torch
@@ -107,6 +107,8 @@ def _hydra_value(value: Any) -> str:
 
 
 class PRRLM(LM):
+    model_loads_started = 0  # prr-lm-eval: an error before the first one is an argument's
+
     def __init__(self, engine: Any = None, batch_size: int | str = 1, max_batch_size: int | None = None,
                  device: str | None = None, max_length: int | None = None, max_gen_toks: int = 256,
                  **overrides: Any) -> None:
@@ -131,6 +133,7 @@ class PRRLM(LM):
             from prr.evaluation import Engine
 
             settings, task = instantiate(cfg.runtime), instantiate(cfg.task)
+            PRRLM.model_loads_started += 1  # past this point, a failure is the run's, not an argument's (main)
             model = instantiate(cfg.model).load(settings.dtype, settings.device)
             engine = Engine(cfg, model, max_length)
             max_gen_toks = task.max_new_tokens
@@ -268,10 +271,13 @@ def main(argv: list[str] | None = None) -> None:
     with the `prr` model registered, and with these changes to the parsed arguments:
     include_path is prr's local tasks plus the user's folder (--include_path DIR or =DIR, or
     the --config YAML's), and the prr model gets DEVICE_FROM_RUNTIME when no --device is given.
-    HF_DATASETS_OFFLINE=1 unless set: hub tasks (LongBench, ...) need HF_DATASETS_OFFLINE=0."""
+    HF_DATASETS_OFFLINE=1 unless set: hub tasks (LongBench, ...) need HF_DATASETS_OFFLINE=0.
+    A bad argument (unknown task, a model_args typo, max_length above the model's context)
+    ends in one line on stderr and exit status 2, before the model loads."""
     # datasets reads this once, at its import (not done yet): local tasks need no hub, and without
     # it datasets still tries the network. HF_HUB_OFFLINE is left alone: hub models may need the hub.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from hydra.errors import HydraException
     from lm_eval._cli import HarnessCLI
     from lm_eval.config.evaluate_config import EvaluatorConfig
     from lm_eval.utils import setup_logging
@@ -280,12 +286,37 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     cli = HarnessCLI()
     args = cli.parse_args()  # inserts lm-eval's `run` when no subcommand is named, as lm-eval does
-    from_yaml = EvaluatorConfig.load_yaml_config(args.config) if getattr(args, "config", None) else {}
-    if hasattr(args, "include_path"):  # run, ls and validate
-        args.include_path = with_local_tasks(args.include_path or from_yaml.get("include_path"))
-    if (getattr(args, "model", None) or from_yaml.get("model")) == "prr" and not (args.device or from_yaml.get("device")):
+    try:
+        from_yaml = EvaluatorConfig.load_yaml_config(args.config) if getattr(args, "config", None) else {}
+        if hasattr(args, "include_path"):  # run, ls and validate
+            args.include_path = with_local_tasks(args.include_path or from_yaml.get("include_path"))
+    except (ValueError, FileNotFoundError) as err:
+        exit_on_argument_error(err)
+    if (getattr(args, "model", None) or from_yaml.get("model")) != "prr":
+        cli.execute(args)  # another lm-eval model, or ls/validate: lm-eval's own behaviour
+        return
+    if not (args.device or from_yaml.get("device")):
         args.device = DEVICE_FROM_RUNTIME
-    cli.execute(args)
+    loads_before = PRRLM.model_loads_started
+    try:
+        cli.execute(args)
+    except (ValueError, FileNotFoundError, HydraException) as err:
+        if PRRLM.model_loads_started > loads_before:
+            raise  # the run's own failure, past the arguments: its traceback is the useful part
+        exit_on_argument_error(err)
+
+
+def exit_on_argument_error(err: Exception) -> NoReturn:
+    message = " ".join(str(err).split())
+    if err.__cause__ is not None:  # Hydra's override errors name the reason only in their cause
+        message += f" ({str(err.__cause__).strip().splitlines()[0]})"
+    print(f"prr-lm-eval: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
 
 if __name__ == "__main__":
-    main()
+    # Run as prr.lm_eval_model, the module whose PRRLM lm-eval builds (its registry names that
+    # module), so that main() sees PRRLM.model_loads_started of the model that ran.
+    from prr.lm_eval_model import main as prr_lm_eval
+
+    prr_lm_eval()

@@ -107,6 +107,26 @@ def test_include_path_adds_the_users_folder_to_prrs_local_tasks(tmp_path, form, 
     assert "All tasks found" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("model_args", "tasks", "message"), [
+    ("model=tiny-random", "no_such_task", "Tasks not found: no_such_task"),
+    ("model=tiny-random,selectr=quest", "prr_niah", "selectr"),
+    ("model=tiny-random,max_length=5000", "prr_niah", "max_length=5000 exceeds the context of model 'tiny-random' "
+                                                       "(4096 tokens); use at most 4096"),
+])
+def test_a_bad_argument_is_one_line_and_exit_status_2_before_the_model_loads(model_args, tasks, message,
+                                                                             monkeypatch, capsys):
+    from prr.lm_eval_model import PRRLM, main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(sys, "argv", ["prr-lm-eval"])
+    loads = PRRLM.model_loads_started
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "prr", "--model_args", model_args, "--tasks", tasks, "--limit", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and err.startswith("prr-lm-eval: error: ") and message in err
+    assert PRRLM.model_loads_started == loads
+
+
 def test_console_script_points_at_the_wrapper():
     (target,) = re.findall(r'^prr-lm-eval = "([\w.:]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
     module, _, name = target.partition(":")
@@ -201,8 +221,10 @@ def test_a_lower_max_length_truncates_and_counts_and_warns_once_per_request_type
 def test_max_length_above_the_model_context_is_refused_before_loading():
     from prr.lm_eval_model import PRRLM
 
+    loads = PRRLM.model_loads_started
     with pytest.raises(ValueError, match=r"max_length=5000 exceeds the context of model 'tiny-random' \(4096 tokens\)"):
         PRRLM(model="tiny-random", max_length=5000)
+    assert PRRLM.model_loads_started == loads
 
 
 @pytest.mark.slow  # ~25 s (lm-eval's import, a run); the CLI test above is the CI acceptance

@@ -1,11 +1,15 @@
 """The lm-eval model `prr`: lm-eval's requests decoded through our DSA/PRR runtime.
 
     prr-lm-eval --model prr --model_args model=smollm2-135m,selector=quest,predictor=ema \
-        --tasks prr_niah --limit 4       (prr/tasks/lm_eval_tasks is on the include path unless one is given)
+        --tasks prr_niah --limit 4       (prr/tasks/lm_eval_tasks is on the include path, with any given)
     python -m prr.lm_eval_model ...   (the same)
 
 Every model_args key is a Hydra override of conf/ (`selector=quest`, `selector.topk_blocks=16`,
-`runtime.block_size=32`, `model=tiny-random`), composed and validated as `python run.py` does.
+`runtime.block_size=32`, `model=tiny-random`), composed and validated as `python run.py` does,
+except max_length: the longest request in tokens (default: the model's context). Longer
+requests lose their oldest context tokens: a warning gives their count, and lm-eval's
+results file holds it (config.truncated_requests) next to the resolved prr config
+(config.prr_config: model, selector, predictor, budget, runtime, ...) and config.max_length.
 
 Why a wrapper command: lm-eval 0.4.x finds models only in its own registry (MODEL_MAPPING in
 lm_eval.models, filled at import) and has no plugin entry points, so `lm_eval --model prr`
@@ -24,9 +28,10 @@ uses lm-eval's rolling windows of max_length tokens, each scored the same way.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lm_eval.models  # noqa: F401 - lm-eval fills its own registry only while it is empty: fill it first
 import torch
@@ -38,10 +43,13 @@ from tqdm.auto import tqdm
 log = logging.getLogger("prr")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 LOCAL_TASKS = Path(__file__).resolve().parent / "tasks" / "lm_eval_tasks"
+# prr-lm-eval's --device when none is given (lm-eval's own default, cuda:0, would read as the
+# user's choice): the prr model runs on runtime.device, recorded in the results' prr_config.
+DEVICE_FROM_RUNTIME = "runtime.device"
 
 
-def compose_config(overrides: dict[str, Any]) -> Any:
-    """model_args -> the validated prr config (Hydra compose over conf/, logger=none)."""
+def compose_config(overrides: dict[str, Any], check: bool = True) -> Any:
+    """model_args -> the prr config (Hydra compose over conf/, logger=none), validated unless check=False."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -54,8 +62,42 @@ def compose_config(overrides: dict[str, Any]) -> Any:
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=args)
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
+
+
+def compose_lm_eval_config(overrides: dict[str, Any], max_length: int | None) -> tuple[Any, int]:
+    """model_args -> (the validated config of task=lm_eval, the request limit in tokens).
+
+    The limit is max_length if given, else task.context_tokens + task.max_new_tokens if
+    task.context_tokens is given, else the model's context: lm-eval's long prompts are not cut
+    below what the model can attend to."""
+    overrides = {"task": "lm_eval", **overrides}
+    if max_length is not None and "task.context_tokens" in overrides:
+        raise ValueError(f"max_length={max_length} and task.context_tokens={overrides['task.context_tokens']} both "
+                         "set the request limit: give only max_length (it counts the new tokens too)")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)):
+        raise ValueError(f"max_length={max_length!r} is not a whole number of tokens")
+    if max_length is None and "task.context_tokens" in overrides:
+        cfg = compose_config(overrides)  # validation checks the sum against the model's context
+        return cfg, cfg.task.context_tokens + cfg.task.max_new_tokens
+    from hydra.utils import instantiate
+
+    cfg = compose_config(overrides, check=False)  # the model's context sizes task.context_tokens, validated below
+    try:
+        model_context = instantiate(cfg.model).describe().max_position_embeddings
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from None
+    limit = model_context if max_length is None else max_length
+    if limit > model_context:
+        raise ValueError(f"max_length={max_length} exceeds the context of model {cfg.model.name_or_path!r} "
+                         f"({model_context} tokens); use at most {model_context} (the default)")
+    new_tokens = cfg.task.max_new_tokens
+    if limit < new_tokens + 2:  # a request keeps at least 2 context tokens (the prefill's minimum)
+        raise ValueError(f"max_length={max_length} leaves no room for a context after task.max_new_tokens="
+                         f"{new_tokens}; use at least {new_tokens + 2}")
+    return compose_config({**overrides, "task.context_tokens": limit - new_tokens}), limit
 
 
 def _hydra_value(value: Any) -> str:
@@ -65,34 +107,47 @@ def _hydra_value(value: Any) -> str:
 
 
 class PRRLM(LM):
+    model_loads_started = 0  # prr-lm-eval: an error before the first one is an argument's
+
     def __init__(self, engine: Any = None, batch_size: int | str = 1, max_batch_size: int | None = None,
                  device: str | None = None, max_length: int | None = None, max_gen_toks: int = 256,
                  **overrides: Any) -> None:
         """engine: a prr.evaluation.Engine (from `python run.py task=lm_eval`), or None to build
-        one from `overrides` (Hydra overrides: selector=quest, model=tiny-random, ...); then
-        task.context_tokens (default 2048) + task.max_new_tokens (64) bound every request."""
+        one from `overrides` (Hydra overrides: selector=quest, model=tiny-random, ...).
+        max_length: the longest request (context + continuation or generated tokens); a longer
+        one loses its oldest context tokens, counted in truncated_requests and warned about.
+        Without an engine it defaults to the model's context (max_position_embeddings), or to
+        task.context_tokens + task.max_new_tokens when task.context_tokens is given."""
         super().__init__()
         if str(batch_size) not in ("1", "auto"):
             raise ValueError(f"batch_size={batch_size}: the prr model decodes one request at a time; use 1")
         if engine is None:
-            if device is not None:  # prr's runtime group owns the device: runtime.device in model_args
-                log.warning("lm-eval's device=%s is not used; the prr model runs on runtime.device", device)
-            # The lm_eval task's options size requests (task.context_tokens, task.max_new_tokens).
-            overrides = {"task": "lm_eval", **overrides}
-            cfg = compose_config(overrides)
+            # prr's runtime group owns the device (runtime.device in model_args); prr-lm-eval passes
+            # DEVICE_FROM_RUNTIME when no --device was given, in place of lm-eval's default cuda:0.
+            if device is not None and device != DEVICE_FROM_RUNTIME:
+                log.warning("prr: lm-eval's device=%s is not used; the prr model runs on runtime.device "
+                            "(set it in --model_args, e.g. runtime.device=cuda)", device)
+            cfg, max_length = compose_lm_eval_config(overrides, max_length)
             from hydra.utils import instantiate
 
             from prr.evaluation import Engine
 
             settings, task = instantiate(cfg.runtime), instantiate(cfg.task)
+            PRRLM.model_loads_started += 1  # past this point, a failure is the run's, not an argument's (main)
             model = instantiate(cfg.model).load(settings.dtype, settings.device)
-            engine = Engine(cfg, model, task.context_tokens + task.max_new_tokens)
+            engine = Engine(cfg, model, max_length)
             max_gen_toks = task.max_new_tokens
+            self.limit_setting = "max_length in --model_args"
         elif overrides:
             raise ValueError(f"model_args {sorted(overrides)} given with an engine: set them in the run's config")
+        elif max_length is not None and max_length > engine.max_tokens:
+            raise ValueError(f"max_length={max_length} exceeds the engine's {engine.max_tokens} tokens")
+        else:
+            self.limit_setting = "task.context_tokens"  # run.py task=lm_eval sizes the engine from it
         self.engine = engine
-        self.max_length = min(max_length or engine.max_tokens, engine.max_tokens)
+        self.max_length = engine.max_tokens if max_length is None else max_length
         self.max_gen_toks = max_gen_toks
+        self.truncated_requests = 0  # requests that lost context tokens to max_length (all request types)
         tok = engine.tokenizer
         eos, bos = engine.model.config.eos_token_id, engine.model.config.bos_token_id
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
@@ -100,16 +155,37 @@ class PRRLM(LM):
         self.prefix_token_id = bos if bos is not None else eos if eos is not None else 0
         self._tok = tok
 
+    def get_model_info(self) -> dict[str, Any]:
+        """lm-eval's simple_evaluate adds this to the results' `config` (so to results_*.json)
+        after the run: the resolved prr config, the request limit and how many requests it cut."""
+        from omegaconf import OmegaConf
+
+        return {"prr_config": OmegaConf.to_container(self.engine.cfg, resolve=True), "max_length": self.max_length,
+                "truncated_requests": self.truncated_requests}
+
     # --- helpers ------------------------------------------------------------------------
     def tok_encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
-    def _context(self, ids: list[int], room: int, min_tokens: int = 1) -> torch.Tensor:
-        """Left-truncated to `room` tokens; the prefix token pads it to min_tokens. -> [1, T]"""
-        ids = ids[-room:] if room > 0 else []
-        while len(ids) < min_tokens:
-            ids = [self.prefix_token_id] + ids
-        return torch.tensor([ids], dtype=torch.long)
+    def _context(self, ids: list[int], room: int, min_tokens: int = 1) -> tuple[torch.Tensor, bool]:
+        """The last `room` tokens of ids (left-truncation), padded with the prefix token to
+        min_tokens -> ([1, T], whether tokens were dropped)."""
+        kept = ids[-room:] if room > 0 else []
+        cut = len(kept) < len(ids)
+        while len(kept) < min_tokens:
+            kept = [self.prefix_token_id] + kept
+        return torch.tensor([kept], dtype=torch.long), cut
+
+    def _report_truncated(self, request_type: str, cut: int, total: int) -> None:
+        """One warning per call (lm-eval makes one call per request type), not one per request."""
+        if not cut:
+            return
+        self.truncated_requests += cut
+        context = self.engine.model.config.max_position_embeddings
+        fix = (f"raise {self.limit_setting} (up to the model's context of {context})"
+               if self.max_length < context else f"the model's context is {context} tokens")
+        log.warning("prr: %d of %d %s requests exceed max_length=%d tokens and lost their oldest context tokens; %s",
+                    cut, total, request_type, self.max_length, fix)
 
     @property
     def tokenizer_name(self) -> str:
@@ -122,7 +198,7 @@ class PRRLM(LM):
 
     # --- lm-eval's three request types -------------------------------------------------
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        out = []
+        out, cut = [], 0
         for request in tqdm(requests, desc="prr loglikelihood", disable=disable_tqdm):
             context, continuation = request.args
             if context:
@@ -130,10 +206,13 @@ class PRRLM(LM):
                 cont = whole[len(ctx):] if whole[: len(ctx)] == ctx else self.tok_encode(continuation)
             else:
                 ctx, cont = [self.prefix_token_id], self.tok_encode(continuation)
-            cont = cont[-(self.max_length - 2):]
-            logprob, greedy, _ = self.engine.score(self._context(ctx, self.max_length - len(cont)), cont)
+            scored = cont[-(self.max_length - 2):]
+            ids, context_cut = self._context(ctx, self.max_length - len(scored))
+            cut += context_cut or len(scored) < len(cont)
+            logprob, greedy, _ = self.engine.score(ids, scored)
             out.append((logprob, greedy))
             self.cache_hook.add_partial("loglikelihood", request.args, (logprob, greedy))
+        self._report_truncated("loglikelihood", cut, len(requests))
         return out
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
@@ -143,14 +222,14 @@ class PRRLM(LM):
             windows = map(make_disjoint_window, get_rolling_token_windows(
                 self.tok_encode(text), self.prefix_token_id, self.max_length - 1, 1))
             total = 0.0
-            for ctx, pred in windows:
-                total += self.engine.score(self._context(ctx, self.max_length - len(pred)), pred)[0]
+            for ctx, pred in windows:  # each window fits max_length: nothing is cut
+                total += self.engine.score(self._context(ctx, self.max_length - len(pred))[0], pred)[0]
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
         return out
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        out = []
+        out, cut = [], 0
         for request in tqdm(requests, desc="prr generate_until", disable=disable_tqdm):
             context, kwargs = request.args
             kwargs = dict(kwargs or {})
@@ -160,10 +239,12 @@ class PRRLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
             # Generation prefills the context alone, which needs 2 tokens: a shorter one gets the prefix token.
-            ids = self._context(self.tok_encode(context), self.max_length - max_gen, min_tokens=2)
+            ids, context_cut = self._context(self.tok_encode(context), self.max_length - max_gen, min_tokens=2)
+            cut += context_cut
             text = self.engine.generate(ids, max_gen, stop=tuple(until)).text
             out.append(text)
             self.cache_hook.add_partial("generate_until", request.args, text)
+        self._report_truncated("generate_until", cut, len(requests))
         return out
 
 
@@ -173,16 +254,69 @@ if model_registry.get("prr", None) is None:
     model_registry.register("prr", target="prr.lm_eval_model:PRRLM")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`prr-lm-eval` / `python -m prr.lm_eval_model`: lm-eval's CLI with the `prr` model registered."""
-    from lm_eval.__main__ import cli_evaluate
+def with_local_tasks(user_paths: str | list[str] | None) -> list[str]:
+    """lm-eval's include path: prr's local tasks, then the user's folders (a later folder wins
+    a task name both define, in lm-eval's TaskManager, which takes a list)."""
+    user = [] if user_paths is None else [user_paths] if isinstance(user_paths, (str, Path)) else list(user_paths)
+    folders = [Path(path).expanduser() for path in user]
+    for path, folder in zip(user, folders, strict=True):
+        if not folder.is_dir():  # lm-eval would skip it and then find no task in it
+            raise ValueError(f"include_path {path!r} is not a directory; give a folder of lm-eval task YAML files")
+    # prr's folder once: given again, lm-eval would index it twice and warn that each task overrides itself
+    return [str(LOCAL_TASKS), *(str(f) for f in folders if f.resolve() != LOCAL_TASKS)]
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--include_path" not in args and any(a in ("--tasks", "-t") for a in args):
-        args += ["--include_path", str(LOCAL_TASKS)]  # prr's local tasks (prr_niah, prr_vt, prr_qa) by default
-    sys.argv = [sys.argv[0], *args]
-    cli_evaluate()
+
+def main(argv: list[str] | None = None) -> None:
+    """`prr-lm-eval` / `python -m prr.lm_eval_model`: lm-eval's CLI (its parser, then its run)
+    with the `prr` model registered, and with these changes to the parsed arguments:
+    include_path is prr's local tasks plus the user's folder (--include_path DIR or =DIR, or
+    the --config YAML's), and the prr model gets DEVICE_FROM_RUNTIME when no --device is given.
+    HF_DATASETS_OFFLINE=1 unless set: hub tasks (LongBench, ...) need HF_DATASETS_OFFLINE=0.
+    A bad argument (unknown task, a model_args typo, max_length above the model's context)
+    ends in one line on stderr and exit status 2, before the model loads."""
+    # datasets reads this once, at its import (not done yet): local tasks need no hub, and without
+    # it datasets still tries the network. HF_HUB_OFFLINE is left alone: hub models may need the hub.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from hydra.errors import HydraException
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.utils import setup_logging
+
+    sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    setup_logging()
+    cli = HarnessCLI()
+    args = cli.parse_args()  # inserts lm-eval's `run` when no subcommand is named, as lm-eval does
+    try:
+        from_yaml = EvaluatorConfig.load_yaml_config(args.config) if getattr(args, "config", None) else {}
+        if hasattr(args, "include_path"):  # run, ls and validate
+            args.include_path = with_local_tasks(args.include_path or from_yaml.get("include_path"))
+    except (ValueError, FileNotFoundError) as err:
+        exit_on_argument_error(err)
+    if (getattr(args, "model", None) or from_yaml.get("model")) != "prr":
+        cli.execute(args)  # another lm-eval model, or ls/validate: lm-eval's own behaviour
+        return
+    if not (args.device or from_yaml.get("device")):
+        args.device = DEVICE_FROM_RUNTIME
+    loads_before = PRRLM.model_loads_started
+    try:
+        cli.execute(args)
+    except (ValueError, FileNotFoundError, HydraException) as err:
+        if PRRLM.model_loads_started > loads_before:
+            raise  # the run's own failure, past the arguments: its traceback is the useful part
+        exit_on_argument_error(err)
+
+
+def exit_on_argument_error(err: Exception) -> NoReturn:
+    message = " ".join(str(err).split())
+    if err.__cause__ is not None:  # Hydra's override errors name the reason only in their cause
+        message += f" ({str(err.__cause__).strip().splitlines()[0]})"
+    print(f"prr-lm-eval: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    # Run as prr.lm_eval_model, the module whose PRRLM lm-eval builds (its registry names that
+    # module), so that main() sees PRRLM.model_loads_started of the model that ran.
+    from prr.lm_eval_model import main as prr_lm_eval
+
+    prr_lm_eval()

@@ -72,6 +72,7 @@ class LmEvalTask(Task):
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "alias":
                     metric = key.replace(",none", "")
                     metrics[f"lm_eval/{task}/{metric}"] = None if isinstance(value, float) and math.isnan(value) else value
+        metrics["lm_eval/truncated_requests"] = lm.truncated_requests  # cut to context_tokens + max_new_tokens
         return metrics
 
     def build(self, tokenizer: Any, vocab_size: int, batch_size: int) -> PromptBatch:

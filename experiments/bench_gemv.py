@@ -29,8 +29,8 @@ from bench_decode import read_bandwidth  # noqa: E402
 from bench_kernels import environment, graph_time_us  # noqa: E402
 from prr.kernels.dense_gemv import ROW_TILES, default_tiles, dense_gemv  # noqa: E402
 
-from prr.model.zoo import ZOO  # noqa: E402
 from prr.model.layer_math import rms_norm  # noqa: E402
+from prr.model.zoo import ZOO  # noqa: E402
 
 COLD_BYTES = 512 << 20  # weights streamed per timed graph: several times the L2
 

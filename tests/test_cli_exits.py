@@ -97,6 +97,7 @@ def test_a_relaunch_with_another_config_is_refused_in_one_line(tmp_path):
     assert f"{out} holds a finished run of a different config" in line
 
 
+@pytest.mark.slow  # loads the real model's tokenizer (make test-full)
 def test_a_prompt_file_of_too_few_tokens_is_refused_in_one_line_once_the_tokenizer_loads(tmp_path):
     prompt = tmp_path / "short.txt"
     prompt.write_text("hello world " * 200)  # 2400 bytes pass the check before loading; about 400 tokens do not

@@ -112,6 +112,7 @@ def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
                                                                      repair_mode="superset").problems()[0]
 
 
+@pytest.mark.slow  # a GPU launch-shape option (make test-full)
 def test_speculation_in_fewer_programs_decodes_like_the_default():
     """plan.speculation_tokens_per_program (fewer, longer speculation programs) changes only the
     grid: exact PRR still decodes serial DSA's logits; a value that is not whole blocks is refused."""
@@ -260,7 +261,10 @@ def fused_projection_engine(plan: StaticPlan, device: str = DEVICE, context: int
     return engine
 
 
-@pytest.mark.parametrize("variant", [pytest.param("serial", marks=pytest.mark.slow), "prr"])
+# The fused (Triton GEMV) projections: make test checks them through the batch-1 fused append
+# below; the GPU tests capture both; make test-full runs these too.
+@pytest.mark.parametrize("variant", [pytest.param("serial", marks=pytest.mark.slow),
+                                     pytest.param("prr", marks=pytest.mark.slow)])
 def test_fused_projections_decode_like_torch_projections(variant):
     """projections="fused" (Triton GEMVs with the norms, SwiGLU and residual adds inside) gives
     the logits of the F.linear path, step after step (fp32: only summation order differs);."""

@@ -95,7 +95,8 @@ def test_lm_eval_command_line_keeps_long_prompts_whole_up_to_the_model_context(t
     assert "lost their oldest" not in out.stderr
 
 
-@pytest.mark.parametrize("form", ["--include_path DIR", "--include_path=DIR"])
+# make test: one form of each; the rest run in make test-full (each case builds lm-eval's task index).
+@pytest.mark.parametrize("form", [pytest.param("--include_path DIR", marks=pytest.mark.slow), "--include_path=DIR"])
 def test_include_path_adds_the_users_folder_to_prrs_local_tasks(tmp_path, form, monkeypatch, capsys):
     from prr.lm_eval_model import main
 
@@ -108,8 +109,8 @@ def test_include_path_adds_the_users_folder_to_prrs_local_tasks(tmp_path, form, 
 
 
 @pytest.mark.parametrize(("model_args", "tasks", "message"), [
-    ("model=tiny-random", "no_such_task", "Tasks not found: no_such_task"),
-    ("model=tiny-random,selectr=quest", "prr_niah", "selectr"),
+    pytest.param("model=tiny-random", "no_such_task", "Tasks not found: no_such_task", marks=pytest.mark.slow),
+    pytest.param("model=tiny-random,selectr=quest", "prr_niah", "selectr", marks=pytest.mark.slow),
     ("model=tiny-random,max_length=5000", "prr_niah", "max_length=5000 exceeds the context of model 'tiny-random' "
                                                        "(4096 tokens); use at most 4096"),
 ])

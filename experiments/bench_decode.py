@@ -261,6 +261,23 @@ def pdl(on: bool):
             os.environ["PRR_PDL"] = before
 
 
+def counted_pass(eng: GraphDecoder, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """`steps` real decode steps of eng with the device counters on (a view with count_hits),
+    then eng back where it was (checkpoint / restore rewinds position, metadata, P and the
+    predictor state) -> (the counters summed over layers after step 1, and after the last):
+    |A|, |P|, |P ∩ A|, |A_t ∩ A_t-1|, ... (step 1 has no A_{t-1} and no P yet)."""
+    start = eng.checkpoint()
+    counted = eng.with_plan(count_hits=True)
+    first = {}
+    for step in range(steps):
+        counted.step(advance=True)
+        if step == 0:
+            first = {k: sum(v) for k, v in eng.counters().items()}
+    last = {k: sum(v) for k, v in eng.counters().items()}
+    eng.restore(start)
+    return first, last
+
+
 def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector: str, model: Decoder,
                bandwidth: float, steps: int, capacity: int, compile: bool) -> list[dict]:
     k_blocks = topk_tokens // block
@@ -350,15 +367,7 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         plan = dataclasses.replace(base, predictor=predictor)
         eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity, compile=compile)
         eng.fill_random_context(context, seed=1)
-        start = eng.checkpoint()
-        counted = eng.with_plan(count_hits=True)  # the same step with the device counters
-        first = {}
-        for step in range(steps):
-            counted.step(advance=True)
-            if step == 0:  # the first step has no A_{t-1}: left out of the last-step overlap
-                first = {k: sum(v) for k, v in eng.counters().items()}
-        n = {k: sum(v) for k, v in eng.counters().items()}  # |A|, |P|, |P ∩ A|, |A_t ∩ A_t-1| over layers
-        eng.restore(start)
+        first, n = counted_pass(eng, steps)
         later = n["selected"] - first["selected"]
         record(f"prr_{predictor}", eng, advance=True, hit=n["hits"] / max(n["selected"], 1),
                precision=n["hits"] / max(n["predicted"], 1),
@@ -415,15 +424,8 @@ def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, 
         eng = GraphDecoder(model, plan, batch=1, max_tokens=capacity, selector=selector,
                            predictor=predictor if predictor.speculates else None)
         eng.fill_random_context(context, seed=1)
+        first, n = counted_pass(eng, steps)
         start = eng.checkpoint()
-        counted = eng.with_plan(count_hits=True)  # the same step with the device counters
-        first = {}
-        for step in range(steps):
-            counted.step(advance=True)
-            if step == 0:
-                first = {k: sum(v) for k, v in eng.counters().items()}
-        n = {k: sum(v) for k, v in eng.counters().items()}  # summed over layers
-        eng.restore(start)
         token_us = time_graph_us(lambda eng=eng: eng.step(advance=True), repeats=steps)
         eng.restore(start)
         sparse = [i for i in range(model.config.num_layers) if i not in plan.dense_layers]

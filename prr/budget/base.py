@@ -7,10 +7,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from prr.runtime.records import LayerStepRecord
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """One stage timed over repeats: the median decides, min and max say how far to trust it
+    (a loaded machine spreads them apart)."""
+
+    min_s: float
+    median_s: float
+    max_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_s <= self.median_s <= self.max_s:
+            raise ValueError(f"stage timing min={self.min_s} <= median={self.median_s} <= max={self.max_s} must hold, all >= 0")
+
+    @property
+    def spread(self) -> float:
+        """max / min over the repeats (1.0: perfectly steady)."""
+        return self.max_s / self.min_s if self.min_s > 0 else (1.0 if self.max_s == 0 else float("inf"))
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "spread": self.spread}
 
 
 class TimingProbe(Protocol):
@@ -19,12 +42,12 @@ class TimingProbe(Protocol):
     device_name: str
     shape_key: str  # what the timings depend on: heads, head_dim, block_size, selector, ...
 
-    def time_select(self, context_blocks: int) -> float:
-        """Median seconds of one layer's selection over a context of this many blocks."""
+    def time_select(self, context_blocks: int) -> StageTiming:
+        """One layer's selection over a context of this many blocks, timed over repeats."""
         ...
 
-    def time_speculate(self, predicted_blocks: int, context_blocks: int) -> float:
-        """Median seconds of one layer's speculation over this many blocks."""
+    def time_speculate(self, predicted_blocks: int, context_blocks: int) -> StageTiming:
+        """One layer's speculation over this many blocks, timed over repeats."""
         ...
 
 

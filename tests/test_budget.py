@@ -133,6 +133,23 @@ def test_profiled_names_an_unreadable_cache_file_and_measures_again(tmp_path, mo
     assert json.loads(open(path).read())["table"] == [[16, 8], [64, 16]]  # rewritten, usable again
 
 
+@pytest.mark.parametrize("slowdown,warned", [(3.0, True), (0.2, True), (1.3, False)])
+def test_profiled_warns_once_when_the_run_contradicts_its_selection_timing(tmp_path, monkeypatch, caplog, slowdown,
+                                                                           warned):
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
+    budget = ProfiledBudget(ratios=[0.5, 1.0], context_points=2, use_cache=False)
+    budget.setup(FakeProbe(select_per_block=1.0), selected_blocks=16, max_blocks=64)  # T_select(c) = c s
+    assert budget.expected_select_s(40) == pytest.approx(40)  # between grid points: linear
+    for step in range(6):
+        for layer in range(2):
+            budget.predicted_blocks(layer, 40, 16)
+        budget.observe([record(layer, selected=range(8), predicted=range(8), step=step, select=40 * slowdown)
+                        for layer in range(2)])
+    assert budget.observed_select_ratio == pytest.approx(slowdown)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == int(warned) and (not warned or f"{slowdown:.2f}x the profiled time" in warnings[0])
+
+
 # --- adaptive -------------------------------------------------------------------------------
 
 def record(layer, selected, predicted, ranked=None, step=0, speculate=0.0, select=1.0):

@@ -8,7 +8,8 @@ so every stage's min/median/max over its repeats is kept; when the slowest repea
 than `max_spread` × the fastest, the whole profile is measured again (up to `max_rounds`)
 and the steadiest round kept. A table still that noisy is used but not cached. Each run
 says in one console line, and in its summary's budget_setup, what |P| it chose per context
-and whether the table was measured now or loaded (which file, how old).
+and whether the table was measured now or loaded (which file, how old); and, once decoding
+has run a few steps, one warning if selection runs more than 2x off the profiled time.
 """
 
 from __future__ import annotations
@@ -17,16 +18,24 @@ import bisect
 import hashlib
 import json
 import logging
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prr.budget.base import SpeculationBudget, StageTiming, TimingProbe
 from prr.paths import cache_dir, write_json_atomic
 
+if TYPE_CHECKING:
+    from prr.runtime.records import LayerStepRecord
+
 log = logging.getLogger("prr")
 
+# Observed T_select off the profile by more than this factor, median over this many layer
+# steps (the first steps alone are noisy), is reported as a contradiction.
+CONTRADICTION_FACTOR = 2.0
+CONTRADICTION_SAMPLES = 8
 CACHE_KEYS = ("key", "device", "table", "measurements", "spread", "rounds", "kept_round")
 
 
@@ -53,6 +62,11 @@ class ProfiledBudget(SpeculationBudget):
         self.use_cache = use_cache
         self.max_spread, self.max_rounds = max_spread, max_rounds
         self.table: list[tuple[int, int]] = []  # (context_blocks, |P|), ascending context
+        self.profiled_select: list[tuple[int, float]] = []  # (context_blocks, median T_select s), ascending
+        self.context_seen: dict[int, int] = {}  # layer -> context_blocks of its current step
+        self.select_ratios: list[float] = []  # observed / profiled T_select, one per layer step
+        self.observed_select_ratio: float | None = None  # decided once, after CONTRADICTION_SAMPLES
+        self.contradiction: str | None = None  # the one warning, when the run's timings disagree
 
     def _contexts(self, selected_blocks: int, max_blocks: int) -> list[int]:
         lo = max(1, min(selected_blocks, max_blocks))
@@ -68,7 +82,7 @@ class ProfiledBudget(SpeculationBudget):
         if self.use_cache and path.exists():
             record, cache_problem = self._read_cache(path, key)
             if record is not None:
-                self.table = [(c, n) for c, n in record["table"]]
+                self._adopt(record)
                 age_s = time.time() - path.stat().st_mtime
                 info = {"profile_source": "cache", "profile_cached": True, "profile_cache": str(path),
                         "profile_cache_age_s": age_s, **self._summary(record)}
@@ -78,7 +92,7 @@ class ProfiledBudget(SpeculationBudget):
             log.warning("budget=profiled: cache file %s is unusable (%s); measuring again", path, cache_problem)
 
         record = self._measure(probe, key, selected_blocks, max_blocks)
-        self.table = [(c, n) for c, n in record["table"]]
+        self._adopt(record)
         steady = record["spread"] <= self.max_spread
         if not steady:
             log.warning("budget=profiled: stage timings still spread %.2fx (max/min over repeats, above max_spread=%s) "
@@ -147,9 +161,17 @@ class ProfiledBudget(SpeculationBudget):
                            for row in table)
                 or [c for c, _ in table] != sorted({c for c, _ in table})):
             return None, f"table {table!r} is not a list of [context_blocks, |P|] pairs of ints, ascending context"
+        rows = record["measurements"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("context_blocks"), int)
+                                                 and isinstance(r.get("t_select_s"), (int, float)) for r in rows):
+            return None, "measurements are not rows with context_blocks and t_select_s"
         if not isinstance(record["spread"], (int, float)):
             return None, f"spread {record['spread']!r} is not a number"
         return record, None
+
+    def _adopt(self, record: dict[str, Any]) -> None:
+        self.table = [(c, n) for c, n in record["table"]]
+        self.profiled_select = [(row["context_blocks"], row["t_select_s"]) for row in record["measurements"]]
 
     @staticmethod
     def _summary(record: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +189,37 @@ class ProfiledBudget(SpeculationBudget):
         contexts = [c for c, _ in self.table]
         # The largest profiled context not above this one (the first one below the grid).
         i = max(0, bisect.bisect_right(contexts, context_blocks) - 1)
+        self.context_seen[layer] = context_blocks
         return min(self.table[i][1], context_blocks)
+
+    def expected_select_s(self, context_blocks: int) -> float:
+        """The profiled T_select at this context: linear between grid points, flat outside."""
+        contexts = [c for c, _ in self.profiled_select]
+        i = bisect.bisect_right(contexts, context_blocks)
+        if i == 0 or i == len(contexts):
+            return self.profiled_select[max(0, i - 1)][1]
+        (c0, t0), (c1, t1) = self.profiled_select[i - 1], self.profiled_select[i]
+        return t0 + (t1 - t0) * (context_blocks - c0) / (c1 - c0)
+
+    def observe(self, records: Iterable[LayerStepRecord]) -> None:
+        """Compare the run's selection times with the profile's: a table measured under other
+        load (issue 23: 60 ms profiled, 0.36 ms in the run) chose the wrong |P|; say so once."""
+        if self.observed_select_ratio is not None or not self.profiled_select:
+            return
+        for r in records:
+            if r.step == 0:  # the first decode step pays one-off warm-up costs
+                continue
+            expected = self.expected_select_s(self.context_seen[r.layer])  # set by predicted_blocks this step
+            if "select" in r.timings and expected > 0:
+                self.select_ratios.append(r.timings["select"] / expected)
+        if len(self.select_ratios) < CONTRADICTION_SAMPLES:
+            return
+        ratio = self.observed_select_ratio = statistics.median(self.select_ratios)
+        if not 1 / CONTRADICTION_FACTOR <= ratio <= CONTRADICTION_FACTOR:
+            self.contradiction = (f"budget=profiled: selection in this run takes {ratio:.2f}x the profiled time (median "
+                                  f"over {len(self.select_ratios)} layer steps); the profile was timed under other load than this run, "
+                                  "so its |P| choice is likely wrong: delete the cache file or set budget.use_cache=false")
+            log.warning(self.contradiction)
 
 
 def _age(seconds: float) -> str:

@@ -14,7 +14,7 @@ from prr.budget.profiled import ProfiledBudget
 
 
 class FakeProbe:
-    """Stage times linear in the blocks; `spreads` gives each round's max/min ratio (the
+    """Stage times linear in the blocks; `spreads` gives each round's q3/q1 ratio (the
     last repeats for later rounds), 1.0: perfectly steady."""
 
     device_name = "fake"
@@ -26,7 +26,7 @@ class FakeProbe:
 
     def _timing(self, median):
         spread = self.spreads[min(self.round, len(self.spreads) - 1)]
-        return StageTiming(median, median, median * spread)
+        return StageTiming(median, median, median, median * spread, median * spread)
 
     def time_select(self, context_blocks):
         if self._select_calls_done:  # a new round starts with selection again
@@ -78,6 +78,14 @@ def test_profiled_lookup_between_and_below_grid_points(tmp_path, monkeypatch):
     assert budget.predicted_blocks(0, 4, 16) == 4  # below the grid: the first row, capped by the context
 
 
+def test_stage_timing_spread_is_the_interquartile_ratio():
+    # One interrupt among the repeats (the 5 ms) moves max, not the quartiles: an idle machine stays steady.
+    timing = StageTiming.of([1.0, 1.0, 1.1, 1.0, 1.2, 1.0, 5.0, 1.1, 1.0])
+    assert (timing.min_s, timing.median_s, timing.max_s) == (1.0, 1.0, 5.0) and timing.spread == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="got 1"):
+        StageTiming.of([1.0])
+
+
 def test_profiled_says_its_choice_and_where_the_table_came_from(tmp_path, monkeypatch, caplog):
     """Issue 23: a run names |P| per profiled context and whether the table was measured now
     or loaded from the cache (which file, how old), in one console line and in its record."""
@@ -106,7 +114,7 @@ def test_profiled_records_the_spread_and_measures_a_noisy_profile_again(tmp_path
     info = ProfiledBudget(ratios=[0.5, 1.0], context_points=2).setup(probe, selected_blocks=16, max_blocks=64)
     assert info["profile_rounds"] == [3.0, 1.2] and info["profile_kept_round"] == 1 and info["profile_spread"] == 1.2
     select = info["profile_measurements"][0]["select_timing"]
-    assert select["min_s"] == select["median_s"] == 16 and select["max_s"] == pytest.approx(16 * 1.2)
+    assert select["min_s"] == select["q1_s"] == select["median_s"] == 16 and select["q3_s"] == pytest.approx(16 * 1.2)
     assert json.loads(open(info["profile_cache"]).read())["rounds"] == [3.0, 1.2]  # the table keeps it too
 
     # Never steady: at most max_rounds rounds, the steadiest kept, used but not cached (warned).

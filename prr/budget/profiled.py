@@ -4,9 +4,9 @@ with T_speculate(|P|) <= T_select(context): speculation that hides inside select
 Where none fits, |P| = 0 (plain serial DSA), so PRR is not made slower by speculating.
 
 A loaded machine times wrongly (issue 23: selection 60 ms under load, 0.36 ms in the run),
-so every stage's min/median/max over its repeats is kept; when the slowest repeat is more
-than `max_spread` × the fastest, the whole profile is measured again (up to `max_rounds`)
-and the steadiest round kept. A table still that noisy is used but not cached. Each run
+so every stage's min/quartiles/max over its repeats are kept; when a stage's upper quartile
+is more than `max_spread` × its lower quartile, the whole profile is measured again (up to
+`max_rounds`) and the steadiest round kept. A table still that noisy is used but not cached. Each run
 says in one console line, and in its summary's budget_setup, what |P| it chose per context
 and whether the table was measured now or loaded (which file, how old); and, once decoding
 has run a few steps, one warning if selection runs more than 2x off the profiled time.
@@ -54,7 +54,7 @@ class ProfiledBudget(SpeculationBudget):
         if context_points < 1:
             raise ValueError(f"budget.context_points={context_points} must be >= 1")
         if max_spread < 1.0:
-            raise ValueError(f"budget.max_spread={max_spread} must be >= 1 (the allowed max/min ratio of a stage's repeats)")
+            raise ValueError(f"budget.max_spread={max_spread} must be >= 1 (the allowed q3/q1 ratio of a stage's repeats)")
         if max_rounds < 1:
             raise ValueError(f"budget.max_rounds={max_rounds} must be >= 1")
         self.ratios = sorted(ratios)
@@ -95,7 +95,7 @@ class ProfiledBudget(SpeculationBudget):
         self._adopt(record)
         steady = record["spread"] <= self.max_spread
         if not steady:
-            log.warning("budget=profiled: stage timings still spread %.2fx (max/min over repeats, above max_spread=%s) "
+            log.warning("budget=profiled: stage timings still spread %.2fx (q3/q1 of a stage's repeats, above max_spread=%s) "
                         "after %d rounds; the machine looks loaded, so this |P| choice is used but not cached",
                         record["spread"], self.max_spread, len(record["rounds"]))
         written = self.use_cache and steady

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import platform
-import statistics
 import time
 
 import torch
@@ -75,7 +74,7 @@ class StageProbe:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             samples.append(time.perf_counter() - start)
-        return StageTiming(min(samples), statistics.median(samples), max(samples))
+        return StageTiming.of(samples)
 
     def time_select(self, context_blocks: int) -> StageTiming:
         cache, q = self._scratch()

@@ -4,6 +4,7 @@ token-identical, the dense selector decodes like plain dense attention), the CLI
 outputs and its errors."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -73,7 +74,8 @@ def test_shadow_mode_keeps_dense_trajectory(tmp_path):
     assert shadow["mean_mass_recall"] < 1.0  # the selector was measured, not obeyed
 
 
-def test_run_directory_outputs(tmp_path):
+def test_run_directory_outputs(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="prr")
     summary = run_tiny(tmp_path, "predictor=ema", "budget=profiled", "budget.use_cache=false")
     out = tmp_path / "run"
     on_disk = json.loads((out / "summary.json").read_text())
@@ -83,7 +85,10 @@ def test_run_directory_outputs(tmp_path):
     assert len(steps) == 12 * 2 * 1 * 2
     assert {"hit_rate", "precision", "misses", "waste", "overlap", "mass_recall", "t_select_s"} <= set(steps.columns)
     assert (out / "config.yaml").exists() and (out / "layers.csv").exists()
-    assert summary["budget_setup"]["profile_table"]
+    setup = summary["budget_setup"]
+    assert setup["profile_table"] and setup["profile_source"] == "measured" and setup["profile_spread"] >= 1
+    assert setup["profile_choice"] == {str(c): n for c, n in setup["profile_table"]}
+    assert [r for r in caplog.records if "budget=profiled: |P| per context" in r.getMessage()]  # said on the console
 
 
 def cli(*args, cwd):

@@ -5,12 +5,48 @@ what speculation covers, and it may exceed top-K (a wider P hits more of A for m
 
 from __future__ import annotations
 
+import statistics
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from prr.runtime.records import LayerStepRecord
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """One stage timed over repeats: the median decides; the quartiles say how far to trust
+    it (a loaded machine spreads them apart). min and max are kept for the record, but a
+    single interrupt makes max/min of sub-millisecond ops large even on an idle machine, so
+    the spread is the interquartile ratio q3/q1."""
+
+    min_s: float
+    q1_s: float
+    median_s: float
+    q3_s: float
+    max_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_s <= self.q1_s <= self.median_s <= self.q3_s <= self.max_s:
+            raise ValueError(f"stage timing min={self.min_s} <= q1={self.q1_s} <= median={self.median_s} <= "
+                             f"q3={self.q3_s} <= max={self.max_s} must hold, all >= 0")
+
+    @classmethod
+    def of(cls, samples: list[float]) -> StageTiming:
+        if len(samples) < 2:
+            raise ValueError(f"a stage timing needs >= 2 repeats for its quartiles, got {len(samples)}")
+        q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+        return cls(min(samples), q1, median, q3, max(samples))
+
+    @property
+    def spread(self) -> float:
+        """q3 / q1 over the repeats (1.0: perfectly steady)."""
+        return self.q3_s / self.q1_s if self.q1_s > 0 else (1.0 if self.q3_s == 0 else float("inf"))
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "spread": self.spread}
 
 
 class TimingProbe(Protocol):
@@ -19,12 +55,12 @@ class TimingProbe(Protocol):
     device_name: str
     shape_key: str  # what the timings depend on: heads, head_dim, block_size, selector, ...
 
-    def time_select(self, context_blocks: int) -> float:
-        """Median seconds of one layer's selection over a context of this many blocks."""
+    def time_select(self, context_blocks: int) -> StageTiming:
+        """One layer's selection over a context of this many blocks, timed over repeats."""
         ...
 
-    def time_speculate(self, predicted_blocks: int, context_blocks: int) -> float:
-        """Median seconds of one layer's speculation over this many blocks."""
+    def time_speculate(self, predicted_blocks: int, context_blocks: int) -> StageTiming:
+        """One layer's speculation over this many blocks, timed over repeats."""
         ...
 
 

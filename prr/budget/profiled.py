@@ -2,6 +2,14 @@
 store the lookup table in a cache file keyed by device and shape, and use the largest |P|
 with T_speculate(|P|) <= T_select(context): speculation that hides inside selection.
 Where none fits, |P| = 0 (plain serial DSA), so PRR is not made slower by speculating.
+
+A loaded machine times wrongly (issue 23: selection 60 ms under load, 0.36 ms in the run),
+so every stage's min/quartiles/max over its repeats are kept; when a stage's upper quartile
+is more than `max_spread` × its lower quartile, the whole profile is measured again (up to
+`max_rounds`) and the steadiest round kept. A table still that noisy is used but not cached. Each run
+says in one console line, and in its summary's budget_setup, what |P| it chose per context
+and whether the table was measured now or loaded (which file, how old); and, once decoding
+has run a few steps, one warning if selection runs more than 2x off the profiled time.
 """
 
 from __future__ import annotations
@@ -9,11 +17,26 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from collections.abc import Sequence
-from typing import Any
+import logging
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from prr.budget.base import SpeculationBudget, TimingProbe
+from prr.budget.base import SpeculationBudget, StageTiming, TimingProbe
 from prr.paths import cache_dir, write_json_atomic
+
+if TYPE_CHECKING:
+    from prr.runtime.records import LayerStepRecord
+
+log = logging.getLogger("prr")
+
+# Observed T_select off the profile by more than this factor, median over this many layer
+# steps (the first steps alone are noisy), is reported as a contradiction.
+CONTRADICTION_FACTOR = 2.0
+CONTRADICTION_SAMPLES = 8
+CACHE_KEYS = ("key", "device", "table", "measurements", "spread", "rounds", "kept_round")
 
 
 class ProfiledBudget(SpeculationBudget):
@@ -23,15 +46,27 @@ class ProfiledBudget(SpeculationBudget):
         ratios: Sequence[float] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
         context_points: int = 6,
         use_cache: bool = True,
+        max_spread: float = 1.5,
+        max_rounds: int = 3,
     ) -> None:
         if not ratios or any(r <= 0 for r in ratios):
             raise ValueError(f"budget.ratios={list(ratios)} must be a non-empty list of positive multiples of top-K")
         if context_points < 1:
             raise ValueError(f"budget.context_points={context_points} must be >= 1")
+        if max_spread < 1.0:
+            raise ValueError(f"budget.max_spread={max_spread} must be >= 1 (the allowed q3/q1 ratio of a stage's repeats)")
+        if max_rounds < 1:
+            raise ValueError(f"budget.max_rounds={max_rounds} must be >= 1")
         self.ratios = sorted(ratios)
         self.context_points = context_points
         self.use_cache = use_cache
+        self.max_spread, self.max_rounds = max_spread, max_rounds
         self.table: list[tuple[int, int]] = []  # (context_blocks, |P|), ascending context
+        self.profiled_select: list[tuple[int, float]] = []  # (context_blocks, median T_select s), ascending
+        self.context_seen: dict[int, int] = {}  # layer -> context_blocks of its current step
+        self.select_ratios: list[float] = []  # observed / profiled T_select, one per layer step
+        self.observed_select_ratio: float | None = None  # decided once, after CONTRADICTION_SAMPLES
+        self.contradiction: str | None = None  # the one warning, when the run's timings disagree
 
     def _contexts(self, selected_blocks: int, max_blocks: int) -> list[int]:
         lo = max(1, min(selected_blocks, max_blocks))
@@ -43,27 +78,110 @@ class ProfiledBudget(SpeculationBudget):
     def setup(self, probe: TimingProbe, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
         key = f"{probe.device_name}|{probe.shape_key}|K={selected_blocks}|N={max_blocks}|r={self.ratios}|c={self.context_points}"
         path = cache_dir() / "budget" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+        cache_problem = None
         if self.use_cache and path.exists():
-            record = json.loads(path.read_text())
-            if record.get("key") == key:
-                self.table = [tuple(row) for row in record["table"]]
-                return {"profile_cache": str(path), "profile_table": record["table"], "profile_cached": True}
+            record, cache_problem = self._read_cache(path, key)
+            if record is not None:
+                self._adopt(record)
+                age_s = time.time() - path.stat().st_mtime
+                info = {"profile_source": "cache", "profile_cached": True, "profile_cache": str(path),
+                        "profile_cache_age_s": age_s, **self._summary(record)}
+                log.info("budget=profiled: |P| per context %s; loaded from cache %s (measured %s ago, timing spread %.2fx)",
+                         self._describe(), path, _age(age_s), record["spread"])
+                return info
+            log.warning("budget=profiled: cache file %s is unusable (%s); measuring again", path, cache_problem)
+
+        record = self._measure(probe, key, selected_blocks, max_blocks)
+        self._adopt(record)
+        steady = record["spread"] <= self.max_spread
+        if not steady:
+            log.warning("budget=profiled: stage timings still spread %.2fx (q3/q1 of a stage's repeats, above max_spread=%s) "
+                        "after %d rounds; the machine looks loaded, so this |P| choice is used but not cached",
+                        record["spread"], self.max_spread, len(record["rounds"]))
+        written = self.use_cache and steady
+        if written:
+            write_json_atomic(path, record)
+        info = {"profile_source": "measured", "profile_cached": False, "profile_cache": str(path) if written else None,
+                **self._summary(record)}
+        if cache_problem is not None:
+            info["profile_cache_problem"] = f"{path}: {cache_problem}"
+        where = f"cached to {path}" if written else "not cached" + ("" if self.use_cache else " (use_cache=false)")
+        log.info("budget=profiled: |P| per context %s; measured now (%d round(s), timing spread %.2fx), %s",
+                 self._describe(), len(record["rounds"]), record["spread"], where)
+        return info
+
+    def _measure(self, probe: TimingProbe, key: str, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
+        """Rounds of the whole profile until one is steady (or max_rounds); the steadiest is kept."""
         contexts = self._contexts(selected_blocks, max_blocks)
         sizes = sorted({max(1, round(r * selected_blocks)) for r in self.ratios})
-        t_select = {c: probe.time_select(c) for c in contexts}
+        rounds = []
+        for _ in range(self.max_rounds):
+            rounds.append(self._measure_round(probe, contexts, sizes))
+            if rounds[-1]["spread"] <= self.max_spread:
+                break
+        kept = min(range(len(rounds)), key=lambda i: rounds[i]["spread"])
+        return {"key": key, "device": probe.device_name, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "table": rounds[kept]["table"], "measurements": rounds[kept]["measurements"],
+                "spread": rounds[kept]["spread"], "rounds": [r["spread"] for r in rounds], "kept_round": kept}
+
+    @staticmethod
+    def _measure_round(probe: TimingProbe, contexts: list[int], sizes: list[int]) -> dict[str, Any]:
+        t_select: dict[int, StageTiming] = {c: probe.time_select(c) for c in contexts}
         rows: list[dict[str, Any]] = []
         table = []
+        spreads = []
         for c in contexts:
             t_spec = {n: probe.time_speculate(min(n, c), c) for n in sizes}
-            fitting = [n for n in sizes if n <= c and t_spec[n] <= t_select[c]]
+            fitting = [n for n in sizes if n <= c and t_spec[n].median_s <= t_select[c].median_s]
             table.append((c, max(fitting) if fitting else 0))
-            rows.append({"context_blocks": c, "t_select_s": t_select[c], "t_speculate_s": t_spec})
-        self.table = table
-        record = {"key": key, "device": probe.device_name, "table": table, "measurements": rows}
-        if self.use_cache:
-            write_json_atomic(path, record)
-        return {"profile_cache": str(path) if self.use_cache else None, "profile_table": table, "profile_cached": False,
-                "profile_measurements": rows}
+            spreads += [t_select[c].spread, *(t.spread for t in t_spec.values())]
+            rows.append({"context_blocks": c, "t_select_s": t_select[c].median_s,
+                         "t_speculate_s": {n: t.median_s for n, t in t_spec.items()},
+                         "select_timing": t_select[c].as_dict(),
+                         "speculate_timing": {n: t.as_dict() for n, t in t_spec.items()}})
+        return {"table": table, "measurements": rows, "spread": max(spreads)}
+
+    @staticmethod
+    def _read_cache(path: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
+        """(record, None) for a usable cache file, else (None, what is wrong with it)."""
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            return None, f"cannot read it as JSON: {err}"
+        if not isinstance(record, dict):
+            return None, f"holds a {type(record).__name__}, not an object"
+        missing = [k for k in CACHE_KEYS if k not in record]
+        if missing:
+            return None, f"missing keys {missing} (written by an older prr, or damaged)"
+        if record["key"] != key:
+            return None, f"key {record['key']!r} is not this run's {key!r}"
+        table = record["table"]
+        if (not isinstance(table, list) or not table
+                or not all(isinstance(row, list) and len(row) == 2 and all(isinstance(v, int) and v >= 0 for v in row)
+                           for row in table)
+                or [c for c, _ in table] != sorted({c for c, _ in table})):
+            return None, f"table {table!r} is not a list of [context_blocks, |P|] pairs of ints, ascending context"
+        rows = record["measurements"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("context_blocks"), int)
+                                                 and isinstance(r.get("t_select_s"), (int, float)) for r in rows):
+            return None, "measurements are not rows with context_blocks and t_select_s"
+        if not isinstance(record["spread"], (int, float)):
+            return None, f"spread {record['spread']!r} is not a number"
+        return record, None
+
+    def _adopt(self, record: dict[str, Any]) -> None:
+        self.table = [(c, n) for c, n in record["table"]]
+        self.profiled_select = [(row["context_blocks"], row["t_select_s"]) for row in record["measurements"]]
+
+    @staticmethod
+    def _summary(record: dict[str, Any]) -> dict[str, Any]:
+        return {"profile_table": record["table"],
+                "profile_choice": {str(c): n for c, n in record["table"]},  # context_blocks -> |P|
+                "profile_spread": record["spread"], "profile_rounds": record["rounds"],
+                "profile_kept_round": record["kept_round"], "profile_measurements": record["measurements"]}
+
+    def _describe(self) -> str:
+        return ", ".join(f"{c} blocks -> {n}" for c, n in self.table)
 
     def predicted_blocks(self, layer: int, context_blocks: int, selected_blocks: int) -> int:
         if not self.table:
@@ -71,4 +189,44 @@ class ProfiledBudget(SpeculationBudget):
         contexts = [c for c, _ in self.table]
         # The largest profiled context not above this one (the first one below the grid).
         i = max(0, bisect.bisect_right(contexts, context_blocks) - 1)
+        self.context_seen[layer] = context_blocks
         return min(self.table[i][1], context_blocks)
+
+    def expected_select_s(self, context_blocks: int) -> float:
+        """The profiled T_select at this context: linear between grid points, flat outside."""
+        contexts = [c for c, _ in self.profiled_select]
+        i = bisect.bisect_right(contexts, context_blocks)
+        if i == 0 or i == len(contexts):
+            return self.profiled_select[max(0, i - 1)][1]
+        (c0, t0), (c1, t1) = self.profiled_select[i - 1], self.profiled_select[i]
+        return t0 + (t1 - t0) * (context_blocks - c0) / (c1 - c0)
+
+    def observe(self, records: Iterable[LayerStepRecord]) -> None:
+        """Compare the run's selection times with the profile's: a table measured under other
+        load (issue 23: 60 ms profiled, 0.36 ms in the run) chose the wrong |P|; say so once."""
+        if self.observed_select_ratio is not None or not self.profiled_select:
+            return
+        for r in records:
+            if r.step == 0:  # the first decode step pays one-off warm-up costs
+                continue
+            expected = self.expected_select_s(self.context_seen[r.layer])  # set by predicted_blocks this step
+            if "select" in r.timings and expected > 0:
+                self.select_ratios.append(r.timings["select"] / expected)
+        if len(self.select_ratios) < CONTRADICTION_SAMPLES:
+            return
+        ratio = self.observed_select_ratio = statistics.median(self.select_ratios)
+        if not 1 / CONTRADICTION_FACTOR <= ratio <= CONTRADICTION_FACTOR:
+            self.contradiction = (f"budget=profiled: selection in this run takes {ratio:.2f}x the profiled time (median "
+                                  f"over {len(self.select_ratios)} layer steps); the profile was timed under other load than this run, "
+                                  "so its |P| choice is likely wrong: delete the cache file or set budget.use_cache=false")
+            log.warning(self.contradiction)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

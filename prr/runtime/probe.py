@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 import platform
-import statistics
 import time
 
 import torch
 
 from prr.blocks import BlockSet
+from prr.budget.base import StageTiming
 from prr.cache import PagedKVCache
 from prr.runtime.ops import BlockAttentionOps, TorchOps
 from prr.selectors.base import Selector
@@ -63,7 +63,7 @@ class StageProbe:
             self._cache = cache
         return self._cache, self._q
 
-    def _median_seconds(self, fn) -> float:
+    def _timing(self, fn) -> StageTiming:
         fn()  # warm-up
         samples = []
         for _ in range(self.repeats):
@@ -74,14 +74,14 @@ class StageProbe:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+        return StageTiming.of(samples)
 
-    def time_select(self, context_blocks: int) -> float:
+    def time_select(self, context_blocks: int) -> StageTiming:
         cache, q = self._scratch()
         length = context_blocks * cache.block_size
-        return self._median_seconds(lambda: self.selector.select(q, cache, 0, length=length))
+        return self._timing(lambda: self.selector.select(q, cache, 0, length=length))
 
-    def time_speculate(self, predicted_blocks: int, context_blocks: int) -> float:
+    def time_speculate(self, predicted_blocks: int, context_blocks: int) -> StageTiming:
         cache, q = self._scratch()
         length = context_blocks * cache.block_size
         b, h = q.shape[:2]
@@ -89,4 +89,4 @@ class StageProbe:
         blocks = BlockSet(indices=ids.expand(b, h, -1).contiguous(),
                           count=torch.full((b, h), predicted_blocks, device=self.device))
         attend = self.ops.partials if self.repair_mode == "exact" else self.ops.attend
-        return self._median_seconds(lambda: attend(q, cache, 0, blocks, length, self.scale))
+        return self._timing(lambda: attend(q, cache, 0, blocks, length, self.scale))

@@ -46,7 +46,7 @@ class ProfiledBudget(SpeculationBudget):
         ratios: Sequence[float] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
         context_points: int = 6,
         use_cache: bool = True,
-        max_spread: float = 1.5,
+        max_spread: float = 2.0,
         max_rounds: int = 3,
     ) -> None:
         if not ratios or any(r <= 0 for r in ratios):

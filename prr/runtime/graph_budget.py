@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from prr.paths import cache_dir, write_json_atomic
 from prr.runtime.graph_decode import GraphDecoder
-from prr.runtime.probe import device_name
+from prr.runtime.probe import device_name, host_timing
 
 
 def graph_median_us(calls: Sequence[Callable[[], object]], repeats: int = 15,
@@ -58,20 +57,6 @@ def graph_median_us(calls: Sequence[Callable[[], object]], repeats: int = 15,
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(samples)
-
-
-def wall_median_us(calls: Sequence[Callable[[], object]], repeats: int = 3) -> float:
-    """Median µs per call of `calls` run eagerly by the host clock, after one warm-up run of
-    each (the CPU's timer: no CUDA graphs there)."""
-    for fn in calls:
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for fn in calls:
-            fn()
-        samples.append((time.perf_counter() - t0) * 1e6 / len(calls))
     return statistics.median(samples)
 
 
@@ -126,7 +111,7 @@ def attention_stage_us(engine: GraphDecoder, variant: str, q: list[Tensor], k: l
         view.join()
     if stage_timer(engine.device) == "cuda_graph_replay":
         return graph_median_us([stage], repeats) / engine.num_layers
-    return wall_median_us([stage], min(repeats, 3)) / engine.num_layers
+    return host_timing(stage, min(repeats, 3), engine.device).median_s * 1e6 / engine.num_layers
 
 
 # PRR is chosen only when faster than serial DSA by more than this: timing the same ~20 µs graph

@@ -22,6 +22,22 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{platform.processor() or platform.machine()}:threads={torch.get_num_threads()}"
 
 
+def host_timing(fn, repeats: int, device: torch.device) -> StageTiming:
+    """fn() timed by the host clock over `repeats` runs after one warm-up (seconds; on CUDA
+    with a synchronisation around each run, so it is the eager launch-and-wait time)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return StageTiming.of(samples)
+
+
 class StageProbe:
     def __init__(
         self,
@@ -64,17 +80,7 @@ class StageProbe:
         return self._cache, self._q
 
     def _timing(self, fn) -> StageTiming:
-        fn()  # warm-up
-        samples = []
-        for _ in range(self.repeats):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            fn()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            samples.append(time.perf_counter() - start)
-        return StageTiming.of(samples)
+        return host_timing(fn, self.repeats, self.device)
 
     def time_select(self, context_blocks: int) -> StageTiming:
         cache, q = self._scratch()

@@ -146,7 +146,7 @@ def test_profiled_warns_once_when_the_run_contradicts_its_selection_timing(tmp_p
                                                                            warned):
     monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
     budget = ProfiledBudget(ratios=[0.5, 1.0], context_points=2, use_cache=False)
-    budget.setup(FakeProbe(select_per_block=1.0), selected_blocks=16, max_blocks=64)  # T_select(c) = c s
+    info = budget.setup(FakeProbe(select_per_block=1.0), selected_blocks=16, max_blocks=64)  # T_select(c) = c s
     assert budget.expected_select_s(40) == pytest.approx(40)  # between grid points: linear
     for step in range(6):
         for layer in range(2):
@@ -154,6 +154,9 @@ def test_profiled_warns_once_when_the_run_contradicts_its_selection_timing(tmp_p
         budget.observe([record(layer, selected=range(8), predicted=range(8), step=step, select=40 * slowdown)
                         for layer in range(2)])
     assert budget.observed_select_ratio == pytest.approx(slowdown)
+    # summary.json's budget_setup (this dict, written after decoding) holds the check too
+    assert info["observed_select_ratio"] == pytest.approx(slowdown)
+    assert ("profile_contradiction" in info) == warned
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == int(warned) and (not warned or f"{slowdown:.2f}x the profiled time" in warnings[0])
 

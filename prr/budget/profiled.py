@@ -67,6 +67,9 @@ class ProfiledBudget(SpeculationBudget):
         self.select_ratios: list[float] = []  # observed / profiled T_select, one per layer step
         self.observed_select_ratio: float | None = None  # decided once, after CONTRADICTION_SAMPLES
         self.contradiction: str | None = None  # the one warning, when the run's timings disagree
+        # The dict setup() returned (the run's summary.json budget_setup, written after decoding):
+        # observe() adds the run's check of the profile to it.
+        self.setup_info: dict[str, Any] = {}
 
     def _contexts(self, selected_blocks: int, max_blocks: int) -> list[int]:
         lo = max(1, min(selected_blocks, max_blocks))
@@ -88,6 +91,7 @@ class ProfiledBudget(SpeculationBudget):
                         "profile_cache_age_s": age_s, **self._summary(record)}
                 log.info("budget=profiled: |P| per context %s; loaded from cache %s (measured %s ago, timing spread %.2fx)",
                          self._describe(), path, _age(age_s), record["spread"])
+                self.setup_info = info
                 return info
             log.warning("budget=profiled: cache file %s is unusable (%s); measuring again", path, cache_problem)
 
@@ -108,6 +112,7 @@ class ProfiledBudget(SpeculationBudget):
         where = f"cached to {path}" if written else "not cached" + ("" if self.use_cache else " (use_cache=false)")
         log.info("budget=profiled: |P| per context %s; measured now (%d round(s), timing spread %.2fx), %s",
                  self._describe(), len(record["rounds"]), record["spread"], where)
+        self.setup_info = info
         return info
 
     def _measure(self, probe: TimingProbe, key: str, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
@@ -215,11 +220,13 @@ class ProfiledBudget(SpeculationBudget):
         if len(self.select_ratios) < CONTRADICTION_SAMPLES:
             return
         ratio = self.observed_select_ratio = statistics.median(self.select_ratios)
+        self.setup_info["observed_select_ratio"] = ratio  # observed / profiled T_select in this run
         if not 1 / CONTRADICTION_FACTOR <= ratio <= CONTRADICTION_FACTOR:
             self.contradiction = (f"budget=profiled: selection in this run takes {ratio:.2f}x the profiled time (median "
                                   f"over {len(self.select_ratios)} layer steps); the profile was timed under other load than this run, "
                                   "so its |P| choice is likely wrong: delete the cache file or set budget.use_cache=false")
             log.warning(self.contradiction)
+            self.setup_info["profile_contradiction"] = self.contradiction
 
 
 def _age(seconds: float) -> str:

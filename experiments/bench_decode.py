@@ -59,14 +59,11 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from bench_kernels import copy_bandwidth, environment  # noqa: E402
 from prr.kernels import prr_merge, quest  # noqa: E402
 
+from prr.blocks import controlled_predictions  # noqa: E402
+from prr.budget.profiled import ProfiledBudget  # noqa: E402
 from prr.model.decoder import Decoder  # noqa: E402
 from prr.model.zoo import ZOO  # noqa: E402
-from prr.runtime.graph_budget import (  # noqa: E402
-    DEFAULT_MARGIN,
-    controlled_predictions,
-    graph_median_us,
-    profile_speculation,
-)
+from prr.runtime.graph_budget import GraphProbe, graph_median_us  # noqa: E402
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block  # noqa: E402
 
 HIT_RATES = (1.0, 0.98, 0.90, 0.68, 0.0)
@@ -226,10 +223,10 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         bookkeeping = max(0.0, t["serial"] - t["stage_select"] - t["stage_attend_A"])
         t["prr_ideal_overlap"] = max(max(t["stage_select"], t["stage_speculate"]) + t["stage_repair"]
                                      + t["stage_merge"] + bookkeeping, t["floor_sparse_us"])
-        # A profiled budget: speculate (|P| = |A|) only where the measured PRR step beat serial
-        # DSA at this hit rate by more than graph_budget's margin, else |P| = 0; the chosen variant is timed again, so the
+        # budget=profiled's stage check at |P| = |A|: speculate only where the measured PRR step beat serial
+        # DSA at this hit rate by more than its margin, else |P| = 0; the chosen variant is timed again, so the
         # reported time is not the minimum of two noisy samples.
-        t["profiled_choice"] = "prr" if t["prr"] < t["serial"] * (1.0 - DEFAULT_MARGIN) else "serial"
+        t["profiled_choice"] = "prr" if t["prr"] < t["serial"] * (1.0 - ProfiledBudget().margin) else "serial"
         t["prr_profiled"] = per_layer(run(t["profiled_choice"]))
         # Serial DSA timed again right after, in the state the profiled timing saw (after
         # the PRR runs): the ratio of the two is what "never slower than serial" is read from.
@@ -325,10 +322,18 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         eng.fill_random_context(context, seed=1)
         record("serial_uncompiled", eng, advance=False, hit=None)
         del eng
+    # budget=profiled as run.py runs it in the graph engine (conf/budget/profiled.yaml's settings, its own
+    # random queries and cache), at this context: |P| = the largest that hides in selection, kept if the
+    # whole PRR stage at that |P| (90% hit rate) beat serial DSA's; else 0.
+    profiled = ProfiledBudget(use_cache=False)
+    probe = GraphProbe(lambda n: GraphDecoder(model, dataclasses.replace(base, predicted_blocks=n), batch=batch,
+                                              max_tokens=capacity), first_size=base.topk_blocks, seed=7)
+    context_blocks = (context + block) // block
+    profiled.setup(probe, base.topk_blocks, num_blocks, contexts=[context_blocks])
+    probe.release()
+    profiled_size = profiled.predicted_blocks(0, context_blocks, base.topk_blocks)
+    profiled_row = json.dumps(profiled.setup_info["profile_measurements"][0])
     eng = GraphDecoder(model, base, batch=batch, max_tokens=capacity, compile=compile)
-    # The graph engine's profiled budget: speculate at this context only if PRR's attention
-    # stage measured faster at a 90% hit rate (its own random queries and cache), else serial.
-    profile = profile_speculation(eng, [context], hit_rate=0.9, use_cache=False, seed=7)
     eng.fill_random_context(context, seed=1)
     for name in ("dense", "serial"):
         view = eng.with_plan(variant=name)
@@ -355,11 +360,24 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
             record(f"prr_threelaunch_{hit:.2f}", three, advance=False, hit=hit)
             if batch == 1:
                 record_fused(f"prr_threelaunch_{hit:.2f}", three, hit=hit)
-        if hit == 0.9:  # the profiled choice, timed on the same data as the other variants
-            record("prr_profiled_0.90", eng.with_plan(variant=profile.choice(context)), advance=False, hit=hit)
-            rows[-1]["profiled_choice"] = profile.choice(context)
-            rows[-1]["profile"] = json.dumps(profile.rows[0])
+        if hit == 0.9 and profiled_size in (0, base.predicted_blocks):  # the profiled choice, on the same data
+            record("prr_profiled_0.90", eng.with_plan(variant="prr" if profiled_size else "serial"), advance=False,
+                   hit=hit)
+            rows[-1].update(profiled_choice=profiled_size, profile=profiled_row)
     del eng
+    if profiled_size not in (0, base.predicted_blocks):  # another |P|: an engine of that size, P at 90% of A
+        eng = GraphDecoder(model, dataclasses.replace(base, predicted_blocks=profiled_size), batch=batch,
+                           max_tokens=capacity, compile=compile)
+        eng.fill_random_context(context, seed=1)
+        eng.with_plan(variant="serial").step(advance=False)
+        hgen = torch.Generator().manual_seed(900)
+        for i, s in enumerate(list(eng.last_selection)):
+            if s is not None:
+                idx, cnt = controlled_predictions(s, 0.9, num_blocks, hgen, size=profiled_size)
+                eng.set_predictions(i, idx[..., :profiled_size], cnt)
+        record("prr_profiled_0.90", eng, advance=False, hit=0.9)
+        rows[-1].update(profiled_choice=profiled_size, profile=profiled_row)
+        del eng
     # Real predictors (the engine's prr.predictors objects) decode for real: count the hit rate in
     # one pass, time an identical one from the same state (checkpoint / restore rewinds the
     # position, metadata, P and the predictor state; fill_random_context would keep the state).

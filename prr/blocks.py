@@ -84,3 +84,31 @@ def top_blocks(scores: Tensor, k: int) -> BlockSet:
     if min(k, scores.shape[-1]) <= 0:
         return BlockSet.empty(scores.shape[0], scores.shape[1], scores.device)
     return BlockSet(*top_k_blocks(scores, k))
+
+
+def controlled_predictions(selection: tuple[Tensor, Tensor], hit_rate: float, num_blocks: int,
+                           gen: torch.Generator, size: int | None = None) -> tuple[Tensor, Tensor]:
+    """A predicted set P of a chosen quality, for timing PRR at controlled hit rates.
+
+    selection: A as (indices [B, Hkv, K] ascending, counts [B, Hkv]); size: |P| per (row, KV
+    head) (default |A|). P holds round(hit_rate·min(|A|, size)) blocks of A and fills up to
+    `size` with blocks of [0, num_blocks) outside A (as many as there are), ascending.
+    -> (indices [B, Hkv, max(K, size)] of A's dtype and device, counts [B, Hkv])."""
+    idx, cnt = (t.cpu() for t in selection)
+    width = idx.shape[-1] if size is None else max(idx.shape[-1], size)
+    pred = torch.zeros(*idx.shape[:2], width, dtype=idx.dtype)
+    pcnt = torch.zeros_like(cnt)
+    for b in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            a = idx[b, h, : int(cnt[b, h])]
+            n = len(a) if size is None else size
+            keep = round(hit_rate * min(len(a), n))
+            kept = a[torch.randperm(len(a), generator=gen)[:keep]]
+            outside = torch.ones(num_blocks, dtype=torch.bool)
+            outside[a.long()] = False
+            others = outside.nonzero()[:, 0]
+            others = others[torch.randperm(len(others), generator=gen)[: n - keep]].to(idx.dtype)
+            row = torch.cat([kept, others]).sort().values
+            pred[b, h, : len(row)] = row
+            pcnt[b, h] = len(row)
+    return pred.to(selection[0].device), pcnt.to(selection[0].device)

@@ -20,8 +20,10 @@ class FakeProbe:
     device_name = "fake"
     shape_key = "shape"
 
-    def __init__(self, select_per_block=1.0, spec_per_block=2.0, spreads=(1.0,)):
+    def __init__(self, select_per_block=1.0, spec_per_block=2.0, spreads=(1.0,), prr_stage_share=0.5):
         self.a, self.b, self.calls, self.spreads = select_per_block, spec_per_block, 0, list(spreads)
+        self.prr_stage_share = prr_stage_share  # PRR's whole stage / serial DSA's (< 1: PRR faster)
+        self.stages = []  # (context, |P|) of each time_stage call
         self.round, self._select_calls_done = 0, False
 
     def _timing(self, median):
@@ -39,6 +41,12 @@ class FakeProbe:
         self.calls += 1
         self._select_calls_done = True
         return self._timing(self.b * predicted_blocks)
+
+    def time_stage(self, context_blocks, predicted_blocks, hit_rate):
+        self.calls += 1
+        self.stages.append((context_blocks, predicted_blocks))
+        serial = 3.0 * self.a * context_blocks
+        return self._timing(serial * (self.prr_stage_share if predicted_blocks else 1.0))
 
 
 def test_fixed_budget():
@@ -60,6 +68,30 @@ def test_profiled_picks_largest_hidden_budget(tmp_path, monkeypatch):
     again, probe2 = ProfiledBudget(ratios=[0.5, 1.0, 2.0], context_points=3), FakeProbe()
     info = again.setup(probe2, selected_blocks=16, max_blocks=256)
     assert probe2.calls == 0 and info["profile_cached"] and again.table == budget.table
+
+
+@pytest.mark.parametrize("share,stage_check,expected", [(0.99, True, 0), (0.99, False, 32), (0.97, True, 32)])
+def test_profiled_keeps_a_hidden_p_only_where_the_whole_stage_is_faster(tmp_path, monkeypatch, share, stage_check,
+                                                                        expected):
+    """Step 3 of the rule: the PRR stage at the hidden |P| must beat serial DSA's by > margin
+    (0.02), or |P| = 0; stage_check=false keeps the paper's rule alone."""
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
+    budget = ProfiledBudget(ratios=[0.5, 1.0, 2.0], context_points=1, stage_check=stage_check)
+    probe = FakeProbe(select_per_block=1.0, spec_per_block=2.0, prr_stage_share=share)
+    info = budget.setup(probe, selected_blocks=16, max_blocks=64)
+    assert budget.predicted_blocks(0, 64, 16) == expected
+    assert probe.stages == ([(64, 0), (64, 32)] if stage_check else [])
+    row = info["profile_measurements"][0]
+    assert row["hidden_blocks"] == 32 and ("stage_prr_s" in row) == stage_check
+
+
+def test_profiled_profiles_the_contexts_it_is_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
+    budget = ProfiledBudget(ratios=[1.0])
+    budget.setup(FakeProbe(), selected_blocks=4, max_blocks=64, contexts=[40])
+    assert budget.table == [(40, 4)]
+    with pytest.raises(ValueError, match="contexts"):
+        ProfiledBudget().setup(FakeProbe(), selected_blocks=4, max_blocks=64, contexts=[65])
 
 
 def test_profiled_chooses_zero_when_speculation_cannot_hide(tmp_path, monkeypatch):
@@ -183,56 +215,68 @@ def record(layer, selected, predicted, ranked=None, step=0, speculate=0.0, selec
 def adaptive(**kwargs):
     from prr.budget.adaptive import AdaptiveBudget
 
-    return AdaptiveBudget(use_profile=False, smoothing=0.0, **kwargs)
+    return AdaptiveBudget(**{"smoothing": 0.0, **kwargs})
 
 
-def test_adaptive_grows_while_it_misses_and_waste_is_low():
-    budget = adaptive()
-    assert budget.predicted_blocks(0, 32, 8) == 8
-    budget.observe([record(0, selected=range(8), predicted=range(6))])  # 25% missed, no waste
-    assert budget.predicted_blocks(0, 32, 8) == 10
-    for _ in range(10):
-        budget.observe([record(0, selected=range(8), predicted=range(6))])
-    assert budget.predicted_blocks(0, 32, 8) == 16  # max_ratio 2.0
-    assert budget.predicted_blocks(1, 32, 8) == 8  # per layer
+def test_adaptive_measures_both_then_runs_the_faster_and_reprobes_the_other():
+    budget = adaptive(probe_every=4)
+    ran = []
+    for _ in range(12):
+        variant = budget.variant
+        ran.append(variant)
+        budget.end_window(variant, {"serial": 2.0, "prr": 1.0}[variant], 0.9 if variant == "prr" else None)
+    assert ran[:2] == ["serial", "prr"]  # each measured once first
+    assert ran[2:] == ["prr", "prr", "serial", "prr", "prr", "prr", "serial", "prr", "prr", "prr"]  # probe at 4, 8
+    assert [w["choice_after"] for w in budget.windows][1:] == ["prr"] * 11
+    assert budget.info["windows_prr"] == 9 and budget.info["windows_serial"] == 3
 
 
-def test_adaptive_shrinks_on_waste_and_when_speculation_stops_hiding():
-    budget = adaptive()
-    budget.observe([record(0, selected=range(4), predicted=range(12))])  # waste 2/3
-    assert budget.predicted_blocks(0, 32, 8) == round(8 / 1.25)
-    budget = adaptive()
-    budget.observe([record(0, selected=range(8), predicted=range(8), speculate=2.0, select=1.0)])
-    assert budget.predicted_blocks(0, 32, 8) == round(8 / 1.25)
-    budget = adaptive()  # all hit, no waste, hides: unchanged
-    budget.observe([record(0, selected=range(8), predicted=range(8), speculate=0.5, select=1.0)])
-    assert budget.predicted_blocks(0, 32, 8) == 8
+def test_adaptive_does_not_choose_a_weak_predictor_however_fast():
+    budget = adaptive(min_hit=0.5, probe_every=3)
+    budget.end_window("serial", 2.0)
+    budget.end_window("prr", 1.0, hit_rate=0.4)
+    assert budget.best() == "serial" and budget.variant == "serial"
+    assert budget.end_window("serial", 2.0) == "prr"  # window 3: re-measure PRR
+    budget.end_window("prr", 1.0, hit_rate=0.6)  # the predictor recovered
+    assert budget.best() == "prr"
 
 
-def test_adaptive_switches_speculation_off_for_a_weak_predictor_and_back_on():
-    budget = adaptive(min_hit=0.5)
-    budget.observe([record(0, selected=range(8), predicted=range(20, 28), ranked=range(20, 28))])
-    assert budget.predicted_blocks(0, 32, 8) == 0
-    budget.observe([record(0, selected=range(8), predicted=[], ranked=range(8), step=1)])
-    assert budget.predicted_blocks(0, 32, 8) > 0
-    assert [h.get("off") for h in budget.history if "off" in h] == [True, False]
+def test_adaptive_smooths_times_per_variant_and_follows_a_change_of_regime():
+    budget = adaptive(smoothing=0.5, probe_every=2)
+    budget.end_window("serial", 1.0)
+    budget.end_window("prr", 2.0, hit_rate=1.0)
+    assert budget.best() == "serial"
+    budget.end_window("prr", 0.2, hit_rate=1.0)  # running mean 1.1: still slower
+    assert budget.seconds["prr"] == pytest.approx(1.1) and budget.best() == "serial"
+    budget.end_window("prr", 0.2, hit_rate=1.0)  # 0.65: now faster
+    assert budget.best() == "prr"
 
 
-def test_adaptive_never_exceeds_the_profiled_ceiling(tmp_path, monkeypatch):
-    from prr.budget.adaptive import AdaptiveBudget
+def test_adaptive_in_the_eager_runtime_sizes_p_per_window_and_ends_windows_from_its_records():
+    """The eager runtime's side of the same rule: |P| = 0 in serial windows, ratio x |A| in PRR
+    windows; a window of window_steps steps ends with the median of the steps' summed stage
+    times and, for PRR, the pooled hit rate of its records."""
+    budget = adaptive(ratio=1.5, window_steps=2)
+    assert budget.variant == "serial" and budget.predicted_blocks(0, 32, 8) == 0
+    budget.observe([record(0, selected=range(8), predicted=[], select=3.0), record(1, range(8), [], select=1.0)])
+    assert budget.windows == []  # one step of two
+    budget.observe([record(0, selected=range(8), predicted=[], select=5.0)])
+    assert budget.windows[0] == {"variant": "serial", "median_ms": pytest.approx(4500.0), "hit_rate": None,
+                                 "choice_after": "serial"}
+    assert budget.variant == "prr" and budget.predicted_blocks(0, 32, 8) == 12 and budget.predicted_blocks(0, 10, 8) == 10
+    budget.observe([record(0, selected=range(8), predicted=range(6), speculate=1.0, select=1.0)])
+    budget.observe([record(0, selected=range(8), predicted=range(4, 16), speculate=1.0, select=1.0)])
+    assert budget.windows[1]["hit_rate"] == pytest.approx((6 + 4) / 16)
+    assert budget.windows[1]["median_ms"] == pytest.approx(2000.0) and budget.best() == "prr"
 
-    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
-    budget = AdaptiveBudget(smoothing=0.0, profile_ratios=[0.5, 1.0, 2.0], profile_context_points=3)
-    budget.setup(FakeProbe(select_per_block=1.0, spec_per_block=2.0), selected_blocks=16, max_blocks=256)
-    for _ in range(10):  # misses push the ratio to 2.0 ...
-        budget.observe([record(0, selected=range(8), predicted=range(6))])
-    assert budget.predicted_blocks(0, 16, 16) == 8  # ... but speculation of 16 blocks does not hide at 16 blocks
 
-
-@pytest.mark.parametrize("kwargs,match", [(dict(ratio=3.0), "max_ratio"), (dict(growth=1.0), "growth"),
-                                          (dict(min_hit=2), "min_hit"), (dict(smoothing=1.0), "smoothing")])
+@pytest.mark.parametrize("kwargs,match", [(dict(ratio=0.0), "ratio"), (dict(min_hit=2), "min_hit"),
+                                          (dict(smoothing=1.0), "smoothing"), (dict(probe_every=1), "probe_every"),
+                                          (dict(window_steps=0), "window_steps")])
 def test_adaptive_rejects_bad_settings(kwargs, match):
     from prr.budget.adaptive import AdaptiveBudget
 
     with pytest.raises(ValueError, match=match):
         AdaptiveBudget(**kwargs)
+    with pytest.raises(ValueError, match="variant"):
+        AdaptiveBudget().end_window("dense", 1.0)

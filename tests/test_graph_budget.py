@@ -1,100 +1,100 @@
-"""The graph engine's profiled speculation choice (prr.runtime.graph_budget): controlled
-predictions hit exactly the asked share of A, the profile's lookup, and its input checks.
-The timing itself needs CUDA (-m gpu, TRITON_INTERPRET=0)."""
+"""budget=profiled's engine probe (prr.runtime.graph_budget.GraphProbe): controlled
+predictions hit exactly the asked share of A, and the probe times selection, speculation and
+the whole stage on the engine itself (the host clock on the CPU, under the interpreter: a
+test of the machinery), rebuilding its engine for another |P|, so ProfiledBudget's one rule
+runs over it. The device timing needs CUDA (-m gpu, TRITON_INTERPRET=0)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import pytest
 import torch
 
-from prr.runtime.graph_budget import SpeculationProfile, controlled_predictions, profile_speculation
+from prr.blocks import controlled_predictions
+from prr.budget.profiled import ProfiledBudget
+from prr.runtime.graph_budget import GraphProbe
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("hit_rate", [1.0, 0.9, 0.68, 0.0])
-def test_controlled_predictions_hit_exactly_the_asked_share(hit_rate):
+@pytest.mark.parametrize("size", [None, 9, 30])
+def test_controlled_predictions_hit_exactly_the_asked_share(hit_rate, size):
     gen = torch.Generator().manual_seed(0)
     num_blocks, k = 97, 20
     idx = torch.stack([torch.randperm(num_blocks, generator=gen)[:k].sort().values for _ in range(6)]).view(2, 3, k)
     cnt = torch.tensor([[20, 13, 0], [7, 20, 1]], dtype=torch.int32)
-    pred, pcnt = controlled_predictions((idx.int(), cnt), hit_rate, num_blocks, torch.Generator().manual_seed(1))
+    pred, pcnt = controlled_predictions((idx.int(), cnt), hit_rate, num_blocks, torch.Generator().manual_seed(1),
+                                        size=size)
+    assert pred.shape[-1] == max(k, size or 0)
     for b in range(2):
         for h in range(3):
             a = set(idx[b, h, : int(cnt[b, h])].tolist())
             p = pred[b, h, : int(pcnt[b, h])].tolist()
-            assert len(p) == len(a) == len(set(p))  # |P| = |A|, distinct
+            n = len(a) if size is None else size
+            assert len(p) == n == len(set(p))  # |P| as asked, distinct
             assert p == sorted(p) and all(0 <= x < num_blocks for x in p)
-            assert len(a & set(p)) == round(hit_rate * len(a))
+            assert len(a & set(p)) == round(hit_rate * min(len(a), n))
 
 
-def test_profile_lookup_takes_the_largest_profiled_context_not_above():
-    profile = SpeculationProfile(rows=({"context": 1000, "choice": "serial"}, {"context": 4000, "choice": "prr"},
-                                       {"context": 16000, "choice": "serial"}), key="k")
-    assert [profile.choice(c) for c in (10, 1000, 3999, 4000, 15999, 10**6)] == \
-        ["serial", "serial", "serial", "prr", "prr", "serial"]
-
-
-def test_profile_speculation_checks_its_engine_and_inputs():
+def tiny_model(device: str = "cpu", dtype=torch.float32, head_dim: int = 64, layers: int = 2):
     from prr.model.config import ModelConfig
     from prr.model.decoder import Decoder
 
-    config = ModelConfig(arch="llama", vocab_size=97, hidden_size=128, intermediate_size=160, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, rope_scaling=None,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096)
-    model = Decoder(config, torch.float32, "cpu").init_random_(seed=0)
-    serial = GraphDecoder(model, StaticPlan(variant="serial", topk_blocks=4), batch=1, max_tokens=256)
-    with pytest.raises(ValueError, match="variant='prr', predictor='fixed'"):
-        profile_speculation(serial, [100])
-    fixed = GraphDecoder(model, StaticPlan(variant="prr", predictor="fixed", topk_blocks=4, predicted_blocks=4),
-                         batch=1, max_tokens=256)
-    with pytest.raises(ValueError, match="contexts="):
-        profile_speculation(fixed, [300])
+    config = ModelConfig(arch="llama", vocab_size=97, hidden_size=128, intermediate_size=160, num_layers=layers,
+                         num_heads=4, num_kv_heads=2, head_dim=head_dim, rope_theta=10000.0, rope_scaling=None,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=65536)
+    return Decoder(config, dtype, device).init_random_(seed=0)
 
 
-def test_profile_speculation_on_the_cpu_times_both_by_the_host_clock_and_caches(tmp_path, monkeypatch):
-    """No CUDA graphs on the CPU: both variants are timed eagerly by the host clock (under the
-    interpreter: a test of the machinery, each row says which timer), the choice follows the
-    margin rule, and a second call reads the cached table."""
-    from prr.model.config import ModelConfig
-    from prr.model.decoder import Decoder
-
+def test_graph_probe_times_the_engine_and_profiled_runs_over_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
-    config = ModelConfig(arch="llama", vocab_size=97, hidden_size=128, intermediate_size=160, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, rope_scaling=None,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096)
-    model = Decoder(config, torch.float32, "cpu").init_random_(seed=0)
-    engine = GraphDecoder(model, StaticPlan(variant="prr", predictor="fixed", topk_blocks=4, predicted_blocks=4,
-                                            dense_layers=(0,)), batch=1, max_tokens=160)
-    profile = profile_speculation(engine, [70, 130], margin=0.05)
-    assert [r["context"] for r in profile.rows] == [70, 130]
-    for row in profile.rows:
-        assert row["timer"] == "cpu_wall_clock" and row["serial_us"] > 0 and row["prr_us"] > 0
-        assert row["choice"] == ("prr" if row["prr_us"] < 0.95 * row["serial_us"] else "serial")
-    assert profile.choice(100) == profile.rows[0]["choice"] and profile.choice(10) == profile.rows[0]["choice"]
-    assert engine.plan.variant == "prr"  # the engine's plan is left as it was built
-    assert len(list((tmp_path / "budget").glob("graph-*.json"))) == 1
-    assert profile_speculation(engine, [70, 130], margin=0.05).rows == profile.rows  # read back, not re-timed
+    model = tiny_model()
+    plan = StaticPlan(variant="prr", predictor="fixed", topk_blocks=4, predicted_blocks=4, dense_layers=(0,))
+    built = []
+
+    def build(n):
+        built.append(n)
+        return GraphDecoder(model, dataclasses.replace(plan, predicted_blocks=n), batch=1, max_tokens=160)
+    probe = GraphProbe(build, first_size=4, repeats=3)
+    assert json.loads(probe.shape_key)["timer"] == "cpu_wall_clock"
+    for timing in (probe.time_select(6), probe.time_speculate(3, 6), probe.time_stage(6, 0, 0.9)):
+        assert timing.median_s > 0
+    assert built == [4]
+    assert probe.time_stage(6, 5, 0.9).median_s > 0 and built == [4, 5]  # another |P|: another engine
+    engine = probe.engine(5)
+    assert engine.plan.predicted_blocks == 5 and int(engine.pred_cnt[1].max()) == 5
+    assert probe.time_stage(6, 2, 0.9).median_s > 0 and built == [4, 5, 2]  # |P| below |A|
+
+    budget = ProfiledBudget(ratios=[0.5, 1.0], use_cache=True)
+    info = budget.setup(probe, selected_blocks=4, max_blocks=10, contexts=[6])
+    assert info["profile_source"] == "measured" and set(info["profile_choice"]) == {"6"}
+    row = info["profile_measurements"][0]
+    assert set(row["t_speculate_s"]) == {2, 4} and row["hidden_blocks"] in (0, 2, 4)
+    if row["hidden_blocks"]:  # the stage check ran and decided
+        faster = row["stage_prr_s"] < 0.98 * row["stage_serial_s"]
+        assert info["profile_choice"]["6"] == (row["hidden_blocks"] if faster else 0)
+    again = ProfiledBudget(ratios=[0.5, 1.0], use_cache=True)
+    assert again.setup(probe, selected_blocks=4, max_blocks=10, contexts=[6])["profile_source"] == "cache"
+    probe.release()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
-def test_profile_speculation_on_the_gpu_times_both_and_caches(tmp_path, monkeypatch):
-    from prr.model.config import ModelConfig
-    from prr.model.decoder import Decoder
-
+def test_graph_probe_on_the_gpu_times_graph_replays_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
-    config = ModelConfig(arch="llama", vocab_size=97, hidden_size=256, intermediate_size=320, num_layers=3,
-                         num_heads=8, num_kv_heads=2, head_dim=128, rope_theta=10000.0, rope_scaling=None,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=65536)
-    model = Decoder(config, torch.bfloat16, "cuda").init_random_(seed=0)
-    engine = GraphDecoder(model, StaticPlan(variant="prr", predictor="fixed", topk_blocks=64, predicted_blocks=64),
-                          batch=1, max_tokens=32768)
-    profile = profile_speculation(engine, [4000, 30000])
-    assert [r["context"] for r in profile.rows] == [4000, 30000]
-    assert all(r["serial_us"] > 0 and r["prr_us"] > 0 and r["choice"] in ("prr", "serial") for r in profile.rows)
-    again = profile_speculation(engine, [30000, 4000])  # same key: read from the cache, nothing timed
-    assert again.rows == profile.rows
+    model = tiny_model("cuda", torch.bfloat16, head_dim=128, layers=3)
+    plan = StaticPlan(variant="prr", predictor="fixed", topk_blocks=64, predicted_blocks=64)
+    probe = GraphProbe(lambda n: GraphDecoder(model, dataclasses.replace(plan, predicted_blocks=n), batch=1,
+                                              max_tokens=32768), first_size=64)
+    assert json.loads(probe.shape_key)["timer"] == "cuda_graph_replay"
+    budget = ProfiledBudget()
+    info = budget.setup(probe, selected_blocks=64, max_blocks=2048, contexts=[250, 1875])
+    assert [r["context_blocks"] for r in info["profile_measurements"]] == [250, 1875]
+    assert all(r["t_select_s"] > 0 for r in info["profile_measurements"])
+    again = ProfiledBudget().setup(probe, selected_blocks=64, max_blocks=2048, contexts=[1875, 250])
+    assert again["profile_source"] == "cache" and again["profile_choice"] == info["profile_choice"]

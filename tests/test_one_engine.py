@@ -111,14 +111,18 @@ def test_every_budget_config_runs_in_the_graph_engine(tmp_path, monkeypatch):
     base = [*TINY, "++model.num_layers=2", "selector=quest", "predictor=last_step"]
     serial = run_case(tmp_path, [*base, "predictor=none", "runtime.engine=eager"], "serial")
     for budget in BUDGETS:
-        graph = run_case(tmp_path, [*base, f"budget={budget}", "runtime.engine=graph"], budget)
+        # (profiled: one ratio and one round, each timing under the interpreter costs seconds)
+        fast = ["budget.ratios=[1.0]", "budget.max_rounds=1"] if budget == "profiled" else []
+        graph = run_case(tmp_path, [*base, f"budget={budget}", *fast, "runtime.engine=graph"], budget)
         assert graph["generated_token_ids"] == serial["generated_token_ids"], budget
         setup = graph["budget_setup"]
         if budget == "fixed":
             assert graph["variant"] == "prr" and graph["predicted_blocks"] == 6 and 0 < graph["hit_rate"] <= 1
-        elif budget == "profiled":
-            (row,) = setup["profile"]
-            assert row["timer"] == "cpu_wall_clock" and setup["choice"] == row["choice"] == graph["variant"]
+        elif budget == "profiled":  # the prompt's context profiled on the engine, its table sized |P|
+            (row,) = setup["profile_measurements"]
+            assert '"timer": "cpu_wall_clock"' in setup["profile_key"] and setup["choice"] == graph["variant"]
+            assert setup["profile_choice"] == {str(row["context_blocks"]): graph["predicted_blocks"]}
+            assert (graph["predicted_blocks"] > 0) == (graph["variant"] == "prr")
         elif budget == "adaptive":
             assert graph["variant"] == "adaptive"
             assert setup["steps_prr"] + setup["steps_serial"] == graph["decode_steps"] == 6

@@ -1,110 +1,122 @@
-"""`adaptive`: |P| per layer adjusted online from what speculation actually did.
+"""`adaptive`: serial DSA or PRR, chosen online per window of decode steps by what each
+measured. One rule, whichever engine runs it.
 
-Each layer starts at ratio × |A|. After every decode step the runtime hands the step's
-records to `observe`; per layer, smoothed over steps:
-  - misses = |A \\ P| / |A| above `target_miss` while waste = |P \\ A| / |P| stays below
-    `max_waste` -> grow |P| by `growth` (a wider P catches more of A);
-  - waste above `max_waste`, or speculation measured slower than selection (it no longer
-    hides) -> shrink by `growth`;
-  - the predictor's hit rate at K (its top-|A| against A, known whatever |P| is) below
-    `min_hit` -> |P| = 0 (serial DSA: speculation would be mostly repaired), and back to
-    the last ratio once it recovers.
-|P| never exceeds the profiled ceiling (the largest |P| whose speculation hid inside
-selection on this device, as `budget=profiled` measures) when `use_profile`, nor the context.
+|P| is static (= ratio × |A|, as `fixed`): a CUDA graph fixes every shape, so the engine
+captures both variants over one cache beforehand and the host picks between them at window
+boundaries, never inside a step; the eager runtime runs the same windows. The rule:
+  - the first two windows run serial DSA, then PRR (each measured once);
+  - afterwards each window runs the variant whose smoothed step time is lower, except that
+    PRR is not chosen while its latest window's hit rate |P ∩ A| / |A| is below `min_hit`
+    (speculation that is mostly repaired);
+  - one window in every `probe_every` re-measures the variant not in use, so a change of
+    regime (the context grows, the predictor warms up or degrades) is seen.
+A window's time is the median over its steps of the step's time (`smoothing`: the weight of a
+variant's past windows in its running time). What "a step's time" is depends on the engine
+and is its own measurement: the graph engine's device time of the step's replay (host clock
+on a CPU); the eager runtime's summed attention-stage timers of the step. The predictor
+learns in PRR windows only, so the first PRR steps after serial ones speculate over a P that
+has not seen the serial steps' selections; the hit rate those windows measure includes that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import statistics
+from collections.abc import Iterable
 from typing import Any
 
-from prr.budget.base import SpeculationBudget, TimingProbe
-from prr.budget.profiled import ProfiledBudget
+from prr.budget.base import SpeculationBudget
 from prr.runtime.records import LayerStepRecord
+
+VARIANTS = ("serial", "prr")
 
 
 class AdaptiveBudget(SpeculationBudget):
     adapts_online = True
-    def __init__(
-        self,
-        ratio: float = 1.0,
-        min_ratio: float = 0.5,
-        max_ratio: float = 2.0,
-        growth: float = 1.25,
-        target_miss: float = 0.05,
-        max_waste: float = 0.5,
-        min_hit: float = 0.3,
-        smoothing: float = 0.5,
-        use_profile: bool = True,
-        profile_ratios: Sequence[float] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
-        profile_context_points: int = 6,
-    ) -> None:
+
+    def __init__(self, ratio: float = 1.0, min_hit: float = 0.3, smoothing: float = 0.5, probe_every: int = 8,
+                 window_steps: int = 16) -> None:
         problems = []
-        if not 0 < min_ratio <= ratio <= max_ratio:
-            problems.append(f"budget.min_ratio={min_ratio} <= ratio={ratio} <= max_ratio={max_ratio} must hold, all > 0")
-        if growth <= 1.0:
-            problems.append(f"budget.growth={growth} must be > 1 (|P| grows or shrinks by this factor)")
-        for name, value in (("target_miss", target_miss), ("max_waste", max_waste), ("min_hit", min_hit)):
-            if not 0.0 <= value <= 1.0:
-                problems.append(f"budget.{name}={value} must lie in [0, 1]")
+        if ratio <= 0:
+            problems.append(f"budget.ratio={ratio} must be > 0 (|P| = ratio × |A| in PRR windows)")
+        if not 0.0 <= min_hit <= 1.0:
+            problems.append(f"budget.min_hit={min_hit} must lie in [0, 1]")
         if not 0.0 <= smoothing < 1.0:
-            problems.append(f"budget.smoothing={smoothing} must lie in [0, 1) (weight of the past in the running means)")
+            problems.append(f"budget.smoothing={smoothing} must lie in [0, 1) (weight of the past in the running times)")
+        if probe_every < 2:
+            problems.append(f"budget.probe_every={probe_every} must be >= 2 (one window in probe_every re-measures)")
+        if window_steps < 1:
+            problems.append(f"budget.window_steps={window_steps} must be >= 1")
         if problems:
             raise ValueError("; ".join(problems))
-        self.ratio, self.min_ratio, self.max_ratio, self.growth = ratio, min_ratio, max_ratio, growth
-        self.target_miss, self.max_waste, self.min_hit, self.smoothing = target_miss, max_waste, min_hit, smoothing
-        self.profile = ProfiledBudget(profile_ratios, profile_context_points) if use_profile else None
-        self.ratios: dict[int, float] = {}  # layer -> current |P| / |A|
-        self.off: dict[int, bool] = {}  # layer -> speculation switched off (predictor too weak)
-        self.means: dict[int, dict[str, float]] = {}  # layer -> smoothed miss, waste, hit_at_k, speculate/select
-        self.history: list[dict[str, Any]] = []  # (step, layer, ratio, off) after each change, for the run record
+        self.ratio, self.min_hit, self.smoothing = ratio, min_hit, smoothing
+        self.probe_every, self.window_steps = probe_every, window_steps
+        self.seconds: dict[str, float] = {}  # variant -> smoothed window median (s)
+        self.hit_rate: float | None = None  # PRR's latest window hit rate
+        self.windows: list[dict[str, Any]] = []  # what each window ran and measured (the run record)
+        self.variant = self.next_variant()  # what the current window runs
+        self._steps: list[float] = []  # the eager runtime's current window: each step's time (s)
+        self._counts = [0, 0]  # ... and its |P ∩ A|, |A| summed over PRR steps
+        self.info: dict[str, Any] = {"windows": self.windows}  # budget_setup in summary.json, filled as windows end
 
-    def setup(self, probe: TimingProbe, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
-        return self.profile.setup(probe, selected_blocks, max_blocks) if self.profile is not None else {}
+    def setup(self, probe: Any, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
+        return self.info
 
+    # --- the rule ------------------------------------------------------------------------
+    def best(self) -> str:
+        """The variant to run, from what was measured so far."""
+        if "serial" not in self.seconds or "prr" not in self.seconds:
+            return "serial"
+        if self.hit_rate is not None and self.hit_rate < self.min_hit:
+            return "serial"
+        return "prr" if self.seconds["prr"] < self.seconds["serial"] else "serial"
+
+    def next_variant(self) -> str:
+        """The variant for the next window: each once first, then the best, re-probing the other."""
+        n = len(self.windows)
+        if n < len(VARIANTS):
+            return VARIANTS[n]
+        best = self.best()
+        if n % self.probe_every == 0:
+            return "prr" if best == "serial" else "serial"
+        return best
+
+    def end_window(self, variant: str, median_s: float, hit_rate: float | None = None) -> str:
+        """One finished window: its variant, the median of its steps' times (s), and for PRR
+        the share of A its P held. -> the variant of the next window."""
+        if variant not in VARIANTS:
+            raise ValueError(f"variant {variant!r} is not one of {VARIANTS}")
+        old = self.seconds.get(variant)
+        self.seconds[variant] = median_s if old is None else self.smoothing * old + (1 - self.smoothing) * median_s
+        if variant == "prr":
+            self.hit_rate = hit_rate
+        self.windows.append({"variant": variant, "median_ms": 1e3 * median_s, "hit_rate": hit_rate,
+                             "choice_after": self.best()})
+        self.variant = self.next_variant()
+        ran = [w["variant"] for w in self.windows]
+        self.info.update(windows_prr=ran.count("prr"), windows_serial=ran.count("serial"))
+        return self.variant
+
+    # --- the eager runtime's side: |P| per step, windows from its records -----------------
     def static_blocks(self, selected_blocks: int) -> int:
         return round(self.ratio * selected_blocks)
 
     def predicted_blocks(self, layer: int, context_blocks: int, selected_blocks: int) -> int:
-        if self.off.get(layer, False):
+        if self.variant == "serial":
             return 0
-        n = round(self.ratios.get(layer, self.ratio) * selected_blocks)
-        if self.profile is not None:
-            n = min(n, self.profile.predicted_blocks(layer, context_blocks, selected_blocks))
-        return min(n, context_blocks)
-
-    def _smooth(self, layer: int, name: str, value: float) -> float:
-        means = self.means.setdefault(layer, {})
-        means[name] = value if name not in means else self.smoothing * means[name] + (1 - self.smoothing) * value
-        return means[name]
+        return min(round(self.ratio * selected_blocks), context_blocks)
 
     def observe(self, records: Iterable[LayerStepRecord]) -> None:
+        """One eager decode step (every sparse layer's record): its stage time and hits join the
+        window; a full window ends here."""
+        seconds = 0.0
         for r in records:
-            selected = int(r.selected.sum())
-            if selected == 0:
-                continue
-            predicted = r.predicted
-            n_pred = int(predicted.sum())
-            miss = self._smooth(r.layer, "miss", int((r.selected & ~predicted).sum()) / selected)
-            waste = self._smooth(r.layer, "waste", int((predicted & ~r.selected).sum()) / n_pred if n_pred else 0.0)
-            if r.ranked_at_k is not None:
-                hit_at_k = self._smooth(r.layer, "hit_at_k", int((r.ranked_at_k & r.selected).sum()) / selected)
-                off = hit_at_k < self.min_hit
-                if off != self.off.get(r.layer, False):
-                    self.off[r.layer] = off
-                    self.history.append({"step": r.step, "layer": r.layer, "off": off})
-                if off:
-                    continue
-            slow = False
-            if n_pred and r.timings.get("select", 0.0) > 0:
-                slow = self._smooth(r.layer, "speculate_over_select", r.timings.get("speculate", 0.0) / r.timings["select"]) > 1.0
-            ratio = self.ratios.get(r.layer, self.ratio)
-            if waste > self.max_waste or slow:
-                new = max(self.min_ratio, ratio / self.growth)
-            elif miss > self.target_miss:
-                new = min(self.max_ratio, ratio * self.growth)
-            else:
-                new = ratio
-            if new != ratio:
-                self.ratios[r.layer] = new
-                self.history.append({"step": r.step, "layer": r.layer, "ratio": round(new, 4)})
+            seconds += sum(r.timings.values())
+            if self.variant == "prr":
+                self._counts[0] += int((r.selected & r.predicted).sum())
+                self._counts[1] += int(r.selected.sum())
+        self._steps.append(seconds)
+        if len(self._steps) < self.window_steps:
+            return
+        hit = self._counts[0] / self._counts[1] if self.variant == "prr" and self._counts[1] else None
+        self.end_window(self.variant, statistics.median(self._steps), hit)
+        self._steps, self._counts = [], [0, 0]

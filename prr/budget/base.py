@@ -63,6 +63,12 @@ class TimingProbe(Protocol):
         """One layer's speculation over this many blocks, timed over repeats."""
         ...
 
+    def time_stage(self, context_blocks: int, predicted_blocks: int, hit_rate: float) -> StageTiming:
+        """One layer's whole attention stage as the engine runs it, timed over repeats: serial
+        DSA for predicted_blocks = 0, else PRR with a P of that many blocks holding `hit_rate`
+        of the true selection A (the rest outside A)."""
+        ...
+
 
 class SpeculationBudget(ABC):
     # Capabilities engines dispatch on: `profiles` decides |P| from timings measured before

@@ -1,7 +1,19 @@
-"""`profiled`: measure T_select(context) and T_speculate(|P|) on the running device once,
-store the lookup table in a cache file keyed by device and shape, and use the largest |P|
-with T_speculate(|P|) <= T_select(context): speculation that hides inside selection.
-Where none fits, |P| = 0 (plain serial DSA), so PRR is not made slower by speculating.
+"""`profiled`: one rule, whichever engine runs it (the eager research runtime or the
+CUDA-graph engine; each measures with its own probe, on its own step).
+
+Once per device, shape and setting, at each profiled context c:
+  1. time T_select(c) and T_speculate(|P|) for |P| = ratio x |A| over `ratios`;
+  2. n(c) = the largest |P| with T_speculate(|P|) <= T_select(c): speculation that hides
+     inside selection (the paper's rule); 0 where none does;
+  3. with `stage_check` (default), time the whole attention stage as serial DSA and as PRR
+     at n(c), P holding `hit_rate` of A, and keep n(c) only if PRR measured faster than
+     serial by more than `margin`; else n(c) = 0 (plain serial DSA). Hiding speculation is
+     not enough when repair and merge cost more than it saves; and a runtime that runs its
+     stages one after the other (the eager one) never hides anything, so there the check
+     chooses serial DSA. `stage_check=false` keeps the paper's rule alone.
+The table (context -> |P|) is cached in a file keyed by device, probe, shape and these
+settings; decoding uses the row of the largest profiled context not above the step's context.
+The graph engine profiles the prompt's context only (its |P| is static for the decode).
 
 A loaded machine times wrongly (issue 23: selection 60 ms under load, 0.36 ms in the run),
 so every stage's min/quartiles/max over its repeats are kept; when a stage's upper quartile
@@ -48,6 +60,9 @@ class ProfiledBudget(SpeculationBudget):
         use_cache: bool = True,
         max_spread: float = 2.0,
         max_rounds: int = 3,
+        stage_check: bool = True,
+        margin: float = 0.02,
+        hit_rate: float = 0.9,
     ) -> None:
         if not ratios or any(r <= 0 for r in ratios):
             raise ValueError(f"budget.ratios={list(ratios)} must be a non-empty list of positive multiples of top-K")
@@ -57,10 +72,15 @@ class ProfiledBudget(SpeculationBudget):
             raise ValueError(f"budget.max_spread={max_spread} must be >= 1 (the allowed q3/q1 ratio of a stage's repeats)")
         if max_rounds < 1:
             raise ValueError(f"budget.max_rounds={max_rounds} must be >= 1")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"budget.margin={margin} must lie in [0, 1) (PRR's stage must beat serial's by this share)")
+        if not 0.0 <= hit_rate <= 1.0:
+            raise ValueError(f"budget.hit_rate={hit_rate} must lie in [0, 1] (the share of A the stage check's P holds)")
         self.ratios = sorted(ratios)
         self.context_points = context_points
         self.use_cache = use_cache
         self.max_spread, self.max_rounds = max_spread, max_rounds
+        self.stage_check, self.margin, self.hit_rate = stage_check, margin, hit_rate
         self.table: list[tuple[int, int]] = []  # (context_blocks, |P|), ascending context
         self.profiled_select: list[tuple[int, float]] = []  # (context_blocks, median T_select s), ascending
         self.context_seen: dict[int, int] = {}  # layer -> context_blocks of its current step
@@ -78,8 +98,16 @@ class ProfiledBudget(SpeculationBudget):
         step = (max_blocks / lo) ** (1 / (self.context_points - 1))
         return sorted({min(max_blocks, round(lo * step**i)) for i in range(self.context_points)})
 
-    def setup(self, probe: TimingProbe, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
-        key = f"{probe.device_name}|{probe.shape_key}|K={selected_blocks}|N={max_blocks}|r={self.ratios}|c={self.context_points}"
+    def setup(self, probe: TimingProbe, selected_blocks: int, max_blocks: int,
+              contexts: Sequence[int] | None = None) -> dict[str, Any]:
+        """contexts: the context lengths (blocks) to profile; default `context_points` of them
+        from |A| to max_blocks, geometrically spaced."""
+        contexts = sorted(set(contexts)) if contexts is not None else self._contexts(selected_blocks, max_blocks)
+        if not contexts or any(not 0 < c <= max_blocks for c in contexts):
+            raise ValueError(f"profiled contexts {list(contexts)} must be non-empty, each in [1, {max_blocks}] blocks")
+        check = f"stage_check(margin={self.margin},hit={self.hit_rate})" if self.stage_check else "no_stage_check"
+        key = (f"{probe.device_name}|{probe.shape_key}|K={selected_blocks}|N={max_blocks}|r={self.ratios}|"
+               f"contexts={contexts}|{check}")
         path = cache_dir() / "budget" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
         cache_problem = None
         if self.use_cache and path.exists():
@@ -95,7 +123,7 @@ class ProfiledBudget(SpeculationBudget):
                 return info
             log.warning("budget=profiled: cache file %s is unusable (%s); measuring again", path, cache_problem)
 
-        record = self._measure(probe, key, selected_blocks, max_blocks)
+        record = self._measure(probe, key, selected_blocks, contexts)
         self._adopt(record)
         steady = record["spread"] <= self.max_spread
         if not steady:
@@ -115,9 +143,8 @@ class ProfiledBudget(SpeculationBudget):
         self.setup_info = info
         return info
 
-    def _measure(self, probe: TimingProbe, key: str, selected_blocks: int, max_blocks: int) -> dict[str, Any]:
+    def _measure(self, probe: TimingProbe, key: str, selected_blocks: int, contexts: list[int]) -> dict[str, Any]:
         """Rounds of the whole profile until one is steady (or max_rounds); the steadiest is kept."""
-        contexts = self._contexts(selected_blocks, max_blocks)
         sizes = sorted({max(1, round(r * selected_blocks)) for r in self.ratios})
         rounds = []
         for _ in range(self.max_rounds):
@@ -129,8 +156,7 @@ class ProfiledBudget(SpeculationBudget):
                 "table": rounds[kept]["table"], "measurements": rounds[kept]["measurements"],
                 "spread": rounds[kept]["spread"], "rounds": [r["spread"] for r in rounds], "kept_round": kept}
 
-    @staticmethod
-    def _measure_round(probe: TimingProbe, contexts: list[int], sizes: list[int]) -> dict[str, Any]:
+    def _measure_round(self, probe: TimingProbe, contexts: list[int], sizes: list[int]) -> dict[str, Any]:
         t_select: dict[int, StageTiming] = {c: probe.time_select(c) for c in contexts}
         rows: list[dict[str, Any]] = []
         table = []
@@ -138,12 +164,22 @@ class ProfiledBudget(SpeculationBudget):
         for c in contexts:
             t_spec = {n: probe.time_speculate(min(n, c), c) for n in sizes}
             fitting = [n for n in sizes if n <= c and t_spec[n].median_s <= t_select[c].median_s]
-            table.append((c, max(fitting) if fitting else 0))
+            hidden = max(fitting) if fitting else 0
             spreads += [t_select[c].spread, *(t.spread for t in t_spec.values())]
-            rows.append({"context_blocks": c, "t_select_s": t_select[c].median_s,
-                         "t_speculate_s": {n: t.median_s for n, t in t_spec.items()},
-                         "select_timing": t_select[c].as_dict(),
-                         "speculate_timing": {n: t.as_dict() for n, t in t_spec.items()}})
+            row = {"context_blocks": c, "t_select_s": t_select[c].median_s,
+                   "t_speculate_s": {n: t.median_s for n, t in t_spec.items()},
+                   "select_timing": t_select[c].as_dict(),
+                   "speculate_timing": {n: t.as_dict() for n, t in t_spec.items()}, "hidden_blocks": hidden}
+            chosen = hidden
+            if self.stage_check and hidden > 0:  # step 3: the whole stage must be faster, not only hide
+                serial, prr = probe.time_stage(c, 0, self.hit_rate), probe.time_stage(c, hidden, self.hit_rate)
+                spreads += [serial.spread, prr.spread]
+                faster = prr.median_s < serial.median_s * (1.0 - self.margin)
+                chosen = hidden if faster else 0
+                row.update(stage_serial_s=serial.median_s, stage_prr_s=prr.median_s,
+                           stage_serial_timing=serial.as_dict(), stage_prr_timing=prr.as_dict())
+            table.append((c, chosen))
+            rows.append(row)
         return {"table": table, "measurements": rows, "spread": max(spreads)}
 
     @staticmethod
@@ -180,7 +216,7 @@ class ProfiledBudget(SpeculationBudget):
 
     @staticmethod
     def _summary(record: dict[str, Any]) -> dict[str, Any]:
-        return {"profile_table": record["table"],
+        return {"profile_key": record["key"], "profile_table": record["table"],
                 "profile_choice": {str(c): n for c, n in record["table"]},  # context_blocks -> |P|
                 "profile_spread": record["spread"], "profile_rounds": record["rounds"],
                 "profile_kept_round": record["kept_round"], "profile_measurements": record["measurements"]}

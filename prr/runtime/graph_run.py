@@ -9,16 +9,14 @@ What it records is therefore less: per token (latency, token) and per layer (hit
 |A|), no per-head records, no dense reference metrics.
 
 Mapping from the config (anything else is refused by `graph_problems`, with the reason):
-selector=quest (gqa_reduce=max; sink_blocks, local_blocks + force_newest, dense_layers,
-topk_blocks carry over); predictor=none -> serial DSA; predictor=last_step -> PRR with
-P = last step's A (|P| = |A|); predictor=ema_membership -> PRR with the engine's EMA of
-membership (|P| = budget.ratio × |A| or budget.blocks). budget=profiled: the engine
-times serial DSA against PRR at this prompt length and keeps the faster (graph_budget.py:
-CUDA-graph replays on a GPU, the host clock on the CPU).
-budget=adaptive: both are captured and chosen online per window of steps by measured time
-and PRR's hit rate (graph_adaptive.py; of AdaptiveBudget's keys it reads ratio, min_hit and
-smoothing: the per-layer |P| rules are the eager runtime's, and are logged as unused). The
-predictor's state is warmed on the prefill tail's selections, as the eager runtime does,
+Every selector and predictor config runs here, as the same objects the eager runtime runs;
+`graph_problems` names what cannot (and why). |P| is static for the decode (a CUDA graph fixes
+every shape): `fixed` sizes it; `profiled` (prr/budget/profiled.py) times the engine's own
+stages at the prompt's context (GraphProbe, graph_budget.py: CUDA-graph replays on a GPU, the
+host clock on the CPU) and its table gives |P| (0: serial DSA); `adaptive`
+(prr/budget/adaptive.py) captures serial DSA and PRR over one cache and its rule picks one per
+window of `budget.window_steps` steps from their measured device times and PRR's hit rate.
+The predictor's state is warmed on the prefill tail's selections, as the eager runtime does,
 so both propose the same P from the first step.
 """
 
@@ -47,9 +45,6 @@ from prr.sinks import JsonlWriter
 from prr.summary_table import format_summary
 
 log = logging.getLogger("prr")
-# AdaptiveBudget keys the engine does not use (its |P| is static; it adapts serial vs PRR)
-EAGER_ONLY_ADAPTIVE = ("min_ratio", "max_ratio", "growth", "target_miss", "max_waste", "use_profile",
-                       "profile_ratios", "profile_context_points")
 
 
 def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
@@ -100,7 +95,7 @@ def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_bl
         size = 0
     elif selector.selects_every_block:
         size = max_blocks
-    elif not predictor.uses_budget or budget.profiles:
+    elif not predictor.uses_budget or budget.profiles:  # (profiled: the profile sizes it before the decode)
         size = k
     else:
         size = min(budget.static_blocks(k), max_blocks)
@@ -123,7 +118,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     import dataclasses
 
     from prr.runtime.dsa_backend import DSABackend
-    from prr.runtime.graph_budget import profile_speculation
+    from prr.runtime.graph_budget import GraphProbe
     from prr.runtime.graph_decode import GraphDecoder
     from prr.runtime.probe import device_name
 
@@ -137,16 +132,17 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     max_blocks = -(-capacity // settings.block_size)
     plan = graph_plan(settings, selector, predictor, budget, max_blocks)
     budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
-    if plan.variant == "prr" and budget.profiles:  # before the prefill: less memory at once
-        profiler = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, selector=selector)
-        profile = profile_speculation(profiler, [prompt_len], use_cache=budget.use_cache)
-        del profiler
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # its cache's memory back before the prefill allocates
-        plan = dataclasses.replace(plan, variant=profile.choice(prompt_len))
-        budget_info.update(choice=plan.variant, profile=profile.rows)
-        if plan.variant == "serial":
-            plan = dataclasses.replace(plan, predicted_blocks=0)
+    if plan.variant == "prr" and budget.profiles and predictor.uses_budget:  # before the prefill: less memory at once
+        # The profile at the first decode step's context (prompt + 1 tokens): |P| is static for the decode.
+        context = (prompt_len + settings.block_size) // settings.block_size
+        probe = GraphProbe(lambda n: GraphDecoder(model.decoder, dataclasses.replace(plan, predicted_blocks=n),
+                                                  settings.batch_size, capacity, selector=selector),
+                           first_size=plan.topk_blocks)
+        budget_info.update(budget.setup(probe, plan.topk_blocks, max_blocks, contexts=[context]))
+        probe.release()
+        size = budget.predicted_blocks(0, context, plan.topk_blocks)
+        plan = dataclasses.replace(plan, variant="prr" if size else "serial", predicted_blocks=size)
+        budget_info.update(choice=plan.variant, predicted_blocks=size)
     # Prefill through the research runtime (dense over the prompt), into a paged cache: its K/V,
     # the selector's metadata and the warmed predictor state are what the engine decodes from.
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
@@ -178,14 +174,11 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     log.info("prompt: %s (%d tokens); engine=graph, %s", prompt.description, prompt_len, plan)
 
     adaptive = budget.adapts_online
-    chooser = None
     if adaptive:
-        from prr.runtime.graph_adaptive import WindowChoice
-
-        chooser = WindowChoice(min_hit=budget.min_hit, smoothing=budget.smoothing)
-        log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of steps, by measured "
-                 "time and PRR's hit rate (min_hit=%s); unused here (eager-only per-layer rules): %s",
-                 plan.predicted_blocks, budget.min_hit, ", ".join(EAGER_ONLY_ADAPTIVE))
+        budget_info.update(budget.setup(None, plan.topk_blocks, max_blocks))
+        log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of %d steps, by "
+                 "measured time and PRR's hit rate (min_hit=%s)", plan.predicted_blocks, budget.window_steps,
+                 budget.min_hit)
     steps = task.max_new_tokens
     outputs = torch.zeros(settings.batch_size, steps + 2, dtype=torch.long, device=device)  # each step's token
 
@@ -216,7 +209,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     # Steps run back to back; the host looks at tokens (EOS) every CHECK_EVERY steps, and on a
     # GPU each step's time is its replay's device time (CUDA events): no host sync per token.
-    check_every = 16 if device.type == "cuda" else 1
+    check_every = budget.window_steps if adaptive else 16 if device.type == "cuda" else 1
     latencies: list[float] = []
     ran: list[str] = []  # the variant of each step
     sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
@@ -227,7 +220,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     with torch.inference_mode(), tqdm(total=steps, desc="decode (graph)", unit="tok") as bar:
         while done < steps:
             chunk = min(check_every, steps - done)
-            variant = chooser.next_variant() if chooser is not None else plan.variant
+            variant = budget.variant if adaptive else plan.variant
             window_replays = [replays[variant, (done + i) % every == 0] for i in range(chunk)]
             # copies: on the CPU .cpu() would alias the counters the steps add to in place
             before = torch.tensor([engine.counters()[n] for n in names], dtype=torch.float64)
@@ -251,12 +244,12 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
             bar.update(chunk)
             window = torch.tensor([engine.counters()[n] for n in names], dtype=torch.float64) - before
             totals[variant] += window
-            if chooser is not None:
+            if adaptive:
                 window_hit = None
                 if variant == "prr":
                     d_hits, d_sel = window[2, sparse].sum(), window[0, sparse].sum()
                     window_hit = float(d_hits / d_sel) if d_sel > 0 else None
-                chooser.observe(variant, statistics.median(latencies[first_latency:]), window_hit)
+                budget.end_window(variant, statistics.median(latencies[first_latency:]), window_hit)
             inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, done]
             stop = steps_until_eos(inputs, eos_ids) if task.stop_at_eos else None
             if stop is not None:
@@ -287,8 +280,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     text = model.tokenizer.decode(token_ids[0].tolist()) if model.tokenizer is not None else None
     write_text_atomic(run_dir / "generation.txt", f"prompt: {prompt.description}\n\n{text or token_ids[0].tolist()}\n")
     total_selected = float(selected[sparse].sum())  # over PRR steps
-    if chooser is not None:
-        budget_info.update(windows=chooser.windows, steps_prr=ran.count("prr"), steps_serial=ran.count("serial"))
+    if adaptive:
+        budget_info.update(steps_prr=ran.count("prr"), steps_serial=ran.count("serial"))
     median_ms = 1e3 * statistics.median(latencies)
     summary = {
         "status": "complete",
@@ -304,7 +297,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "mode": plan.mode,
         "repair_mode": plan.repair_mode,
         "projections": engine.plan.projections,
-        "variant": "adaptive" if chooser is not None else plan.variant,  # adaptive: per step in tokens.jsonl
+        "variant": "adaptive" if adaptive else plan.variant,  # adaptive: per step in tokens.jsonl
         "device": device_name(device),
         "prompt_tokens": prompt_len,
         "block_size": plan.block_size,

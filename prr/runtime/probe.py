@@ -1,5 +1,6 @@
-"""Times selection and speculation for one layer of the model's shape on the running
-device, on random data in a scratch cache: what `budget=profiled` measures."""
+"""Times selection, speculation and the whole attention stage (the eager runtime's step,
+`prr_attention`) for one layer of the model's shape on the running device, on random data
+in a scratch cache: what `budget=profiled` measures when the eager runtime decodes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import time
 
 import torch
 
-from prr.blocks import BlockSet
+from prr.blocks import BlockSet, controlled_predictions
 from prr.budget.base import StageTiming
 from prr.cache import PagedKVCache
+from prr.predictors.base import Predictor
 from prr.runtime.ops import BlockAttentionOps, TorchOps
-from prr.selectors.base import Selector
+from prr.runtime.prr_step import prr_attention
+from prr.runtime.timing import StageTimer
+from prr.selectors.base import Selection, Selector
 
 
 def device_name(device: torch.device) -> str:
@@ -36,6 +40,25 @@ def host_timing(fn, repeats: int, device: torch.device) -> StageTiming:
             torch.cuda.synchronize(device)
         samples.append(time.perf_counter() - start)
     return StageTiming.of(samples)
+
+
+class GivenPrediction(Predictor):
+    """P fixed from outside (a controlled hit rate): what the stage timing speculates over."""
+
+    def __init__(self, blocks: BlockSet) -> None:
+        self.blocks = blocks
+
+    def init_state(self, num_layers, batch, num_kv_heads, max_blocks, device) -> None:
+        return None
+
+    def rank(self, state, layer, num_blocks):
+        raise NotImplementedError("GivenPrediction proposes its fixed P; it ranks nothing")
+
+    def update(self, state, layer: int, selection: Selection) -> None:
+        return None
+
+    def propose(self, state, layer, num_blocks, budget_blocks, current=None, query=None) -> BlockSet:
+        return self.blocks
 
 
 class StageProbe:
@@ -96,3 +119,22 @@ class StageProbe:
                           count=torch.full((b, h), predicted_blocks, device=self.device))
         attend = self.ops.partials if self.repair_mode == "exact" else self.ops.attend
         return self._timing(lambda: attend(q, cache, 0, blocks, length, self.scale))
+
+    def time_stage(self, context_blocks: int, predicted_blocks: int, hit_rate: float) -> StageTiming:
+        """The eager runtime's attention stage (prr_attention, stages one after the other) over
+        this context: serial DSA for predicted_blocks = 0, else PRR with P of that many blocks
+        holding hit_rate of A."""
+        cache, q = self._scratch()
+        length = context_blocks * cache.block_size
+        selection = self.selector.select(q, cache, 0, length=length)
+        gen = torch.Generator().manual_seed(self._shape[-1])
+        idx, cnt = controlled_predictions((selection.blocks.indices, selection.blocks.count), hit_rate,
+                                          context_blocks, gen, size=predicted_blocks)
+        given = GivenPrediction(BlockSet(idx[..., :predicted_blocks], cnt))
+        timer = StageTimer(self.device)
+
+        def stage() -> None:
+            prr_attention(q, cache, 0, self.selector, given, None, predicted_blocks, self.repair_mode, timer,
+                          self.scale, ops=self.ops)
+            timer.take()
+        return self._timing(stage)

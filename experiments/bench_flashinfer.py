@@ -32,6 +32,12 @@ bench_decode.read_bandwidth); also at the H200's nominal 4.8 TB/s. attention: K/
 selected blocks + q + bf16 output + block ids; topk: the scores + the indices;
 stage: Quest metadata (graph_decode.metadata_bytes_per_block) + the attention bytes.
 
+FlashInfer on a machine with torch and nvcc but no registry: flashinfer-python==0.6.14 with
+apache-tvm-ffi (0.1.x), cuda-tile, nvidia-cudnn-frontend, ninja, einops, tabulate, tqdm,
+nvidia-ml-py and click, each `pip install --no-deps --target DIR` (ninja's bin/ on PATH); it
+JIT-compiles its decode, prefill (fa2) and top-k kernels on first use (about 3 minutes on
+the H200; FLASHINFER_WORKSPACE_BASE names where the cache goes).
+
 Writes OUT.json (command, GPU, driver, torch / triton / flashinfer versions, date, every row),
 OUT.csv and OUT.md (the tables); prints the short markdown tables last.
 """

@@ -1,0 +1,682 @@
+"""FlashInfer beside prr's kernels, same inputs, same run: attention over A, top-k, the serial Quest stage.
+
+    python experiments/bench_flashinfer.py [--quick] [--parts attention,topk,stage] \
+        [--out experiments/results/h200/bench_flashinfer]
+
+The outside anchor of issue 21 (part 1). Shape: Llama-3.1-8B attention (32 query / 8 KV
+heads, head_dim 128), bf16, random values (timings do not depend on them).
+
+- attention: for batch x context x block size x top-K budget, prr's `sparse_decode` over
+  random block lists A (bench_kernels.decode_inputs) against FlashInfer's paged decode
+  (BatchDecodeWithPagedKVCacheWrapper, CUDA-core and tensor-core kernels) where each (row,
+  KV head) is one request whose page table is its selected blocks (page = prr block: the
+  cache [B, Hkv, T, D] is viewed as B*Hkv*T/block pages of one KV head, no copy), and
+  FlashInfer's BlockSparseAttentionWrapper (fa2 backend) over the same mask (block row =
+  one (row, KV head), R = 1, C = block). Outputs are checked first: each against a float32
+  torch reference, and prr's against FlashInfer's (max |difference|).
+- topk: prr's `topk_select` (what Quest's selection runs) against `flashinfer.top_k`
+  (radix; it returns int64 indices) and `flashinfer.top_k_page_table_transform` (int32, the
+  indices mapped through a page table in the same kernel) and torch.topk, on random fp32
+  scores; the selected sets are compared.
+- stage: prr's serial Quest stage as the graph engine runs it (quest_score, topk_select,
+  sparse_decode with the output in bf16; and quest_select fused + sparse_decode) against a
+  FlashInfer-composed one (prr's quest_score, top_k_page_table_transform straight to page
+  ids, a copy into the decode wrapper's page table, FlashInfer's paged decode over A; one
+  decode over all of A, so no merge_state is needed). Quest metadata in bf16 (the engine's).
+  No forced blocks in either (FlashInfer's top-k has none): sink_blocks = recent_blocks = 0.
+
+Timing (as bench_kernels): every op captured over `--sets` different input sets in one CUDA
+graph (L2 rotation, no launch overhead), median replay / sets. Floors: bytes / the best of
+the copy and read bandwidth measured in the same run (bench_kernels.copy_bandwidth,
+bench_decode.read_bandwidth); also at the H200's nominal 4.8 TB/s. attention: K/V of the
+selected blocks + q + bf16 output + block ids; topk: the scores + the indices;
+stage: Quest metadata (graph_decode.metadata_bytes_per_block) + the attention bytes.
+
+FlashInfer on a machine with torch and nvcc but no registry: flashinfer-python==0.6.14 with
+apache-tvm-ffi (0.1.x), cuda-tile, nvidia-cudnn-frontend, ninja, einops, tabulate, tqdm,
+nvidia-ml-py and click, each `pip install --no-deps --target DIR` (ninja's bin/ on PATH); it
+JIT-compiles its decode, prefill (fa2) and top-k kernels on first use (about 3 minutes on
+the H200; FLASHINFER_WORKSPACE_BASE names where the cache goes).
+
+Writes OUT.json (command, GPU, driver, torch / triton / flashinfer versions, date, every row),
+OUT.csv and OUT.md (the tables); prints the short markdown tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HQ, HKV, D = 32, 8, 128
+GROUP = HQ // HKV
+BF16 = 2
+NOMINAL_BANDWIDTH = 4.8e12  # bytes/s, the H200's HBM3e figure
+PAPER_BLOCKSPARSE_SPEEDUP = 2.22  # the paper: its sparse kernel vs FlashInfer BlockSparse at an 8K budget
+PARTS = ("attention", "topk", "stage")
+FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budgets=[2048, 8192],
+                 topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64])
+QUICK_GRID = dict(batches=[1], contexts=[32768], blocks=[16], budgets=[2048],
+                  topk_blocks=[2048], topk_k=[32], topk_rows=[8])
+
+
+# --- arguments, floors and tables: pure python (tests/test_bench_flashinfer.py) -------------------
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr, exit code 2 (no usage block)."""
+
+    def error(self, message: str):  # noqa: D102
+        print(f"bench_flashinfer: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be > 0")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = OneLineParser(prog="bench_flashinfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one cell per part (smoke run); grid flags still apply")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_flashinfer")
+    parser.add_argument("--sets", type=int, default=4, help="distinct input sets per graph at batch 1 (2 at batch > 1)")
+    parser.add_argument("--repeats", type=int, default=20, help="graph replays per timing (median)")
+    parser.add_argument("--report", type=Path, default=None, metavar="JSON",
+                        help="no GPU: rewrite the CSV and markdown of a saved run's JSON (next to it) and print the tables")
+    for name in FULL_GRID:
+        parser.add_argument("--" + name.replace("_", "-"), type=int_list, default=None,
+                            help=f"comma-separated (default {','.join(map(str, FULL_GRID[name]))})")
+    args = parser.parse_args(argv)
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    for name, default in grid.items():
+        if getattr(args, name) is None:
+            setattr(args, name, list(default))
+    args.parts = [p for p in args.parts.split(",") if p]
+    problems = check_args(args)
+    if args.report is not None and not args.report.is_file():
+        problems.append(f"--report {args.report}: no such file")
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    problems = []
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown or not args.parts:
+        problems.append(f"--parts {','.join(args.parts)!r}: choose from {','.join(PARTS)}")
+    for name in ("sets", "repeats"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name}={getattr(args, name)} must be >= 1")
+    for b in args.blocks:
+        if b < 16 or b & (b - 1):
+            problems.append(f"--blocks: {b} is not a power of two >= 16 (prr's sparse_decode)")
+    for c in args.contexts:
+        for b in args.blocks:
+            if c % b:
+                problems.append(f"--contexts: {c} is not a multiple of block size {b}")
+    for k in args.budgets:
+        for b in args.blocks:
+            if k % b:
+                problems.append(f"--budgets: {k} is not a multiple of block size {b}")
+        for c in args.contexts:
+            if k > c:
+                problems.append(f"--budgets: {k} exceeds context {c}")
+    for r in args.topk_rows:
+        if r % HKV:
+            problems.append(f"--topk-rows: {r} is not a multiple of {HKV} (rows are batch x {HKV} KV heads)")
+    for k in args.topk_k:
+        for n in args.topk_blocks:
+            if k > n:
+                problems.append(f"--topk-k: {k} exceeds {n} blocks")
+    return problems
+
+
+def attention_bytes(batch: int, budget_tokens: int, block: int) -> int:
+    """Bytes one decode over A must move: K and V of the selected blocks, q, the bf16 output
+    and the block ids."""
+    kv = 2 * batch * HKV * budget_tokens * D * BF16
+    q_out = 2 * batch * HQ * D * BF16
+    ids = batch * HKV * (budget_tokens // block) * 4
+    return kv + q_out + ids
+
+
+def topk_bytes(rows: int, n: int, k: int) -> int:
+    """fp32 scores read once + int32 indices written."""
+    return rows * n * 4 + rows * k * 4
+
+
+def stage_bytes(batch: int, context: int, budget_tokens: int, block: int, meta_bytes_per_block: int) -> int:
+    """The serial stage: Quest metadata of every block once, then attention over A."""
+    return batch * HKV * (context // block) * meta_bytes_per_block + attention_bytes(batch, budget_tokens, block)
+
+
+def floor_us(nbytes: int, bandwidth: float) -> float:
+    return nbytes / bandwidth * 1e6
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not (isinstance(a, (int, float)) and isinstance(b, (int, float))) or b <= 0:
+        return None
+    return a / b
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:.0f}"
+    return str(x)
+
+
+def markdown(header: list[str], body: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def best_of(row: dict, keys: tuple[str, ...]) -> tuple[str | None, float | None]:
+    times = {k: row[k] for k in keys if isinstance(row.get(k), (int, float))}
+    if not times:
+        return None, None
+    name = min(times, key=times.get)
+    return name, times[name]
+
+
+def attention_table(rows: list[dict]) -> str:
+    body = []
+    for r in rows:
+        fi_name, fi = best_of(r, ("fi_decode_us", "fi_decode_tc_us"))
+        bs = r.get("fi_blocksparse_us")
+        errs = [r.get(f"max_abs_prr_vs_{v}") for v in ("fi", "fi_tc", "fi_blocksparse", "fi_varblocksparse")]
+        errs = [e for e in errs if isinstance(e, (int, float))]
+        body.append([r["batch"], r["context"] // 1024, r["block_size"], r["budget_tokens"], r.get("prr_us"),
+                     r.get("fi_decode_us"), r.get("fi_decode_tc_us"), bs, r.get("fi_varblocksparse_us"),
+                     ratio(r.get("prr_us"), fi), ratio(bs, r.get("prr_us")), r.get("floor_us"),
+                     ratio(r.get("prr_us"), r.get("floor_us")), ratio(fi, r.get("floor_us")),
+                     max(errs) if errs else None, r.get("error", "")])
+    return markdown(["B", "ctx K", "block", "budget", "prr µs", "FI decode µs", "FI decode TC µs", "FI BlockSparse µs",
+                     "FI VarBlockSparse µs", "prr / best FI decode", "FI BlockSparse / prr (paper 2.22)", "floor µs",
+                     "prr / floor", "best FI decode / floor", "max abs(prr - FI), all FI", "error"], body)
+
+
+def topk_table(rows: list[dict]) -> str:
+    body = []
+    for r in rows:
+        _, fi = best_of(r, ("fi_top_k_us", "fi_page_table_us"))
+        body.append([r["rows"], r["blocks"], r["k"], r.get("prr_us"), r.get("fi_top_k_us"), r.get("fi_page_table_us"),
+                     r.get("torch_topk_us"), ratio(r.get("prr_us"), fi), ratio(r.get("prr_us"), r.get("floor_us")),
+                     r.get("sets_equal"), r.get("error", "")])
+    return markdown(["rows", "blocks", "k", "prr topk_select µs", "FI top_k µs", "FI top_k_page_table µs", "torch.topk µs",
+                     "prr / best FI", "prr / floor", "sets equal", "error"], body)
+
+
+def stage_table(rows: list[dict]) -> str:
+    body = []
+    for r in rows:
+        _, prr = best_of(r, ("prr_serial_us", "prr_fused_us"))
+        body.append([r["batch"], r["context"] // 1024, r["block_size"], r["budget_tokens"], r.get("prr_serial_us"),
+                     r.get("prr_fused_us"), r.get("fi_serial_us"), r.get("fi_table_copy_us"),
+                     ratio(r.get("prr_serial_us"), r.get("fi_serial_us")),
+                     ratio(prr, r.get("fi_serial_us")), r.get("floor_us"), ratio(prr, r.get("floor_us")),
+                     ratio(r.get("fi_serial_us"), r.get("floor_us")), r.get("sets_equal"), r.get("max_abs_prr_vs_fi"),
+                     r.get("error", "")])
+    return markdown(["B", "ctx K", "block", "budget", "prr serial µs", "prr fused-select µs", "FI-composed µs",
+                     "of which table copy µs", "prr serial / FI", "best prr / FI", "floor µs", "best prr / floor", "FI / floor", "sets equal",
+                     "max abs(prr - FI)", "error"], body)
+
+
+def paper_scale(rows: list[dict]) -> str:
+    """FlashInfer BlockSparse / prr at an 8K budget: the paper's own kernel measured 2.22x."""
+    vals = [ratio(r.get("fi_blocksparse_us"), r.get("prr_us")) for r in rows if r.get("budget_tokens") == 8192]
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "Paper scale: no 8K-budget cell with both prr and FlashInfer BlockSparse timed."
+    return (f"Paper scale: FlashInfer BlockSparse / prr sparse_decode at an 8K budget = {min(vals):.2f}-{max(vals):.2f}x "
+            f"over {len(vals)} cells (the paper reports {PAPER_BLOCKSPARSE_SPEEDUP}x for its own kernel).")
+
+
+def report(record: dict) -> str:
+    """The markdown of a run: provenance, then one table per part."""
+    env = record.get("environment", {})
+    out = ["# FlashInfer beside prr (issue 21, part 1)", "",
+           f"Command: `{record.get('command', '')}`", "",
+           f"{env.get('gpu', '?')}, driver {env.get('driver', '?')}, torch {env.get('torch', '?')}, "
+           f"triton {env.get('triton', '?')}, flashinfer {env.get('flashinfer', '?')}, CUDA {env.get('cuda', '?')}, "
+           f"{env.get('date', '?')}; floor bandwidth {record.get('bandwidth_GBps', float('nan')):.0f} GB/s "
+           f"(measured; the nominal {NOMINAL_BANDWIDTH / 1e12:.1f} TB/s floors are in the CSV).", ""]
+    if record.get("attention"):
+        out += ["## Attention over A (µs per call)", "", attention_table(record["attention"]), "",
+                paper_scale(record["attention"]), ""]
+    if record.get("topk"):
+        out += ["## Top-k over block scores (µs per call)", "", topk_table(record["topk"]), ""]
+    if record.get("stage"):
+        out += ["## Serial Quest stage: scores + top-k + attention over A (µs per call)", "",
+                stage_table(record["stage"]), ""]
+    return "\n".join(out)
+
+
+# --- GPU measurement ------------------------------------------------------------------------------
+
+def environment() -> dict:
+    import flashinfer
+    from bench_kernels import environment as base
+
+    return {**base(), "flashinfer": flashinfer.__version__}
+
+
+def page_ids(ids, num_blocks: int):
+    """ids [B, Hkv, k] block ids -> [B*Hkv*k] int32 page ids in the pool of B*Hkv*num_blocks pages
+    (page p = row (b, h) = p // num_blocks, block p % num_blocks)."""
+    import torch
+
+    rows = ids.shape[0] * ids.shape[1]
+    base = torch.arange(rows, device=ids.device, dtype=torch.int32).view(rows, 1) * num_blocks
+    return (ids.reshape(rows, -1).to(torch.int32) + base).flatten()
+
+
+def as_pages(cache, block: int):
+    """[B, Hkv, T, D] -> [B*Hkv*T/block, block, 1, D]: FlashInfer NHD pages of one KV head (a view)."""
+    b, h, t, d = cache.shape
+    return cache.view(b * h * (t // block), block, 1, d)
+
+
+class FIDecode:
+    """One FlashInfer paged-decode wrapper (CUDA-graph mode) planned for B*Hkv requests of
+    `k` pages each; `indices` is its page table (write it in place)."""
+
+    def __init__(self, workspace, rows: int, k: int, block: int, pages, scale: float, tensor_cores: bool):
+        import flashinfer
+        import torch
+
+        dev = workspace.device
+        indptr = torch.arange(rows + 1, dtype=torch.int32, device=dev) * k
+        last = torch.full((rows,), block, dtype=torch.int32, device=dev)
+        self.indices = torch.empty(rows * k, dtype=torch.int32, device=dev)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=last.clone())
+        self.wrapper.plan(indptr, pages, last, GROUP, 1, D, block, q_data_type=torch.bfloat16,
+                          kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16, sm_scale=scale)
+        self.rows = rows
+        self.out = torch.empty(rows, GROUP, D, dtype=torch.bfloat16, device=dev)
+
+    def __call__(self, q, k_pages, v_pages):
+        return self.wrapper.run(q.view(self.rows, GROUP, D), (k_pages, v_pages), out=self.out)
+
+
+class FIBlockSparse:
+    """FlashInfer's BlockSparseAttentionWrapper over the same A: block row r = (row, KV head),
+    R = 1 query row of GROUP heads, C = block columns of one KV head."""
+
+    def __init__(self, workspace, rows: int, k: int, block: int, tokens: int, pages, scale: float):
+        import flashinfer
+        import torch
+
+        dev = workspace.device
+        indptr = torch.arange(rows + 1, dtype=torch.int32, device=dev) * k
+        self.wrapper = flashinfer.BlockSparseAttentionWrapper(workspace, backend="fa2")
+        self.wrapper.plan(indptr, pages.clone(), rows, rows * tokens, 1, block, GROUP, 1, D, sm_scale=scale,
+                          q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16)
+        self.rows = rows
+        self.out = torch.empty(rows, GROUP, D, dtype=torch.bfloat16, device=dev)
+
+    def __call__(self, q, k_cache, v_cache):
+        flat_k = k_cache.view(-1, 1, D)
+        flat_v = v_cache.view(-1, 1, D)
+        return self.wrapper.run(q.view(self.rows, GROUP, D), flat_k, flat_v, out=self.out)
+
+
+class FIVariableBlockSparse:
+    """FlashInfer's VariableBlockSparseAttentionWrapper over the same A: every (row, KV head) is
+    one of B*Hkv "KV heads" with its own mask (one block row of 1 query, nb block columns of
+    `block` tokens); q [B*Hq, 1, D] and K/V [B*Hkv, T, D] are views of prr's tensors. It expands
+    the mask to one index per token (page size 1)."""
+
+    def __init__(self, workspace, batch: int, ids, num_blocks: int, block: int, scale: float):
+        import flashinfer
+        import torch
+
+        dev = workspace.device
+        heads = batch * HKV
+        mask = torch.zeros(heads, 1, num_blocks, dtype=torch.bool, device=dev)
+        mask.view(heads, num_blocks).scatter_(1, ids.reshape(heads, -1).long(), True)
+        rows = torch.ones(heads, 1, dtype=torch.int32, device=dev)
+        cols = torch.full((heads, num_blocks), block, dtype=torch.int32, device=dev)
+        self.wrapper = flashinfer.VariableBlockSparseAttentionWrapper(workspace, backend="fa2")
+        self.wrapper.plan(mask, rows, cols, batch * HQ, heads, D, sm_scale=scale, q_data_type=torch.bfloat16,
+                          kv_data_type=torch.bfloat16)
+        self.batch = batch
+
+    def __call__(self, q, k_cache, v_cache):
+        b = self.batch
+        return self.wrapper.run(q.view(b * HQ, 1, D), k_cache.view(b * HKV, -1, D), v_cache.view(b * HKV, -1, D))
+
+
+def max_abs(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def guarded(row: dict, name: str, fn):
+    """row[name] = fn(); a failure becomes row[name + '_error'] (the other variants still run)."""
+    try:
+        row[name] = fn()
+    except Exception as err:  # noqa: BLE001 - recorded in the results
+        row[name + "_error"] = f"{type(err).__name__}: {err}"[:400]
+        print(f"  {name}: {row[name + '_error']}", flush=True)
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def cell_rows(batch: int, context: int, blocks: list[int], budgets: list[int], sets: int, repeats: int, gen,
+              bandwidth: float, parts: list[str], workspace) -> tuple[list[dict], list[dict]]:
+    """Attention and stage rows of one (batch, context): one set of caches and queries, new
+    random block lists and Quest metadata for every block size and budget."""
+    from types import SimpleNamespace
+
+    import torch
+    from bench_kernels import decode_inputs
+
+    caches, qs, _, _, lengths, scale = decode_inputs(batch, context, blocks[0], budgets[0], sets, gen)
+    inp = SimpleNamespace(batch=batch, context=context, sets=sets, repeats=repeats, gen=gen, bandwidth=bandwidth,
+                          parts=parts, workspace=workspace, caches=caches, qs=qs, lengths=lengths, scale=scale)
+    attention, stage = [], []
+    for block in blocks:
+        for budget in budgets:
+            att, stg = block_budget_rows(inp, block, budget)
+            attention += [att] if att else []
+            stage += [stg] if stg else []
+            torch.cuda.empty_cache()
+    return attention, stage
+
+
+def block_budget_rows(inp, block: int, budget: int) -> tuple[dict | None, dict | None]:
+    """One (block size, budget) of a cell: the attention row and the stage row (None where
+    the part is not run)."""
+    import torch
+    from bench_kernels import graph_time_us, random_block_lists
+
+    batch, context, sets, caches, scale = inp.batch, inp.context, inp.sets, inp.caches, inp.scale
+    nb, k, rows_n = context // block, budget // block, batch * HKV
+    shape = dict(batch=batch, context=context, block_size=block, budget_tokens=budget, k_blocks=k, sets=sets)
+    ids = [random_block_lists(batch, nb, k, inp.gen) for _ in range(sets)]
+    counts = torch.full((batch, HKV), k, dtype=torch.int32, device="cuda")
+    kpages = [as_pages(c[0], block) for c in caches]
+    vpages = [as_pages(c[1], block) for c in caches]
+    pages = [page_ids(i, nb) for i in ids]
+    try:
+        dec = {tc: [FIDecode(inp.workspace, rows_n, k, block, p, scale, tc) for p in pages] for tc in (False, True)}
+    except Exception as err:  # noqa: BLE001 - recorded in the results
+        row = dict(shape, error=f"FlashInfer decode plan: {type(err).__name__}: {err}"[:400])
+        print(json.dumps(row), flush=True)
+        return row, None
+
+    def timed(make_call) -> float:
+        return graph_time_us(make_call, sets, inp.repeats)
+
+    att = attention_row(inp, shape, block, budget, ids, counts, kpages, vpages, pages, dec, timed) \
+        if "attention" in inp.parts else None
+    if att is not None:
+        print(json.dumps(att), flush=True)
+    stg = None
+    if "stage" in inp.parts:
+        tc = att is not None and att.get("fi_decode_tc_us", math.inf) < att.get("fi_decode_us", math.inf)
+        stg = stage_row(inp, shape, block, budget, kpages, vpages, dec[tc], timed)
+        stg["fi_decode_kernel"] = "tensor cores" if tc else "cuda cores"
+        print(json.dumps(stg), flush=True)
+    return att, stg
+
+
+def attention_row(inp, shape: dict, block: int, budget: int, ids, counts, kpages, vpages, pages, dec, timed) -> dict:
+    """prr's sparse_decode vs FlashInfer's paged decode (CUDA and tensor cores) and BlockSparse
+    over the same block lists; correctness on set 0 first."""
+    import torch
+    import torch.nn.functional as F
+    from bench_kernels import rel_err
+    from prr.kernels.sparse_decode import sparse_decode
+
+    batch, context, sets, caches, qs, lengths, scale = (inp.batch, inp.context, inp.sets, inp.caches, inp.qs,
+                                                        inp.lengths, inp.scale)
+    k, rows_n = budget // block, batch * HKV
+    nbytes = attention_bytes(batch, budget, block)
+    row = dict(shape, bytes=nbytes, floor_us=floor_us(nbytes, inp.bandwidth),
+               floor_nominal_us=floor_us(nbytes, NOMINAL_BANDWIDTH))
+    tokens = (ids[0].long().unsqueeze(-1) * block + torch.arange(block, device="cuda")).flatten(2)
+    index = tokens.unsqueeze(-1).expand(-1, -1, -1, D)
+    k_sel, v_sel = torch.gather(caches[0][0], 2, index), torch.gather(caches[0][1], 2, index)
+    ref = F.scaled_dot_product_attention(qs[0].float().unsqueeze(2), k_sel.float(), v_sel.float(),
+                                         scale=scale, enable_gqa=True).squeeze(2)
+    del k_sel, v_sel, index
+
+    def prr(i):
+        return sparse_decode(qs[i], *caches[i], ids[i], counts, lengths, block, scale, out_dtype=torch.bfloat16)[0]
+
+    out_prr = prr(0)
+    row["prr_rel_err"] = rel_err(out_prr, ref)
+    for tc, name in ((False, "fi"), (True, "fi_tc")):
+        out = dec[tc][0](qs[0], kpages[0], vpages[0]).view(batch, HQ, D)
+        row[f"{name}_rel_err"] = rel_err(out, ref)
+        row[f"max_abs_prr_vs_{name}"] = max_abs(out_prr, out)
+    guarded(row, "prr_us", lambda: timed(lambda i: (lambda: prr(i))))
+    guarded(row, "fi_decode_us", lambda: timed(lambda i: (lambda: dec[False][i](qs[i], kpages[i], vpages[i]))))
+    guarded(row, "fi_decode_tc_us", lambda: timed(lambda i: (lambda: dec[True][i](qs[i], kpages[i], vpages[i]))))
+
+    def blocksparse():
+        bsw = [FIBlockSparse(inp.workspace, rows_n, k, block, context, pages[i], scale) for i in range(sets)]
+        out_bs = bsw[0](qs[0], *caches[0]).view(batch, HQ, D)
+        row["fi_blocksparse_rel_err"] = rel_err(out_bs, ref)
+        row["max_abs_prr_vs_fi_blocksparse"] = max_abs(out_prr, out_bs)
+        return timed(lambda i: (lambda: bsw[i](qs[i], *caches[i])))
+    guarded(row, "fi_blocksparse_us", blocksparse)
+
+    def variable_blocksparse():
+        vbs = [FIVariableBlockSparse(inp.workspace, batch, ids[i], context // block, block, scale) for i in range(sets)]
+        out_v = vbs[0](qs[0], *caches[0]).view(batch, HQ, D)
+        row["fi_varblocksparse_rel_err"] = rel_err(out_v, ref)
+        row["max_abs_prr_vs_fi_varblocksparse"] = max_abs(out_prr, out_v)
+        return timed(lambda i: (lambda: vbs[i](qs[i], *caches[i])))
+    guarded(row, "fi_varblocksparse_us", variable_blocksparse)
+    _, fi = best_of(row, ("fi_decode_us", "fi_decode_tc_us"))
+    row["prr_over_fi_decode"] = ratio(row.get("prr_us"), fi)
+    row["fi_blocksparse_over_prr"] = ratio(row.get("fi_blocksparse_us"), row.get("prr_us"))
+    row["fi_varblocksparse_over_prr"] = ratio(row.get("fi_varblocksparse_us"), row.get("prr_us"))
+    row["prr_over_floor"] = ratio(row.get("prr_us"), row["floor_us"])
+    row["fi_over_floor"] = ratio(fi, row["floor_us"])
+    return row
+
+
+def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, timed) -> dict:
+    """prr's serial Quest stage (as the engine runs it, and with the fused select) vs a
+    FlashInfer-composed one over the same metadata, caches and queries."""
+    import flashinfer
+    import torch
+    from bench_kernels import randn
+    from prr.kernels.quest import quest_score, quest_select
+    from prr.kernels.sparse_decode import sparse_decode
+    from prr.kernels.topk import topk_select
+
+    from prr.runtime.graph_decode import metadata_bytes_per_block
+
+    batch, context, sets, caches, qs, lengths, scale = (inp.batch, inp.context, inp.sets, inp.caches, inp.qs,
+                                                        inp.lengths, inp.scale)
+    nb, k, rows_n = context // block, budget // block, batch * HKV
+    meta = metadata_bytes_per_block("quest", torch.bfloat16, D)
+    nbytes = stage_bytes(batch, context, budget, block, meta)
+    row = dict(shape, bytes=nbytes, floor_us=floor_us(nbytes, inp.bandwidth),
+               floor_nominal_us=floor_us(nbytes, NOMINAL_BANDWIDTH))
+    metas = []
+    for _ in range(sets):  # Quest key max / min per block, bf16 (the cache dtype, as the engine keeps them)
+        a, b = randn(batch, HKV, nb, D), randn(batch, HKV, nb, D)
+        metas.append((torch.maximum(a, b), torch.minimum(a, b)))
+    num_blocks = torch.full((batch,), nb, dtype=torch.int32, device="cuda")
+    src = page_ids(torch.arange(nb, dtype=torch.int32, device="cuda").expand(batch, HKV, nb), nb).view(rows_n, nb)
+    row_lens = torch.full((rows_n,), nb, dtype=torch.int32, device="cuda")
+    arrivals = torch.zeros(rows_n, dtype=torch.int32, device="cuda")
+
+    def prr_serial(i):
+        scores = quest_score(qs[i], *metas[i], num_blocks)
+        idx, cnt = topk_select(scores, k, num_blocks, sink_blocks=0, recent_blocks=0)
+        return sparse_decode(qs[i], *caches[i], idx, cnt, lengths, block, scale, out_dtype=torch.bfloat16)[0], idx
+
+    def prr_fused(i):
+        _, idx, cnt = quest_select(qs[i], *metas[i], num_blocks, k, sink_blocks=0, recent_blocks=0, arrivals=arrivals)
+        return sparse_decode(qs[i], *caches[i], idx, cnt, lengths, block, scale, out_dtype=torch.bfloat16)[0]
+
+    def fi_serial(i):
+        scores = quest_score(qs[i], *metas[i], num_blocks)
+        table = flashinfer.top_k_page_table_transform(scores.view(rows_n, nb), src, row_lens, k)
+        fdec[i].indices.copy_(table.view(-1))
+        return fdec[i](qs[i], kpages[i], vpages[i]).view(batch, HQ, D), table
+
+    out_p, idx_p = prr_serial(0)
+    out_f, table = fi_serial(0)
+    got = (table.view(batch, HKV, k) - src.view(batch, HKV, nb)[..., :1]).sort(-1).values
+    row["sets_equal"] = bool(torch.equal(got, idx_p.sort(-1).values.to(got.dtype)))
+    row["max_abs_prr_vs_fi"] = max_abs(out_p, out_f)
+    row["max_abs_fused_vs_serial"] = max_abs(prr_fused(0), out_p)
+    guarded(row, "prr_serial_us", lambda: timed(lambda i: (lambda: prr_serial(i))))
+    guarded(row, "prr_fused_us", lambda: timed(lambda i: (lambda: prr_fused(i))))
+    guarded(row, "fi_serial_us", lambda: timed(lambda i: (lambda: fi_serial(i))))
+    # The public top_k_page_table_transform allocates its output: the composed stage copies it
+    # into the decode wrapper's page table (one small launch), timed alone here.
+    tables = [flashinfer.top_k_page_table_transform(quest_score(qs[i], *metas[i], num_blocks).view(rows_n, nb), src,
+                                                    row_lens, k) for i in range(sets)]
+    guarded(row, "fi_table_copy_us", lambda: timed(lambda i: (lambda: fdec[i].indices.copy_(tables[i].view(-1)))))
+    _, best = best_of(row, ("prr_serial_us", "prr_fused_us"))
+    row["prr_serial_over_fi"] = ratio(row.get("prr_serial_us"), row.get("fi_serial_us"))
+    row["best_prr_over_fi"] = ratio(best, row.get("fi_serial_us"))
+    row["best_prr_over_floor"] = ratio(best, row["floor_us"])
+    row["fi_over_floor"] = ratio(row.get("fi_serial_us"), row["floor_us"])
+    return row
+
+
+def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: float) -> dict:
+    import flashinfer
+    import torch
+    from bench_kernels import graph_time_us, randn
+    from prr.kernels.topk import topk_select
+
+    batch = rows_n // HKV
+    scores = [randn(batch, HKV, n, dtype=torch.float32) for _ in range(sets)]
+    num_blocks = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    src = torch.arange(n, dtype=torch.int32, device="cuda").expand(rows_n, n).contiguous()
+    lens = torch.full((rows_n,), n, dtype=torch.int32, device="cuda")
+    nbytes = topk_bytes(rows_n, n, k)
+    row = dict(rows=rows_n, blocks=n, k=k, sets=sets, bytes=nbytes, floor_us=floor_us(nbytes, bandwidth),
+               floor_nominal_us=floor_us(nbytes, NOMINAL_BANDWIDTH))
+    idx, cnt = topk_select(scores[0], k, num_blocks, sink_blocks=0, recent_blocks=0)
+    ref = torch.topk(scores[0], k, dim=-1).indices.sort(-1).values
+    mine = idx.long().sort(-1).values
+    _, fi_idx = flashinfer.top_k(scores[0].view(rows_n, n), k)
+    fi_set = fi_idx.view(batch, HKV, k).sort(-1).values
+    pt = flashinfer.top_k_page_table_transform(scores[0].view(rows_n, n), src, lens, k)
+    pt_set = pt.long().view(batch, HKV, k).sort(-1).values
+    row["prr_equals_torch"] = bool(torch.equal(mine, ref)) and bool((cnt == k).all())
+    row["fi_equals_torch"] = bool(torch.equal(fi_set, ref))
+    row["fi_page_table_equals_torch"] = bool(torch.equal(pt_set, ref))
+    row["sets_equal"] = row["prr_equals_torch"] and row["fi_equals_torch"] and row["fi_page_table_equals_torch"]
+
+    def timed(make):
+        return graph_time_us(make, sets, repeats)
+    guarded(row, "prr_us", lambda: timed(lambda i: (lambda: topk_select(scores[i], k, num_blocks, sink_blocks=0,
+                                                                        recent_blocks=0))))
+    guarded(row, "fi_top_k_us", lambda: timed(lambda i: (lambda: flashinfer.top_k(scores[i].view(rows_n, n), k))))
+    guarded(row, "fi_page_table_us", lambda: timed(lambda i: (lambda: flashinfer.top_k_page_table_transform(
+        scores[i].view(rows_n, n), src, lens, k))))
+    guarded(row, "torch_topk_us", lambda: timed(lambda i: (lambda: torch.topk(scores[i], k, dim=-1))))
+    _, fi = best_of(row, ("fi_top_k_us", "fi_page_table_us"))
+    row["prr_over_best_fi"] = ratio(row.get("prr_us"), fi)
+    return row
+
+
+def write_outputs(record: dict, out: Path) -> str:
+    """OUT.json (unchanged), OUT.csv (one row per measurement, part and command in each) and
+    OUT.md from a run's record -> the markdown."""
+    import pandas as pd
+
+    frames = [pd.DataFrame(record[p]).assign(part=p) for p in PARTS if record.get(p)]
+    if frames:
+        frame = pd.concat(frames, ignore_index=True)
+        frame.insert(0, "command", record["command"])
+        frame.to_csv(out.with_suffix(".csv"), index=False)
+    text = report(record)
+    out.with_suffix(".md").write_text(text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report is not None:
+        print(write_outputs(json.loads(args.report.read_text()), args.report.with_suffix("")))
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_flashinfer needs a CUDA GPU")
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_decode import read_bandwidth
+    from bench_kernels import copy_bandwidth
+
+    env = environment()
+    bw = copy_bandwidth() | read_bandwidth()
+    bandwidth = max(bw.values())
+    print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | flashinfer {env['flashinfer']} | "
+          f"floor bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    record = {"command": "python " + " ".join([sys.argv[0].split("/.fi/src/")[-1], *sys.argv[1:]]),
+              "environment": env, "bandwidth_GBps": bandwidth / 1e9,
+              "bandwidths_GBps": {k: v / 1e9 for k, v in bw.items()}, "attention": [], "topk": [], "stage": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+
+    gen = torch.Generator().manual_seed(0)
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    if "topk" in args.parts:
+        for rows_n in args.topk_rows:
+            for n in args.topk_blocks:
+                for k in args.topk_k:
+                    try:
+                        row = topk_rows(rows_n, n, k, args.sets, args.repeats, bandwidth)
+                    except Exception as err:  # noqa: BLE001
+                        row = dict(rows=rows_n, blocks=n, k=k, error=f"{type(err).__name__}: {err}"[:400])
+                    record["topk"].append(row)
+                    print(json.dumps(row), flush=True)
+                    save()
+    if {"attention", "stage"} & set(args.parts):
+        for batch in args.batches:
+            for context in args.contexts:
+                sets = args.sets if batch == 1 else min(args.sets, 2)
+                try:
+                    att, stg = cell_rows(batch, context, args.blocks, args.budgets, sets, args.repeats, gen, bandwidth,
+                                         args.parts, workspace)
+                except Exception as err:  # noqa: BLE001
+                    att = [dict(batch=batch, context=context, block_size=0, budget_tokens=0,
+                                error=f"{type(err).__name__}: {err}"[:400])]
+                    stg = []
+                    print(json.dumps(att[0]), flush=True)
+                record["attention"].extend(att)
+                record["stage"].extend(stg)
+                save()
+                torch.cuda.empty_cache()
+    save()
+    print("\n" + write_outputs(record, args.out))
+
+
+if __name__ == "__main__":
+    main()

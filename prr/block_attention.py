@@ -28,7 +28,13 @@ def block_partials(
     q: [B, Hkv, G, D] -> out [B, Hkv, G, C, D], lse [B, Hkv, G, C] (C = blocks.capacity).
     Padding entries and tokens at positions >= length get lse = -inf, out = 0.
     """
-    keys, values = cache.block_view(layer)  # [B, Hkv, NB, S, D]
+    return partials_over(q, *cache.block_view(layer), blocks, length, scale)
+
+
+def partials_over(q: Tensor, keys: Tensor, values: Tensor, blocks: BlockSet, length: int | Tensor,
+                  scale: float) -> AttentionState:
+    """block_partials over one layer's blocked K/V, keys, values: [B, Hkv, NB, S, D] (what the
+    graph engine's torch backend holds instead of a cache and a layer)."""
     b, h, _, s, d = keys.shape
     c = blocks.capacity
     index = blocks.indices.long().view(b, h, c, 1, 1).expand(b, h, c, s, d)

@@ -180,7 +180,7 @@ class GraphDecoder:
 
     def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False,
                  selector: Selector | None = None, predictor: Predictor | None = None,
-                 cache: PagedKVCache | None = None) -> None:
+                 cache: PagedKVCache | None = None, backend: str = "triton") -> None:
         """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
         the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
         (RoPE runs in the cache-append kernel, or at batch 1 with plan.projections="fused" in the
@@ -191,27 +191,22 @@ class GraphDecoder:
         from `plan`, `StaticPlan.make_selector` / `make_predictor`); the plan's topk / sink /
         recent / dense-layer fields then describe nothing (the selector's own settings rule).
         cache: a prefilled PagedKVCache to decode from (its K/V and the selector's metadata,
-        e.g. after the eager prefill); default: a new empty one of max_tokens."""
-        from prr.kernels import (
-            cache_append,
-            dense_gemv,
-            prr_merge,
-            prr_repair,
-            qkv_append,
-            quest,
-            sparse_decode,
-            step_counters,
-            topk,
-        )
+        e.g. after the eager prefill); default: a new empty one of max_tokens.
+        backend: "triton" (prr.kernels; CUDA, or the CPU under TRITON_INTERPRET=1) or "torch"
+        (static-shape torch ops, any device: prr/runtime/engine_ops.py); the selector selects
+        on the same backend."""
+        from prr.runtime.engine_ops import engine_ops
 
         if plan.problems():
             raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
         c = model.config
         if c.num_heads % c.num_kv_heads:
             raise ValueError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
-        self._k = dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, prr_repair=prr_repair,
-                       step_counters=step_counters,
-                       qkv_append=qkv_append, quest=quest, sparse_decode=sparse_decode, topk=topk)
+        if backend == "torch" and plan.projections == "fused":
+            raise ValueError("plan.projections='fused' runs prr.kernels.dense_gemv: it needs backend='triton' "
+                             "(backend='torch' projects with F.linear: projections='torch')")
+        self._k = engine_ops(backend)
+        self.backend = backend
         self.compiled = compile
         self.model, self.plan, self.batch = model, plan, batch
         self.device, self.dtype = model.device, model.dtype
@@ -246,12 +241,14 @@ class GraphDecoder:
         # Sparse layers keep metadata whatever the variant, so views of one engine (`with_plan`)
         # can run every variant over the same cache.
         self.sparse = [not self.selector.is_dense_layer(i) for i in range(self.num_layers)]
-        # Selection in Triton where the selector has kernels (Quest), torch ops otherwise.
-        self.selector.set_backend("triton")
-        # Selectors whose whole metadata is Quest's key max / min let the append kernels update it.
+        # Selection in Triton where the selector has kernels (Quest) and the backend is triton,
+        # torch ops otherwise.
+        self.selector.set_backend(backend)
+        # Selectors whose whole metadata is Quest's key max / min let the append kernels update it
+        # (backend triton; the torch backend's append leaves it to the selector's append_metadata).
         # (Metadata slots are allocated by the fill or the prefill, or by the first eager step:
         # captures always follow eager warm-up steps.)
-        self.kernel_metadata = self.selector.metadata_in_append_kernel
+        self.kernel_metadata = self.selector.metadata_in_append_kernel and backend == "triton"
         # Tokens in the cache before this step, per row (rows advance together: equal lengths).
         self.pos = torch.zeros(B, dtype=torch.int32, device=dev)
         self.token = torch.zeros(B, 1, dtype=torch.long, device=dev)
@@ -269,14 +266,14 @@ class GraphDecoder:
         if prr and self.predictor is not None:
             self.predictor_state = self.predictor.init_state(self.num_layers, B, H, NB, dev)
             self.predictor.size_for_query(self.predictor_state, self.group * self.d)
-        self.scratch = prr_merge.repair_scratch(B, H, NB, dev) if prr else None
+        self.scratch = self._k["prr_merge"].repair_scratch(B, H, NB, dev) if prr else None
         self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
         # fuse_merge's and fused_repair's, main stream (their kernels run one after the other there)
         self.merge_arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
         # Device counters (plan.count_hits), per layer, summed over steps, rows and KV heads.
         # [L, 4, B * Hkv] int64: |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}| (prr.kernels.step_counters)
         self.step_counts = torch.zeros(self.num_layers, 4, B * H, dtype=torch.int64, device=dev)
-        self.counter_scratch = step_counters.counter_scratch(B, H, NB, dev)
+        self.counter_scratch = self._k["step_counters"].counter_scratch(B, H, NB, dev)
         kcap = self.topk_capacity
         self.prev_idx = [torch.zeros(B, H, kcap, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
         self.prev_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if s else None for s in self.sparse]

@@ -23,7 +23,6 @@ so both propose the same P from the first step.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import sys
 import time
@@ -71,19 +70,26 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     if size is not None and not selector.selects_every_block and prompt_blocks and size > prompt_blocks:
         out.append(f"{head}: |P| = {size} blocks exceeds the prompt's {prompt_blocks} blocks; lower budget.ratio / "
                    "budget.blocks")
-    if runtime.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        out.append(f"{head} runs Triton kernels: use runtime=cuda (on the CPU they run only with TRITON_INTERPRET=1 "
-                   "set before Python starts, for tests)")
-    if model.head_dim not in SUPPORTED_HEAD_DIMS:
+    backend = engine_backend(runtime.device, built["backend"].name)
+    if backend == "triton" and model.head_dim not in SUPPORTED_HEAD_DIMS:
         out.append(f"{head}: head_dim={model.head_dim} is not one of the kernels' {list(SUPPORTED_HEAD_DIMS)}")
-    if runtime.block_size < MIN_BLOCK_SIZE:
+    if backend == "triton" and runtime.block_size < MIN_BLOCK_SIZE:
         out.append(f"{head}: runtime.block_size={runtime.block_size} must be >= {MIN_BLOCK_SIZE}")
+    if backend == "torch" and runtime.graph_projections() == "fused":
+        out.append(f"{head} with runtime.projections=fused runs Triton GEMVs: use backend=triton (CUDA, or the CPU "
+                   "under TRITON_INTERPRET=1) or runtime.projections=torch")
     if getattr(task, "temperature", 0.0) != 0.0:
         out.append(f"{head} decodes greedily (the step writes its argmax token): set task.temperature=0 "
                    f"(got {task.temperature})")
     if callable(getattr(task, "evaluate", None)):
         out.append(f"{head} decodes one prompt; scored tasks (accuracy, perplexity, lm_eval) run on runtime.engine=eager")
     return out
+
+
+def engine_backend(device: str, backend: str) -> str:
+    """The engine's ops: Triton kernels on a GPU (the fast path, whatever `backend` names) and
+    wherever backend=triton (the CPU under TRITON_INTERPRET=1); torch ops on the CPU otherwise."""
+    return "triton" if str(device).startswith("cuda") or backend == "triton" else "torch"
 
 
 def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_blocks: int) -> StaticPlan:
@@ -131,12 +137,15 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
 
     max_blocks = -(-capacity // settings.block_size)
     plan = graph_plan(settings, selector, predictor, budget, max_blocks)
+    ops = instantiate(cfg.backend)  # the prefill's ops; the engine's follow the device (engine_backend)
+    ops_backend = engine_backend(settings.device, ops.name)
     budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
     if plan.variant == "prr" and budget.profiles and predictor.uses_budget:  # before the prefill: less memory at once
         # The profile at the first decode step's context (prompt + 1 tokens): |P| is static for the decode.
         context = (prompt_len + settings.block_size) // settings.block_size
         probe = GraphProbe(lambda n: GraphDecoder(model.decoder, dataclasses.replace(plan, predicted_blocks=n),
-                                                  settings.batch_size, capacity, selector=selector),
+                                                  settings.batch_size, capacity, selector=selector,
+                                                  backend=ops_backend),
                            first_size=plan.topk_blocks)
         budget_info.update(budget.setup(probe, plan.topk_blocks, max_blocks, contexts=[context]))
         probe.release()
@@ -147,7 +156,6 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     # the selector's metadata and the warmed predictor state are what the engine decodes from.
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
                          capacity, dtype, device)
-    ops = instantiate(cfg.backend)
     selector.set_backend(ops.name)
     backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode="sparse",
                          repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
@@ -163,7 +171,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     speculating = plan.variant == "prr"
     plan = dataclasses.replace(plan, projections=settings.graph_projections())
     engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda",
-                          selector=selector, predictor=predictor if speculating else None, cache=cache)
+                          selector=selector, predictor=predictor if speculating else None, cache=cache,
+                          backend=ops_backend)
     first = logits.argmax(-1)  # [B] greedy
     engine.begin(prompt_len, first)
     if speculating:
@@ -290,6 +299,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "engine": "graph",
+        "engine_ops": engine.backend,  # triton kernels, or static-shape torch ops (a CPU without TRITON_INTERPRET)
         "model": model.name,
         "selector": OmegaConf.to_container(cfg.selector, resolve=True),
         "predictor": OmegaConf.to_container(cfg.predictor, resolve=True),

@@ -1,0 +1,117 @@
+"""The graph engine's torch backend (prr/runtime/engine_ops.py) computes what its Triton
+kernels compute, on fresh random inputs at odd sizes (the kernels under TRITON_INTERPRET=1):
+the same attention states, A \\ P and keep, merges, counters and cache writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prr.kernels import cache_append, prr_merge, prr_repair, sparse_decode, step_counters
+from prr.kernels.reference_attention import random_sparse_decode_inputs
+
+from prr.runtime import engine_ops
+from tests.test_kernels_prr_merge import random_lists
+
+
+def aligned(inputs):
+    """The cache padded to whole blocks (the engine's caches are block-aligned)."""
+    t, bs = inputs.k_cache.shape[2], inputs.block_size
+    pad = -t % bs
+    if pad:
+        def grow(c):
+            return torch.cat([c, torch.zeros(*c.shape[:2], pad, c.shape[3], dtype=c.dtype)], 2)
+        inputs.k_cache, inputs.v_cache = grow(inputs.k_cache), grow(inputs.v_cache)
+    return inputs
+
+
+@pytest.mark.parametrize("lengths,hq,hkv,d,bs,k,seed", [([37], 4, 2, 64, 16, 3, 0), ([130, 77], 6, 3, 64, 16, 5, 1),
+                                                        ([90, 33, 129], 4, 2, 128, 32, 3, 2)])
+def test_sparse_decode_torch_equals_the_kernel(lengths, hq, hkv, d, bs, k, seed):
+    x = aligned(random_sparse_decode_inputs(seed, lengths, hq, hkv, d, bs, k, capacity=k + 2))
+    for per_block in (False, True):
+        want = sparse_decode.sparse_decode(*x.args(), per_block=per_block)
+        got = engine_ops.sparse_decode(*x.args(), per_block=per_block)
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+        finite = torch.isfinite(want[1])
+        assert torch.equal(finite, torch.isfinite(got[1]))
+        torch.testing.assert_close(got[1][finite], want[1][finite], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    splits = engine_ops.sparse_decode(*x.args(), merge_splits=False)  # one split: the merged state
+    merged = sparse_decode.sparse_decode(*x.args())
+    torch.testing.assert_close(splits[0][:, :, 0], merged[0], rtol=1e-4, atol=1e-4)
+    half = engine_ops.sparse_decode(*x.args(), out_dtype=torch.bfloat16)[0]
+    assert half.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("batch,heads,max_blocks,sel_cap,pred_cap,seed", [(1, 1, 5, 3, 4, 0), (2, 3, 37, 11, 17, 1),
+                                                                          (3, 2, 300, 41, 61, 2)])
+def test_repair_plan_and_counters_torch_equal_the_kernels(batch, heads, max_blocks, sel_cap, pred_cap, seed):
+    g = torch.Generator().manual_seed(seed)
+    a, na = random_lists(batch, heads, max_blocks, sel_cap, g)
+    p, npred = random_lists(batch, heads, max_blocks, pred_cap, g)
+    half = min(sel_cap, pred_cap) // 2  # some of A in P
+    p[..., :half] = torch.where(torch.arange(half) < na[..., None], a[..., :half], p[..., :half])
+    for b in range(batch):
+        for h in range(heads):
+            row = p[b, h, : int(npred[b, h])].unique()
+            npred[b, h] = len(row)
+            p[b, h, : len(row)] = row
+    want = prr_merge.repair_plan(a, na, p, npred, prr_merge.repair_scratch(batch, heads, max_blocks, "cpu"))
+    got = engine_ops.repair_plan(a, na, p, npred, engine_ops.repair_scratch(batch, heads, max_blocks, "cpu"))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    for b in range(batch):
+        for h in range(heads):
+            n = int(want[1][b, h])
+            assert got[0][b, h, :n].tolist() == want[0][b, h, :n].tolist()
+
+    prev, nprev = random_lists(batch, heads, max_blocks, sel_cap, g)
+    outs = []
+    for ops in (step_counters, engine_ops):
+        out = torch.zeros(4, batch * heads, dtype=torch.int64)
+        prev_i, prev_n = prev.clone(), nprev.clone()
+        ops.step_counters(a, na, p, npred, prev_i, prev_n, ops.counter_scratch(batch, heads, max_blocks, "cpu"), out)
+        outs.append((out, prev_i, prev_n))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][2], outs[1][2])
+    valid = torch.arange(sel_cap) < na.unsqueeze(-1)
+    assert torch.equal(outs[0][1][valid], outs[1][1][valid])  # A_t is the next step's A_{t-1}
+
+
+@pytest.mark.parametrize("fp", ["exact_three", "exact_fused"])
+def test_merges_torch_equal_the_kernels(fp):
+    x = aligned(random_sparse_decode_inputs(3, [200, 97], 6, 2, 64, 16, 6, capacity=6))
+    g = torch.Generator().manual_seed(4)
+    nb = x.k_cache.shape[2] // 16
+    p, npred = random_lists(2, 2, 7, 5, g)  # P among the first blocks: some of it in A
+    spec = sparse_decode.sparse_decode(x.q, x.k_cache, x.v_cache, p, npred, x.lengths, 16, x.scale, per_block=True)
+    sel = x.block_ids.int().sort(-1).values.contiguous()  # (the engine's A is ascending)
+    args = (x.q, x.k_cache, x.v_cache, sel, x.block_counts.int(), p, npred, x.lengths, *spec, 16, x.scale)
+    if fp == "exact_fused":
+        want, got = prr_repair.repair_and_merge(*args), engine_ops.repair_and_merge(*args)
+    else:
+        plan = prr_merge.repair_plan(sel, x.block_counts.int(), p, npred, prr_merge.repair_scratch(2, 2, nb, "cpu"))
+        rep = sparse_decode.sparse_decode(x.q, x.k_cache, x.v_cache, plan[0], plan[1], x.lengths, 16, x.scale,
+                                          merge_splits=False)
+        want = prr_merge.merge_speculation(*spec, plan[2], *rep)
+        got = engine_ops.merge_speculation(*spec, plan[2], *rep)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_append_token_torch_equals_the_kernel_with_rope():
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, t, d = 2, 6, 3, 48, 64
+    caches = [torch.randn(b, hkv, t, d, generator=g) for _ in range(2)]
+    k, v, q = torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, d, generator=g), torch.randn(b, hq, d, generator=g)
+    cos, sin = torch.randn(t, d, generator=g), torch.randn(t, d, generator=g)
+    pos = torch.tensor([5, 31], dtype=torch.int32)
+    results = []
+    for ops in (cache_append, engine_ops):
+        kc, vc = (c.clone() for c in caches)
+        q_rot = ops.append_token(kc, vc, k, v, pos, None, None, 16, rope=(cos, sin, q))
+        results.append((kc, vc, q_rot))
+    for want, got in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="append_metadata"):
+        engine_ops.append_token(*caches, k, v, pos, caches[0], caches[1])
+    with pytest.raises(ValueError, match="not one of"):
+        engine_ops.engine_ops("cuda")

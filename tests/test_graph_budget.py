@@ -59,7 +59,8 @@ def test_graph_probe_times_the_engine_and_profiled_runs_over_it(tmp_path, monkey
 
     def build(n):
         built.append(n)
-        return GraphDecoder(model, dataclasses.replace(plan, predicted_blocks=n), batch=1, max_tokens=160)
+        return GraphDecoder(model, dataclasses.replace(plan, predicted_blocks=n), batch=1, max_tokens=160,
+                            backend="torch")
     probe = GraphProbe(build, first_size=4, repeats=3)
     assert json.loads(probe.shape_key)["timer"] == "cpu_wall_clock"
     for timing in (probe.time_select(6), probe.time_speculate(3, 6), probe.time_stage(6, 0, 0.9)):

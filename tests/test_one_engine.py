@@ -29,9 +29,11 @@ COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration
           "runtime.dense_metrics_every=4"]
 # `make test`: every selector and every predictor config at least once (each predictor paired
 # with a selector other than Quest where it can be), and every mode and Quest GQA reduction.
-CASES = [("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
+# On a plain CPU the engine runs torch ops (prr/runtime/engine_ops.py); cases with backend=triton
+# run its Triton kernels under the interpreter (the eager runtime then runs TritonOps too).
+CASES = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
          ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),
-         ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3"),
+         ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"),
          ("infllm", "query_similarity"), ("less", "ema_calibrated", "runtime.repair_mode=superset"),
          ("dense", "ema")]
 # `make test-full` adds the rest of every selector x ema and Quest x every predictor.
@@ -91,6 +93,8 @@ def check_same_algorithm(tmp_path: Path, case: tuple[str, ...], device: list[str
     assert graph["mean_mass_recall"] == pytest.approx(eager["mean_mass_recall"], abs=1e-6)
     assert graph["mean_output_relerr"] == pytest.approx(eager["mean_output_relerr"], rel=1e-3, abs=1e-6)
     assert graph["mode"] == eager["mode"]
+    kernels = "backend=triton" in args or "runtime=cuda" in args
+    assert graph["engine_ops"] == ("triton" if kernels else "torch")
 
 
 def test_a_dense_selection_with_a_partial_static_p_is_refused(tmp_path):

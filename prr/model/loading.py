@@ -33,7 +33,14 @@ import torch
 
 from prr.model.config import SUPPORTED_ARCHS, ModelConfig
 from prr.model.decoder import Decoder
-from prr.model.zoo import ZOO, ChunkedWheelGGUFSpec, RandomInitSpec, WheelGGUFSpec, zoo_names
+from prr.model.zoo import (
+    CONVERTED_MARKER,
+    ZOO,
+    ChunkedWheelGGUFSpec,
+    RandomInitSpec,
+    WheelGGUFSpec,
+    zoo_names,
+)
 from prr.paths import cache_dir as cache_dir_default
 
 DTYPES = {
@@ -46,7 +53,7 @@ DTYPES = {
     "float64": torch.float64,
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_DONE_MARKER = "prr_source.json"  # written last inside a converted cache dir
+_DONE_MARKER = CONVERTED_MARKER  # written last inside a converted cache dir
 _HUB_PATTERNS = [
     "config.json",
     "generation_config.json",
@@ -155,9 +162,7 @@ def zoo_weights_dir(spec: WheelGGUFSpec | ChunkedWheelGGUFSpec, cache_root: Path
     needed; the chunked one's: FileNotFoundError naming its fetch command if not fetched)."""
     cache_root = cache_root or cache_dir_default()
     if isinstance(spec, ChunkedWheelGGUFSpec):
-        from prr.model.chunked_gguf import require_converted
-
-        return require_converted(spec, cache_root)
+        return spec.weights_dir(cache_root)
     return ensure_gguf_converted(spec.gguf_path(), cache_root / "models" / spec.cache_key)
 
 

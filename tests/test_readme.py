@@ -20,7 +20,6 @@ trailing comment marks a command that is not cheap:
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -149,7 +148,7 @@ def test_cheap_commands_run(home):
             argv[0] = sys.executable
         running.append(subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     problems = []
-    for command, proc in zip(cheap, running):
+    for command, proc in zip(cheap, running, strict=True):
         out, err = proc.communicate(timeout=60)
         if proc.returncode != command.expected_exit:
             problems.append(f"{command}: exit {proc.returncode}, expected {command.expected_exit}: {out[-1000:]}{err[-1000:]}")

@@ -9,8 +9,9 @@ trailing comment marks a command that is not cheap:
 - `# slow...`: takes minutes. Here: `python run.py` lines pass the same check and, when they
   are one run, compose and pass prr's config check (`prr.config_check.validate`, the model
   described but not loaded); `make X` lines must be targets (`make -n X`). `make test-full`
-  (pytest -m slow) runs them: `python run.py` lines as shown with `task.max_new_tokens=4`
-  added (outputs in a temporary directory), `make run` as is. `make test` and `make test-full`
+  (pytest -m slow) runs them: `python run.py` lines as shown with `task.max_new_tokens=4` and,
+  for the default long_text task, `task.prompt_tokens=1024` added unless they set them (outputs
+  in a temporary directory); `make run` as is. `make test` and `make test-full`
   are this suite itself.
 - no marker: cheap, run here as shown (≤ 60 s each); the exit code must be 0, or the N of an
   "exit N" in the comment.
@@ -192,8 +193,10 @@ def test_slow_commands_run(command, home, tmp_path):
         argv, cwd = command.text.split(), ROOT
     else:
         overrides = run_py_overrides(command, home)
-        if not any(o.startswith("task.max_new_tokens=") for o in overrides):
-            overrides.append("task.max_new_tokens=4")
+        keys = {o.lstrip("+").split("=")[0] for o in overrides}
+        overrides += [] if "task.max_new_tokens" in keys else ["task.max_new_tokens=4"]
+        if "task" not in keys and "task.prompt_tokens" not in keys:  # long_text: a shorter prefill
+            overrides.append("task.prompt_tokens=1024")
         argv, cwd = [sys.executable, str(ROOT / "run.py"), *overrides], tmp_path  # outputs/, multirun/ there
     done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=3600)
     assert done.returncode == command.expected_exit, done.stdout[-3000:] + done.stderr[-3000:]

@@ -36,12 +36,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prr.config_check import validate
+from prr.evaluation import Engine
+from prr.paths import write_json_atomic
 
-from prr.config_check import validate  # noqa: E402
-from prr.evaluation import Engine  # noqa: E402
-from prr.paths import write_json_atomic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SPARSE = ("quest", "infllm", "less", "exact")
 

@@ -1,6 +1,7 @@
 """Decode-latency benchmark of PRR against serial DSA, dense attention and the memory floors.
 
-    python experiments/bench_decode.py [--quick] [--parts stage,token,matrix] [--out experiments/results/h200/bench_decode]
+    python experiments/bench_decode.py [--quick] [--parts stage,token,matrix,stream_priority,spec_programs,repair_splits]
+        [--out experiments/results/h200/bench_decode]
 
 Model: the Llama-3.1-8B shape (32 query / 8 KV heads, head_dim 128, 32 layers) with random
 bf16 weights and random KV contexts (timings do not depend on values), through
@@ -34,7 +35,15 @@ replay), the attention stage per sparse layer, each over the same selector's ser
 (predictor=none) in the same run, and the hit rate, precision and last-step overlap the
 engine's device counters give over the same steps (`matrix_rows`).
 
-Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_{stage,token,matrix}.csv;
+Parts `stream_priority`, `spec_programs`, `repair_splits` (launch shapes of the PRR stage, over 4
+caches of the 8B shape with P set from outside, every PRR output checked against serial DSA's):
+selection on a high-priority stream and speculation on a low one against default streams;
+speculation's per-block program size (StaticPlan.speculation_tokens_per_program) against select ∥
+speculate and PRR; the one-launch repair + merge's split count (StaticPlan.repair_tokens_per_split)
+against the three launches and serial DSA. They chose the engine's defaults (at least 4 blocks per
+speculation program, prr_repair.default_splits) and left stream priorities off.
+
+Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_<part>.csv;
 prints short tables last.
 """
 
@@ -51,31 +60,27 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from prr.kernels import prr_merge, quest
+
+from prr.benchmarking import (
+    BF16,
+    HEADROOM,
+    copy_bandwidth,
+    environment,
+    model_of,
+    read_bandwidth,
+    time_graph_us,
+)
+from prr.blocks import controlled_predictions
+from prr.budget.profiled import ProfiledBudget
+from prr.model.decoder import Decoder
+from prr.runtime.graph_budget import GraphProbe, graph_median_us
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
 
-from bench_kernels import copy_bandwidth, environment  # noqa: E402
-from prr.kernels import prr_merge, quest  # noqa: E402
-
-from prr.blocks import controlled_predictions  # noqa: E402
-from prr.budget.profiled import ProfiledBudget  # noqa: E402
-from prr.model.decoder import Decoder  # noqa: E402
-from prr.model.zoo import ZOO  # noqa: E402
-from prr.runtime.graph_budget import GraphProbe, graph_median_us  # noqa: E402
-from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block  # noqa: E402
 
 HIT_RATES = (1.0, 0.98, 0.90, 0.68, 0.0)
-# "128K context" = 131072 - HEADROOM tokens in a cache of 131072, so the decode steps fit and the
-# block count stays a power of two (one more block would double the top-k row the kernel holds).
-HEADROOM = 256
-BF16 = 2
-
-
-def time_graph_us(fn, repeats: int = 15) -> float:
-    """Median µs of one replay of a CUDA graph of fn()."""
-    return graph_median_us([fn], repeats)
 
 
 def time_eager_us(fn, repeats: int = 15, warmup: int = 2) -> float:
@@ -92,23 +97,6 @@ def time_eager_us(fn, repeats: int = 15, warmup: int = 2) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3)
     return statistics.median(samples)
-
-
-def read_bandwidth() -> dict[str, float]:
-    """Bytes/s read by a sum over 2 and 4 GiB of bf16 (read-only traffic, as weight and KV
-    reads are); the floors use the best of this and the copy bandwidth."""
-    out = {}
-    for gib in (2, 4):
-        x = torch.ones((gib << 30) // BF16, dtype=torch.bfloat16, device="cuda")
-        us = time_graph_us(lambda x=x: x.sum(dtype=torch.float32), repeats=10)
-        out[f"read_sum_bf16_{gib}GiB"] = (gib << 30) / (us * 1e-6)
-        del x
-    return out
-
-
-def model_of(layers: int) -> Decoder:
-    config = dataclasses.replace(ZOO["llama-3.1-8b-shape"].config, num_layers=layers)
-    return Decoder(config, torch.bfloat16, "cuda").init_random_(seed=0)
 
 
 # --- part 1: the attention stage per layer ------------------------------------------------------
@@ -476,6 +464,210 @@ def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, 
     return rows
 
 
+
+# --- part 4: launch shapes of the PRR stage (stream priorities, speculation programs, repair splits) ---
+# Each walks LAUNCH_LAYERS caches of the 8B shape with P set from outside (predictor="fixed",
+# |P| = |A|, no dense layers) and checks every PRR output against serial DSA's (exact mode).
+
+LAUNCH_LAYERS = 4
+STREAMS = {"default": (0, None), "prio": (-1, 0)}  # (main, side) priorities; lower is higher, 0 the default
+
+
+def stream_graph_us(fn, stream: torch.cuda.Stream, repeats: int = 20) -> float:
+    """Median µs of one replay of fn() captured on `stream` (its priority goes into the graph)."""
+    return graph_median_us([fn], repeats, stream=stream)
+
+
+def make_streams() -> dict[str, tuple[torch.cuda.Stream, torch.cuda.Stream | None]]:
+    return {name: (torch.cuda.Stream(priority=main), None if side is None else torch.cuda.Stream(priority=side))
+            for name, (main, side) in STREAMS.items()}
+
+
+def fixed_prediction_engine(model: Decoder, batch: int, context: int, block: int, topk_tokens: int):
+    """A Quest PRR engine with P set from outside over `context` random tokens, and
+    LAUNCH_LAYERS random post-RoPE queries [B, Hq, D]."""
+    k_blocks = topk_tokens // block
+    plan = StaticPlan(variant="prr", selector="quest", topk_blocks=k_blocks, predicted_blocks=k_blocks,
+                      predictor="fixed", block_size=block, dense_layers=(), sink_blocks=1, recent_blocks=1)
+    eng = GraphDecoder(model, plan, batch=batch, max_tokens=context + HEADROOM)
+    eng.fill_random_context(context, seed=1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    qs = [torch.randn(batch, eng.hq, eng.d, generator=gen, device="cuda").to(torch.bfloat16)
+          for _ in range(LAUNCH_LAYERS)]
+    return eng, qs
+
+
+def layer_stage(eng: GraphDecoder, qs, positions, **changes):
+    """fn(): the attention stage of every layer through a view of the engine with `changes`."""
+    view = eng.with_plan(**changes)
+
+    def fn():
+        return [view.attention(i, qs[i], None, None, positions, appended=True) for i in range(LAUNCH_LAYERS)]
+    return fn
+
+
+def max_abs_diff(outs, ref) -> float:
+    torch.cuda.synchronize()
+    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(outs, ref, strict=True))
+
+
+def stream_priority_rows(model: Decoder, batch: int, context: int, block: int, topk_tokens: int) -> list[dict]:
+    """Selection on a high-priority stream, speculation on a low one, against default streams: serial
+    DSA, select alone, speculate alone, select ∥ speculate (nothing after) and PRR, at 100% and 90% hit."""
+    eng, qs = fixed_prediction_engine(model, batch, context, block, topk_tokens)
+    positions = eng.step_positions()
+    lengths, nb_t = positions
+    default_side = eng.side
+    outs_serial = [o.clone() for o in layer_stage(eng, qs, positions, variant="serial")()]
+    selections = [eng.last_selection[i] for i in range(LAUNCH_LAYERS)]
+
+    def select_only():
+        for i in range(LAUNCH_LAYERS):
+            eng.select(i, qs[i], lengths)
+
+    def spec_only():
+        for i in range(LAUNCH_LAYERS):
+            eng.attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
+
+    def overlap_only():
+        for i in range(LAUNCH_LAYERS):
+            eng.speculate_beside_selection(i, qs[i], lengths, nb_t)
+
+    rows = []
+    for hit in (1.0, 0.9):
+        hgen = torch.Generator().manual_seed(int(hit * 1000))
+        for i in range(LAUNCH_LAYERS):
+            eng.set_predictions(i, *controlled_predictions(selections[i], hit, context // block + 1, hgen))
+        row = dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, hit_rate=hit)
+        for name, (main, side) in make_streams().items():
+            eng.side = side if side is not None else default_side  # a view takes the side stream as it is now
+            row[f"max_abs_diff_prr_vs_serial_{name}"] = max_abs_diff(
+                layer_stage(eng, qs, positions, variant="prr")(), outs_serial)
+            row[f"serial_{name}"] = stream_graph_us(layer_stage(eng, qs, positions, variant="serial"), main) / LAUNCH_LAYERS
+            row[f"select_{name}"] = stream_graph_us(select_only, main) / LAUNCH_LAYERS
+            row[f"speculate_{name}"] = stream_graph_us(spec_only, main) / LAUNCH_LAYERS
+            row[f"overlap_{name}"] = stream_graph_us(overlap_only, main) / LAUNCH_LAYERS
+            row[f"prr_{name}"] = stream_graph_us(layer_stage(eng, qs, positions, variant="prr"), main) / LAUNCH_LAYERS
+        eng.side = default_side
+        rows.append(row)
+    return rows
+
+
+SPEC_TOKENS_PER_PROGRAM = (None, 256, 512, 1024, 2048)  # None: the kernel's default
+
+
+def spec_program_rows(model: Decoder, batch: int, context: int, block: int, topk_tokens: int) -> list[dict]:
+    """Speculation's per-block programs (StaticPlan.speculation_tokens_per_program) against select ∥
+    speculate and PRR at 100% hit, on default and on prioritised streams."""
+    from prr.kernels.sparse_decode import per_block_entries
+
+    eng, qs = fixed_prediction_engine(model, batch, context, block, topk_tokens)
+    positions = eng.step_positions()
+    lengths, nb_t = positions
+    default_side = eng.side
+    outs_serial = [o.clone() for o in layer_stage(eng, qs, positions, variant="serial")()]
+    for i in range(LAUNCH_LAYERS):  # P = A: 100% hit
+        eng.set_predictions(i, *eng.last_selection[i])
+    rows_per_launch, capacity = batch * eng.hkv, topk_tokens // block
+
+    def select_only():
+        for i in range(LAUNCH_LAYERS):
+            eng.select(i, qs[i], lengths)
+
+    def spec_only(tokens):
+        view = eng.with_plan(speculation_tokens_per_program=tokens)
+
+        def fn():
+            for i in range(LAUNCH_LAYERS):
+                view.attend(i, qs[i], eng.pred_idx[i], eng.pred_cnt[i], lengths, per_block=True)
+        return fn
+
+    def overlap_only(tokens):
+        view = eng.with_plan(speculation_tokens_per_program=tokens)
+
+        def fn():
+            for i in range(LAUNCH_LAYERS):
+                view.speculate_beside_selection(i, qs[i], lengths, nb_t)
+        return fn
+
+    rows = []
+    for name, (main, side) in make_streams().items():
+        eng.side = side if side is not None else default_side
+        serial = stream_graph_us(layer_stage(eng, qs, positions, variant="serial"), main) / LAUNCH_LAYERS
+        select = stream_graph_us(select_only, main) / LAUNCH_LAYERS
+        for tokens in SPEC_TOKENS_PER_PROGRAM:
+            if tokens is not None and tokens % block:
+                continue
+            prr = layer_stage(eng, qs, positions, variant="prr", speculation_tokens_per_program=tokens)
+            entries = per_block_entries(capacity, rows_per_launch, block, "cuda", tokens)
+            row = dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, streams=name,
+                       tokens_per_program=tokens or 0, programs=-(-capacity // entries) * rows_per_launch,
+                       serial=serial, select=select,
+                       speculate=stream_graph_us(spec_only(tokens), main) / LAUNCH_LAYERS,
+                       overlap=stream_graph_us(overlap_only(tokens), main) / LAUNCH_LAYERS,
+                       prr=stream_graph_us(prr, main) / LAUNCH_LAYERS,
+                       max_abs_diff_prr_vs_serial=max_abs_diff(prr(), outs_serial))
+            row["prr_speedup"] = row["serial"] / row["prr"]
+            row["overlap_vs_longer"] = row["overlap"] / max(row["select"], row["speculate"])
+            rows.append(row)
+    eng.side = default_side
+    return rows
+
+
+REPAIR_SPLITS = (None, 64, 32, 16, 8, 4)  # None: serial DSA's split plan
+
+
+def repair_split_rows(model: Decoder, batch: int, context: int, block: int, topk_tokens: int) -> list[dict]:
+    """Split count of the one-launch repair + merge (StaticPlan.repair_tokens_per_split) against the
+    three launches and serial DSA, at 100% and 68% hit."""
+    from prr.kernels.sparse_decode import sparse_decode_num_splits
+
+    eng, qs = fixed_prediction_engine(model, batch, context, block, topk_tokens)
+    stream = torch.cuda.Stream()
+    k_blocks = topk_tokens // block
+    positions = eng.step_positions()
+
+    def splits_of(tokens):
+        return sparse_decode_num_splits(k_blocks, batch, eng.hkv, block, "cuda", None, tokens,
+                                        head_dim=eng.d, cache_dtype=torch.bfloat16)
+
+    outs_serial = [o.clone() for o in layer_stage(eng, qs, positions, variant="serial")()]
+    selections = [eng.last_selection[i] for i in range(LAUNCH_LAYERS)]
+    serial = stream_graph_us(layer_stage(eng, qs, positions, variant="serial"), stream) / LAUNCH_LAYERS
+    serial_splits = splits_of(None)
+    rows = []
+    for hit in (1.0, 0.68):
+        hgen = torch.Generator().manual_seed(int(hit * 1000))
+        for i in range(LAUNCH_LAYERS):
+            eng.set_predictions(i, *controlled_predictions(selections[i], hit, context // block + 1, hgen))
+        three = stream_graph_us(layer_stage(eng, qs, positions, fused_repair=False), stream) / LAUNCH_LAYERS
+        for splits in REPAIR_SPLITS:
+            if splits is not None and splits >= serial_splits:
+                continue  # the serial plan is timed as None
+            tokens = None if splits is None else block * -(-k_blocks // splits)
+            fused_stage = layer_stage(eng, qs, positions, fused_repair=True, repair_tokens_per_split=tokens)
+            err = max_abs_diff(fused_stage(), outs_serial)
+            fused = stream_graph_us(fused_stage, stream) / LAUNCH_LAYERS
+            launched = splits_of(tokens)
+            rows.append(dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, hit_rate=hit,
+                             splits=launched, serial_plan=splits is None, states_per_split=-(-k_blocks // launched),
+                             serial=serial, prr_three_launches=three, prr_fused=fused,
+                             fused_speedup_vs_serial=serial / fused, fused_vs_three=three / fused,
+                             max_abs_diff_vs_serial=err))
+    return rows
+
+
+LAUNCH_PARTS = {  # part -> (rows function, (batch, cache tokens, block, top-K tokens) grid)
+    "stream_priority": (stream_priority_rows, ((1, 131072, 64, 8192), (1, 32768, 64, 8192), (1, 131072, 64, 2048),
+                                               (1, 131072, 16, 8192), (8, 32768, 64, 8192), (8, 131072, 64, 8192))),
+    "spec_programs": (spec_program_rows, ((1, 131072, 64, 8192), (1, 32768, 64, 8192), (1, 131072, 16, 8192),
+                                          (1, 131072, 64, 2048), (8, 131072, 64, 2048), (8, 32768, 64, 8192))),
+    "repair_splits": (repair_split_rows, ((1, 131072, 64, 8192), (1, 32768, 64, 8192), (1, 131072, 16, 8192),
+                                          (1, 131072, 64, 2048), (8, 32768, 16, 8192), (8, 131072, 64, 2048),
+                                          (8, 131072, 64, 8192))),
+}
+
+
 def fits(batch: int, context: int, layers: int, weight_gib: float) -> bool:
     kv_gib = 2 * batch * 8 * context * 128 * BF16 * layers / 2**30
     free = torch.cuda.mem_get_info()[0] / 2**30
@@ -485,7 +677,8 @@ def fits(batch: int, context: int, layers: int, weight_gib: float) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
-    parser.add_argument("--parts", default="stage,token")
+    parser.add_argument("--parts", default="stage,token",
+                        help="comma-separated: stage, token, matrix, " + ", ".join(LAUNCH_PARTS))
     parser.add_argument("--stage-layers", type=int, default=4, help="caches the stage timing walks through")
     parser.add_argument("--no-compile", action="store_true", help="per-token runs without torch.compile")
     parser.add_argument("--steps", type=int, default=48, help="timed decode steps (graph replays) per variant")
@@ -502,7 +695,7 @@ def main() -> None:
     print(f"{env['gpu']}: bandwidth for the floors {bandwidth / 1e12:.2f} TB/s ("
           + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in bw.items()) + ")", flush=True)
     results = {"command": "python " + " ".join(sys.argv), "environment": env, "copy_bandwidth": bw,
-               "hit_rates": HIT_RATES, "stage": [], "token": [], "matrix": []}
+               "hit_rates": HIT_RATES, "stage": [], "token": [], "matrix": [], **{part: [] for part in LAUNCH_PARTS}}
     parts = set(args.parts.split(","))
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -556,6 +749,18 @@ def main() -> None:
                                                  f"{r['stage_us']:.1f} µs/layer" for r in rows), flush=True)
         del model
         torch.cuda.empty_cache()
+    for part, (rows_of, grid) in LAUNCH_PARTS.items():
+        if part not in parts:
+            continue
+        model = model_of(LAUNCH_LAYERS)
+        for b, c, bs, k in grid[:1] if args.quick else grid:
+            rows = rows_of(model, b, c - HEADROOM, bs, k)
+            torch.cuda.empty_cache()
+            results[part].extend(rows)
+            save()
+            print(f"{part} B={b} ctx={c} bs={bs} K={k}: {len(rows)} rows", flush=True)
+        del model
+        torch.cuda.empty_cache()
     save()
     try:
         import pandas as pd
@@ -579,6 +784,12 @@ def main() -> None:
         cols = ["selector", "predictor", "variant", "predicted_blocks", "token_us", "token_over_serial", "stage_us",
                 "stage_over_serial", "hit_rate", "precision", "last_step_overlap"]
         print(df[cols].round(3).to_string(index=False))
+    for part in LAUNCH_PARTS:
+        if results[part]:
+            df = pd.DataFrame(results[part]).assign(command=results["command"])
+            df.to_csv(args.out.parent / (args.out.name + f"_{part}.csv"), index=False)
+            print(part)
+            print(df.drop(columns="command").round(2).to_string(index=False))
 
 
 if __name__ == "__main__":

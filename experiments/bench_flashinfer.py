@@ -7,7 +7,7 @@ The outside anchor of issue 21 (part 1). Shape: Llama-3.1-8B attention (32 query
 heads, head_dim 128), bf16, random values (timings do not depend on them).
 
 - attention: for batch x context x block size x top-K budget, prr's `sparse_decode` over
-  random block lists A (bench_kernels.decode_inputs) against FlashInfer's paged decode
+  random block lists A (prr.benchmarking.decode_inputs) against FlashInfer's paged decode
   (BatchDecodeWithPagedKVCacheWrapper, CUDA-core and tensor-core kernels) where each (row,
   KV head) is one request whose page table is its selected blocks (page = prr block: the
   cache [B, Hkv, T, D] is viewed as B*Hkv*T/block pages of one KV head, no copy), and
@@ -25,10 +25,10 @@ heads, head_dim 128), bf16, random values (timings do not depend on them).
   decode over all of A, so no merge_state is needed). Quest metadata in bf16 (the engine's).
   No forced blocks in either (FlashInfer's top-k has none): sink_blocks = recent_blocks = 0.
 
-Timing (as bench_kernels): every op captured over `--sets` different input sets in one CUDA
+Timing (as bench_kernels.py): every op captured over `--sets` different input sets in one CUDA
 graph (L2 rotation, no launch overhead), median replay / sets. Floors: bytes / the best of
-the copy and read bandwidth measured in the same run (bench_kernels.copy_bandwidth,
-bench_decode.read_bandwidth); also at the H200's nominal 4.8 TB/s. attention: K/V of the
+the copy and read bandwidth measured in the same run (prr.benchmarking.copy_bandwidth,
+read_bandwidth); also at the H200's nominal 4.8 TB/s. attention: K/V of the
 selected blocks + q + bf16 output + block ids; topk: the scores + the indices;
 stage: Quest metadata (graph_decode.metadata_bytes_per_block) + the attention bytes.
 
@@ -50,11 +50,10 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from prr.benchmarking import BF16, HKV, HQ, D  # the 8B decode shape
 
-HQ, HKV, D = 32, 8, 128
+ROOT = Path(__file__).resolve().parents[1]
 GROUP = HQ // HKV
-BF16 = 2
 NOMINAL_BANDWIDTH = 4.8e12  # bytes/s, the H200's HBM3e figure
 PAPER_BLOCKSPARSE_SPEEDUP = 2.22  # the paper: its sparse kernel vs FlashInfer BlockSparse at an 8K budget
 PARTS = ("attention", "topk", "stage")
@@ -272,7 +271,8 @@ def report(record: dict) -> str:
 
 def environment() -> dict:
     import flashinfer
-    from bench_kernels import environment as base
+
+    from prr.benchmarking import environment as base
 
     return {**base(), "flashinfer": flashinfer.__version__}
 
@@ -389,7 +389,8 @@ def cell_rows(batch: int, context: int, blocks: list[int], budgets: list[int], s
     from types import SimpleNamespace
 
     import torch
-    from bench_kernels import decode_inputs
+
+    from prr.benchmarking import decode_inputs
 
     caches, qs, _, _, lengths, scale = decode_inputs(batch, context, blocks[0], budgets[0], sets, gen)
     inp = SimpleNamespace(batch=batch, context=context, sets=sets, repeats=repeats, gen=gen, bandwidth=bandwidth,
@@ -408,7 +409,8 @@ def block_budget_rows(inp, block: int, budget: int) -> tuple[dict | None, dict |
     """One (block size, budget) of a cell: the attention row and the stage row (None where
     the part is not run)."""
     import torch
-    from bench_kernels import graph_time_us, random_block_lists
+
+    from prr.benchmarking import graph_time_us, random_block_lists
 
     batch, context, sets, caches, scale = inp.batch, inp.context, inp.sets, inp.caches, inp.scale
     nb, k, rows_n = context // block, budget // block, batch * HKV
@@ -446,8 +448,9 @@ def attention_row(inp, shape: dict, block: int, budget: int, ids, counts, kpages
     over the same block lists; correctness on set 0 first."""
     import torch
     import torch.nn.functional as F
-    from bench_kernels import rel_err
     from prr.kernels.sparse_decode import sparse_decode
+
+    from prr.benchmarking import rel_err
 
     batch, context, sets, caches, qs, lengths, scale = (inp.batch, inp.context, inp.sets, inp.caches, inp.qs,
                                                         inp.lengths, inp.scale)
@@ -504,11 +507,11 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
     FlashInfer-composed one over the same metadata, caches and queries."""
     import flashinfer
     import torch
-    from bench_kernels import randn
     from prr.kernels.quest import quest_score, quest_select
     from prr.kernels.sparse_decode import sparse_decode
     from prr.kernels.topk import topk_select
 
+    from prr.benchmarking import randn
     from prr.runtime.graph_decode import metadata_bytes_per_block
 
     batch, context, sets, caches, qs, lengths, scale = (inp.batch, inp.context, inp.sets, inp.caches, inp.qs,
@@ -567,8 +570,9 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
 def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: float) -> dict:
     import flashinfer
     import torch
-    from bench_kernels import graph_time_us, randn
     from prr.kernels.topk import topk_select
+
+    from prr.benchmarking import graph_time_us, randn
 
     batch = rows_n // HKV
     scores = [randn(batch, HKV, n, dtype=torch.float32) for _ in range(sets)]
@@ -627,10 +631,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("bench_flashinfer needs a CUDA GPU")
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from bench_decode import read_bandwidth
-    from bench_kernels import copy_bandwidth
+    from prr.benchmarking import copy_bandwidth, read_bandwidth
 
     env = environment()
     bw = copy_bandwidth() | read_bandwidth()

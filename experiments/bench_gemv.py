@@ -20,17 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from prr.kernels.dense_gemv import ROW_TILES, default_tiles, dense_gemv
+
+from prr.benchmarking import environment, graph_time_us, read_bandwidth
+from prr.model.layer_math import rms_norm
+from prr.model.zoo import ZOO
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-from bench_decode import read_bandwidth  # noqa: E402
-from bench_kernels import environment, graph_time_us  # noqa: E402
-from prr.kernels.dense_gemv import ROW_TILES, default_tiles, dense_gemv  # noqa: E402
-
-from prr.model.layer_math import rms_norm  # noqa: E402
-from prr.model.zoo import ZOO  # noqa: E402
 
 COLD_BYTES = 512 << 20  # weights streamed per timed graph: several times the L2
 

@@ -1,12 +1,13 @@
 """Benchmark of prr's Triton kernels on one GPU against their byte floors and torch baselines.
 
-    python experiments/bench_kernels.py [--quick] [--out experiments/results/h200/bench_kernels]
+    python experiments/bench_kernels.py [--quick] [--only selection|decode_tuning|select_latency]
+        [--out experiments/results/h200/bench_kernels]
 
 For every shape (Llama-3.1-8B attention: 32 query / 8 KV heads, head_dim 128, bf16; batch
 1 and 8; contexts 32K/64K/128K; block sizes 16 and 64; top-K budgets 1K/2K/4K/8K tokens):
 checks each kernel against a float32 torch reference on the same inputs, then times it.
 
-Method (../shared/BENCHMARKING.md): every op is captured R times over R *different* input
+Method: every op is captured R times over R *different* input
 sets in one CUDA graph (so launch overhead is excluded and inputs larger than L2 are not
 served from cache), the graph is replayed, and the time per op is the median replay time
 / R. The floor is bytes moved / copy bandwidth measured in the same run (bytes read +
@@ -20,78 +21,27 @@ short table last.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from prr.benchmarking import (
+    DTYPE,
+    HKV,
+    HQ,
+    D,
+    copy_bandwidth,
+    decode_inputs,
+    environment,
+    graph_time_us,
+    randn,
+    rel_err,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from prr.runtime.graph_budget import graph_median_us  # noqa: E402
-
-HQ, HKV, D = 32, 8, 128
-DTYPE = torch.bfloat16
-
-
-def graph_time_us(make_call, sets: int, reps: int = 20) -> float:
-    """Median µs per call: `sets` calls (make_call(i) -> zero-arg fn) captured in one graph."""
-    return graph_median_us([make_call(i) for i in range(sets)], reps)
-
-
-def copy_bandwidth() -> dict[str, float]:
-    """Bytes/s (read + written) of device-to-device copies of 1 and 2 GiB in several element
-    types; the floor uses the best, so no kernel looks faster than memory allows."""
-    out = {}
-    for dtype in (torch.uint8, torch.bfloat16, torch.float32):
-        for gib in (1, 2):
-            src = torch.empty((gib << 30) // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device="cuda")
-            dst = torch.empty_like(src)
-            us = graph_time_us(lambda i, s=src, d=dst: (lambda: d.copy_(s)), sets=1, reps=10)
-            out[f"{dtype}".replace("torch.", "") + f"_{gib}GiB"] = 2 * (gib << 30) / (us * 1e-6)
-            del src, dst
-    return out
-
-
-_CUDA_GEN: torch.Generator | None = None
-
-
-def randn(*shape: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
-    """Seeded normal values made on the GPU (host generation of GBs would dominate the run)."""
-    global _CUDA_GEN
-    if _CUDA_GEN is None:
-        _CUDA_GEN = torch.Generator(device="cuda").manual_seed(0)
-    return torch.randn(*shape, generator=_CUDA_GEN, device="cuda", dtype=torch.float32).to(dtype)
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.float(), ref.float()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return float((x - ref).norm() / ref.norm().clamp(min=1e-30))
-
-
-def random_block_lists(batch: int, num_blocks: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """[B, Hkv, k] int32 distinct random block ids per row, ascending."""
-    ids = torch.stack([torch.randperm(num_blocks, generator=gen)[:k].sort().values for _ in range(batch * HKV)])
-    return ids.view(batch, HKV, k).to(torch.int32).cuda()
-
-
-def decode_inputs(batch: int, context: int, block: int, budget: int, sets: int, gen: torch.Generator):
-    """`sets` random (K/V cache, query, block list) sets of one decode shape, with the shared
-    counts, lengths and scale."""
-    num_blocks, k = context // block, budget // block
-    caches = [(randn(batch, HKV, context, D), randn(batch, HKV, context, D)) for _ in range(sets)]
-    qs = [randn(batch, HQ, D) for _ in range(sets)]
-    ids = [random_block_lists(batch, num_blocks, k, gen) for _ in range(sets)]
-    counts = torch.full((batch, HKV), k, dtype=torch.int32, device="cuda")
-    lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    return caches, qs, ids, counts, lengths, 1 / math.sqrt(D)
 
 
 def bench_sparse_decode(batch: int, context: int, block: int, budget: int, sets: int, gen: torch.Generator,
@@ -284,17 +234,43 @@ def bench_selection(batch: int, context: int, block: int, sets: int, gen: torch.
     ]
 
 
-def environment() -> dict:
-    import triton
+def select_latency(sets: int) -> list[dict]:
+    """Launch shapes of the selection kernels at 128K, batch 1 and 8, blocks of 16 and 64: top-k
+    rows with 1..16 warps and Quest scoring with other tile / warp counts, each checked against
+    the default's output (`--only select_latency`; the top-k's warp rule in kernels/topk.py)."""
+    from prr.kernels.quest import quest_score
+    from prr.kernels.topk import topk_select
 
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        driver = "unknown"
-    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict] = []
+    for batch in (1, 8):
+        for block in (16, 64):
+            nb = 131072 // block
+            k = 2048 // block
+            num_blocks = torch.full((batch,), nb - 4, dtype=torch.int32, device="cuda")
+            scores = [torch.randn(batch, HKV, nb, device="cuda", generator=gen) for _ in range(sets)]
+            want = topk_select(scores[0], k, num_blocks, 1, 1)
+            for warps in (1, 2, 4, 8, 16):
+                got = topk_select(scores[0], k, num_blocks, 1, 1, num_warps=warps)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (batch, block, warps)
+                us = graph_time_us(lambda i, w=warps, s=scores, kb=k, n=num_blocks: (
+                    lambda: topk_select(s[i], kb, n, 1, 1, num_warps=w)), sets)
+                rows.append(dict(op="topk", batch=batch, block=block, blocks=nb, k=k, warps=warps, us=us))
+            kmax = [torch.randn(batch, HKV, nb, D, device="cuda", generator=gen).to(torch.bfloat16)
+                    for _ in range(sets)]
+            kmin = [(m.float() - 1).to(torch.bfloat16) for m in kmax]
+            q = torch.randn(batch, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = quest_score(q, kmax[0], kmin[0], num_blocks, "max")
+            for block_n in (16, 32, 64, 128):
+                for warps in (2, 4, 8):
+                    got = quest_score(q, kmax[0], kmin[0], num_blocks, "max", block_n=block_n, num_warps=warps)
+                    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-3), (batch, block, block_n, warps)
+                    us = graph_time_us(lambda i, bn=block_n, w=warps, qq=q, hi=kmax, lo=kmin, n=num_blocks: (
+                        lambda: quest_score(qq, hi[i], lo[i], n, "max", block_n=bn, num_warps=w)), sets)
+                    rows.append(dict(op="quest_score", batch=batch, block=block, blocks=nb, block_n=block_n,
+                                     warps=warps, us=us))
+            del kmax, kmin
+    return rows
 
 
 def main() -> None:
@@ -302,9 +278,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_kernels")
     parser.add_argument("--sets", type=int, default=4, help="distinct input sets per graph (L2 rotation)")
-    parser.add_argument("--only", choices=("all", "selection", "decode_tuning"), default="all",
+    parser.add_argument("--only", choices=("all", "selection", "decode_tuning", "select_latency"), default="all",
                         help="selection: only the selection kernels (score, top-k, fused select); "
-                             "decode_tuning: only the split kernel's launch shapes")
+                             "decode_tuning: only the split kernel's launch shapes; "
+                             "select_latency: only the selection kernels' warp and tile counts at 128K")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
@@ -325,6 +302,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
 
+    if args.only == "select_latency":
+        batches, contexts = [], []
+        attempt("select_latency", {}, select_latency, 8)
     if args.only == "decode_tuning":
         batches, contexts = [], []
         for batch in (1, 8):
@@ -357,7 +337,8 @@ def main() -> None:
     frame.to_csv(args.out.with_suffix(".csv"), index=False)
     print(f"\n{record['gpu']} | torch {record['torch']} | triton {record['triton']} | copy {bw / 1e9:.0f} GB/s")
     cols = ["op", "batch", "context", "block_size", "budget_tokens", "rel_err", "kernel_us", "kernel_per_block_us",
-            "floor_us", "x_floor", "GBps", "speedup_vs_torch_sparse", "speedup_vs_dense", "speedup_vs_torch", "error"]
+            "floor_us", "x_floor", "GBps", "speedup_vs_torch_sparse", "speedup_vs_dense", "speedup_vs_torch",
+            "block", "blocks", "k", "warps", "block_n", "us", "error"]
     print(frame[[c for c in cols if c in frame]].to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 
 

@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prr.runner import run
+from prr.sinks import read_jsonl
 
-from prr.runner import run  # noqa: E402
-from prr.sinks import read_jsonl  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

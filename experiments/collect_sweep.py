@@ -26,10 +26,9 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prr.results_store import GROUPS, load_layers, load_runs, load_steps
 
-from prr.results_store import GROUPS, load_layers, load_runs, load_steps  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HEADLINE = ("hit_rate", "hit_rate_at_k", "precision", "last_step_overlap", "mean_mass_recall", "mean_output_relerr",
             "mean_selected_blocks", "mean_predicted_blocks", "mean_misses", "mean_waste", "t_predict_us",

@@ -42,17 +42,16 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prr.blocks import BlockSet
+from prr.cache import PagedKVCache
+from prr.config_check import validate
+from prr.predictors.base import Predictor
+from prr.run_inputs import DTYPES
+from prr.runner import next_token
+from prr.runtime.dsa_backend import DSABackend
+from prr.selectors.base import Selection
 
-from prr.blocks import BlockSet  # noqa: E402
-from prr.cache import PagedKVCache  # noqa: E402
-from prr.config_check import validate  # noqa: E402
-from prr.predictors.base import Predictor  # noqa: E402
-from prr.run_inputs import DTYPES  # noqa: E402
-from prr.runner import next_token  # noqa: E402
-from prr.runtime.dsa_backend import DSABackend  # noqa: E402
-from prr.selectors.base import Selection  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # name -> Hydra overrides of the predictor group. `ema` is the default (one calibrated
 # triple for all layers); ema_fixed is the same EMA uncalibrated, ema_calibrated per layer.

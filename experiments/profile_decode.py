@@ -20,13 +20,10 @@ from pathlib import Path
 
 import torch
 
+from prr.benchmarking import HEADROOM, model_of, time_graph_us
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-
-from bench_decode import HEADROOM, model_of, time_graph_us  # noqa: E402
-
-from prr.runtime.graph_decode import GraphDecoder, StaticPlan  # noqa: E402
 
 
 def main() -> None:

@@ -29,10 +29,9 @@ import pandas as pd
 import torch
 from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prr.runner import run
 
-from prr.runner import run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Row name -> selector overrides. less-trained needs `make train-less` first (else a clear error).
 SELECTORS = {"quest": ["selector=quest"], "infllm": ["selector=infllm"], "less": ["selector=less"],

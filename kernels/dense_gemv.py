@@ -28,9 +28,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (out_features, in_features, swiglu) of the Llama-3.1-8B shape (experiments/bench_gemv.py,
 # results/h200/bench_gemv.csv: 40 tile configs per shape). Tiles that suit one shape can be 2x
 # slower on another (gate_up at (4, 1024, 4): 110 µs against 60), hence a table. (A persistent
-# GEMV, programs walking several row tiles, was tried for o_proj and lm_head and removed: 263 µs
-# against 287 for lm_head in its experiment, results/h200/try_persistent_gemv.json, but 304 in
-# bench_gemv once in this file, and within noise per token: results/h200/persistent_3639057/.)
+# GEMV, programs walking several row tiles, was tried for o_proj and lm_head and removed: 304 µs
+# for lm_head in bench_gemv once in this file, and within noise per token.)
 TUNED_TILES = {
     (6144, 4096, False): (16, 512, 4),  # q|k|v
     (4096, 4096, False): (2, 2048, 2),  # o_proj

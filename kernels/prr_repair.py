@@ -50,7 +50,7 @@ from .sparse_decode_jit import (
 
 LIST_CHUNK = 8  # list entries compared against the other list at once ([8, 512] at an 8K budget of 16)
 STATE_ELEMENTS = 8192  # fp32 elements of speculative states loaded at once
-# Default split plan (H200, bf16, Llama-3.1-8B shape, experiments/try_repair_splits.py at 388e9bd): a
+# Default split plan (H200, bf16, Llama-3.1-8B shape, experiments/bench_decode.py --parts repair_splits): a
 # split folds at most this many speculative states (32 per split took 0.70-0.90x the time of 16
 # or fewer wherever both were timed) and a row gets at least ceil(SMs / rows) splits (batch 1: 16
 # splits of 8 blocks ran 33.99 µs at 128K, block 64, 8K, against 35.87 with serial DSA's 64).

@@ -42,7 +42,7 @@ PROGRAMS_PER_SM = 4  # per-block target: about this many programs per SM
 SPLIT_PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 128  # a split reads at least this many tokens (amortises its partial write)
 # per_block mode: list entries a program walks, at least. H200, bf16, batch 1, 128K, 8K budget, block
-# 64 (experiments/try_spec_programs.py): 4 entries (256 tokens) took speculation 16.9 -> 14.6 µs and
+# 64 (experiments/bench_decode.py --parts spec_programs): 4 entries (256 tokens) took speculation 16.9 -> 14.6 µs and
 # PRR's stage 40.0 -> 37.2 µs against 1 entry (the old 64-token minimum; at block 16 that minimum
 # was 4 entries already).
 MIN_ENTRIES_PER_BLOCK_PROGRAM = 4
@@ -325,7 +325,7 @@ def per_block_entries(capacity: int, rows: int, block_size: int, device: torch.d
     per row and rows = B * Hkv: grid = (ceil(C / entries), rows). tokens_per_program: the caller's
     choice (whole blocks, at least one); None: about PROGRAMS_PER_SM programs per SM, never more
     (rounding the chunks per row up had batch 8 with an 8K budget launch 576 programs on 132 SMs, a
-    partial second wave: 85 µs against 77 µs with 512, try_spec_programs.json), and at least
+    partial second wave: 85 µs against 77 µs with 512; bench_decode.py --parts spec_programs), and at least
     MIN_ENTRIES_PER_BLOCK_PROGRAM entries."""
     if tokens_per_program is not None:
         return max(1, -(-tokens_per_program // block_size))

@@ -11,7 +11,7 @@ has() { [[ ",$parts," == *",$1,"* ]]; }
 if has tests; then
   python3 -m pytest -q -m gpu tests/test_kernels_selection.py tests/test_kernels_cache_append.py tests/test_kernels_dense_gemv.py \
     tests/test_kernels_qkv_append.py tests/test_kernels_sparse_decode.py tests/test_kernels_prr_merge.py tests/test_graph_decode.py \
-    tests/test_graph_budget.py tests/test_graph_run.py tests/test_graph_adaptive.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_graph_budget.py tests/test_graph_run.py tests/test_one_engine.py tests/test_engine_ops.py > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
   # the same checks with programmatic dependent launch (kernels/pdl.py; opt-in)
   PRR_PDL=1 python3 -m pytest -q -m gpu tests/test_kernels_sparse_decode.py tests/test_kernels_cache_append.py tests/test_kernels_dense_gemv.py tests/test_kernels_qkv_append.py \

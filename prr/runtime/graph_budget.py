@@ -56,7 +56,7 @@ def graph_median_us(calls: Sequence[Callable[[], object]], repeats: int = 15,
 
 
 def stage_timer(device: torch.device) -> str:
-    """The timer profile_speculation uses on `device`."""
+    """The timer GraphProbe uses on `device`."""
     return "cuda_graph_replay" if device.type == "cuda" else "cpu_wall_clock"
 
 

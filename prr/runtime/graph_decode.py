@@ -103,13 +103,13 @@ class StaticPlan:
     fuse_merge: bool | str = "one_wave"
     # Speculation's per-block attention: tokens of P each program covers (None: the kernel's
     # default, about 4 programs per SM). Larger values launch fewer programs, which leaves SMs
-    # to the selection running beside it on the other stream (experiments/try_spec_programs.py).
+    # to the selection running beside it on the other stream (bench_decode.py --parts spec_programs).
     speculation_tokens_per_program: int | None = None
     # PRR's tail (repair plan, repair over A \ P, merge) in one launch (prr.kernels.prr_repair)
     # instead of three; exact repair mode only. "auto" (default): where its default plan keeps
     # within 4 programs per SM (prr_repair.fused_tail_pays: everywhere in bench_decode's grid
     # but batch 8 with 512 blocks of P per row, where the three launches measured faster on the
-    # H200; experiments/try_repair_splits.py, bench_decode_stage.csv).
+    # H200; bench_decode.py --parts repair_splits, bench_decode_stage.csv).
     fused_repair: bool | str = "auto"
     # fused_repair: tokens of A each of its programs covers (None: prr_repair.default_splits).
     repair_tokens_per_split: int | None = None

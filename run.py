@@ -6,6 +6,7 @@ with 130, each with one line on stderr."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -15,9 +16,11 @@ from omegaconf import DictConfig
 from prr.cli_exits import interrupted, refuse
 from prr.config_check import ConfigError
 from prr.override_check import BadOverride, check_command_line
+from prr.paths import remove_empty_run_dir
 from prr.runner import RunDirTaken, run
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
+STARTED = time.time()  # before Hydra makes the run dir: an empty run dir newer than this is this process's
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -27,6 +30,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         summary = run(cfg, run_dir, hydra_cfg)
     except ConfigError as err:
+        remove_empty_run_dir(run_dir, STARTED)  # refused before anything was written: no empty dir left behind
         refuse(*err.problems)
     except RunDirTaken as err:
         refuse(str(err))

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
+from matplotlib.lines import Line2D
 
 from .style import (
     DOUBLE,
@@ -259,7 +260,24 @@ def prr_map(frame: pd.DataFrame) -> MplFigure:
         ax.set_xlabel("hit rate |P∩A|/|A| (%)")
         ax.set_ylabel("attention-stage speedup over serial DSA (×)")
     axes[0].legend(loc="upper left", fontsize="x-small", ncol=2)
+    # The key to the markers at 100% hit (in each configuration's colour), in the last panel (beside the
+    # configurations' legend when there is one panel).
+    key = [Line2D([], [], marker="_", markersize=14, color="#3B3B3B", linestyle="none",
+                  label=PRR_MAP_KEY["_"])]
+    if "stage_overlap" in frame:
+        key.append(Line2D([], [], marker="x", color="#3B3B3B", linestyle="none", label=PRR_MAP_KEY["x"]))
+    key.append(Line2D([], [], color=method_color("none"), linewidth=0.8, linestyle="--", label=PRR_MAP_KEY["--"]))
+    if len(axes) > 1:
+        axes[-1].legend(handles=key, loc="upper left", fontsize="x-small")
+    else:
+        handles, _ = axes[0].get_legend_handles_labels()
+        axes[0].legend(handles=handles + key, loc="upper left", fontsize="x-small", ncol=2)
     return fig
+
+
+PRR_MAP_KEY = {"_": "bar: ceiling, perfect overlap (same kernels, 100% hit)",
+               "x": "×: serial / PRR up to the join (free repair + merge)",
+               "--": "serial DSA (1×)"}
 
 
 # Kernel name -> where a decode token's device time goes (profile_decode.py's rows).
@@ -334,6 +352,9 @@ def stage_breakdown_from_bench_decode(frame: pd.DataFrame, hit_rate: float = 0.9
 
 
 # --- selector fidelity ------------------------------------------------------------------------------
+LINESTYLES = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)), (0, (3, 1, 1, 1, 1, 1)))
+
+
 def selector_fidelity(frame: pd.DataFrame) -> MplFigure:
     """Attention-mass recall (left) and output relative error against dense attention (right)
     against the top-K budget, one line per selector. Columns: selector, budget_tokens,
@@ -341,9 +362,21 @@ def selector_fidelity(frame: pd.DataFrame) -> MplFigure:
     cols = ["selector", "budget_tokens", "mean_mass_recall", "mean_output_relerr"]
     require(frame, cols, "selector_fidelity")
     fig, (left, right) = new_figure(DOUBLE, ncols=2)
-    for selector, rows in frame.groupby("selector", sort=False):
+    # Selectors can coincide (LESS selects as Quest does, so their recall is the same): each line gets its own
+    # dash pattern and marker, drawn thinner and with smaller markers than the lines before it, so an earlier
+    # line stays visible around a later one on top; a curve equal to an earlier one says so in the legend.
+    recalls: dict[str, np.ndarray] = {}
+    for i, (selector, rows) in enumerate(frame.groupby("selector", sort=False)):
         rows = rows.sort_values("budget_tokens")
-        style = {"marker": marker(selector), "color": method_color(selector), "label": method_label(selector)}
+        recall = rows["mean_mass_recall"].to_numpy()
+        same = next((method_label(s) for s, r in recalls.items() if len(r) == len(recall) and np.allclose(r, recall)),
+                    None)
+        recalls[selector] = recall
+        style = {"marker": marker(selector), "color": method_color(selector),
+                 "linestyle": LINESTYLES[i % len(LINESTYLES)], "linewidth": max(0.7, 2.2 - 0.5 * i),
+                 "markersize": max(2.5, 6.0 - 0.9 * i), "markerfacecolor": "none" if i % 2 == 0 else None,
+                 "zorder": 2 + i,
+                 "label": method_label(selector) + (f": recall = {same}'s" if same else "")}
         left.plot(rows["budget_tokens"], 100 * rows["mean_mass_recall"], **style)
         right.plot(rows["budget_tokens"], 100 * rows["mean_output_relerr"], **style)
     for ax in (left, right):
@@ -353,7 +386,7 @@ def selector_fidelity(frame: pd.DataFrame) -> MplFigure:
     left.set_ylabel("attention-mass recall (%)")
     right.set_ylabel("output error ‖o−o$_{dense}$‖/‖o$_{dense}$‖ (%)")
     right.set_yscale("log")
-    left.legend(loc="lower right")
+    right.legend(loc="lower left")  # the corner the falling error curves leave free
     return fig
 
 

@@ -59,7 +59,8 @@ METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)"
                  "quest": "Quest", "less": "LESS", "exact": "exact top-K", "dense": "dense", "oracle": "oracle",
                  "spin": "SPIN", "query_similarity": "query similarity", "cross_layer": "cross-layer",
                  "ema_calibrated": "EMA (per-layer cal.)", "ema_fixed": "EMA (fixed)",
-                 "profiled": "profiled budget (hit 0.90)", "ema_membership": "EMA of membership"}
+                 "profiled": "profiled budget (hit 0.90)", "ema_membership": "EMA of membership",
+                 "less-trained": "LESS (trained map)"}
 MARKERS = {"quest": "o", "infllm": "s", "less": "^", "exact": "D", "dense": "x", "none": "x", "last_step": "s",
            "ema": "o", "oracle": "D", "spin": "v", "query_similarity": "P", "cross_layer": "X", "ema_calibrated": "o",
            "ema_fixed": "o", "profiled": "*", "ema_membership": "h"}

@@ -34,3 +34,17 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def remove_empty_run_dir(run_dir: Path, created_after: float) -> bool:
+    """Remove run_dir when it is empty and was created (or last changed) at or after
+    `created_after` (a time.time() taken before Hydra made the dir): the run dir of a run that
+    was refused before writing anything. A dir holding anything, or an empty one that was
+    already there before this process started, is left alone. True when removed."""
+    try:
+        if any(run_dir.iterdir()) or run_dir.stat().st_mtime < created_after:
+            return False
+        run_dir.rmdir()  # fails, and keeps the dir, if something appeared in it meanwhile
+    except OSError:
+        return False
+    return True

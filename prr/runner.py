@@ -32,6 +32,7 @@ from prr.config_check import validate
 from prr.evaluation import evaluate_run, is_evaluation_task
 from prr.metrics import layer_step_rows, per_layer, summarize
 from prr.paths import write_json_atomic, write_text_atomic
+from prr.progress import PrefillProgress, progress_bar
 from prr.run_inputs import build_run
 from prr.runtime.dsa_backend import DSABackend, check_finite
 from prr.runtime.graph_run import graph_decode_run
@@ -193,8 +194,10 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     generated: list[torch.Tensor] = []
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]
-        calibration = backend.finish_prefill()
+        with progress_bar(mc.num_layers, f"prefill ({prompt_len} tokens)", "layer") as bar:
+            logits = model.decoder(input_ids, 0, PrefillProgress(backend, bar))[:, -1]  # [B, V]
+            bar.set_postfix_str("calibrating the predictor")
+            calibration = backend.finish_prefill()
         prefill_s = time.perf_counter() - t0
         token = next_token(logits, task.temperature, task.top_p, generator)
         eos = mc.eos_token_id  # an id, a list of ids (Llama 3.1), or None

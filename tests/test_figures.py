@@ -184,3 +184,35 @@ def test_prr_map_marks_the_ceiling_and_the_overlap_bound_at_full_hit():
     # older results without stage_overlap: no x
     lines = figures.prr_map(stage.drop(columns="stage_overlap")).axes[0].get_lines()
     assert "x" not in {ln.get_marker() for ln in lines}
+
+
+def legend_texts(fig) -> list[str]:
+    return [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+
+
+def test_prr_map_legend_names_the_bar_and_x_markers():
+    stage = pd.DataFrame([{"selector": s, "batch": 1, "context": 131072, "block": 64, "topk_tokens": 8192,
+                           "target_hit_rate": h, "serial": 30.0, "prr": 40.0, "prr_ideal_overlap": 25.0,
+                           "stage_overlap": 20.0} for s in ("quest", "infllm") for h in (1.0, 0.9)])
+    texts = legend_texts(figures.prr_map(stage))
+    assert figures.PRR_MAP_KEY["_"] in texts and figures.PRR_MAP_KEY["x"] in texts
+    assert "B=1, K=8K, block 64" in texts  # the configurations keep their legend
+    fig = figures.prr_map(stage[stage["selector"] == "quest"].drop(columns="stage_overlap"))  # one panel, no x drawn
+    texts = legend_texts(fig)
+    assert figures.PRR_MAP_KEY["_"] in texts and figures.PRR_MAP_KEY["x"] not in texts
+    handles = {h.get_label(): h for h in fig.axes[0].get_legend().legend_handles}
+    assert handles[figures.PRR_MAP_KEY["_"]].get_marker() == "_"
+
+
+def test_selector_fidelity_keeps_a_line_visible_under_an_identical_one():
+    """LESS selects as Quest does: the same recall curve. Quest's line must not hide under LESS's."""
+    recall, budgets = [0.83, 0.91, 0.96], [256, 512, 1024]
+    fidelity = pd.DataFrame({"selector": ["quest"] * 3 + ["less"] * 3, "budget_tokens": budgets * 2,
+                             "mean_mass_recall": recall * 2, "mean_output_relerr": [0.2, 0.1, 0.05, 0.21, 0.11, 0.06]})
+    fig = figures.selector_fidelity(fidelity)
+    quest, less = fig.axes[0].get_lines()
+    assert quest.get_label() == "Quest" and less.get_label() == "LESS: recall = Quest's"
+    assert quest.get_linestyle() != less.get_linestyle() and quest.get_marker() != less.get_marker()
+    # the earlier line is wider with bigger markers, so it shows around the one drawn over it
+    assert quest.get_linewidth() > less.get_linewidth() and quest.get_markersize() > less.get_markersize()
+    assert "LESS: recall = Quest's" in legend_texts(fig)

@@ -32,12 +32,13 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prr.budget.base import SpeculationBudget, StageTiming, TimingProbe
 from prr.paths import cache_dir, write_json_atomic
+from prr.progress import progress_bar
 
 if TYPE_CHECKING:
     from prr.runtime.records import LayerStepRecord
@@ -147,8 +148,11 @@ class ProfiledBudget(SpeculationBudget):
         """Rounds of the whole profile until one is steady (or max_rounds); the steadiest is kept."""
         sizes = sorted({max(1, round(r * selected_blocks)) for r in self.ratios})
         rounds = []
-        for _ in range(self.max_rounds):
-            rounds.append(self._measure_round(probe, contexts, sizes))
+        for i in range(self.max_rounds):
+            points = len(contexts) * (1 + len(sizes) + (2 if self.stage_check else 0))
+            with progress_bar(points, f"budget=profiled: timing, round {i + 1} "
+                              f"(of at most {self.max_rounds})", "point") as bar:
+                rounds.append(self._measure_round(probe, contexts, sizes, bar.update))
             if rounds[-1]["spread"] <= self.max_spread:
                 break
         kept = min(range(len(rounds)), key=lambda i: rounds[i]["spread"])
@@ -156,13 +160,21 @@ class ProfiledBudget(SpeculationBudget):
                 "table": rounds[kept]["table"], "measurements": rounds[kept]["measurements"],
                 "spread": rounds[kept]["spread"], "rounds": [r["spread"] for r in rounds], "kept_round": kept}
 
-    def _measure_round(self, probe: TimingProbe, contexts: list[int], sizes: list[int]) -> dict[str, Any]:
-        t_select: dict[int, StageTiming] = {c: probe.time_select(c) for c in contexts}
+    def _measure_round(self, probe: TimingProbe, contexts: list[int], sizes: list[int],
+                       tick: Callable[[int], Any] = lambda n: None) -> dict[str, Any]:
+        """tick(n): n more timing points done (a progress bar's update)."""
+        t_select: dict[int, StageTiming] = {}
+        for c in contexts:
+            t_select[c] = probe.time_select(c)
+            tick(1)
         rows: list[dict[str, Any]] = []
         table = []
         spreads = []
         for c in contexts:
-            t_spec = {n: probe.time_speculate(min(n, c), c) for n in sizes}
+            t_spec = {}
+            for n in sizes:
+                t_spec[n] = probe.time_speculate(min(n, c), c)
+                tick(1)
             fitting = [n for n in sizes if n <= c and t_spec[n].median_s <= t_select[c].median_s]
             hidden = max(fitting) if fitting else 0
             spreads += [t_select[c].spread, *(t.spread for t in t_spec.values())]
@@ -178,6 +190,7 @@ class ProfiledBudget(SpeculationBudget):
                 chosen = hidden if faster else 0
                 row.update(stage_serial_s=serial.median_s, stage_prr_s=prr.median_s,
                            stage_serial_timing=serial.as_dict(), stage_prr_timing=prr.as_dict())
+            tick(2 if self.stage_check else 0)  # the stage check's two points (none to time when nothing hides)
             table.append((c, chosen))
             rows.append(row)
         return {"table": table, "measurements": rows, "spread": max(spreads)}

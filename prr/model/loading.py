@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -42,6 +43,7 @@ from prr.model.zoo import (
     zoo_names,
 )
 from prr.paths import cache_dir as cache_dir_default
+from prr.progress import progress_bar
 
 DTYPES = {
     "float32": torch.float32,
@@ -53,6 +55,7 @@ DTYPES = {
     "float64": torch.float64,
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+log = logging.getLogger("prr")
 _DONE_MARKER = CONVERTED_MARKER  # written last inside a converted cache dir
 _HUB_PATTERNS = [
     "config.json",
@@ -407,8 +410,12 @@ def ensure_gguf_converted(gguf_path: Path, target: Path, provenance: dict[str, A
     provenance: extra fields for prr_source.json (e.g. the GGUF's verified sha256)."""
     if (target / _DONE_MARKER).is_file():
         return target
+    log.info("converting %s (%.0f MB) to fp32 safetensors in %s, once (about a minute on a CPU; later runs "
+             "load the conversion)", gguf_path, gguf_path.stat().st_size / 1e6, target)
+    started = time.perf_counter()
     with _atomic_dir(target) as tmp:
         convert_gguf(gguf_path, tmp, provenance)
+    log.info("converted %s in %.0f s", gguf_path.name, time.perf_counter() - started)
     return target
 
 
@@ -417,14 +424,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, extra_provenance: dict[str, Any
     model.safetensors (fp32), config.json, generation_config.json, tokenizer files and,
     last, prr_source.json (provenance; its presence marks a finished conversion)."""
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers import __version__ as transformers_version
 
     gguf_dir, gguf_file = gguf_path.parent, gguf_path.name
     steps = ["read config", "dequantize weights", "convert tokenizer", "write safetensors", "verify"]
     started = time.perf_counter()
-    with tqdm(total=len(steps), desc=f"prr: converting {gguf_file}", unit="step") as bar:
+    # transformers shows its own bar of the tensors it dequantizes, inside the second step
+    with progress_bar(len(steps), f"prr: converting {gguf_file}", "step") as bar:
         bar.set_postfix_str(steps[0])
         # Validate the architecture before the slow part.
         config = ModelConfig.from_hf(AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file))

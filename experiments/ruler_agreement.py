@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--sources", default="prr,ruler,lm-eval")
     p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "cpu" / "ruler_agreement"))
+    p.add_argument("--report", metavar="JSON", help="only rewrite the markdown from this json (e.g. of a stopped run)")
     return p.parse_args(argv)
 
 
@@ -203,7 +204,9 @@ def lm_eval_run(args: argparse.Namespace, tasks: list[str], result: dict[str, An
 
 
 def fmt(entry: dict[str, Any] | None) -> str:
-    if not entry or entry.get("accuracy") is None:
+    if not entry:
+        return "not run"
+    if entry.get("accuracy") is None:
         return "–"
     return f"{entry['accuracy']:.2f} (n={entry['n']})"
 
@@ -215,7 +218,7 @@ def markdown(result: dict[str, Any]) -> str:
              "- versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
              f"- every source: selector=dense, predictor=none, chat template + RULER's answer prefix, greedy, "
              f"at most {a['max_new_tokens']} new tokens, {a['samples']} samples per task",
-             f"- wall time: {result.get('wall_s', 0):.0f} s", "",
+             f"- wall time: {result.get('wall_s', 0):.0f} s", *([f"- {result['note']}"] if result.get("note") else []), "",
              "| RULER task | prr's own generator | RULER data (task=ruler) | lm-eval (prr-lm-eval --model prr) |",
              "| --- | --- | --- | --- |"]
     for name in a["tasks"]:
@@ -236,6 +239,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report:
+        report = json.loads(Path(args.report).read_text())
+        Path(args.report).with_suffix(".md").write_text(markdown(report))
+        return
     tasks = args.tasks.split(",")
     bad = [t for t in tasks if t not in PRR_OWN]
     if bad:

@@ -138,17 +138,18 @@ def in_process(args: argparse.Namespace, tasks: list[str], sources: list[str], r
             save()
 
 
-def lm_eval_run(args: argparse.Namespace, tasks: list[str], result: dict[str, Any], save: Any) -> None:
+def lm_eval_start(args: argparse.Namespace, tasks: list[str], result: dict[str, Any], save: Any) -> Any:
+    """Start prr-lm-eval in its own process (it runs beside the in-process sources) -> (Popen, log, t0) or None."""
     names = [LM_EVAL[t] for t in tasks if t in LM_EVAL]
     if not names:
-        return
+        return None
     try:
         import wonderwords  # noqa: F401 - lm-eval's niah and cwe generators import it
     except ImportError:
         result["lm_eval_error"] = ("lm-eval's RULER tasks import `wonderwords` (lm-eval's `ruler` extra), which is not "
                                    "installed: pip install wonderwords==3.0.1")
         save()
-        return
+        return None
     from prr.model import zoo
     from prr.paths import cache_dir
 
@@ -168,18 +169,26 @@ def lm_eval_run(args: argparse.Namespace, tasks: list[str], result: dict[str, An
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     print("lm-eval:", result["lm_eval_command"], flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    log = open(args.out + "_lm_eval.log", "w")  # noqa: SIM115 - closed in lm_eval_finish
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter()
+
+
+def lm_eval_finish(args: argparse.Namespace, tasks: list[str], started: Any, result: dict[str, Any], save: Any) -> None:
+    proc, log, t0 = started
+    returncode = proc.wait()
+    log.close()
     result["lm_eval_wall_s"] = time.perf_counter() - t0
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-        result["lm_eval_error"] = f"prr-lm-eval exited {proc.returncode}: " + " | ".join(tail)
+    output = Path(args.out + "_lm_eval.log").read_text()
+    out_dir = Path(args.out + "_lm_eval")
+    if returncode != 0:
+        tail = output.strip().splitlines()[-15:]
+        result["lm_eval_error"] = f"prr-lm-eval exited {returncode}: " + " | ".join(tail)
         save()
         return
     files = sorted(out_dir.rglob("results_*.json"))
     if not files:
-        result["lm_eval_error"] = "prr-lm-eval wrote no results file; stdout tail: " + " | ".join(
-            proc.stdout.strip().splitlines()[-10:])
+        result["lm_eval_error"] = "prr-lm-eval wrote no results file; output tail: " + " | ".join(
+            output.strip().splitlines()[-10:])
         save()
         return
     lm = json.loads(files[-1].read_text())
@@ -264,14 +273,16 @@ def main(argv: list[str] | None = None) -> None:
         out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         out.with_suffix(".md").write_text(markdown(result))
 
-    # the tasks all three sources build first (lm-eval right after them), then the rest
+    # lm-eval in its own process, beside the in-process sources (the six tasks it builds run first here too)
+    started = lm_eval_start(args, tasks, result, save) if "lm-eval" in sources else None
     first, rest = [t for t in tasks if t in LM_EVAL], [t for t in tasks if t not in LM_EVAL]
-    if {"prr", "ruler"} & set(sources):
-        in_process(args, first, sources, result, save)
-    if "lm-eval" in sources:
-        lm_eval_run(args, first, result, save)
-    if {"prr", "ruler"} & set(sources):
-        in_process(args, rest, sources, result, save)
+    # then RULER's other tasks on RULER's data, then prr's own counterparts of those
+    for chunk, chunk_sources in ((first, sources), (rest, [s for s in sources if s == "ruler"]),
+                                 (rest, [s for s in sources if s == "prr"])):
+        if {"prr", "ruler"} & set(chunk_sources):
+            in_process(args, chunk, chunk_sources, result, save)
+    if started is not None:
+        lm_eval_finish(args, tasks, started, result, save)
     save()
     print(markdown(result))
 

@@ -132,12 +132,14 @@ class RulerTask(SampleTask):
 
     def load_data(self) -> None:
         """Read (and checksum) what this task draws from; each file once per process."""
-        for name in ("nouns", "adjectives", "verbs"):
-            ruler_data.words(name, self.where)
+        self.nouns = ruler_data.words("nouns", self.where)
+        self.adjectives = ruler_data.words("adjectives", self.where)
+        self.cwe_vocabulary = sorted(set(self.nouns + self.adjectives + ruler_data.words("verbs", self.where)))
+        self.essay: tuple[str, ...] = ()
         if self.family == "niah" and NIAH[self.name][0] == "essay":
-            ruler_data.essay_words(self.where)
+            self.essay = ruler_data.essay_words(self.where)
         if self.family == "qa":
-            ruler_data.qa_items(QA_DATASET[self.name], self.where)
+            self.qa_items, self.qa_docs = ruler_data.qa_items(QA_DATASET[self.name], self.where)
 
     def prompt_tokens_upper_bound(self) -> int:
         return self.prompt_tokens
@@ -178,16 +180,15 @@ class RulerTask(SampleTask):
             haystack, _, _, keys, values, queries = NIAH[self.name]
             needles = max(keys, queries) * values
             if haystack == "essay":
-                return 32, len(ruler_data.essay_words(self.where))
+                return 32, len(self.essay)
             return needles, 1 << 20
         if self.family == "vt":
             return VT_CHAINS * (VT_HOPS + 1) + 1, 1 << 20
         if self.family == "cwe":
-            return CWE_COMMON + 1, len(self.cwe_words())
+            return CWE_COMMON + 1, len(self.cwe_vocabulary)
         if self.family == "fwe":
             return 128, 1 << 24
-        items, docs = ruler_data.qa_items(QA_DATASET[self.name], self.where)
-        return len(items[index % len(items)]["context"]), len(docs)
+        return len(self.qa_items[index % len(self.qa_items)]["context"]), len(self.qa_docs)
 
     def draft(self, rng: random.Random, size: int, index: int, tokenizer: Any) -> Draft:
         if self.family == "niah":
@@ -206,8 +207,7 @@ class RulerTask(SampleTask):
             return str(rng.randint(1_000_000, 9_999_999))
         if kind == "uuids":
             return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-        adjectives, nouns = ruler_data.words("adjectives", self.where), ruler_data.words("nouns", self.where)
-        return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"  # a uniform draw from the adj-noun pairs
+        return f"{rng.choice(self.adjectives)}-{rng.choice(self.nouns)}"  # a uniform draw from the adj-noun pairs
 
     def niah(self, rng: random.Random, size: int) -> Draft:
         haystack, key_kind, value_kind, num_keys, num_values, num_queries = NIAH[self.name]
@@ -222,7 +222,7 @@ class RulerTask(SampleTask):
         rng.shuffle(needles)
         queried = rng.sample(range(num_keys), num_queries)
         if haystack == "essay":
-            sentences = split_sentences(" ".join(ruler_data.essay_words(self.where)[:size]).strip())
+            sentences = split_sentences(" ".join(self.essay[:size]).strip())
             depths = sorted(rng.sample(DEPTHS, len(needles)))
             cuts = [len(sentences) * d // 100 for d in depths]
             pieces, start = [], 0
@@ -299,12 +299,8 @@ class RulerTask(SampleTask):
         return Draft(f"{shot}\n\n{text}", tuple(chain), prefix.rstrip(), {"chain": chain, "example": shot})
 
     # --- cwe -------------------------------------------------------------------------------
-    def cwe_words(self) -> list[str]:
-        return sorted(set(ruler_data.words("nouns", self.where) + ruler_data.words("adjectives", self.where)
-                          + ruler_data.words("verbs", self.where)))
-
     def cwe_list(self, rng: random.Random, size: int, common_repeats: int, rare_repeats: int) -> tuple[str, list[str]]:
-        chosen = rng.sample(self.cwe_words(), size)
+        chosen = rng.sample(self.cwe_vocabulary, size)
         common, rare = chosen[:CWE_COMMON], chosen[CWE_COMMON:]
         listing = common * common_repeats + rare * rare_repeats
         rng.shuffle(listing)
@@ -340,7 +336,7 @@ class RulerTask(SampleTask):
 
     # --- qa --------------------------------------------------------------------------------
     def qa(self, rng: random.Random, size: int, index: int) -> Draft:
-        items, docs = ruler_data.qa_items(QA_DATASET[self.name], self.where)
+        items, docs = self.qa_items, self.qa_docs
         item = items[index % len(items)]  # RULER: sample i asks question i; the seed draws the distractors
         golden, more = list(item["context"]), list(item["more"])
         if size >= len(docs):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from prr.paths import cache_dir
 from prr.tasks import ruler_data
 from prr.tasks.ruler import NOISE, TASKS, RulerTask, split_sentences, string_match_part, zeta
 from prr.tasks.samples import Sample
@@ -149,6 +150,11 @@ def test_qa_puts_the_golden_documents_among_distractors(ruler_dir):
     assert len(hotpot.metadata["golden_documents"]) == 10 and "Founder0" in hotpot.answers
 
 
+def test_a_shorter_generation_leaves_the_prompt_as_ruler_sizes_it(ruler_dir):
+    assert make(ruler_dir, "vt", max_new_tokens=8).prompt_tokens == make(ruler_dir, "vt").prompt_tokens == CONTEXT - 30
+    assert make(ruler_dir, "vt", max_new_tokens=64).prompt_tokens == CONTEXT - 64
+
+
 def test_scores_are_rulers_string_match_all_and_part():
     sample = Sample("p", ("1234567", "7654321"))
     assert string_match_part("it is 1234567", sample.answers) == 1.0
@@ -209,7 +215,7 @@ def test_lm_eval_gen_prefix_continues_the_assistant_turn():
 
 
 REAL = ruler_data.data_dir()
-SMOLLM2_TOKENIZER = Path.home() / ".cache" / "prr" / "models" / "smollm2-135m-instruct-q4_1"
+SMOLLM2_TOKENIZER = cache_dir() / "models" / "smollm2-135m-instruct-q4_1"
 
 
 @pytest.mark.slow

@@ -119,12 +119,14 @@ class RulerTask(SampleTask):
         if context_tokens < 1024:
             raise ValueError(f"task.context_tokens={context_tokens}: RULER's tasks need at least 1024 "
                              f"(prr reports {', '.join(map(str, CONTEXTS))})")
-        if max_new_tokens >= context_tokens // 2:
+        # RULER's max_seq_length counts the tokens to generate: the prompt gets the rest. A smaller
+        # task.max_new_tokens generates less but leaves the prompt as RULER sizes it.
+        reserved = max(max_new_tokens, TOKENS_TO_GENERATE[self.family])
+        if reserved >= context_tokens // 2:
             raise ValueError(f"task.max_new_tokens={max_new_tokens} leaves too little of task.context_tokens="
                              f"{context_tokens} for the prompt")
         self.name = name
-        # RULER's max_seq_length counts the generated tokens: the prompt gets the rest.
-        self.prompt_tokens = context_tokens - max_new_tokens
+        self.prompt_tokens = context_tokens - reserved
         # Missing or altered data is refused here, when the config is validated (run.py: exit 2, one line).
         self.where = ruler_data.check_present(Path(data_dir).expanduser() if data_dir else None)
         self.load_data()

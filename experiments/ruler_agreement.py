@@ -178,7 +178,9 @@ def lm_eval_finish(args: argparse.Namespace, tasks: list[str], started: Any, res
     returncode = proc.wait()
     log.close()
     result["lm_eval_wall_s"] = time.perf_counter() - t0
-    output = Path(args.out + "_lm_eval.log").read_text()
+    log_path = Path(args.out + "_lm_eval.log")
+    output = strip_progress(log_path.read_text())
+    log_path.write_text(output)  # kept beside the results, without its progress bars
     out_dir = Path(args.out + "_lm_eval")
     if returncode != 0:
         tail = output.strip().splitlines()[-15:]
@@ -210,6 +212,12 @@ def lm_eval_finish(args: argparse.Namespace, tasks: list[str], started: Any, res
             "accuracy": acc, "n": len(samples) or lm.get("n-samples", {}).get(LM_EVAL[name], {}).get("effective"),
             "task": LM_EVAL[name], "samples": samples}
     save()
+
+
+def strip_progress(text: str) -> str:
+    """lm-eval's log without tqdm's progress bars (carriage-return updates, "NN%|" lines)."""
+    lines = (line.rsplit("\r", 1)[-1] for line in text.splitlines())
+    return "".join(line + "\n" for line in lines if line.strip() and "%|" not in line)
 
 
 def fmt(entry: dict[str, Any] | None) -> str:

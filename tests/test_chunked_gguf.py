@@ -244,3 +244,13 @@ def test_qwen_prefill_and_16_greedy_steps_match_transformers_fp32():
           f"{max(errors[1:]):.2e}, max |diff| {max(abs_diff):.2e}, tokens {model.tokenizer.decode(ours_tokens)!r}")
     assert ours_tokens == ref_tokens
     assert max(errors) <= REL_TOL, errors
+
+
+def test_lm_eval_tasks_size_prompts_with_the_qwen_tokenizer_once_it_is_fetched(tmp_path, monkeypatch):
+    """prr's lm-eval tasks take the tokenizer of the chunked zoo model from its converted weights:
+    before `make model-qwen`, the error names the command."""
+    from prr.tasks.lm_eval_tasks.prr_data import tokenizer_for
+
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="make model-qwen"):
+        tokenizer_for("qwen2.5-coder-0.5b")

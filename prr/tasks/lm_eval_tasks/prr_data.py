@@ -14,18 +14,17 @@ from prr.tasks.samples import ByteTokenizer, SampleTask, string_match_all
 
 def tokenizer_for(model: str) -> Any:
     """The tokenizer of a prr model name (zoo name, local dir or hub id), without its weights."""
-    from prr.model.zoo import ZOO, RandomInitSpec, WheelGGUFSpec
+    from prr.model.zoo import ZOO, ChunkedWheelGGUFSpec, RandomInitSpec, WheelGGUFSpec
 
     spec = ZOO.get(model)
     if isinstance(spec, RandomInitSpec):
         return ByteTokenizer()
     from transformers import AutoTokenizer
 
-    if isinstance(spec, WheelGGUFSpec):
-        from prr.model.loading import ensure_gguf_converted
-        from prr.paths import cache_dir
+    if isinstance(spec, WheelGGUFSpec | ChunkedWheelGGUFSpec):  # the converted weights' directory holds it
+        from prr.model.loading import zoo_weights_dir
 
-        return AutoTokenizer.from_pretrained(ensure_gguf_converted(spec.gguf_path(), cache_dir() / "models" / spec.cache_key))
+        return AutoTokenizer.from_pretrained(zoo_weights_dir(spec))
     return AutoTokenizer.from_pretrained(model)
 
 

@@ -157,7 +157,7 @@ def lm_eval_start(args: argparse.Namespace, tasks: list[str], result: dict[str, 
     spec = next((v for v in vars(zoo).values() if getattr(v, "name", None) == args.model and hasattr(v, "cache_key")),
                 None)
     tokenizer_dir = str(cache_dir() / "models" / spec.cache_key) if spec is not None else args.model
-    out_dir = Path(args.out + "_lm_eval")
+    out_dir = lm_eval_dir(args)
     model_args = (f"model={args.model},selector=dense,predictor=none,runtime.dense_metrics_every=1000000,"
                   f"max_length={args.context}")
     cmd = ["prr-lm-eval", "--model", "prr", "--model_args", model_args, "--tasks", ",".join(names),
@@ -173,6 +173,12 @@ def lm_eval_start(args: argparse.Namespace, tasks: list[str], result: dict[str, 
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter()
 
 
+def lm_eval_dir(args: argparse.Namespace) -> Path:
+    """lm-eval's own output (its results and per-sample files) goes to the git-ignored outputs/:
+    the scores it holds are copied into this script's results file, which records the command."""
+    return ROOT / "outputs" / (Path(args.out).name + "_lm_eval")
+
+
 def lm_eval_finish(args: argparse.Namespace, tasks: list[str], started: Any, result: dict[str, Any], save: Any) -> None:
     proc, log, t0 = started
     returncode = proc.wait()
@@ -181,7 +187,7 @@ def lm_eval_finish(args: argparse.Namespace, tasks: list[str], started: Any, res
     log_path = Path(args.out + "_lm_eval.log")
     output = strip_progress(log_path.read_text())
     log_path.write_text(output)  # kept beside the results, without its progress bars
-    out_dir = Path(args.out + "_lm_eval")
+    out_dir = lm_eval_dir(args)
     if returncode != 0:
         tail = output.strip().splitlines()[-15:]
         result["lm_eval_error"] = f"prr-lm-eval exited {returncode}: " + " | ".join(tail)

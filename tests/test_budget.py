@@ -280,3 +280,18 @@ def test_adaptive_rejects_bad_settings(kwargs, match):
         AdaptiveBudget(**kwargs)
     with pytest.raises(ValueError, match="variant"):
         AdaptiveBudget().end_window("dense", 1.0)
+
+
+def test_the_eager_probes_given_prediction_ranks_p_first_and_proposes_exactly_p():
+    import torch
+
+    from prr.blocks import BlockSet
+    from prr.runtime.probe import GivenPrediction
+
+    p = BlockSet(torch.tensor([[[7, 2, 9, 0]]]), torch.tensor([[3]]))  # P = 7, 2, 9 (the 0 is padding)
+    given = GivenPrediction(p, max_blocks=12)
+    ranking = given.rank(None, 0, 12)
+    assert ranking.shape == (1, 1, 12)
+    assert ranking[0, 0].argsort(descending=True)[:3].tolist() == [7, 2, 9]
+    assert torch.isinf(ranking[0, 0, [0, 1, 3, 11]]).all()  # the padding entry's block 0 is not in P
+    assert given.propose(None, 0, 12, 3) is p

@@ -13,7 +13,7 @@ import torch
 from prr.blocks import BlockSet, controlled_predictions
 from prr.budget.base import StageTiming
 from prr.cache import PagedKVCache
-from prr.predictors.base import Predictor
+from prr.predictors.base import NEVER, Predictor
 from prr.runtime.ops import BlockAttentionOps, TorchOps
 from prr.runtime.prr_step import prr_attention
 from prr.runtime.timing import StageTimer
@@ -43,16 +43,22 @@ def host_timing(fn, repeats: int, device: torch.device) -> StageTiming:
 
 
 class GivenPrediction(Predictor):
-    """P fixed from outside (a controlled hit rate): what the stage timing speculates over."""
+    """P fixed from outside (a controlled hit rate): what the stage timing speculates over.
+    It ranks P's blocks first (in P's order) and never proposes any other."""
 
-    def __init__(self, blocks: BlockSet) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: BlockSet, max_blocks: int) -> None:
+        self.blocks, self.max_blocks = blocks, max_blocks
 
     def init_state(self, num_layers, batch, num_kv_heads, max_blocks, device) -> None:
         return None
 
     def rank(self, state, layer, num_blocks):
-        raise NotImplementedError("GivenPrediction proposes its fixed P; it ranks nothing")
+        """-> [B, Hkv, max_blocks]: P's i-th block scores C - i, every other block NEVER."""
+        idx, valid = self.blocks.indices.long(), self.blocks.valid()
+        c = idx.shape[-1]
+        scores = torch.full((*idx.shape[:-1], self.max_blocks + 1), NEVER, device=idx.device)
+        order = (c - torch.arange(c, device=idx.device, dtype=torch.float32)).expand(idx.shape)
+        return scores.scatter_(-1, torch.where(valid, idx, self.max_blocks), order)[..., : self.max_blocks]
 
     def update(self, state, layer: int, selection: Selection) -> None:
         return None
@@ -130,7 +136,7 @@ class StageProbe:
         gen = torch.Generator().manual_seed(self._shape[-1])
         idx, cnt = controlled_predictions((selection.blocks.indices, selection.blocks.count), hit_rate,
                                           context_blocks, gen, size=predicted_blocks)
-        given = GivenPrediction(BlockSet(idx[..., :predicted_blocks], cnt))
+        given = GivenPrediction(BlockSet(idx[..., :predicted_blocks], cnt), cache.max_blocks)
         timer = StageTimer(self.device)
 
         def stage() -> None:

@@ -132,3 +132,20 @@ def test_every_budget_config_runs_in_the_graph_engine(tmp_path, monkeypatch):
             assert setup["steps_prr"] + setup["steps_serial"] == graph["decode_steps"] == 6
         else:
             raise AssertionError(f"conf/budget/{budget}.yaml has no check here: add one")
+
+
+def test_adaptive_decides_the_same_windows_in_both_engines(tmp_path):
+    """budget=adaptive is one rule: with min_hit = 1 (PRR never chosen after a window it missed
+    in, whatever the timings) the windows' variants follow from the hit rates alone, and both
+    engines run the same windows with the same hit rates (the predictor learns in serial
+    windows too, in both) and decode serial DSA's tokens."""
+    args = [*overrides("quest", "last_step"), "budget=adaptive", "budget.min_hit=1.0", "budget.window_steps=2",
+            "budget.probe_every=2"]
+    eager = run_case(tmp_path, [*args, "runtime.engine=eager"], "eager")
+    graph = run_case(tmp_path, [*args, "runtime.engine=graph"], "graph")
+    assert graph["generated_token_ids"] == eager["generated_token_ids"]
+    windows = [(w["variant"], w["hit_rate"]) for w in eager["budget_setup"]["windows"]]
+    assert len(windows) == 8 and all(h is None or h < 1.0 for _, h in windows)
+    assert [v for v, _ in windows] == ["serial", "prr", "prr", "serial", "prr", "serial", "prr", "serial"]
+    assert [(w["variant"], w["hit_rate"]) for w in graph["budget_setup"]["windows"]] == \
+        [(v, pytest.approx(h, abs=1e-12) if h is not None else None) for v, h in windows]

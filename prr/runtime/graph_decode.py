@@ -126,6 +126,10 @@ class StaticPlan:
     count_hits: bool = False
     # Dense-reference metrics (mass recall, output error) on this step (every step in shadow mode).
     measure_dense: bool = False
+    # variant "serial" with a predictor (budget=adaptive's serial windows): the predictor still
+    # learns from each A on the side stream, as the eager runtime's serial steps do, so PRR
+    # windows speculate over a P that has seen every step.
+    learn_in_serial: bool = False
 
     def problems(self) -> list[str]:
         out = []
@@ -570,6 +574,8 @@ class GraphDecoder:
             selection = self.select(layer, q, lengths)
             self._note(layer, selection)
             idx, cnt = selection.blocks.indices, selection.blocks.count
+            if p.learn_in_serial and self.predictor is not None and self.predictor_state is not None:
+                self._learn(layer, q, selection, lengths)
             if not compensates:
                 return self.attend(layer, q, idx, cnt, lengths, final=True)[0], selection
             out, lse = self.attend(layer, q, idx, cnt, lengths)
@@ -595,6 +601,18 @@ class GraphDecoder:
             out = self._compensated(layer, q, out, lse, selection, lengths)
         if predictor is None:  # P is set from outside: nothing to learn
             return out, selection
+        self._learn(layer, q, selection, lengths, planned)
+        return out, selection
+
+    def _learn(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor,
+               planned: torch.cuda.Event | None = None) -> None:
+        """The predictor learns from A on the side stream (after `planned`, recorded on the main
+        stream once A and P's last readers are queued; now when None), and history-only
+        predictors write next step's P."""
+        predictor = self.predictor
+        if planned is None and self.side is not None and self.plan.overlap:
+            planned = torch.cuda.Event()
+            planned.record()
         if planned is not None:
             self.side.wait_event(planned)
             self._forked = True
@@ -604,9 +622,8 @@ class GraphDecoder:
             if predictor.history_only:
                 # The next step's context holds lengths + 1 tokens. (From `lengths`, made at the
                 # step's start: `pos` advances on the main stream while this side work may still run.)
-                bs = p.block_size
+                bs = self.plan.block_size
                 self._propose(layer, q, (lengths + bs).div(bs, rounding_mode="floor"))
-        return out, selection
 
     def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,
                      lengths: Tensor) -> Tensor:

@@ -206,7 +206,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
             outputs.index_copy_(1, (view.pos[:1] - prompt_len - 1).long(), view.token)
         return run
 
-    replays = {(variant, m): stepper(engine.with_plan(variant=variant, measure_dense=m, count_hits=True))
+    # (adaptive's serial windows keep the predictor learning, as the eager runtime's serial steps do)
+    replays = {(variant, m): stepper(engine.with_plan(variant=variant, measure_dense=m, count_hits=True,
+                                                      learn_in_serial=adaptive))
                for variant in variants for m in measures}
     if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: rewind it
         with torch.inference_mode():  # (the prefill's tensors are inference tensors)

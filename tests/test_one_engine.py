@@ -149,3 +149,27 @@ def test_adaptive_decides_the_same_windows_in_both_engines(tmp_path):
     assert [v for v, _ in windows] == ["serial", "prr", "prr", "serial", "prr", "serial", "prr", "serial"]
     assert [(w["variant"], w["hit_rate"]) for w in graph["budget_setup"]["windows"]] == \
         [(v, pytest.approx(h, abs=1e-12) if h is not None else None) for v, h in windows]
+
+
+def test_profiled_applies_one_rule_in_both_engines(tmp_path, monkeypatch):
+    """budget=profiled is one rule over each engine's own timings: given the same timings (both
+    probes patched to one table: every |P| hides and PRR's stage is faster), both engines choose
+    the same |P| and decode the same tokens with equal hit rates."""
+    from prr.budget.base import StageTiming
+    from prr.runtime.graph_budget import GraphProbe
+    from prr.runtime.probe import StageProbe
+
+    def fixed(seconds):
+        return StageTiming(seconds, seconds, seconds, seconds, seconds)
+    for probe in (StageProbe, GraphProbe):
+        monkeypatch.setattr(probe, "time_select", lambda self, c: fixed(1e-3))
+        monkeypatch.setattr(probe, "time_speculate", lambda self, n, c: fixed(1e-5 * n))
+        monkeypatch.setattr(probe, "time_stage", lambda self, c, n, hit: fixed(1e-3 if n == 0 else 5e-4))
+    args = [*overrides("quest", "last_step"), "budget=profiled", "budget.ratios=[0.5,1.0]", "budget.use_cache=false"]
+    eager = run_case(tmp_path, [*args, "runtime.engine=eager"], "eager")
+    graph = run_case(tmp_path, [*args, "runtime.engine=graph"], "graph")
+    assert set(eager["budget_setup"]["profile_choice"].values()) == {6}  # |P| = |A| at every profiled context
+    assert graph["budget_setup"]["profile_choice"] == {str(k): 6 for k in graph["budget_setup"]["profile_choice"]}
+    assert graph["variant"] == "prr" and graph["predicted_blocks"] == 6
+    assert graph["generated_token_ids"] == eager["generated_token_ids"]
+    assert graph["hit_rate"] == pytest.approx(eager["hit_rate"], abs=1e-12) and 0 < graph["hit_rate"] < 1

@@ -1,0 +1,405 @@
+"""One sparse layer's decode attention, the one PRR step of both runtimes (DESIGN.md §2):
+
+    predict -> (speculate ∥ select) -> repair A \\ P -> merge -> update predictor
+
+with static shapes and no host synchronisation, over a PagedKVCache and the run's own
+selector and predictor objects, on one of two op backends (prr/runtime/engine_ops.py: Triton
+kernels, or torch ops on any device).
+
+Two callers run this same step:
+- the graph engine (`GraphDecoder`, a subclass that adds the model's forward) captures it in a
+  CUDA graph: speculation on a second stream beside selection, P of history-only predictors
+  written for the next step on that stream after learning, |P| fixed by the plan;
+- the research runtime (`DSABackend`) runs it eagerly, one stage after the other, with a
+  `StageTimer` around each stage and the budget's |P| for this step (`predicted_blocks=`),
+  P proposed at the start of the step at that size (0: a serial DSA step).
+
+Selectors that `compensate` (LESS) merge their estimate of the unselected blocks after repair,
+also under serial DSA, so exact-mode PRR and serial DSA receive the same compensation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import Tensor
+
+from prr.attention_state import AttentionState, merge
+from prr.block_attention import relative_error
+from prr.blocks import BlockSet
+from prr.cache import PagedKVCache
+from prr.predictors import Predictor
+from prr.runtime.static_plan import StaticPlan
+from prr.runtime.timing import StageTimer
+from prr.selectors import Selection, Selector
+
+
+class AttentionEngine:
+    """Static buffers and the decode attention of every layer of `cache` for `num_heads` query heads."""
+
+    def __init__(self, plan: StaticPlan, cache: PagedKVCache, num_heads: int, selector: Selector | None = None,
+                 predictor: Predictor | None = None, backend: str = "triton", timer: StageTimer | None = None) -> None:
+        """selector / predictor: the run's prr.selectors / prr.predictors objects (default: built
+        from `plan`, `StaticPlan.make_selector` / `make_predictor`).
+        backend: "triton" (prr.kernels; CUDA, or the CPU under TRITON_INTERPRET=1) or "torch"
+        (static-shape torch ops, any device); the selector selects on the same backend.
+        timer: time each stage (the eager runtime; stages then run one after the other: a
+        plan with overlap=False and fused_repair=False keeps them apart)."""
+        from prr.runtime.engine_ops import engine_ops
+
+        if plan.problems():
+            raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
+        if num_heads % cache.num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={cache.num_kv_heads}")
+        if cache.block_size != plan.block_size:
+            raise ValueError(f"cache block_size={cache.block_size} differs from plan.block_size={plan.block_size}")
+        self._k = engine_ops(backend)
+        self.backend, self.timer = backend, timer
+        self.plan, self.cache, self.batch = plan, cache, cache.batch
+        self.device, self.dtype = cache.keys[0].device, cache.dtype
+        self.selector = selector if selector is not None else plan.make_selector()
+        self.predictor = predictor if predictor is not None else plan.make_predictor()
+        self.max_tokens, self.max_blocks = cache.max_tokens, cache.max_blocks
+        self.num_layers, self.hkv, self.d = cache.num_layers, cache.num_kv_heads, cache.head_dim
+        self.hq, self.group = num_heads, num_heads // cache.num_kv_heads
+        self.topk_capacity = self.selector.capacity(self.group, self.max_blocks)
+        self.scale = 1.0 / math.sqrt(cache.head_dim)
+        dev, B, H, NB = self.device, self.batch, self.hkv, self.max_blocks
+        self.keys, self.values = cache.keys, cache.values  # [B, Hkv, T_max, D] per layer
+        # Sparse layers keep metadata whatever the variant, so views of one engine (`with_plan`)
+        # can run every variant over the same cache.
+        self.sparse = [not self.selector.is_dense_layer(i) for i in range(self.num_layers)]
+        # Selection in Triton where the selector has kernels (Quest) and the backend is triton,
+        # torch ops otherwise.
+        self.selector.set_backend(backend)
+        # Selectors whose whole metadata is Quest's key max / min let the append kernels update it
+        # (backend triton; the torch backend's append leaves it to the selector's append_metadata).
+        self.kernel_metadata = self.selector.metadata_in_append_kernel and backend == "triton"
+        # Tokens in the cache before this step, per row (rows advance together: equal lengths).
+        self.pos = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.all_blocks = torch.arange(NB, dtype=torch.int32, device=dev).expand(B, H, NB).contiguous()
+        prr = plan.variant == "prr"  # P buffers exist only when built for prr (a prr view of another is refused)
+        # The oracle's P is A itself: A's capacity, whatever the plan's |P|.
+        oracle = self.predictor is not None and self.predictor.needs_current_selection
+        cap = self.topk_capacity if oracle else plan.predicted_blocks
+        self.pred_idx = [torch.zeros(B, H, cap, dtype=torch.int32, device=dev) if prr and s else None
+                         for s in self.sparse]
+        self.pred_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if prr and s else None for s in self.sparse]
+        self.predictor_state = None
+        if prr and self.predictor is not None:
+            self.predictor_state = self.predictor.init_state(self.num_layers, B, H, NB, dev)
+            self.predictor.size_for_query(self.predictor_state, self.group * self.d)
+        self.scratch = self._k["prr_merge"].repair_scratch(B, H, NB, dev) if prr else None
+        self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
+        # fuse_merge's and fused_repair's, main stream (their kernels run one after the other there)
+        self.merge_arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
+        # Device counters (plan.count_hits), per layer, summed over steps, rows and KV heads.
+        # [L, 4, B * Hkv] int64: |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}| (prr.kernels.step_counters)
+        self.step_counts = torch.zeros(self.num_layers, 4, B * H, dtype=torch.int64, device=dev)
+        self.counter_scratch = self._k["step_counters"].counter_scratch(B, H, NB, dev)
+        kcap = self.topk_capacity
+        self.prev_idx = [torch.zeros(B, H, kcap, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
+        self.prev_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
+        # Dense-reference metrics of sampled steps (plan.measure_dense; every step in shadow
+        # mode): sums over measured (row, KV head)s, per layer.
+        self.mass_recall = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
+        self.output_relerr = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
+        self.measured = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
+        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._forked = False
+        self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
+
+    def adopt_predictor_state(self, state: object) -> None:
+        """Decode on from a predictor state warmed elsewhere (the eager prefill's, same class)."""
+        if self.predictor is None:
+            raise ValueError("this engine has no predictor (variant != 'prr' or predictor='fixed')")
+        self.predictor_state = state
+        self.predictor.size_for_query(state, self.group * self.d)
+
+    def set_predictions(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
+        """For predictor=fixed: P of `layer` ([B, Hkv, |P|] int32, [B, Hkv] int32)."""
+        self.pred_idx[layer].copy_(idx)
+        self.pred_cnt[layer].copy_(cnt)
+
+    def prediction(self, layer: int) -> BlockSet | None:
+        """P of `layer` as it stands (after an eager step: the P that step speculated over)."""
+        if self.pred_idx[layer] is None:
+            return None
+        return BlockSet(self.pred_idx[layer], self.pred_cnt[layer])
+
+    # --- streams and stage timers ----------------------------------------------------------
+    def _stage(self, name: str):
+        return self.timer.stage(name) if self.timer is not None else contextlib.nullcontext()
+
+    def _side(self):
+        return torch.cuda.stream(self.side) if self.side is not None and self.plan.overlap else contextlib.nullcontext()
+
+    def _fork(self) -> None:
+        if self.side is not None and self.plan.overlap:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            self._forked = True
+
+    def join(self) -> None:
+        """The main stream waits for the side stream's work (only if this step forked it:
+        a graph capture refuses to wait on work it did not capture)."""
+        if self._forked:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+            self._forked = False
+
+    def _shared(self, *tensors: Tensor) -> None:
+        """Tensors used on both streams: the caching allocator must not recycle them before
+        both streams are done with them."""
+        if self.side is not None and self.plan.overlap:
+            main = torch.cuda.current_stream(self.device)
+            for t in tensors:
+                t.record_stream(self.side)
+                t.record_stream(main)
+
+    # --- the ops ---------------------------------------------------------------------------
+    def select(self, layer: int, q: Tensor, lengths: Tensor) -> Selection:
+        """q: [B, Hq, D] post-RoPE, lengths [B] tokens -> A of the run's selector (indices
+        [B, Hkv, K] int32 ascending, counts [B, Hkv] int32, scores [B, Hkv, NB])."""
+        return self.selector.select(self._grouped(q), self.cache, layer, lengths)
+
+    def _grouped(self, q: Tensor) -> Tensor:
+        """q: [B, Hq, D] -> [B, Hkv, G, D] (a view)."""
+        return q.view(self.batch, self.hkv, self.group, self.d)
+
+    def attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
+               merge_splits: bool = True, final: bool = False):
+        """Attention of q [B, Hq, D] over the blocks idx [B, Hkv, C] (counts cnt [B, Hkv]) of this
+        layer's cache, lengths [B] tokens -> (out [B, Hq, D], lse [B, Hq]) fp32, or with per_block
+        one state per block ([B, Hq, C, D], [B, Hq, C]), or with merge_splits=False the kernel's
+        unmerged split partials (prr.kernels.sparse_decode).
+        final: this is the layer's output (main stream): merged in the model dtype (no cast
+        launch before the output projection), in the split kernel when plan.fuse_merge (its
+        arrival workspace serves one stream). per_block (speculation): programs of
+        plan.speculation_tokens_per_program tokens each."""
+        fused = final and self._fuse_merge(idx)
+        return self._k["sparse_decode"].sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
+                                                      self.plan.block_size, self.scale, per_block=per_block,
+                                                      merge_splits=merge_splits, fuse_merge=fused,
+                                                      out_dtype=self.dtype if final else torch.float32,
+                                                      arrivals=self.merge_arrivals if fused else None,
+                                                      tokens_per_split=self.plan.speculation_tokens_per_program
+                                                      if per_block else None)
+
+    def _fuse_merge(self, idx: Tensor) -> bool:
+        """Whether a layer's output attention over idx [B, Hkv, C] merges its splits in the
+        split kernel (plan.fuse_merge)."""
+        mode = self.plan.fuse_merge
+        if mode == "one_wave":
+            return self._k["sparse_decode"].sparse_decode_one_wave(
+                idx.shape[-1], self.batch, self.hkv, self.plan.block_size, self.device, head_dim=self.d,
+                cache_dtype=self.dtype)
+        return bool(mode)
+
+    # --- one layer's attention ------------------------------------------------------------
+    def dense_attention(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor) -> Tensor:
+        """Attention over every block of the context -> [B, Hq, D] in the model dtype."""
+        counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
+        return self.attend(layer, q, self.all_blocks, counts, lengths, final=True)[0]
+
+    def measure(self, layer: int, q: Tensor, out: Tensor, selection: Selection, lengths: Tensor,
+                num_blocks: Tensor) -> None:
+        """Dense-reference metrics of this layer's step, added to device sums: attention-mass
+        recall (dense softmax mass inside A, mean over the group) and the output's relative
+        error against dense attention, per (row, KV head) — the eager runtime's definitions,
+        from the attention kernels: dense attention (out, lse) over every block, and one lse per
+        block of A, so mass(A) = Σ_{b∈A} exp(lse_b − lse_dense)."""
+        counts = num_blocks.view(self.batch, 1).expand(self.batch, self.hkv).contiguous()
+        dense_out, dense_lse = self.attend(layer, q, self.all_blocks, counts, lengths)  # [B, Hq, D], [B, Hq] fp32
+        _, block_lse = self.attend(layer, q, selection.blocks.indices, selection.blocks.count, lengths,
+                                   per_block=True)  # [B, Hq, |A|]; -inf for padding entries
+        mass = torch.exp(block_lse - dense_lse.unsqueeze(-1)).sum(-1)  # [B, Hq]
+        recall = mass.view(self.batch, self.hkv, self.group).mean(-1)  # [B, Hkv]
+        error = relative_error(self._grouped(out), self._grouped(dense_out))  # [B, Hkv]
+        self.mass_recall[layer] += recall.sum()
+        self.output_relerr[layer] += error.sum()
+        self.measured[layer] += recall.numel()
+
+    def sparse_attention(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor,
+                         predicted_blocks: int | None = None, fp32: bool = False) -> tuple[Tensor, Selection]:
+        """The DSA step of a sparse layer (serial or PRR): q [B, Hq, D] post-RoPE, this step's
+        token in the cache and its metadata; lengths, num_blocks [B] int32 -> (out [B, Hq, D] in
+        the model dtype, fp32 with fp32=True; A).
+        predicted_blocks: the eager runtime's |P| for this step: P is proposed now at that size
+        (0: a serial step, the predictor still learns). None (the graph engine): the plan's
+        variant, P from the buffers (written by the previous step or from outside)."""
+        p = self.plan
+        compensates = self.selector.compensates
+        eager = predicted_blocks is not None
+        predictor = self.predictor
+        if predicted_blocks == 0 or (not eager and p.variant == "serial"):
+            with self._stage("select"):
+                selection = self.select(layer, q, lengths)
+            self._note(layer, selection, speculating=False)
+            idx, cnt = selection.blocks.indices, selection.blocks.count
+            if predictor is not None and self.predictor_state is not None and (eager or p.learn_in_serial):
+                self._learn(layer, q, selection, lengths, propose_next=not eager)
+            with self._stage("repair"):
+                if not compensates:
+                    return self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0], selection
+                out, lse = self.attend(layer, q, idx, cnt, lengths)
+            return self._compensated(layer, q, out, lse, selection, lengths, fp32), selection
+
+        if eager:
+            self._size_predictions(layer, predicted_blocks)
+        if predictor is not None and predictor.needs_current_selection:  # the oracle: P = A, no overlap
+            with self._stage("select"):
+                selection = self.select(layer, q, lengths)
+            with self._stage("predict"):
+                self._propose(layer, q, num_blocks, selection)
+            with self._stage("speculate"):
+                spec = self.attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
+                                   per_block=p.repair_mode == "exact")
+        else:
+            if eager and predictor is not None and predictor.history_only:
+                with self._stage("predict"):
+                    self._propose(layer, q, num_blocks)
+            spec, selection = self.speculate_beside_selection(layer, q, lengths, num_blocks)
+        spec_out, spec_lse = spec
+        self._shared(q, lengths, spec_out, spec_lse)
+        out, lse, keep = self._repair(layer, q, selection, lengths, spec_out, spec_lse, fp32=compensates or fp32)
+        # P may be overwritten (next step's prediction) once the repair has read it.
+        self._note(layer, selection, speculating=True)  # (its counters read P: before the side stream may rewrite it)
+        planned = torch.cuda.Event() if self.side is not None and p.overlap else None
+        if planned is not None:
+            planned.record()
+        if compensates:
+            out = self._compensated(layer, q, out, lse, selection, lengths, fp32)
+        if predictor is None:  # P is set from outside: nothing to learn
+            return out, selection
+        self._learn(layer, q, selection, lengths, planned, propose_next=not eager)
+        return out, selection
+
+    def _size_predictions(self, layer: int, predicted_blocks: int) -> None:
+        """The eager step's P buffers at this step's |P| (the oracle's: A's capacity)."""
+        oracle = self.predictor is not None and self.predictor.needs_current_selection
+        cap = self.topk_capacity if oracle else predicted_blocks
+        if self.pred_idx[layer] is None or self.pred_idx[layer].shape[-1] != cap:
+            self.pred_idx[layer] = torch.zeros(self.batch, self.hkv, cap, dtype=torch.int32, device=self.device)
+            self.pred_cnt[layer] = torch.zeros(self.batch, self.hkv, dtype=torch.int32, device=self.device)
+        if self.scratch is None:
+            self.scratch = self._k["prr_merge"].repair_scratch(self.batch, self.hkv, self.max_blocks, self.device)
+
+    def _learn(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor,
+               planned: torch.cuda.Event | None = None, propose_next: bool = True) -> None:
+        """The predictor learns from A on the side stream (after `planned`, recorded on the main
+        stream once A and P's last readers are queued; now when None), and with propose_next
+        history-only predictors write next step's P."""
+        predictor = self.predictor
+        if planned is None and self.side is not None and self.plan.overlap:
+            planned = torch.cuda.Event()
+            planned.record()
+        if planned is not None:
+            self.side.wait_event(planned)
+            self._forked = True
+            self._shared(selection.blocks.indices, selection.blocks.count, selection.scores)
+        with self._side(), self._stage("predict"):  # learn from A; history-only predictors write next step's P now
+            predictor.update(self.predictor_state, layer, selection)
+            if propose_next and predictor.history_only:
+                # The next step's context holds lengths + 1 tokens. (From `lengths`, made at the
+                # step's start: `pos` advances on the main stream while this side work may still run.)
+                bs = self.plan.block_size
+                self._propose(layer, q, (lengths + bs).div(bs, rounding_mode="floor"))
+
+    def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,
+                     lengths: Tensor, fp32: bool = False) -> Tensor:
+        """out [B, Hq, D] fp32, lse [B, Hq] of the attended blocks ⊕ the selector's estimate of the
+        others (LESS) -> [B, Hq, D] in the model dtype (fp32 with fp32=True)."""
+        b, h, g, d = self.batch, self.hkv, self.group, self.d
+        with self._stage("merge"):
+            state = AttentionState(out.float().view(b, h, g, d), lse.view(b, h, g))
+            state = merge(state, self.selector.compensation(self._grouped(q), self.cache, layer, selection, lengths))
+        return state.out.to(torch.float32 if fp32 else self.dtype).view(b, h * g, d)
+
+    def _propose(self, layer: int, q: Tensor | None, num_blocks: Tensor, current: Selection | None = None) -> None:
+        """Write the predictor's P for a context of num_blocks [B] blocks into this layer's P
+        buffers (q [B, Hq, D]: this step's query, for predictors that `needs_query`)."""
+        predictor = self.predictor
+        query = {"query": self._grouped(q)} if predictor.needs_query else {}
+        proposed = predictor.propose(self.predictor_state, layer, num_blocks, self.pred_idx[layer].shape[-1], current,
+                                     **query)
+        self.pred_idx[layer][..., : proposed.capacity].copy_(proposed.indices)
+        self.pred_cnt[layer].copy_(proposed.count)
+
+    def speculate_beside_selection(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor):
+        """PRR's overlapped part: attention over P on the side stream while A is selected on the
+        main one, joined after. P was written by the previous step (history-only predictors, or
+        from outside with predictor None), or is proposed first on the side stream (predictors
+        that need this step's query or the layer below's selection).
+        q: [B, Hq, D] post-RoPE; lengths, num_blocks: [B] int32 (step_positions).
+        -> ((spec_out, spec_lse): exact mode [B, Hq, |P|, D], [B, Hq, |P|] per-block states,
+            superset [B, Hq, D], [B, Hq]; the Selection A)."""
+        self._fork()
+        with self._side():
+            if self.predictor is not None and not self.predictor.history_only:
+                with self._stage("predict"):
+                    self._propose(layer, q, num_blocks)
+            with self._stage("speculate"):
+                spec = self.attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
+                                   per_block=self.plan.repair_mode == "exact")
+        with self._stage("select"):
+            selection = self.select(layer, q, lengths)
+        self.join()  # the speculation is done (the side stream's queue up to here)
+        return spec, selection
+
+    def _repair(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, spec_out: Tensor,
+                spec_lse: Tensor, fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """A = selection, P's speculative states spec_out [B, Hq, |P|, D] and spec_lse [B, Hq, |P|]
+        (exact mode; superset: [B, Hq, D], [B, Hq]) -> (out [B, Hq, D] in the model dtype, or fp32
+        with fp32=True; lse [B, Hq]; keep [B, Hkv, |P| or 1] bool: which states survived)."""
+        p = self.plan
+        idx, cnt = selection.blocks.indices, selection.blocks.count
+        pred_idx, pred_cnt = self.pred_idx[layer], self.pred_cnt[layer]
+        out_dtype = torch.float32 if fp32 else self.dtype
+        if self._fused_repair(idx, pred_idx):  # plan, repair and merge in one launch
+            with self._stage("repair"):
+                return self._k["prr_repair"].repair_and_merge(
+                    q, self.keys[layer], self.values[layer], idx, cnt, pred_idx, pred_cnt, lengths, spec_out, spec_lse,
+                    p.block_size, self.scale, out_dtype=out_dtype, arrivals=self.merge_arrivals,
+                    tokens_per_split=p.repair_tokens_per_split)
+        kp = self._k["prr_merge"]
+        with self._stage("repair"):
+            miss_idx, miss_cnt, keep = kp.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)
+            # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
+            rep_out, rep_lse = self.attend(layer, q, miss_idx, miss_cnt, lengths, merge_splits=False)
+        with self._stage("merge"):
+            if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
+                spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
+                keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
+            out, lse = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=out_dtype)
+        return out, lse, keep
+
+    def _fused_repair(self, idx: Tensor, pred_idx: Tensor) -> bool:
+        """Whether PRR's tail over A = idx [B, Hkv, K] and P = pred_idx [B, Hkv, |P|] is one
+        launch (plan.fused_repair)."""
+        mode = self.plan.fused_repair
+        if mode == "auto":
+            return self.plan.repair_mode == "exact" and self._k["prr_repair"].fused_tail_pays(
+                idx.shape[-1], pred_idx.shape[-1], self.batch * self.hkv, self.device)
+        return bool(mode)
+
+    def _note(self, layer: int, selection: Selection, speculating: bool) -> None:
+        """Keep A for callers (benchmarks) and, with count_hits, add this step's |A|, |P|,
+        |P ∩ A| and |A_t ∩ A_{t-1}| to the layer's device counters (one launch; any repair mode)."""
+        idx, cnt = selection.blocks.indices, selection.blocks.count
+        self.last_selection[layer] = (idx, cnt)
+        if not self.plan.count_hits:
+            return
+        self._k["step_counters"].step_counters(idx, cnt, self.pred_idx[layer] if speculating else None,
+                                               self.pred_cnt[layer] if speculating else None, self.prev_idx[layer],
+                                               self.prev_cnt[layer], self.counter_scratch, self.step_counts[layer])
+
+    COUNTERS = ("selected", "predicted", "hits", "overlap", "mass_recall", "output_relerr", "measured")
+
+    def counters(self) -> dict[str, list[float]]:
+        """The device counters per layer, summed since `begin` (one host read: call once per
+        window): |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}|, and over dense-measured (row, KV head)s the
+        sums of mass recall and output error and their count."""
+        counts = self.step_counts.sum(-1).double().T  # [4, L]
+        stacked = torch.cat([counts, torch.stack([self.mass_recall, self.output_relerr, self.measured])]).cpu()
+        return dict(zip(self.COUNTERS, stacked.tolist(), strict=True))

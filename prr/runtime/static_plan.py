@@ -1,0 +1,138 @@
+"""The graph engine's plan: the static choices (shapes, options, launch variants) an engine
+is built for and a step runs. Immutable: another choice is another engine view
+(`GraphDecoder.with_plan`), captured on its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prr.predictors import EmaMembershipPredictor, LastStepPredictor, Predictor
+from prr.selectors import InfLLMSelector, QuestSelector, Selector
+
+VARIANTS = ("dense", "serial", "prr")
+SELECTORS = ("quest", "infllm")  # the classes StaticPlan can build (any Selector object may be passed)
+# fixed: P set from outside (controlled hit rates); the others name prr.predictors classes
+PREDICTORS = ("ema_membership", "last_step", "fixed")
+REPAIR_MODES = ("exact", "superset")
+MODES = ("sparse", "shadow")
+FUSE_MERGE = (False, True, "one_wave")
+FUSED_REPAIR = (False, True, "auto")
+PROJECTIONS = ("torch", "fused")
+
+
+def metadata_dtype(selector: str, cache_dtype: torch.dtype) -> torch.dtype:
+    """Quest's max / min of keys stored in the cache dtype are exact in it; InfLLM's
+    representative is a mean, kept in fp32."""
+    return cache_dtype if selector == "quest" else torch.float32
+
+
+def metadata_bytes_per_block(selector: str, cache_dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes the selection reads per (row, KV head, block): the byte floor's metadata share."""
+    per_vector = head_dim * metadata_dtype(selector, cache_dtype).itemsize
+    return 2 * per_vector if selector == "quest" else per_vector
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    variant: str = "prr"
+    selector: str = "quest"
+    topk_blocks: int = 128  # |A| capacity per KV head, forced blocks included
+    predicted_blocks: int = 128  # |P| (prr only)
+    predictor: str = "ema_membership"
+    ema_alpha: float = 0.8  # ema_membership: state <- alpha * state + (1 - alpha) * [b in A]
+    repair_mode: str = "exact"
+    # sparse: the selection decides what is attended; shadow: dense attention continues the
+    # model while selection, prediction and speculation run beside it and are measured.
+    mode: str = "sparse"
+    block_size: int = 16
+    sink_blocks: int = 1
+    recent_blocks: int = 1
+    dense_layers: tuple[int, ...] = (0, 1)
+    overlap: bool = True  # speculation on a second CUDA stream (False: one after the other)
+    infllm_representatives: int = 4
+    # Serial and dense attention merge their splits inside the split kernel (sparse_decode
+    # fuse_merge; main stream only): one launch fewer per layer. True: every such attention
+    # (+34 µs per token on the H200 at 128K, batch 1: the dense layers' 128-split rows);
+    # "one_wave" (default): only launches of at most one program per SM
+    # (sparse_decode_one_wave: batch 1, 2K budgets), 9-24 µs per token faster than False there
+    # (bench_decode_token.csv, serial_onewave_fused; 30 launches fewer at 128K, block 64);
+    # False: always the merge launch.
+    fuse_merge: bool | str = "one_wave"
+    # Speculation's per-block attention: tokens of P each program covers (None: the kernel's
+    # default, about 4 programs per SM). Larger values launch fewer programs, which leaves SMs
+    # to the selection running beside it on the other stream (bench_decode.py --parts spec_programs).
+    speculation_tokens_per_program: int | None = None
+    # PRR's tail (repair plan, repair over A \ P, merge) in one launch (prr.kernels.prr_repair)
+    # instead of three; exact repair mode only. "auto" (default): where its default plan keeps
+    # within 4 programs per SM (prr_repair.fused_tail_pays: everywhere in bench_decode's grid
+    # but batch 8 with 512 blocks of P per row, where the three launches measured faster on the
+    # H200; bench_decode.py --parts repair_splits, bench_decode_stage.csv).
+    fused_repair: bool | str = "auto"
+    # fused_repair: tokens of A each of its programs covers (None: prr_repair.default_splits).
+    repair_tokens_per_split: int | None = None
+    # The dense parts' projections: "torch" (F.linear, i.e. cuBLAS, with the norms / SiLU /
+    # residual adds as separate kernels) or "fused" (prr.kernels.dense_gemv: each projection one
+    # Triton launch with its RMSNorm, SwiGLU or residual add inside; 4 launches per layer's dense
+    # part; faster than cuBLAS at batch 1 on the H200, slower at batch 8).
+    projections: str = "torch"
+    # Batch 1 with fused projections: RoPE and the cache append folded into the q|k|v projection
+    # (prr.kernels.qkv_append; one launch fewer per layer); False: the two-launch path.
+    fuse_append: bool = True
+    # Device counters of |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}| per layer (a few launches per sparse
+    # layer: off while timing), read once per window by `GraphDecoder.counters`.
+    count_hits: bool = False
+    # Dense-reference metrics (mass recall, output error) on this step (every step in shadow mode).
+    measure_dense: bool = False
+    # variant "serial" with a predictor (budget=adaptive's serial windows): the predictor still
+    # learns from each A on the side stream, as the eager runtime's serial steps do, so PRR
+    # windows speculate over a P that has seen every step.
+    learn_in_serial: bool = False
+
+    def problems(self) -> list[str]:
+        out = []
+        for name, value, allowed in (("variant", self.variant, VARIANTS), ("selector", self.selector, SELECTORS),
+                                     ("predictor", self.predictor, PREDICTORS),
+                                     ("repair_mode", self.repair_mode, REPAIR_MODES), ("mode", self.mode, MODES)):
+            if value not in allowed:
+                out.append(f"{name}={value!r} is not one of {list(allowed)}")
+        if self.projections not in PROJECTIONS:
+            out.append(f"projections={self.projections!r} is not one of {list(PROJECTIONS)}")
+        if self.topk_blocks < self.sink_blocks + self.recent_blocks or self.topk_blocks < 1:
+            out.append(f"topk_blocks={self.topk_blocks} must be >= sink_blocks + recent_blocks "
+                       f"({self.sink_blocks} + {self.recent_blocks}) and >= 1")
+        if self.variant == "prr" and self.predicted_blocks < 1:
+            out.append(f"predicted_blocks={self.predicted_blocks} must be >= 1 for variant=prr (use variant=serial for |P| = 0)")
+        if not 0.0 <= self.ema_alpha < 1.0:
+            out.append(f"ema_alpha={self.ema_alpha} must lie in [0, 1)")
+        if self.fuse_merge not in FUSE_MERGE:
+            out.append(f"fuse_merge={self.fuse_merge!r} is not one of {list(FUSE_MERGE)}")
+        if self.fused_repair not in FUSED_REPAIR:
+            out.append(f"fused_repair={self.fused_repair!r} is not one of {list(FUSED_REPAIR)}")
+        if self.fused_repair is True and self.repair_mode != "exact":
+            out.append(f"fused_repair=True needs repair_mode='exact' (got {self.repair_mode!r}): it drops the "
+                       f"speculated blocks that A lacks")
+        for name in ("speculation_tokens_per_program", "repair_tokens_per_split"):
+            tokens = getattr(self, name)
+            if tokens is not None and (tokens < self.block_size or tokens % self.block_size):
+                out.append(f"{name}={tokens} must be None or a positive multiple of block_size={self.block_size} "
+                           f"(whole blocks per program)")
+        return out
+
+    def make_selector(self) -> Selector:
+        """The prr.selectors object this plan names (callers with any other selector pass their own)."""
+        recent = self.recent_blocks
+        common = dict(topk_blocks=self.topk_blocks, sink_blocks=self.sink_blocks, local_blocks=max(recent - 1, 0),
+                      force_newest=recent > 0, dense_layers=self.dense_layers)
+        if self.selector == "quest":
+            return QuestSelector(gqa_reduce="max", **common)
+        return InfLLMSelector(gqa_reduce="sum", representatives=self.infllm_representatives, **common)
+
+    def make_predictor(self) -> Predictor | None:
+        """The prr.predictors object this plan names; None for predictor="fixed" (P set from outside)."""
+        if self.predictor == "last_step":
+            return LastStepPredictor()
+        if self.predictor == "ema_membership":
+            return EmaMembershipPredictor(alpha=self.ema_alpha)
+        return None

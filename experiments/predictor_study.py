@@ -4,8 +4,8 @@
                                           [--tasks long_text ruler_...] [--out experiments/results/cpu/predictor_study]
 
 How: one shadow-mode decode per task (attention stays dense, so the trajectory does not
-depend on the predictor) is captured through the ordinary runtime (DSABackend +
-prr_attention): the prefill-tail selections the predictor is calibrated and warmed on, and
+depend on the predictor) is captured through the ordinary runtime (DSABackend and its
+AttentionEngine step): the prefill-tail selections the predictor is calibrated and warmed on, and
 per decode step and sparse layer the query q [B, Hkv, G, D], the context size and the
 selection A. Every predictor option × |P| ratio is then replayed on that trace through its
 public interface in the runtime's order (calibrate, init_state, warm-up updates; then per
@@ -149,7 +149,7 @@ def capture(task: str, steps: int) -> tuple[Trace, dict[str, Any]]:
     trace = Trace()
     tracer = Tracer(instantiate(cfg.predictor), trace)
     backend = DSABackend(cache, mc.num_heads, selector, tracer, budget, mode="shadow", repair_mode=settings.repair_mode,
-                         calibration_tokens=settings.calibration_tokens, ops=instantiate(cfg.backend))
+                         calibration_tokens=settings.calibration_tokens, backend=instantiate(cfg.backend).name)
     generator = torch.Generator().manual_seed(cfg.seed)
     with torch.inference_mode():
         logits = model.decoder(prompt.input_ids, 0, backend)[:, -1]

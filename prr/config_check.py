@@ -147,7 +147,7 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
             problems.append(f"runtime.device={runtime.device!r} but this torch ({torch.__version__}) sees no CUDA device; "
                             "use runtime.device=cpu")
     if built["backend"].name == "triton":
-        from prr.runtime.triton_ops import problems as triton_problems
+        from prr.runtime.engine_ops import triton_problems
 
         problems += triton_problems(runtime.device, model.head_dim, runtime.block_size)
         problems += selector.triton_problems() or []

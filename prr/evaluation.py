@@ -98,7 +98,7 @@ class Engine:
         selector = self._selector()
         self.selection_backend = selector.set_backend(self.ops.name)
         probe = StageProbe(selector, self.settings.repair_mode, 1, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                           self.settings.block_size, self.max_tokens, self.dtype, self.device, ops=self.ops)
+                           self.settings.block_size, self.max_tokens, self.dtype, self.device, backend=self.ops.name)
         max_blocks = -(-self.max_tokens // self.settings.block_size)
         self.budget_info = self.budget.setup(probe, selector.selected_blocks(max_blocks), max_blocks)
         self.device_name = probe.device_name
@@ -162,7 +162,7 @@ class Engine:
                              self.dtype, self.device)
         return DSABackend(cache, mc.num_heads, selector, instantiate(self.cfg.predictor), self.budget, mode=s.mode,
                           repair_mode=s.repair_mode, calibration_tokens=s.calibration_tokens,
-                          dense_metrics_every=s.dense_metrics_every, check_serial=s.check_serial, ops=self.ops)
+                          dense_metrics_every=s.dense_metrics_every, check_serial=s.check_serial, backend=self.ops.name)
 
     def _start(self, input_ids: Tensor, new_tokens: int, prefill: Prefill | None,
                all_logits: bool = False) -> tuple[DSABackend, Tensor]:

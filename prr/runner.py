@@ -182,9 +182,9 @@ def decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     selection_backend = selector.set_backend(ops.name)
     backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode=settings.mode,
                          repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
-                         dense_metrics_every=settings.dense_metrics_every, check_serial=settings.check_serial, ops=ops)
+                         dense_metrics_every=settings.dense_metrics_every, check_serial=settings.check_serial, backend=ops.name)
     probe = StageProbe(selector, settings.repair_mode, settings.batch_size, mc.num_heads, mc.num_kv_heads,
-                       mc.head_dim, settings.block_size, cache.max_tokens, dtype, device, ops=ops)
+                       mc.head_dim, settings.block_size, cache.max_tokens, dtype, device, backend=ops.name)
     budget_info = budget.setup(probe, selector.selected_blocks(cache.max_blocks), cache.max_blocks)
     log.info("prompt: %s (%d tokens); model %s loaded in %.1f s", prompt.description, prompt_len, model.name, load_s)
 

@@ -121,9 +121,8 @@ def test_less_trained_with_every_block_selected_is_dense(cache_root, group):
     assert torch.all(comp.lse == float("-inf")) and torch.all(comp.out == 0)
     dense, _ = attend_dense(q, cache, 0, 61, 0.25)
     for predictor in (NoPredictor(), OraclePredictor()):
-        result = run_step(sel, predictor, cache, q, budget_blocks=3)
-        assert (result.state.out - dense.out).norm() / dense.out.norm() <= 1e-5
-        assert torch.allclose(result.state.lse, dense.lse, atol=1e-5)
+        out = run_step(sel, predictor, cache, q, budget_blocks=3)
+        assert (out - dense.out).norm() / dense.out.norm() <= 1e-5
     # A partial selection does use the trained map: the compensation is finite somewhere.
     small = LessSelector(topk_blocks=3, num_features=16, feature_map="trained", feature_map_model="toy")
     cache, q = structured_cache(small, 61, group, seed=group)

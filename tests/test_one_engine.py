@@ -30,7 +30,7 @@ COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration
 # `make test`: every selector and every predictor config at least once (each predictor paired
 # with a selector other than Quest where it can be), and every mode and Quest GQA reduction.
 # On a plain CPU the engine runs torch ops (prr/runtime/engine_ops.py); cases with backend=triton
-# run its Triton kernels under the interpreter (the eager runtime then runs TritonOps too).
+# run its Triton kernels under the interpreter (the eager runtime's step then runs them too).
 CASES = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
          ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),
          ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"),

@@ -34,7 +34,7 @@ def write_run(run_dir: Path, selector: str = "quest", predictor: str = "ema", ra
         "predictor": {"_target_": predictors[predictor], **({"alpha": 0.8} if predictor == "ema" else {})},
         "budget": {"_target_": "prr.budget.fixed.FixedBudget", "ratio": ratio, "blocks": None},
         "runtime": {"_target_": "prr.runtime.settings.RuntimeSettings", "mode": "shadow", "block_size": 16},
-        "backend": {"_target_": "prr.runtime.ops.TorchOps"},
+        "backend": {"_target_": "prr.runtime.engine_ops.OpsBackend", "name": "torch"},
         "logger": {"_target_": "prr.sinks.NoLogger"},
         "seed": 0,
     }

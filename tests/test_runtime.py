@@ -13,6 +13,7 @@ from prr.metrics import layer_step_rows, summarize
 from prr.predictors import EmaPredictor, LastStepPredictor, NoPredictor, OraclePredictor
 from prr.runtime.dsa_backend import DSABackend
 from prr.selectors import DenseSelector, QuestSelector
+from tests.helpers import eager_step
 
 
 def run_backend(predictor, repair_mode="exact", mode="sparse", selector=None, group=3, prompt=203, steps=12,
@@ -59,18 +60,15 @@ def test_superset_output_matches_reference_union():
     k = torch.randn(1, 2, 99, 16)
     cache.append(0, k, torch.randn(1, 2, 99, 16))
     sel.update_metadata(cache, 0, 0, 99)
-    from prr.runtime.prr_step import prr_attention
-    from prr.runtime.timing import StageTimer
-
     pred = LastStepPredictor()
     st = pred.init_state(1, 1, 2, cache.max_blocks, "cpu")
     q = torch.randn(1, 2, 3, 16)
     pred.update(st, 0, sel.select(torch.randn(1, 2, 3, 16), cache, 0))
     predicted = pred.propose(st, 0, cache.num_blocks(0), 4)
-    result = prr_attention(q, cache, 0, sel, pred, st, 4, "superset", StageTimer(torch.device("cpu")), 0.25)
-    union = result.selection.blocks.mask(cache.max_blocks) | predicted.mask(cache.max_blocks)
+    out, selection, _ = eager_step(sel, pred, cache, q, 4, repair_mode="superset", state=st)
+    union = selection.blocks.mask(cache.max_blocks) | predicted.mask(cache.max_blocks)
     ref = attend_blocks(q, cache, 0, BlockSet.from_mask(union), 99, 0.25)
-    assert torch.allclose(result.state.out, ref.out, atol=1e-5)
+    assert torch.allclose(out, ref.out, atol=1e-5)
 
 
 def test_shadow_mode_returns_dense_attention_and_dense_selector_equals_dense():
@@ -91,20 +89,6 @@ def test_hit_rate_at_k_is_budget_free():
     assert summary["hit_rate_at_k"] == pytest.approx(summary["last_step_overlap"])
     _, _, oracle = run_backend(OraclePredictor(), ratio=0.0)
     assert summarize(oracle, pd.DataFrame())["hit_rate_at_k"] == 1.0
-
-
-def test_oracle_without_current_selection_is_an_error():
-    from prr.runtime.prr_step import prr_attention
-    from prr.runtime.timing import StageTimer
-
-    sel = QuestSelector(topk_blocks=2)
-    cache = PagedKVCache(1, 1, 2, 16, 8, 40)
-    cache.append(0, torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16))
-    sel.update_metadata(cache, 0, 0, 40)
-    pred = OraclePredictor()
-    with pytest.raises(ValueError, match="needs the current selection"):
-        prr_attention(torch.randn(1, 2, 3, 16), cache, 0, sel, pred, pred.init_state(1, 1, 2, 5, "cpu"), 2, "exact",
-                      StageTimer(torch.device("cpu")), 0.25)
 
 
 def test_prefill_tail_selections_are_causal():

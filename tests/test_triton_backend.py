@@ -8,8 +8,7 @@ from prr.budget.fixed import FixedBudget
 from prr.cache import PagedKVCache
 from prr.predictors import EmaPredictor, LastStepPredictor
 from prr.runtime.dsa_backend import DSABackend
-from prr.runtime.ops import TorchOps
-from prr.runtime.triton_ops import TritonOps, problems
+from prr.runtime.engine_ops import triton_problems as problems
 from prr.selectors import QuestSelector
 
 
@@ -18,7 +17,7 @@ def decode_outputs(ops, predictor, repair_mode, group, seed=0):
     hkv, d, bs, prompt, steps = 2, 64, 16, 150, 4
     cache = PagedKVCache(2, 1, hkv, d, bs, prompt + steps)
     backend = DSABackend(cache, hkv * group, QuestSelector(topk_blocks=4, dense_layers=[0]), predictor,
-                         FixedBudget(ratio=1.5), repair_mode=repair_mode, calibration_tokens=8, ops=ops)
+                         FixedBudget(ratio=1.5), repair_mode=repair_mode, calibration_tokens=8, backend=ops)
     for layer in range(2):
         backend.prefill(layer, torch.randn(1, hkv * group, prompt, d, generator=g),
                         torch.randn(1, hkv, prompt, d, generator=g), torch.randn(1, hkv, prompt, d, generator=g))
@@ -35,14 +34,14 @@ def decode_outputs(ops, predictor, repair_mode, group, seed=0):
 @pytest.mark.parametrize("repair_mode", ["exact", "superset"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_triton_backend_matches_torch_reference(repair_mode, group):
-    ref = decode_outputs(TorchOps(), LastStepPredictor(), repair_mode, group)
-    got = decode_outputs(TritonOps(), LastStepPredictor(), repair_mode, group)
+    ref = decode_outputs("torch", LastStepPredictor(), repair_mode, group)
+    got = decode_outputs("triton", LastStepPredictor(), repair_mode, group)
     assert ((got - ref).norm() / ref.norm()) < 1e-5
 
 
 def test_triton_backend_with_ema_predictor():
-    ref = decode_outputs(TorchOps(), EmaPredictor(), "exact", 3, seed=1)
-    got = decode_outputs(TritonOps(), EmaPredictor(), "exact", 3, seed=1)
+    ref = decode_outputs("torch", EmaPredictor(), "exact", 3, seed=1)
+    got = decode_outputs("triton", EmaPredictor(), "exact", 3, seed=1)
     assert ((got - ref).norm() / ref.norm()) < 1e-5
 
 
@@ -61,7 +60,7 @@ def decode_with_selector_backend(backend, gqa_reduce="max", seed=2):
     assert sel.set_backend(backend) == backend
     cache = PagedKVCache(1, 1, hkv, d, bs, prompt + steps)
     dsa = DSABackend(cache, hkv * group, sel, LastStepPredictor(), FixedBudget(), calibration_tokens=8,
-                     ops=(TritonOps() if backend == "triton" else TorchOps()))
+                     backend=backend)
     dsa.prefill(0, torch.randn(1, hkv * group, prompt, d, generator=g), torch.randn(1, hkv, prompt, d, generator=g),
                 torch.randn(1, hkv, prompt, d, generator=g))
     dsa.finish_prefill()

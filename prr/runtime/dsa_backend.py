@@ -1,5 +1,9 @@
-"""The DSA/PRR attention backend: owns the paged KV cache, the selector's metadata and the
-predictor's state, and runs each sparse layer's decode step through `prr_attention`.
+"""The DSA/PRR attention backend of the research runtime: owns the paged KV cache, the
+selector's metadata and the predictor's state, and runs each layer's decode attention
+through `AttentionEngine` — the graph engine's own step, run eagerly: one stage after the
+other, each timed (`StageTimer`: events on CUDA, resolved at end_step), with the budget's |P|
+for this layer and step. Beside the step (untimed) it measures what the records need: the
+predictor's top-|A| ranking, the dense reference and the serial-DSA check.
 
 Run modes: `sparse` returns the PRR output (the selection decides what is attended);
 `shadow` returns dense attention while selector, predictor and budget run beside it on the
@@ -23,9 +27,10 @@ from prr.blocks import BlockSet
 from prr.budget.base import SpeculationBudget
 from prr.cache import PagedKVCache
 from prr.predictors.base import Predictor
-from prr.runtime.ops import BlockAttentionOps, TorchOps
-from prr.runtime.prr_step import REPAIR_MODES, prr_attention
+from prr.runtime.attention_engine import AttentionEngine
+from prr.runtime.engine_ops import BACKENDS
 from prr.runtime.records import LayerStepRecord
+from prr.runtime.static_plan import REPAIR_MODES, StaticPlan
 from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
 
@@ -47,14 +52,18 @@ class DSABackend:
         calibration_tokens: int = 32,
         dense_metrics_every: int = 1,
         check_serial: bool = False,
-        ops: BlockAttentionOps | None = None,
+        backend: str = "torch",
     ) -> None:
+        """backend: the op backend of the step (prr/runtime/engine_ops.py): "torch" (any
+        device) or "triton" (CUDA, or the CPU under TRITON_INTERPRET=1)."""
         if mode not in RUN_MODES:
             raise ValueError(f"runtime.mode={mode!r} is not one of {list(RUN_MODES)}")
         if repair_mode not in REPAIR_MODES:
             raise ValueError(f"runtime.repair_mode={repair_mode!r} is not one of {list(REPAIR_MODES)}")
         if num_heads % cache.num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={cache.num_kv_heads}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
         self.cache = cache
         self.group = num_heads // cache.num_kv_heads
         self.scale = 1.0 / math.sqrt(cache.head_dim)
@@ -63,8 +72,14 @@ class DSABackend:
         self.calibration_tokens = calibration_tokens
         self.dense_metrics_every = dense_metrics_every
         self.check_serial = check_serial
-        self.ops = ops or TorchOps()
+        self.backend = backend
         self.timer = StageTimer(cache.device)
+        # The step itself: stages one after the other (no side stream, no fused tail), so each
+        # stage has its own timer; P buffers sized per step by the budget.
+        plan = StaticPlan(variant="serial", predictor="fixed", repair_mode=repair_mode, block_size=cache.block_size,
+                          overlap=False,
+                          fused_repair=False, fuse_merge=False)
+        self.engine = AttentionEngine(plan, cache, num_heads, selector, predictor, backend, timer=self.timer)
         self.step = 0
         self.history: list[list[Selection] | None] = [None] * cache.num_layers  # prefill-tail selections
         self.previous: list[Tensor | None] = [None] * cache.num_layers
@@ -106,6 +121,7 @@ class DSABackend:
         info = self.predictor.calibrate(self.history)
         c = self.cache
         self.predictor_state = self.predictor.init_state(c.num_layers, c.batch, c.num_kv_heads, c.max_blocks, c.device)
+        self.engine.adopt_predictor_state(self.predictor_state)
         for layer, selections in enumerate(self.history):
             for selection in selections or []:
                 self.predictor.update(self.predictor_state, layer, selection)
@@ -122,23 +138,25 @@ class DSABackend:
         if not self.selector.is_dense_layer(layer):  # the decode step's own metadata update (static shapes)
             self.selector.append_metadata(self.cache, layer, torch.full((self.cache.batch,), start, device=q.device))
         qg = self._grouped(q)  # [B, Hkv, G, D]
-        if self.selector.is_dense_layer(layer):
-            dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)
-            return self._finished(layer, dense.out.to(q.dtype).view_as(q))
+        batch, dev = self.cache.batch, q.device
         num_blocks = self.cache.num_blocks(layer)
+        lengths = torch.full((batch,), end, dtype=torch.int32, device=dev)
+        block_counts = torch.full((batch,), num_blocks, dtype=torch.int32, device=dev)
+        if self.selector.is_dense_layer(layer):
+            return self._finished(layer, self.engine.dense_attention(layer, q, lengths, block_counts).to(q.dtype))
         budget_blocks = self.budget.predicted_blocks(layer, num_blocks, self.selector.selected_blocks(num_blocks))
-        # Untimed measurement before the step: the oracle's look at the answer, and the
-        # predictor's ranking (best first), to judge its top-|A_t| whatever |P| the budget chose.
+        # Untimed measurement before the step: the predictor's ranking (best first), to judge its
+        # top-|A_t| whatever |P| the budget chose (the oracle ranks by this step's A).
         measure_start = time.perf_counter()
         current = self.selector.select(qg, self.cache, layer) if self.predictor.needs_current_selection else None
         capacity = self.selector.capacity(self.group, self.cache.max_blocks)  # |A| at most
         query = {"query": qg} if getattr(self.predictor, "needs_query", False) else {}  # query_similarity
-        ranking = self.predictor.propose(self.predictor_state, layer, self.cache.num_blocks(layer), capacity, current,
-                                         **query)
+        ranking = self.predictor.propose(self.predictor_state, layer, num_blocks, capacity, current, **query)
         self.measure_s += time.perf_counter() - measure_start
-        result = prr_attention(qg, self.cache, layer, self.selector, self.predictor, self.predictor_state,
-                               budget_blocks, self.repair_mode, self.timer, self.scale, current=current,
-                               ops=self.ops)
+        out, selection = self.engine.sparse_attention(layer, q, lengths, block_counts, predicted_blocks=budget_blocks,
+                                                      fp32=True)  # [B, Hq, D] fp32
+        predicted = self.engine.prediction(layer) if budget_blocks else None
+        result_out = out.view_as(qg)  # [B, Hkv, G, D]
         marks = self.timer.take()  # resolved in end_step: no synchronisation inside the step
 
         # Measurements beside the step (untimed): dense reference, serial-DSA equivalence.
@@ -148,20 +166,21 @@ class DSABackend:
         if self.mode == "shadow" or self.step % self.dense_metrics_every == 0:
             dense, mass = attend_dense(qg, self.cache, layer, end, self.scale)
             block_mass = mass.mean(2)  # [B, Hkv, max_blocks]
-            output_relerr = relative_error(result.state.out, dense.out)
+            output_relerr = relative_error(result_out, dense.out)
         if self.check_serial:
-            serial = attend_blocks(qg, self.cache, layer, result.selection.blocks, end, self.scale)
+            serial = attend_blocks(qg, self.cache, layer, selection.blocks, end, self.scale)
             if self.selector.compensates:  # serial DSA gets the same compensation as the PRR step
-                serial = merge(serial, self.selector.compensation(qg, self.cache, layer, result.selection))
-            serial_relerr = relative_error(result.state.out, serial.out)
+                serial = merge(serial, self.selector.compensation(qg, self.cache, layer, selection))
+            serial_relerr = relative_error(result_out, serial.out)
         if self.mode == "sparse":  # in shadow mode the dense attention is the step's real output
             self.measure_s += time.perf_counter() - measure_start
-        selected = result.selection.blocks.mask(self.cache.max_blocks)
+        selected = selection.blocks.mask(self.cache.max_blocks)
+        predicted_mask = predicted.mask(self.cache.max_blocks) if predicted is not None else torch.zeros_like(selected)
         # The predictor's top-|A_t| blocks: ranking entries before position |A_t|.
-        top_of_ranking = BlockSet(ranking.indices, torch.minimum(ranking.count, result.selection.blocks.count))
+        top_of_ranking = BlockSet(ranking.indices, torch.minimum(ranking.count, selection.blocks.count))
         self.records.append(LayerStepRecord(
             step=self.step, layer=layer, context_tokens=end, selected=selected,
-            predicted=result.predicted.mask(self.cache.max_blocks), previous=self.previous[layer],
+            predicted=predicted_mask, previous=self.previous[layer],
             ranked_at_k=top_of_ranking.mask(self.cache.max_blocks),
             budget_blocks=budget_blocks, timings={}, block_mass=block_mass,
             output_relerr=output_relerr, serial_relerr=serial_relerr,
@@ -172,7 +191,7 @@ class DSABackend:
             if dense is None:
                 dense, _ = attend_dense(qg, self.cache, layer, end, self.scale)
             return self._finished(layer, dense.out.to(q.dtype).view_as(q))
-        return self._finished(layer, result.state.out.to(q.dtype).view_as(q))
+        return self._finished(layer, out.to(q.dtype))
 
     def _finished(self, layer: int, out: Tensor) -> Tensor:
         """Note whether a layer's attention output is finite (a device flag: no sync here)."""

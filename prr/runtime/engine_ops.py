@@ -16,6 +16,8 @@ torch namespace: `StaticPlan.projections="fused"` needs backend triton.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,6 +30,36 @@ from prr.block_attention import partials_over
 from prr.blocks import BlockSet
 
 BACKENDS = ("triton", "torch")
+TRITON_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class OpsBackend:
+    """The `backend` config group: the op backend of every engine in the run (conf/backend)."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in BACKENDS:
+            raise ValueError(f"backend={self.name!r} is not one of {list(BACKENDS)}")
+
+
+def triton_problems(device: str, head_dim: int, block_size: int) -> list[str]:
+    """Reasons backend=triton cannot run this configuration (empty when it can)."""
+    out = []
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return ["backend=triton needs the triton package (pip install triton), or use backend=torch"]
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        out.append(f"backend=triton runs on a CUDA device (runtime.device={device!r}); on a CPU only under "
+                   "TRITON_INTERPRET=1, for tests. Use backend=torch on the CPU")
+    if head_dim not in TRITON_HEAD_DIMS:
+        out.append(f"backend=triton supports head_dim in {list(TRITON_HEAD_DIMS)}, the model has {head_dim}; "
+                   "use backend=torch")
+    if block_size < 16:
+        out.append(f"backend=triton needs runtime.block_size >= 16, got {block_size}")
+    return out
 
 
 def _blocked(cache: Tensor, block_size: int) -> Tensor:

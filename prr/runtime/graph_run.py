@@ -159,7 +159,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     selector.set_backend(ops.name)
     backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode="sparse",
                          repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
-                         dense_metrics_every=1, check_serial=False, ops=ops)
+                         dense_metrics_every=1, check_serial=False, backend=ops.name)
     with torch.inference_mode():
         t0 = time.perf_counter()
         logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]

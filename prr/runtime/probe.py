@@ -1,6 +1,7 @@
-"""Times selection, speculation and the whole attention stage (the eager runtime's step,
-`prr_attention`) for one layer of the model's shape on the running device, on random data
-in a scratch cache: what `budget=profiled` measures when the eager runtime decodes."""
+"""Times selection, speculation and the whole attention stage (the eager runtime's step:
+`AttentionEngine.sparse_attention` run stage by stage, as DSABackend runs it) for one layer of
+the model's shape on the running device, on random data in a scratch cache: what
+`budget=profiled` measures when the eager runtime decodes."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from prr.blocks import BlockSet, controlled_predictions
 from prr.budget.base import StageTiming
 from prr.cache import PagedKVCache
 from prr.predictors.base import NEVER, Predictor
-from prr.runtime.ops import BlockAttentionOps, TorchOps
-from prr.runtime.prr_step import prr_attention
+from prr.runtime.attention_engine import AttentionEngine
+from prr.runtime.static_plan import StaticPlan
 from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
 
@@ -82,14 +83,14 @@ class StageProbe:
         device: torch.device,
         repeats: int = 9,
         seed: int = 0,
-        ops: BlockAttentionOps | None = None,
+        backend: str = "torch",
     ) -> None:
+        """backend: the op backend the runtime's step runs on (prr/runtime/engine_ops.py)."""
         self.selector, self.repair_mode, self.repeats = selector, repair_mode, repeats
-        self.device = device
-        self.ops = ops or TorchOps()
+        self.device, self.backend, self.num_heads = device, backend, num_heads
         self.device_name = device_name(device)
         self.shape_key = (f"B={batch} Hq={num_heads} Hkv={num_kv_heads} D={head_dim} block={block_size} "
-                          f"dtype={dtype} ops={self.ops.name} selector={type(selector).__name__}:{selector.gqa_reduce} repair={repair_mode}")
+                          f"dtype={dtype} ops={backend} selector={type(selector).__name__}:{selector.gqa_reduce} repair={repair_mode}")
         self._shape = (batch, num_heads, num_kv_heads, head_dim, block_size, max_tokens, dtype, seed)
         self.scale = 1.0 / math.sqrt(head_dim)
         self._cache: PagedKVCache | None = None  # built on first use: budgets that never probe pay nothing
@@ -116,20 +117,36 @@ class StageProbe:
         length = context_blocks * cache.block_size
         return self._timing(lambda: self.selector.select(q, cache, 0, length=length))
 
+    def _engine(self, cache: PagedKVCache, predictor: Predictor | None, timer: StageTimer | None = None
+                ) -> AttentionEngine:
+        """The eager runtime's step over the scratch cache (stages one after the other)."""
+        plan = StaticPlan(variant="serial", predictor="fixed", repair_mode=self.repair_mode, block_size=cache.block_size,
+                          overlap=False,
+                          fused_repair=False, fuse_merge=False)
+        return AttentionEngine(plan, cache, self.num_heads, self.selector, predictor, self.backend, timer=timer)
+
+    @staticmethod
+    def _positions(cache: PagedKVCache, context_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (lengths [B], num_blocks [B]) int32 of a context of context_blocks whole blocks."""
+        b, dev = cache.batch, cache.keys[0].device
+        return (torch.full((b,), context_blocks * cache.block_size, dtype=torch.int32, device=dev),
+                torch.full((b,), context_blocks, dtype=torch.int32, device=dev))
+
     def time_speculate(self, predicted_blocks: int, context_blocks: int) -> StageTiming:
         cache, q = self._scratch()
-        length = context_blocks * cache.block_size
+        lengths, _ = self._positions(cache, context_blocks)
         b, h = q.shape[:2]
-        ids = torch.randperm(context_blocks)[:predicted_blocks].sort().values.to(self.device)
-        blocks = BlockSet(indices=ids.expand(b, h, -1).contiguous(),
-                          count=torch.full((b, h), predicted_blocks, device=self.device))
-        attend = self.ops.partials if self.repair_mode == "exact" else self.ops.attend
-        return self._timing(lambda: attend(q, cache, 0, blocks, length, self.scale))
+        ids = torch.randperm(context_blocks)[:predicted_blocks].sort().values.to(self.device, torch.int32)
+        idx = ids.expand(b, h, -1).contiguous()
+        cnt = torch.full((b, h), predicted_blocks, dtype=torch.int32, device=self.device)
+        engine, flat = self._engine(cache, None), q.reshape(b, -1, q.shape[-1])  # [B, Hq, D]
+        per_block = self.repair_mode == "exact"
+        return self._timing(lambda: engine.attend(0, flat, idx, cnt, lengths, per_block=per_block))
 
     def time_stage(self, context_blocks: int, predicted_blocks: int, hit_rate: float) -> StageTiming:
-        """The eager runtime's attention stage (prr_attention, stages one after the other) over
-        this context: serial DSA for predicted_blocks = 0, else PRR with P of that many blocks
-        holding hit_rate of A."""
+        """The eager runtime's attention stage (AttentionEngine.sparse_attention, stages one
+        after the other, timed) over this context: serial DSA for predicted_blocks = 0, else PRR
+        with P of that many blocks holding hit_rate of A."""
         cache, q = self._scratch()
         length = context_blocks * cache.block_size
         selection = self.selector.select(q, cache, 0, length=length)
@@ -138,9 +155,11 @@ class StageProbe:
                                           context_blocks, gen, size=predicted_blocks)
         given = GivenPrediction(BlockSet(idx[..., :predicted_blocks], cnt), cache.max_blocks)
         timer = StageTimer(self.device)
+        engine = self._engine(cache, given, timer)
+        lengths, num_blocks = self._positions(cache, context_blocks)
+        flat = q.reshape(q.shape[0], -1, q.shape[-1])  # [B, Hq, D]
 
         def stage() -> None:
-            prr_attention(q, cache, 0, self.selector, given, None, predicted_blocks, self.repair_mode, timer,
-                          self.scale, ops=self.ops)
+            engine.sparse_attention(0, flat, lengths, num_blocks, predicted_blocks=predicted_blocks)
             timer.take()
         return self._timing(stage)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prr.cache import is_power_of_two
 from prr.runtime.dsa_backend import RUN_MODES
-from prr.runtime.prr_step import REPAIR_MODES
+from prr.runtime.static_plan import REPAIR_MODES
 
 ENGINES = ("eager", "graph")
 PROJECTIONS = ("auto", "torch", "fused")

@@ -175,7 +175,8 @@ def test_graph_engine_bf16_selects_what_the_eager_runtime_selects():
 
     def prefilled() -> tuple[PagedKVCache, DSABackend, torch.Tensor]:
         cache = PagedKVCache(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, 16, prompt_len + 8, r.dtype, r.device)
-        backend = DSABackend(cache, mc.num_heads, r.selector, r.predictor, r.budget, ops=instantiate(cfg.backend))
+        backend = DSABackend(cache, mc.num_heads, r.selector, r.predictor, r.budget,
+                             backend=instantiate(cfg.backend).name)
         logits = r.model.decoder(r.input_ids, 0, backend)[:, -1]
         return cache, backend, logits.argmax(-1)
 

@@ -1,0 +1,112 @@
+"""Ragged batches in the graph engine (CPU, backend="torch", fp32): rows of different context
+lengths decode, token for token and selection for selection, what each row decodes alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prr.model.config import ModelConfig
+from prr.model.decoder import Decoder
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan
+from prr.selectors import QuestSelector
+
+CONFIG = ModelConfig(arch="llama", vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False, max_position_embeddings=512)
+LENGTHS = [37, 90, 61]  # blocks of 8: each row crosses block boundaries at its own steps
+STEPS = 13
+MAX_TOKENS = 128
+
+
+def context(seed: int = 7):
+    """Random K/V [3, Hkv, T, D] per layer (zero past each row's length), first tokens [3],
+    InfLLM catch-up queries [3, Hkv, G, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(LENGTHS), CONFIG.num_kv_heads, MAX_TOKENS, CONFIG.head_dim)
+    keys, values = [], []
+    for _ in range(CONFIG.num_layers):
+        k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        for b, n in enumerate(LENGTHS):
+            k[b, :, n:], v[b, :, n:] = 0, 0
+        keys.append(k)
+        values.append(v)
+    tokens = torch.randint(0, CONFIG.vocab_size, (len(LENGTHS),), generator=gen)
+    group = CONFIG.num_heads // CONFIG.num_kv_heads
+    query = torch.randn(len(LENGTHS), CONFIG.num_kv_heads, group, CONFIG.head_dim, generator=gen)
+    return keys, values, tokens, query
+
+
+def decode(plan: StaticPlan, rows: list[int], selector=None):
+    """Greedy decode of the rows `rows` of `context()` in one batch -> (tokens [B, STEPS], per
+    step and sparse layer (A indices [B, Hkv, K], counts [B, Hkv], P counts or None))."""
+    model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.3)
+    engine = GraphDecoder(model, plan, batch=len(rows), max_tokens=MAX_TOKENS, backend="torch", selector=selector)
+    keys, values, tokens, query = context()
+    lengths = [LENGTHS[b] for b in rows]
+    engine.fill_from_cache([k[rows] for k in keys], [v[rows] for v in values], lengths if len(rows) > 1 else lengths[0],
+                           tokens[rows])
+    engine.start_at(lengths, tokens[rows], query=query[rows])  # InfLLM's catch-up with each row's own query
+    out, selections = [], []
+    for _ in range(STEPS):
+        engine.step(advance=True)
+        out.append(engine.token[:, 0].clone())
+        selections.append([(*(t.clone() for t in engine.last_selection[layer]),
+                            None if engine.pred_cnt[layer] is None else engine.pred_cnt[layer].clone())
+                           for layer in range(CONFIG.num_layers) if engine.sparse[layer]])
+    assert engine.pos.tolist() == [n + STEPS for n in lengths]
+    return torch.stack(out, 1), selections
+
+
+PLANS = [
+    ("quest", "serial", None), ("quest", "prr", "ema_membership"), ("quest", "prr", "last_step"),
+    ("infllm", "serial", None), ("infllm", "prr", "last_step"),
+]
+
+
+@pytest.mark.parametrize("selector,variant,predictor", PLANS)
+def test_ragged_batch_decodes_what_each_row_decodes_alone(selector, variant, predictor):
+    plan = StaticPlan(variant=variant, selector=selector, topk_blocks=4, predicted_blocks=3, block_size=8,
+                      sink_blocks=1, recent_blocks=1, dense_layers=(0,), predictor=predictor or "ema_membership",
+                      count_hits=True)
+    batch_tokens, batch_sel = decode(plan, [0, 1, 2])
+    for b in range(len(LENGTHS)):
+        alone_tokens, alone_sel = decode(plan, [b])
+        assert torch.equal(batch_tokens[b], alone_tokens[0]), f"row {b}"
+        for step, (in_batch, alone) in enumerate(zip(batch_sel, alone_sel, strict=True)):
+            for (idx, cnt, pcnt), (idx1, cnt1, pcnt1) in zip(in_batch, alone, strict=True):
+                where = f"row {b} step {step}"
+                assert torch.equal(cnt[b], cnt1[0]), where
+                assert torch.equal(idx[b], idx1[0]), where
+                if pcnt is not None:
+                    assert torch.equal(pcnt[b], pcnt1[0]), where
+
+
+def test_row_lengths_are_checked_and_the_int_form_still_works():
+    plan = StaticPlan(variant="serial", topk_blocks=4, block_size=8, dense_layers=(0,))
+    model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.3)
+    engine = GraphDecoder(model, plan, batch=3, max_tokens=MAX_TOKENS, backend="torch")
+    keys, values, tokens, _ = context()
+    with pytest.raises(ValueError, match="one context length per row"):
+        engine.fill_from_cache(keys, values, [37, 90], tokens)
+    with pytest.raises(ValueError, match="must be in"):
+        engine.fill_from_cache(keys, values, [37, 90, MAX_TOKENS], tokens)
+    engine.fill_from_cache(keys, values, 37, tokens)
+    assert engine.pos.tolist() == [37, 37, 37]
+    engine.fill_from_cache(keys, values, torch.tensor(LENGTHS), tokens)
+    assert engine.pos.tolist() == LENGTHS
+
+
+class RowBlindQuest(QuestSelector):
+    per_row_metadata = False
+
+
+def test_a_selector_without_per_row_metadata_refuses_ragged_rows():
+    plan = StaticPlan(variant="serial", topk_blocks=4, block_size=8, dense_layers=(0,))
+    model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.3)
+    selector = RowBlindQuest(topk_blocks=4, dense_layers=(0,))
+    engine = GraphDecoder(model, plan, batch=3, max_tokens=MAX_TOKENS, backend="torch", selector=selector)
+    keys, values, tokens, _ = context()
+    with pytest.raises(ValueError, match="RowBlindQuest.*per-row metadata"):
+        engine.fill_from_cache(keys, values, LENGTHS, tokens)
+    engine.fill_from_cache(keys, values, 61, tokens)  # equal lengths need no per-row rebuild

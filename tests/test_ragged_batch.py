@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
@@ -38,8 +39,9 @@ def context(seed: int = 7):
 
 
 def decode(plan: StaticPlan, rows: list[int], selector=None):
-    """Greedy decode of the rows `rows` of `context()` in one batch -> (tokens [B, STEPS], per
-    step and sparse layer (A indices [B, Hkv, K], counts [B, Hkv], P counts or None))."""
+    """Greedy decode of the rows `rows` of `context()` in one batch -> (tokens [B, STEPS],
+    [metadata after start_at, per step and sparse layer (A indices [B, Hkv, K], counts [B, Hkv],
+    next P's indices [B, Hkv, |P|], counts [B, Hkv] or None, None)..., metadata at the end])."""
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.3)
     engine = GraphDecoder(model, plan, batch=len(rows), max_tokens=MAX_TOKENS, backend="torch", selector=selector)
     keys, values, tokens, query = context()
@@ -47,15 +49,24 @@ def decode(plan: StaticPlan, rows: list[int], selector=None):
     engine.fill_from_cache([k[rows] for k in keys], [v[rows] for v in values], lengths if len(rows) > 1 else lengths[0],
                            tokens[rows])
     engine.start_at(lengths, tokens[rows], query=query[rows])  # InfLLM's catch-up with each row's own query
-    out, selections = [], []
+    out, selections = [], [metadata(engine)]
     for _ in range(STEPS):
         engine.step(advance=True)
         out.append(engine.token[:, 0].clone())
         selections.append([(*(t.clone() for t in engine.last_selection[layer]),
-                            None if engine.pred_cnt[layer] is None else engine.pred_cnt[layer].clone())
+                            *((None, None) if engine.pred_cnt[layer] is None else
+                              (engine.pred_idx[layer].clone(), engine.pred_cnt[layer].clone())))
                            for layer in range(CONFIG.num_layers) if engine.sparse[layer]])
     assert engine.pos.tolist() == [n + STEPS for n in lengths]
-    return torch.stack(out, 1), selections
+    return torch.stack(out, 1), selections + [metadata(engine)]
+
+
+def metadata(engine: GraphDecoder) -> list[tuple[Tensor, ...]]:
+    """Every per-row metadata slot of the sparse layers, [B, ...] copies (Quest's key max / min,
+    InfLLM's representatives and finalised counts)."""
+    cache = engine.cache
+    return [tuple(cache.metadata[layer][name].clone() for name in sorted(cache._per_row[layer]))
+            for layer in range(CONFIG.num_layers) if engine.sparse[layer]]
 
 
 PLANS = [
@@ -73,13 +84,19 @@ def test_ragged_batch_decodes_what_each_row_decodes_alone(selector, variant, pre
     for b in range(len(LENGTHS)):
         alone_tokens, alone_sel = decode(plan, [b])
         assert torch.equal(batch_tokens[b], alone_tokens[0]), f"row {b}"
+        # [metadata at the start, selections of each step..., metadata at the end]
         for step, (in_batch, alone) in enumerate(zip(batch_sel, alone_sel, strict=True)):
-            for (idx, cnt, pcnt), (idx1, cnt1, pcnt1) in zip(in_batch, alone, strict=True):
-                where = f"row {b} step {step}"
-                assert torch.equal(cnt[b], cnt1[0]), where
-                assert torch.equal(idx[b], idx1[0]), where
-                if pcnt is not None:
-                    assert torch.equal(pcnt[b], pcnt1[0]), where
+            for layer, (mine, single) in enumerate(zip(in_batch, alone, strict=True)):
+                assert len(mine) == len(single) > 0
+                for i, (x, y) in enumerate(zip(mine, single, strict=True)):  # A, next P: indices, counts
+                    where = f"row {b}, entry {step}, sparse layer {layer}, tensor {i}"
+                    if x is None:
+                        continue
+                    if step == len(batch_sel) - 1:  # decoded keys: batched projections round differently
+                        assert torch.equal(torch.isfinite(x[b]), torch.isfinite(y[0])), where
+                        torch.testing.assert_close(x[b], y[0], rtol=1e-4, atol=1e-4, msg=where)
+                    else:
+                        assert torch.equal(x[b], y[0]), where
 
 
 def test_row_lengths_are_checked_and_the_int_form_still_works():

@@ -10,7 +10,7 @@ from torch import Tensor
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
-from prr.selectors import QuestSelector
+from prr.selectors import LessSelector, QuestSelector
 
 CONFIG = ModelConfig(arch="llama", vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
@@ -75,14 +75,21 @@ PLANS = [
 ]
 
 
-@pytest.mark.parametrize("selector,variant,predictor", PLANS)
+def less() -> LessSelector:
+    """LESS over Quest scores with its compensation: per-row running totals and centres."""
+    return LessSelector(topk_blocks=4, sink_blocks=1, dense_layers=(0,), num_features=16)
+
+
+@pytest.mark.parametrize("selector,variant,predictor", PLANS + [("less", "serial", None),
+                                                                ("less", "prr", "ema_membership")])
 def test_ragged_batch_decodes_what_each_row_decodes_alone(selector, variant, predictor):
-    plan = StaticPlan(variant=variant, selector=selector, topk_blocks=4, predicted_blocks=3, block_size=8,
-                      sink_blocks=1, recent_blocks=1, dense_layers=(0,), predictor=predictor or "ema_membership",
-                      count_hits=True)
-    batch_tokens, batch_sel = decode(plan, [0, 1, 2])
+    plan = StaticPlan(variant=variant, selector="quest" if selector == "less" else selector, topk_blocks=4,
+                      predicted_blocks=3, block_size=8, sink_blocks=1, recent_blocks=1, dense_layers=(0,),
+                      predictor=predictor or "ema_membership", count_hits=True)
+    chosen = less if selector == "less" else lambda: None
+    batch_tokens, batch_sel = decode(plan, [0, 1, 2], chosen())
     for b in range(len(LENGTHS)):
-        alone_tokens, alone_sel = decode(plan, [b])
+        alone_tokens, alone_sel = decode(plan, [b], chosen())
         assert torch.equal(batch_tokens[b], alone_tokens[0]), f"row {b}"
         # [metadata at the start, selections of each step..., metadata at the end]
         for step, (in_batch, alone) in enumerate(zip(batch_sel, alone_sel, strict=True)):

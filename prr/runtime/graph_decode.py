@@ -155,16 +155,20 @@ class GraphDecoder(AttentionEngine):
 
     # --- context ------------------------------------------------------------------------
     @torch.no_grad()
-    def fill_random_context(self, length: int, seed: int = 0) -> None:
-        """Random K/V for positions [0, length) of every layer, their metadata, pos = length.
-        Timings do not depend on values (bf16 normals, never zeros)."""
-        if not 0 < length < self.max_tokens:
-            raise ValueError(f"context length {length} must be in [1, {self.max_tokens}) (max_tokens)")
+    def fill_random_context(self, length: int | list[int] | Tensor, seed: int = 0) -> None:
+        """Random K/V for positions [0, length) of every layer, their metadata, pos = length
+        (an int, or one per row: a ragged batch). Timings do not depend on values (bf16
+        normals, never zeros)."""
+        rows = self.row_lengths(length)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         for layer in range(self.num_layers):
             for cache in (self.keys[layer], self.values[layer]):
                 cache.zero_()
-                cache[:, :, :length].normal_(generator=gen)
+                if len(set(rows)) == 1:
+                    cache[:, :, : rows[0]].normal_(generator=gen)
+                    continue
+                for b, n in enumerate(rows):
+                    cache[b, :, :n].normal_(generator=gen)
         token = torch.randint(0, self.model.config.vocab_size, (self.batch,), generator=gen, device=self.device)
         self.start_at(length, token, gen)
 

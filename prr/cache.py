@@ -9,6 +9,8 @@ fill as tokens append (Quest's key max/min, for instance).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
+
 import torch
 from torch import Tensor
 
@@ -46,6 +48,7 @@ class PagedKVCache:
         self._lengths = [0] * num_layers
         self.metadata: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
         self._fills: list[dict[str, float]] = [{} for _ in range(num_layers)]  # slot -> its empty value
+        self._per_row: list[set[str]] = [set() for _ in range(num_layers)]  # slots whose dim 0 is the batch
 
     def length(self, layer: int) -> int:
         return self._lengths[layer]
@@ -93,10 +96,73 @@ class PagedKVCache:
         if name not in slots:
             slots[name] = torch.full(shape, fill, dtype=dtype, device=self.device)
             self._fills[layer][name] = fill
+            if shape and shape[0] == self.batch:
+                self._per_row[layer].add(name)
         return slots[name]
+
+    def row(self, row: int) -> PagedKVCache:
+        """Row `row` as a batch-1 cache sharing this one's storage: K/V, and every slot whose
+        first dim is the batch, are [1, ...] views; other entries (constants) are shared; slots
+        first allocated through the view are allocated here for every row. Its lengths start as
+        this cache's. For per-row metadata rebuilds (ragged batches)."""
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row {row} is outside the cache's batch of {self.batch}")
+        return _RowCache(self, row)
 
     def reset_metadata(self, layer: int) -> None:
         """Every slot of `layer` back to its empty value, in place (captured CUDA graphs keep
         their pointers). Entries set without a fill (constants such as LESS's feature draw) stay."""
         for name, fill in self._fills[layer].items():
             self.metadata[layer][name].fill_(fill)
+
+
+class _RowCache(PagedKVCache):
+    """`PagedKVCache.row`'s batch-1 view."""
+
+    def __init__(self, parent: PagedKVCache, row: int) -> None:  # noqa: D107 - no storage of its own
+        self.parent, self.index = parent, row
+        self.num_layers, self.batch = parent.num_layers, 1
+        self.num_kv_heads, self.head_dim, self.block_size = parent.num_kv_heads, parent.head_dim, parent.block_size
+        self.max_blocks, self.max_tokens, self.dtype, self.device = (parent.max_blocks, parent.max_tokens,
+                                                                      parent.dtype, parent.device)
+        self.keys = [k[row : row + 1] for k in parent.keys]
+        self.values = [v[row : row + 1] for v in parent.values]
+        self._lengths = list(parent._lengths)
+        self.metadata = [_RowSlots(parent, layer, row) for layer in range(parent.num_layers)]
+
+    def state_slot(self, layer: int, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> Tensor:
+        if name not in self.parent.metadata[layer]:
+            if not shape or shape[0] != 1:
+                raise ValueError(f"slot {name!r} of shape {shape} allocated through a row view must lead with the "
+                                 "batch dim (1 here)")
+            self.parent.state_slot(layer, name, (self.parent.batch, *shape[1:]), dtype, fill)
+        return self.metadata[layer][name]
+
+    def reset_metadata(self, layer: int) -> None:
+        for name, fill in self.parent._fills[layer].items():
+            self.metadata[layer][name].fill_(fill)
+
+
+class _RowSlots(MutableMapping):
+    """One layer's slots of a row view: per-row slots as [1, ...] views, the others shared."""
+
+    def __init__(self, parent: PagedKVCache, layer: int, row: int) -> None:
+        self.slots, self.per_row, self.row = parent.metadata[layer], parent._per_row[layer], row
+
+    def __getitem__(self, name: str) -> Tensor:
+        t = self.slots[name]
+        return t[self.row : self.row + 1] if name in self.per_row else t
+
+    def __setitem__(self, name: str, value: Tensor) -> None:  # a constant (e.g. LESS's feature draw): shared
+        if name in self.per_row:
+            raise ValueError(f"slot {name!r} is per row: write into it in place")
+        self.slots[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        raise ValueError("a row view cannot delete a slot")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)

@@ -77,7 +77,7 @@ class AttentionEngine:
         # Selectors whose whole metadata is Quest's key max / min let the append kernels update it
         # (backend triton; the torch backend's append leaves it to the selector's append_metadata).
         self.kernel_metadata = self.selector.metadata_in_append_kernel and backend == "triton"
-        # Tokens in the cache before this step, per row (rows advance together: equal lengths).
+        # Tokens in the cache before this step, per row (rows may differ: ragged batches).
         self.pos = torch.zeros(B, dtype=torch.int32, device=dev)
         self.all_blocks = torch.arange(NB, dtype=torch.int32, device=dev).expand(B, H, NB).contiguous()
         prr = plan.variant == "prr"  # P buffers exist only when built for prr (a prr view of another is refused)

@@ -155,54 +155,92 @@ class GraphDecoder(AttentionEngine):
 
     # --- context ------------------------------------------------------------------------
     @torch.no_grad()
-    def fill_random_context(self, length: int, seed: int = 0) -> None:
-        """Random K/V for positions [0, length) of every layer, their metadata, pos = length.
-        Timings do not depend on values (bf16 normals, never zeros)."""
-        if not 0 < length < self.max_tokens:
-            raise ValueError(f"context length {length} must be in [1, {self.max_tokens}) (max_tokens)")
+    def fill_random_context(self, length: int | list[int] | Tensor, seed: int = 0) -> None:
+        """Random K/V for positions [0, length) of every layer, their metadata, pos = length
+        (an int, or one per row: a ragged batch). Timings do not depend on values (bf16
+        normals, never zeros)."""
+        rows = self.row_lengths(length)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         for layer in range(self.num_layers):
             for cache in (self.keys[layer], self.values[layer]):
                 cache.zero_()
-                cache[:, :, :length].normal_(generator=gen)
+                if len(set(rows)) == 1:
+                    cache[:, :, : rows[0]].normal_(generator=gen)
+                    continue
+                for b, n in enumerate(rows):
+                    cache[b, :, :n].normal_(generator=gen)
         token = torch.randint(0, self.model.config.vocab_size, (self.batch,), generator=gen, device=self.device)
         self.start_at(length, token, gen)
 
+    def row_lengths(self, lengths: int | list[int] | Tensor) -> list[int]:
+        """A context length for every row (an int: all rows; a list or [B] tensor: per row,
+        ragged batches) -> [B] host ints, each in [1, max_tokens)."""
+        if isinstance(lengths, Tensor):
+            lengths = lengths.tolist() if lengths.dim() else int(lengths)
+        rows = [int(lengths)] * self.batch if isinstance(lengths, int) else [int(n) for n in lengths]
+        if len(rows) != self.batch:
+            raise ValueError(f"need one context length per row: {self.batch} rows, got {len(rows)} lengths")
+        for n in rows:
+            if not 0 < n < self.max_tokens:
+                raise ValueError(f"context length {n} must be in [1, {self.max_tokens}) (max_tokens)")
+        return rows
+
     @torch.no_grad()
-    def fill_from_cache(self, keys: list[Tensor], values: list[Tensor], length: int, token: Tensor) -> None:
+    def fill_from_cache(self, keys: list[Tensor], values: list[Tensor], length: int | list[int] | Tensor,
+                        token: Tensor) -> None:
         """Decode from a prefilled context: keys / values [B, Hkv, >= length, D] per layer, the
         metadata rebuilt from them (`start_at`), pos = length; token [B]: the first token to
-        decode. (A run with the eager prefill passes its PagedKVCache to the constructor
-        instead, metadata included, and calls `begin`.)"""
-        if not 0 < length < self.max_tokens:
-            raise ValueError(f"context length {length} must be in [1, {self.max_tokens}) (max_tokens)")
+        decode. length: an int, or one per row (a list or [B] tensor: a ragged batch; row b's
+        tokens past its length are zeroed). (A run with the eager prefill passes its
+        PagedKVCache to the constructor instead, metadata included, and calls `begin`.)"""
+        rows = self.row_lengths(length)
+        longest = max(rows)
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise ValueError(f"need keys and values of {self.num_layers} layers; got {len(keys)} and {len(values)}")
         for layer in range(self.num_layers):
             for cache, source in ((self.keys[layer], keys[layer]), (self.values[layer], values[layer])):
-                if source.shape[:2] != cache.shape[:2] or source.shape[3] != self.d or source.shape[2] < length:
+                if source.shape[:2] != cache.shape[:2] or source.shape[3] != self.d or source.shape[2] < longest:
                     raise ValueError(f"layer {layer}: cache of shape {tuple(source.shape)} does not hold [B={self.batch}, "
-                                     f"Hkv={self.hkv}, >= {length}, D={self.d}]")
+                                     f"Hkv={self.hkv}, >= {longest}, D={self.d}]")
                 if source.data_ptr() != cache.data_ptr():  # (the engine's own cache stays as it is)
                     cache.zero_()
-                    cache[:, :, :length].copy_(source[:, :, :length])
+                    for b, n in enumerate(rows):
+                        cache[b, :, :n].copy_(source[b, :, :n])
         self.start_at(length, token.view(self.batch).to(self.device))
 
-    def start_at(self, length: int, token: Tensor, gen: torch.Generator | None = None) -> None:
+    def start_at(self, length: int | list[int] | Tensor, token: Tensor, gen: torch.Generator | None = None,
+                 query: Tensor | None = None) -> None:
         """Decode from position `length` of the cache as it is: the selector's metadata of every
         sparse layer rebuilt in place from its first `length` tokens, its backlog
-        (`Selector.catch_up`, InfLLM's finalising) done with a random query from `gen`, the
-        predictor state back to `init_state`'s, then `begin(length, token)`. In place: graphs
-        captured before stay valid."""
+        (`Selector.catch_up`, InfLLM's finalising) done with a random query from `gen` (or
+        `query` [B, Hkv, G, D], one per layer alike), the predictor state back to `init_state`'s,
+        then `begin(length, token)`. In place: graphs captured before stay valid.
+        length: an int, or one per row (a list or [B] tensor): rows of different lengths are
+        rebuilt one by one (`PagedKVCache.row`), each from its own tokens only; the cache's host
+        length is then the longest row's."""
+        rows = self.row_lengths(length)
+        ragged = len(set(rows)) > 1
+        if ragged and not self.selector.per_row_metadata:
+            raise ValueError(f"{type(self.selector).__name__} keeps metadata a row view cannot rebuild "
+                             "(per_row_metadata=False): rows of different lengths need per-row metadata")
         q_gen = gen if gen is not None else torch.Generator(device=self.device).manual_seed(0)
         for layer in range(self.num_layers):
             if not self.sparse[layer]:
                 continue
             self.cache.reset_metadata(layer)
-            self.cache.set_length(layer, length)
-            self.selector.update_metadata(self.cache, layer, 0, length)
-            q = torch.randn(self.batch, self.hkv, self.group, self.d, generator=q_gen, device=self.device)
-            self.selector.catch_up(q.to(self.dtype), self.cache, layer, length)
+            self.cache.set_length(layer, max(rows))
+            q = query if query is not None else torch.randn(self.batch, self.hkv, self.group, self.d, generator=q_gen,
+                                                            device=self.device)
+            q = q.to(self.device, self.dtype)
+            if not ragged:
+                self.selector.update_metadata(self.cache, layer, 0, rows[0])
+                self.selector.catch_up(q, self.cache, layer, rows[0])
+                continue
+            for b, n in enumerate(rows):  # each row from its own first n tokens
+                view = self.cache.row(b)
+                view.set_length(layer, n)
+                self.selector.update_metadata(view, layer, 0, n)
+                self.selector.catch_up(q[b : b + 1], view, layer, n)
         if self.predictor_state is not None:
             fresh = self.predictor.init_state(self.num_layers, self.batch, self.hkv, self.max_blocks, self.device)
             for mine, new in zip(state_tensors(self.predictor_state), state_tensors(fresh), strict=True):
@@ -212,11 +250,11 @@ class GraphDecoder(AttentionEngine):
                     mine.zero_()
         self.begin(length, token)
 
-    def begin(self, length: int, token: Tensor) -> None:
-        """pos = length, token [B] the next input; hit counters cleared. The selector's
-        metadata and the predictor state stay as they are (e.g. after the eager prefill; see
-        `checkpoint` / `restore` to rewind capture warm-up steps)."""
-        self.pos.fill_(length)
+    def begin(self, length: int | list[int] | Tensor, token: Tensor) -> None:
+        """pos = length (an int, or one per row), token [B] the next input; hit counters
+        cleared. The selector's metadata and the predictor state stay as they are (e.g. after
+        the eager prefill; see `checkpoint` / `restore` to rewind capture warm-up steps)."""
+        self.pos.copy_(torch.tensor(self.row_lengths(length), dtype=torch.int32))
         self.token.copy_(token.view(self.batch, 1))
         for layer in range(self.num_layers):
             if self.pred_cnt[layer] is not None:
@@ -224,13 +262,15 @@ class GraphDecoder(AttentionEngine):
         for counter in (self.step_counts, self.mass_recall, self.output_relerr, self.measured):
             counter.zero_()
 
-    def prime_predictions(self, length: int) -> None:
-        """P of the first decode step (a context of length + 1 tokens) from the predictor state,
-        for predictors that propose from history at the end of a step (the others propose inside it)."""
+    def prime_predictions(self, length: int | list[int] | Tensor) -> None:
+        """P of the first decode step (a context of length + 1 tokens per row) from the
+        predictor state, for predictors that propose from history at the end of a step (the
+        others propose inside it)."""
         if self.predictor is None or not self.predictor.history_only:
             return
         bs = self.plan.block_size
-        num_blocks = torch.full((self.batch,), (length + bs) // bs, dtype=torch.int32, device=self.device)
+        num_blocks = torch.tensor([(n + bs) // bs for n in self.row_lengths(length)], dtype=torch.int32,
+                                  device=self.device)
         for layer in range(self.num_layers):
             if self.sparse[layer]:
                 self._propose(layer, None, num_blocks)
@@ -264,8 +304,8 @@ class GraphDecoder(AttentionEngine):
 
     # --- one layer's attention ------------------------------------------------------------
     def step_positions(self) -> tuple[Tensor, Tensor]:
-        """-> (lengths [B] int32, num_blocks [B] int32) for this step: computed once per step
-        and shared by every layer (each is a launch)."""
+        """-> (lengths [B] int32, num_blocks [B] int32) for this step, per row (rows may differ:
+        ragged batches): computed once per step and shared by every layer (each is a launch)."""
         bs = self.plan.block_size
         return self.pos + 1, (self.pos + bs).div(bs, rounding_mode="floor")
 

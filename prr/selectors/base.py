@@ -86,6 +86,11 @@ class Selector(ABC):
         first `length` tokens (host int or [B] tensor; default: the cache's length)."""
         raise NotImplementedError(f"{type(self).__name__} has no compensation (compensates=False)")
 
+    # Metadata kept only in the cache's slots, per-row slots leading with the batch dim: a
+    # `PagedKVCache.row` view rebuilds one row of it (ragged batches in the graph engine).
+    # Selectors with other per-batch state set False; the engine then refuses ragged rows.
+    per_row_metadata = True
+
     # Selectors whose whole per-block metadata is Quest's key max / min (`metadata(cache, layer)`)
     # let the engine's append kernels update it (prr.kernels.cache_append, qkv_append); the
     # others get `append_metadata` after the append.

@@ -3,6 +3,8 @@ lengths decode, token for token and selection for selection, what each row decod
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import Tensor
@@ -187,3 +189,46 @@ def test_a_row_view_shares_the_cache_and_its_per_row_slots():
         row.state_slot(0, "total", (2, 4), torch.float32)
     with pytest.raises(ValueError, match="outside the cache's batch"):
         cache.row(3)
+
+
+GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
+
+
+def decode_captured(plan: StaticPlan, rows: list[int]) -> tuple[Tensor, list[Tensor]]:
+    """As `decode`, on CUDA with the Triton kernels, the step captured in one CUDA graph and
+    replayed -> (tokens [B, STEPS], per step the A indices of every sparse layer [B, Hkv, K])."""
+    model = Decoder(CONFIG64, torch.float32, "cuda").init_random_(seed=3, std=0.3)
+    engine = GraphDecoder(model, plan, batch=len(rows), max_tokens=MAX_TOKENS, backend="triton")
+    keys, values, tokens, query = context(config=CONFIG64)
+    lengths = [LENGTHS[b] for b in rows]
+
+    def start() -> None:
+        engine.fill_from_cache([k[rows].cuda() for k in keys], [v[rows].cuda() for v in values], lengths,
+                               tokens[rows].cuda())
+        engine.start_at(lengths, tokens[rows].cuda(), query=query[rows].cuda())
+    start()
+    graph = engine.capture(lambda: engine.step(advance=True))
+    start()  # the capture's warm-up steps advanced it: start over
+    out, selections = [], []
+    for _ in range(STEPS):
+        graph.replay()
+        out.append(engine.token[:, 0].clone())
+        selections.append([engine.last_selection[layer][0].clone() for layer in range(engine.num_layers)
+                           if engine.sparse[layer]])
+    assert engine.pos.tolist() == [n + STEPS for n in lengths]
+    return torch.stack(out, 1).cpu(), selections
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("variant", ["serial", "prr"])
+def test_ragged_batch_replayed_in_a_cuda_graph_decodes_each_row_as_alone(variant):
+    plan = StaticPlan(variant=variant, topk_blocks=3, predicted_blocks=2, block_size=16, dense_layers=(0,),
+                      predictor="ema_membership")
+    batch_tokens, batch_sel = decode_captured(plan, [0, 1, 2])
+    for b in range(len(LENGTHS)):
+        alone_tokens, alone_sel = decode_captured(plan, [b])
+        assert torch.equal(batch_tokens[b], alone_tokens[0]), f"row {b}"
+        for step, (mine, one) in enumerate(zip(batch_sel, alone_sel, strict=True)):
+            for layer, (x, y) in enumerate(zip(mine, one, strict=True)):
+                assert torch.equal(x[b], y[0]), f"row {b}, step {step}, sparse layer {layer}"

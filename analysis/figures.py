@@ -462,6 +462,36 @@ def predictor_study(frame: pd.DataFrame) -> MplFigure:
     return plot_hit_rate_vs_budget(frame)
 
 
+THROUGHPUT_PANELS = (("uniform", "32512", "32K per row"), ("uniform", "130816", "128K per row"),
+                     ("mixed", "65280/7936", "half 8K, half 64K"))
+THROUGHPUT_LABELS = {"dense": "dense", "serial": "serial DSA", "prr": "PRR (P at 90% of A)"}
+
+
+def throughput(frame: pd.DataFrame) -> MplFigure:
+    """Decode throughput against batch size, one panel per kind of batch (uniform 32K, uniform
+    128K, ragged half 8K / half 64K): tokens/s of dense, serial DSA and PRR, and the tokens/s the
+    sparse step's byte floor allows (dashed). Columns: kind, contexts, batch, variant,
+    tokens_per_s, floor_us (experiments/bench_throughput.py; skipped cells have no tokens_per_s)."""
+    frame = require(frame, ["kind", "contexts", "batch", "variant", "tokens_per_s", "floor_us"], "throughput")
+    frame = frame[frame["tokens_per_s"].notna()].assign(contexts=lambda f: f["contexts"].astype(str))
+    fig, axes = new_figure(DOUBLE, ncols=len(THROUGHPUT_PANELS))
+    for ax, (kind, contexts, title) in zip(axes, THROUGHPUT_PANELS, strict=True):
+        cell = frame[(frame["kind"] == kind) & (frame["contexts"] == contexts)]
+        for variant, label in THROUGHPUT_LABELS.items():
+            rows = cell[cell["variant"] == variant].sort_values("batch")
+            ax.plot(rows["batch"], rows["tokens_per_s"], marker=marker(variant), color=method_color(variant),
+                    label=label)
+        floor = cell[cell["variant"] == "serial"].sort_values("batch")
+        ax.plot(floor["batch"], floor["batch"] / (floor["floor_us"] * 1e-6), color="#6F6F6F", linestyle="--",
+                linewidth=0.8, label="sparse byte floor")
+        ax.set_xscale("log", base=2)
+        ax.set_title(title, fontsize="small")
+        ax.set_xlabel("batch (rows)")
+    axes[0].set_ylabel("tokens / s")
+    axes[0].legend(loc="upper left", fontsize="x-small")
+    return fig
+
+
 @dataclass(frozen=True)
 class Figure:
     """One registry entry: a figure (or table) name, the results files it reads (relative to the
@@ -522,6 +552,9 @@ FIGURES: list[Figure] = [
            f"python run.py -m +experiment=speedup (on a GPU) && {COLLECT} multirun/speedup "
            "experiments/results/h200/speedup_8b",
            "Per-token decode speedup of PRR over serial DSA through run.py, Llama-3.1-8B shape"),
+    Figure("throughput_h200", throughput, ("experiments/results/h200/bench_throughput.csv",), pd.read_csv,
+           "python experiments/bench_throughput.py (on an H200)",
+           "Decode throughput against batch: dense, serial DSA and PRR, uniform and ragged batches, 8B shape, H200"),
     Figure("predictor_hit_rate_vs_budget", predictor_study, (f"{CPU}/predictor_study.csv",), pd.read_csv,
            "python experiments/predictor_study.py",
            "Hit rate of every predictor against |P|/K, per task, SmolLM2-135M (replayed shadow-mode decodes)"),

@@ -15,10 +15,12 @@ def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
         return "n/a" if value is None else fmt.format(value)
 
     if summary.get("engine") == "graph":  # the CUDA-graph engine records less (prr/runtime/graph_run.py)
+        rows = summary.get("row_tokens") or []
+        ragged = f" (rows hold its last {'/'.join(map(str, rows))})" if len(set(rows)) > 1 else ""
         lines = [
             "",
             f"prr run (engine=graph, {summary['variant']}): {summary['model']} | repair={summary['repair_mode']} | "
-            f"prompt {summary['prompt_tokens']} tokens, block {summary['block_size']}, top-K {summary['topk_blocks']} "
+            f"prompt {summary['prompt_tokens']} tokens{ragged}, block {summary['block_size']}, top-K {summary['topk_blocks']} "
             f"blocks, |P| {summary['predicted_blocks']} | {summary['device']}",
             f"  hit rate |P∩A|/|A|         {num('hit_rate')}",
             f"  per-token latency          median {num('token_latency_median_ms', '{:.2f}')} ms, p90 "

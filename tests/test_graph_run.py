@@ -121,6 +121,32 @@ def test_graph_engine_refuses_what_it_cannot_run(tmp_path, overrides, match):
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
+def test_a_ragged_batch_decodes_each_row_as_alone(tmp_path):
+    """runtime.row_tokens: rows holding the prompt's last 300 (all of it) and 170 tokens decode
+    in one batch what each decodes alone (exact PRR: serial DSA's tokens whatever P is), and a
+    single row of the whole prompt decodes what the uniform run does, with the same hit rate."""
+    common = ["predictor=ema", "runtime.engine=graph", "runtime.calibration_tokens=24"]
+    both = run_tiny(tmp_path, *common, "runtime.batch_size=2", "runtime.row_tokens=[300,170]", name="both")
+    alone = [run_tiny(tmp_path, *common, f"runtime.row_tokens=[{n}]", name=f"alone{n}") for n in (300, 170)]
+    uniform = run_tiny(tmp_path, *common, name="uniform")
+    assert both["generated_token_ids"] == [a["generated_token_ids"][0] for a in alone]
+    assert both["generated_token_ids"][0] != both["generated_token_ids"][1]  # the rows' contexts differ
+    assert both["row_tokens"] == [300, 170] and uniform["row_tokens"] == [300]
+    assert alone[0]["generated_token_ids"] == uniform["generated_token_ids"]
+    assert alone[0]["hit_rate"] == pytest.approx(uniform["hit_rate"], abs=1e-12)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["runtime.engine=eager", "runtime.batch_size=2", "runtime.row_tokens=[300,100]"], "runtime.engine=graph only"),
+    (["runtime.engine=graph", "runtime.batch_size=3", "runtime.row_tokens=[300,100]"], "one length per row"),
+    (["runtime.engine=graph", "runtime.row_tokens=[20]"], "must exceed runtime.calibration_tokens"),
+    (["runtime.engine=graph", "runtime.batch_size=2", "runtime.row_tokens=[400,100]"], "cannot hold more"),
+])
+def test_a_ragged_batch_refuses_bad_lengths(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        run_tiny(tmp_path, "predictor=none", *overrides)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("budget", ["fixed", "profiled"])

@@ -116,8 +116,15 @@ class DSABackend:
             self.history[layer] = history
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
 
-    def finish_prefill(self) -> dict[str, Any]:
-        """Calibrate the predictor on the prefill tail, then warm its state by replaying it."""
+    def finish_prefill(self, history: list[list[Selection] | None] | None = None) -> dict[str, Any]:
+        """Calibrate the predictor on the prefill tail, then warm its state by replaying it.
+        history: the tail's selections per layer (None for dense layers), [B, ...] each
+        (default: this backend's own prefill's; a ragged batch prefills its rows one by one and
+        passes theirs, stacked: `prr.selectors.base.stack_rows`)."""
+        if history is not None:
+            if len(history) != self.cache.num_layers:
+                raise ValueError(f"history has {len(history)} layers, the cache {self.cache.num_layers}")
+            self.history = history
         info = self.predictor.calibrate(self.history)
         c = self.cache
         self.predictor_state = self.predictor.init_state(c.num_layers, c.batch, c.num_kv_heads, c.max_blocks, c.device)

@@ -37,9 +37,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from prr.cache import PagedKVCache
+from prr.config_check import ConfigError
 from prr.paths import write_json_atomic, write_text_atomic
 from prr.run_inputs import build_run
 from prr.runtime.graph_decode import StaticPlan
+from prr.selectors.base import stack_rows
 from prr.sinks import JsonlWriter
 from prr.summary_table import format_summary
 
@@ -134,6 +136,11 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     mc = model.config
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + task.max_new_tokens + 1
+    # Tokens of the prompt each row holds: all of it, or a ragged batch's last row_tokens[b].
+    row_tokens = settings.row_tokens or [prompt_len] * settings.batch_size
+    if max(row_tokens) > prompt_len:
+        raise ConfigError([f"runtime.row_tokens={settings.row_tokens}: a row cannot hold more than the prompt's "
+                           f"{prompt_len} tokens; lower it or lengthen the prompt (task.prompt_tokens)"])
 
     max_blocks = -(-capacity // settings.block_size)
     plan = graph_plan(settings, selector, predictor, budget, max_blocks)
@@ -141,8 +148,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     ops_backend = engine_backend(settings.device, ops.name)
     budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
     if plan.variant == "prr" and budget.profiles and predictor.uses_budget:  # before the prefill: less memory at once
-        # The profile at the first decode step's context (prompt + 1 tokens): |P| is static for the decode.
-        context = (prompt_len + settings.block_size) // settings.block_size
+        # The profile at the first decode step's context (the longest row + 1 tokens): |P| is static
+        # for the decode.
+        context = (max(row_tokens) + settings.block_size) // settings.block_size
         probe = GraphProbe(lambda n: GraphDecoder(model.decoder, dataclasses.replace(plan, predicted_blocks=n),
                                                   settings.batch_size, capacity, selector=selector,
                                                   backend=ops_backend),
@@ -154,16 +162,36 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         budget_info.update(choice=plan.variant, predicted_blocks=size)
     # Prefill through the research runtime (dense over the prompt), into a paged cache: its K/V,
     # the selector's metadata and the warmed predictor state are what the engine decodes from.
+    # A ragged batch prefills its rows one by one, each into its row of the cache
+    # (`PagedKVCache.row`: its own length and metadata), then calibrates and warms the predictor
+    # on every row's prefill tail at once, as a uniform batch does.
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
                          capacity, dtype, device)
     selector.set_backend(ops.name)
-    backend = DSABackend(cache, mc.num_heads, selector, predictor, budget, mode="sparse",
-                         repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
-                         dense_metrics_every=1, check_serial=False, backend=ops.name)
+
+    def prefill_backend(target: PagedKVCache) -> DSABackend:
+        return DSABackend(target, mc.num_heads, selector, predictor, budget, mode="sparse",
+                          repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
+                          dense_metrics_every=1, check_serial=False, backend=ops.name)
+    backend = prefill_backend(cache)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]
-        calibration = backend.finish_prefill()  # calibrates and warms the predictor on the prefill tail
+        if settings.row_tokens is None:
+            logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]
+            history = None
+        else:
+            rows = []
+            for b, n in enumerate(row_tokens):
+                rows.append(prefill_backend(cache.row(b)))
+                logits_b = model.decoder(input_ids[b : b + 1, prompt_len - n :], 0, rows[-1])[:, -1]  # [1, V]
+                logits = logits_b if b == 0 else torch.cat([logits, logits_b])
+            for layer in range(mc.num_layers):  # the host length: the longest row (rows mask their own)
+                cache.set_length(layer, max(row_tokens))
+            history = [None if rows[0].history[layer] is None else
+                       [stack_rows(list(step)) for step in zip(*(r.history[layer] for r in rows), strict=True)]
+                       for layer in range(mc.num_layers)]
+            del rows
+        calibration = backend.finish_prefill(history)  # calibrates and warms the predictor on the prefill tail
         prefill_s = time.perf_counter() - t0
     if calibration:
         budget_info["calibration"] = calibration
@@ -174,10 +202,10 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
                           selector=selector, predictor=predictor if speculating else None, cache=cache,
                           backend=ops_backend)
     first = logits.argmax(-1)  # [B] greedy
-    engine.begin(prompt_len, first)
+    engine.begin(row_tokens, first)
     if speculating:
         engine.adopt_predictor_state(backend.predictor_state)
-        engine.prime_predictions(prompt_len)
+        engine.prime_predictions(row_tokens)
     engine.set_previous_selections(backend.previous)  # A of the last prompt-tail step: last-step overlap
     del backend
     log.info("prompt: %s (%d tokens); engine=graph, %s", prompt.description, prompt_len, plan)
@@ -203,7 +231,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     def stepper(view: GraphDecoder):
         def run() -> None:  # one decode step of this view; its greedy token lands in outputs[:, step index]
             view.step(advance=True)
-            outputs.index_copy_(1, (view.pos[:1] - prompt_len - 1).long(), view.token)
+            outputs.index_copy_(1, (view.pos[:1] - row_tokens[0] - 1).long(), view.token)
         return run
 
     # (adaptive's serial windows keep the predictor learning, as the eager runtime's serial steps do)
@@ -312,6 +340,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "variant": "adaptive" if adaptive else plan.variant,  # adaptive: per step in tokens.jsonl
         "device": device_name(device),
         "prompt_tokens": prompt_len,
+        "row_tokens": row_tokens,  # tokens of the prompt each row holds (a ragged batch's differ)
         "block_size": plan.block_size,
         "topk_blocks": plan.topk_blocks,
         "predicted_blocks": plan.predicted_blocks,

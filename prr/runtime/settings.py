@@ -32,6 +32,14 @@ class RuntimeSettings:
     # inside; faster than cuBLAS at batch 1, slower above it on the H200); auto: fused on a GPU
     # at batch_size 1, torch otherwise.
     projections: str = "auto"
+    # A ragged batch (engine=graph only): one prompt length per row, row b decoding from the
+    # prompt's last row_tokens[b] tokens (e.g. [4000, 1000]); batch_size must equal its length.
+    # None: every row holds the whole prompt.
+    row_tokens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.row_tokens is not None:  # (Hydra passes a ListConfig)
+            self.row_tokens = [int(n) for n in self.row_tokens]
 
     def graph_projections(self) -> str:
         """The graph engine's projections for this run (`projections` with auto resolved)."""
@@ -64,4 +72,15 @@ class RuntimeSettings:
                        f"{self.engine!r}); leave it at auto or add runtime.engine=graph")
         if self.dense_metrics_every < 1:
             out.append(f"runtime.dense_metrics_every={self.dense_metrics_every} must be >= 1")
+        if self.row_tokens is not None:
+            if self.engine != "graph":
+                out.append(f"runtime.row_tokens={self.row_tokens} (a ragged batch) runs on runtime.engine=graph only "
+                           f"(engine is {self.engine!r}): the eager runtime keeps one length per layer for every row")
+            if len(self.row_tokens) != self.batch_size:
+                out.append(f"runtime.row_tokens has {len(self.row_tokens)} lengths but runtime.batch_size="
+                           f"{self.batch_size}: give one length per row")
+            short = [n for n in self.row_tokens if n <= self.calibration_tokens]
+            if short:
+                out.append(f"runtime.row_tokens {short} must exceed runtime.calibration_tokens="
+                           f"{self.calibration_tokens} (each row's prefill tail warms the predictor)")
         return out

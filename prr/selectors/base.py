@@ -28,6 +28,14 @@ class Selection:
     scores: Tensor  # [B, Hkv, max_blocks] fp32 GQA-reduced block scores before forcing; -inf past the context
 
 
+def stack_rows(selections: list[Selection]) -> Selection:
+    """Selections of single rows ([1, Hkv, ...] each, one capacity and max_blocks) -> one
+    Selection of those rows in order ([B, Hkv, ...])."""
+    return Selection(BlockSet(torch.cat([s.blocks.indices for s in selections]),
+                              torch.cat([s.blocks.count for s in selections])),
+                     torch.cat([s.scores for s in selections]))
+
+
 class Selector(ABC):
     """Subclasses implement `head_scores`, and metadata upkeep if they keep any."""
 

@@ -59,6 +59,19 @@ def test_llama31_8b_shape_on_meta_device() -> None:
     assert load_model("llama-3.1-8b-shape", device="meta", num_layers=2).config.num_layers == 2
 
 
+
+def test_llama31_70b_shape_on_meta_device_and_its_tensor_parallel_shards() -> None:
+    from prr.model.tensor_parallel import TensorParallel, shard_config
+
+    config = describe_model("llama-3.1-70b-shape")
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (80, 64, 8, 128)
+    assert (config.hidden_size, config.intermediate_size) == (8192, 28672)
+    n_params = sum(p.numel() for p in load_model("llama-3.1-70b-shape", device="meta").decoder.parameters())
+    assert 70.5e9 < n_params < 70.7e9  # Llama-3.1-70B: 70.6 B
+    for world in (2, 4, 8):  # its heads and FFN split over TP 2, 4 and 8
+        assert not TensorParallel(0, world).problems(config)
+        assert shard_config(config, world).num_kv_heads == 8 // world
+
 # ---- local safetensors directories ----------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -106,12 +107,20 @@ def pre_attention(x: Tensor, delta: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Ten
 
 
 def post_attention(x: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, ln2: Tensor, w_gate_up: Tensor,
-                   b_gate_up: Tensor | None, w_down: Tensor, b_down: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+                   b_gate_up: Tensor | None, w_down: Tensor, b_down: Tensor | None, eps: float,
+                   reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """x: [B, T, H] residual stream, attn: [B, T, Hq D] -> (x + o_proj(attn), the MLP's output
-    [B, T, H]): the caller adds the MLP output (the next layer's pre_attention, or final_norm)."""
-    x = x + F.linear(attn, wo, bo)
+    [B, T, H]): the caller adds the MLP output (the next layer's pre_attention, or final_norm).
+    reduce: tensor parallelism's all-reduce (prr.model.tensor_parallel): o_proj and down see a
+    rank's share of heads / FFN columns, so their outputs are partial sums over ranks."""
+    reduce = reduce or _identity
+    x = x + reduce(F.linear(attn, wo, bo))
     gate, up = F.linear(rms_norm(x, ln2, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
-    return x, F.linear(F.silu(gate) * up, w_down, b_down)
+    return x, reduce(F.linear(F.silu(gate) * up, w_down, b_down))
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
 
 
 def final_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor:

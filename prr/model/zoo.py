@@ -247,8 +247,17 @@ LLAMA31_8B_SHAPE = RandomInitSpec(
     description="Llama-3.1-8B shape with random weights, for GPU latency (32 layers, GQA 32/8, head 128)",
 )
 
+LLAMA31_70B_SHAPE = RandomInitSpec(
+    name="llama-3.1-70b-shape",
+    config=replace(LLAMA31_8B_SHAPE.config, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64),
+    seed=0,
+    description="Llama-3.1-70B shape with random weights, for tensor-parallel GPU latency (80 layers, GQA 64/8, "
+                "head 128, hidden 8192, FFN 28672; 141 GB in bf16: more than one H200)",
+)
+
 ZOO: dict[str, RandomInitSpec | WheelGGUFSpec | ChunkedWheelGGUFSpec] = {
-    spec.name: spec for spec in (SMOLLM2_135M, QWEN25_CODER_05B, TINY_RANDOM, TINY_RANDOM_D64, LLAMA31_8B_SHAPE)
+    spec.name: spec for spec in (SMOLLM2_135M, QWEN25_CODER_05B, TINY_RANDOM, TINY_RANDOM_D64, LLAMA31_8B_SHAPE,
+                                LLAMA31_70B_SHAPE)
 }
 
 

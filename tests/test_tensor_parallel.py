@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
+from prr.model.dense import DenseAttention
 from prr.model.tensor_parallel import TensorParallel, shard_config, shard_decoder
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
 
@@ -31,7 +32,7 @@ def plan_of(name: str) -> StaticPlan:
                       dense_layers=(0,), count_hits=True, projections="torch", **PLANS[name])
 
 
-def decode(model: Decoder, plan: StaticPlan, heads: slice, tp: TensorParallel | None = None) -> dict:
+def decode(model: Decoder, plan: StaticPlan, heads: slice) -> dict:
     """Greedy decode of a random context's KV heads `heads` -> tokens [STEPS], A indices per step
     and sparse layer [1, Hkv, K], and the device counters summed over steps."""
     gen = torch.Generator().manual_seed(11)
@@ -43,7 +44,7 @@ def decode(model: Decoder, plan: StaticPlan, heads: slice, tp: TensorParallel | 
         keys.append(k[:, heads].contiguous())
         values.append(v[:, heads].contiguous())
     token = torch.randint(0, CONFIG.vocab_size, (1,), generator=gen)
-    engine = GraphDecoder(model, plan, batch=1, max_tokens=MAX_TOKENS, backend="torch", tensor_parallel=tp)
+    engine = GraphDecoder(model, plan, batch=1, max_tokens=MAX_TOKENS, backend="torch")
     engine.fill_from_cache(keys, values, LENGTH, token)
     tokens, selections = [], []
     for _ in range(STEPS):
@@ -51,6 +52,11 @@ def decode(model: Decoder, plan: StaticPlan, heads: slice, tp: TensorParallel | 
         tokens.append(int(engine.token[0, 0]))
         selections.append([engine.last_selection[i][0].clone() for i in range(CONFIG.num_layers) if engine.sparse[i]])
     return {"tokens": tokens, "selections": selections, "counters": engine.counters()}
+
+
+def prompt() -> torch.Tensor:
+    """[1, 37] token ids."""
+    return torch.randint(0, CONFIG.vocab_size, (1, 37), generator=torch.Generator().manual_seed(2))
 
 
 def full_model() -> Decoder:
@@ -64,8 +70,10 @@ def rank_main(rank: int, store: str, plan_name: str, out: str) -> None:
     try:
         tp = TensorParallel(rank, WORLD)
         per_rank = CONFIG.num_kv_heads // WORLD
-        result = decode(shard_decoder(full_model(), tp), plan_of(plan_name),
-                        slice(rank * per_rank, (rank + 1) * per_rank), tp)
+        shard = shard_decoder(full_model(), tp)
+        result = decode(shard, plan_of(plan_name), slice(rank * per_rank, (rank + 1) * per_rank))
+        with torch.no_grad():  # the eager forward (the research runtime's prefill) all-reduces too
+            result["prefill_logits"] = shard(prompt(), 0, DenseAttention(CONFIG.num_layers))
         torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -83,8 +91,11 @@ def test_two_ranks_over_gloo_decode_what_one_process_decodes(tmp_path, plan_name
         p.join(timeout=240)
     assert [p.exitcode for p in ranks] == [0, 0], "a rank failed (its traceback is above)"
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    with torch.no_grad():
+        logits = full_model()(prompt(), 0, DenseAttention(CONFIG.num_layers))  # [1, 37, V]
     for r, result in enumerate(results):
         assert result["tokens"] == alone["tokens"], f"rank {r}"
+        torch.testing.assert_close(result["prefill_logits"], logits, rtol=1e-4, atol=1e-4, msg=f"rank {r}")
         heads = slice(r * 2, r * 2 + 2)
         for step, (mine, whole) in enumerate(zip(result["selections"], alone["selections"], strict=True)):
             for layer, (a, b) in enumerate(zip(mine, whole, strict=True)):
@@ -135,9 +146,9 @@ def test_one_rank_over_nccl_captures_the_all_reduce_in_a_cuda_graph(tmp_path):
         model = Decoder(CONFIG64, torch.float32, "cuda").init_random_(seed=3, std=0.3)
         tp = TensorParallel(0, 1)
         out = []
-        for shard, parallel in ((model, None), (shard_decoder(model, tp), tp)):
+        for shard in (model, shard_decoder(model, tp)):
             engine = GraphDecoder(shard, dataclasses.replace(plan_of("prr"), block_size=16), batch=1,
-                                  max_tokens=MAX_TOKENS, tensor_parallel=parallel)
+                                  max_tokens=MAX_TOKENS)
             engine.fill_random_context(LENGTH, seed=5)
             graph = engine.capture(lambda e=engine: e.step(advance=True))
             engine.fill_random_context(LENGTH, seed=5)  # the capture's warm-up steps advanced it

@@ -13,6 +13,7 @@ D head_dim, V vocab.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -129,6 +130,9 @@ class Decoder(nn.Module):
         self.rope = RopeTable(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_load_state_dict_pre_hook(self._normalize_hf_state_dict)
         self.register_load_state_dict_post_hook(self._retie)
+        # A tensor-parallel shard's TensorParallel (prr.model.tensor_parallel.shard_decoder): its
+        # o_proj and down outputs are partial sums that every forward all-reduces. None: whole.
+        self.tensor_parallel = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -197,10 +201,13 @@ class Decoder(nn.Module):
         in the model dtype (RoPE, the cache and what is attended are the caller's).
         delta: zeros [B, T, H] for the first layer's residual add (default: allocated here; the
         graph engine passes a static buffer). pre / post / final: layer_math's functions, or
-        the same functions compiled (the engine's torch.compile)."""
+        the same functions compiled (the engine's torch.compile). A tensor-parallel shard
+        all-reduces post's o_proj and down outputs (`tensor_parallel`)."""
         c = self.config
         split = [c.num_heads, c.num_kv_heads, c.num_kv_heads]
         delta = torch.zeros_like(x) if delta is None else delta
+        if self.tensor_parallel is not None:  # a shard: o_proj's and down's outputs summed over ranks
+            post = functools.partial(post, reduce=self.tensor_parallel.all_reduce)
         for i, w in enumerate(fuse_layer_weights(self)):
             x, qkv = pre(x, delta, w.ln1, w.wqkv, w.bqkv, c.rms_norm_eps, sum(split), c.head_dim)
             q, k, v = qkv.split(split, dim=-2)

@@ -82,4 +82,5 @@ def shard_decoder(model: Decoder, tp: TensorParallel) -> Decoder:
             value = value if r == 0 else torch.zeros_like(value)
         state[name] = value.clone()
     shard.load_state_dict(state)
+    shard.tensor_parallel = tp  # every forward of the shard all-reduces (Decoder.layers)
     return shard

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 
 import torch
 from torch import Tensor
@@ -44,7 +43,6 @@ from prr.cache import PagedKVCache
 from prr.model.decoder import Decoder
 from prr.model.layer_math import final_norm, fuse_layer_weights, post_attention, pre_attention
 from prr.model.rope import rope_cos_sin
-from prr.model.tensor_parallel import TensorParallel
 from prr.predictors import Predictor
 from prr.runtime.attention_engine import AttentionEngine
 from prr.runtime.static_plan import (  # noqa: F401  (the plan's names, re-exported for callers)
@@ -69,8 +67,7 @@ class GraphDecoder(AttentionEngine):
 
     def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False,
                  selector: Selector | None = None, predictor: Predictor | None = None,
-                 cache: PagedKVCache | None = None, backend: str = "triton",
-                 tensor_parallel: TensorParallel | None = None) -> None:
+                 cache: PagedKVCache | None = None, backend: str = "triton") -> None:
         """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
         the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
         (RoPE runs in the cache-append kernel, or at batch 1 with plan.projections="fused" in the
@@ -85,11 +82,11 @@ class GraphDecoder(AttentionEngine):
         backend: "triton" (prr.kernels; CUDA, or the CPU under TRITON_INTERPRET=1 for tests) or
         "torch" (static-shape torch ops, any device: prr/runtime/engine_ops.py); the selector
         selects on the same backend.
-        tensor_parallel: `model` is this rank's shard (prr.model.tensor_parallel.shard_decoder):
-        the engine attends its KV heads only and all-reduces o_proj's and down's outputs (one
-        all-reduce each per layer); every rank computes the same logits and token. For now the
-        torch projections only, uncompiled."""
-        if tensor_parallel is not None and (plan.projections == "fused" or compile):
+        A tensor-parallel shard as `model` (prr.model.tensor_parallel.shard_decoder): the engine
+        attends the rank's KV heads only, and the model's forward all-reduces o_proj's and down's
+        outputs (one all-reduce each per layer); every rank computes the same logits and token.
+        For now the torch projections only, uncompiled."""
+        if model.tensor_parallel is not None and (plan.projections == "fused" or compile):
             raise ValueError("tensor_parallel runs the torch projections uncompiled for now: use plan.projections="
                              "'torch' (runtime.projections=torch) and compile=False")
         if plan.problems():
@@ -127,9 +124,6 @@ class GraphDecoder(AttentionEngine):
         self.fused = fuse_layer_weights(model)
         self.eps = c.rms_norm_eps
         self._pre, self._post, self._final = pre_attention, post_attention, final_norm
-        self.tensor_parallel = tensor_parallel
-        if tensor_parallel is not None:
-            self._post = functools.partial(post_attention, reduce=tensor_parallel.all_reduce)
         if compile:
             self._pre = torch.compile(pre_attention, dynamic=False, fullgraph=True)
             self._post = torch.compile(post_attention, dynamic=False, fullgraph=True)

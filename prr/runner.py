@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -38,7 +40,7 @@ from prr.runtime.dsa_backend import DSABackend, check_finite
 from prr.runtime.graph_run import graph_decode_run
 from prr.runtime.probe import StageProbe
 from prr.selectors.dense import DenseSelector
-from prr.sinks import JsonlWriter, read_jsonl
+from prr.sinks import JsonlWriter, NoLogger, read_jsonl
 from prr.summary_table import format_summary
 
 log = logging.getLogger("prr")
@@ -95,6 +97,8 @@ def run(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig | None = None) -> 
     """hydra_cfg: the job's Hydra settings (HydraConfig.get()) when Hydra launched it,
     recorded in run_dir/.hydra once the run goes ahead."""
     validate(cfg)  # every problem at once, before anything loads
+    if worker_rank(cfg):  # a tensor-parallel rank other than 0: computes, writes nothing of the run
+        return run_as_worker(cfg)
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     done = finished_run(run_dir, config_yaml)
     if done is not None:
@@ -129,6 +133,21 @@ def run(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig | None = None) -> 
         raise
     finally:
         logger.finish(ok)
+
+
+def worker_rank(cfg: DictConfig) -> int:
+    """This process's rank under runtime.tensor_parallel > 1 (torchrun's RANK), else 0."""
+    return int(os.environ.get("RANK", "0")) if cfg.runtime.get("tensor_parallel", 1) > 1 else 0
+
+
+def run_as_worker(cfg: DictConfig) -> dict[str, Any]:
+    """A tensor-parallel rank > 0: the same decode in a private temporary directory, no logger,
+    no log file, so only rank 0 writes the run dir (and its W&B run)."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+    with tempfile.TemporaryDirectory(prefix=f"prr-rank{worker_rank(cfg)}-") as scratch:
+        return graph_decode_run(cfg, Path(scratch), NoLogger())
 
 
 class Terminated(KeyboardInterrupt):

@@ -160,3 +160,43 @@ def test_one_rank_over_nccl_captures_the_all_reduce_in_a_cuda_graph(tmp_path):
         assert out[0] == out[1]
     finally:
         dist.destroy_process_group()
+
+
+def test_run_py_under_torchrun_with_two_ranks_decodes_the_single_process_run(tmp_path):
+    """`torchrun --nproc_per_node 2 run.py runtime.tensor_parallel=2 ...` (gloo on the CPU):
+    the tokens and hit rate of the same run in one process; only rank 0 writes the run dir."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    common = ["model=tiny-random-d64", "logger=none", "runtime.engine=graph", "selector.dense_layers=[0]",
+              "selector.topk_blocks=6", "task.prompt_tokens=300", "task.max_new_tokens=6", "task.stop_at_eos=false",
+              "predictor=last_step"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, str(root / "run.py"), *common, f"hydra.run.dir={tmp_path / 'one'}"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(root / "run.py"), *common, "runtime.tensor_parallel=2",
+                          f"hydra.run.dir={tmp_path / 'two'}"], capture_output=True, text=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    single, parallel = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    assert parallel["tensor_parallel"] == 2 and single["tensor_parallel"] == 1
+    assert (parallel["kv_heads_per_rank"], single["kv_heads_per_rank"]) == (1, 2)  # each rank held a shard
+    assert parallel["generated_token_ids"] == single["generated_token_ids"]
+    assert parallel["hit_rate"] == pytest.approx(single["hit_rate"], abs=1e-12) and 0 < single["hit_rate"] < 1
+    assert not list(tmp_path.glob("two/*rank*"))  # rank 1 wrote into a private temporary directory
+
+
+def test_tensor_parallel_without_torchrun_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    done = subprocess.run([sys.executable, str(root / "run.py"), "model=tiny-random-d64", "logger=none",
+                           "runtime.engine=graph", "runtime.tensor_parallel=2", f"hydra.run.dir={tmp_path / 'x'}"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "torchrun --nproc_per_node 2" in done.stderr
+    assert not (tmp_path / "x").exists()

@@ -37,6 +37,13 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def sum_on_host(self, x: Tensor) -> Tensor:
+        """A host tensor summed over ranks (e.g. hit counters): -> a new host tensor."""
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        total = x.to(device, copy=True)
+        dist.all_reduce(total, group=self.group)
+        return total.cpu()
+
     def problems(self, config: ModelConfig) -> list[str]:
         """Why `config` cannot be split over this many ranks (empty: it can)."""
         out = []

@@ -23,6 +23,7 @@ so both propose the same P from the first step.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import sys
 import time
@@ -85,6 +86,21 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
                    f"(got {task.temperature})")
     if callable(getattr(task, "evaluate", None)):
         out.append(f"{head} decodes one prompt; scored tasks (accuracy, perplexity, lm_eval) run on runtime.engine=eager")
+    tp = runtime.tensor_parallel
+    if tp > 1:
+        from prr.model.tensor_parallel import TensorParallel
+
+        out += [f"runtime.tensor_parallel={tp}: {p}" for p in TensorParallel(0, tp).problems(model)]
+        world = os.environ.get("WORLD_SIZE")
+        if world != str(tp):
+            out.append(f"runtime.tensor_parallel={tp} needs {tp} processes (this one sees WORLD_SIZE={world}): launch "
+                       f"with `torchrun --nproc_per_node {tp} run.py ...`")
+        if budget.profiles or budget.adapts_online:
+            out.append(f"runtime.tensor_parallel={tp} with budget={type(budget).__name__}: each rank would decide from "
+                       "its own timings; not yet supported (use budget=fixed)")
+        if runtime.projections == "fused":
+            out.append(f"runtime.tensor_parallel={tp} runs the torch projections (the fused GEMVs cannot all-reduce): "
+                       "use runtime.projections=torch or auto")
     return out
 
 
@@ -120,6 +136,23 @@ def steps_until_eos(inputs: torch.Tensor, eos_ids: torch.Tensor) -> int | None:
     return int(seen.argmax()) + 1 if bool(seen.any()) else None
 
 
+def tensor_parallel_group(settings: Any):
+    """runtime.tensor_parallel > 1: join torchrun's process group (gloo on a CPU, NCCL on GPUs,
+    one GPU per rank: cuda:LOCAL_RANK) -> this rank's TensorParallel; None for one process."""
+    if settings.tensor_parallel == 1:
+        return None
+    import torch.distributed as dist
+
+    from prr.model.tensor_parallel import TensorParallel
+
+    cuda = settings.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return TensorParallel(dist.get_rank(), dist.get_world_size())
+
+
 def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
     """Prefill (research runtime), then decode through the engine; writes tokens.jsonl,
     layers.csv, generation.txt and summary.json like decode_run."""
@@ -130,10 +163,16 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     from prr.runtime.graph_decode import GraphDecoder
     from prr.runtime.probe import device_name
 
+    tp = tensor_parallel_group(instantiate(cfg.runtime))  # (first: each rank loads onto its own GPU)
     r = build_run(cfg)
     settings, task, selector, predictor, budget = r.settings, r.task, r.selector, r.predictor, r.budget
     device, dtype, model, load_s, prompt, input_ids = r.device, r.dtype, r.model, r.load_s, r.prompt, r.input_ids
-    mc = model.config
+    decoder = model.decoder  # the whole model, or this rank's shard (tensor parallelism)
+    if tp is not None:
+        from prr.model.tensor_parallel import shard_decoder
+
+        decoder = shard_decoder(decoder, tp)
+    mc = decoder.config
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + task.max_new_tokens + 1
     # Tokens of the prompt each row holds: all of it, or a ragged batch's last row_tokens[b].
@@ -151,7 +190,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         # The profile at the first decode step's context (the longest row + 1 tokens): |P| is static
         # for the decode.
         context = (max(row_tokens) + settings.block_size) // settings.block_size
-        probe = GraphProbe(lambda n: GraphDecoder(model.decoder, dataclasses.replace(plan, predicted_blocks=n),
+        probe = GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n),
                                                   settings.batch_size, capacity, selector=selector,
                                                   backend=ops_backend),
                            first_size=plan.topk_blocks)
@@ -177,13 +216,13 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     with torch.inference_mode():
         t0 = time.perf_counter()
         if settings.row_tokens is None:
-            logits = model.decoder(input_ids, 0, backend)[:, -1]  # [B, V]
+            logits = decoder(input_ids, 0, backend)[:, -1]  # [B, V]
             history = None
         else:
             rows = []
             for b, n in enumerate(row_tokens):
                 rows.append(prefill_backend(cache.row(b)))
-                logits_b = model.decoder(input_ids[b : b + 1, prompt_len - n :], 0, rows[-1])[:, -1]  # [1, V]
+                logits_b = decoder(input_ids[b : b + 1, prompt_len - n :], 0, rows[-1])[:, -1]  # [1, V]
                 logits = logits_b if b == 0 else torch.cat([logits, logits_b])
             for layer in range(mc.num_layers):  # the host length: the longest row (rows mask their own)
                 cache.set_length(layer, max(row_tokens))
@@ -198,7 +237,7 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
 
     speculating = plan.variant == "prr"
     plan = dataclasses.replace(plan, projections=settings.graph_projections())
-    engine = GraphDecoder(model.decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda",
+    engine = GraphDecoder(decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda" and tp is None,
                           selector=selector, predictor=predictor if speculating else None, cache=cache,
                           backend=ops_backend)
     first = logits.argmax(-1)  # [B] greedy
@@ -302,6 +341,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     tokens_out.close()
 
     token_ids = inputs
+    if tp is not None:  # each rank counted its own KV heads: the run's counts are their sums
+        for variant in totals:
+            totals[variant] = tp.sum_on_host(totals[variant])
     selected, predicted, hits = (totals["prr"][names.index(n)] for n in ("selected", "predicted", "hits"))
     both = dict(zip(names, totals["prr"] + totals["serial"], strict=True))  # over every step
 
@@ -329,6 +371,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "engine": "graph",
+        "tensor_parallel": settings.tensor_parallel,
+        "kv_heads_per_rank": mc.num_kv_heads,  # (the shard's: the model's / tensor_parallel)
         "engine_ops": engine.backend,  # triton kernels, or static-shape torch ops (a CPU without TRITON_INTERPRET)
         "model": model.name,
         "selector": OmegaConf.to_container(cfg.selector, resolve=True),

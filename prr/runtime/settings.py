@@ -36,6 +36,10 @@ class RuntimeSettings:
     # prompt's last row_tokens[b] tokens (e.g. [4000, 1000]); batch_size must equal its length.
     # None: every row holds the whole prompt.
     row_tokens: list[int] | None = None
+    # Tensor parallelism over this many processes (engine=graph; launch with
+    # `torchrun --nproc_per_node N run.py ...`): each holds its share of heads and FFN columns
+    # (prr.model.tensor_parallel), rank 0 writes the run dir.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.row_tokens is not None:  # (Hydra passes a ListConfig)
@@ -45,7 +49,8 @@ class RuntimeSettings:
         """The graph engine's projections for this run (`projections` with auto resolved)."""
         if self.projections != "auto":
             return self.projections
-        return "fused" if self.device.startswith("cuda") and self.batch_size == 1 else "torch"
+        fused = self.device.startswith("cuda") and self.batch_size == 1 and self.tensor_parallel == 1
+        return "fused" if fused else "torch"
 
     def problems(self) -> list[str]:
         out = []
@@ -72,6 +77,11 @@ class RuntimeSettings:
                        f"{self.engine!r}); leave it at auto or add runtime.engine=graph")
         if self.dense_metrics_every < 1:
             out.append(f"runtime.dense_metrics_every={self.dense_metrics_every} must be >= 1")
+        if self.tensor_parallel < 1:
+            out.append(f"runtime.tensor_parallel={self.tensor_parallel} must be >= 1")
+        elif self.tensor_parallel > 1 and self.engine != "graph":
+            out.append(f"runtime.tensor_parallel={self.tensor_parallel} runs on runtime.engine=graph only (engine is "
+                       f"{self.engine!r})")
         if self.row_tokens is not None:
             if self.engine != "graph":
                 out.append(f"runtime.row_tokens={self.row_tokens} (a ragged batch) runs on runtime.engine=graph only "

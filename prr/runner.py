@@ -97,13 +97,13 @@ def run(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig | None = None) -> 
     """hydra_cfg: the job's Hydra settings (HydraConfig.get()) when Hydra launched it,
     recorded in run_dir/.hydra once the run goes ahead."""
     validate(cfg)  # every problem at once, before anything loads
-    if worker_rank(cfg):  # a tensor-parallel rank other than 0: computes, writes nothing of the run
-        return run_as_worker(cfg)
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    done = finished_run(run_dir, config_yaml)
+    done = finished_run(run_dir, config_yaml)  # (every tensor-parallel rank skips or refuses alike)
     if done is not None:
         print(f"prr: {run_dir} already holds this run, complete; skipped")
         return done
+    if worker_rank(cfg):  # a tensor-parallel rank other than 0: computes, writes nothing of the run
+        return run_as_worker(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if hydra_cfg is not None:
         write_hydra_record(run_dir, cfg, hydra_cfg)

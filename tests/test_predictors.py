@@ -80,3 +80,25 @@ def test_ema_calibration_is_causal():
         history.append(selection(ids, scores))
     info = EmaPredictor(alpha_grid=(0.0, 0.5, 0.9), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,)).calibrate([history])
     assert info["calibration_hit_rate"] < 0.9
+
+
+def test_ema_calibration_of_rows_with_different_contexts_does_not_depend_on_their_order():
+    """A ragged batch calibrates on its rows' stacked histories: each row's recency bonus and
+    mask follow its own context (rows of 12 and 23 blocks whose newest block is always in A)."""
+    from prr.selectors.base import stack_rows
+
+    g = torch.Generator().manual_seed(3)
+
+    def row(nb: int) -> list[Selection]:
+        out = []
+        for _ in range(16):
+            scores = torch.randn(1, 1, N, generator=g)
+            ids = sorted({nb - 1, *torch.randperm(nb - 1, generator=g)[:2].tolist()})
+            out.append(selection(ids, scores, nb=nb))
+        return out
+
+    short, long = row(12), row(N)
+    grid = dict(alpha_grid=(0.0, 0.9), stickiness_grid=(0.0,), recency_grid=(0.0, 4.0))
+    infos = [EmaPredictor(**grid).calibrate([[stack_rows([a, b]) for a, b in zip(x, y, strict=True)]])
+             for x, y in ((short, long), (long, short))]
+    assert infos[0] == infos[1] and infos[0]["recency"] == 4.0

@@ -172,7 +172,7 @@ def test_run_py_under_torchrun_with_two_ranks_decodes_the_single_process_run(tmp
     root = Path(__file__).resolve().parents[1]
     common = ["model=tiny-random-d64", "logger=none", "runtime.engine=graph", "selector.dense_layers=[0]",
               "selector.topk_blocks=6", "task.prompt_tokens=300", "task.max_new_tokens=6", "task.stop_at_eos=false",
-              "predictor=last_step"]
+              "predictor=ema", "runtime.calibration_tokens=24"]  # (EMA calibrates on the prefill tail)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, str(root / "run.py"), *common, f"hydra.run.dir={tmp_path / 'one'}"],
                          capture_output=True, text=True, timeout=300, env=env)
@@ -186,7 +186,11 @@ def test_run_py_under_torchrun_with_two_ranks_decodes_the_single_process_run(tmp
     assert (parallel["kv_heads_per_rank"], single["kv_heads_per_rank"]) == (1, 2)  # each rank held a shard
     assert parallel["generated_token_ids"] == single["generated_token_ids"]
     assert parallel["hit_rate"] == pytest.approx(single["hit_rate"], abs=1e-12) and 0 < single["hit_rate"] < 1
+    # calibration fitted every KV head on each rank: the single process's choice
+    assert parallel["budget_setup"]["calibration"] == single["budget_setup"]["calibration"]
     assert not list(tmp_path.glob("two/*rank*"))  # rank 1 wrote into a private temporary directory
+    again = subprocess.run(two.args, capture_output=True, text=True, timeout=120, env=env)  # a finished run:
+    assert again.returncode == 0 and "already holds this run" in again.stdout  # every rank skips it
 
 
 def test_tensor_parallel_without_torchrun_is_refused(tmp_path):

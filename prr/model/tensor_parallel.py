@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from prr.blocks import BlockSet
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
+from prr.selectors.base import Selection
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,16 @@ class TensorParallel:
         total = x.to(device, copy=True)
         dist.all_reduce(total, group=self.group)
         return total.cpu()
+
+    def gather_heads(self, selection: Selection) -> Selection:
+        """A rank's selection of its KV heads ([B, Hkv / world, ...]) -> every rank's, in head
+        order ([B, Hkv, ...]): what a fit over all heads (predictor calibration) must see."""
+        def gathered(x: Tensor) -> Tensor:
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            return torch.cat(parts, dim=1)
+        return Selection(BlockSet(gathered(selection.blocks.indices), gathered(selection.blocks.count)),
+                         gathered(selection.scores))
 
     def problems(self, config: ModelConfig) -> list[str]:
         """Why `config` cannot be split over this many ranks (empty: it can)."""

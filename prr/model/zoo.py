@@ -252,7 +252,8 @@ LLAMA31_70B_SHAPE = RandomInitSpec(
     config=replace(LLAMA31_8B_SHAPE.config, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64),
     seed=0,
     description="Llama-3.1-70B shape with random weights, for tensor-parallel GPU latency (80 layers, GQA 64/8, "
-                "head 128, hidden 8192, FFN 28672; 141 GB in bf16: more than one H200)",
+                "head 128, hidden 8192, FFN 28672; 141 GB in bf16: more than one H200 holds, and each rank "
+                "still loads the whole model before taking its shard, so it does not run yet)",
 )
 
 ZOO: dict[str, RandomInitSpec | WheelGGUFSpec | ChunkedWheelGGUFSpec] = {

@@ -123,7 +123,7 @@ class EmaPredictor(Predictor):
         selected = torch.stack([torch.stack([history[i][t].blocks.mask(n) for i in layers]) for t in range(steps)])
         z = standardise(scores)
         finite = torch.isfinite(scores)
-        num_blocks = finite[..., 0, 0, :].sum(-1)  # [T, L'] context blocks per step
+        num_blocks = finite[..., 0, :].sum(-1)  # [T, L', B] context blocks per step and row (rows may differ)
         dev = scores.device
         grid = torch.tensor(self.grid, device=dev).view(-1, 3, 1, 1, 1, 1)  # [C, 3, 1, 1, 1, 1]
         alphas, sticks, recs = grid[:, 0], grid[:, 1], grid[:, 2]  # [C, 1, 1, 1, 1] each
@@ -133,7 +133,7 @@ class EmaPredictor(Predictor):
         ids = torch.arange(n, device=dev)
         for t in range(steps):
             if t > self.burn_in_steps:
-                nb = num_blocks[t].view(1, -1, 1, 1, 1)
+                nb = num_blocks[t].view(1, *num_blocks.shape[1:], 1, 1)  # [1, L', B, 1, 1]
                 recent = (ids >= nb - self.recent_blocks) & (ids < nb)
                 rank = ema + sticks * selected[t - 1] + recs * recent
                 rank = rank.masked_fill(ids >= nb, NEVER)

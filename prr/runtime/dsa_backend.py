@@ -116,16 +116,19 @@ class DSABackend:
             self.history[layer] = history
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
 
-    def finish_prefill(self, history: list[list[Selection] | None] | None = None) -> dict[str, Any]:
+    def finish_prefill(self, history: list[list[Selection] | None] | None = None,
+                       calibrate_on: list[list[Selection] | None] | None = None) -> dict[str, Any]:
         """Calibrate the predictor on the prefill tail, then warm its state by replaying it.
         history: the tail's selections per layer (None for dense layers), [B, ...] each
         (default: this backend's own prefill's; a ragged batch prefills its rows one by one and
-        passes theirs, stacked: `prr.selectors.base.stack_rows`)."""
+        passes theirs, stacked: `prr.selectors.base.stack_rows`).
+        calibrate_on: what calibration fits instead (default: history) — a tensor-parallel rank
+        passes every rank's KV heads, so each fits what one process would."""
         if history is not None:
             if len(history) != self.cache.num_layers:
                 raise ValueError(f"history has {len(history)} layers, the cache {self.cache.num_layers}")
             self.history = history
-        info = self.predictor.calibrate(self.history)
+        info = self.predictor.calibrate(self.history if calibrate_on is None else calibrate_on)
         c = self.cache
         self.predictor_state = self.predictor.init_state(c.num_layers, c.batch, c.num_kv_heads, c.max_blocks, c.device)
         self.engine.adopt_predictor_state(self.predictor_state)

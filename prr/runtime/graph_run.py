@@ -172,6 +172,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
         from prr.model.tensor_parallel import shard_decoder
 
         decoder = shard_decoder(decoder, tp)
+        model.decoder = decoder  # the whole model is freed: a rank keeps its shard only
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     mc = decoder.config
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + task.max_new_tokens + 1
@@ -230,7 +233,11 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
                        [stack_rows(list(step)) for step in zip(*(r.history[layer] for r in rows), strict=True)]
                        for layer in range(mc.num_layers)]
             del rows
-        calibration = backend.finish_prefill(history)  # calibrates and warms the predictor on the prefill tail
+        calibrate_on = None
+        if tp is not None:  # calibration fits every rank's heads (all ranks choose alike, as one process would)
+            own = history if history is not None else backend.history
+            calibrate_on = [None if h is None else [tp.gather_heads(s) for s in h] for h in own]
+        calibration = backend.finish_prefill(history, calibrate_on)  # calibrates and warms the predictor
         prefill_s = time.perf_counter() - t0
     if calibration:
         budget_info["calibration"] = calibration

@@ -140,7 +140,7 @@ def test_a_ragged_batch_decodes_each_row_as_alone(tmp_path):
     (["runtime.engine=eager", "runtime.batch_size=2", "runtime.row_tokens=[300,100]"], "runtime.engine=graph only"),
     (["runtime.engine=graph", "runtime.batch_size=3", "runtime.row_tokens=[300,100]"], "one length per row"),
     (["runtime.engine=graph", "runtime.row_tokens=[20]"], "must exceed runtime.calibration_tokens"),
-    (["runtime.engine=graph", "runtime.batch_size=2", "runtime.row_tokens=[400,100]"], "cannot hold more"),
+    (["runtime.engine=graph", "runtime.batch_size=2", "runtime.row_tokens=[400,100]"], "holds at most the prompt's task.prompt_tokens=300"),
 ])
 def test_a_ragged_batch_refuses_bad_lengths(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

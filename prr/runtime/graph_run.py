@@ -38,7 +38,6 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from prr.cache import PagedKVCache
-from prr.config_check import ConfigError
 from prr.paths import write_json_atomic, write_text_atomic
 from prr.run_inputs import build_run
 from prr.runtime.graph_decode import StaticPlan
@@ -86,6 +85,11 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
                    f"(got {task.temperature})")
     if callable(getattr(task, "evaluate", None)):
         out.append(f"{head} decodes one prompt; scored tasks (accuracy, perplexity, lm_eval) run on runtime.engine=eager")
+    rows = runtime.row_tokens
+    prompt_tokens = getattr(task, "prompt_tokens", None)
+    if rows and (prompt_tokens is None or max(rows) > prompt_tokens):
+        out.append(f"runtime.row_tokens={rows}: a row holds at most the prompt's task.prompt_tokens="
+                   f"{prompt_tokens} tokens; lower it or raise task.prompt_tokens")
     tp = runtime.tensor_parallel
     if tp > 1:
         from prr.model.tensor_parallel import TensorParallel
@@ -180,9 +184,9 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     capacity = prompt_len + task.max_new_tokens + 1
     # Tokens of the prompt each row holds: all of it, or a ragged batch's last row_tokens[b].
     row_tokens = settings.row_tokens or [prompt_len] * settings.batch_size
-    if max(row_tokens) > prompt_len:
-        raise ConfigError([f"runtime.row_tokens={settings.row_tokens}: a row cannot hold more than the prompt's "
-                           f"{prompt_len} tokens; lower it or lengthen the prompt (task.prompt_tokens)"])
+    if max(row_tokens) > prompt_len:  # (graph_problems refuses rows above task.prompt_tokens before any work)
+        raise ValueError(f"runtime.row_tokens={settings.row_tokens}: a row cannot hold more than the prompt's "
+                         f"{prompt_len} tokens")
 
     max_blocks = -(-capacity // settings.block_size)
     plan = graph_plan(settings, selector, predictor, budget, max_blocks)

@@ -56,8 +56,7 @@ def eager_step(selector: Selector, predictor, cache: PagedKVCache, q: torch.Tens
     from prr.runtime.timing import StageTimer
 
     b, h, g, d = q.shape
-    plan = StaticPlan(variant="serial", predictor="fixed", repair_mode=repair_mode, block_size=cache.block_size,
-                      overlap=False, fused_repair=False, fuse_merge=False)
+    plan = StaticPlan.eager(repair_mode, cache.block_size)
     engine = AttentionEngine(plan, cache, h * g, selector, predictor, "torch", timer=StageTimer(torch.device("cpu")))
     if state is None:
         state = predictor.init_state(cache.num_layers, b, h, cache.max_blocks, "cpu")

@@ -74,11 +74,7 @@ class DSABackend:
         self.check_serial = check_serial
         self.backend = backend
         self.timer = StageTimer(cache.device)
-        # The step itself: stages one after the other (no side stream, no fused tail), so each
-        # stage has its own timer; P buffers sized per step by the budget.
-        plan = StaticPlan(variant="serial", predictor="fixed", repair_mode=repair_mode, block_size=cache.block_size,
-                          overlap=False,
-                          fused_repair=False, fuse_merge=False)
+        plan = StaticPlan.eager(repair_mode, cache.block_size)
         self.engine = AttentionEngine(plan, cache, num_heads, selector, predictor, backend, timer=self.timer)
         self.step = 0
         self.history: list[list[Selection] | None] = [None] * cache.num_layers  # prefill-tail selections

@@ -120,9 +120,7 @@ class StageProbe:
     def _engine(self, cache: PagedKVCache, predictor: Predictor | None, timer: StageTimer | None = None
                 ) -> AttentionEngine:
         """The eager runtime's step over the scratch cache (stages one after the other)."""
-        plan = StaticPlan(variant="serial", predictor="fixed", repair_mode=self.repair_mode, block_size=cache.block_size,
-                          overlap=False,
-                          fused_repair=False, fuse_merge=False)
+        plan = StaticPlan.eager(self.repair_mode, cache.block_size)
         return AttentionEngine(plan, cache, self.num_heads, self.selector, predictor, self.backend, timer=timer)
 
     @staticmethod

@@ -120,6 +120,14 @@ class StaticPlan:
                            f"(whole blocks per program)")
         return out
 
+    @classmethod
+    def eager(cls, repair_mode: str, block_size: int) -> StaticPlan:
+        """The plan of the eager runtime's step (DSABackend, StageProbe): stages one after the
+        other (no side stream, no fused tail or merge), so each stage has its own timer; the
+        predictor is the caller's and |P| is sized per step (`sparse_attention(predicted_blocks=)`)."""
+        return cls(variant="serial", predictor="fixed", repair_mode=repair_mode, block_size=block_size, overlap=False,
+                   fused_repair=False, fuse_merge=False)
+
     def make_selector(self) -> Selector:
         """The prr.selectors object this plan names (callers with any other selector pass their own)."""
         recent = self.recent_blocks

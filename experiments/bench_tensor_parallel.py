@@ -44,31 +44,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def floor_bytes(config, world: int, context: int, sparse: bool) -> int:
-    """Bytes one rank reads per batch-1 step: its shard of the layer weights, the replicated
-    norms, one embedding row and lm_head, and its KV heads' KV (dense: every layer's; sparse:
-    dense layers' whole KV, sparse layers' Quest metadata (max and min) and K tokens of KV)."""
-    c, bf16 = config, 2
-    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
-    per_layer = (h * (c.num_heads + 2 * c.num_kv_heads) * d + c.num_heads * d * h + 3 * h * i) * bf16 // world
-    weights = c.num_layers * (per_layer + 2 * h * bf16) + h * bf16 + c.vocab_size * h * bf16 + h * bf16
-    kv_heads = c.num_kv_heads // world
-    per_token = 2 * kv_heads * d * bf16  # K and V, one layer
-    kv = (context + 1) * per_token
-    if not sparse:
-        return weights + c.num_layers * kv
-    meta = kv_heads * (context // BLOCK + 1) * 2 * d * bf16
-    sparse_layers = c.num_layers - len(DENSE_LAYERS)
-    return weights + len(DENSE_LAYERS) * kv + sparse_layers * (meta + min(TOPK_TOKENS, context + 1) * per_token)
-
-
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_tensor_parallel.py times CUDA graphs on GPUs: launch it with torchrun on a CUDA machine")
     import torch.distributed as dist
 
-    from prr.benchmarking import HEADROOM, copy_bandwidth, environment, read_bandwidth, time_graph_us
+    from prr.benchmarking import (
+        HEADROOM,
+        copy_bandwidth,
+        decode_step_bytes,
+        environment,
+        read_bandwidth,
+        time_graph_us,
+    )
     from prr.blocks import controlled_predictions
     from prr.model.decoder import Decoder
     from prr.model.tensor_parallel import TensorParallel, shard_config
@@ -110,7 +99,8 @@ def main() -> None:
                         eng.set_predictions(layer, *controlled_predictions(s, hit, context // BLOCK + 1, gen))
             view = eng.with_plan(variant=variant)
             us = time_graph_us(lambda v=view: v.step(advance=False), repeats=args.repeats)
-            floor = floor_bytes(config, tp.world, context, sparse=variant != "dense") / bandwidth * 1e6
+            floor = decode_step_bytes(config, [context], variant != "dense", tp.world, BLOCK, TOPK_TOKENS,
+                                      len(DENSE_LAYERS)) / bandwidth * 1e6
             rows.append(dict(model=args.model, tensor_parallel=tp.world, context=context, variant=variant,
                              hit_rate=hit, token_us=us, floor_us=floor, allreduce_us=allreduce_us,
                              over_floor=us / floor, over_floor_plus_allreduce=us / (floor + allreduce_us)))

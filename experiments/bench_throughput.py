@@ -35,6 +35,7 @@ from prr.benchmarking import (
     BF16,
     HEADROOM,
     copy_bandwidth,
+    decode_step_bytes,
     environment,
     model_of,
     read_bandwidth,
@@ -42,7 +43,7 @@ from prr.benchmarking import (
 )
 from prr.blocks import controlled_predictions
 from prr.model.decoder import Decoder
-from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK, TOPK_TOKENS, DENSE_LAYERS, HIT_RATE = 16, 2048, (0, 1), 0.9
@@ -61,24 +62,6 @@ def cache_bytes(model: Decoder, batch: int, tokens: int) -> int:
     """The engine's KV cache: K and V of every layer, [B, Hkv, tokens, D] bf16."""
     c = model.config
     return 2 * c.num_layers * batch * c.num_kv_heads * tokens * c.head_dim * BF16
-
-
-def step_floor_bytes(model: Decoder, contexts: list[int], sparse: bool) -> int:
-    """Bytes one decode step of rows with these contexts must read (see the module docstring)."""
-    c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not c.tie_word_embeddings:  # a step reads one embedding row per batch row, not the table
-        emb = model.model.embed_tokens.weight
-        weights -= (emb.shape[0] - len(contexts)) * emb.shape[1] * emb.element_size()
-    per_token = 2 * c.num_kv_heads * c.head_dim * BF16  # K and V of one token, one layer
-    kv = sum((n + 1) * per_token for n in contexts)  # this step's token included
-    if not sparse:
-        return weights + c.num_layers * kv
-    meta = sum(c.num_kv_heads * (n // BLOCK + 1) * metadata_bytes_per_block("quest", model.dtype, c.head_dim)
-               for n in contexts)
-    selected = sum(min(TOPK_TOKENS, n + 1) * per_token for n in contexts)
-    sparse_layers = c.num_layers - len(DENSE_LAYERS)
-    return weights + len(DENSE_LAYERS) * kv + sparse_layers * (meta + selected)
 
 
 def set_controlled_predictions(eng: GraphDecoder, contexts: list[int], gen: torch.Generator) -> None:
@@ -118,7 +101,8 @@ def cell_rows(model: Decoder, kind: str, tokens: list[int], bandwidth: float, re
         start = eng.pos.clone()
         us = time_graph_us(lambda v=view: v.step(advance=False), repeats=repeats)
         eng.pos.copy_(start)
-        floor_us = step_floor_bytes(model, contexts, sparse=variant != "dense") / bandwidth * 1e6
+        floor_us = decode_step_bytes(model.config, contexts, variant != "dense", block=BLOCK, topk_tokens=TOPK_TOKENS,
+                                     dense_layers=len(DENSE_LAYERS)) / bandwidth * 1e6
         rows.append(dict(common, variant=variant, hit_rate=HIT_RATE if variant == "prr" else None,
                          step_us=us, token_latency_ms=us / 1e3, tokens_per_s=batch / (us * 1e-6),
                          floor_us=floor_us, over_floor=us / floor_us))

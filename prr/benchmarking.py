@@ -119,3 +119,23 @@ def decode_inputs(batch: int, context: int, block: int, budget: int, sets: int, 
     counts = torch.full((batch, HKV), k, dtype=torch.int32, device="cuda")
     lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     return caches, qs, ids, counts, lengths, 1 / math.sqrt(D)
+
+
+def decode_step_bytes(config, contexts: list[int], sparse: bool, world: int = 1, block: int = 16,
+                      topk_tokens: int = 2048, dense_layers: int = 2) -> int:
+    """Bytes one decode step must read on one of `world` tensor-parallel GPUs (bf16), rows of
+    these contexts: the rank's share of the layer weights, the norms, one embedding row per row
+    and lm_head (whole on every rank), and per row its KV heads' bytes — dense attention: every
+    layer's whole KV; sparse: the dense layers' whole KV, the sparse layers' Quest metadata (key
+    max and min per block) and top-K tokens of KV. The byte floor's numerator."""
+    c = config
+    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+    per_layer = (h * (c.num_heads + 2 * c.num_kv_heads) * d + c.num_heads * d * h + 3 * h * i) * BF16 // world
+    weights = c.num_layers * (per_layer + 2 * h * BF16) + h * BF16 + len(contexts) * h * BF16 + c.vocab_size * h * BF16
+    per_token = 2 * c.num_kv_heads // world * d * BF16  # K and V of one token, one layer
+    kv = sum((n + 1) * per_token for n in contexts)  # this step's token included
+    if not sparse:
+        return weights + c.num_layers * kv
+    meta = sum(c.num_kv_heads // world * (n // block + 1) * 2 * d * BF16 for n in contexts)
+    selected = sum(min(topk_tokens, n + 1) * per_token for n in contexts)
+    return weights + dense_layers * kv + (c.num_layers - dense_layers) * (meta + selected)

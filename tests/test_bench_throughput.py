@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from prr.benchmarking import decode_step_bytes
 from prr.model.decoder import Decoder
 from prr.model.zoo import ZOO
 
@@ -37,16 +38,19 @@ def test_step_floor_counts_weights_once_and_each_rows_own_bytes():
     model = tiny_8b_shape()
     c = model.config
     per_token = 2 * c.num_kv_heads * c.head_dim * 2  # K and V, bf16, one layer
-    one, two = bt.step_floor_bytes(model, [4000], False), bt.step_floor_bytes(model, [4000, 100], False)
+    one, two = decode_step_bytes(c, [4000], False), decode_step_bytes(c, [4000, 100], False)
     emb_row = c.hidden_size * 2
     assert two - one == c.num_layers * 101 * per_token + emb_row  # the second row's KV in every layer
+    # The weights the formula counts are the model's parameters, less the embedding rows not read.
+    params = sum(p.numel() for p in model.parameters()) * 2
+    assert one - c.num_layers * 4001 * per_token == params - (c.vocab_size - 1) * c.hidden_size * 2
     # Sparse: the dense layers read the whole KV, the others metadata (Quest: max and min per block)
     # and at most K tokens of KV.
-    sparse = bt.step_floor_bytes(model, [4000], True)
+    sparse = decode_step_bytes(c, [4000], True)
     weights = one - c.num_layers * 4001 * per_token
     meta = c.num_kv_heads * (4000 // 16 + 1) * 2 * c.head_dim * 2
     assert sparse == weights + 2 * 4001 * per_token + (c.num_layers - 2) * (meta + 2048 * per_token)
-    assert bt.step_floor_bytes(model, [40000], True) < bt.step_floor_bytes(model, [40000], False)
+    assert decode_step_bytes(c, [40000], True) < decode_step_bytes(c, [40000], False)
 
 
 def test_without_a_gpu_it_stops_with_one_line():

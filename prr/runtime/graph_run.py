@@ -226,11 +226,11 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
             logits = decoder(input_ids, 0, backend)[:, -1]  # [B, V]
             history = None
         else:
-            rows = []
+            rows, row_logits = [], []
             for b, n in enumerate(row_tokens):
                 rows.append(prefill_backend(cache.row(b)))
-                logits_b = decoder(input_ids[b : b + 1, prompt_len - n :], 0, rows[-1])[:, -1]  # [1, V]
-                logits = logits_b if b == 0 else torch.cat([logits, logits_b])
+                row_logits.append(decoder(input_ids[b : b + 1, prompt_len - n :], 0, rows[-1])[:, -1])  # [1, V]
+            logits = torch.cat(row_logits)  # [B, V]
             for layer in range(mc.num_layers):  # the host length: the longest row (rows mask their own)
                 cache.set_length(layer, max(row_tokens))
             history = [None if rows[0].history[layer] is None else

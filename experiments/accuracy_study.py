@@ -2,6 +2,8 @@
 
     python experiments/accuracy_study.py                      # the committed CPU size (see --help)
     python experiments/accuracy_study.py --contexts 4096 --budgets 256,1024,2048 --samples 20
+    python experiments/accuracy_study.py --model qwen2.5-coder-0.5b --tasks ruler:niah_single_1,ruler:vt \
+        --contexts 8192,16384 --device cuda --dtype bfloat16      # RULER's own tasks (make ruler-data), a GPU
 
 For every task x context length x sample, the prompt is prefilled once (dense, q/k/v kept)
 and every config decodes from a replay of it (a fresh cache, selector metadata and
@@ -39,6 +41,7 @@ from hydra.utils import instantiate
 from prr.config_check import validate
 from prr.evaluation import Engine
 from prr.paths import write_json_atomic
+from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +51,8 @@ SPARSE = ("quest", "infllm", "less", "exact")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tasks", default="ruler_niah,ruler_niah_multikey", help="conf/task names (RULER-style)")
+    p.add_argument("--tasks", default="ruler_niah,ruler_niah_multikey",
+                   help="conf/task names (prr's RULER-style generators), or ruler:NAME for RULER's own task NAME")
     p.add_argument("--contexts", default="1024,2048", help="context lengths in tokens")
     p.add_argument("--samples", type=int, default=3, help="samples per task and context length")
     p.add_argument("--budgets", default="256,512", help="top-K budgets in tokens (selector.topk_blocks x block_size)")
@@ -56,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--selectors", default="quest,infllm,less,exact")
     p.add_argument("--max-new-tokens", type=int, default=10)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
     p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "cpu" / "accuracy"))
     return p.parse_args(argv)
 
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad or any(b % args.block_size for b in budgets + ema_budgets):
         raise SystemExit(f"--selectors {bad} not in {SPARSE}, or a budget not a multiple of --block-size {args.block_size}")
     common = [f"model={args.model}", "logger=none", f"runtime.block_size={args.block_size}",
+              f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", f"backend={args.backend}",
               "runtime.dense_metrics_every=1000000"]  # no dense reference per step: accuracy is the point here
 
     # (name, selector, predictor, budget tokens, overrides)
@@ -91,13 +99,13 @@ def main(argv: list[str] | None = None) -> None:
                                                             "runtime.repair_mode=exact", "runtime.check_serial=true"]))
 
     t_start = time.perf_counter()
-    first = config(common + [f"task={tasks[0]}"])
+    first = config(common + task_overrides(tasks[0]))
     settings = instantiate(first.runtime)
     model = instantiate(first.model).load(settings.dtype, settings.device)
     rows: list[dict[str, Any]] = []
     for task_name in tasks:
         for ctx in contexts:
-            task_over = [f"task={task_name}", f"task.context_tokens={ctx}", f"task.num_samples={args.samples}",
+            task_over = [*task_overrides(task_name), f"task.context_tokens={ctx}", f"task.num_samples={args.samples}",
                          f"task.max_new_tokens={args.max_new_tokens}"]
             engines = {}
             for name, _, _, budget, over in runs:
@@ -147,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
         "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "decoding": "greedy",
-        "device": f"cpu {platform.machine()} torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "device": (f"{torch.cuda.get_device_name()} torch {torch.__version__}" if args.device.startswith("cuda") else
+                   f"cpu {platform.machine()} torch {torch.__version__}, {torch.get_num_threads()} threads"),
+        "dtype": args.dtype, "backend": args.backend,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_s": time.perf_counter() - t_start,
         "prr_vs_serial": {
             "compared_samples": int(ema["samples"].sum()),

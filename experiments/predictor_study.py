@@ -1,7 +1,9 @@
 """Predictors against EMA at equal speculation budget, on the default model.
 
     python experiments/predictor_study.py [--steps 128] [--ratios 1.0 1.25 1.5]
-                                          [--tasks long_text ruler_...] [--out experiments/results/cpu/predictor_study]
+                                          [--tasks long_text ruler_... ruler:NAME] [--out experiments/results/cpu/predictor_study]
+    python experiments/predictor_study.py --model qwen2.5-coder-0.5b --tasks ruler:qa_2 --context-tokens 32768 \
+        --device cuda --dtype bfloat16 --out experiments/results/h200/predictor_study_qwen_32k   # a GPU
 
 How: one shadow-mode decode per task (attention stays dense, so the trajectory does not
 depend on the predictor) is captured through the ordinary runtime (DSABackend and its
@@ -32,7 +34,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ from prr.run_inputs import DTYPES
 from prr.runner import next_token
 from prr.runtime.dsa_backend import DSABackend
 from prr.selectors.base import Selection
+from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,10 +133,11 @@ def compose_cfg(overrides: list[str]) -> Any:
         return compose(config_name="config", overrides=overrides)
 
 
-def capture(task: str, steps: int) -> tuple[Trace, dict[str, Any]]:
-    """One shadow-mode decode of `task` on the default model; -> its trace and a description."""
-    cfg = compose_cfg([f"task={task}", "runtime.mode=shadow", *PREDICTORS[CAPTURE_PREDICTOR], "budget=fixed",
-                       "budget.ratio=1.0", "logger=none"])
+def capture(task: str, steps: int, overrides: list[str]) -> tuple[Trace, dict[str, Any]]:
+    """One shadow-mode decode of `task` (a spec of prr.tasks.ruler.task_overrides) under the
+    overrides (model, device, context); -> its trace and a description."""
+    cfg = compose_cfg([*task_overrides(task), "runtime.mode=shadow", *PREDICTORS[CAPTURE_PREDICTOR], "budget=fixed",
+                       "budget.ratio=1.0", "logger=none", *overrides])
     OmegaConf.update(cfg, "task.max_new_tokens", steps)
     if "stop_at_eos" in cfg.task:
         OmegaConf.update(cfg, "task.stop_at_eos", False)  # a fixed number of steps per task
@@ -150,6 +154,7 @@ def capture(task: str, steps: int) -> tuple[Trace, dict[str, Any]]:
     tracer = Tracer(instantiate(cfg.predictor), trace)
     backend = DSABackend(cache, mc.num_heads, selector, tracer, budget, mode="shadow", repair_mode=settings.repair_mode,
                          calibration_tokens=settings.calibration_tokens, backend=instantiate(cfg.backend).name)
+    prompt = replace(prompt, input_ids=prompt.input_ids.to(settings.device))
     generator = torch.Generator().manual_seed(cfg.seed)
     with torch.inference_mode():
         logits = model.decoder(prompt.input_ids, 0, backend)[:, -1]
@@ -189,7 +194,7 @@ def replay(trace: Trace, predictor: Predictor, ratio: float, topk_blocks: int) -
     batch, heads = steps0.indices.shape[:2]
     max_blocks = trace.steps[0][0].selection.scores.shape[-1]
     calibration = predictor.calibrate(trace.history)
-    state = predictor.init_state(len(trace.history), batch, heads, max_blocks, "cpu")
+    state = predictor.init_state(len(trace.history), batch, heads, max_blocks, steps0.indices.device)
     for layer, selections in enumerate(trace.history):
         for selection in selections or []:
             predictor.update(state, layer, selection)
@@ -242,22 +247,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128, help="decode steps per task")
     parser.add_argument("--ratios", type=float, nargs="+", default=[1.0, 1.25, 1.5], help="|P| / K")
     parser.add_argument("--tasks", nargs="+", default=None,
-                        help=f"task options (default: long_text and those of {list(RULER_TASKS)} in conf/task/)")
+                        help=f"task options or ruler:NAME (default: long_text and those of {list(RULER_TASKS)} in conf/task/)")
+    parser.add_argument("--model", default=None, help="model option (default: the config's)")
+    parser.add_argument("--context-tokens", type=int, default=None, help="task.context_tokens of RULER tasks")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--figures", type=Path, default=ROOT / "analysis/figures", help="where the figure goes")
+    parser.add_argument("--no-figures", action="store_true", help="no figure (a machine without matplotlib)")
     parser.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=list(PREDICTORS))
     args = parser.parse_args()
     tasks = args.tasks or ["long_text", *(t for t in RULER_TASKS if (ROOT / "conf/task" / f"{t}.yaml").is_file())]
-    missing = [t for t in tasks if not (ROOT / "conf/task" / f"{t}.yaml").is_file()]
+    missing = [t for t in tasks if not t.startswith("ruler:") and not (ROOT / "conf/task" / f"{t}.yaml").is_file()]
     if missing or args.steps < 1 or any(r <= 0 for r in args.ratios):
         parser.error(f"unknown tasks {missing} (see conf/task/), or --steps={args.steps} < 1, or a ratio <= 0: {args.ratios}")
     torch.set_num_threads(1)  # cost numbers per predictor, not per thread pool; the machine is shared
+    overrides = [f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", "runtime.engine=eager",
+                 *([f"model={args.model}"] if args.model else [])]
 
     summary_rows, layer_frames, captures = [], [], []
     notes = []
     for task in tasks:
         t0 = time.perf_counter()
         try:
-            trace, info = capture(task, args.steps)
+            task_over = [f"task.context_tokens={args.context_tokens}"] if args.context_tokens and task.startswith("ruler:") else []
+            trace, info = capture(task, args.steps, overrides + task_over)
         except Exception as err:  # one task's failure (e.g. a config in flux) must not lose the others
             notes.append(f"task {task} not measured: {type(err).__name__}: {err}")
             print(notes[-1], flush=True)
@@ -287,22 +300,27 @@ def main() -> None:
         if check and check["live_hits"] != check["replay_hits"]:
             raise RuntimeError(f"replay of {CAPTURE_PREDICTOR} does not reproduce the live run on {task}: {check}")
 
+    if not summary_rows:
+        raise SystemExit("no task was measured: " + "; ".join(notes))
     command = "python " + " ".join(sys.argv)
     table = pd.DataFrame(summary_rows)
     per_layer = pd.concat(layer_frames, ignore_index=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.assign(command=command).to_csv(args.out.with_suffix(".csv"), index=False)  # provenance in every row
     per_layer.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_per_layer.csv", index=False)
-    if not any(t.startswith("ruler_") for t in tasks):
+    if not any(t.startswith(("ruler_", "ruler:")) for t in tasks):
         notes.append("no RULER-style task config existed: real text only")
     record = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": f"cpu {platform.machine()}, 1 torch thread (shared machine)", **versions(),
+              "device": (torch.cuda.get_device_name() if args.device.startswith("cuda") else
+                         f"cpu {platform.machine()}, 1 torch thread (shared machine)"), "dtype": args.dtype, **versions(),
               "mode": "shadow", "capture_predictor": CAPTURE_PREDICTOR, "predictors": {n: PREDICTORS[n] for n in args.predictors},
               "ratios": args.ratios, "captures": captures, "notes": notes, "rows": summary_rows}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=float) + "\n")
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
-    from analysis.predictor_figures import save_hit_rate_vs_budget
+    if args.no_figures:
+        return
+    from prr.analysis.predictor_figures import save_hit_rate_vs_budget
 
     for path in save_hit_rate_vs_budget(table, args.figures):
         print("figure:", path)

@@ -356,6 +356,17 @@ class RulerTask(SampleTask):
                       "question": item["query"]})
 
 
+def task_overrides(spec: str) -> list[str]:
+    """A study script's task spec -> its Hydra overrides: a conf/task name (`ruler_vt`: prr's own
+    generator), or ruler:NAME (`ruler:vt`: task=ruler, RULER's task NAME on RULER's data)."""
+    if spec.startswith("ruler:"):
+        name = spec.split(":", 1)[1]
+        if name not in TASKS:
+            raise ValueError(f"{spec!r}: {name!r} is not a RULER task; one of {', '.join(TASKS)}")
+        return ["task=ruler", f"task.name={name}"]
+    return [f"task={spec}"]
+
+
 def singular(template: str) -> str:
     """RULER's rewording of its niah template for a single answer (RULER applies these replacements)."""
     for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):

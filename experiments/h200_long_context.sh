@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The long-context studies of the opt-in model qwen2.5-coder-0.5b on the H200 (issue 20): its
+# 491 MB GGUF reaches the device in pieces (at most 64 MiB travel per device call), is assembled
+# and sha256-checked there by prr's own fetch code, converted once, and the studies run in bf16.
+# The device keeps /tmp between back-to-back calls, so the pieces wait in $STAGE.
+#
+#   here:      bash experiments/h200_long_context.sh split          # pieces into /tmp/prr_qwen_pieces
+#   here:      bash experiments/h200_long_context.sh stage N        # piece N (+ RULER data, wheels with the last) into .xfer/
+#   device:    bash experiments/h200_long_context.sh receive        # (carry .xfer) .xfer/* -> $STAGE, sha256 printed
+#   device:    bash experiments/h200_long_context.sh prepare        # assemble + verify + convert (prr.model.fetch)
+#   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT
+#              (study output under $OUT; copy it to experiments/results/h200/)
+set -euo pipefail
+PIECES=/tmp/prr_qwen_pieces
+STAGE=/tmp/prr_qwen_stage
+PIECE_BYTES=52000000
+MODEL=qwen2.5-coder-0.5b
+GGUF=qwen2.5-coder-0.5b-instruct-awq.Q4_K_M.gguf
+cmd=${1:?usage: split | stage N | receive | prepare | locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT}
+
+device_env() {  # the device has no registry: hydra/omegaconf/antlr4/gguf wheels travel in .whl/
+  export PRR_CACHE_DIR=$STAGE/cache TRITON_INTERPRET=0
+  if [ ! -d "$STAGE/site" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$STAGE/site" "$STAGE"/whl/*.whl
+  fi
+  export PYTHONPATH=$STAGE/site:$PWD
+}
+
+case $cmd in
+  split)
+    src=$(python3 -c "from prr.model.zoo import ZOO; from prr.paths import cache_dir; print(ZOO['$MODEL'].gguf_path(cache_dir()))")
+    [ -f "$src" ] || { echo "no assembled GGUF at $src: run make model-qwen first" >&2; exit 2; }
+    rm -rf "$PIECES" && mkdir -p "$PIECES"
+    split -b $PIECE_BYTES -d -a 2 "$src" "$PIECES/part"
+    (cd "$PIECES" && sha256sum part* > SHA256SUMS && ls | wc -l)
+    ;;
+  stage)
+    n=$(printf %02d "${2:?piece number}")
+    rm -rf .xfer && mkdir -p .xfer
+    cp "$PIECES/part$n" "$PIECES/SHA256SUMS" .xfer/
+    last=$(ls "$PIECES"/part* | tail -1)
+    if [ "$PIECES/part$n" = "$last" ]; then  # RULER's data wheels and the device's Python wheels ride with the last piece
+      ruler=$(python3 -c "from prr.tasks.ruler_data import data_dir; print(data_dir())")
+      mkdir -p .xfer/ruler .xfer/whl && cp "$ruler"/*.whl .xfer/ruler/ && cp .whl/*.whl .xfer/whl/
+    fi
+    du -sh .xfer
+    ;;
+  receive)
+    mkdir -p "$STAGE/pieces" "$STAGE/cache/ruler" "$STAGE/whl"
+    cp .xfer/part* .xfer/SHA256SUMS "$STAGE/pieces/"
+    [ -d .xfer/ruler ] && cp .xfer/ruler/*.whl "$STAGE/cache/ruler/" && cp .xfer/whl/*.whl "$STAGE/whl/"
+    (cd "$STAGE/pieces" && sha256sum -c --ignore-missing SHA256SUMS && ls)
+    ;;
+  prepare)
+    (cd "$STAGE/pieces" && sha256sum -c SHA256SUMS)  # every piece present and intact
+    dest=$STAGE/cache/sources/$MODEL
+    mkdir -p "$dest"
+    [ -f "$dest/$GGUF" ] || cat "$STAGE"/pieces/part* > "$dest/$GGUF"
+    device_env
+    python3 -m prr.model.fetch $MODEL  # verifies size + sha256 of the whole GGUF, then converts once
+    python3 -c "from prr.tasks.ruler_data import verify_all; verify_all()"
+    ;;
+  locality)
+    device_env
+    python3 experiments/locality_study.py --model $MODEL --contexts "${2:?contexts}" --tasks niah_multikey_2,qa_2 \
+      --steps 64 --device cuda --dtype bfloat16 --out "$OUT/locality_long_qwen_$2"
+    ;;
+  accuracy)
+    device_env
+    python3 experiments/accuracy_study.py --model $MODEL --tasks ruler:niah_single_1,ruler:niah_multikey_2,ruler:vt,ruler:qa_1 \
+      --contexts "${2:?contexts}" --samples "${SAMPLES:-3}" --budgets 1024,2048 --ema-budgets 1024 --max-new-tokens 24 \
+      --device cuda --dtype bfloat16 --out "$OUT/accuracy_qwen_$2"
+    ;;
+  predictors)
+    device_env
+    python3 experiments/predictor_study.py --model $MODEL --tasks ruler:niah_multikey_2 ruler:qa_2 \
+      --context-tokens "${2:?context}" --steps 128 --device cuda --dtype bfloat16 --no-figures \
+      --out "$OUT/predictor_study_qwen_$2"
+    ;;
+  *) echo "unknown command $cmd" >&2; exit 2 ;;
+esac

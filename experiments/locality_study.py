@@ -1,0 +1,267 @@
+"""Temporal locality on real weights at long contexts: last-step overlap, EMA hit rate at
+|P| = 1, 1.25, 1.5 and 2 × K, and attention-mass recall, per layer and per KV head.
+
+    python experiments/locality_study.py --model qwen2.5-coder-0.5b --contexts 4096,8192 \
+        [--tasks niah_multikey_2,qa_2] [--steps 64] [--topk 32,64,128] [--device cuda --dtype bfloat16] \
+        [--out experiments/results/cpu/locality_long_qwen]
+
+How: per RULER task (task=ruler, `make ruler-data`) and context length, sample 0's prompt is
+prefilled once, dense, with its q/k/v kept (prr.evaluation.Engine.prefill). Every selector
+variant (quest with the GQA max and with the sum, infllm, exact) × K (blocks of 16) replays
+that prefill into a fresh cache and decodes --steps tokens through the research runtime
+(DSABackend: the engine's step) in shadow mode: attention stays dense, so every variant sees
+the same trajectory (the first variant's greedy tokens; the others are fed those tokens and
+must reproduce its logits' argmax, which is checked), while the selector, the EMA predictor
+(calibrated on the prefill tail as in a run) at |P| = K and the dense reference run beside
+it. All layers are measured (selector.dense_layers=[]). A predictor wrapper asks EMA, before
+each of its updates, for the P it would speculate at every |P|/K ratio, so one decode gives
+the hit rate of every ratio (its |P| = K hits must equal the run's own: checked).
+
+Writes OUT.csv (task x context x variant x K, pooled), OUT_per_layer.csv, OUT_per_head.csv
+(layer x KV head), OUT_by_context.csv (pooled over tasks) and OUT.json (command, device,
+versions, checks, the weakest layers). Results survive a cut-short run: each finished
+(task, context) is written at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from prr.blocks import BlockSet
+from prr.cache import PagedKVCache
+from prr.config_check import validate
+from prr.evaluation import Engine
+from prr.metrics import layer_step_rows
+from prr.paths import write_json_atomic
+from prr.predictors.base import Predictor
+from prr.run_inputs import DTYPES
+from prr.runtime.dsa_backend import DSABackend
+from prr.selectors.base import Selection
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# variant name -> selector overrides (all layers sparse: locality of every layer is measured)
+VARIANTS: dict[str, list[str]] = {
+    "quest_max": ["selector=quest", "selector.gqa_reduce=max"],
+    "quest_sum": ["selector=quest", "selector.gqa_reduce=sum"],
+    "infllm": ["selector=infllm"],
+    "exact": ["selector=exact"],
+}
+RATIOS = (1.0, 1.25, 1.5, 2.0)
+
+
+class RatioProbe(Predictor):
+    """Wraps the run's predictor (changes nothing it does). Before each decode-step update it
+    asks the wrapped predictor for the P it would propose at |P| = ratio × min(K, blocks) for
+    every ratio (the state is then the one the step proposed from) and counts |P ∩ A| per row
+    and KV head into `hits` (layer -> [R, B, Hkv])."""
+
+    def __init__(self, inner: Predictor, ratios: tuple[float, ...], topk_blocks: int) -> None:
+        self.inner, self.ratios, self.topk_blocks = inner, ratios, topk_blocks
+        self.speculates, self.uses_budget = inner.speculates, inner.uses_budget
+        self.history_only, self.needs_query = inner.history_only, inner.needs_query
+        self.needs_current_selection = inner.needs_current_selection
+        self.num_blocks: dict[int, int] = {}
+        self.hits: dict[int, torch.Tensor] = {}
+
+    def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
+        return self.inner.init_state(num_layers, batch, num_kv_heads, max_blocks, device)
+
+    def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
+        return self.inner.calibrate(history)
+
+    def rank(self, state: Any, layer: int, num_blocks: int | torch.Tensor) -> torch.Tensor:
+        return self.inner.rank(state, layer, num_blocks)
+
+    def propose(self, state: Any, layer: int, num_blocks: int | torch.Tensor, budget_blocks: int,
+                current: Selection | None = None, query: torch.Tensor | None = None) -> BlockSet:
+        self.num_blocks[layer] = int(num_blocks.max()) if isinstance(num_blocks, torch.Tensor) else int(num_blocks)
+        return self.inner.propose(state, layer, num_blocks, budget_blocks, current,
+                                  **({"query": query} if self.needs_query else {}))
+
+    def update(self, state: Any, layer: int, selection: Selection) -> None:
+        nb = self.num_blocks.pop(layer, None)  # None: the prefill tail's warm-up, not a decode step
+        if nb is not None:
+            n = selection.scores.shape[-1]
+            a = selection.blocks.mask(n)
+            per_ratio = []
+            for r in self.ratios:
+                size = min(round(r * min(self.topk_blocks, nb)), nb)  # the fixed budget's |P|
+                p = self.inner.propose(state, layer, nb, size).mask(n)
+                per_ratio.append((a & p).sum(-1))
+            self.hits[layer] = torch.stack(per_ratio).cpu()  # [R, B, Hkv]
+        self.inner.update(state, layer, selection)
+
+
+def config(overrides: list[str]) -> Any:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    validate(cfg)
+    return cfg
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--contexts", default="4096", help="RULER context lengths in tokens (prompt = context - answer room)")
+    p.add_argument("--tasks", default="niah_multikey_2,qa_2", help="RULER task names (task=ruler task.name=...)")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per prompt (no stop at EOS)")
+    p.add_argument("--topk", default="32,64,128", help="K in blocks of --block-size")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
+    p.add_argument("--out", default=str(ROOT / "experiments/results/cpu/locality_long_smollm2"))
+    args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    if args.steps < 2 or any(v not in VARIANTS for v in variants):
+        p.error(f"--steps={args.steps} must be >= 2 and --variants={args.variants} of {list(VARIANTS)}")
+    return args
+
+
+def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int, tokens: list[int] | None,
+                   block_size: int) -> tuple[list[dict[str, Any]], list[int], int, int]:
+    """One shadow-mode decode of `steps` tokens after the replayed prefill under cfg's selector
+    with EMA at |P| = K. tokens: the trajectory to follow (None: greedy, this is the first).
+    -> (rows per step/layer/KV head, the tokens, argmax disagreements with `tokens`, |P|=K hit
+    mismatches between the run's records and the probe)."""
+    mc, settings = model.config, instantiate(cfg.runtime)
+    selector = instantiate(cfg.selector)
+    backend_name = instantiate(cfg.backend).name
+    selector.set_backend(backend_name)
+    probe = RatioProbe(instantiate(cfg.predictor), RATIOS, selector.topk_blocks)
+    prompt_len = prefill.input_ids.shape[1]
+    device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
+    cache = PagedKVCache(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, block_size, prompt_len + steps, dtype, device)
+    backend = DSABackend(cache, mc.num_heads, selector, probe, instantiate(cfg.budget), mode="shadow",
+                         repair_mode="exact", calibration_tokens=settings.calibration_tokens, backend=backend_name)
+    rows: list[dict[str, Any]] = []
+    followed: list[int] = []
+    disagree = mismatch = 0
+    with torch.inference_mode():
+        for layer, (q, k, v) in enumerate(prefill.qkv):
+            backend.prefill(layer, q, k, v)
+        backend.finish_prefill()
+        logits = prefill.last_logits
+        for step in range(steps):
+            greedy = int(logits[0].argmax())
+            token = greedy if tokens is None else tokens[step]
+            disagree += int(token != greedy)
+            followed.append(token)
+            logits = model.decoder(torch.tensor([[token]], device=device), prompt_len + step, backend)[:, -1]
+            records, _ = backend.end_step()
+            for record in records:
+                hits = probe.hits.pop(record.layer)  # [R, B, Hkv]
+                for row in layer_step_rows(record):
+                    for i, r in enumerate(RATIOS):
+                        row[f"hits_x{r}"] = int(hits[i, row["batch"], row["kv_head"]])
+                    mismatch += int(row["hits_x1.0"] != row["hits"])
+                    rows.append({k: v for k, v in row.items() if not k.startswith("t_")})
+    return rows, followed, disagree, mismatch
+
+
+def pooled(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Σ-pooled rates per group (not means of ratios); mass recall: mean over rows."""
+    g = frame.groupby(by, sort=False)
+    sel = g["selected_blocks"].sum()
+    out = pd.DataFrame({"last_step_overlap": g["overlap_blocks"].sum() / sel,
+                        **{f"ema_hit_x{r}": g[f"hits_x{r}"].sum() / sel for r in RATIOS},
+                        "mass_recall": g["mass_recall"].mean(), "output_relerr": g["output_relerr"].mean(),
+                        "selected_blocks": g["selected_blocks"].mean(), "rows": g.size()})
+    return out.reset_index()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    tasks, variants = args.tasks.split(","), args.variants.split(",")
+    topks = [int(x) for x in args.topk.split(",")]
+    runtime = [f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", "runtime.engine=eager",
+               f"runtime.block_size={args.block_size}", f"backend={args.backend}"]
+    common = [f"model={args.model}", "logger=none", *runtime, "task=ruler", "predictor=ema", "budget=fixed",
+              "budget.ratio=1.0", "runtime.mode=shadow", "selector.dense_layers=[]"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python experiments/locality_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
+    t_start = time.perf_counter()
+    first = config(common + ["selector=dense", "predictor=none", f"task.context_tokens={contexts[0]}"])
+    settings = instantiate(first.runtime)
+    model = instantiate(first.model).load(settings.dtype, settings.device)
+    frames: list[pd.DataFrame] = []
+    checks: list[dict[str, Any]] = []
+    for ctx in contexts:
+        for task_name in tasks:
+            task_over = [f"task.name={task_name}", f"task.context_tokens={ctx}", "task.num_samples=1"]
+            dense = Engine(config(common + task_over + ["selector=dense", "predictor=none"]), model, ctx + args.steps)
+            task = instantiate(dense.cfg.task)
+            sample = task.samples(dense.tokenizer)[0]
+            ids = dense.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
+            t0 = time.perf_counter()
+            prefill = dense.prefill(ids)
+            prefill_s = time.perf_counter() - t0
+            tokens: list[int] | None = None
+            for variant in variants:
+                for k in topks:
+                    if k * args.block_size >= ids.shape[1]:
+                        continue  # K covers the context: nothing is left out
+                    t0 = time.perf_counter()
+                    cfg = config(common + task_over + VARIANTS[variant] + ["selector.dense_layers=[]",
+                                                                          f"selector.topk_blocks={k}"])
+                    rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens,
+                                                                        args.block_size)
+                    tokens = tokens or followed
+                    frames.append(pd.DataFrame(rows).assign(model=args.model, task=task_name, context_tokens=ctx,
+                                                            prompt_tokens=ids.shape[1], variant=variant, topk_blocks=k))
+                    checks.append({"task": task_name, "context_tokens": ctx, "variant": variant, "topk_blocks": k,
+                                   "argmax_disagreements": disagree, "probe_hit_mismatches": mismatch,
+                                   "decode_s": round(time.perf_counter() - t0, 1), "prefill_s": round(prefill_s, 1)})
+                    last = pooled(frames[-1], ["variant"]).iloc[0]
+                    print(f"{args.model} {task_name} {ctx} ({ids.shape[1]} prompt tokens) {variant} K={k}: "
+                          f"overlap {last.last_step_overlap:.3f} EMA hit x1 {last['ema_hit_x1.0']:.3f} "
+                          f"x2 {last['ema_hit_x2.0']:.3f} recall {last.mass_recall:.3f} "
+                          f"({checks[-1]['decode_s']}s, {time.perf_counter() - t_start:.0f}s so far)", flush=True)
+            write(out, pd.concat(frames, ignore_index=True), checks, command, args, time.perf_counter() - t_start)
+    bad = [c for c in checks if c["argmax_disagreements"] or c["probe_hit_mismatches"]]
+    print(f"checks: {len(checks)} decodes, {len(bad)} with a trajectory or probe mismatch: {bad}")
+    print(pd.read_csv(f"{out}_by_context.csv").drop(columns="command").to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+
+def write(out: Path, frame: pd.DataFrame, checks: list[dict[str, Any]], command: str, args: argparse.Namespace,
+          wall_s: float) -> None:
+    key = ["model", "context_tokens", "variant", "topk_blocks"]
+    tables = {"": pooled(frame, ["model", "task", "context_tokens", "prompt_tokens", "variant", "topk_blocks"]),
+              "_by_context": pooled(frame, key),
+              "_per_layer": pooled(frame, key + ["layer"]),
+              "_per_head": pooled(frame, key + ["layer", "kv_head"])}
+    for suffix, table in tables.items():
+        table.assign(command=command).to_csv(f"{out}{suffix}.csv", index=False)
+    weakest = {}
+    for (model, ctx, variant, k), group in tables["_per_layer"].groupby(key):
+        low = group.nsmallest(3, "last_step_overlap")
+        weakest[f"{model} {ctx} {variant} K={k}"] = [
+            {"layer": int(r.layer), "last_step_overlap": round(float(r.last_step_overlap), 4),
+             "ema_hit_x1.0": round(float(r["ema_hit_x1.0"]), 4), "mass_recall": round(float(r.mass_recall), 4)}
+            for _, r in low.iterrows()]
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu {platform.machine()}"
+    write_json_atomic(Path(f"{out}.json"), {
+        "command": command, "model": args.model, "device": device, "dtype": args.dtype, "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": round(wall_s, 1),
+        "mode": "shadow (dense trajectory), all layers sparse-measured", "steps": args.steps,
+        "block_size": args.block_size, "ratios": list(RATIOS), "predictor": "ema (calibrated on the prefill tail)",
+        "checks": checks, "weakest_layers_by_overlap": weakest})
+
+
+if __name__ == "__main__":
+    main()

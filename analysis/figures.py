@@ -492,6 +492,51 @@ def throughput(frame: pd.DataFrame) -> MplFigure:
     return fig
 
 
+# --- locality at long contexts on real weights (experiments/locality_study.py) ------------------------
+LOCALITY_PANELS = {"last_step_overlap": "last-step overlap", "ema_hit_x1.0": "EMA hit rate, |P| = K",
+                   "ema_hit_x2.0": "EMA hit rate, |P| = 2K"}
+LOCALITY_TASK = "niah_multikey_2"  # the task every model and context has
+
+
+def read_locality(*paths: Path) -> pd.DataFrame:
+    """locality_study.py tables (per task, or by context where one task ran) -> LOCALITY_TASK's rows."""
+    frame = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+    if "task" in frame.columns:
+        frame = frame[frame["task"].isna() | (frame["task"] == LOCALITY_TASK)]
+    return frame
+
+
+def locality_vs_context(frame: pd.DataFrame, topk_blocks: int = 64) -> MplFigure:
+    """Last-step overlap and EMA hit rate at |P| = K and 2K against context, K = topk_blocks blocks:
+    one line per selector variant (colour) and model (solid: the first model, dashed: others).
+    Columns: model, context_tokens, variant, topk_blocks, last_step_overlap, ema_hit_x1.0, ema_hit_x2.0."""
+    frame = require(frame, ["model", "context_tokens", "variant", "topk_blocks", *LOCALITY_PANELS], "locality_vs_context")
+    frame = frame[frame["topk_blocks"] == topk_blocks]
+    fig, axes = new_figure(DOUBLE, ncols=len(LOCALITY_PANELS))
+    models = sorted(frame["model"].unique(), key=lambda m: -frame[frame["model"] == m]["context_tokens"].max())
+    for ax, (column, title) in zip(axes, LOCALITY_PANELS.items(), strict=True):
+        for (model, variant), rows in frame.groupby(["model", "variant"], sort=False):
+            rows = rows.sort_values("context_tokens")
+            ax.plot(rows["context_tokens"], 100 * rows[column], marker=marker(variant), color=method_color(variant),
+                    linestyle="-" if model == models[0] else "--", label=f"{method_label(variant)}, {model}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(title, fontsize="small")
+        ax.set_xlabel("context (tokens)")
+    axes[0].set_ylabel(f"% of A (K = {topk_blocks} blocks)")
+    axes[0].legend(loc="lower left", fontsize="xx-small")
+    return fig
+
+
+def locality_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """The README's locality table: one row per model, context and selector variant, K = 64 blocks.
+    Columns: those of locality_vs_context plus mass_recall."""
+    frame = require(frame, ["model", "context_tokens", "variant", "topk_blocks", "mass_recall", *LOCALITY_PANELS],
+                    "locality_table")
+    rows = frame[frame["topk_blocks"] == 64].sort_values(["model", "context_tokens", "variant"])
+    table = rows.set_index(["model", "context_tokens", "variant"])[[*LOCALITY_PANELS, "ema_hit_x1.5", "mass_recall"]]
+    return (100 * table).round(1)
+
+
 @dataclass(frozen=True)
 class Figure:
     """One registry entry: a figure (or table) name, the results files it reads (relative to the
@@ -508,6 +553,12 @@ class Figure:
 
 CPU = "experiments/results/cpu"
 COLLECT = "python experiments/collect_sweep.py"
+LOCALITY_INPUTS = (f"{CPU}/locality_long_smollm2.csv", f"{CPU}/locality_long_qwen_4096.csv",
+                   "experiments/results/h200/locality_long_qwen_8192_by_context.csv",
+                   "experiments/results/h200/locality_long_qwen_16384.csv",
+                   "experiments/results/h200/locality_long_qwen_32768.csv")
+LOCALITY_COMMAND = ("python experiments/locality_study.py --model smollm2-135m --contexts 4096,8192 ... (CPU); "
+                    "bash experiments/h200_long_context.sh locality 8192|16384|32768 (an H200); docs/results/locality.md")
 FIGURES: list[Figure] = [
     Figure("locality_overlap_per_layer", overlap_per_layer, (f"{CPU}/locality_smollm2_per_layer.csv",), pd.read_csv,
            f"python run.py -m +experiment=locality && {COLLECT} multirun/locality {CPU}/locality_smollm2 --per-layer "
@@ -555,6 +606,12 @@ FIGURES: list[Figure] = [
     Figure("throughput_h200", throughput, ("experiments/results/h200/bench_throughput.csv",), pd.read_csv,
            "python experiments/bench_throughput.py (on an H200)",
            "Decode throughput against batch: dense, serial DSA and PRR, uniform and ragged batches, 8B shape, H200"),
+    Figure("locality_vs_context", locality_vs_context, LOCALITY_INPUTS, read_locality, LOCALITY_COMMAND,
+           "Temporal locality against context on real weights: last-step overlap and EMA hit rate, K = 64 blocks of 16, "
+           "RULER niah_multikey_2; Qwen2.5-Coder-0.5B (H200 bf16 at 8K-32K, CPU fp32 at 4K), SmolLM2-135M (CPU)"),
+    Figure("locality_long_context", locality_table, LOCALITY_INPUTS, read_locality, LOCALITY_COMMAND,
+           "Locality at long contexts (%, K = 64 blocks of 16, RULER niah_multikey_2): last-step overlap, EMA hit "
+           "rate at |P| = K, 2K and 1.5K, attention-mass recall of A"),
     Figure("predictor_hit_rate_vs_budget", predictor_study, (f"{CPU}/predictor_study.csv",), pd.read_csv,
            "python experiments/predictor_study.py",
            "Hit rate of every predictor against |P|/K, per task, SmolLM2-135M (replayed shadow-mode decodes)"),

@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
     p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "cpu" / "accuracy"))
+    p.add_argument("--report", type=Path, default=None,
+                   help="only rebuild <out>.csv/.json from a cut-short run's <out>_samples.csv (no model)")
     return p.parse_args(argv)
 
 
@@ -76,6 +78,8 @@ def config(overrides: list[str]) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report is not None:
+        return report(args.report, Path(args.out), argv)
     tasks = args.tasks.split(",")
     contexts = [int(x) for x in args.contexts.split(",")]
     budgets = [int(x) for x in args.budgets.split(",")]
@@ -142,24 +146,26 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{task_name} ctx {ctx} sample {index}: prefill {prefill_s:.1f}s, "
                       f"{len(engines)} configs {sum(r['decode_s'] for r in rows[-len(engines):]):.1f}s "
                       f"({time.perf_counter() - t_start:.0f}s so far)", flush=True)
-    per_sample = pd.DataFrame(rows)
-    table, differences = summarize(per_sample)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
-    per_sample.assign(command=command).to_csv(f"{out}_samples.csv", index=False)  # provenance in every row
-    table.assign(command=command).to_csv(f"{out}.csv", index=False)
-    ema = table[table.predictor == "ema"]
-    write_json_atomic(Path(f"{out}.json"), {
-        "command": command,
+    write_results(Path(args.out), pd.DataFrame(rows), command, {
         "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
         "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "decoding": "greedy",
         "device": (f"{torch.cuda.get_device_name()} torch {torch.__version__}" if args.device.startswith("cuda") else
                    f"cpu {platform.machine()} torch {torch.__version__}, {torch.get_num_threads()} threads"),
-        "dtype": args.dtype, "backend": args.backend,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_s": time.perf_counter() - t_start,
+        "dtype": args.dtype, "backend": args.backend, "wall_s": time.perf_counter() - t_start})
+
+
+def write_results(out: Path, per_sample: pd.DataFrame, command: str, meta: dict[str, Any], samples: bool = True) -> None:
+    """<out>_samples.csv (with samples), <out>.csv (the table) and <out>.json (meta, PRR vs serial DSA)."""
+    table, differences = summarize(per_sample)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if samples:
+        per_sample.assign(command=command).to_csv(f"{out}_samples.csv", index=False)  # provenance in every row
+    table.assign(command=command).to_csv(f"{out}.csv", index=False)
+    ema = table[table.predictor == "ema"]
+    write_json_atomic(Path(f"{out}.json"), {
+        "command": command, **meta, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "prr_vs_serial": {
             "compared_samples": int(ema["samples"].sum()),
             "token_identical_samples": int(ema["identical_to_serial"].mul(ema["samples"]).round().sum()),
@@ -169,6 +175,16 @@ def main(argv: list[str] | None = None) -> None:
     })
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"PRR exact vs serial DSA: {len(differences)} differing samples; wrote {out}.csv, {out}.json")
+
+
+def report(samples_csv: Path, out: Path, argv: list[str] | None) -> None:
+    """Tables of a run cut short, from the per-sample file it kept (one row per finished sample and config)."""
+    per_sample = pd.read_csv(samples_csv).drop(columns="command", errors="ignore")
+    command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
+    finished = per_sample.groupby(["task", "context_tokens"])["sample"].nunique().to_dict()
+    write_results(out, per_sample, command, {
+        "rebuilt_from": str(samples_csv), "note": "tables of the samples the run finished before it was stopped",
+        "finished_samples": {f"{t} {c}": int(n) for (t, c), n in finished.items()}}, samples=False)
 
 
 def summarize(per_sample: pd.DataFrame) -> tuple[pd.DataFrame, list[dict[str, Any]]]:

@@ -62,19 +62,21 @@ case $cmd in
     ;;
   locality)
     device_env
-    python3 experiments/locality_study.py --model $MODEL --contexts "${2:?contexts}" --tasks niah_multikey_2,qa_2 \
-      --steps 64 --device cuda --dtype bfloat16 --out "$OUT/locality_long_qwen_$2"
+    python3 experiments/locality_study.py --model $MODEL --contexts "${2:?contexts}" --tasks "${TASKS:-niah_multikey_2,qa_2}" \
+      --steps "${STEPS:-64}" --device cuda --dtype bfloat16 --out "$OUT/locality_long_qwen_${2//,/_}"
     ;;
   accuracy)
     device_env
-    python3 experiments/accuracy_study.py --model $MODEL --tasks ruler:niah_single_1,ruler:niah_multikey_2,ruler:vt,ruler:qa_1 \
-      --contexts "${2:?contexts}" --samples "${SAMPLES:-3}" --budgets 1024,2048 --ema-budgets 1024 --max-new-tokens 24 \
-      --device cuda --dtype bfloat16 --out "$OUT/accuracy_qwen_$2"
+    python3 experiments/accuracy_study.py --model $MODEL --tasks "${TASKS:-ruler:niah_single_1,ruler:vt}" \
+      --contexts "${2:?contexts}" --samples "${SAMPLES:-2}" --budgets "${BUDGETS:-1024,2048}" --ema-budgets "${EMA_BUDGETS-1024}" \
+      --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens "${NEW_TOKENS:-16}" \
+      --device cuda --dtype bfloat16 --out "$OUT/accuracy_qwen_${2//,/_}"
     ;;
   predictors)
     device_env
-    python3 experiments/predictor_study.py --model $MODEL --tasks ruler:niah_multikey_2 ruler:qa_2 \
-      --context-tokens "${2:?context}" --steps 128 --device cuda --dtype bfloat16 --no-figures \
+    python3 experiments/predictor_study.py --model $MODEL --tasks ${TASKS:-ruler:niah_multikey_2 ruler:qa_2} \
+      --context-tokens "${2:?context}" --steps "${STEPS:-128}" --device cuda --dtype bfloat16 --no-figures \
+      --predictors ${PREDICTORS:-last_step ema ema_calibrated spin query_similarity cross_layer_ema ema_membership} \
       --out "$OUT/predictor_study_qwen_$2"
     ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;

@@ -41,6 +41,7 @@ from hydra.utils import instantiate
 from prr.config_check import validate
 from prr.evaluation import Engine
 from prr.paths import write_json_atomic
+from prr.run_inputs import DTYPES
 from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,12 +62,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=10)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
-    p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "cpu" / "accuracy"))
+    p.add_argument("--out", default=None, help="path stem of the results (default: experiments/results/cpu/accuracy)")
     p.add_argument("--report", type=Path, default=None,
-                   help="only rebuild <out>.csv/.json from a cut-short run's <out>_samples.csv (no model)")
-    return p.parse_args(argv)
+                   help="only rebuild OUT.csv/.json from a cut-short run's _samples.csv (no model; --out required)")
+    args = p.parse_args(argv)
+    if args.report is not None and args.out is None:
+        p.error("--report needs --out (where the rebuilt tables go; never the committed default)")
+    args.out = args.out or str(ROOT / "experiments" / "results" / "cpu" / "accuracy")
+    return args
 
 
 def config(overrides: list[str]) -> Any:
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append((f"{sel}-ema-{b}", sel, "ema", b, [f"selector={sel}", "predictor=ema", k,
                                                             "runtime.repair_mode=exact", "runtime.check_serial=true"]))
 
+    command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     t_start = time.perf_counter()
     first = config(common + task_overrides(tasks[0]))
     settings = instantiate(first.runtime)
@@ -141,12 +147,11 @@ def main(argv: list[str] | None = None) -> None:
                         "hit_rate": float(steps["hits"].sum() / max(steps["selected_blocks"].sum(), 1)) if len(steps) and pred == "ema" else None,
                         "decode_s": time.perf_counter() - t0, "prefill_s": prefill_s,
                     })
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                pd.DataFrame(rows).to_csv(f"{args.out}_samples.csv", index=False)  # kept if the study is cut short
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # kept, with its command, if cut short
+                pd.DataFrame(rows).assign(command=command).to_csv(f"{args.out}_samples.csv", index=False)
                 print(f"{task_name} ctx {ctx} sample {index}: prefill {prefill_s:.1f}s, "
                       f"{len(engines)} configs {sum(r['decode_s'] for r in rows[-len(engines):]):.1f}s "
                       f"({time.perf_counter() - t_start:.0f}s so far)", flush=True)
-    command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     write_results(Path(args.out), pd.DataFrame(rows), command, {
         "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
         "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
@@ -179,11 +184,17 @@ def write_results(out: Path, per_sample: pd.DataFrame, command: str, meta: dict[
 
 def report(samples_csv: Path, out: Path, argv: list[str] | None) -> None:
     """Tables of a run cut short, from the per-sample file it kept (one row per finished sample and config)."""
-    per_sample = pd.read_csv(samples_csv).drop(columns="command", errors="ignore")
+    per_sample = pd.read_csv(samples_csv)
+    missing = sorted({"task", "context_tokens", "sample", "config", "selector", "predictor", "budget_tokens", "score",
+                      "token_ids", "margins", "max_serial_relerr", "hit_rate", "decode_s"} - set(per_sample.columns))
+    if missing:
+        raise SystemExit(f"{samples_csv} is not an accuracy_study samples file: no column(s) {missing}")
+    source = per_sample.pop("command").dropna().unique().tolist() if "command" in per_sample else []
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     finished = per_sample.groupby(["task", "context_tokens"])["sample"].nunique().to_dict()
     write_results(out, per_sample, command, {
-        "rebuilt_from": str(samples_csv), "note": "tables of the samples the run finished before it was stopped",
+        "rebuilt_from": str(samples_csv), "source_command": source[0] if source else None,
+        "note": "tables of the samples the run finished before it was stopped",
         "finished_samples": {f"{t} {c}": int(n) for (t, c), n in finished.items()}}, samples=False)
 
 

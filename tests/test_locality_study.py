@@ -31,34 +31,47 @@ ls = load("locality_study")
 
 
 def random_selection(gen: torch.Generator, batch: int, heads: int, max_blocks: int, nb: int, k: int) -> Selection:
+    """A = the top min(k, nb) of random scores over nb blocks (capacity k, padded with 0)."""
     scores = torch.randn(batch, heads, max_blocks, generator=gen)
     scores[..., nb:] = float("-inf")
-    idx = scores.topk(k, -1).indices.sort(-1).values.to(torch.int32)
-    return Selection(BlockSet(idx, torch.full((batch, heads), k, dtype=torch.int32)), scores)
+    kept = min(k, nb)
+    idx = torch.zeros(batch, heads, k, dtype=torch.int32)
+    idx[..., :kept] = scores.topk(kept, -1).indices.sort(-1).values.to(torch.int32)
+    return Selection(BlockSet(idx, torch.full((batch, heads), kept, dtype=torch.int32)), scores)
 
 
 def test_ratio_probe_counts_each_ratios_proposal_and_changes_nothing():
     gen = torch.Generator().manual_seed(7)
-    batch, heads, max_blocks, k = 2, 3, 37, 5
+    heads, max_blocks, k, ratios = 3, 37, 5, (1.0, 1.4, 2.0)
     plain, inner = EmaPredictor(calibrate=False), EmaPredictor(calibrate=False)
-    probe = ls.RatioProbe(inner, (1.0, 1.4, 2.0), k)
-    s_plain = plain.init_state(2, batch, heads, max_blocks, "cpu")
-    s_probe = probe.init_state(2, batch, heads, max_blocks, "cpu")
-    for step in range(9):
-        nb = 20 + step
+    probe = ls.RatioProbe(inner, ratios, k)
+    s_plain = plain.init_state(2, 1, heads, max_blocks, "cpu")
+    s_probe = probe.init_state(2, 1, heads, max_blocks, "cpu")
+    for nb in (3, 4, 6, 7, 9, 12, 20, 36):  # fewer blocks than K, fewer than 2K, many
         for layer in range(2):
-            selection = random_selection(gen, batch, heads, max_blocks, nb, k)
-            p_plain = plain.propose(s_plain, layer, nb, k)
-            p_probe = probe.propose(s_probe, layer, nb, k)
-            assert torch.equal(p_plain.indices, p_probe.indices)
+            selection = random_selection(gen, 1, heads, max_blocks, nb, k)
+            assert torch.equal(plain.propose(s_plain, layer, nb, k).indices, probe.propose(s_probe, layer, nb, k).indices)
             a = selection.blocks.mask(max_blocks)
-            want = [(a & plain.propose(s_plain, layer, nb, size).mask(max_blocks)).sum(-1) for size in (5, 7, 10)]
+            sizes = [min(round(r * min(k, nb)), nb) for r in ratios]  # a fixed budget's |P| in a run at ratio r
+            want = [(a & plain.propose(s_plain, layer, nb, size).mask(max_blocks)).sum(-1) for size in sizes]
             probe.update(s_probe, layer, selection)
             plain.update(s_plain, layer, selection)
-            assert torch.equal(probe.hits.pop(layer), torch.stack(want))  # |P| = round(r·K): 5, 7, 10
+            assert torch.equal(probe.hits.pop(layer), torch.stack(want))
             assert torch.equal(s_plain.ema, s_probe.ema)
-    probe.update(s_probe, 0, random_selection(gen, batch, heads, max_blocks, 30, k))  # no propose first: warm-up
+    probe.update(s_probe, 0, random_selection(gen, 1, heads, max_blocks, 30, k))  # no propose first: warm-up
     assert probe.hits == {}
+
+
+def test_ratio_probe_refuses_what_it_cannot_count():
+    from prr.predictors.query_similarity import QuerySimilarityPredictor
+
+    with pytest.raises(ValueError, match="history-only"):
+        ls.RatioProbe(QuerySimilarityPredictor(), (1.0,), 4)
+    probe = ls.RatioProbe(EmaPredictor(calibrate=False), (1.0,), 4)
+    state = probe.init_state(1, 2, 1, 16, "cpu")
+    probe.propose(state, 0, 10, 4)
+    with pytest.raises(ValueError, match="batch 1"):
+        probe.update(state, 0, random_selection(torch.Generator().manual_seed(0), 2, 1, 16, 10, 4))
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +89,34 @@ def tiny():
 def test_every_variant_decodes_the_same_dense_trajectory_and_its_probe_agrees(tiny):
     common, model, prefill = tiny
     mc, steps = model.config, 6
+    dense = Engine(ls.config(common + ["selector=dense", "predictor=none"]), model, 203 + 16)
+    greedy = dense.generate(prefill.input_ids, steps, prefill=prefill).token_ids  # the dense trajectory, decoded apart
     tokens = None
     for variant in ("quest_max", "infllm", "exact"):
         cfg = ls.config(common + ls.VARIANTS[variant] + ["selector.dense_layers=[]", "selector.topk_blocks=6"])
         rows, followed, disagree, mismatch = ls.decode_variant(model, prefill, cfg, steps, tokens, block_size=16)
         tokens = tokens or followed
-        assert (disagree, mismatch) == (0, 0) and followed == tokens
+        assert (disagree, mismatch) == (0, 0) and followed == tokens and followed[:len(greedy)] == greedy
         frame = pd.DataFrame(rows)
         assert len(frame) == steps * mc.num_layers * mc.num_kv_heads
         table = ls.pooled(frame, ["layer"])
         assert table["last_step_overlap"].between(0, 1).all() and table["mass_recall"].between(0, 1).all()
         hits = [table[f"ema_hit_x{r}"] for r in ls.RATIOS]
         assert all((a <= b + 1e-12).all() for a, b in zip(hits, hits[1:], strict=False))  # a larger P hits more
+
+
+@pytest.mark.parametrize("topk", [6, 12])  # 12 of 13-14 blocks: |P| = 2K is capped at the context
+def test_each_ratios_hits_are_what_a_run_at_that_ratio_speculates(tiny, topk):
+    common, model, prefill = tiny
+    over = ls.VARIANTS["quest_max"] + ["selector.dense_layers=[]", f"selector.topk_blocks={topk}"]
+    rows, tokens, _, _ = ls.decode_variant(model, prefill, ls.config(common + over), 5, None, block_size=16)
+    probed = pd.DataFrame(rows)
+    for r in ls.RATIOS[1:]:
+        run, *_ = ls.decode_variant(model, prefill, ls.config(common + over + [f"budget.ratio={r}"]), 5, tokens,
+                                    block_size=16)
+        run = pd.DataFrame(run)
+        assert run["predicted_blocks"].max() > topk or r * topk < 13  # the ratio changed |P| (or the cap did)
+        assert run["hits"].tolist() == probed[f"hits_x{r}"].tolist()
 
 
 def test_accuracy_report_rebuilds_the_tables_of_a_cut_short_run(tmp_path):

@@ -50,7 +50,7 @@ def top_blocks_ascending(scores, k, num_blocks, sink, recent) -> tuple[torch.Ten
     return ids.to(torch.int32), chosen.count.to(torch.int32)
 
 
-def check_split(scores, k, num_blocks, sink, recent, split, **kw) -> None:
+def check_split(scores, k, num_blocks, sink, recent, split, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     idx, cnt = topk_select(scores, k, num_blocks, sink, recent, split=split, **kw)
     ref_idx, ref_cnt = top_blocks_ascending(scores, k, num_blocks, sink, recent)
     assert idx.dtype == torch.int32 and cnt.dtype == torch.int32
@@ -59,6 +59,7 @@ def check_split(scores, k, num_blocks, sink, recent, split, **kw) -> None:
     assert torch.equal(idx.cpu(), ref_idx)  # same set, ascending, padding 0
     row_idx, row_cnt = topk_select(scores, k, num_blocks, sink, recent, **kw)  # the default path
     assert torch.equal(idx, row_idx) and torch.equal(cnt, row_cnt)
+    return idx, cnt
 
 
 def with_neg_inf(scores: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
@@ -72,35 +73,34 @@ def with_neg_inf(scores: torch.Tensor, fraction: float, seed: int) -> torch.Tens
     [
         ("randn", 700, [700, 300], 40, 1, 2, 256),  # N not a multiple of the chunk; a short context
         ("ties", 1029, [1029, 1000], 33, 2, 1, 256),  # three values: ties across chunks
-        ("integers", 300, [300, 250], 100, 1, 3, 64),  # k > chunk: chunks keep every valid block
+        ("integers", 200, [200, 150], 100, 1, 3, 64),  # k > chunk: chunks keep every valid block
         ("ties", 300, [0, 77], 1, 0, 1, 64),  # k = 1; an empty row
-        ("extremes", 200, [200, 150], 30, 0, 0, 32),  # ±inf, ±FLT_MAX, denormals, ±0
+        ("extremes", 130, [130, 100], 30, 0, 0, 32),  # ±inf, ±FLT_MAX, denormals, ±0
         ("randn", 100, [100, 100], 5, 8, 2, 16),  # more forced blocks than k: the lowest forced ids
         ("ties", 61, [61, 50], 10, 1, 1, 256),  # one chunk covers the row
     ],
 )
 def test_topk_split_matches_top_blocks(kind, n, num_blocks, k, sink, recent, split):
-    scores, nb = make_topk_scores(2, 2, n, num_blocks, kind, seed=n + k)
+    scores, nb = make_topk_scores(2, 1 if n > 500 else 2, n, num_blocks, kind, seed=n + k)  # 1 KV head: interpreter time
     check_split(scores, k, nb, sink, recent, split)
 
 
 def test_topk_split_neg_inf_ties_and_radix_bits():
     """Scores rounded to a few values with a third of them -inf below nb: fewer selectable
     blocks than k in some rows (counts < min(k, nb)); 1-bit passes too."""
-    scores, nb = make_topk_scores(2, 2, 333, [333, 90], "ties", seed=7)
+    scores, nb = make_topk_scores(2, 2, 200, [200, 90], "ties", seed=7)
     scores = with_neg_inf(scores, 0.35, seed=7)
-    for k, radix_bits in ((70, 2), (250, 1)):
-        check_split(scores, k, nb, 1, 2, 64, radix_bits=radix_bits)
-    _, cnt = topk_select(scores, 250, nb, 1, 2, split=64)
+    check_split(scores, 30, nb, 1, 2, 64)
+    _, cnt = check_split(scores, 150, nb, 1, 2, 32, radix_bits=1)
     assert (cnt[1] < 90).all()  # the short row has fewer selectable blocks than nb
 
 
 def test_topk_split_fp16_strided_and_k_past_n():
-    scores, nb = make_topk_scores(2, 2, 150, [150, 100], "integers", seed=3)
+    scores, nb = make_topk_scores(2, 2, 100, [100, 70], "integers", seed=3)
     check_split(scores.half(), 20, nb, 1, 1, 32)
-    wide = torch.randn(2, 150, 2).transpose(1, 2)  # non-contiguous [B, Hkv, N]
+    wide = torch.randn(2, 100, 2).transpose(1, 2)  # non-contiguous [B, Hkv, N]
     check_split(wide, 9, nb, 0, 1, 64)
-    check_split(scores, 400, nb, 2, 2, 128)  # k > N: K_out = N, everything valid taken
+    check_split(scores, 300, nb, 2, 2, 64)  # k > N: K_out = N, everything valid taken
 
 
 def test_topk_split_property():
@@ -108,9 +108,9 @@ def test_topk_split_property():
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 
-    @hypothesis.settings(max_examples=8, deadline=None)
+    @hypothesis.settings(max_examples=5, deadline=None)
     @hypothesis.given(
-        n=st.integers(1, 120),
+        n=st.integers(1, 90),
         k=st.integers(1, 80),
         sink=st.integers(0, 3),
         recent=st.integers(0, 3),

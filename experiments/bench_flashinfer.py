@@ -17,7 +17,9 @@ heads, head_dim 128), bf16, random values (timings do not depend on them).
 - topk: prr's `topk_select` (what Quest's selection runs) against `flashinfer.top_k`
   (radix; it returns int64 indices) and `flashinfer.top_k_page_table_transform` (int32, the
   indices mapped through a page table in the same kernel) and torch.topk, on random fp32
-  scores; the selected sets are compared.
+  scores; the selected sets are compared. Beside it prr's split-row variant,
+  `topk_select(..., split=CHUNK)` for each --topk-split chunk (its indices and counts must
+  equal topk_select's bit for bit); the table shows the fastest chunk.
 - stage: prr's serial Quest stage as the graph engine runs it (quest_score, topk_select,
   sparse_decode with the output in bf16; and quest_select fused + sparse_decode) against a
   FlashInfer-composed one (prr's quest_score, top_k_page_table_transform straight to page
@@ -58,9 +60,9 @@ NOMINAL_BANDWIDTH = 4.8e12  # bytes/s, the H200's HBM3e figure
 PAPER_BLOCKSPARSE_SPEEDUP = 2.22  # the paper: its sparse kernel vs FlashInfer BlockSparse at an 8K budget
 PARTS = ("attention", "topk", "stage")
 FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budgets=[2048, 8192],
-                 topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64])
+                 topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64], topk_split=[1024, 2048])
 QUICK_GRID = dict(batches=[1], contexts=[32768], blocks=[16], budgets=[2048],
-                  topk_blocks=[2048], topk_k=[32], topk_rows=[8])
+                  topk_blocks=[2048], topk_k=[32], topk_rows=[8], topk_split=[1024])
 
 
 # --- arguments, floors and tables: pure python (tests/test_bench_flashinfer.py) -------------------
@@ -138,6 +140,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         for n in args.topk_blocks:
             if k > n:
                 problems.append(f"--topk-k: {k} exceeds {n} blocks")
+    for c in args.topk_split:
+        if c < 16 or c > 16384 or c & (c - 1):
+            problems.append(f"--topk-split: {c} is not a power of two in 16 .. 16384 (topk_select's split chunk)")
     return problems
 
 
@@ -217,9 +222,11 @@ def topk_table(rows: list[dict]) -> str:
         _, fi = best_of(r, ("fi_top_k_us", "fi_page_table_us"))
         body.append([r["rows"], r["blocks"], r["k"], r.get("prr_us"), r.get("fi_top_k_us"), r.get("fi_page_table_us"),
                      r.get("torch_topk_us"), ratio(r.get("prr_us"), fi), ratio(r.get("prr_us"), r.get("floor_us")),
-                     r.get("sets_equal"), r.get("error", "")])
+                     r.get("sets_equal"), r.get("split_us"), r.get("split_chunk"), ratio(r.get("split_us"), fi),
+                     r.get("error", "")])
     return markdown(["rows", "blocks", "k", "prr topk_select µs", "FI top_k µs", "FI top_k_page_table µs", "torch.topk µs",
-                     "prr / best FI", "prr / floor", "sets equal", "error"], body)
+                     "prr / best FI", "prr / floor", "sets equal", "prr split µs (best chunk)", "split chunk",
+                     "split / best FI", "error"], body)
 
 
 def stage_table(rows: list[dict]) -> str:
@@ -567,7 +574,8 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
     return row
 
 
-def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: float) -> dict:
+def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: float,
+              splits: tuple[int, ...] = ()) -> dict:
     import flashinfer
     import torch
     from prr.kernels.topk import topk_select
@@ -593,6 +601,10 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
     row["fi_equals_torch"] = bool(torch.equal(fi_set, ref))
     row["fi_page_table_equals_torch"] = bool(torch.equal(pt_set, ref))
     row["sets_equal"] = row["prr_equals_torch"] and row["fi_equals_torch"] and row["fi_page_table_equals_torch"]
+    for c in splits:  # the split-row variant: the same output as topk_select, bit for bit
+        s_idx, s_cnt = topk_select(scores[0], k, num_blocks, sink_blocks=0, recent_blocks=0, split=c)
+        row[f"split{c}_equals_prr"] = bool(torch.equal(s_idx, idx)) and bool(torch.equal(s_cnt, cnt))
+        row["sets_equal"] = row["sets_equal"] and row[f"split{c}_equals_prr"]
 
     def timed(make):
         return graph_time_us(make, sets, repeats)
@@ -602,6 +614,11 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
     guarded(row, "fi_page_table_us", lambda: timed(lambda i: (lambda: flashinfer.top_k_page_table_transform(
         scores[i].view(rows_n, n), src, lens, k))))
     guarded(row, "torch_topk_us", lambda: timed(lambda i: (lambda: torch.topk(scores[i], k, dim=-1))))
+    for c in splits:
+        guarded(row, f"split{c}_us", lambda c=c: timed(lambda i: (lambda: topk_select(
+            scores[i], k, num_blocks, sink_blocks=0, recent_blocks=0, split=c))))
+    best_split, row["split_us"] = best_of(row, tuple(f"split{c}_us" for c in splits))
+    row["split_chunk"] = int(best_split[len("split"):-len("_us")]) if best_split else None
     _, fi = best_of(row, ("fi_top_k_us", "fi_page_table_us"))
     row["prr_over_best_fi"] = ratio(row.get("prr_us"), fi)
     return row
@@ -653,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
             for n in args.topk_blocks:
                 for k in args.topk_k:
                     try:
-                        row = topk_rows(rows_n, n, k, args.sets, args.repeats, bandwidth)
+                        row = topk_rows(rows_n, n, k, args.sets, args.repeats, bandwidth, tuple(args.topk_split))
                     except Exception as err:  # noqa: BLE001
                         row = dict(rows=rows_n, blocks=n, k=k, error=f"{type(err).__name__}: {err}"[:400])
                     record["topk"].append(row)

@@ -1,5 +1,6 @@
 """Launcher for block top-K selection (checks, allocation, grid); the kernels are in
-`prr.kernels.topk_jit`, the torch reference in `prr.kernels.reference_selection`.
+`prr.kernels.topk_jit` (one program per row) and `prr.kernels.topk_split_jit` (split rows),
+the torch reference in `prr.kernels.reference_selection`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from torch import Tensor
 
 from .pdl import launch_kwargs
 from .topk_jit import _topk_row_kernel, _topk_tiled_kernel
+from .topk_split_jit import _topk_chunk_kernel, _topk_merge_kernel
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROW_BLOCK = 16384  # rows up to this many blocks live in registers; longer rows are tiled
 TILE = 4096  # tile of the tiled kernel (re-read from L2 on every counting pass)
 MAX_BLOCKS_PER_ROW = (1 << 21) - 1  # the 2-bit passes pack three counts into 21-bit fields
 PAD_BLOCK = 256
+MIN_SPLIT = 16  # smallest chunk of the split-row kernels (smaller ones only add programs)
 
 
 def candidate_filter_shape(block: int, k: int) -> tuple[int, int]:
@@ -69,6 +72,7 @@ def topk_select(
     radix_bits: int = 2,
     num_warps: int | None = None,
     candidate_filter: bool = True,
+    split: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), with forced blocks, by threshold select.
 
@@ -85,8 +89,15 @@ def topk_select(
     radix_bits (1 or 2): threshold bits fixed per counting pass over the row (32 or 16 passes).
     candidate_filter: for long rows and small k, run the passes over the blocks at or above a
     lower bound of the k-th score (the smallest of k group maxima) only; same result.
+    split: None (default): one program per (row, KV head). An int CHUNK (a power of two,
+    16 .. MAX_ROW_BLOCK): split rows, many programs per row (kernels/topk_split_jit.py): each
+    chunk of CHUNK blocks keeps its top min(k, CHUNK), then one program per row selects the
+    top k of those candidates (cdiv(N, CHUNK) * min(k, CHUNK) <= MAX_ROW_BLOCK); same result.
+    num_warps, when given, applies to both of its kernels; candidate_filter does not apply.
     """
     _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
+    if split is not None:
+        _check_split(split, k, scores.shape[-1])
     batch, num_kv_heads, n = scores.shape
     k_out = min(k, n)
     indices = torch.empty(batch, num_kv_heads, k_out, dtype=torch.int32, device=scores.device)
@@ -100,6 +111,11 @@ def topk_select(
     k = min(k, n)
     sink_blocks = min(sink_blocks, n)
     recent_blocks = min(recent_blocks, n)
+
+    if split is not None:
+        _topk_select_split(scores, k, num_blocks, sink_blocks, recent_blocks, indices, counts,
+                           split, radix_bits, num_warps)
+        return indices, counts
 
     grid = (num_kv_heads, batch)
     common = (
@@ -130,3 +146,57 @@ def topk_select(
             num_warps=num_warps or _default_num_warps(TILE),
         )
     return indices, counts
+
+
+def _split_shape(split: int, k: int, n: int) -> tuple[int, int]:
+    """-> (chunks C, candidates kept per chunk KC) of the split-row kernels."""
+    return triton.cdiv(n, split), min(k, split)
+
+
+def _check_split(split: int, k: int, n: int) -> None:
+    if isinstance(split, bool) or not isinstance(split, int) or split < MIN_SPLIT or split > MAX_ROW_BLOCK \
+            or split & (split - 1):
+        raise ValueError(f"split={split!r} must be None or a power-of-two chunk of {MIN_SPLIT} .. {MAX_ROW_BLOCK} blocks")
+    chunks, kc = _split_shape(split, min(k, n), n)
+    if chunks * kc > MAX_ROW_BLOCK:
+        raise ValueError(
+            f"split={split} leaves {chunks} chunks x {kc} candidates = {chunks * kc} > {MAX_ROW_BLOCK} for the merge"
+            f" (N={n}, k={k}); use a larger chunk, or split=None"
+        )
+
+
+def _topk_select_split(
+    scores: Tensor, k: int, num_blocks: Tensor, sink_blocks: int, recent_blocks: int,
+    indices: Tensor, counts: Tensor, split: int, radix_bits: int, num_warps: int | None,
+) -> None:
+    """topk_select's split-row path (arguments checked and clamped there): fills indices
+    [B, Hkv, K_out] and counts [B, Hkv] in place."""
+    batch, num_kv_heads, n = scores.shape
+    k_out = indices.shape[-1]
+    chunks, kc = _split_shape(split, k, n)
+    # Phase 1 -> per-chunk candidates: ids [B * Hkv, C, KC] (ascending, then padding), counts [B * Hkv, C]
+    cand_ids = torch.empty(batch * num_kv_heads, chunks, kc, dtype=torch.int32, device=scores.device)
+    cand_counts = torch.empty(batch * num_kv_heads, chunks, dtype=torch.int32, device=scores.device)
+    pdl = launch_kwargs(scores.device)
+    _topk_chunk_kernel[(chunks, num_kv_heads, batch)](
+        scores, num_blocks, cand_ids, cand_counts,
+        n, num_kv_heads, chunks, kc, sink_blocks, recent_blocks,
+        *scores.stride(),
+        CHUNK=split,
+        RADIX_BITS=radix_bits,
+        PAD_BLOCK=PAD_BLOCK,
+        num_warps=num_warps or _default_num_warps(split),
+        **pdl,
+    )
+    # Phase 2: candidates -> indices [B, Hkv, K_out], counts [B, Hkv] (topk_select's contract)
+    block = triton.next_power_of_2(chunks * kc)
+    _topk_merge_kernel[(num_kv_heads, batch)](
+        scores, num_blocks, cand_ids, cand_counts, indices, counts,
+        n, num_kv_heads, chunks, kc, k, k_out, sink_blocks, recent_blocks,
+        *scores.stride(),
+        BLOCK=block,
+        RADIX_BITS=radix_bits,
+        PAD_BLOCK=PAD_BLOCK,
+        num_warps=num_warps or _default_num_warps(block),
+        **pdl,
+    )

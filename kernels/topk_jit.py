@@ -1,7 +1,8 @@
 """Triton kernels for block top-K selection by threshold (radix) select. Launcher with checks:
 `prr.kernels.topk`.
 
-One program per (batch row, KV head). Scores are mapped to an order-preserving uint32 image
+One program per (batch row, KV head) (many per row: `prr.kernels.topk_split_jit`, which reuses
+_order_keys and _select_row). Scores are mapped to an order-preserving uint32 image
 (flip all bits of negatives, set the sign bit of non-negatives; -0.0 is first folded to +0.0 so
 float ties stay integer ties). The k-th largest key T is found by a most-significant-first
 radix search: each pass fixes RADIX_BITS bits of T with one counting reduction over the row

@@ -118,3 +118,20 @@ def test_report_rewrites_csv_and_markdown_from_a_saved_run(tmp_path):
     bf.main(["--report", str(saved)])
     assert "| 8 | 2048 | 32 | 7.5 | 9.3 |" in (tmp_path / "run.md").read_text()
     assert (tmp_path / "run.csv").read_text().startswith("command,")
+
+
+def test_topk_split_columns_and_arguments():
+    assert bf.parse_args([]).topk_split == [1024, 2048] and bf.parse_args(["--quick"]).topk_split == [1024]
+    args = bf.parse_args([])
+    args.topk_split = [1000, 8, 1024]
+    problems = "; ".join(bf.check_args(args))
+    assert "--topk-split: 1000 is not a power of two" in problems and "--topk-split: 8 " in problems
+    assert "1024" not in problems
+    row = dict(rows=8, blocks=8192, k=32, prr_us=22.0, fi_top_k_us=12.0, fi_page_table_us=11.0, floor_us=1.0,
+               sets_equal=True, split1024_us=8.8, split2048_us=9.5, split_us=8.8, split_chunk=1024)
+    cells = [c.strip() for c in bf.topk_table([row]).splitlines()[2].strip("|").split("|")]
+    assert cells[7] == "2" and cells[9] == "yes"  # the columns before the split ones are unchanged
+    assert cells[10] == "8.8" and cells[11] == "1024" and cells[12] == "0.8"
+    no_split = [c.strip() for c in bf.topk_table([dict(row, split_us=None, split_chunk=None)]).splitlines()[2]
+                .strip("|").split("|")]
+    assert no_split[10] == "-" and no_split[12] == "-"

@@ -537,8 +537,10 @@ def locality_table(frame: pd.DataFrame) -> pd.DataFrame:
                     "locality_table")
     rows = frame[frame["topk_blocks"] == 64].sort_values(["model", "context_tokens", "variant"])
     columns = ["last_step_overlap", "ema_hit_x1.0", "ema_hit_x1.5", "ema_hit_x2.0", "mass_recall"]
-    table = rows.set_index(["model", "context_tokens", "variant"])[columns]
-    return (100 * table).round(1).reset_index()
+    table = (100 * rows[columns]).round(1)
+    table.index = pd.Index([f"{m} {c} {v}" for m, c, v in zip(rows["model"], rows["context_tokens"], rows["variant"],
+                                                              strict=True)], name="model, context, selector")
+    return table
 
 
 @dataclass(frozen=True)
@@ -561,8 +563,8 @@ LOCALITY_INPUTS = (f"{CPU}/locality_long_smollm2.csv", f"{CPU}/locality_long_qwe
                    "experiments/results/h200/locality_long_qwen_8192_by_context.csv",
                    "experiments/results/h200/locality_long_qwen_16384.csv",
                    "experiments/results/h200/locality_long_qwen_32768.csv")
-LOCALITY_COMMAND = ("python experiments/locality_study.py --model smollm2-135m --contexts 4096,8192 ... (CPU); "
-                    "bash experiments/h200_long_context.sh locality 8192|16384|32768 (an H200); docs/results/locality.md")
+LOCALITY_COMMAND = ("the commands in docs/results/locality.md (locality_study.py on the CPU; "
+                    "experiments/h200_long_context.sh locality on an H200)")
 FIGURES: list[Figure] = [
     Figure("locality_overlap_per_layer", overlap_per_layer, (f"{CPU}/locality_smollm2_per_layer.csv",), pd.read_csv,
            f"python run.py -m +experiment=locality && {COLLECT} multirun/locality {CPU}/locality_smollm2 --per-layer "
@@ -615,7 +617,7 @@ FIGURES: list[Figure] = [
            "RULER niah_multikey_2; Qwen2.5-Coder-0.5B (H200 bf16 at 8K-32K, CPU fp32 at 4K), SmolLM2-135M (CPU)"),
     Figure("locality_long_context", locality_table, LOCALITY_INPUTS, read_locality, LOCALITY_COMMAND,
            "Locality at long contexts (%, K = 64 blocks of 16, RULER niah_multikey_2): last-step overlap, EMA hit "
-           "rate at |P| = K, 2K and 1.5K, attention-mass recall of A"),
+           "rate at |P| = K, 1.5K and 2K, attention-mass recall of A"),
     Figure("predictor_hit_rate_vs_budget", predictor_study, (f"{CPU}/predictor_study.csv",), pd.read_csv,
            "python experiments/predictor_study.py",
            "Hit rate of every predictor against |P|/K, per task, SmolLM2-135M (replayed shadow-mode decodes)"),

@@ -5,32 +5,14 @@ conftest; sizes kept small). The GPU variant (-m gpu) runs at real sizes with TR
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from prr.kernels.reference_selection import forced_scores, make_topk_scores
+from prr.kernels.topk import MAX_ROW_BLOCK, topk_select
 
-import prr
 from prr.blocks import top_blocks
-
-ROOT = Path(__file__).resolve().parents[1]
-
-try:
-    import prr.kernels  # noqa: F401 - an install maps kernels/ to prr.kernels
-except ModuleNotFoundError:  # not installed: map the folder the same way, never as bare `kernels`
-    _spec = importlib.util.spec_from_file_location(
-        "prr.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
-    )
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["prr.kernels"] = _module
-    _spec.loader.exec_module(_module)
-    prr.kernels = _module
-
-from prr.kernels.reference_selection import forced_scores, make_topk_scores  # noqa: E402
-from prr.kernels.topk import MAX_ROW_BLOCK, topk_select  # noqa: E402
 
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),

@@ -629,12 +629,12 @@ FIGURES: list[Figure] = [
            "--ema-budgets 1024 --out experiments/results/cpu/accuracy_4k",
            "Accuracy at 4K tokens (RULER string match, mean over samples); SmolLM2-135M on the CPU"),
     Figure("accuracy_qwen", lambda f: accuracy_table(accuracy_frame(f)),
-           (f"{CPU}/accuracy_qwen_4096.csv", "experiments/results/h200/accuracy_qwen.csv"),
+           (f"{CPU}/accuracy_qwen_4096.csv", f"{CPU}/accuracy_qwen_4096_more.csv", "experiments/results/h200/accuracy_qwen.csv"),
            lambda *paths: pd.concat([pd.read_csv(p) for p in paths], ignore_index=True),
            "the commands in docs/results/accuracy.md (accuracy_study.py on the CPU at 4K; "
            "experiments/h200_long_context.sh accuracy on an H200)",
            "Accuracy on RULER's own tasks (string match, mean over samples), Qwen2.5-Coder-0.5B: 4K on the CPU "
-           "(fp32), 8K-32K on an H200 (bf16); 2 samples per task and context"),
+           "(fp32), 8K-32K on an H200 (bf16); 2 samples per task and context (fwe, qa_1, niah_multikey_2: 1)"),
     Figure("selector_fidelity", selector_fidelity, (f"{CPU}/selector_fidelity.csv",), pd.read_csv,
            "python experiments/selector_fidelity.py",
            "Selector fidelity against the top-K budget, shadow mode, SmolLM2-135M"),

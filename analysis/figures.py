@@ -635,6 +635,9 @@ FIGURES: list[Figure] = [
            "experiments/h200_long_context.sh accuracy on an H200)",
            "Accuracy on RULER's own tasks (string match, mean over samples), Qwen2.5-Coder-0.5B: 4K on the CPU "
            "(fp32), 8K-32K on an H200 (bf16); 2 samples per task and context (fwe, qa_1, niah_multikey_2: 1)"),
+    Figure("accuracy_smollm2_ruler", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy_smollm2_ruler.csv",),
+           pd.read_csv, "the command in docs/results/accuracy.md (accuracy_study.py --model smollm2-135m --tasks ruler:...)",
+           "Accuracy on RULER's own tasks (string match, mean over 2 samples), SmolLM2-135M at 4K and 8K on the CPU"),
     Figure("selector_fidelity", selector_fidelity, (f"{CPU}/selector_fidelity.csv",), pd.read_csv,
            "python experiments/selector_fidelity.py",
            "Selector fidelity against the top-K budget, shadow mode, SmolLM2-135M"),

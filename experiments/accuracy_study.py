@@ -35,10 +35,9 @@ from typing import Any
 
 import pandas as pd
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from prr.config_check import validate
+from prr.config_check import compose_config
 from prr.evaluation import Engine
 from prr.paths import write_json_atomic
 from prr.run_inputs import DTYPES
@@ -74,13 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def config(overrides: list[str]) -> Any:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    validate(cfg)
-    return cfg
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.report is not None:
@@ -109,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     t_start = time.perf_counter()
-    first = config(common + task_overrides(tasks[0]))
+    first = compose_config(common + task_overrides(tasks[0]))
     settings = instantiate(first.runtime)
     model = instantiate(first.model).load(settings.dtype, settings.device)
     rows: list[dict[str, Any]] = []
@@ -121,10 +113,10 @@ def main(argv: list[str] | None = None) -> None:
             for name, _, _, budget, over in runs:
                 if budget is not None and budget >= ctx:
                     continue  # the budget covers the whole context: nothing sparse
-                cfg = config(common + task_over + over)
+                cfg = compose_config(common + task_over + over)
                 engines[name] = Engine(cfg, model, ctx + 64 + args.max_new_tokens)
                 engines[name].collect = True
-            task = instantiate(config(common + task_over).task)
+            task = instantiate(compose_config(common + task_over).task)
             samples = task.samples(engines["dense"].tokenizer)
             for index, sample in enumerate(samples):
                 base = engines["dense"]

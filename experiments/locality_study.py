@@ -35,13 +35,12 @@ from typing import Any
 
 import pandas as pd
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from prr.blocks import BlockSet
 from prr.budget.fixed import FixedBudget
 from prr.cache import PagedKVCache
-from prr.config_check import validate
+from prr.config_check import compose_config
 from prr.evaluation import Engine
 from prr.metrics import layer_step_rows
 from prr.paths import write_json_atomic
@@ -112,13 +111,6 @@ class RatioProbe(Predictor):
                 per_ratio.append((a & p).sum(-1))
             self.hits[layer] = torch.stack(per_ratio).cpu()  # [R, B, Hkv]
         self.inner.update(state, layer, selection)
-
-
-def config(overrides: list[str]) -> Any:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    validate(cfg)
-    return cfg
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -214,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python experiments/locality_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     t_start = time.perf_counter()
-    first = config(common + ["selector=dense", "predictor=none", f"task.context_tokens={contexts[0]}"])
+    first = compose_config(common + ["selector=dense", "predictor=none", f"task.context_tokens={contexts[0]}"])
     settings = instantiate(first.runtime)
     model = instantiate(first.model).load(settings.dtype, settings.device)
     frames: list[pd.DataFrame] = []
@@ -223,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     for ctx in contexts:
         for task_name in tasks:
             task_over = [f"task.name={task_name}", f"task.context_tokens={ctx}", "task.num_samples=1"]
-            dense = Engine(config(common + task_over + ["selector=dense", "predictor=none"]), model, ctx + args.steps)
+            dense = Engine(compose_config(common + task_over + ["selector=dense", "predictor=none"]), model, ctx + args.steps)
             task = instantiate(dense.cfg.task)
             sample = task.samples(dense.tokenizer)[0]
             ids = dense.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
@@ -236,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                     if k * args.block_size >= ids.shape[1]:
                         continue  # K covers the context: nothing is left out
                     t0 = time.perf_counter()
-                    cfg = config(common + task_over + VARIANTS[variant] + ["selector.dense_layers=[]",
+                    cfg = compose_config(common + task_over + VARIANTS[variant] + ["selector.dense_layers=[]",
                                                                           f"selector.topk_blocks={k}"])
                     rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens,
                                                                         args.block_size)

@@ -40,13 +40,12 @@ from typing import Any
 
 import pandas as pd
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
-from prr.config_check import validate
+from prr.config_check import compose_config, validate
 from prr.predictors.base import Predictor
 from prr.run_inputs import DTYPES
 from prr.runner import next_token
@@ -128,16 +127,11 @@ class Tracer(Predictor):
         self.inner.update(state, layer, selection)
 
 
-def compose_cfg(overrides: list[str]) -> Any:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 def capture(task: str, steps: int, overrides: list[str]) -> tuple[Trace, dict[str, Any]]:
     """One shadow-mode decode of `task` (a spec of prr.tasks.ruler.task_overrides) under the
     overrides (model, device, context); -> its trace and a description."""
-    cfg = compose_cfg([*task_overrides(task), "runtime.mode=shadow", *PREDICTORS[CAPTURE_PREDICTOR], "budget=fixed",
-                       "budget.ratio=1.0", "logger=none", *overrides])
+    cfg = compose_config([*task_overrides(task), "runtime.mode=shadow", *PREDICTORS[CAPTURE_PREDICTOR], "budget=fixed",
+                       "budget.ratio=1.0", "logger=none", *overrides], check=False)
     OmegaConf.update(cfg, "task.max_new_tokens", steps)
     if "stop_at_eos" in cfg.task:
         OmegaConf.update(cfg, "task.stop_at_eos", False)  # a fixed number of steps per task
@@ -287,7 +281,7 @@ def main() -> None:
         print(f"captured {task}: {info}", flush=True)
         for name in args.predictors:
             for ratio in args.ratios:
-                predictor = instantiate(compose_cfg(PREDICTORS[name]).predictor)
+                predictor = instantiate(compose_config(PREDICTORS[name], check=False).predictor)
                 with torch.inference_mode():  # as in a run (the trace's tensors are inference tensors)
                     frame, extra = replay(trace, predictor, ratio, info["topk_blocks"])
                 frame = frame.assign(task=task, predictor=name, ratio=ratio)

@@ -11,11 +11,13 @@ import inspect
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 GROUPS = ("model", "selector", "predictor", "budget", "task", "logger", "runtime", "backend")
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class ConfigError(ValueError):
@@ -164,3 +166,18 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
 
         problems += graph_problems(built, model)
     return problems
+
+
+def compose_config(overrides: list[str], check: bool = True) -> DictConfig:
+    """Hydra overrides -> the composed config over conf/ (what `run.py` would run), validated
+    unless check=False (ConfigError lists every problem). For scripts and tools outside run.py."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():  # called from inside a Hydra app (run.py task=lm_eval)
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    if check:
+        validate(cfg)
+    return cfg

@@ -41,7 +41,6 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
 log = logging.getLogger("prr")
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 LOCAL_TASKS = Path(__file__).resolve().parent / "tasks" / "lm_eval_tasks"
 # prr-lm-eval's --device when none is given (lm-eval's own default, cuda:0, would read as the
 # user's choice): the prr model runs on runtime.device, recorded in the results' prr_config.
@@ -50,21 +49,12 @@ DEVICE_FROM_RUNTIME = "runtime.device"
 
 def compose_config(overrides: dict[str, Any], check: bool = True) -> Any:
     """model_args -> the prr config (Hydra compose over conf/, logger=none), validated unless check=False."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from prr.config_check import validate
+    from prr.config_check import compose_config as compose_overrides
 
     args = [f"{k}={_hydra_value(v)}" for k, v in overrides.items()]
     if not any(a.startswith("logger=") for a in args):
         args.append("logger=none")
-    if GlobalHydra.instance().is_initialized():  # inside `python run.py task=lm_eval`
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=args)
-    if check:
-        validate(cfg)
-    return cfg
+    return compose_overrides(args, check)
 
 
 def compose_lm_eval_config(overrides: dict[str, Any], max_length: int | None) -> tuple[Any, int]:

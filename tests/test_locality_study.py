@@ -13,6 +13,7 @@ import torch
 from hydra.utils import instantiate
 
 from prr.blocks import BlockSet
+from prr.config_check import compose_config
 from prr.evaluation import Engine
 from prr.predictors.ema import EmaPredictor
 from prr.selectors.base import Selection
@@ -79,7 +80,7 @@ def tiny():
     common = ["model=tiny-random", "logger=none", "predictor=ema", "budget=fixed", "budget.ratio=1.0",
               "runtime.mode=shadow", "runtime.calibration_tokens=12", "selector.dense_layers=[]",
               "task.prompt_tokens=256"]
-    dense_cfg = ls.config(common + ["selector=dense", "predictor=none"])
+    dense_cfg = compose_config(common + ["selector=dense", "predictor=none"])
     model = instantiate(dense_cfg.model).load("float32", "cpu")
     ids = torch.randint(0, model.config.vocab_size, (1, 203), generator=torch.Generator().manual_seed(3))
     prefill = Engine(dense_cfg, model, 203 + 16).prefill(ids)
@@ -89,11 +90,11 @@ def tiny():
 def test_every_variant_decodes_the_same_dense_trajectory_and_its_probe_agrees(tiny):
     common, model, prefill = tiny
     mc, steps = model.config, 6
-    dense = Engine(ls.config(common + ["selector=dense", "predictor=none"]), model, 203 + 16)
+    dense = Engine(compose_config(common + ["selector=dense", "predictor=none"]), model, 203 + 16)
     greedy = dense.generate(prefill.input_ids, steps, prefill=prefill).token_ids  # the dense trajectory, decoded apart
     tokens = None
     for variant in ("quest_max", "infllm", "exact"):
-        cfg = ls.config(common + ls.VARIANTS[variant] + ["selector.dense_layers=[]", "selector.topk_blocks=6"])
+        cfg = compose_config(common + ls.VARIANTS[variant] + ["selector.dense_layers=[]", "selector.topk_blocks=6"])
         rows, followed, disagree, mismatch = ls.decode_variant(model, prefill, cfg, steps, tokens, block_size=16)
         tokens = tokens or followed
         assert (disagree, mismatch) == (0, 0) and followed == tokens and followed[:len(greedy)] == greedy
@@ -109,10 +110,10 @@ def test_every_variant_decodes_the_same_dense_trajectory_and_its_probe_agrees(ti
 def test_each_ratios_hits_are_what_a_run_at_that_ratio_speculates(tiny, topk):
     common, model, prefill = tiny
     over = ls.VARIANTS["quest_max"] + ["selector.dense_layers=[]", f"selector.topk_blocks={topk}"]
-    rows, tokens, _, _ = ls.decode_variant(model, prefill, ls.config(common + over), 5, None, block_size=16)
+    rows, tokens, _, _ = ls.decode_variant(model, prefill, compose_config(common + over), 5, None, block_size=16)
     probed = pd.DataFrame(rows)
     for r in ls.RATIOS[1:]:
-        run, *_ = ls.decode_variant(model, prefill, ls.config(common + over + [f"budget.ratio={r}"]), 5, tokens,
+        run, *_ = ls.decode_variant(model, prefill, compose_config(common + over + [f"budget.ratio={r}"]), 5, tokens,
                                     block_size=16)
         run = pd.DataFrame(run)
         assert run["predicted_blocks"].max() > topk or r * topk < 13  # the ratio changed |P| (or the cap did)

@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     topks = [int(x) for x in args.topk.split(",")]
     runtime = [f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", "runtime.engine=eager",
                f"runtime.block_size={args.block_size}", f"backend={args.backend}"]
+    # (value overrides apply after the group choices: dense_layers=[] holds for every selector variant)
     common = [f"model={args.model}", "logger=none", *runtime, "task=ruler", "predictor=ema", "budget=fixed",
               "budget.ratio=1.0", "runtime.mode=shadow", "selector.dense_layers=[]"]
     out = Path(args.out)
@@ -228,8 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                     if k * args.block_size >= ids.shape[1]:
                         continue  # K covers the context: nothing is left out
                     t0 = time.perf_counter()
-                    cfg = compose_config(common + task_over + VARIANTS[variant] + ["selector.dense_layers=[]",
-                                                                          f"selector.topk_blocks={k}"])
+                    cfg = compose_config(common + task_over + VARIANTS[variant] + [f"selector.topk_blocks={k}"])
                     rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens,
                                                                         args.block_size)
                     tokens = tokens or followed

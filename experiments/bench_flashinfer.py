@@ -165,6 +165,14 @@ def stage_bytes(batch: int, context: int, budget_tokens: int, block: int, meta_b
     return batch * HKV * (context // block) * meta_bytes_per_block + attention_bytes(batch, budget_tokens, block)
 
 
+def split_chunks(chunks: list[int], k: int, n: int) -> list[int]:
+    """The --topk-split chunks topk_select accepts for rows of n blocks and top-k k: smaller than
+    the row, and the merge's candidates (chunks x min(k, chunk)) within MAX_ROW_BLOCK."""
+    from prr.kernels.topk import MAX_ROW_BLOCK
+
+    return [c for c in chunks if c < n and -(-n // c) * min(k, c) <= MAX_ROW_BLOCK]
+
+
 def floor_us(nbytes: int, bandwidth: float) -> float:
     return nbytes / bandwidth * 1e6
 
@@ -232,14 +240,15 @@ def topk_table(rows: list[dict]) -> str:
 def stage_table(rows: list[dict]) -> str:
     body = []
     for r in rows:
-        _, prr = best_of(r, ("prr_serial_us", "prr_fused_us"))
+        _, prr = best_of(r, ("prr_serial_us", "prr_fused_us", "prr_split_us"))
         body.append([r["batch"], r["context"] // 1024, r["block_size"], r["budget_tokens"], r.get("prr_serial_us"),
-                     r.get("prr_fused_us"), r.get("fi_serial_us"), r.get("fi_table_copy_us"),
+                     r.get("prr_fused_us"), r.get("prr_split_us"), r.get("prr_split_chunk"), r.get("fi_serial_us"), r.get("fi_table_copy_us"),
                      ratio(r.get("prr_serial_us"), r.get("fi_serial_us")),
                      ratio(prr, r.get("fi_serial_us")), r.get("floor_us"), ratio(prr, r.get("floor_us")),
                      ratio(r.get("fi_serial_us"), r.get("floor_us")), r.get("sets_equal"), r.get("max_abs_prr_vs_fi"),
                      r.get("error", "")])
-    return markdown(["B", "ctx K", "block", "budget", "prr serial µs", "prr fused-select µs", "FI-composed µs",
+    return markdown(["B", "ctx K", "block", "budget", "prr serial µs", "prr fused-select µs",
+                     "prr split top-k µs (best chunk)", "chunk", "FI-composed µs",
                      "of which table copy µs", "prr serial / FI", "best prr / FI", "floor µs", "best prr / floor", "FI / floor", "sets equal",
                      "max abs(prr - FI)", "error"], body)
 
@@ -390,7 +399,7 @@ def guarded(row: dict, name: str, fn):
 
 
 def cell_rows(batch: int, context: int, blocks: list[int], budgets: list[int], sets: int, repeats: int, gen,
-              bandwidth: float, parts: list[str], workspace) -> tuple[list[dict], list[dict]]:
+              bandwidth: float, parts: list[str], workspace, topk_split: list[int]) -> tuple[list[dict], list[dict]]:
     """Attention and stage rows of one (batch, context): one set of caches and queries, new
     random block lists and Quest metadata for every block size and budget."""
     from types import SimpleNamespace
@@ -401,7 +410,7 @@ def cell_rows(batch: int, context: int, blocks: list[int], budgets: list[int], s
 
     caches, qs, _, _, lengths, scale = decode_inputs(batch, context, blocks[0], budgets[0], sets, gen)
     inp = SimpleNamespace(batch=batch, context=context, sets=sets, repeats=repeats, gen=gen, bandwidth=bandwidth,
-                          parts=parts, workspace=workspace, caches=caches, qs=qs, lengths=lengths, scale=scale)
+                          parts=parts, workspace=workspace, topk_split=topk_split, caches=caches, qs=qs, lengths=lengths, scale=scale)
     attention, stage = [], []
     for block in blocks:
         for budget in budgets:
@@ -560,13 +569,23 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
     row["max_abs_fused_vs_serial"] = max_abs(prr_fused(0), out_p)
     guarded(row, "prr_serial_us", lambda: timed(lambda i: (lambda: prr_serial(i))))
     guarded(row, "prr_fused_us", lambda: timed(lambda i: (lambda: prr_fused(i))))
+    for c in split_chunks(inp.topk_split, k, nb):  # the serial stage with the split-row top-k
+        def prr_split(i, c=c):
+            scores = quest_score(qs[i], *metas[i], num_blocks)
+            idx, cnt = topk_select(scores, k, num_blocks, sink_blocks=0, recent_blocks=0, split=c)
+            return sparse_decode(qs[i], *caches[i], idx, cnt, lengths, block, scale, out_dtype=torch.bfloat16)[0]
+        row[f"split{c}_equals_serial"] = bool(torch.equal(prr_split(0), out_p))
+        row["sets_equal"] = row["sets_equal"] and row[f"split{c}_equals_serial"]
+        guarded(row, f"prr_split{c}_us", lambda c=c: timed(lambda i: (lambda: prr_split(i, c))))
+    best_split, row["prr_split_us"] = best_of(row, tuple(f"prr_split{c}_us" for c in inp.topk_split))
+    row["prr_split_chunk"] = int(best_split[len("prr_split"):-len("_us")]) if best_split else None
     guarded(row, "fi_serial_us", lambda: timed(lambda i: (lambda: fi_serial(i))))
     # The public top_k_page_table_transform allocates its output: the composed stage copies it
     # into the decode wrapper's page table (one small launch), timed alone here.
     tables = [flashinfer.top_k_page_table_transform(quest_score(qs[i], *metas[i], num_blocks).view(rows_n, nb), src,
                                                     row_lens, k) for i in range(sets)]
     guarded(row, "fi_table_copy_us", lambda: timed(lambda i: (lambda: fdec[i].indices.copy_(tables[i].view(-1)))))
-    _, best = best_of(row, ("prr_serial_us", "prr_fused_us"))
+    _, best = best_of(row, ("prr_serial_us", "prr_fused_us", "prr_split_us"))
     row["prr_serial_over_fi"] = ratio(row.get("prr_serial_us"), row.get("fi_serial_us"))
     row["best_prr_over_fi"] = ratio(best, row.get("fi_serial_us"))
     row["best_prr_over_floor"] = ratio(best, row["floor_us"])
@@ -601,6 +620,7 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
     row["fi_equals_torch"] = bool(torch.equal(fi_set, ref))
     row["fi_page_table_equals_torch"] = bool(torch.equal(pt_set, ref))
     row["sets_equal"] = row["prr_equals_torch"] and row["fi_equals_torch"] and row["fi_page_table_equals_torch"]
+    splits = tuple(split_chunks(list(splits), k, n))
     for c in splits:  # the split-row variant: the same output as topk_select, bit for bit
         s_idx, s_cnt = topk_select(scores[0], k, num_blocks, sink_blocks=0, recent_blocks=0, split=c)
         row[f"split{c}_equals_prr"] = bool(torch.equal(s_idx, idx)) and bool(torch.equal(s_cnt, cnt))
@@ -682,7 +702,7 @@ def main(argv: list[str] | None = None) -> None:
                 sets = args.sets if batch == 1 else min(args.sets, 2)
                 try:
                     att, stg = cell_rows(batch, context, args.blocks, args.budgets, sets, args.repeats, gen, bandwidth,
-                                         args.parts, workspace)
+                                         args.parts, workspace, args.topk_split)
                 except Exception as err:  # noqa: BLE001
                     att = [dict(batch=batch, context=context, block_size=0, budget_tokens=0,
                                 error=f"{type(err).__name__}: {err}"[:400])]

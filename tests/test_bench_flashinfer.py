@@ -100,7 +100,14 @@ def test_tables_from_rows():
                                  prr_fused_us=24.0, fi_serial_us=25.0, floor_us=4.0, sets_equal=False,
                                  max_abs_prr_vs_fi=0.0)])
     cells = [c.strip() for c in stage.splitlines()[2].strip("|").split("|")]
-    assert cells[8] == "1.2" and cells[9] == "0.96" and cells[11] == "6" and cells[13] == "NO"
+    assert cells[6] == "-" and cells[7] == "-"  # no split top-k timed
+    assert cells[10] == "1.2" and cells[11] == "0.96" and cells[13] == "6" and cells[15] == "NO"
+    split = bf.stage_table([dict(batch=1, context=131072, block_size=16, budget_tokens=2048, prr_serial_us=30.0,
+                                 prr_fused_us=34.0, prr_split_us=20.0, prr_split_chunk=1024, fi_serial_us=25.0,
+                                 floor_us=4.0, sets_equal=True)])
+    cells = [c.strip() for c in split.splitlines()[2].strip("|").split("|")]
+    assert cells[6] == "20" and cells[7] == "1024"
+    assert cells[10] == "1.2" and cells[11] == "0.8" and cells[13] == "5"  # the best prr is the split stage
 
     text = bf.report({"command": "python experiments/bench_flashinfer.py --quick", "bandwidth_GBps": 4300.0,
                       "environment": {"gpu": "NVIDIA H200", "flashinfer": "0.6.14"},
@@ -135,3 +142,13 @@ def test_topk_split_columns_and_arguments():
     no_split = [c.strip() for c in bf.topk_table([dict(row, split_us=None, split_chunk=None)]).splitlines()[2]
                 .strip("|").split("|")]
     assert no_split[10] == "-" and no_split[12] == "-"
+
+
+def test_split_chunks_keep_what_topk_select_accepts():
+    """Chunks smaller than the row whose merge (chunks x min(k, chunk) candidates) fits MAX_ROW_BLOCK."""
+    from prr.kernels.topk import MAX_ROW_BLOCK
+
+    assert bf.split_chunks([256, 512, 1024, 2048, 8192], 128, 8192) == [256, 512, 1024, 2048]
+    assert bf.split_chunks([256, 512, 1024], 512, 8192) == [256, 512, 1024]  # 32 x 256 = 8192 candidates
+    assert bf.split_chunks([16, 64, 1024, 4096], 512, 65536) == [4096]  # 16 x 512; the others > MAX_ROW_BLOCK
+    assert MAX_ROW_BLOCK == 16384

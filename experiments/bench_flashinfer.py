@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUP = HQ // HKV
 NOMINAL_BANDWIDTH = 4.8e12  # bytes/s, the H200's HBM3e figure
 PAPER_BLOCKSPARSE_SPEEDUP = 2.22  # the paper: its sparse kernel vs FlashInfer BlockSparse at an 8K budget
-PARTS = ("attention", "topk", "stage")
+PARTS = ("attention", "topk", "stage", "prr")
+PRR_HIT_RATE = 0.9  # the prr part's controlled hit rate: |A \\ P| = 10% of A in every row
 FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budgets=[2048, 8192],
                  topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64], topk_split=[1024, 2048])
 QUICK_GRID = dict(batches=[1], contexts=[32768], blocks=[16], budgets=[2048],
@@ -253,6 +254,22 @@ def stage_table(rows: list[dict]) -> str:
                      "max abs(prr - FI)", "error"], body)
 
 
+def prr_table(rows: list[dict]) -> str:
+    body = []
+    for r in rows:
+        _, fi_best = best_of(r, ("fi_serial_us", "fi_prr_us"))
+        _, prr_best = best_of(r, ("engine_serial_us", "engine_prr_us"))
+        body.append([r["batch"], r["context"] // 1024, r["block_size"], r["budget_tokens"], r.get("hit_rate"),
+                     r.get("engine_serial_us"), r.get("engine_prr_us"), r.get("fi_serial_us"), r.get("fi_prr_us"),
+                     ratio(r.get("engine_prr_us"), r.get("engine_serial_us")),
+                     ratio(r.get("fi_prr_us"), r.get("fi_serial_us")), ratio(r.get("engine_prr_us"), r.get("fi_prr_us")),
+                     ratio(prr_best, fi_best), r.get("floor_us"), ratio(prr_best, r.get("floor_us")),
+                     r.get("max_abs_fi_prr_vs_engine"), r.get("error", "")])
+    return markdown(["B", "ctx K", "block", "budget", "hit", "prr serial µs", "prr PRR µs", "FI serial µs",
+                     "FI PRR µs", "prr PRR / serial", "FI PRR / serial", "prr PRR / FI PRR", "best prr / best FI",
+                     "floor µs", "best prr / floor", "max abs(FI PRR - prr)", "error"], body)
+
+
 def paper_scale(rows: list[dict]) -> str:
     """FlashInfer BlockSparse / prr at an 8K budget: the paper's own kernel measured 2.22x."""
     vals = [ratio(r.get("fi_blocksparse_us"), r.get("prr_us")) for r in rows if r.get("budget_tokens") == 8192]
@@ -280,6 +297,9 @@ def report(record: dict) -> str:
     if record.get("stage"):
         out += ["## Serial Quest stage: scores + top-k + attention over A (µs per call)", "",
                 stage_table(record["stage"]), ""]
+    if record.get("prr"):
+        out += ["## PRR beside serial DSA, prr's engine and FlashInfer-composed, at a controlled hit rate "
+                "(µs per layer)", "", prr_table(record["prr"]), ""]
     return "\n".join(out)
 
 
@@ -593,6 +613,119 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
     return row
 
 
+def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, bandwidth: float, workspace) -> dict:
+    """PRR's attention stage at PRR_HIT_RATE beside serial DSA, per layer over `layers` layers of
+    one graph (so reads miss L2): prr's graph engine (Quest, sink = recent = 0, P set from
+    outside, this step's K/V already appended) against a FlashInfer-composed one on the same
+    caches, metadata and queries, the paper's construction: FlashInfer's paged decode over P
+    (with its lse) on a side stream while prr's quest_score and FlashInfer's
+    top_k_page_table_transform select A on the main one; then A \\ P by torch ops (searchsorted in
+    the sorted P, a sort that puts the misses first: static shapes, since the controlled hit
+    rate leaves the same number of misses m in every row), FlashInfer's decode over those m
+    pages and `merge_state`. FlashInfer serial: the stage part's composition."""
+    import flashinfer
+    import torch
+    from prr.kernels.quest import quest_score
+
+    from prr.benchmarking import HEADROOM, model_of
+    from prr.blocks import controlled_predictions
+    from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block
+
+    layers = 8 if batch == 1 else 2
+    k, rows_n = budget // block, batch * HKV
+    eng = GraphDecoder(model_of(layers), StaticPlan(
+        variant="prr", selector="quest", topk_blocks=k, predicted_blocks=k, predictor="fixed", block_size=block,
+        dense_layers=(), sink_blocks=0, recent_blocks=0), batch=batch, max_tokens=context + HEADROOM)
+    eng.fill_random_context(context - 1, seed=1)  # this step's token at context - 1: `context` tokens, full blocks
+    lengths, num_blocks = eng.step_positions()
+    nb, pool = context // block, eng.keys[0].shape[2] // block  # blocks in the context, pages per (row, KV head)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    qs = [torch.randn(batch, HQ, D, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
+    meta = metadata_bytes_per_block("quest", torch.bfloat16, D)
+    nbytes = stage_bytes(batch, context, budget, block, meta)
+    row = dict(batch=batch, context=context, block_size=block, budget_tokens=budget, k_blocks=k, layers=layers,
+               hit_rate=PRR_HIT_RATE, bytes=nbytes, floor_us=floor_us(nbytes, bandwidth))
+
+    def engine(variant: str):
+        view = eng.with_plan(variant=variant)
+
+        def fn():
+            outs = [view.attention(i, qs[i], None, None, (lengths, num_blocks), appended=True) for i in range(layers)]
+            view.join()
+            return outs
+        return fn
+
+    serial_out = engine("serial")()
+    torch.cuda.synchronize()
+    hgen = torch.Generator().manual_seed(3)
+    preds = [controlled_predictions(eng.last_selection[i], PRR_HIT_RATE, nb, hgen) for i in range(layers)]
+    for i, (idx, cnt) in enumerate(preds):
+        eng.set_predictions(i, idx, cnt)
+    misses = k - round(PRR_HIT_RATE * k)
+    row["misses_per_row"] = misses
+
+    kpages = [as_pages(eng.keys[i], block) for i in range(layers)]
+    vpages = [as_pages(eng.values[i], block) for i in range(layers)]
+    metas = [eng.selector.metadata(eng.cache, i) for i in range(layers)]
+    src = page_ids(torch.arange(pool, dtype=torch.int32, device="cuda").expand(batch, HKV, pool), pool).view(rows_n, pool)
+    row_lens = num_blocks.to(torch.int32).repeat_interleave(HKV)
+    p_pages = [page_ids(idx, pool).view(rows_n, k).sort(-1).values for idx, _ in preds]
+    dec_a = [FIDecode(workspace, rows_n, k, block, src[:, :k].reshape(-1), eng.scale, False) for _ in range(layers)]
+    dec_p = [FIDecode(workspace, rows_n, k, block, p_pages[i].reshape(-1), eng.scale, False) for i in range(layers)]
+    dec_r = [FIDecode(workspace, rows_n, misses, block, src[:, :misses].reshape(-1), eng.scale, False)
+             for _ in range(layers)] if misses else []
+    side = torch.cuda.Stream()
+    big = torch.iinfo(torch.int32).max
+
+    def select_pages(i):
+        scores = quest_score(qs[i], *metas[i], num_blocks)
+        return flashinfer.top_k_page_table_transform(scores.view(rows_n, -1), src, row_lens, k)
+
+    def fi_serial():
+        outs = []
+        for i in range(layers):
+            dec_a[i].indices.copy_(select_pages(i).view(-1))
+            outs.append(dec_a[i](qs[i], kpages[i], vpages[i]).view(batch, HQ, D))
+        return outs
+
+    def fi_prr():
+        outs = []
+        for i in range(layers):
+            q = qs[i].view(rows_n, GROUP, D)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                spec_out, spec_lse = dec_p[i].wrapper.run(q, (kpages[i], vpages[i]), return_lse=True)
+            table = select_pages(i)
+            torch.cuda.current_stream().wait_stream(side)
+            pos = torch.searchsorted(p_pages[i], table).clamp_(max=k - 1)
+            hit = p_pages[i].gather(1, pos) == table
+            dec_r[i].indices.copy_(torch.where(hit, big, table).sort(-1).values[:, :misses].reshape(-1))
+            rep_out, rep_lse = dec_r[i].wrapper.run(q, (kpages[i], vpages[i]), return_lse=True)
+            outs.append(flashinfer.merge_state(spec_out, spec_lse, rep_out, rep_lse)[0].view(batch, HQ, D))
+        return outs
+
+    from prr.runtime.graph_budget import graph_median_us
+
+    def per_layer(fn) -> float:
+        return graph_median_us([fn], repeats) / layers
+
+    ref = [o.float() for o in serial_out]
+    row["max_abs_fi_serial_vs_engine"] = max(max_abs(a, b) for a, b in zip(fi_serial(), ref, strict=True))
+    prr_out = engine("prr")()
+    row["max_abs_engine_prr_vs_serial"] = max(max_abs(a, b) for a, b in zip(prr_out, ref, strict=True))
+    if misses:
+        row["max_abs_fi_prr_vs_engine"] = max(max_abs(a, b) for a, b in zip(fi_prr(), ref, strict=True))
+    guarded(row, "engine_serial_us", lambda: per_layer(engine("serial")))
+    guarded(row, "engine_prr_us", lambda: per_layer(engine("prr")))
+    guarded(row, "fi_serial_us", lambda: per_layer(fi_serial))
+    if misses:
+        guarded(row, "fi_prr_us", lambda: per_layer(fi_prr))
+    row["engine_prr_over_fi_prr"] = ratio(row.get("engine_prr_us"), row.get("fi_prr_us"))
+    row["engine_serial_over_fi_serial"] = ratio(row.get("engine_serial_us"), row.get("fi_serial_us"))
+    torch.cuda.empty_cache()
+    return row
+
+
 def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: float,
               splits: tuple[int, ...] = ()) -> dict:
     import flashinfer
@@ -677,7 +810,7 @@ def main(argv: list[str] | None = None) -> None:
           f"floor bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     record = {"command": "python " + " ".join([sys.argv[0].split("/.fi/src/")[-1], *sys.argv[1:]]),
               "environment": env, "bandwidth_GBps": bandwidth / 1e9,
-              "bandwidths_GBps": {k: v / 1e9 for k, v in bw.items()}, "attention": [], "topk": [], "stage": []}
+              "bandwidths_GBps": {k: v / 1e9 for k, v in bw.items()}, "attention": [], "topk": [], "stage": [], "prr": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
@@ -712,6 +845,20 @@ def main(argv: list[str] | None = None) -> None:
                 record["stage"].extend(stg)
                 save()
                 torch.cuda.empty_cache()
+    if "prr" in args.parts:
+        for batch in args.batches:
+            for context in args.contexts:
+                for block in args.blocks:
+                    for budget in args.budgets:
+                        try:
+                            row = prr_row(batch, context, block, budget, args.repeats, bandwidth, workspace)
+                        except Exception as err:  # noqa: BLE001
+                            row = dict(batch=batch, context=context, block_size=block, budget_tokens=budget,
+                                       error=f"{type(err).__name__}: {err}"[:400])
+                        record["prr"].append(row)
+                        print(json.dumps(row), flush=True)
+                        save()
+                        torch.cuda.empty_cache()
     save()
     print("\n" + write_outputs(record, args.out))
 

@@ -18,7 +18,7 @@ def test_defaults_are_the_issue_grid():
     args = bf.parse_args([])
     assert args.batches == [1, 8] and args.contexts == [32768, 131072] and args.blocks == [16, 64]
     assert args.budgets == [2048, 8192] and args.topk_blocks == [2048, 8192] and args.topk_k == [32, 128]
-    assert args.topk_rows == [8, 64] and args.parts == ["attention", "topk", "stage"]
+    assert args.topk_rows == [8, 64] and args.parts == ["attention", "topk", "stage", "prr"]
     quick = bf.parse_args(["--quick", "--blocks", "64"])
     assert quick.batches == [1] and quick.blocks == [64] and quick.budgets == [2048]
 
@@ -152,3 +152,15 @@ def test_split_chunks_keep_what_topk_select_accepts():
     assert bf.split_chunks([256, 512, 1024], 512, 8192) == [256, 512, 1024]  # 32 x 256 = 8192 candidates
     assert bf.split_chunks([16, 64, 1024, 4096], 512, 65536) == [4096]  # 16 x 512; the others > MAX_ROW_BLOCK
     assert MAX_ROW_BLOCK == 16384
+
+
+def test_prr_table_ratios():
+    """PRR over serial within each implementation, prr over FlashInfer, the best of each over the floor."""
+    row = dict(batch=1, context=131072, block_size=16, budget_tokens=2048, hit_rate=0.9, engine_serial_us=40.0,
+               engine_prr_us=44.0, fi_serial_us=50.0, fi_prr_us=80.0, floor_us=10.0, max_abs_fi_prr_vs_engine=0.001)
+    cells = [c.strip() for c in bf.prr_table([row]).splitlines()[2].strip("|").split("|")]
+    assert cells[:5] == ["1", "128", "16", "2048", "0.9"]
+    assert cells[9] == "1.1" and cells[10] == "1.6" and cells[11] == "0.55"  # PRR / serial twice, prr PRR / FI PRR
+    assert cells[12] == "0.8" and cells[14] == "4"  # best prr (serial 40) / best FI (serial 50); 40 / floor 10
+    text = bf.report({"command": "c", "bandwidth_GBps": 1.0, "environment": {}, "prr": [row]})
+    assert "## PRR beside serial DSA" in text

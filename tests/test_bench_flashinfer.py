@@ -157,10 +157,12 @@ def test_split_chunks_keep_what_topk_select_accepts():
 def test_prr_table_ratios():
     """PRR over serial within each implementation, prr over FlashInfer, the best of each over the floor."""
     row = dict(batch=1, context=131072, block_size=16, budget_tokens=2048, hit_rate=0.9, engine_serial_us=40.0,
-               engine_prr_us=44.0, fi_serial_us=50.0, fi_prr_us=80.0, floor_us=10.0, max_abs_fi_prr_vs_engine=0.001)
+               engine_prr_us=44.0, engine_superset_us=42.0, fi_serial_us=50.0, fi_prr_us=80.0, floor_us=10.0,
+               max_abs_fi_prr_vs_engine=0.001)
     cells = [c.strip() for c in bf.prr_table([row]).splitlines()[2].strip("|").split("|")]
     assert cells[:5] == ["1", "128", "16", "2048", "0.9"]
-    assert cells[9] == "1.1" and cells[10] == "1.6" and cells[11] == "0.55"  # PRR / serial twice, prr PRR / FI PRR
-    assert cells[12] == "0.8" and cells[14] == "4"  # best prr (serial 40) / best FI (serial 50); 40 / floor 10
+    assert cells[10] == "1.1" and cells[11] == "1.6"  # PRR (exact) / serial, FI PRR / FI serial
+    assert cells[12] == "0.525"  # prr superset / FI PRR: the same method
+    assert cells[13] == "0.8" and cells[15] == "4"  # best prr (serial 40) / best FI (serial 50); 40 / floor 10
     text = bf.report({"command": "c", "bandwidth_GBps": 1.0, "environment": {}, "prr": [row]})
     assert "## PRR beside serial DSA" in text

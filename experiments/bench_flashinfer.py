@@ -59,11 +59,13 @@ GROUP = HQ // HKV
 NOMINAL_BANDWIDTH = 4.8e12  # bytes/s, the H200's HBM3e figure
 PAPER_BLOCKSPARSE_SPEEDUP = 2.22  # the paper: its sparse kernel vs FlashInfer BlockSparse at an 8K budget
 PARTS = ("attention", "topk", "stage", "prr")
+TOPK_RADIX_BITS = (1, 2, 8)  # topk_select's radix_bits: threshold bits fixed per counting pass
 PRR_HIT_RATE = 0.9  # the prr part's controlled hit rate: |A \\ P| = 10% of A in every row
 FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budgets=[2048, 8192],
-                 topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64], topk_split=[1024, 2048])
+                 topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64], topk_split=[1024, 2048],
+                 topk_radix=[])
 QUICK_GRID = dict(batches=[1], contexts=[32768], blocks=[16], budgets=[2048],
-                  topk_blocks=[2048], topk_k=[32], topk_rows=[8], topk_split=[1024])
+                  topk_blocks=[2048], topk_k=[32], topk_rows=[8], topk_split=[1024], topk_radix=[])
 
 
 # --- arguments, floors and tables: pure python (tests/test_bench_flashinfer.py) -------------------
@@ -141,6 +143,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         for n in args.topk_blocks:
             if k > n:
                 problems.append(f"--topk-k: {k} exceeds {n} blocks")
+    for r in args.topk_radix:
+        if r not in TOPK_RADIX_BITS:
+            problems.append(f"--topk-radix: {r} is not one of topk_select's radix_bits {TOPK_RADIX_BITS}")
     for c in args.topk_split:
         if c < 16 or c > 16384 or c & (c - 1):
             problems.append(f"--topk-split: {c} is not a power of two in 16 .. 16384 (topk_select's split chunk)")
@@ -232,24 +237,27 @@ def topk_table(rows: list[dict]) -> str:
         body.append([r["rows"], r["blocks"], r["k"], r.get("prr_us"), r.get("fi_top_k_us"), r.get("fi_page_table_us"),
                      r.get("torch_topk_us"), ratio(r.get("prr_us"), fi), ratio(r.get("prr_us"), r.get("floor_us")),
                      r.get("sets_equal"), r.get("split_us"), r.get("split_chunk"), ratio(r.get("split_us"), fi),
+                     r.get("radix_us"), r.get("radix_bits"), ratio(r.get("radix_us"), fi),
                      r.get("error", "")])
     return markdown(["rows", "blocks", "k", "prr topk_select µs", "FI top_k µs", "FI top_k_page_table µs", "torch.topk µs",
                      "prr / best FI", "prr / floor", "sets equal", "prr split µs (best chunk)", "split chunk",
-                     "split / best FI", "error"], body)
+                     "split / best FI", "prr other-radix µs (best)", "radix bits", "radix / best FI", "error"], body)
 
 
 def stage_table(rows: list[dict]) -> str:
     body = []
     for r in rows:
-        _, prr = best_of(r, ("prr_serial_us", "prr_fused_us", "prr_split_us"))
+        _, prr = best_of(r, ("prr_serial_us", "prr_fused_us", "prr_split_us", "prr_radix_us"))
         body.append([r["batch"], r["context"] // 1024, r["block_size"], r["budget_tokens"], r.get("prr_serial_us"),
-                     r.get("prr_fused_us"), r.get("prr_split_us"), r.get("prr_split_chunk"), r.get("fi_serial_us"), r.get("fi_table_copy_us"),
+                     r.get("prr_fused_us"), r.get("prr_split_us"), r.get("prr_split_chunk"), r.get("prr_radix_us"),
+                     r.get("prr_radix_bits"), r.get("fi_serial_us"), r.get("fi_table_copy_us"),
                      ratio(r.get("prr_serial_us"), r.get("fi_serial_us")),
                      ratio(prr, r.get("fi_serial_us")), r.get("floor_us"), ratio(prr, r.get("floor_us")),
                      ratio(r.get("fi_serial_us"), r.get("floor_us")), r.get("sets_equal"), r.get("max_abs_prr_vs_fi"),
                      r.get("error", "")])
     return markdown(["B", "ctx K", "block", "budget", "prr serial µs", "prr fused-select µs",
-                     "prr split top-k µs (best chunk)", "chunk", "FI-composed µs",
+                     "prr split top-k µs (best chunk)", "chunk", "prr other-radix top-k µs", "radix bits",
+                     "FI-composed µs",
                      "of which table copy µs", "prr serial / FI", "best prr / FI", "floor µs", "best prr / floor", "FI / floor", "sets equal",
                      "max abs(prr - FI)", "error"], body)
 
@@ -422,7 +430,8 @@ def guarded(row: dict, name: str, fn):
 
 
 def cell_rows(batch: int, context: int, blocks: list[int], budgets: list[int], sets: int, repeats: int, gen,
-              bandwidth: float, parts: list[str], workspace, topk_split: list[int]) -> tuple[list[dict], list[dict]]:
+              bandwidth: float, parts: list[str], workspace, topk_split: list[int],
+              topk_radix: list[int]) -> tuple[list[dict], list[dict]]:
     """Attention and stage rows of one (batch, context): one set of caches and queries, new
     random block lists and Quest metadata for every block size and budget."""
     from types import SimpleNamespace
@@ -433,7 +442,7 @@ def cell_rows(batch: int, context: int, blocks: list[int], budgets: list[int], s
 
     caches, qs, _, _, lengths, scale = decode_inputs(batch, context, blocks[0], budgets[0], sets, gen)
     inp = SimpleNamespace(batch=batch, context=context, sets=sets, repeats=repeats, gen=gen, bandwidth=bandwidth,
-                          parts=parts, workspace=workspace, topk_split=topk_split, caches=caches, qs=qs, lengths=lengths, scale=scale)
+                          parts=parts, workspace=workspace, topk_split=topk_split, topk_radix=topk_radix, caches=caches, qs=qs, lengths=lengths, scale=scale)
     attention, stage = [], []
     for block in blocks:
         for budget in budgets:
@@ -602,13 +611,23 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
         guarded(row, f"prr_split{c}_us", lambda c=c: timed(lambda i: (lambda: prr_split(i, c))))
     best_split, row["prr_split_us"] = best_of(row, tuple(f"prr_split{c}_us" for c in inp.topk_split))
     row["prr_split_chunk"] = int(best_split[len("prr_split"):-len("_us")]) if best_split else None
+    for r in inp.topk_radix:  # the serial stage with another radix of the one-program top-k
+        def prr_radix(i, r=r):
+            scores = quest_score(qs[i], *metas[i], num_blocks)
+            idx, cnt = topk_select(scores, k, num_blocks, sink_blocks=0, recent_blocks=0, radix_bits=r)
+            return sparse_decode(qs[i], *caches[i], idx, cnt, lengths, block, scale, out_dtype=torch.bfloat16)[0]
+        row[f"radix{r}_equals_serial"] = bool(torch.equal(prr_radix(0), out_p))
+        row["sets_equal"] = row["sets_equal"] and row[f"radix{r}_equals_serial"]
+        guarded(row, f"prr_radix{r}_us", lambda r=r: timed(lambda i: (lambda: prr_radix(i, r))))
+    best_radix, row["prr_radix_us"] = best_of(row, tuple(f"prr_radix{r}_us" for r in inp.topk_radix))
+    row["prr_radix_bits"] = int(best_radix[len("prr_radix"):-len("_us")]) if best_radix else None
     guarded(row, "fi_serial_us", lambda: timed(lambda i: (lambda: fi_serial(i))))
     # The public top_k_page_table_transform allocates its output: the composed stage copies it
     # into the decode wrapper's page table (one small launch), timed alone here.
     tables = [flashinfer.top_k_page_table_transform(quest_score(qs[i], *metas[i], num_blocks).view(rows_n, nb), src,
                                                     row_lens, k) for i in range(sets)]
     guarded(row, "fi_table_copy_us", lambda: timed(lambda i: (lambda: fdec[i].indices.copy_(tables[i].view(-1)))))
-    _, best = best_of(row, ("prr_serial_us", "prr_fused_us", "prr_split_us"))
+    _, best = best_of(row, ("prr_serial_us", "prr_fused_us", "prr_split_us", "prr_radix_us"))
     row["prr_serial_over_fi"] = ratio(row.get("prr_serial_us"), row.get("fi_serial_us"))
     row["best_prr_over_fi"] = ratio(best, row.get("fi_serial_us"))
     row["best_prr_over_floor"] = ratio(best, row["floor_us"])
@@ -736,7 +755,7 @@ def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, ban
 
 
 def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: float,
-              splits: tuple[int, ...] = ()) -> dict:
+              splits: tuple[int, ...] = (), radixes: tuple[int, ...] = ()) -> dict:
     import flashinfer
     import torch
     from prr.kernels.topk import topk_select
@@ -767,6 +786,10 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
         s_idx, s_cnt = topk_select(scores[0], k, num_blocks, sink_blocks=0, recent_blocks=0, split=c)
         row[f"split{c}_equals_prr"] = bool(torch.equal(s_idx, idx)) and bool(torch.equal(s_cnt, cnt))
         row["sets_equal"] = row["sets_equal"] and row[f"split{c}_equals_prr"]
+    for r in radixes:  # other threshold bits per pass: the same output, bit for bit
+        r_idx, r_cnt = topk_select(scores[0], k, num_blocks, sink_blocks=0, recent_blocks=0, radix_bits=r)
+        row[f"radix{r}_equals_prr"] = bool(torch.equal(r_idx, idx)) and bool(torch.equal(r_cnt, cnt))
+        row["sets_equal"] = row["sets_equal"] and row[f"radix{r}_equals_prr"]
 
     def timed(make):
         return graph_time_us(make, sets, repeats)
@@ -781,6 +804,11 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
             scores[i], k, num_blocks, sink_blocks=0, recent_blocks=0, split=c))))
     best_split, row["split_us"] = best_of(row, tuple(f"split{c}_us" for c in splits))
     row["split_chunk"] = int(best_split[len("split"):-len("_us")]) if best_split else None
+    for r in radixes:
+        guarded(row, f"radix{r}_us", lambda r=r: timed(lambda i: (lambda: topk_select(
+            scores[i], k, num_blocks, sink_blocks=0, recent_blocks=0, radix_bits=r))))
+    best_radix, row["radix_us"] = best_of(row, tuple(f"radix{r}_us" for r in radixes))
+    row["radix_bits"] = int(best_radix[len("radix"):-len("_us")]) if best_radix else None
     _, fi = best_of(row, ("fi_top_k_us", "fi_page_table_us"))
     row["prr_over_best_fi"] = ratio(row.get("prr_us"), fi)
     return row
@@ -832,7 +860,8 @@ def main(argv: list[str] | None = None) -> None:
             for n in args.topk_blocks:
                 for k in args.topk_k:
                     try:
-                        row = topk_rows(rows_n, n, k, args.sets, args.repeats, bandwidth, tuple(args.topk_split))
+                        row = topk_rows(rows_n, n, k, args.sets, args.repeats, bandwidth, tuple(args.topk_split),
+                                        tuple(args.topk_radix))
                     except Exception as err:  # noqa: BLE001
                         row = dict(rows=rows_n, blocks=n, k=k, error=f"{type(err).__name__}: {err}"[:400])
                     record["topk"].append(row)
@@ -844,7 +873,7 @@ def main(argv: list[str] | None = None) -> None:
                 sets = args.sets if batch == 1 else min(args.sets, 2)
                 try:
                     att, stg = cell_rows(batch, context, args.blocks, args.budgets, sets, args.repeats, gen, bandwidth,
-                                         args.parts, workspace, args.topk_split)
+                                         args.parts, workspace, args.topk_split, args.topk_radix)
                 except Exception as err:  # noqa: BLE001
                     att = [dict(batch=batch, context=context, block_size=0, budget_tokens=0,
                                 error=f"{type(err).__name__}: {err}"[:400])]

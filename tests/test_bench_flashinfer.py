@@ -101,13 +101,18 @@ def test_tables_from_rows():
                                  max_abs_prr_vs_fi=0.0)])
     cells = [c.strip() for c in stage.splitlines()[2].strip("|").split("|")]
     assert cells[6] == "-" and cells[7] == "-"  # no split top-k timed
-    assert cells[10] == "1.2" and cells[11] == "0.96" and cells[13] == "6" and cells[15] == "NO"
+    assert cells[8] == "-" and cells[9] == "-"  # no other radix timed
+    assert cells[12] == "1.2" and cells[13] == "0.96" and cells[15] == "6" and cells[17] == "NO"
     split = bf.stage_table([dict(batch=1, context=131072, block_size=16, budget_tokens=2048, prr_serial_us=30.0,
                                  prr_fused_us=34.0, prr_split_us=20.0, prr_split_chunk=1024, fi_serial_us=25.0,
                                  floor_us=4.0, sets_equal=True)])
     cells = [c.strip() for c in split.splitlines()[2].strip("|").split("|")]
     assert cells[6] == "20" and cells[7] == "1024"
-    assert cells[10] == "1.2" and cells[11] == "0.8" and cells[13] == "5"  # the best prr is the split stage
+    assert cells[12] == "1.2" and cells[13] == "0.8" and cells[15] == "5"  # the best prr is the split stage
+    radix = bf.stage_table([dict(batch=1, context=131072, block_size=16, budget_tokens=2048, prr_serial_us=30.0,
+                                 prr_radix_us=15.0, prr_radix_bits=8, fi_serial_us=25.0, floor_us=5.0)])
+    cells = [c.strip() for c in radix.splitlines()[2].strip("|").split("|")]
+    assert cells[8] == "15" and cells[9] == "8" and cells[13] == "0.6" and cells[15] == "3"
 
     text = bf.report({"command": "python experiments/bench_flashinfer.py --quick", "bandwidth_GBps": 4300.0,
                       "environment": {"gpu": "NVIDIA H200", "flashinfer": "0.6.14"},
@@ -166,3 +171,15 @@ def test_prr_table_ratios():
     assert cells[13] == "0.8" and cells[15] == "4"  # best prr (serial 40) / best FI (serial 50); 40 / floor 10
     text = bf.report({"command": "c", "bandwidth_GBps": 1.0, "environment": {}, "prr": [row]})
     assert "## PRR beside serial DSA" in text
+
+
+def test_topk_radix_argument_and_columns():
+    assert bf.parse_args([]).topk_radix == [] and bf.parse_args(["--topk-radix", "8"]).topk_radix == [8]
+    args = bf.parse_args([])
+    args.topk_radix = [3, 8]
+    problems = "; ".join(bf.check_args(args))
+    assert "--topk-radix: 3 is not one of" in problems and ": 8 " not in problems
+    row = dict(rows=8, blocks=8192, k=128, prr_us=17.6, fi_top_k_us=12.0, fi_page_table_us=10.0, floor_us=1.0,
+               sets_equal=True, radix8_us=8.0, radix_us=8.0, radix_bits=8)
+    cells = [c.strip() for c in bf.topk_table([row]).splitlines()[2].strip("|").split("|")]
+    assert cells[13] == "8" and cells[14] == "8" and cells[15] == "0.8"

@@ -59,7 +59,7 @@ GROUP = HQ // HKV
 NOMINAL_BANDWIDTH = 4.8e12  # bytes/s, the H200's HBM3e figure
 PAPER_BLOCKSPARSE_SPEEDUP = 2.22  # the paper: its sparse kernel vs FlashInfer BlockSparse at an 8K budget
 PARTS = ("attention", "topk", "stage", "prr")
-TOPK_RADIX_BITS = (1, 2, 8)  # topk_select's radix_bits: threshold bits fixed per counting pass
+TOPK_RADIX_BITS = (1, 2)  # topk_select's radix_bits: threshold bits fixed per counting pass
 PRR_HIT_RATE = 0.9  # the prr part's controlled hit rate: |A \\ P| = 10% of A in every row
 FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budgets=[2048, 8192],
                  topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64], topk_split=[1024, 2048],

@@ -110,9 +110,9 @@ def test_tables_from_rows():
     assert cells[6] == "20" and cells[7] == "1024"
     assert cells[12] == "1.2" and cells[13] == "0.8" and cells[15] == "5"  # the best prr is the split stage
     radix = bf.stage_table([dict(batch=1, context=131072, block_size=16, budget_tokens=2048, prr_serial_us=30.0,
-                                 prr_radix_us=15.0, prr_radix_bits=8, fi_serial_us=25.0, floor_us=5.0)])
+                                 prr_radix_us=15.0, prr_radix_bits=1, fi_serial_us=25.0, floor_us=5.0)])
     cells = [c.strip() for c in radix.splitlines()[2].strip("|").split("|")]
-    assert cells[8] == "15" and cells[9] == "8" and cells[13] == "0.6" and cells[15] == "3"
+    assert cells[8] == "15" and cells[9] == "1" and cells[13] == "0.6" and cells[15] == "3"
 
     text = bf.report({"command": "python experiments/bench_flashinfer.py --quick", "bandwidth_GBps": 4300.0,
                       "environment": {"gpu": "NVIDIA H200", "flashinfer": "0.6.14"},
@@ -174,12 +174,12 @@ def test_prr_table_ratios():
 
 
 def test_topk_radix_argument_and_columns():
-    assert bf.parse_args([]).topk_radix == [] and bf.parse_args(["--topk-radix", "8"]).topk_radix == [8]
+    assert bf.parse_args([]).topk_radix == [] and bf.parse_args(["--topk-radix", "1"]).topk_radix == [1]
     args = bf.parse_args([])
-    args.topk_radix = [3, 8]
+    args.topk_radix = [3, 1]
     problems = "; ".join(bf.check_args(args))
-    assert "--topk-radix: 3 is not one of" in problems and ": 8 " not in problems
+    assert "--topk-radix: 3 is not one of" in problems and ": 1 " not in problems
     row = dict(rows=8, blocks=8192, k=128, prr_us=17.6, fi_top_k_us=12.0, fi_page_table_us=10.0, floor_us=1.0,
-               sets_equal=True, radix8_us=8.0, radix_us=8.0, radix_bits=8)
+               sets_equal=True, radix1_us=8.0, radix_us=8.0, radix_bits=1)
     cells = [c.strip() for c in bf.topk_table([row]).splitlines()[2].strip("|").split("|")]
-    assert cells[13] == "8" and cells[14] == "8" and cells[15] == "0.8"
+    assert cells[13] == "8" and cells[14] == "1" and cells[15] == "0.8"

@@ -655,17 +655,21 @@ def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, ban
 
     layers = 8 if batch == 1 else 2
     k, rows_n = budget // block, batch * HKV
+    # The benchmarks' convention: a cache of `context` tokens holding context - HEADROOM, so its
+    # block count (the width of the engine's score rows and top-k) stays a power of two.
+    tokens = context - HEADROOM
     eng = GraphDecoder(model_of(layers), StaticPlan(
         variant="prr", selector="quest", topk_blocks=k, predicted_blocks=k, predictor="fixed", block_size=block,
-        dense_layers=(), sink_blocks=0, recent_blocks=0), batch=batch, max_tokens=context + HEADROOM)
-    eng.fill_random_context(context - 1, seed=1)  # this step's token at context - 1: `context` tokens, full blocks
+        dense_layers=(), sink_blocks=0, recent_blocks=0), batch=batch, max_tokens=context)
+    eng.fill_random_context(tokens - 1, seed=1)  # this step's token at tokens - 1: `tokens` tokens, full blocks
     lengths, num_blocks = eng.step_positions()
-    nb, pool = context // block, eng.keys[0].shape[2] // block  # blocks in the context, pages per (row, KV head)
+    nb, pool = tokens // block, eng.keys[0].shape[2] // block  # blocks in the context, pages per (row, KV head)
     gen = torch.Generator(device="cuda").manual_seed(2)
     qs = [torch.randn(batch, HQ, D, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
     meta = metadata_bytes_per_block("quest", torch.bfloat16, D)
-    nbytes = stage_bytes(batch, context, budget, block, meta)
-    row = dict(batch=batch, context=context, block_size=block, budget_tokens=budget, k_blocks=k, layers=layers,
+    nbytes = stage_bytes(batch, tokens, budget, block, meta)
+    row = dict(batch=batch, context=context, tokens=tokens, block_size=block, budget_tokens=budget, k_blocks=k,
+               layers=layers,
                hit_rate=PRR_HIT_RATE, bytes=nbytes, floor_us=floor_us(nbytes, bandwidth))
 
     def engine(variant: str, **changes):

@@ -74,7 +74,7 @@ class OneLineParser(argparse.ArgumentParser):
     """Bad arguments: one line on stderr, exit code 2 (no usage block)."""
 
     def error(self, message: str):  # noqa: D102
-        print(f"bench_flashinfer: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 

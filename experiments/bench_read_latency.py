@@ -25,7 +25,6 @@ Writes OUT.json (command, GPU, versions, date, every row), OUT.csv, OUT.md; prin
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -47,8 +46,8 @@ def flashinfer_bench():
     return module
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench_read_latency", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None):
+    parser = flashinfer_bench().OneLineParser(prog="bench_read_latency", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_read_latency")
     parser.add_argument("--repeats", type=int, default=20, help="graph replays per timing (median)")
     args = parser.parse_args(argv)

@@ -1,0 +1,51 @@
+"""The CPU-testable parts of experiments/bench_read_latency.py: arguments, the line fit, the tables.
+(The reads and chains themselves need a GPU.)"""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_read_latency", ROOT / "experiments" / "bench_read_latency.py")
+rl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rl)
+
+
+def test_fit_line_recovers_intercept_and_slope():
+    a, b = rl.fit_line([1.0, 2.0, 4.0, 8.0], [1.6 + 1.01 * n for n in (1, 2, 4, 8)])
+    assert a == pytest.approx(1.6) and b == pytest.approx(1.01)
+
+
+def test_stage_cells_use_bench_flashinfer_bytes():
+    """The stage rows read the bytes bench_flashinfer.py's serial stage moves (its floor's numerator)."""
+    bf = rl.flashinfer_bench()
+    assert (131072, 16, 2048) in rl.STAGE_CELLS and len(rl.STAGE_CELLS) == 8
+    meta_per_block = 2 * bf.D * 2  # Quest key max and min per block, bf16
+    total = bf.stage_bytes(1, 131072, 2048, 16, meta_per_block)
+    assert total - bf.HKV * (131072 // 16) * meta_per_block == bf.attention_bytes(1, 2048, 16)
+
+
+def test_report_tables():
+    record = {"command": "python experiments/bench_read_latency.py", "bandwidth_GBps": 4292.0,
+              "environment": {"gpu": "NVIDIA H200", "driver": "580", "torch": "2.11", "triton": "3.6", "cuda": "13.0",
+                              "date": "2026-12-02"},
+              "read": [dict(bytes=8388608, us=3.9, GBps=2150.0, over_floor=2.0, kernel="BLOCK 2048")],
+              "chain": [dict(n=1, us=1.68), dict(n=2, us=2.57)], "chain_fit_us": (0.61, 1.01),
+              "stage": [dict(context=131072, block_size=64, budget_tokens=2048, meta_bytes=8388608, kv_bytes=8406016,
+                             floor_us=3.91, fused_us=5.78, two_launch_us=7.76, four_launch_us=10.1,
+                             fused_over_floor=1.48, two_over_floor=1.98, four_over_floor=2.59)]}
+    text = rl.report(record)
+    assert "`python experiments/bench_read_latency.py`" in text and "NVIDIA H200" in text
+    assert "| 8388608 | 3.9 | 2.15e+03 | 2 | BLOCK 2048 |" in text
+    assert "Fit: 0.61 + 1.01 n µs." in text
+    assert "| 131072 | 64 | 2048 | 8388608 | 8406016 | 3.91 | 5.78 | 7.76 | 10.1 | 1.48 | 1.98 | 2.59 |" in text
+
+
+def test_bad_repeats_exit_2_with_one_line():
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_read_latency.py"), "--repeats", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert "--repeats=0 must be >= 1" in done.stderr

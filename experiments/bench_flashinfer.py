@@ -1,6 +1,6 @@
 """FlashInfer beside prr's kernels, same inputs, same run: attention over A, top-k, the serial Quest stage.
 
-    python experiments/bench_flashinfer.py [--quick] [--parts attention,topk,stage] \
+    python experiments/bench_flashinfer.py [--quick] [--parts attention,topk,stage,prr] \
         [--out experiments/results/h200/bench_flashinfer]
 
 The outside anchor of issue 21 (part 1). Shape: Llama-3.1-8B attention (32 query / 8 KV
@@ -26,9 +26,17 @@ heads, head_dim 128), bf16, random values (timings do not depend on them).
   ids, a copy into the decode wrapper's page table, FlashInfer's paged decode over A; one
   decode over all of A, so no merge_state is needed). Quest metadata in bf16 (the engine's).
   No forced blocks in either (FlashInfer's top-k has none): sink_blocks = recent_blocks = 0.
+  Also prr's stage with the split-row top-k (each valid --topk-split chunk) and with other
+  radix bits (--topk-radix); the best of them is the "best prr" column.
+- prr: PRR at a controlled 90% hit rate (prr_row): prr's graph engine (serial, PRR exact and
+  superset) against the paper's construction from FlashInfer (decode over P on a side stream
+  while A is selected, A \\ P, decode over the misses, merge_state), which equals prr's superset
+  mode and is checked against it. Caches of `context` tokens holding context - 256.
 
 Timing (as bench_kernels.py): every op captured over `--sets` different input sets in one CUDA
-graph (L2 rotation, no launch overhead), median replay / sets. Floors: bytes / the best of
+graph (L2 rotation, no launch overhead), median replay / sets; attention and stage cells use at
+least enough sets for 128 MiB of selected K/V per graph (2.5x the H200's L2; runs before
+2026-12-02 08:30 UTC used --sets alone, so their batch-1 2K-budget cells rotated ~34 MB). Floors: bytes / the best of
 the copy and read bandwidth measured in the same run (prr.benchmarking.copy_bandwidth,
 read_bandwidth); also at the H200's nominal 4.8 TB/s. attention: K/V of the
 selected blocks + q + bf16 output + block ids; topk: the scores + the indices;
@@ -52,14 +60,15 @@ import math
 import sys
 from pathlib import Path
 
-from prr.benchmarking import BF16, HKV, HQ, D  # the 8B decode shape
+from prr.benchmarking import BF16, HEADROOM, HKV, HQ, D  # the 8B decode shape
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = HQ // HKV
 NOMINAL_BANDWIDTH = 4.8e12  # bytes/s, the H200's HBM3e figure
 PAPER_BLOCKSPARSE_SPEEDUP = 2.22  # the paper: its sparse kernel vs FlashInfer BlockSparse at an 8K budget
 PARTS = ("attention", "topk", "stage", "prr")
-TOPK_RADIX_BITS = (1, 2)  # topk_select's radix_bits: threshold bits fixed per counting pass
+OTHER_RADIX_BITS = (1,)  # topk_select's radix_bits other than its default 2 (threshold bits per counting pass)
+L2_ROTATION_BYTES = 128 << 20  # bytes a timing graph reads over its sets, 2.5x the H200's 50 MB L2
 PRR_HIT_RATE = 0.9  # the prr part's controlled hit rate: |A \\ P| = 10% of A in every row
 FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budgets=[2048, 8192],
                  topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64], topk_split=[1024, 2048],
@@ -144,8 +153,17 @@ def check_args(args: argparse.Namespace) -> list[str]:
             if k > n:
                 problems.append(f"--topk-k: {k} exceeds {n} blocks")
     for r in args.topk_radix:
-        if r not in TOPK_RADIX_BITS:
-            problems.append(f"--topk-radix: {r} is not one of topk_select's radix_bits {TOPK_RADIX_BITS}")
+        if r not in OTHER_RADIX_BITS:
+            problems.append(f"--topk-radix: {r} is not one of topk_select's non-default radix_bits {OTHER_RADIX_BITS}")
+    if "prr" in args.parts:  # the prr part's cache holds context - HEADROOM tokens in full blocks
+        for c in args.contexts:
+            for b in args.blocks:
+                if (c - HEADROOM) % b:
+                    problems.append(f"--contexts/--blocks: the prr part holds {c} - {HEADROOM} tokens, not a multiple "
+                                    f"of block size {b}")
+            for k in args.budgets:
+                if k > c - HEADROOM:
+                    problems.append(f"--budgets: {k} exceeds the prr part's {c - HEADROOM} tokens at context {c}")
     for c in args.topk_split:
         if c < 16 or c > 16384 or c & (c - 1):
             problems.append(f"--topk-split: {c} is not a power of two in 16 .. 16384 (topk_select's split chunk)")
@@ -177,6 +195,17 @@ def split_chunks(chunks: list[int], k: int, n: int) -> list[int]:
     from prr.kernels.topk import MAX_ROW_BLOCK
 
     return [c for c in chunks if c < n and -(-n // c) * min(k, c) <= MAX_ROW_BLOCK]
+
+
+def missed_pages(table, p_sorted, misses: int):
+    """A \\ P per row with static shapes: table [R, K] int32 page ids of A (any order), p_sorted
+    [R, |P|] int32 page ids of P ascending, misses: |A \\ P|, the same in every row -> [R, misses]
+    the pages of A not in P, ascending (the hits sort last, as int32 max)."""
+    import torch
+
+    pos = torch.searchsorted(p_sorted, table).clamp_(max=p_sorted.shape[-1] - 1)
+    hit = p_sorted.gather(1, pos) == table
+    return torch.where(hit, torch.iinfo(torch.int32).max, table).sort(-1).values[:, :misses]
 
 
 def floor_us(nbytes: int, bandwidth: float) -> float:
@@ -649,7 +678,7 @@ def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, ban
     import torch
     from prr.kernels.quest import quest_score
 
-    from prr.benchmarking import HEADROOM, model_of
+    from prr.benchmarking import model_of
     from prr.blocks import controlled_predictions
     from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block
 
@@ -701,7 +730,6 @@ def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, ban
     dec_r = [FIDecode(workspace, rows_n, misses, block, src[:, :misses].reshape(-1), eng.scale, False)
              for _ in range(layers)] if misses else []
     side = torch.cuda.Stream()
-    big = torch.iinfo(torch.int32).max
 
     def select_pages(i):
         scores = quest_score(qs[i], *metas[i], num_blocks)
@@ -723,9 +751,7 @@ def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, ban
                 spec_out, spec_lse = dec_p[i].wrapper.run(q, (kpages[i], vpages[i]), return_lse=True)
             table = select_pages(i)
             torch.cuda.current_stream().wait_stream(side)
-            pos = torch.searchsorted(p_pages[i], table).clamp_(max=k - 1)
-            hit = p_pages[i].gather(1, pos) == table
-            dec_r[i].indices.copy_(torch.where(hit, big, table).sort(-1).values[:, :misses].reshape(-1))
+            dec_r[i].indices.copy_(missed_pages(table, p_pages[i], misses).reshape(-1))
             rep_out, rep_lse = dec_r[i].wrapper.run(q, (kpages[i], vpages[i]), return_lse=True)
             outs.append(flashinfer.merge_state(spec_out, spec_lse, rep_out, rep_lse)[0].view(batch, HQ, D))
         return outs
@@ -875,6 +901,8 @@ def main(argv: list[str] | None = None) -> None:
         for batch in args.batches:
             for context in args.contexts:
                 sets = args.sets if batch == 1 else min(args.sets, 2)
+                # enough sets that a graph's reads miss L2 (its selected K/V alone > L2_ROTATION_BYTES)
+                sets = max(sets, math.ceil(L2_ROTATION_BYTES / attention_bytes(batch, min(args.budgets), min(args.blocks))))
                 try:
                     att, stg = cell_rows(batch, context, args.blocks, args.budgets, sets, args.repeats, gen, bandwidth,
                                          args.parts, workspace, args.topk_split, args.topk_radix)

@@ -64,6 +64,13 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def stage_split(bf, context: int, block: int, budget: int, meta_per_block: int) -> tuple[int, int]:
+    """-> (metadata bytes, K/V bytes) of bench_flashinfer's batch-1 serial stage (bf: that module):
+    the Quest metadata of every block, then the rest of its stage bytes (K/V of A, q, output, ids)."""
+    meta = bf.HKV * (context // block) * meta_per_block
+    return meta, bf.stage_bytes(1, context, budget, block, meta_per_block) - meta
+
+
 def markdown(header: list[str], body: list[list]) -> str:
     def cell(x):
         return f"{x:.3g}" if isinstance(x, float) else str(x)
@@ -217,9 +224,8 @@ def main(argv: list[str] | None = None) -> None:
 
     meta_per_block = metadata_bytes_per_block("quest", torch.bfloat16, bf.D)
     for context, block, budget in STAGE_CELLS:
-        meta = bf.HKV * (context // block) * meta_per_block
-        total = bf.stage_bytes(1, context, budget, block, meta_per_block)
-        kv = total - meta
+        meta, kv = stage_split(bf, context, block, budget, meta_per_block)
+        total = meta + kv
         floor = bf.floor_us(total, bandwidth)
         fused, _ = best_read([total], args.repeats, sms, kern)
         two, _ = best_read([meta, kv], args.repeats, sms, kern)

@@ -157,6 +157,36 @@ def test_split_chunks_keep_what_topk_select_accepts():
     assert bf.split_chunks([256, 512, 1024], 512, 8192) == [256, 512, 1024]  # 32 x 256 = 8192 candidates
     assert bf.split_chunks([16, 64, 1024, 4096], 512, 65536) == [4096]  # 16 x 512; the others > MAX_ROW_BLOCK
     assert MAX_ROW_BLOCK == 16384
+    from prr.kernels.topk import _check_split
+
+    chunks = [16 << i for i in range(11)]
+    for n in (2048, 8192, 8176, 65536):
+        for k in (32, 128, 512):
+            for c in chunks:
+                try:
+                    _check_split(c, k, n)
+                    accepted = True
+                except ValueError:
+                    accepted = False
+                assert (c in bf.split_chunks(chunks, k, n)) == (accepted and c < n), (n, k, c)
+
+
+def test_missed_pages_are_a_minus_p_in_static_shapes():
+    """A \\ P per row for the FlashInfer-composed PRR: the pages of A not in P, ascending, the same
+    count in every row; A in any order, pages above or below every page of P."""
+    import torch
+
+    p_sorted = torch.tensor([[3, 8, 20, 41], [100, 101, 102, 150]], dtype=torch.int32)
+    table = torch.tensor([[99, 8, 2, 41], [150, 7, 101, 200]], dtype=torch.int32)  # 2 misses per row
+    got = bf.missed_pages(table, p_sorted, 2)
+    assert got.dtype == torch.int32 and torch.equal(got, torch.tensor([[2, 99], [7, 200]], dtype=torch.int32))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):  # random rows against a set-difference reference
+        pool = torch.randperm(500, generator=gen)[:60].to(torch.int32)
+        a, extra = pool[:24], pool[24:]
+        p = torch.cat([a[:19], extra[:5]]).sort().values  # 19 hits, 5 false positives
+        row = bf.missed_pages(a[torch.randperm(24, generator=gen)].view(1, -1), p.view(1, -1), 5)
+        assert torch.equal(row[0], a[19:].sort().values)
 
 
 def test_prr_table_ratios():
@@ -176,10 +206,23 @@ def test_prr_table_ratios():
 def test_topk_radix_argument_and_columns():
     assert bf.parse_args([]).topk_radix == [] and bf.parse_args(["--topk-radix", "1"]).topk_radix == [1]
     args = bf.parse_args([])
-    args.topk_radix = [3, 1]
+    args.topk_radix = [3, 2, 1]
     problems = "; ".join(bf.check_args(args))
-    assert "--topk-radix: 3 is not one of" in problems and ": 1 " not in problems
+    assert "--topk-radix: 3 is not one of" in problems and "--topk-radix: 2 " in problems  # 2 is the default
+    assert "--topk-radix: 1 " not in problems
     row = dict(rows=8, blocks=8192, k=128, prr_us=17.6, fi_top_k_us=12.0, fi_page_table_us=10.0, floor_us=1.0,
                sets_equal=True, radix1_us=8.0, radix_us=8.0, radix_bits=1)
     cells = [c.strip() for c in bf.topk_table([row]).splitlines()[2].strip("|").split("|")]
     assert cells[13] == "8" and cells[14] == "1" and cells[15] == "0.8"
+
+
+def test_prr_part_needs_full_blocks_of_context_minus_headroom():
+    """The prr part holds context - 256 tokens: refused at parse time where that is not whole blocks
+    or is shorter than the budget (one line, exit 2), and only when the part runs."""
+    args = bf.parse_args(["--parts", "prr"])
+    args.contexts, args.blocks, args.budgets = [8192], [512], [8192]
+    problems = "; ".join(bf.check_args(args))
+    assert "holds 8192 - 256 tokens, not a multiple of block size 512" in problems
+    assert "--budgets: 8192 exceeds the prr part's 7936 tokens" in problems
+    args.parts = ["attention"]
+    assert not any("prr part" in p for p in bf.check_args(args))

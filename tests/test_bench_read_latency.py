@@ -19,13 +19,21 @@ def test_fit_line_recovers_intercept_and_slope():
     assert a == pytest.approx(1.6) and b == pytest.approx(1.01)
 
 
-def test_stage_cells_use_bench_flashinfer_bytes():
-    """The stage rows read the bytes bench_flashinfer.py's serial stage moves (its floor's numerator)."""
+def test_stage_split_is_metadata_then_the_rest_of_the_stage():
+    """The stage rows read bench_flashinfer.py's serial-stage bytes, metadata first: the Quest
+    metadata the engine keeps (graph_decode.metadata_bytes_per_block), then K/V of A and the rest."""
+    import torch
+
+    from prr.runtime.graph_decode import metadata_bytes_per_block
+
     bf = rl.flashinfer_bench()
+    per_block = metadata_bytes_per_block("quest", torch.bfloat16, bf.D)
     assert (131072, 16, 2048) in rl.STAGE_CELLS and len(rl.STAGE_CELLS) == 8
-    meta_per_block = 2 * bf.D * 2  # Quest key max and min per block, bf16
-    total = bf.stage_bytes(1, 131072, 2048, 16, meta_per_block)
-    assert total - bf.HKV * (131072 // 16) * meta_per_block == bf.attention_bytes(1, 2048, 16)
+    for context, block, budget in rl.STAGE_CELLS:
+        meta, kv = rl.stage_split(bf, context, block, budget, per_block)
+        assert meta + kv == bf.stage_bytes(1, context, budget, block, per_block)
+        assert meta == bf.HKV * (context // block) * 2 * bf.D * 2  # key max + min per block and KV head, bf16
+        assert kv == 2 * bf.HKV * budget * bf.D * 2 + 2 * bf.HQ * bf.D * 2 + bf.HKV * (budget // block) * 4
 
 
 def test_report_tables():

@@ -630,26 +630,21 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
     row["max_abs_fused_vs_serial"] = max_abs(prr_fused(0), out_p)
     guarded(row, "prr_serial_us", lambda: timed(lambda i: (lambda: prr_serial(i))))
     guarded(row, "prr_fused_us", lambda: timed(lambda i: (lambda: prr_fused(i))))
-    for c in split_chunks(inp.topk_split, k, nb):  # the serial stage with the split-row top-k
-        def prr_split(i, c=c):
+    # The serial stage with another top-k (split rows, other radix bits): the same output, timed alike.
+    variants = [(f"split{c}", dict(split=c)) for c in split_chunks(inp.topk_split, k, nb)]
+    variants += [(f"radix{r}", dict(radix_bits=r)) for r in inp.topk_radix]
+    for name, topk_kw in variants:
+        def prr_with(i, kw=topk_kw):
             scores = quest_score(qs[i], *metas[i], num_blocks)
-            idx, cnt = topk_select(scores, k, num_blocks, sink_blocks=0, recent_blocks=0, split=c)
+            idx, cnt = topk_select(scores, k, num_blocks, sink_blocks=0, recent_blocks=0, **kw)
             return sparse_decode(qs[i], *caches[i], idx, cnt, lengths, block, scale, out_dtype=torch.bfloat16)[0]
-        row[f"split{c}_equals_serial"] = bool(torch.equal(prr_split(0), out_p))
-        row["sets_equal"] = row["sets_equal"] and row[f"split{c}_equals_serial"]
-        guarded(row, f"prr_split{c}_us", lambda c=c: timed(lambda i: (lambda: prr_split(i, c))))
-    best_split, row["prr_split_us"] = best_of(row, tuple(f"prr_split{c}_us" for c in inp.topk_split))
-    row["prr_split_chunk"] = int(best_split[len("prr_split"):-len("_us")]) if best_split else None
-    for r in inp.topk_radix:  # the serial stage with another radix of the one-program top-k
-        def prr_radix(i, r=r):
-            scores = quest_score(qs[i], *metas[i], num_blocks)
-            idx, cnt = topk_select(scores, k, num_blocks, sink_blocks=0, recent_blocks=0, radix_bits=r)
-            return sparse_decode(qs[i], *caches[i], idx, cnt, lengths, block, scale, out_dtype=torch.bfloat16)[0]
-        row[f"radix{r}_equals_serial"] = bool(torch.equal(prr_radix(0), out_p))
-        row["sets_equal"] = row["sets_equal"] and row[f"radix{r}_equals_serial"]
-        guarded(row, f"prr_radix{r}_us", lambda r=r: timed(lambda i: (lambda: prr_radix(i, r))))
-    best_radix, row["prr_radix_us"] = best_of(row, tuple(f"prr_radix{r}_us" for r in inp.topk_radix))
-    row["prr_radix_bits"] = int(best_radix[len("prr_radix"):-len("_us")]) if best_radix else None
+        row[f"{name}_equals_serial"] = bool(torch.equal(prr_with(0), out_p))
+        row["sets_equal"] = row["sets_equal"] and row[f"{name}_equals_serial"]
+        guarded(row, f"prr_{name}_us", lambda f=prr_with: timed(lambda i: (lambda: f(i))))
+    for family, key in (("split", "prr_split_chunk"), ("radix", "prr_radix_bits")):
+        best_name, row[f"prr_{family}_us"] = best_of(row, tuple(f"prr_{n}_us" for n, _ in variants
+                                                                if n.startswith(family)))
+        row[key] = int(best_name[len(f"prr_{family}"):-len("_us")]) if best_name else None
     guarded(row, "fi_serial_us", lambda: timed(lambda i: (lambda: fi_serial(i))))
     # The public top_k_page_table_transform allocates its output: the composed stage copies it
     # into the decode wrapper's page table (one small launch), timed alone here.

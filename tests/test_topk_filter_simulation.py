@@ -2,9 +2,10 @@
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("topk_filter_simulation", ROOT / "experiments" / "topk_filter_simulation.py")
@@ -27,14 +28,13 @@ def test_filter_shape_and_fallback_bounds():
     assert small["fallback"] == 0.0 and small["groups"] <= small["mean_candidates"] <= small["cap"]
 
 
-def test_command_writes_json(tmp_path):
+def test_command_writes_json(tmp_path, monkeypatch, capsys):
     out = tmp_path / "sim"
-    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "topk_filter_simulation.py"), "--rows", "8",
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "experiments" / "topk_filter_simulation.py"), "--rows", "8"])
+    sim.main(["--rows", "8", "--out", str(out)])
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["command"].startswith("python experiments/topk_filter_simulation.py --rows 8")
-    assert len(record["cells"]) == len(sim.CELLS)
-    bad = subprocess.run([sys.executable, str(ROOT / "experiments" / "topk_filter_simulation.py"), "--rows", "0"],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert len(record["cells"]) == len(sim.CELLS) and len(capsys.readouterr().out.splitlines()) == len(sim.CELLS)
+    with pytest.raises(SystemExit) as exit_:
+        sim.main(["--rows", "0"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.count("\n") == 1

@@ -449,7 +449,8 @@ def test_topk_select_fp16_and_strided_scores():
 
 
 def test_topk_select_property():
-    """Random small rows with few distinct values (ties everywhere), random nb, k and forcing."""
+    """Random small rows with few distinct values (ties everywhere) and some -inf, random nb, k,
+    forcing, and the one-program or the split-row kernel (split=CHUNK)."""
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 
@@ -460,13 +461,15 @@ def test_topk_select_property():
         sink=st.integers(0, 3),
         recent=st.integers(0, 3),
         values=st.integers(1, 4),
+        split=st.sampled_from([None, 16, 32]),
         seed=st.integers(0, 2**16),
     )
-    def check(n, k, sink, recent, values, seed):
+    def check(n, k, sink, recent, values, split, seed):
         g = torch.Generator().manual_seed(seed)
         scores = torch.randint(0, values, (2, 2, n), generator=g).float() - 1.0
+        scores[torch.rand(scores.shape, generator=g) < 0.1] = float("-inf")  # never taken
         nb = torch.randint(0, n + 1, (2,), generator=g).to(torch.int32)
-        check_topk(scores, k, nb, sink, recent)
+        check_topk(scores, k, nb, sink, recent, split=split)
 
     check()
 

@@ -85,31 +85,6 @@ def test_topk_split_fp16_strided_and_k_past_n():
     check_split(scores, 300, nb, 2, 2, 64)  # k > N: K_out = N, everything valid taken
 
 
-def test_topk_split_property():
-    """Random small rows with few distinct values, random nb, k, forcing and chunk."""
-    hypothesis = pytest.importorskip("hypothesis")
-    st = hypothesis.strategies
-
-    @hypothesis.settings(max_examples=5, deadline=None)
-    @hypothesis.given(
-        n=st.integers(1, 90),
-        k=st.integers(1, 80),
-        sink=st.integers(0, 3),
-        recent=st.integers(0, 3),
-        values=st.integers(1, 4),
-        split=st.sampled_from([16, 32]),
-        seed=st.integers(0, 2**16),
-    )
-    def check(n, k, sink, recent, values, split, seed):
-        g = torch.Generator().manual_seed(seed)
-        scores = torch.randint(0, values, (2, 2, n), generator=g).float() - 1.0
-        scores = with_neg_inf(scores, 0.1, seed)
-        nb = torch.randint(0, n + 1, (2,), generator=g).to(torch.int32)
-        check_split(scores, k, nb, sink, recent, split)
-
-    check()
-
-
 def test_topk_split_errors():
     scores, nb = make_topk_scores(1, 2, 27)
     for bad in (100, 8, 0, -64, 2 * MAX_ROW_BLOCK):

@@ -1,6 +1,7 @@
 """FlashInfer beside prr's kernels, same inputs, same run: attention over A, top-k, the serial Quest stage.
 
     python experiments/bench_flashinfer.py [--quick] [--parts attention,topk,stage,prr] \
+        [--topk-split 1024,2048] [--topk-radix 1] [--topk-filter off,512,2048r2] \
         [--out experiments/results/h200/bench_flashinfer]
 
 The outside anchor of issue 21 (part 1). Shape: Llama-3.1-8B attention (32 query / 8 KV
@@ -19,7 +20,9 @@ heads, head_dim 128), bf16, random values (timings do not depend on them).
   indices mapped through a page table in the same kernel) and torch.topk, on random fp32
   scores; the selected sets are compared. Beside it prr's split-row variant,
   `topk_select(..., split=CHUNK)` for each --topk-split chunk (its indices and counts must
-  equal topk_select's bit for bit); the table shows the fastest chunk.
+  equal topk_select's bit for bit); the table shows the fastest chunk. Also other radix bits
+  (--topk-radix) and candidate-filter settings (--topk-filter: off, a cap, a cap with 2-bit
+  candidate passes), each checked bit for bit against the default; the fastest of each family shown.
 - stage: prr's serial Quest stage as the graph engine runs it (quest_score, topk_select,
   sparse_decode with the output in bf16; and quest_select fused + sparse_decode) against a
   FlashInfer-composed one (prr's quest_score, top_k_page_table_transform straight to page
@@ -75,6 +78,7 @@ FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budg
                  topk_radix=[])
 QUICK_GRID = dict(batches=[1], contexts=[32768], blocks=[16], budgets=[2048],
                   topk_blocks=[2048], topk_k=[32], topk_rows=[8], topk_split=[1024], topk_radix=[])
+FAMILIES = ("split", "radix", "filter")  # top-k variants beside the default, one best column each
 
 
 # --- arguments, floors and tables: pure python (tests/test_bench_flashinfer.py) -------------------
@@ -97,6 +101,44 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def filter_list(text: str) -> list[str]:
+    """--topk-filter: comma-separated candidate-filter settings of topk_select, each `off` (no
+    filter), CAP (candidate_cap, a power of two >= 16) or CAPrB (also candidate_radix_bits B, 2 or 4)."""
+    specs = [v for v in text.split(",") if v]
+    for spec in specs:
+        try:
+            filter_kwargs(spec)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return specs
+
+
+def filter_kwargs(spec: str) -> dict:
+    """topk_select's keyword arguments for one --topk-filter setting."""
+    if spec == "off":
+        return dict(candidate_filter=False)
+    cap, _, bits = spec.partition("r")
+    if not cap.isdigit() or int(cap) < 16 or int(cap) & (int(cap) - 1) or bits not in ("", "2", "4"):
+        raise ValueError(f"{spec!r} is not off, CAP or CAPrB (CAP a power of two >= 16, B 2 or 4)")
+    return dict(candidate_cap=int(cap), **({"candidate_radix_bits": int(bits)} if bits else {}))
+
+
+def topk_variants(splits: list[int], radixes: list[int], filters: list[str], k: int, n: int) -> list[tuple[str, dict]]:
+    """(name, topk_select keyword arguments) of every top-k variant a cell of n blocks and top-k k
+    times beside the default: split{C}, radix{B}, filter_{spec}."""
+    return ([(f"split{c}", dict(split=c)) for c in split_chunks(list(splits), k, n)]
+            + [(f"radix{r}", dict(radix_bits=r)) for r in radixes]
+            + [(f"filter_{f}", filter_kwargs(f)) for f in filters])
+
+
+def best_variant(row: dict, family: str, prefix: str = "") -> tuple[str | None, float | None]:
+    """-> (the fastest variant's setting, its µs) among a row's `{prefix}{family}*_us` timings."""
+    start = f"{prefix}{family}"
+    keys = tuple(k for k in row if k.startswith(start) and k.endswith("_us") and k != f"{start}_us")
+    name, us = best_of(row, keys)
+    return (name[len(start):-len("_us")].lstrip("_") if name else None), us
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineParser(prog="bench_flashinfer", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one cell per part (smoke run); grid flags still apply")
@@ -106,6 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20, help="graph replays per timing (median)")
     parser.add_argument("--report", type=Path, default=None, metavar="JSON",
                         help="no GPU: rewrite the CSV and markdown of a saved run's JSON (next to it) and print the tables")
+    parser.add_argument("--topk-filter", type=filter_list, default=[],
+                        help="top-k candidate-filter settings timed beside the default: off, CAP or CAPrB (e.g. off,512,2048r2)")
     for name in FULL_GRID:
         parser.add_argument("--" + name.replace("_", "-"), type=int_list, default=None,
                             help=f"comma-separated (default {','.join(map(str, FULL_GRID[name]))})")
@@ -267,10 +311,12 @@ def topk_table(rows: list[dict]) -> str:
                      r.get("torch_topk_us"), ratio(r.get("prr_us"), fi), ratio(r.get("prr_us"), r.get("floor_us")),
                      r.get("sets_equal"), r.get("split_us"), r.get("split_chunk"), ratio(r.get("split_us"), fi),
                      r.get("radix_us"), r.get("radix_bits"), ratio(r.get("radix_us"), fi),
+                     r.get("filter_us"), r.get("filter_setting"), ratio(r.get("filter_us"), fi),
                      r.get("error", "")])
     return markdown(["rows", "blocks", "k", "prr topk_select µs", "FI top_k µs", "FI top_k_page_table µs", "torch.topk µs",
                      "prr / best FI", "prr / floor", "sets equal", "prr split µs (best chunk)", "split chunk",
-                     "split / best FI", "prr other-radix µs (best)", "radix bits", "radix / best FI", "error"], body)
+                     "split / best FI", "prr other-radix µs (best)", "radix bits", "radix / best FI",
+                     "prr filter setting µs (best)", "filter", "filter / best FI", "error"], body)
 
 
 def stage_table(rows: list[dict]) -> str:
@@ -631,8 +677,7 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
     guarded(row, "prr_serial_us", lambda: timed(lambda i: (lambda: prr_serial(i))))
     guarded(row, "prr_fused_us", lambda: timed(lambda i: (lambda: prr_fused(i))))
     # The serial stage with another top-k (split rows, other radix bits): the same output, timed alike.
-    variants = [(f"split{c}", dict(split=c)) for c in split_chunks(inp.topk_split, k, nb)]
-    variants += [(f"radix{r}", dict(radix_bits=r)) for r in inp.topk_radix]
+    variants = topk_variants(inp.topk_split, inp.topk_radix, [], k, nb)
     for name, topk_kw in variants:
         def prr_with(i, kw=topk_kw):
             scores = quest_score(qs[i], *metas[i], num_blocks)
@@ -642,9 +687,8 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
         row["sets_equal"] = row["sets_equal"] and row[f"{name}_equals_serial"]
         guarded(row, f"prr_{name}_us", lambda f=prr_with: timed(lambda i: (lambda: f(i))))
     for family, key in (("split", "prr_split_chunk"), ("radix", "prr_radix_bits")):
-        best_name, row[f"prr_{family}_us"] = best_of(row, tuple(f"prr_{n}_us" for n, _ in variants
-                                                                if n.startswith(family)))
-        row[key] = int(best_name[len(f"prr_{family}"):-len("_us")]) if best_name else None
+        setting, row[f"prr_{family}_us"] = best_variant(row, family, prefix="prr_")
+        row[key] = int(setting) if setting else None
     guarded(row, "fi_serial_us", lambda: timed(lambda i: (lambda: fi_serial(i))))
     # The public top_k_page_table_transform allocates its output: the composed stage copies it
     # into the decode wrapper's page table (one small launch), timed alone here.
@@ -780,7 +824,7 @@ def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, ban
 
 
 def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: float,
-              splits: tuple[int, ...] = (), radixes: tuple[int, ...] = ()) -> dict:
+              splits: tuple[int, ...] = (), radixes: tuple[int, ...] = (), filters: tuple[str, ...] = ()) -> dict:
     import flashinfer
     import torch
     from prr.kernels.topk import topk_select
@@ -806,15 +850,11 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
     row["fi_equals_torch"] = bool(torch.equal(fi_set, ref))
     row["fi_page_table_equals_torch"] = bool(torch.equal(pt_set, ref))
     row["sets_equal"] = row["prr_equals_torch"] and row["fi_equals_torch"] and row["fi_page_table_equals_torch"]
-    splits = tuple(split_chunks(list(splits), k, n))
-    for c in splits:  # the split-row variant: the same output as topk_select, bit for bit
-        s_idx, s_cnt = topk_select(scores[0], k, num_blocks, sink_blocks=0, recent_blocks=0, split=c)
-        row[f"split{c}_equals_prr"] = bool(torch.equal(s_idx, idx)) and bool(torch.equal(s_cnt, cnt))
-        row["sets_equal"] = row["sets_equal"] and row[f"split{c}_equals_prr"]
-    for r in radixes:  # other threshold bits per pass: the same output, bit for bit
-        r_idx, r_cnt = topk_select(scores[0], k, num_blocks, sink_blocks=0, recent_blocks=0, radix_bits=r)
-        row[f"radix{r}_equals_prr"] = bool(torch.equal(r_idx, idx)) and bool(torch.equal(r_cnt, cnt))
-        row["sets_equal"] = row["sets_equal"] and row[f"radix{r}_equals_prr"]
+    variants = topk_variants(list(splits), list(radixes), list(filters), k, n)
+    for name, kw in variants:  # split rows, other radix bits, filter settings: the same output, bit for bit
+        v_idx, v_cnt = topk_select(scores[0], k, num_blocks, sink_blocks=0, recent_blocks=0, **kw)
+        row[f"{name}_equals_prr"] = bool(torch.equal(v_idx, idx)) and bool(torch.equal(v_cnt, cnt))
+        row["sets_equal"] = row["sets_equal"] and row[f"{name}_equals_prr"]
 
     def timed(make):
         return graph_time_us(make, sets, repeats)
@@ -824,16 +864,12 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
     guarded(row, "fi_page_table_us", lambda: timed(lambda i: (lambda: flashinfer.top_k_page_table_transform(
         scores[i].view(rows_n, n), src, lens, k))))
     guarded(row, "torch_topk_us", lambda: timed(lambda i: (lambda: torch.topk(scores[i], k, dim=-1))))
-    for c in splits:
-        guarded(row, f"split{c}_us", lambda c=c: timed(lambda i: (lambda: topk_select(
-            scores[i], k, num_blocks, sink_blocks=0, recent_blocks=0, split=c))))
-    best_split, row["split_us"] = best_of(row, tuple(f"split{c}_us" for c in splits))
-    row["split_chunk"] = int(best_split[len("split"):-len("_us")]) if best_split else None
-    for r in radixes:
-        guarded(row, f"radix{r}_us", lambda r=r: timed(lambda i: (lambda: topk_select(
-            scores[i], k, num_blocks, sink_blocks=0, recent_blocks=0, radix_bits=r))))
-    best_radix, row["radix_us"] = best_of(row, tuple(f"radix{r}_us" for r in radixes))
-    row["radix_bits"] = int(best_radix[len("radix"):-len("_us")]) if best_radix else None
+    for name, kw in variants:
+        guarded(row, f"{name}_us", lambda kw=kw: timed(lambda i: (lambda: topk_select(
+            scores[i], k, num_blocks, sink_blocks=0, recent_blocks=0, **kw))))
+    for family, key in zip(FAMILIES, ("split_chunk", "radix_bits", "filter_setting")):
+        setting, row[f"{family}_us"] = best_variant(row, family)
+        row[key] = setting if family == "filter" or setting is None else int(setting)
     _, fi = best_of(row, ("fi_top_k_us", "fi_page_table_us"))
     row["prr_over_best_fi"] = ratio(row.get("prr_us"), fi)
     return row
@@ -886,7 +922,7 @@ def main(argv: list[str] | None = None) -> None:
                 for k in args.topk_k:
                     try:
                         row = topk_rows(rows_n, n, k, args.sets, args.repeats, bandwidth, tuple(args.topk_split),
-                                        tuple(args.topk_radix))
+                                        tuple(args.topk_radix), tuple(args.topk_filter))
                     except Exception as err:  # noqa: BLE001
                         row = dict(rows=rows_n, blocks=n, k=k, error=f"{type(err).__name__}: {err}"[:400])
                     record["topk"].append(row)

@@ -72,6 +72,8 @@ def topk_select(
     radix_bits: int = 2,
     num_warps: int | None = None,
     candidate_filter: bool = True,
+    candidate_cap: int | None = None,
+    candidate_radix_bits: int = 4,
     split: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), with forced blocks, by threshold select.
@@ -89,6 +91,9 @@ def topk_select(
     radix_bits (1 or 2): threshold bits fixed per counting pass over the row (32 or 16 passes).
     candidate_filter: for long rows and small k, run the passes over the blocks at or above a
     lower bound of the k-th score (the smallest of k group maxima) only; same result.
+    candidate_cap: None (default): `candidate_filter_shape`'s; or a power of two >= 16: the most
+    candidates the filter keeps (more: the full row). candidate_radix_bits (2 or 4): threshold
+    bits per pass over the candidates. Both tuning knobs, for benchmarks.
     split: None (default): one program per (row, KV head). An int CHUNK (a power of two,
     16 .. MAX_ROW_BLOCK): split rows, many programs per row (kernels/topk_split_jit.py): each
     chunk of CHUNK blocks keeps its top min(k, CHUNK), then one program per row selects the
@@ -96,6 +101,11 @@ def topk_select(
     num_warps, when given, applies to both of its kernels; candidate_filter does not apply.
     """
     _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
+    if candidate_cap is not None and (isinstance(candidate_cap, bool) or not isinstance(candidate_cap, int)
+                                      or candidate_cap < 16 or candidate_cap & (candidate_cap - 1)):
+        raise ValueError(f"candidate_cap={candidate_cap!r} must be None or a power of two >= 16")
+    if candidate_radix_bits not in (2, 4):
+        raise ValueError(f"candidate_radix_bits={candidate_radix_bits!r} must be 2 or 4")
     if split is not None:
         _check_split(split, k, scores.shape[-1])
     batch, num_kv_heads, n = scores.shape
@@ -126,11 +136,13 @@ def topk_select(
     block = triton.next_power_of_2(n)
     if block <= MAX_ROW_BLOCK:
         groups, cap = candidate_filter_shape(block, k) if candidate_filter else (0, 1)
+        if groups and candidate_cap is not None:
+            cap = min(candidate_cap, block)
         scratch = torch.empty(2, batch * num_kv_heads, cap, dtype=torch.int32, device=scores.device)
         _topk_row_kernel[grid](
             *common,
             scratch[0], scratch[1],
-            GROUPS=groups, CAP=cap,
+            GROUPS=groups, CAP=cap, CAND_RADIX=candidate_radix_bits,
             BLOCK=block,
             RADIX_BITS=radix_bits,
             PAD_BLOCK=PAD_BLOCK,

@@ -211,6 +211,7 @@ def _topk_row_kernel(
     PAD_BLOCK: tl.constexpr,
     GROUPS: tl.constexpr,  # candidate filter over GROUPS groups of the row (0: off)
     CAP: tl.constexpr,  # candidates the filter keeps at most (a power of two)
+    CAND_RADIX: tl.constexpr,  # 2 or 4 threshold bits per pass over the candidates
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_prologue(PDL)
@@ -250,7 +251,7 @@ def _topk_row_kernel(
             live = lane < n_candidates
             c_keys = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0).to(tl.uint32, bitcast=True)
             c_ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0)
-            _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, 4, PAD_BLOCK)
+            _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, CAND_RADIX, PAD_BLOCK)
         else:
             _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
 

@@ -226,3 +226,25 @@ def test_prr_part_needs_full_blocks_of_context_minus_headroom():
     assert "--budgets: 8192 exceeds the prr part's 7936 tokens" in problems
     args.parts = ["attention"]
     assert not any("prr part" in p for p in bf.check_args(args))
+
+
+def test_topk_filter_settings_variants_and_columns():
+    """--topk-filter: off / CAP / CAPrB become topk_select keywords; bad settings are one clear error;
+    the table shows the fastest setting."""
+    assert bf.parse_args([]).topk_filter == []
+    assert bf.parse_args(["--topk-filter", "off,512,2048r2"]).topk_filter == ["off", "512", "2048r2"]
+    assert bf.filter_kwargs("off") == dict(candidate_filter=False)
+    assert bf.filter_kwargs("512") == dict(candidate_cap=512)
+    assert bf.filter_kwargs("2048r2") == dict(candidate_cap=2048, candidate_radix_bits=2)
+    for bad in ("500", "8", "512r3", "r2", "on"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            bf.filter_kwargs(bad)
+    names = [n for n, _ in bf.topk_variants([1024, 4096], [1], ["off", "512r2"], 128, 2048)]
+    assert names == ["split1024", "radix1", "filter_off", "filter_512r2"]  # 4096 is not smaller than the row
+    row = dict(rows=8, blocks=8192, k=128, prr_us=17.6, fi_top_k_us=12.0, fi_page_table_us=10.0, floor_us=1.0,
+               sets_equal=True, filter_off_us=19.0, filter_2048r2_us=8.0, filter_1024_us=9.0)
+    assert bf.best_variant(row, "filter") == ("2048r2", 8.0)
+    assert bf.best_variant(dict(prr_split1024_us=3.0, prr_split_us=1.0, prr_serial_us=0.5), "split", "prr_") == ("1024", 3.0)
+    row["filter_setting"], row["filter_us"] = bf.best_variant(row, "filter")
+    cells = [c.strip() for c in bf.topk_table([row]).splitlines()[2].strip("|").split("|")]
+    assert cells[16:19] == ["8", "2048r2", "0.8"]

@@ -314,6 +314,22 @@ def test_topk_candidate_filter_equals_full_row(kind, n, num_blocks, k, sink, rec
     assert torch.equal(filtered[0], full[0]) and torch.equal(filtered[1], full[1])
 
 
+@pytest.mark.parametrize("cap,radix_bits", [(256, 2), (1024, 2), (32, 4)])
+def test_topk_candidate_cap_and_radix_knobs_select_the_same(cap, radix_bits):
+    """candidate_cap / candidate_radix_bits only move work: a cap the candidates fit (2-bit
+    candidate passes) or overflow (the full row) selects what the reference selects."""
+    scores, nb = make_topk_scores(2, 3, 1300, [1300, 700], "randn", seed=cap + radix_bits)
+    check_topk(scores, 40, nb, 1, 1, candidate_cap=cap, candidate_radix_bits=radix_bits)
+
+
+def test_topk_candidate_knobs_bad_values_raise():
+    scores, nb = make_topk_scores(1, 1, 40, [40], "randn")
+    with pytest.raises(ValueError, match="candidate_cap=100"):
+        topk_select(scores, 4, nb, candidate_cap=100)
+    with pytest.raises(ValueError, match="candidate_radix_bits=3"):
+        topk_select(scores, 4, nb, candidate_radix_bits=3)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 

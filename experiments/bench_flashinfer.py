@@ -867,7 +867,7 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
     for name, kw in variants:
         guarded(row, f"{name}_us", lambda kw=kw: timed(lambda i: (lambda: topk_select(
             scores[i], k, num_blocks, sink_blocks=0, recent_blocks=0, **kw))))
-    for family, key in zip(FAMILIES, ("split_chunk", "radix_bits", "filter_setting")):
+    for family, key in zip(FAMILIES, ("split_chunk", "radix_bits", "filter_setting"), strict=True):
         setting, row[f"{family}_us"] = best_variant(row, family)
         row[key] = setting if family == "filter" or setting is None else int(setting)
     _, fi = best_of(row, ("fi_top_k_us", "fi_page_table_us"))

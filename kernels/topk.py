@@ -5,6 +5,8 @@ the torch reference in `prr.kernels.reference_selection`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 from torch import Tensor
@@ -21,15 +23,32 @@ PAD_BLOCK = 256
 MIN_SPLIT = 16  # smallest chunk of the split-row kernels (smaller ones only add programs)
 
 
-def candidate_filter_shape(block: int, k: int) -> tuple[int, int]:
-    """-> (groups, cap) of the row kernel's candidate filter, (0, 1) where it does not pay:
-    k strided groups (the bound is the smallest group max, so at least k keys pass it), each
-    of at least 16 blocks; candidates kept up to an eighth of the row (iid scores at k = N / 64 pass
-    ~9% of it), beyond that the kernel selects over the full row."""
+def filter_groups(block: int, k: int) -> int:
+    """Groups of the row kernel's candidate filter for rows of `block` (a power of two) and top-k
+    k: the next power of two >= k (the bound, the smallest group max, then has at least k keys at
+    or above it), each group of at least 16 blocks, rows of at least 1024; 0 where it cannot apply."""
     groups = triton.next_power_of_2(max(k, 1))
-    if block < 1024 or groups * 16 > block:
-        return 0, 1
-    return groups, block // 8
+    return 0 if block < 1024 or groups * 16 > block else groups
+
+
+def candidate_filter_shape(block: int, k: int, rows: int = 1) -> tuple[int, int, int]:
+    """-> (groups, cap, candidate radix bits) of the row kernel's candidate filter, (0, 1, 4) where
+    it does not pay. Keys at or above the smallest of G group maxima number about
+    G (ln G + 0.58) for iid scores (G times the mean largest of G Exp(1)); the scratch holds 1.5x
+    that (2x above 16 rows: a launch waits for its slowest row to fall back to the full row), a
+    power of two, and the filter runs where that is at most a quarter of the row. Over the
+    candidates 4-bit passes up to 512 of them, 2-bit above. Chosen on the H200
+    (results/h200/bench_flashinfer_topk_filter.md): at 8192 blocks k = 128 it takes 17.3-17.5 µs
+    (cap 2048, 2-bit) where an eighth-of-the-row cap took 17.6-24.3 and the full row 22.3-22.6; where
+    the cap would exceed a quarter of the row the full row was as fast or faster."""
+    groups = filter_groups(block, k)
+    if not groups:
+        return 0, 1, 4
+    margin = 1.5 if rows <= 16 else 2.0
+    cap = max(16, triton.next_power_of_2(math.ceil(margin * groups * (math.log(groups) + 0.58))))
+    if cap * 4 > block:
+        return 0, 1, 4
+    return groups, cap, 4 if cap <= 512 else 2
 
 
 def _default_num_warps(block: int) -> int:
@@ -73,7 +92,7 @@ def topk_select(
     num_warps: int | None = None,
     candidate_filter: bool = True,
     candidate_cap: int | None = None,
-    candidate_radix_bits: int = 4,
+    candidate_radix_bits: int | None = None,
     split: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), with forced blocks, by threshold select.
@@ -91,9 +110,10 @@ def topk_select(
     radix_bits (1 or 2): threshold bits fixed per counting pass over the row (32 or 16 passes).
     candidate_filter: for long rows and small k, run the passes over the blocks at or above a
     lower bound of the k-th score (the smallest of k group maxima) only; same result.
-    candidate_cap: None (default): `candidate_filter_shape`'s; or a power of two >= 16: the most
-    candidates the filter keeps (more: the full row). candidate_radix_bits (2 or 4): threshold
-    bits per pass over the candidates. Both tuning knobs, for benchmarks.
+    candidate_cap: None (default): `candidate_filter_shape`'s policy; or a power of two >= 16:
+    the filter runs wherever it can (`filter_groups`), keeping at most this many candidates (more:
+    the full row). candidate_radix_bits (None: the policy's; 2 or 4): threshold bits per pass
+    over the candidates. Both tuning knobs, for benchmarks and tests.
     split: None (default): one program per (row, KV head). An int CHUNK (a power of two,
     16 .. MAX_ROW_BLOCK): split rows, many programs per row (kernels/topk_split_jit.py): each
     chunk of CHUNK blocks keeps its top min(k, CHUNK), then one program per row selects the
@@ -104,7 +124,7 @@ def topk_select(
     if candidate_cap is not None and (isinstance(candidate_cap, bool) or not isinstance(candidate_cap, int)
                                       or candidate_cap < 16 or candidate_cap & (candidate_cap - 1)):
         raise ValueError(f"candidate_cap={candidate_cap!r} must be None or a power of two >= 16")
-    if candidate_radix_bits not in (2, 4):
+    if candidate_radix_bits not in (None, 2, 4):
         raise ValueError(f"candidate_radix_bits={candidate_radix_bits!r} must be 2 or 4")
     if split is not None:
         _check_split(split, k, scores.shape[-1])
@@ -135,14 +155,17 @@ def topk_select(
     )
     block = triton.next_power_of_2(n)
     if block <= MAX_ROW_BLOCK:
-        groups, cap = candidate_filter_shape(block, k) if candidate_filter else (0, 1)
-        if groups and candidate_cap is not None:
-            cap = min(candidate_cap, block)
+        groups, cap, cand_radix = candidate_filter_shape(block, k, batch * num_kv_heads)
+        if candidate_cap is not None:
+            groups, cap = filter_groups(block, k), min(candidate_cap, block)
+        if not candidate_filter or not groups:
+            groups, cap = 0, 1
+        cand_radix = candidate_radix_bits or cand_radix
         scratch = torch.empty(2, batch * num_kv_heads, cap, dtype=torch.int32, device=scores.device)
         _topk_row_kernel[grid](
             *common,
             scratch[0], scratch[1],
-            GROUPS=groups, CAP=cap, CAND_RADIX=candidate_radix_bits,
+            GROUPS=groups, CAP=cap, CAND_RADIX=cand_radix,
             BLOCK=block,
             RADIX_BITS=radix_bits,
             PAD_BLOCK=PAD_BLOCK,

@@ -314,6 +314,27 @@ def test_topk_candidate_filter_equals_full_row(kind, n, num_blocks, k, sink, rec
     assert torch.equal(filtered[0], full[0]) and torch.equal(filtered[1], full[1])
 
 
+def test_candidate_filter_policy():
+    """The filter's cap holds 1.5x (<= 16 rows) or 2x the iid mean of candidates, a power of two; the
+    filter is off where that exceeds a quarter of the row; 2-bit candidate passes above 512."""
+    import math
+
+    from prr.kernels.topk import candidate_filter_shape, filter_groups
+
+    assert candidate_filter_shape(8192, 128, 64) == (128, 2048, 2)  # H200: 17.5 µs vs 24.3 (cap N/8)
+    assert candidate_filter_shape(2048, 32, 8) == (32, 256, 4) and candidate_filter_shape(2048, 32, 64) == (32, 512, 4)
+    assert candidate_filter_shape(2048, 128, 8)[0] == 0 and candidate_filter_shape(8192, 512, 64)[0] == 0
+    assert candidate_filter_shape(512, 8, 8)[0] == 0 and filter_groups(512, 8) == 0  # rows under 1024 blocks
+    for block in (1024, 2048, 4096, 8192, 16384):
+        for k in (1, 5, 16, 33, 100, 128, 300, 512):
+            for rows in (1, 8, 64):
+                groups, cap, radix = candidate_filter_shape(block, k, rows)
+                if groups:
+                    assert groups == filter_groups(block, k) >= k and cap & (cap - 1) == 0 and 4 * cap <= block
+                    mean = groups * (math.log(groups) + 0.58)
+                    assert cap >= max(16, (1.5 if rows <= 16 else 2.0) * mean) and radix == (4 if cap <= 512 else 2)
+
+
 @pytest.mark.parametrize("cap,radix_bits", [(256, 2), (1024, 2), (32, 4)])
 def test_topk_candidate_cap_and_radix_knobs_select_the_same(cap, radix_bits):
     """candidate_cap / candidate_radix_bits only move work: a cap the candidates fit (2-bit
@@ -372,15 +393,17 @@ def bit_range_scores(n: int, seed: int) -> torch.Tensor:
     return torch.stack(rows).view(2, 8, n)
 
 
-def filter_keeps_candidates(scores: torch.Tensor, k: int, num_blocks: torch.Tensor, sink: int, recent: int):
-    """[B, Hkv] bool: the row kernel's candidate filter keeps the row's candidates (its 4-bit
-    passes run on them) rather than falling back to the full row; the kernel's rule in floats."""
+def filter_keeps_candidates(scores: torch.Tensor, k: int, num_blocks: torch.Tensor, sink: int, recent: int,
+                            cap: int | None = None):
+    """[B, Hkv] bool: the row kernel's candidate filter (the policy's cap, or `cap`) keeps the
+    row's candidates rather than falling back to the full row; the kernel's rule in floats."""
     from prr.kernels.reference_selection import forced_scores
     from prr.kernels.topk import candidate_filter_shape
 
     n = scores.shape[-1]
     block = triton_next_pow2(n)
-    groups, cap = candidate_filter_shape(block, k)
+    groups, policy_cap, _ = candidate_filter_shape(block, k, scores.shape[0] * scores.shape[1])
+    cap = cap or policy_cap
     assert groups > 0
     s = forced_scores(scores, num_blocks, sink, recent)
     s = torch.nn.functional.pad(s, (0, block - n), value=float("-inf"))
@@ -395,14 +418,14 @@ def filter_keeps_candidates(scores: torch.Tensor, k: int, num_blocks: torch.Tens
 
 @pytest.mark.parametrize("k,sink,recent", [(24, 0, 0), (7, 1, 2), (5, 0, 1), (3, 1, 2), (5, 3, 3)])
 def test_topk_radix_skips_common_leading_bits_candidate_rows(k, sink, recent):
-    """The 4-bit passes over the candidate filter's rows start from the bits the smallest and
-    largest candidate share: same selection as top_blocks for keys differing from bit 0 up to
+    """The 4-bit passes over the candidate filter's rows (cap 256) start from the bits the smallest
+    and largest candidate share: same selection as top_blocks for keys differing from bit 0 up to
     bit 30, all equal (no pass), ties at the threshold, -inf and forced blocks, k_eff 0."""
     n = 1500
     scores = bit_range_scores(n, seed=k + 10 * sink + recent)
     nb = torch.tensor([n, 1234], dtype=torch.int32)
-    assert filter_keeps_candidates(scores, k, nb, sink, recent).all()  # every row on the 4-bit path
-    _, cnt = check_topk(scores, k, nb, sink, recent)
+    assert filter_keeps_candidates(scores, k, nb, sink, recent, cap=256).all()  # every row on the 4-bit path
+    _, cnt = check_topk(scores, k, nb, sink, recent, candidate_cap=256, candidate_radix_bits=4)
     if sink + recent == 0:
         assert (cnt == 0).any() and (cnt == 1).any()  # a row without valid keys, one with one
 

@@ -17,15 +17,20 @@ def test_filter_shape_and_fallback_bounds():
     from prr.kernels.topk import candidate_filter_shape
 
     off = sim.fallback_rate(512, 32, rows=10)  # rows shorter than 1024 blocks: no filter
-    assert off["groups"] == 0 and off["fallback"] is None
+    assert off["groups"] == 0 and off["fallback"] is None and off["mean_candidates"] is None
+    # k = 512 of 8192: the bound passes far more than a quarter of the row, so the policy runs the full row
     cell = sim.fallback_rate(8192, 512, rows=40)
-    assert (cell["groups"], cell["cap"]) == candidate_filter_shape(8192, 512) == (512, 1024)
-    # the bound is a group max, so at least `groups` keys pass it; with 16-block groups far more
-    # than N/8 do: every row falls back
-    assert cell["mean_candidates"] >= cell["groups"] and cell["fallback"] == 1.0
-    assert cell["launch_fallback_64_rows"] == 1.0
-    small = sim.fallback_rate(8192, 32, rows=40)
-    assert small["fallback"] == 0.0 and small["groups"] <= small["mean_candidates"] <= small["cap"]
+    assert (cell["groups"], cell["cap"]) == candidate_filter_shape(8192, 512)[:2] == (0, 1)
+    assert cell["mean_candidates"] > 8192 / 4 and cell["fallback"] is None
+    # k = 128 of 8192: cap 2048 holds every row's candidates (the bound passes at least `groups` keys)
+    on = sim.fallback_rate(8192, 128, rows=200, launch_rows=64)
+    assert (on["groups"], on["cap"], on["candidate_radix_bits"]) == (128, 2048, 2)
+    assert on["groups"] <= on["mean_candidates"] <= on["cap"] and on["launch_fallback"] == on["fallback"] == 0.0
+    # a cap the candidates overflow: the launch fallback follows 1 - (1 - p)^rows
+    counts = sim.candidate_counts(2048, 32, rows=300)
+    tight = sim.fallback_rate(2048, 32, rows=300, launch_rows=8, counts=counts)
+    p = float((counts > tight["cap"]).double().mean())
+    assert tight["fallback"] == p and tight["launch_fallback"] == pytest.approx(1 - (1 - p) ** 8)
 
 
 def test_command_writes_json(tmp_path, monkeypatch, capsys):

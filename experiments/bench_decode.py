@@ -145,12 +145,13 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     out["serial_fused_merge"] = per_layer(run("serial", fuse_merge=True))  # splits merged in the split kernel
 
     def select_only():  # the token's metadata update, then A: the selection part of the engine's layer
+        positions = eng.step_positions()  # once per step, as GraphDecoder.step does
         for i in range(layers):
             if eng.kernel_metadata:  # Quest: the running key max / min the append kernel keeps
                 quest.quest_update(*eng.selector.metadata(eng.cache, i), ks[i], eng.pos, block)
             else:  # InfLLM: the selector's own update of the token's block (GraphDecoder.attention's)
                 eng.selector.append_metadata(eng.cache, i, eng.pos)
-            eng.select(i, qs[i], lengths)
+            eng.select(i, qs[i], *positions)
     out["stage_select"] = per_layer(select_only)
     a_idx = [s[0] for s in selections]
     a_cnt = [s[1] for s in selections]
@@ -523,7 +524,7 @@ def stream_priority_rows(model: Decoder, batch: int, context: int, block: int, t
 
     def select_only():
         for i in range(LAUNCH_LAYERS):
-            eng.select(i, qs[i], lengths)
+            eng.select(i, qs[i], lengths, nb_t)
 
     def spec_only():
         for i in range(LAUNCH_LAYERS):

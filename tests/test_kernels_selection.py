@@ -610,3 +610,35 @@ def test_gpu_selection_pipeline_bf16():
     ref = quest_score_reference(**inputs)
     check_scores(scores, ref, 1e-5)
     check_topk(scores, 128, inputs["num_blocks"], 1, 1)
+
+
+def test_quest_triton_selection_takes_the_callers_block_counts():
+    """Selector.select with the engine's per-step num_blocks (no launches to derive them) selects
+    what it selects from the lengths alone, on ragged rows; AttentionEngine.select hands them on."""
+    from prr.runtime.attention_engine import AttentionEngine
+
+    hkv, g_, d, bs = 2, 2, 32, 16
+    sel = QuestSelector(topk_blocks=3, sink_blocks=1, local_blocks=1)
+    assert sel.set_backend("triton") == "triton"
+    gen = torch.Generator().manual_seed(4)
+    cache = PagedKVCache(1, 2, hkv, d, bs, 200)
+    cache.append(0, torch.randn(2, hkv, 150, d, generator=gen), torch.randn(2, hkv, 150, d, generator=gen))
+    sel.update_metadata(cache, 0, 0, 150)
+    q = torch.randn(2, hkv, g_, d, generator=gen)
+    lengths = torch.tensor([150, 71], dtype=torch.int32)
+    derived = sel.select(q, cache, 0, lengths)
+    given = sel.select(q, cache, 0, lengths, num_blocks=(lengths + bs - 1).div(bs, rounding_mode="floor"))
+    assert torch.equal(given.blocks.indices, derived.blocks.indices) and torch.equal(given.blocks.count, derived.blocks.count)
+    assert torch.equal(given.scores, derived.scores)
+
+    seen = {}
+
+    class Recording:
+        def select(self, q, cache, layer, length, num_blocks=None):
+            seen.update(length=length, num_blocks=num_blocks)
+
+    engine = AttentionEngine.__new__(AttentionEngine)  # only select's delegation is exercised
+    engine.selector, engine.cache, engine.batch, engine.hkv, engine.group, engine.d = Recording(), cache, 2, hkv, g_, d
+    nb = torch.tensor([10, 5], dtype=torch.int32)
+    engine.select(0, q.view(2, hkv * g_, d), lengths, nb)
+    assert seen["length"] is lengths and seen["num_blocks"] is nb

@@ -158,10 +158,11 @@ class AttentionEngine:
                 t.record_stream(main)
 
     # --- the ops ---------------------------------------------------------------------------
-    def select(self, layer: int, q: Tensor, lengths: Tensor) -> Selection:
-        """q: [B, Hq, D] post-RoPE, lengths [B] tokens -> A of the run's selector (indices
-        [B, Hkv, K] int32 ascending, counts [B, Hkv] int32, scores [B, Hkv, NB])."""
-        return self.selector.select(self._grouped(q), self.cache, layer, lengths)
+    def select(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor | None = None) -> Selection:
+        """q: [B, Hq, D] post-RoPE, lengths [B] tokens (num_blocks [B] int32 their blocks, as
+        step_positions gives both) -> A of the run's selector (indices [B, Hkv, K] int32
+        ascending, counts [B, Hkv] int32, scores [B, Hkv, NB])."""
+        return self.selector.select(self._grouped(q), self.cache, layer, lengths, num_blocks=num_blocks)
 
     def _grouped(self, q: Tensor) -> Tensor:
         """q: [B, Hq, D] -> [B, Hkv, G, D] (a view)."""
@@ -234,7 +235,7 @@ class AttentionEngine:
         predictor = self.predictor
         if predicted_blocks == 0 or (not eager and p.variant == "serial"):
             with self._stage("select"):
-                selection = self.select(layer, q, lengths)
+                selection = self.select(layer, q, lengths, num_blocks)
             self._note(layer, selection, speculating=False)
             idx, cnt = selection.blocks.indices, selection.blocks.count
             if predictor is not None and self.predictor_state is not None and (eager or p.learn_in_serial):
@@ -249,7 +250,7 @@ class AttentionEngine:
             self._size_predictions(layer, predicted_blocks)
         if predictor is not None and predictor.needs_current_selection:  # the oracle: P = A, no overlap
             with self._stage("select"):
-                selection = self.select(layer, q, lengths)
+                selection = self.select(layer, q, lengths, num_blocks)
             with self._stage("predict"):
                 self._propose(layer, q, num_blocks, selection)
             with self._stage("speculate"):
@@ -343,7 +344,7 @@ class AttentionEngine:
                 spec = self.attend(layer, q, self.pred_idx[layer], self.pred_cnt[layer], lengths,
                                    per_block=self.plan.repair_mode == "exact")
         with self._stage("select"):
-            selection = self.select(layer, q, lengths)
+            selection = self.select(layer, q, lengths, num_blocks)
         self.join()  # the speculation is done (the side stream's queue up to here)
         return spec, selection
 

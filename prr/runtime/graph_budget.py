@@ -128,11 +128,11 @@ class GraphProbe:
     def time_select(self, context_blocks: int) -> StageTiming:
         engine = self._at(context_blocks)
         layers = self._sparse_layers(engine)
-        lengths, _ = engine.step_positions()
+        lengths, num_blocks = engine.step_positions()
 
         def select() -> None:
             for i in layers:
-                engine.select(i, self._q[i], lengths)
+                engine.select(i, self._q[i], lengths, num_blocks)
         return stage_timing(select, engine.device, len(layers), self.repeats)
 
     def time_speculate(self, predicted_blocks: int, context_blocks: int) -> StageTiming:

@@ -150,11 +150,17 @@ class Selector(ABC):
         metadata work is bounded (InfLLM finalises at most one block per selection) do the
         backlog here. Never inside a decode step."""
 
-    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | Tensor | None = None) -> Selection:
+    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | Tensor | None = None,
+               num_blocks: Tensor | None = None) -> Selection:
         """q: [B, Hkv, G, D] -> Selection A over the first `length` tokens of each row (a host
         int, or [B] int tensor: the graph engine's device positions; default: the cache's
         length). Static shapes, no host synchronisation: capturable in a CUDA graph.
-        A's indices are int32 in ascending block order, padded with 0, whatever the backend."""
+        A's indices are int32 in ascending block order, padded with 0, whatever the backend.
+        num_blocks: [B] int32 blocks of each row at `length` (a tensor `length`), when the caller
+        has them: the graph engine derives them once per step; derived here, they would be four
+        small launches per layer before the Triton kernels (≈ 6 µs a layer at batch 1 on the H200)."""
+        if self.backend == "triton" and num_blocks is not None and isinstance(length, Tensor):
+            return self.select_triton(q, cache, layer, length, num_blocks)
         lengths = token_counts(cache, layer, length, q.shape[0], q.device)  # [B] int64
         num_blocks = (lengths + cache.block_size - 1) // cache.block_size  # [B]
         if self.backend == "triton":
@@ -177,7 +183,8 @@ class Selector(ABC):
 
     def select_triton(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor,
                       num_blocks: Tensor) -> Selection:
-        """The Triton fast path of `select` (same set; tested equal). Selectors with kernels override it."""
+        """The Triton fast path of `select` (same set; tested equal): lengths [B] tokens, num_blocks
+        [B] blocks (int32 or int64). Selectors with kernels override it."""
         raise NotImplementedError(f"{type(self).__name__} has no Triton selection (triton_problems() is None)")
 
 

@@ -30,10 +30,12 @@ class DenseSelector(Selector):
         b, h, g, _ = q.shape
         return torch.zeros(b, h, g, cache.max_blocks, device=q.device)
 
-    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | Tensor | None = None) -> Selection:
+    def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | Tensor | None = None,
+               num_blocks: Tensor | None = None) -> Selection:
         b, h = q.shape[:2]
-        lengths = token_counts(cache, layer, length, b, q.device)
-        num_blocks = (lengths + cache.block_size - 1) // cache.block_size  # [B]
+        if num_blocks is None or not isinstance(length, Tensor):  # the caller's counts, else from the lengths
+            lengths = token_counts(cache, layer, length, b, q.device)
+            num_blocks = (lengths + cache.block_size - 1) // cache.block_size  # [B]
         inside = inside_context(num_blocks, cache.max_blocks).expand(b, h, -1)  # [B, Hkv, NB]
         ids = torch.arange(cache.max_blocks, dtype=torch.int32, device=q.device).expand(b, h, -1)
         count = num_blocks.to(torch.int32).view(b, 1).expand(b, h).contiguous()

@@ -252,6 +252,24 @@ def missed_pages(table, p_sorted, misses: int):
     return torch.where(hit, torch.iinfo(torch.int32).max, table).sort(-1).values[:, :misses]
 
 
+def selection_disagreement(scores, prr_ids, fi_ids) -> dict:
+    """Where two top-k selections of the same scores differ. scores [R, N] fp32; prr_ids, fi_ids
+    [R, k] block ids (any order, distinct per row) -> rows_differ: rows whose sets differ;
+    score_margin: over those rows, the smallest (lowest score only prr took) - (highest score
+    only FlashInfer took): > 0, FlashInfer left out a better block; 0, a tie at the k-th score
+    (both are top-k sets); < 0, prr did; None where the sets agree."""
+    import torch
+
+    taken = [torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids.long(), True) for ids in (prr_ids, fi_ids)]
+    only_prr, only_fi = taken[0] & ~taken[1], taken[1] & ~taken[0]
+    differ = only_prr.any(-1)
+    if not differ.any():
+        return dict(rows_differ=0, score_margin=None)
+    low = scores.masked_fill(~only_prr, float("inf")).amin(-1)
+    high = scores.masked_fill(~only_fi, float("-inf")).amax(-1)
+    return dict(rows_differ=int(differ.sum()), score_margin=float((low - high)[differ].min()))
+
+
 def floor_us(nbytes: int, bandwidth: float) -> float:
     return nbytes / bandwidth * 1e6
 
@@ -672,6 +690,9 @@ def stage_row(inp, shape: dict, block: int, budget: int, kpages, vpages, fdec, t
     out_f, table = fi_serial(0)
     got = (table.view(batch, HKV, k) - src.view(batch, HKV, nb)[..., :1]).sort(-1).values
     row["sets_equal"] = bool(torch.equal(got, idx_p.sort(-1).values.to(got.dtype)))
+    # If they differ: which one left out a better block, or a tie at the k-th score
+    row.update(selection_disagreement(quest_score(qs[0], *metas[0], num_blocks).view(rows_n, nb),
+                                      idx_p.view(rows_n, k), got.view(rows_n, k)))
     row["max_abs_prr_vs_fi"] = max_abs(out_p, out_f)
     row["max_abs_fused_vs_serial"] = max_abs(prr_fused(0), out_p)
     guarded(row, "prr_serial_us", lambda: timed(lambda i: (lambda: prr_serial(i))))

@@ -248,3 +248,17 @@ def test_topk_filter_settings_variants_and_columns():
     row["filter_setting"], row["filter_us"] = bf.best_variant(row, "filter")
     cells = [c.strip() for c in bf.topk_table([row]).splitlines()[2].strip("|").split("|")]
     assert cells[16:19] == ["8", "2048r2", "0.8"]
+
+
+def test_selection_disagreement_tells_a_tie_from_a_worse_set():
+    import torch
+
+    scores = torch.tensor([[5.0, 4.0, 3.0, 3.0, 1.0], [2.0, 9.0, 8.0, 7.0, 0.0], [1.0, 2.0, 3.0, 4.0, 5.0]])
+    prr = torch.tensor([[0, 2], [1, 2], [4, 3]])
+    assert bf.selection_disagreement(scores, prr, prr.flip(-1)) == dict(rows_differ=0, score_margin=None)
+    tie = torch.tensor([[0, 3], [1, 2], [3, 4]])  # row 0: block 3 ties block 2 at the k-th score
+    assert bf.selection_disagreement(scores, prr, tie) == dict(rows_differ=1, score_margin=0.0)
+    worse = torch.tensor([[0, 2], [1, 3], [4, 3]])  # row 1: FlashInfer took 7 over 8
+    assert bf.selection_disagreement(scores, prr, worse) == dict(rows_differ=1, score_margin=1.0)
+    both = bf.selection_disagreement(scores, worse, tie)  # row 0: prr's 3 vs 3 (tie); row 1: prr's 7 vs 8
+    assert both == dict(rows_differ=2, score_margin=-1.0)

@@ -573,7 +573,7 @@ def spec_program_rows(model: Decoder, batch: int, context: int, block: int, topk
 
     def select_only():
         for i in range(LAUNCH_LAYERS):
-            eng.select(i, qs[i], lengths)
+            eng.select(i, qs[i], lengths, nb_t)
 
     def spec_only(tokens):
         view = eng.with_plan(speculation_tokens_per_program=tokens)

@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -103,7 +104,8 @@ def int_list(text: str) -> list[int]:
 
 def filter_list(text: str) -> list[str]:
     """--topk-filter: comma-separated candidate-filter settings of topk_select, each `off` (no
-    filter), CAP (candidate_cap, a power of two >= 16) or CAPrB (also candidate_radix_bits B, 2 or 4)."""
+    filter), CAP (candidate_cap, a power of two >= 16, with 4-bit candidate passes) or CAPrB
+    (B = 2 or 4 bits per candidate pass)."""
     specs = [v for v in text.split(",") if v]
     for spec in specs:
         try:
@@ -117,10 +119,11 @@ def filter_kwargs(spec: str) -> dict:
     """topk_select's keyword arguments for one --topk-filter setting."""
     if spec == "off":
         return dict(candidate_filter=False)
-    cap, _, bits = spec.partition("r")
-    if not cap.isdigit() or int(cap) < 16 or int(cap) & (int(cap) - 1) or bits not in ("", "2", "4"):
+    match = re.fullmatch(r"(\d+)(?:r([24]))?", spec)
+    cap = int(match.group(1)) if match else 0
+    if cap < 16 or cap & (cap - 1):
         raise ValueError(f"{spec!r} is not off, CAP or CAPrB (CAP a power of two >= 16, B 2 or 4)")
-    return dict(candidate_cap=int(cap), **({"candidate_radix_bits": int(bits)} if bits else {}))
+    return dict(candidate_cap=cap, candidate_radix_bits=int(match.group(2) or 4))
 
 
 def topk_variants(splits: list[int], radixes: list[int], filters: list[str], k: int, n: int) -> list[tuple[str, dict]]:
@@ -149,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, default=None, metavar="JSON",
                         help="no GPU: rewrite the CSV and markdown of a saved run's JSON (next to it) and print the tables")
     parser.add_argument("--topk-filter", type=filter_list, default=[],
-                        help="top-k candidate-filter settings timed beside the default: off, CAP or CAPrB (e.g. off,512,2048r2)")
+                        help="top-k candidate-filter settings timed beside the default: off, CAP (4-bit candidate passes) or CAPrB (e.g. off,512,2048r2)")
     for name in FULL_GRID:
         parser.add_argument("--" + name.replace("_", "-"), type=int_list, default=None,
                             help=f"comma-separated (default {','.join(map(str, FULL_GRID[name]))})")

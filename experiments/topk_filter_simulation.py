@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.rows < 1:
         print(f"topk_filter_simulation: error: --rows={args.rows} must be >= 1", file=sys.stderr)
         sys.exit(2)
-    counts = {(n, k): candidate_counts(n, k, args.rows) for n, k, _ in CELLS}
+    counts = {(n, k): candidate_counts(n, k, args.rows) for n, k in dict.fromkeys((n, k) for n, k, _ in CELLS)}
     cells = [fallback_rate(n, k, args.rows, r, counts[n, k]) for n, k, r in CELLS]
     for c in cells:
         print(json.dumps(c))

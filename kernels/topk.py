@@ -40,7 +40,9 @@ def candidate_filter_shape(block: int, k: int, rows: int = 1) -> tuple[int, int,
     candidates 4-bit passes up to 512 of them, 2-bit above. Chosen on the H200
     (results/h200/bench_flashinfer_topk_filter.md): at 8192 blocks k = 128 it takes 17.3-17.5 µs
     (cap 2048, 2-bit) where an eighth-of-the-row cap took 17.6-24.3 and the full row 22.3-22.6; where
-    the cap would exceed a quarter of the row the full row was as fast or faster."""
+    the cap would exceed a quarter of the row the full row was as fast or faster, except at 8 rows
+    x 8192 blocks with k = 512 (cap 4096, 2-bit: 20.4 against 22.9 µs; below 1.5x the mean, so
+    left to the full row here)."""
     groups = filter_groups(block, k)
     if not groups:
         return 0, 1, 4
@@ -112,8 +114,9 @@ def topk_select(
     lower bound of the k-th score (the smallest of k group maxima) only; same result.
     candidate_cap: None (default): `candidate_filter_shape`'s policy; or a power of two >= 16:
     the filter runs wherever it can (`filter_groups`), keeping at most this many candidates (more:
-    the full row). candidate_radix_bits (None: the policy's; 2 or 4): threshold bits per pass
-    over the candidates. Both tuning knobs, for benchmarks and tests.
+    the full row). candidate_radix_bits (None: the policy's for this row and k; 2 or 4):
+    threshold bits per pass over the candidates. Both tuning knobs, for benchmarks and tests;
+    they do nothing with candidate_filter=False or split.
     split: None (default): one program per (row, KV head). An int CHUNK (a power of two,
     16 .. MAX_ROW_BLOCK): split rows, many programs per row (kernels/topk_split_jit.py): each
     chunk of CHUNK blocks keeps its top min(k, CHUNK), then one program per row selects the

@@ -234,9 +234,9 @@ def test_topk_filter_settings_variants_and_columns():
     assert bf.parse_args([]).topk_filter == []
     assert bf.parse_args(["--topk-filter", "off,512,2048r2"]).topk_filter == ["off", "512", "2048r2"]
     assert bf.filter_kwargs("off") == dict(candidate_filter=False)
-    assert bf.filter_kwargs("512") == dict(candidate_cap=512)
+    assert bf.filter_kwargs("512") == dict(candidate_cap=512, candidate_radix_bits=4)  # as when the sweep ran
     assert bf.filter_kwargs("2048r2") == dict(candidate_cap=2048, candidate_radix_bits=2)
-    for bad in ("500", "8", "512r3", "r2", "on"):
+    for bad in ("500", "8", "512r3", "r2", "on", "512r", "512r22"):
         with pytest.raises(ValueError, match=repr(bad)):
             bf.filter_kwargs(bad)
     names = [n for n, _ in bf.topk_variants([1024, 4096], [1], ["off", "512r2"], 128, 2048)]

@@ -389,3 +389,20 @@ def test_weights_fused_by_a_first_forward_in_inference_mode_are_ordinary_tensors
     engine = GraphDecoder(model, StaticPlan(variant="serial", topk_blocks=6, projections="fused"), batch=1,
                           max_tokens=160)  # builds the paired q|k|v copy now
     assert engine.paired_qkv_weights()[0][0].shape == layer.wqkv.shape
+
+
+@pytest.mark.parametrize("variant", ["serial", "prr"])
+def test_every_selection_takes_the_steps_block_counts(variant, monkeypatch):
+    """Each layer's selection gets the step's int32 block counts (step_positions), so the Triton
+    path derives nothing per layer: the counts of 203 tokens + this one in blocks of 16."""
+    engine = make(StaticPlan(variant=variant, topk_blocks=4, predictor="last_step", predicted_blocks=3,
+                             sink_blocks=1, recent_blocks=1), batch=1)
+    seen, select = [], engine.selector.select
+
+    def recording(q, cache, layer, length=None, num_blocks=None):
+        seen.append(num_blocks)
+        return select(q, cache, layer, length, num_blocks=num_blocks)
+    monkeypatch.setattr(engine.selector, "select", recording)
+    engine.step(advance=True)
+    assert len(seen) == sum(engine.sparse) and all(nb is not None for nb in seen)
+    assert all(nb.dtype == torch.int32 and nb.tolist() == [-(-204 // 16)] for nb in seen)

@@ -14,7 +14,7 @@ import torch
 
 import prr
 from prr.cache import PagedKVCache
-from prr.selectors import QuestSelector
+from prr.selectors import DenseSelector, QuestSelector
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -325,6 +325,7 @@ def test_candidate_filter_policy():
     assert candidate_filter_shape(2048, 32, 8) == (32, 256, 4) and candidate_filter_shape(2048, 32, 64) == (32, 512, 4)
     assert candidate_filter_shape(2048, 128, 8)[0] == 0 and candidate_filter_shape(8192, 512, 64)[0] == 0
     assert candidate_filter_shape(512, 8, 8)[0] == 0 and filter_groups(512, 8) == 0  # rows under 1024 blocks
+    assert candidate_filter_shape(2048, 32, 16)[1] == 256 and candidate_filter_shape(2048, 32, 17)[1] == 512
     for block in (1024, 2048, 4096, 8192, 16384):
         for k in (1, 5, 16, 33, 100, 128, 300, 512):
             for rows in (1, 8, 64):
@@ -335,11 +336,13 @@ def test_candidate_filter_policy():
                     assert cap >= max(16, (1.5 if rows <= 16 else 2.0) * mean) and radix == (4 if cap <= 512 else 2)
 
 
-@pytest.mark.parametrize("cap,radix_bits", [(256, 2), (1024, 2), (32, 4)])
-def test_topk_candidate_cap_and_radix_knobs_select_the_same(cap, radix_bits):
-    """candidate_cap / candidate_radix_bits only move work: a cap the candidates fit (2-bit
-    candidate passes) or overflow (the full row) selects what the reference selects."""
+@pytest.mark.parametrize("cap,radix_bits,kept", [(256, 2, "some"), (1024, 2, "all"), (512, 4, "all"), (32, 4, "none")])
+def test_topk_candidate_cap_and_radix_knobs_select_the_same(cap, radix_bits, kept):
+    """candidate_cap / candidate_radix_bits only move work: a cap all rows' candidates fit (2- or
+    4-bit candidate passes), some fit, or none fit (the full row) selects what the reference does."""
     scores, nb = make_topk_scores(2, 3, 1300, [1300, 700], "randn", seed=cap + radix_bits)
+    fits = filter_keeps_candidates(scores, 40, nb, 1, 1, cap=cap)
+    assert {"all": fits.all(), "none": ~fits.any(), "some": fits.any() & ~fits.all()}[kept]
     check_topk(scores, 40, nb, 1, 1, candidate_cap=cap, candidate_radix_bits=radix_bits)
 
 
@@ -416,16 +419,17 @@ def filter_keeps_candidates(scores: torch.Tensor, k: int, num_blocks: torch.Tens
     return (valid & (s >= bound[..., None])).sum(-1) <= cap
 
 
-@pytest.mark.parametrize("k,sink,recent", [(24, 0, 0), (7, 1, 2), (5, 0, 1), (3, 1, 2), (5, 3, 3)])
-def test_topk_radix_skips_common_leading_bits_candidate_rows(k, sink, recent):
-    """The 4-bit passes over the candidate filter's rows (cap 256) start from the bits the smallest
-    and largest candidate share: same selection as top_blocks for keys differing from bit 0 up to
-    bit 30, all equal (no pass), ties at the threshold, -inf and forced blocks, k_eff 0."""
+@pytest.mark.parametrize("k,sink,recent,radix_bits", [(24, 0, 0, 4), (7, 1, 2, 4), (5, 0, 1, 4), (3, 1, 2, 4), (5, 3, 3, 4),
+                                                   (24, 0, 0, 2), (7, 1, 2, 2)])
+def test_topk_radix_skips_common_leading_bits_candidate_rows(k, sink, recent, radix_bits):
+    """The 4- and 2-bit passes over the candidate filter's rows (cap 256) start from the bits the
+    smallest and largest candidate share: same selection as top_blocks for keys differing from bit
+    0 up to bit 30, all equal (no pass), ties at the threshold, -inf and forced blocks, k_eff 0."""
     n = 1500
     scores = bit_range_scores(n, seed=k + 10 * sink + recent)
     nb = torch.tensor([n, 1234], dtype=torch.int32)
     assert filter_keeps_candidates(scores, k, nb, sink, recent, cap=256).all()  # every row on the 4-bit path
-    _, cnt = check_topk(scores, k, nb, sink, recent, candidate_cap=256, candidate_radix_bits=4)
+    _, cnt = check_topk(scores, k, nb, sink, recent, candidate_cap=256, candidate_radix_bits=radix_bits)
     if sink + recent == 0:
         assert (cnt == 0).any() and (cnt == 1).any()  # a row without valid keys, one with one
 
@@ -630,6 +634,16 @@ def test_quest_triton_selection_takes_the_callers_block_counts():
     given = sel.select(q, cache, 0, lengths, num_blocks=(lengths + bs - 1).div(bs, rounding_mode="floor"))
     assert torch.equal(given.blocks.indices, derived.blocks.indices) and torch.equal(given.blocks.count, derived.blocks.count)
     assert torch.equal(given.scores, derived.scores)
+    # the counts handed in are the ones used (nothing re-derived from the lengths): blocks below
+    # them only, their newest block forced
+    fewer = torch.tensor([6, 2], dtype=torch.int32)
+    short = sel.select(q, cache, 0, lengths, num_blocks=fewer)
+    assert short.blocks.count.tolist() == [[3, 3], [2, 2]]
+    assert (short.blocks.indices[0] < 6).all() and (short.blocks.indices[0] == 5).any(-1).all()
+    assert short.blocks.indices[1, :, :2].tolist() == [[0, 1], [0, 1]]
+    dense = DenseSelector()
+    assert dense.select(q, cache, 0, lengths, num_blocks=fewer).blocks.count.tolist() == [[6, 6], [2, 2]]
+    assert dense.select(q, cache, 0, lengths).blocks.count.tolist() == [[10, 10], [5, 5]]
 
     seen = {}
 

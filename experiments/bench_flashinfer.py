@@ -79,7 +79,6 @@ FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budg
                  topk_radix=[])
 QUICK_GRID = dict(batches=[1], contexts=[32768], blocks=[16], budgets=[2048],
                   topk_blocks=[2048], topk_k=[32], topk_rows=[8], topk_split=[1024], topk_radix=[])
-FAMILIES = ("split", "radix", "filter")  # top-k variants beside the default, one best column each
 
 
 # --- arguments, floors and tables: pure python (tests/test_bench_flashinfer.py) -------------------
@@ -891,7 +890,7 @@ def topk_rows(rows_n: int, n: int, k: int, sets: int, repeats: int, bandwidth: f
     for name, kw in variants:
         guarded(row, f"{name}_us", lambda kw=kw: timed(lambda i: (lambda: topk_select(
             scores[i], k, num_blocks, sink_blocks=0, recent_blocks=0, **kw))))
-    for family, key in zip(FAMILIES, ("split_chunk", "radix_bits", "filter_setting"), strict=True):
+    for family, key in (("split", "split_chunk"), ("radix", "radix_bits"), ("filter", "filter_setting")):
         setting, row[f"{family}_us"] = best_variant(row, family)
         row[key] = setting if family == "filter" or setting is None else int(setting)
     _, fi = best_of(row, ("fi_top_k_us", "fi_page_table_us"))

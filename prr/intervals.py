@@ -1,0 +1,62 @@
+"""95% intervals for the numbers prr reports: a table cell without n and an interval is not a result.
+
+- `wilson(successes, n)`: a proportion (an accuracy over samples, a hit rate over selections),
+  Wilson's score interval; it stays inside [0, 1] and is sensible at 0 / n and n / n, where the
+  normal approximation collapses to a point.
+- `bootstrap_mean(values_per_prompt)`: a mean over prompts (locality, mass recall, hit rate per
+  prompt): the percentile bootstrap that resamples *prompts*, not steps, since steps of one
+  prompt are correlated and would make the interval too narrow.
+
+Both return an `Interval` (estimate, low, high, n) whose `str` is the cell prr's tables print.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+@dataclass(frozen=True)
+class Interval:
+    estimate: float
+    low: float
+    high: float
+    n: int  # samples (proportions) or prompts (bootstrap means)
+
+    def __str__(self) -> str:
+        return f"{self.estimate:.3f} [{self.low:.3f}, {self.high:.3f}] (n={self.n})"
+
+    def as_dict(self, prefix: str) -> dict[str, float | int]:
+        """Flat columns for a results table: prefix, prefix_lo, prefix_hi, prefix_n."""
+        return {prefix: self.estimate, f"{prefix}_lo": self.low, f"{prefix}_hi": self.high, f"{prefix}_n": self.n}
+
+
+def wilson(successes: int, n: int, z: float = Z95) -> Interval:
+    """Wilson score interval of successes / n (n >= 1, 0 <= successes <= n)."""
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"wilson needs 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n)
+
+
+def bootstrap_mean(values: Sequence[float], resamples: int = 10_000, seed: int = 0,
+                   level: float = 0.95) -> Interval:
+    """Mean of one value per prompt and its percentile-bootstrap interval over prompts.
+    values: [n_prompts] (each already that prompt's mean over its steps). n = 1 gives a
+    degenerate interval (the value itself) and says so through n."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0 or not np.isfinite(x).all():
+        raise ValueError(f"bootstrap_mean needs a non-empty 1-D list of finite per-prompt values, got {values!r}")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(1)  # [resamples]
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return Interval(float(x.mean()), float(low), float(high), int(x.size))

@@ -8,7 +8,16 @@ latency is the device time of each step's CUDA-graph replay (the run's own summa
       (selector=quest predictor=ema budget=profiled), each with dense-reference metrics off
       (only the first step measured) and on every 16th step: the main command's median and
       mean per-token latency as a ratio to serial DSA's.
-  --cases matrix: every selector x {none, last_step, ema} at budget=fixed (|P| = top-K).
+  --cases matrix: every selector x {none, last_step, ema} at budget=fixed (|P| = top-K), at each
+      setting of --contexts x --blocks x --topk (prompt tokens, runtime.block_size,
+      selector.topk_blocks; one setting by default: --prompt-tokens, block 16, top-K 32).
+      --selectors / --predictors narrow it.
+
+With --stage-map (bench_decode.py's stage CSV), each PRR row is printed beside what the map
+predicts for it: its serial run's per-token time minus, over the sparse layers, (serial stage -
+PRR stage at the run's measured hit rate; linear between the map's hit rates), from the map's
+cell at the same selector, block, budget (top-K x block tokens) and the nearest context. Rows
+the map has no cell for get no prediction (NaN), never a neighbour's.
 
 Writes <out>.json (every summary's numbers, the commands, GPU, versions, date) and <out>.csv,
 and prints a table last.
@@ -19,43 +28,92 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 SELECTORS = ("dense", "exact", "quest", "infllm", "less")
+PREDICTORS = ("none", "last_step", "ema")
 OFF = "runtime.dense_metrics_every=1000000"  # the first step only
 EVERY_16 = "runtime.dense_metrics_every=16"
+NUM_LAYERS = 32  # conf/model/llama-3.1-8b-shape.yaml
+DENSE_LAYERS = 2  # conf/selector/*.yaml: dense_layers [0, 1] (dense: every layer is "sparse" over all blocks)
 
 
-def cases(kind: str) -> dict[str, list[str]]:
+@dataclass(frozen=True)
+class Setting:
+    prompt_tokens: int
+    block: int
+    topk: int  # selector.topk_blocks
+
+    @property
+    def tag(self) -> str:
+        return f"{self.prompt_tokens // 1000}k_b{self.block}_k{self.topk}"
+
+    def overrides(self) -> list[str]:
+        return [f"task.prompt_tokens={self.prompt_tokens}", f"runtime.block_size={self.block}",
+                f"selector.topk_blocks={self.topk}"]
+
+
+def cases(kind: str, settings: list[Setting] | None = None, selectors: tuple[str, ...] = SELECTORS,
+          predictors: tuple[str, ...] = PREDICTORS) -> dict[str, list[str]]:
+    """name -> overrides. Matrix names are selector-predictor@setting; a single default setting
+    (None) keeps the overrides out and the names short (selector-predictor)."""
     if kind == "acceptance":
         main = ["selector=quest", "predictor=ema", "budget=profiled"]
         return {"serial": ["selector=quest", "predictor=none", OFF], "main": [*main, OFF],
                 "serial_dense16": ["selector=quest", "predictor=none", EVERY_16], "main_dense16": [*main, EVERY_16]}
     if kind == "matrix":
         out = {}
-        for selector in SELECTORS:
-            for predictor in ("none", "last_step", "ema"):
-                out[f"{selector}-{predictor}"] = [f"selector={selector}", f"predictor={predictor}", OFF]
+        for setting in settings or [None]:
+            for selector in selectors:
+                for predictor in predictors:
+                    name = f"{selector}-{predictor}" + (f"@{setting.tag}" if setting else "")
+                    extra = setting.overrides() if setting else []
+                    if selector == "dense" and setting:  # dense has no top-K: the block size alone
+                        extra = [o for o in extra if not o.startswith("selector.topk_blocks")]
+                    out[name] = [f"selector={selector}", f"predictor={predictor}", OFF, *extra]
         return out
     raise SystemExit(f"--cases {kind!r} is not one of ['acceptance', 'matrix']")
 
 
 def serial_of(case: str) -> str:
-    """The serial-DSA case a case is compared with (main -> serial, quest-ema -> quest-none)."""
-    return case.rsplit("-", 1)[0] + "-none" if "-" in case else case.replace("main", "serial")
+    """The serial-DSA case a case is compared with (main -> serial, quest-ema -> quest-none,
+    quest-ema@32k_b16_k32 -> quest-none@32k_b16_k32)."""
+    name, at, setting = case.partition("@")
+    serial = name.rsplit("-", 1)[0] + "-none" if "-" in name else name.replace("main", "serial")
+    return serial + at + setting
+
+
+def map_prediction(stage_map: pd.DataFrame, selector: str, context: int, block: int, topk_tokens: int,
+                   hit_rate: float, serial_token_ms: float, sparse_layers: int) -> float:
+    """What the stage map predicts for a whole PRR run's per-token ms: serial_token_ms minus
+    sparse_layers x (serial stage - PRR stage at hit_rate) µs, from the batch-1 cell of the same
+    selector, block and budget at the context nearest `context` (PRR stage linear in the hit rate
+    between the map's rates, clamped to them). NaN where the map has no such cell."""
+    cell = stage_map[(stage_map["batch"] == 1) & (stage_map["selector"] == selector)
+                     & (stage_map["block"] == block) & (stage_map["topk_tokens"] == topk_tokens)]
+    if cell.empty or not math.isfinite(hit_rate):
+        return math.nan
+    nearest = cell.loc[(cell["context"] - context).abs().idxmin(), "context"]
+    cell = cell[cell["context"] == nearest].sort_values("target_hit_rate")
+    prr_us = float(np.interp(hit_rate, cell["target_hit_rate"], cell["prr"]))
+    serial_us = float(cell["serial"].median())  # one serial timing per cell, repeated on each hit-rate row
+    return serial_token_ms - sparse_layers * (serial_us - prr_us) * 1e-3
 
 
 def run_case(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
-    run_dir = Path(args.runs) / name
+    run_dir = Path(args.runs) / name.replace("@", "_")
     command = [sys.executable, "run.py", "runtime=cuda", "model=llama-3.1-8b-shape", "logger=none",
                f"task.prompt_tokens={args.prompt_tokens}", f"task.max_new_tokens={args.steps}", "task.stop_at_eos=false",
-               *overrides, f"hydra.run.dir={run_dir}"]
+               *overrides, f"hydra.run.dir={run_dir}"]  # (a setting's task.prompt_tokens, later, wins)
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -66,7 +124,8 @@ def run_case(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
         print(f"{name}: FAILED rc={proc.returncode}\n{row['error']}", file=sys.stderr)
         return row
     summary = json.loads(summary_path.read_text())
-    keep = ("engine", "variant", "device", "torch", "prompt_tokens", "topk_blocks", "predicted_blocks", "decode_steps",
+    keep = ("engine", "variant", "device", "torch", "prompt_tokens", "block_size", "topk_blocks", "predicted_blocks",
+            "decode_steps",
             "token_latency_median_ms", "token_latency_mean_ms", "token_latency_p90_ms", "hit_rate", "precision",
             "last_step_overlap", "mean_mass_recall", "mean_output_relerr", "budget_setup")
     row.update({k: summary.get(k) for k in keep})
@@ -81,19 +140,77 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=240, help="seconds per run")
     p.add_argument("--runs", default="/tmp/prr_engine_runs", help="parent of the runs' directories")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .csv)")
+    p.add_argument("--contexts", type=int_list, help="matrix: prompt tokens, e.g. 32000,128000")
+    p.add_argument("--blocks", type=int_list, help="matrix: runtime.block_size values, e.g. 16,64")
+    p.add_argument("--topk", type=int_list, help="matrix: selector.topk_blocks values, e.g. 32,128")
+    p.add_argument("--selectors", type=name_list(SELECTORS), default=SELECTORS)
+    p.add_argument("--predictors", type=name_list(("none", "last_step", "ema", "spin", "ema_membership",
+                                                   "ema_calibrated", "query_similarity", "cross_layer")),
+                   default=PREDICTORS)
+    p.add_argument("--stage-map", help="bench_decode.py's stage CSV: print each PRR row beside its prediction")
     args = p.parse_args()
+    if args.stage_map and not Path(args.stage_map).is_file():
+        p.error(f"--stage-map {args.stage_map}: no such file (bench_decode.py --parts stage writes it)")
+    stage_map = pd.read_csv(args.stage_map) if args.stage_map else None  # (read first: a bad path costs no run)
+    settings = None
+    if args.contexts or args.blocks or args.topk:
+        settings = [Setting(c, b, k) for c in args.contexts or [args.prompt_tokens] for b in args.blocks or [16]
+                    for k in args.topk or [32]]
     rows = []
-    for name, overrides in cases(args.cases).items():
+    for name, overrides in cases(args.cases, settings, args.selectors, args.predictors).items():
         rows.append(run_case(name, overrides, args))
-        write(rows, args)  # after every case: a cut session keeps what ran
-    table = write(rows, args)
+        write(rows, args, stage_map)  # after every case: a cut session keeps what ran
+    table = write(rows, args, stage_map)
     shown = [c for c in ("case", "variant", "predicted_blocks", "token_latency_median_ms", "token_latency_mean_ms",
-                         "median_over_serial", "mean_over_serial", "hit_rate", "mean_mass_recall") if c in table]
+                         "median_over_serial", "mean_over_serial", "hit_rate", "map_predicted_ms",
+                         "median_over_map", "mean_mass_recall") if c in table]
     print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 
-def write(rows: list[dict], args: argparse.Namespace) -> pd.DataFrame:
-    """The table with ratios to serial DSA -> <out>.json and <out>.csv."""
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
+    return values
+
+
+def name_list(allowed: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(text.split(","))
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{','.join(bad)} not among {list(allowed)}")
+        return names
+    return parse
+
+
+def with_predictions(table: pd.DataFrame, stage_map: pd.DataFrame) -> pd.DataFrame:
+    """Adds map_predicted_ms and median_over_map to PRR rows (see the module docstring)."""
+    by_case = table.set_index("case")
+    predicted = []
+    for row in table.itertuples(index=False):
+        serial = serial_of(row.case)
+        ok = (getattr(row, "variant", None) == "prr" and serial in by_case.index
+              and pd.notna(by_case.loc[serial].get("token_latency_median_ms")))
+        if not ok:
+            predicted.append(math.nan)
+            continue
+        selector = row.case.split("-", 1)[0]
+        layers = int(NUM_LAYERS - (0 if selector == "dense" else DENSE_LAYERS))
+        predicted.append(map_prediction(stage_map, selector, int(row.prompt_tokens), int(row.block_size),
+                                        int(row.topk_blocks) * int(row.block_size), float(row.hit_rate),
+                                        float(by_case.loc[serial, "token_latency_median_ms"]), layers))
+    table["map_predicted_ms"] = predicted
+    table["median_over_map"] = table["token_latency_median_ms"] / table["map_predicted_ms"]
+    return table
+
+
+def write(rows: list[dict], args: argparse.Namespace, stage_map: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The table with ratios to serial DSA (and, given the stage map, to its prediction) ->
+    <out>.json and <out>.csv."""
     import torch
     import triton
 
@@ -103,6 +220,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> pd.DataFrame:
         if col in table:  # each case against serial DSA at the same setting, timed in this session
             base = table["case"].map(serial_of).map(by_case[col])
             table[col.replace("token_latency_", "").replace("_ms", "") + "_over_serial"] = table[col] / base
+    if stage_map is not None and "variant" in table:
+        table = with_predictions(table, stage_map)
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "driver": torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None,

@@ -1,0 +1,79 @@
+"""The CPU-testable parts of experiments/bench_engine_runs.py: the case grid, which serial run a
+case is compared with, and the stage map's prediction of a whole PRR run. (The runs need a GPU.)"""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_engine_runs", ROOT / "experiments" / "bench_engine_runs.py")
+er = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = er  # (its dataclass looks its module up)
+_spec.loader.exec_module(er)
+
+
+def test_matrix_over_settings_names_each_case_and_its_serial_run():
+    settings = [er.Setting(32000, 16, 32), er.Setting(128000, 64, 128)]
+    cases = er.cases("matrix", settings, ("quest", "dense"), ("none", "ema"))
+    assert len(cases) == 8
+    quest = cases["quest-ema@128k_b64_k128"]
+    assert quest[:2] == ["selector=quest", "predictor=ema"]
+    assert {"task.prompt_tokens=128000", "runtime.block_size=64", "selector.topk_blocks=128"} <= set(quest)
+    assert not any(o.startswith("selector.topk_blocks") for o in cases["dense-ema@32k_b16_k32"])  # no top-K
+    assert er.serial_of("quest-ema@128k_b64_k128") == "quest-none@128k_b64_k128"
+    assert er.serial_of("quest-ema") == "quest-none" and er.serial_of("main") == "serial"
+    assert list(er.cases("matrix"))[:3] == ["dense-none", "dense-last_step", "dense-ema"]  # the old names stay
+
+
+def stage_map() -> pd.DataFrame:
+    rows = []
+    for context in (32512, 130816):
+        for hit, prr in ((0.0, 40.0), (0.9, 30.0), (1.0, 20.0)):
+            rows.append({"batch": 1, "selector": "quest", "block": 16, "topk_tokens": 512, "context": context,
+                         "target_hit_rate": hit, "serial": 25.0 + (context > 100000), "prr": prr})
+    rows.append({"batch": 8, "selector": "quest", "block": 16, "topk_tokens": 512, "context": 32512,
+                 "target_hit_rate": 1.0, "serial": 99.0, "prr": 1.0})  # another batch: never used
+    return pd.DataFrame(rows)
+
+
+def test_map_prediction_interpolates_the_hit_rate_at_the_nearest_context():
+    m = stage_map()
+    # 32K, hit 0.95: PRR stage 25 µs (between 30 at 0.9 and 20 at 1.0) = serial's 25: no change
+    assert er.map_prediction(m, "quest", 32000, 16, 512, 0.95, 5.0, 30) == pytest.approx(5.0)
+    # 128K (nearest 130816, serial 26 µs), hit 1.0: 30 layers x 6 µs = 0.18 ms saved
+    assert er.map_prediction(m, "quest", 128000, 16, 512, 1.0, 5.0, 30) == pytest.approx(5.0 - 0.18)
+    # hit 0.2: PRR stage 40 - (0.2/0.9)*10 = 37.78 µs; 30 x (25 - 37.78) µs = 0.383 ms more
+    assert er.map_prediction(m, "quest", 32000, 16, 512, 0.2, 5.0, 30) == pytest.approx(5.0 + 30 * (40 - 20 / 9 - 25) * 1e-3)
+    for missing in (("infllm", 16, 512), ("quest", 64, 512), ("quest", 16, 2048)):
+        assert math.isnan(er.map_prediction(m, missing[0], 32000, missing[1], missing[2], 0.5, 5.0, 30))
+    assert math.isnan(er.map_prediction(m, "quest", 32000, 16, 512, float("nan"), 5.0, 30))
+
+
+def test_predictions_go_to_prr_rows_only_beside_their_serial_run():
+    table = pd.DataFrame([
+        {"case": "quest-none@32k_b16_k32", "variant": "serial", "prompt_tokens": 32000, "block_size": 16,
+         "topk_blocks": 32, "hit_rate": math.nan, "token_latency_median_ms": 5.0},
+        {"case": "quest-ema@32k_b16_k32", "variant": "prr", "prompt_tokens": 32000, "block_size": 16,
+         "topk_blocks": 32, "hit_rate": 1.0, "token_latency_median_ms": 4.9},
+        {"case": "quest-ema@128k_b16_k32", "variant": "prr", "prompt_tokens": 128000, "block_size": 16,
+         "topk_blocks": 32, "hit_rate": 1.0, "token_latency_median_ms": 4.9},  # its serial run failed
+    ])
+    out = er.with_predictions(table, stage_map())
+    assert math.isnan(out.loc[0, "map_predicted_ms"]) and math.isnan(out.loc[2, "map_predicted_ms"])
+    assert out.loc[1, "map_predicted_ms"] == pytest.approx(5.0 - 30 * 5e-3)  # 30 sparse layers of 32
+    assert out.loc[1, "median_over_map"] == pytest.approx(4.9 / 4.85)
+
+
+@pytest.mark.parametrize("argv,message", [(["--contexts", "32k"], "not a comma-separated list of integers"),
+                                          (["--blocks", "0"], "must be positive"),
+                                          (["--selectors", "quest,nsa"], "nsa not among"),
+                                          (["--stage-map", "/nonexistent.csv"], "/nonexistent.csv: no such file")])
+def test_bad_arguments_are_one_line_before_any_run(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["bench_engine_runs.py", "--cases", "matrix", "--out", "/nonexistent/x", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        er.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

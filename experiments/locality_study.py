@@ -149,6 +149,7 @@ def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int, tokens: list[
     mismatches between the run's records and the probe)."""
     mc, settings = model.config, instantiate(cfg.runtime)
     selector = instantiate(cfg.selector)
+    selector.bind_model(mc)
     backend_name = instantiate(cfg.backend).name
     selector.set_backend(backend_name)
     probe = RatioProbe(instantiate(cfg.predictor), RATIOS, selector.topk_blocks)

@@ -140,6 +140,7 @@ def capture(task: str, steps: int, overrides: list[str]) -> tuple[Trace, dict[st
     settings, task_obj, selector, budget = (instantiate(cfg[g]) for g in ("runtime", "task", "selector", "budget"))
     model = instantiate(cfg.model).load(settings.dtype, settings.device)
     mc = model.config
+    selector.bind_model(mc)
     prompt = task_obj.build(model.tokenizer, mc.vocab_size, settings.batch_size)
     prompt_len = prompt.input_ids.shape[1]
     cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,

@@ -159,3 +159,70 @@ def make_topk_scores(
         raise ValueError(f"kind={kind!r} is not one of randn, ties, integers, extremes")
     num_blocks = [n] * batch if num_blocks is None else list(num_blocks)
     return scores.to(device), torch.tensor(num_blocks, dtype=torch.int32, device=device)
+
+
+def infllm_reference_selections(q_raw: Tensor, k_raw: Tensor, inv_freq: Tensor, prompt_len: int, block_size: int,
+                                sink_blocks: int, local_blocks: int, force_newest: bool, topk_blocks: int,
+                                representatives: int) -> list[list[int]]:
+    """InfLLM's retrieval as its paper's repository does it (thunlp/InfLLM,
+    inf_llm/attention/context_manager.py; arXiv 2402.04617), in prr's block framing, written as
+    an explicit loop over positions, heads and tokens (fp64), independent of prr.selectors:
+
+    - every query p (prompt and decode alike) gives each token j of its local window (the
+      last local_blocks + force_newest blocks of its context) the softmax probability of
+      q_p·k_j/√D, normalised over the always-attended tokens (sink blocks + window) up to p,
+      q and k rotated at their true positions; the probabilities add up per token and query head;
+    - a block that has left the window is a memory unit: per query head, the mean of the
+      pre-RoPE keys of its `representatives` tokens with the largest summed probability;
+    - at each decode position p >= prompt_len: unit score = Σ over query heads of
+      ⟨R(c)·q_h, representative_h⟩ with q pre-RoPE and c = window tokens − 1 (InfLLM rotates
+      every query by the one angle n_local − 1 and leaves unit keys unrotated); the selection
+      is the sink and window blocks plus the best-scoring units, topk_blocks in all (ties:
+      the lower block).
+
+    q_raw: [T, Hq, D], k_raw: [T, Hkv, D] pre-RoPE queries and keys of positions 0..T-1 (one
+    layer, one row); inv_freq [D/2] the model's RoPE frequencies
+    -> for each decode position p in [prompt_len, T): its selected block ids, ascending."""
+    q_raw, k_raw, freqs = q_raw.double(), k_raw.double(), inv_freq.double()
+    total, num_heads, head_dim = q_raw.shape
+    group = num_heads // k_raw.shape[1]
+    s, window = block_size, local_blocks + int(force_newest)
+
+    def rope(x: Tensor, position: int) -> Tensor:  # x: [..., D] rotated by position (rotate_half layout)
+        angles = position * freqs
+        cos, sin = torch.cat((angles.cos(), angles.cos())), torch.cat((angles.sin(), angles.sin()))
+        half = head_dim // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+    k_post = torch.stack([rope(k_raw[j], j) for j in range(total)])  # [T, Hkv, D]
+    summed = torch.zeros(total, num_heads, dtype=torch.float64)  # summed window probability per token and head
+    units: dict[int, Tensor] = {}  # block -> [Hq, D] representative keys (pre-RoPE)
+    out = []
+    for p in range(total):
+        num_blocks = p // s + 1
+        first_window = num_blocks - window
+        attended = [j for j in range(p + 1) if j // s < sink_blocks or j // s >= first_window]
+        in_window = [j for j in attended if j // s >= first_window]
+        q_post = rope(q_raw[p], p)  # [Hq, D]
+        for h in range(num_heads):
+            logits = torch.stack([q_post[h] @ k_post[j, h // group] for j in attended]) / head_dim ** 0.5
+            probs = dict(zip(attended, torch.softmax(logits, 0).tolist(), strict=True))
+            for j in in_window:
+                summed[j, h] += probs[j]
+        if p < prompt_len:
+            continue
+        length = p + 1
+        for b in range(min(length // s, first_window)):  # full blocks out of the window: memory units
+            if b not in units:
+                reps = []
+                for h in range(num_heads):
+                    tokens = sorted(range(b * s, b * s + s), key=lambda j, h=h: -summed[j, h].item())
+                    reps.append(torch.stack([k_raw[j, h // group] for j in tokens[:representatives]]).mean(0))
+                units[b] = torch.stack(reps)
+        q_fixed = rope(q_raw[p], max(window * s - 1, 0))  # [Hq, D] at InfLLM's one angle
+        forced = {b for b in range(num_blocks) if b < sink_blocks or b >= first_window}
+        scored = sorted(((sum((q_fixed[h] @ units[b][h]).item() for h in range(num_heads)), b)
+                         for b in units if b not in forced), key=lambda x: (-x[0], x[1]))
+        picked = [b for _, b in scored[: max(topk_blocks - len(forced), 0)]]
+        out.append(sorted(forced | set(picked)))
+    return out

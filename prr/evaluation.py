@@ -116,7 +116,9 @@ class Engine:
             self.samples_out = JsonlWriter(run_dir / "records" / "samples.jsonl")
 
     def _selector(self) -> Any:
-        return instantiate(self.cfg.selector)
+        selector = instantiate(self.cfg.selector)
+        selector.bind_model(self.model.config)
+        return selector
 
     def close(self) -> None:
         for w in (self.steps_out, self.tokens_out, self.samples_out):

@@ -43,5 +43,7 @@ def build_run(cfg: DictConfig) -> RunInputs:
     model = instantiate(cfg.model).load(settings.dtype, settings.device)
     load_s = time.perf_counter() - t0
     prompt = task.build(model.tokenizer, model.config.vocab_size, settings.batch_size)
-    return RunInputs(settings, task, instantiate(cfg.selector), instantiate(cfg.predictor), instantiate(cfg.budget),
+    selector = instantiate(cfg.selector)
+    selector.bind_model(model.config)  # (InfLLM: the RoPE its scoring undoes)
+    return RunInputs(settings, task, selector, instantiate(cfg.predictor), instantiate(cfg.budget),
                      device, dtype, model, load_s, prompt, prompt.input_ids.to(device))

@@ -34,7 +34,8 @@ COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration
 CASES = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
          ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),
          ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"),
-         ("infllm", "query_similarity"), ("less", "ema_calibrated", "runtime.repair_mode=superset"),
+         ("infllm", "query_similarity"), ("infllm_prr", "last_step", "selector.per_head=true"),
+         ("less", "ema_calibrated", "runtime.repair_mode=superset"),
          ("dense", "ema")]
 # `make test-full` adds the rest of every selector x ema and Quest x every predictor.
 MORE_CASES = [c for c in [(s, "ema") for s in SELECTORS] + [("quest", p) for p in PREDICTORS] if c not in CASES]

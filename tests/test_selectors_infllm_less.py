@@ -1,9 +1,7 @@
-"""InfLLM and LESS: their defining properties on random inputs at odd sizes.
-
-InfLLM always attends its initial (sink) and local-window tokens, scores older blocks by
-Σ_heads ⟨q, mean representative key⟩ and keeps that metadata incrementally; LESS with every
-block selected is dense attention, and its compensation of the unselected blocks lowers the
-output error of plain top-K on inputs with structure."""
+"""LESS: its defining properties on random inputs at odd sizes (InfLLM's are in
+tests/test_selectors_infllm.py). LESS with every block selected is dense attention, and its
+compensation of the unselected blocks lowers the output error of plain top-K on inputs with
+structure."""
 
 
 import pytest
@@ -13,114 +11,9 @@ from prr.block_attention import attend_blocks, attend_dense
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
 from prr.predictors import EmaPredictor, LastStepPredictor, NoPredictor, OraclePredictor
-from prr.selectors import InfLLMSelector, LessSelector, QuestSelector
+from prr.selectors import LessSelector, QuestSelector
 from tests.helpers import eager_step, random_cache
 from tests.test_runtime import run_backend
-
-# --- InfLLM -----------------------------------------------------------------------------------
-
-
-def decode_tokens(sel, cache, steps, group, seed):
-    """Append `steps` tokens one at a time, selecting after each; yields (length, q, selection)."""
-    g = torch.Generator().manual_seed(seed)
-    b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
-    for _ in range(steps):
-        k = torch.randn(b, h, 1, d, generator=g) * 2
-        start, end = cache.append(0, k, torch.randn(b, h, 1, d, generator=g))
-        sel.update_metadata(cache, 0, start, end)
-        q = torch.randn(b, h, group, d, generator=g)
-        yield end, q, sel.select(q, cache, 0)
-
-
-@pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("reduce", ["max", "sum", "union"])
-@pytest.mark.parametrize("per_head", [False, True])
-def test_infllm_always_attends_initial_and_local_tokens(group, reduce, per_head):
-    sink, local, bs = 2, 3, 8
-    sel = InfLLMSelector(topk_blocks=8, sink_blocks=sink, local_blocks=local, gqa_reduce=reduce, per_head=per_head)
-    cache = random_cache(sel, length=61, num_kv_heads=2, head_dim=12, block_size=bs, extra=45, seed=group)
-    for length, _, a in decode_tokens(sel, cache, 45, group, seed=group):
-        covered = a.blocks.mask(cache.max_blocks).repeat_interleave(bs, -1)  # [B, Hkv, max_tokens]
-        nb = cache.num_blocks(0)
-        first_local = (nb - 1 - local) * bs  # local window: the last `local` full blocks + the newest
-        assert torch.all(covered[..., : sink * bs]), "initial tokens"
-        assert torch.all(covered[..., first_local:length]), "local window"
-        if reduce != "union":
-            assert torch.all(a.blocks.count == 8)
-        if not per_head:  # one selection for the whole layer
-            assert torch.equal(a.blocks.mask(cache.max_blocks)[:, 0], a.blocks.mask(cache.max_blocks)[:, 1])
-
-
-@pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("group", [1, 3, 4])
-def test_infllm_representatives_and_block_score(per_head, group):
-    r, bs, d = 3, 8, 12
-    sel = InfLLMSelector(topk_blocks=5, sink_blocks=1, local_blocks=2, representatives=r, per_head=per_head)
-    cache = random_cache(sel, length=77, num_kv_heads=2, head_dim=d, block_size=bs, seed=group)
-    q = torch.randn(1, 2, group, d)
-    sel.catch_up(q, cache, 0, 77)  # the prefill's backlog: finalises blocks 0..6 (window: blocks 7, 8, 9)
-    scores = sel.head_scores(q, cache, 0, torch.tensor([77]))
-    final = int(cache.metadata[0]["infllm_finalised"])
-    assert final == 10 - 3
-    keys = cache.keys[0][:, :, : final * bs].view(1, 2, final, bs, d)
-    token_scores = torch.einsum("bhgd,bhnsd->bhns", q, keys)  # Σ over the group
-    if not per_head:
-        token_scores = token_scores.sum(1, keepdim=True).expand_as(token_scores)
-    top = token_scores.topk(r, dim=-1).indices
-    expected = torch.gather(keys, 3, top.unsqueeze(-1).expand(1, 2, final, r, d)).mean(3)  # [1, 2, final, D]
-    torch.testing.assert_close(cache.metadata[0]["infllm_repr"][:, :, :final], expected)
-    per_query_head = torch.einsum("bhgd,bhnd->bhgn", q, expected)
-    want = per_query_head if per_head else per_query_head.sum((1, 2), keepdim=True).expand_as(per_query_head)
-    torch.testing.assert_close(scores[..., :final], want, rtol=1e-5, atol=1e-4)
-
-
-def test_infllm_metadata_is_incremental_and_idempotent():
-    bs = 8
-    sel = InfLLMSelector(topk_blocks=6, sink_blocks=1, local_blocks=2, representatives=2)
-    cache = random_cache(sel, length=27, num_kv_heads=2, head_dim=12, block_size=bs, extra=60, seed=3)
-    frozen: dict[int, torch.Tensor] = {}
-    for length, q, a in decode_tokens(sel, cache, 60, 3, seed=4):
-        final = int(cache.metadata[0]["infllm_finalised"])
-        assert final == max(0, min(length // bs, cache.num_blocks(0) - 3))  # exactly the blocks out of the window
-        slot = cache.metadata[0]["infllm_repr"]
-        for block, value in frozen.items():  # a final block's summary never changes afterwards
-            assert torch.equal(slot[:, :, block], value)
-        for block in range(final):
-            frozen.setdefault(block, slot[:, :, block].clone())
-        before = slot.clone()
-        again = sel.select(q, cache, 0)  # a second selection at the same step (the oracle's look)
-        assert torch.equal(before, slot) and torch.equal(again.blocks.indices, a.blocks.indices)
-        # Unfinalised blocks hold the mean of their live keys.
-        newest = cache.num_blocks(0) - 1
-        live = cache.keys[0][:, :, newest * bs : length]
-        torch.testing.assert_close(slot[:, :, newest], live.mean(2))
-
-
-def test_infllm_retrieves_a_block_with_matching_representatives():
-    torch.manual_seed(0)
-    bs, d = 16, 32
-    sel = InfLLMSelector(topk_blocks=4, sink_blocks=1, local_blocks=1, representatives=4)
-    cache = PagedKVCache(1, 1, 3, d, bs, 301)
-    keys = torch.randn(1, 3, 301, d)
-    q = torch.randn(1, 3, 3, d)
-    keys[:, :, 5 * bs + 2 : 5 * bs + 6] = q.mean(2, keepdim=True) * 3  # four planted tokens in old block 5
-    cache.append(0, keys, torch.randn(1, 3, 301, d))
-    sel.update_metadata(cache, 0, 0, 301)
-    sel.catch_up(q, cache, 0, 301)
-    a = sel.select(q, cache, 0)
-    assert torch.all(a.blocks.mask(cache.max_blocks)[..., 5])
-
-
-def test_infllm_bad_options_are_clear_errors():
-    with pytest.raises(ValueError, match=r"representatives=0"):
-        InfLLMSelector(topk_blocks=8, representatives=0)
-    with pytest.raises(ValueError, match=r"per_head='yes' is not one of \[True, False\]"):
-        InfLLMSelector(topk_blocks=8, per_head="yes")
-    with pytest.raises(ValueError, match="gqa_reduce='mean'"):
-        InfLLMSelector(topk_blocks=8, gqa_reduce="mean")
-    with pytest.raises(ValueError, match="raise topk_blocks"):
-        InfLLMSelector(topk_blocks=4, sink_blocks=1, local_blocks=4)
-
 
 # --- LESS -------------------------------------------------------------------------------------
 
@@ -213,8 +106,7 @@ def test_less_incremental_metadata_equals_rebuild():
         torch.testing.assert_close(tensor[finite], incremental[name][finite], rtol=1e-4, atol=1e-5, msg=name)
 
 
-SELECTORS = {"infllm": lambda: InfLLMSelector(topk_blocks=6, local_blocks=2, per_head=True),
-             "less": lambda: LessSelector(topk_blocks=6, local_blocks=1, num_features=16)}
+SELECTORS = {"less": lambda: LessSelector(topk_blocks=6, local_blocks=1, num_features=16)}
 
 
 @pytest.mark.parametrize("predictor", [LastStepPredictor(), EmaPredictor(), OraclePredictor()],
@@ -237,4 +129,3 @@ def test_less_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match=r"compensate='no' is not one of \[True, False\]"):
         LessSelector(topk_blocks=8, compensate="no")
     assert LessSelector(topk_blocks=8).triton_problems() is None
-    assert InfLLMSelector(topk_blocks=8).triton_problems() is None

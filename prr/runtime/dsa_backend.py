@@ -107,7 +107,7 @@ class DSABackend:
             for t in range(tail_start, end):
                 self.selector.update_metadata(self.cache, layer, t, t + 1)
                 if t == tail_start:  # the backlog of bounded per-step metadata work (InfLLM's finalising)
-                    self.selector.catch_up(qg[:, :, :, t], self.cache, layer, t + 1)
+                    self.selector.catch_up(qg[:, :, :, t], self.cache, layer, t + 1, queries=qg)
                 history.append(self.selector.select(qg[:, :, :, t], self.cache, layer, length=t + 1))
             self.history[layer] = history
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)

@@ -109,6 +109,7 @@ class GraphDecoder(AttentionEngine):
         if problems:
             raise ValueError("; ".join(problems))
         chosen = selector if selector is not None else plan.make_selector()
+        chosen.bind_model(c)  # (InfLLM: the RoPE its scoring undoes)
         budgets = {"topk_blocks": chosen.topk_blocks if plan.variant != "dense" else 0,
                    "predicted_blocks": plan.predicted_blocks if plan.variant == "prr" else 0}
         for name, blocks in budgets.items():
@@ -220,7 +221,9 @@ class GraphDecoder(AttentionEngine):
         """Decode from position `length` of the cache as it is: the selector's metadata of every
         sparse layer rebuilt in place from its first `length` tokens, its backlog
         (`Selector.catch_up`, InfLLM's finalising) done with a random query from `gen` (or
-        `query` [B, Hkv, G, D], one per layer alike), the predictor state back to `init_state`'s,
+        `query` [B, Hkv, G, D], one per layer alike; the prompt's queries are not known here, so
+        it also stands for every prompt position's query in InfLLM's window scores), the
+        predictor state back to `init_state`'s,
         then `begin(length, token)`. In place: graphs captured before stay valid.
         length: an int, or one per row (a list or [B] tensor): rows of different lengths are
         rebuilt one by one (`PagedKVCache.row`), each from its own tokens only; the cache's host
@@ -239,15 +242,18 @@ class GraphDecoder(AttentionEngine):
             q = query if query is not None else torch.randn(self.batch, self.hkv, self.group, self.d, generator=q_gen,
                                                             device=self.device)
             q = q.to(self.device, self.dtype)
+            # No prompt queries here: q stands for every prompt position's (InfLLM's window scores).
             if not ragged:
                 self.selector.update_metadata(self.cache, layer, 0, rows[0])
-                self.selector.catch_up(q, self.cache, layer, rows[0])
+                every = q.unsqueeze(3).expand(*q.shape[:3], rows[0], self.d)  # [B, Hkv, G, T, D]
+                self.selector.catch_up(q, self.cache, layer, rows[0], queries=every)
                 continue
             for b, n in enumerate(rows):  # each row from its own first n tokens
                 view = self.cache.row(b)
                 view.set_length(layer, n)
                 self.selector.update_metadata(view, layer, 0, n)
-                self.selector.catch_up(q[b : b + 1], view, layer, n)
+                qb = q[b : b + 1]
+                self.selector.catch_up(qb, view, layer, n, queries=qb.unsqueeze(3).expand(*qb.shape[:3], n, self.d))
         if self.predictor_state is not None:
             fresh = self.predictor.init_state(self.num_layers, self.batch, self.hkv, self.max_blocks, self.device)
             for mine, new in zip(state_tensors(self.predictor_state), state_tensors(fresh), strict=True):

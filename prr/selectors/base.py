@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -144,11 +145,19 @@ class Selector(ABC):
         recent = self.local_blocks + int(self.force_newest)
         return ((ids < torch.clamp(nb, max=self.sink_blocks)) | (ids >= nb - recent)) & (ids < nb)
 
-    def catch_up(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> None:  # noqa: B027 - optional hook
+    def catch_up(self, q: Tensor, cache: PagedKVCache, layer: int, length: int,  # noqa: B027 - optional hook
+                 queries: Tensor | None = None) -> None:
         """Called once, eagerly, before the first selection after a bulk metadata update (the
-        prefill), with that selection's query q [B, Hkv, G, D]: selectors whose per-step
-        metadata work is bounded (InfLLM finalises at most one block per selection) do the
-        backlog here. Never inside a decode step."""
+        prefill), with that selection's query q [B, Hkv, G, D] and the prefill's queries of
+        positions [0, length) (queries: [B, Hkv, G, >= length, D] post-RoPE): selectors whose
+        per-step metadata work is bounded (InfLLM finalises at most one block per selection)
+        do the backlog here; InfLLM's representatives need the past queries. Never inside a
+        decode step."""
+
+    def bind_model(self, config: Any) -> None:  # noqa: B027 - optional hook
+        """The model's facts a selector needs beside the cache (config: prr.model.config.ModelConfig);
+        called once before the prefill. InfLLM keeps the RoPE frequencies its position-agnostic
+        scoring undoes; the others need nothing."""
 
     def select(self, q: Tensor, cache: PagedKVCache, layer: int, length: int | Tensor | None = None,
                num_blocks: Tensor | None = None) -> Selection:

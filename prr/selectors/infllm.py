@@ -1,56 +1,100 @@
-"""`infllm` (arXiv 2402.04617) in prr's block framework.
+"""`infllm` (arXiv 2402.04617) in prr's block framework: InfLLM's published retrieval, and
+prr's variant of it as named options.
 
 InfLLM keeps the initial tokens (attention sinks) and a local window always attended, and
-retrieves older context in blocks, each summarised by r representative tokens: those that
-received the most attention while they were inside the local window. Block score =
-Σ_heads ⟨q_h, mean representative key of the block⟩; the top-k blocks are attended.
+retrieves older context in memory units (blocks), each summarised by r representative keys;
+the top-k units by ⟨query, representatives⟩ are attended. The rule below is the one of the
+paper's public repository (thunlp/InfLLM, `inf_llm/attention/context_manager.py`), read as
+facts, no code carried over:
 
-Mapping onto prr:
-- blocks are the cache's pages (`runtime.block_size` tokens, not InfLLM's 128);
-- initial tokens = `sink_blocks`, local window = `local_blocks` + the newest block
-  (`force_newest`): all forced by the base class, so they are in every selection;
-- representatives (`representatives` = r, default 4; at most block_size): the runtime does
-  not hand selectors the queries of past steps, so "received the most attention while
-  inside the local window" is approximated with **the query of the step at which the
-  block is finalised**: the first selection after the block has left the local window
-  (it is full and older than the last `local_blocks + force_newest` blocks). Its r tokens
-  with the largest q·k (summed over the KV head's query heads with `per_head=true`; over
-  all query heads of the layer with `per_head=false`, one set of positions shared by every
-  KV head) become the representatives, and their mean key is stored. InfLLM's own score
-  averages q·k over the local window's queries; ours uses one of them (the newest).
-  At prefill, the blocks older than the window are finalised with the query of the first
-  replayed prompt-tail position (`catch_up`).
-- blocks not finalised yet (inside the window, or a partially filled newest block) are
-  scored with the mean of their live keys; they are normally forced anyway;
-- `per_head=false` (default, as in InfLLM): one score per block for the whole layer,
-  Σ over every query head of ⟨q_h, mean representative key of its KV head⟩, so every KV
-  head selects the same blocks; `per_head=true`: scores per query head, reduced over each
-  GQA group by `gqa_reduce` (with `sum`, Σ over the group's heads).
+- representatives (`representatives_from=window_attention`, the default): every query adds
+  the softmax attention probability it gives each token of its local window into that
+  token's score, per query head; when a block leaves the window, each query head keeps the
+  `representatives` (r) tokens of the block with the largest summed probability, and the
+  block's key for that head is the mean of their keys (a GQA group's heads read their KV
+  head's keys). (The paper's text writes the score as the window queries' mean q·k; the
+  repository sums softmax probabilities; we follow the repository.)
+- position-agnostic scoring (`scoring=position_agnostic`, the default): the representative
+  keys are kept *before* RoPE and the query is rotated to one fixed angle, the local window's
+  length less one (InfLLM: `n_local - 1`), so a block's score does not depend on how far back
+  it lies. The cache holds post-RoPE keys; their rotation is undone exactly (up to float) from
+  their positions and the model's RoPE frequencies (`bind_model`), and the query's from its
+  position: ⟨R(c)·R(−p)·q_p, mean_r R(−j)·k_j⟩ with c = window tokens − 1.
+- block score = Σ over every query head of the layer (`per_head=false`, as InfLLM: one
+  selection shared by every KV head); `per_head=true` scores per query head and reduces each
+  GQA group by `gqa_reduce` (a prr extension).
+Attention over the selected blocks keeps the tokens' true positions: what prr's DSA framing
+needs (InfLLM itself attends memory units at the fixed distance too).
 
-Metadata, maintained incrementally with static shapes (the same code runs eagerly and in the
-captured CUDA-graph step): slot `infllm_repr` [B, Hkv, max_blocks, D] fp32 (mean
-representative key, or mean live key until finalised) and `infllm_finalised` [B] int64 on
-the device: blocks [0, n) of each row are final (they finalise in order, so a count
-suffices). A selection finalises at most the one block that left the window with its
-token; the prefill's backlog is finalised by `catch_up`, called by the runtime before the
-first replayed prompt-tail selection with that selection's query. Finalising is idempotent
-for a given length: a second selection at the same step (the oracle's look) changes nothing.
-No Triton kernels: selection runs in torch ops under every backend.
+Where prr departs from the repository, and why (docs/design.md's paper-vs-prr table has the
+measured effects):
+1. blocks are the cache's pages (`runtime.block_size`, default 16) and the initial tokens and
+   local window are whole blocks: `sink_blocks`, and `local_blocks` + the newest block
+   (`force_newest`), forced by the base class (InfLLM: units of 128, 128 initial tokens, a
+   4,096-token sliding window, 16 units retrieved);
+2. the softmax whose probabilities are summed is normalised over the forced blocks (sinks +
+   local window) only: InfLLM's normaliser also holds the units retrieved at that step,
+   which are not known before this step's selection;
+3. the prefill is dense (prr's DSA framing): the prompt's queries add their window
+   probabilities as decode queries do (`catch_up(queries=...)`), where InfLLM's chunked
+   prefill attends retrieved units and scores each 512-query chunk with its mean query;
+4. a block becomes a memory unit at the first selection after it left the window, all at
+   once for the prompt's backlog (`catch_up`); the same moment as InfLLM's.
+
+prr's variant (conf/selector/infllm_prr.yaml: `scoring=rope`, `representatives_from=
+one_query`): the r tokens of a block with the largest q·k under **the one query of the step
+at which the block left the window** (the first replayed prompt-tail query for the prompt's
+blocks; summed over all query heads with `per_head=false`, so every KV head keeps the same
+positions), their mean post-RoPE key per KV head, scored against the query at its true
+position. It keeps more attention mass than the published rule on SmolLM2 (docs/results).
+
+Metadata (static shapes: the same code runs eagerly and in the captured CUDA-graph step):
+- `infllm_repr` [B, Hkv, max_blocks, G, D] fp32: each final block's representative key per
+  query head (pre-RoPE with position_agnostic, post-RoPE with rope);
+- `infllm_live` [B, Hkv, max_blocks, D] fp32: mean key of a block not final yet (inside the
+  window, or the newest); such blocks are forced, but predictors rank by the scores;
+- `infllm_finalised` [B] int64: blocks [0, n) are final (they finalise in order);
+- window_attention only: `infllm_window` [B, Hkv, max_blocks, G, S] fp32, the summed window
+  probabilities per token and query head (memory: Hq floats per token, G/D of the K/V
+  cache's), and `infllm_scored` [B] int64: queries at positions < n have been added, so a
+  second selection at the same step (the oracle's look) adds nothing: idempotent.
+Per step: one softmax over the forced blocks' (sinks + window) tokens per query head, an add
+into the window blocks' scores, at most one block finalised. No Triton kernels: selection
+runs in torch ops under every backend.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from prr.blocks import block_counts
 from prr.cache import PagedKVCache
+from prr.model.rope import rope_inv_freq
 from prr.selectors.base import Selector
 
 REPR_SLOT = "infllm_repr"
+LIVE_SLOT = "infllm_live"
 FINALISED = "infllm_finalised"
+WINDOW_SLOT = "infllm_window"
+SCORED = "infllm_scored"
+SCORINGS = ("position_agnostic", "rope")
+REPRESENTATIVES_FROM = ("window_attention", "one_query")
+QUERY_CHUNK = 256  # prefill queries per chunk in catch_up (bounds its gathered keys)
+
+
+def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, sign: float = 1.0) -> Tensor:
+    """RoPE (HF rotate_half layout, prr.model.rope.apply_rope) of x [..., D] by `sign` ×
+    positions [...] (broadcast against x's leading dims): sign −1 undoes the model's rotation."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., D/2]
+    angles = torch.cat((angles, angles), dim=-1)
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * angles.cos() + turned * (sign * angles.sin())
 
 
 class InfLLMSelector(Selector):
@@ -64,6 +108,8 @@ class InfLLMSelector(Selector):
         dense_layers: Sequence[int] = (),
         representatives: int = 4,
         per_head: bool = False,
+        scoring: str = "position_agnostic",
+        representatives_from: str = "window_attention",
     ) -> None:
         super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers)
         if isinstance(representatives, bool) or not isinstance(representatives, int) or representatives < 1:
@@ -71,30 +117,80 @@ class InfLLMSelector(Selector):
                              "(tokens per block, at most runtime.block_size)")
         if not isinstance(per_head, bool):
             raise ValueError(f"selector.per_head={per_head!r} is not one of [True, False]")
+        if scoring not in SCORINGS:
+            raise ValueError(f"selector.scoring={scoring!r} is not one of {list(SCORINGS)}")
+        if representatives_from not in REPRESENTATIVES_FROM:
+            raise ValueError(f"selector.representatives_from={representatives_from!r} is not one of "
+                             f"{list(REPRESENTATIVES_FROM)}")
+        self.window_blocks = local_blocks + int(force_newest)
+        if representatives_from == "window_attention" and self.window_blocks == 0:
+            raise ValueError("selector.representatives_from=window_attention needs a local window: set "
+                             "selector.local_blocks >= 1 or selector.force_newest=true")
         self.representatives = representatives
         self.per_head = per_head
+        self.scoring = scoring
+        self.representatives_from = representatives_from
+        self.inv_freq: Tensor | None = None  # [D/2] fp32: the RoPE the cache's keys carry (bind_model)
 
-    # --- metadata --------------------------------------------------------------------------
-    def _slot(self, cache: PagedKVCache, layer: int) -> Tensor:
-        return cache.metadata_slot(layer, REPR_SLOT, (cache.head_dim,), torch.float32)  # [B, Hkv, NB, D]
+    def bind_model(self, config: Any) -> None:
+        """Keep the model's RoPE frequencies (config: head_dim, rope_theta, rope_scaling), which
+        position-agnostic scoring needs to undo the cache keys' rotation."""
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def _freqs(self, cache: PagedKVCache) -> Tensor:
+        if self.inv_freq is None:
+            raise ValueError("selector.scoring=position_agnostic needs the model's RoPE: call "
+                             "selector.bind_model(model.config) before prefill (run.py does), or use scoring=rope")
+        if 2 * self.inv_freq.numel() != cache.head_dim:
+            raise ValueError(f"the bound RoPE has {self.inv_freq.numel()} frequencies but the cache's head_dim is "
+                             f"{cache.head_dim}: bind the model whose keys the cache holds")
+        return self.inv_freq.to(cache.device)
+
+    # --- metadata slots ----------------------------------------------------------------------
+    def _repr(self, cache: PagedKVCache, layer: int, group: int) -> Tensor:
+        return cache.metadata_slot(layer, REPR_SLOT, (group, cache.head_dim), torch.float32)  # [B, Hkv, NB, G, D]
+
+    def _live(self, cache: PagedKVCache, layer: int) -> Tensor:
+        return cache.metadata_slot(layer, LIVE_SLOT, (cache.head_dim,), torch.float32)  # [B, Hkv, NB, D]
 
     def _finalised(self, cache: PagedKVCache, layer: int) -> Tensor:
         """[B] int64 on the cache's device: blocks [0, n) of each row are final."""
         return cache.state_slot(layer, FINALISED, (cache.batch,), torch.int64)
 
-    def _provisional(self, cache: PagedKVCache, layer: int, first: Tensor, count: int, end: Tensor) -> None:
-        """Blocks first + [0, count) of each row (first: [B] int64) that are not final yet get
-        the mean of their live keys (positions < end [B]). Static shapes."""
+    def _window(self, cache: PagedKVCache, layer: int, group: int) -> Tensor:
+        return cache.metadata_slot(layer, WINDOW_SLOT, (group, cache.block_size), torch.float32)  # [B, Hkv, NB, G, S]
+
+    def _scored(self, cache: PagedKVCache, layer: int) -> Tensor:
+        """[B] int64: the queries of positions < n have added their window probabilities."""
+        return cache.state_slot(layer, SCORED, (cache.batch,), torch.int64)
+
+    def _post_rope_keys(self, cache: PagedKVCache, layer: int, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """blocks [B, n] (valid ids) -> the cache's keys of those blocks as stored (post-RoPE)
+        [B, Hkv, n, S, D] fp32 and their positions [B, 1, n, S]."""
         s, b, h, d = cache.block_size, cache.batch, cache.num_kv_heads, cache.head_dim
+        n = blocks.shape[1]
+        positions = blocks.unsqueeze(-1) * s + torch.arange(s, device=cache.device)  # [B, n, S]
+        keys = torch.gather(cache.keys[layer], 2, positions.view(b, 1, n * s, 1).expand(b, h, n * s, d)).float()
+        return keys.view(b, h, n, s, d), positions.view(b, 1, n, s)
+
+    def _block_keys(self, cache: PagedKVCache, layer: int, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """blocks [B, n] -> keys [B, Hkv, n, S, D] fp32 as scored (pre-RoPE with
+        position_agnostic: the model's rotation undone) and their positions [B, 1, n, S]."""
+        keys, positions = self._post_rope_keys(cache, layer, blocks)
+        if self.scoring == "position_agnostic":
+            keys = rotate(keys, positions, self._freqs(cache), sign=-1.0)
+        return keys, positions
+
+    # --- metadata upkeep ---------------------------------------------------------------------
+    def _provisional(self, cache: PagedKVCache, layer: int, first: Tensor, count: int, end: Tensor) -> None:
+        """Blocks first + [0, count) of each row (first: [B] int64) get the mean of their live
+        keys (positions < end [B]). Static shapes."""
+        b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
         blocks = (first.view(b, 1) + torch.arange(count, device=cache.device)).clamp(max=cache.max_blocks - 1)  # [B, n]
-        tokens = (blocks.unsqueeze(-1) * s + torch.arange(s, device=cache.device)).view(b, 1, count * s, 1)
-        keys = torch.gather(cache.keys[layer], 2, tokens.expand(b, h, count * s, d)).float().view(b, h, count, s, d)
-        live = (tokens.view(b, 1, count, s, 1) < end.view(b, 1, 1, 1, 1))
+        keys, positions = self._block_keys(cache, layer, blocks)  # [B, Hkv, n, S, D], [B, 1, n, S]
+        live = (positions < end.view(b, 1, 1, 1)).unsqueeze(-1)  # [B, 1, n, S, 1]
         mean = (keys * live).sum(3) / live.sum(3).clamp(min=1)  # [B, Hkv, n, D]
-        repr_keys = self._slot(cache, layer)
-        index = blocks.view(b, 1, count, 1).expand(b, h, count, d)
-        final = (blocks < self._finalised(cache, layer).view(b, 1)).view(b, 1, count, 1)  # final blocks stay
-        repr_keys.scatter_(2, index, torch.where(final, torch.gather(repr_keys, 2, index), mean))
+        self._live(cache, layer).scatter_(2, blocks.view(b, 1, count, 1).expand(b, h, count, d), mean)
 
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
         if self.is_dense_layer(layer) or end <= start:
@@ -110,40 +206,90 @@ class InfLLMSelector(Selector):
         positions = positions.long()
         self._provisional(cache, layer, positions // cache.block_size, 1, positions + 1)
 
+    def _add_window_attention(self, queries: Tensor, positions: Tensor, cache: PagedKVCache, layer: int) -> None:
+        """The queries at `positions` [B, C] (queries: [B, Hkv, G, C, D] post-RoPE) add the softmax
+        probability each gives the tokens of its local window (normalised over its forced blocks:
+        sinks + window) into those tokens' scores; queries already added (positions below
+        `infllm_scored`) add nothing. Static shapes."""
+        s, b, h, d = cache.block_size, cache.batch, cache.num_kv_heads, cache.head_dim
+        g, c = queries.shape[2], queries.shape[3]
+        w, sinks = self.window_blocks, self.sink_blocks
+        nb = positions // s + 1  # [B, C] blocks of each query's context
+        window = nb.unsqueeze(-1) - w + torch.arange(w, device=cache.device)  # [B, C, W] window blocks (may be < 0)
+        sink = torch.arange(sinks, device=cache.device).expand(b, c, sinks)  # [B, C, Ks]
+        blocks = torch.cat((sink, window), -1)  # [B, C, Ks + W]
+        tokens = blocks.unsqueeze(-1) * s + torch.arange(s, device=cache.device)  # [B, C, Ks + W, S]
+        valid = (blocks >= 0).unsqueeze(-1) & (tokens <= positions.view(b, c, 1, 1))
+        valid[:, :, :sinks] &= (blocks[:, :, :sinks] < nb.unsqueeze(-1) - w).unsqueeze(-1)  # a sink in the window: once
+        m = (sinks + w) * s
+        idx = tokens.clamp(min=0).view(b, 1, c * m, 1).expand(b, h, c * m, d)
+        keys = torch.gather(cache.keys[layer], 2, idx).float().view(b, h, c, m, d)  # [B, Hkv, C, M, D]
+        logits = torch.einsum("bhgcd,bhcmd->bhgcm", queries.float(), keys) / math.sqrt(d)
+        logits = logits.masked_fill(~valid.view(b, 1, 1, c, m), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)[..., sinks * s:]  # [B, Hkv, G, C, W*S] the window's part
+        scored = self._scored(cache, layer)
+        fresh = (positions >= scored.view(b, 1)).view(b, 1, 1, c, 1)
+        probs = torch.where(fresh & valid[:, :, sinks:].reshape(b, 1, 1, c, w * s), probs, 0.0)
+        add = probs.view(b, h, g, c * w, s).permute(0, 1, 3, 2, 4)  # [B, Hkv, C*W, G, S]
+        index = window.clamp(min=0).view(b, 1, c * w, 1, 1).expand(b, h, c * w, g, s)
+        self._window(cache, layer, g).scatter_add_(2, index, add)
+        scored.copy_(torch.maximum(scored, positions.amax(1) + 1))
+
     def _finalise(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor, first: Tensor, count: int) -> None:
         """Blocks first + [0, count) (first: [B] int64) of each row that have left the local
-        window by `lengths` [B] and are not final yet get their representatives from
-        q [B, Hkv, G, D]. Static shapes: a selection looks at one block, the oldest not final
-        (the window moves by at most one block per token); `catch_up` passes the prefill's
-        backlog (all blocks from 0)."""
+        window by `lengths` [B] and are not final yet get their representatives: from the summed
+        window probabilities, or (one_query) from q [B, Hkv, G, D]. Static shapes: a selection
+        looks at one block, the oldest not final (the window moves by at most one block per
+        token); `catch_up` passes the prefill's backlog (all blocks from 0)."""
         s, b, h, d = cache.block_size, cache.batch, cache.num_kv_heads, cache.head_dim
+        g = q.shape[2]
         lengths = block_counts(lengths, b, cache.device)
         num_blocks = (lengths + s - 1) // s
-        window = self.local_blocks + int(self.force_newest)
-        target = torch.minimum(lengths // s, num_blocks - window)  # [B] full blocks older than the window
+        target = torch.minimum(lengths // s, num_blocks - self.window_blocks)  # [B] full blocks out of the window
         done = self._finalised(cache, layer)
         blocks = first.view(b, 1) + torch.arange(count, device=cache.device)  # [B, n] candidates, distinct
         todo = (blocks >= done.view(b, 1)) & (blocks < target.view(b, 1))
         blocks = blocks.clamp(max=cache.max_blocks - 1)
-        tokens = (blocks.unsqueeze(-1) * s + torch.arange(s, device=cache.device)).view(b, 1, count * s, 1)
-        keys = torch.gather(cache.keys[layer], 2, tokens.expand(b, h, count * s, d)).float()  # [B, Hkv, n*S, D]
-        token_scores = (q.float() @ keys.transpose(-1, -2)).sum(2)  # Σ over the group: [B, Hkv, n*S]
-        if not self.per_head:
-            token_scores = token_scores.sum(1, keepdim=True).expand(b, h, -1)  # one set per layer
+        keys, _ = self._block_keys(cache, layer, blocks)  # [B, Hkv, n, S, D]
         r = min(self.representatives, s)
-        top = token_scores.reshape(b, h, count, s).topk(r, dim=-1).indices  # [B, Hkv, n, r]
-        keys = keys.view(b, h, count, s, d)
-        chosen = torch.gather(keys, 3, top.unsqueeze(-1).expand(b, h, count, r, d)).mean(3)  # [B, Hkv, n, D]
-        repr_keys = self._slot(cache, layer)
-        index = blocks.view(b, 1, count, 1).expand(b, h, count, d)
-        write = todo.view(b, 1, count, 1)
+        if self.representatives_from == "window_attention":
+            index = blocks.view(b, 1, count, 1, 1).expand(b, h, count, g, s)
+            token_scores = torch.gather(self._window(cache, layer, g), 2, index)  # [B, Hkv, n, G, S]
+            top = token_scores.topk(r, dim=-1).indices  # [B, Hkv, n, G, r] per query head
+            chosen = torch.gather(keys.unsqueeze(3).expand(b, h, count, g, s, d), 4,
+                                  top.unsqueeze(-1).expand(b, h, count, g, r, d)).mean(4)  # [B, Hkv, n, G, D]
+        else:  # one_query: the r tokens of largest q·k (post-RoPE, true positions) under this step's query
+            post = keys if self.scoring == "rope" else self._post_rope_keys(cache, layer, blocks)[0]
+            token_scores = torch.einsum("bhgd,bhnsd->bhns", q.float(), post)  # Σ over the group: [B, Hkv, n, S]
+            if not self.per_head:
+                token_scores = token_scores.sum(1, keepdim=True).expand(b, h, count, s)  # one set per layer
+            top = token_scores.topk(r, dim=-1).indices  # [B, Hkv, n, r]
+            chosen = torch.gather(keys, 3, top.unsqueeze(-1).expand(b, h, count, r, d)).mean(3)  # [B, Hkv, n, D]
+            chosen = chosen.unsqueeze(3).expand(b, h, count, g, d)
+        repr_keys = self._repr(cache, layer, g)
+        index = blocks.view(b, 1, count, 1, 1).expand(b, h, count, g, d)
+        write = todo.view(b, 1, count, 1, 1)
         repr_keys.scatter_(2, index, torch.where(write, chosen, torch.gather(repr_keys, 2, index)))
         done.copy_(torch.maximum(done, torch.minimum(first + count, target)))
 
-    def catch_up(self, q: Tensor, cache: PagedKVCache, layer: int, length: int) -> None:
-        """Finalise every block older than the window at `length` with q (the prefill's backlog)."""
+    def catch_up(self, q: Tensor, cache: PagedKVCache, layer: int, length: int, queries: Tensor | None = None) -> None:
+        """The prefill's backlog at `length`: with window_attention, the queries of positions
+        [0, length) (queries: [B, Hkv, G, >= length, D] post-RoPE, the prefill's) add their window
+        probabilities; then every block older than the window is finalised (one_query: with q
+        [B, Hkv, G, D], the first replayed prompt-tail query)."""
         if self.is_dense_layer(layer):
             return
+        if self.representatives_from == "window_attention":
+            if queries is None:
+                raise ValueError("selector.representatives_from=window_attention needs the prefill's queries: pass "
+                                 "catch_up(..., queries=[B, Hkv, G, T, D]), or use representatives_from=one_query")
+            if queries.shape[3] < length:
+                raise ValueError(f"catch_up got the queries of {queries.shape[3]} positions for a prefill of {length} "
+                                 "tokens: pass one query per prompt position")
+            for start in range(0, length, QUERY_CHUNK):
+                end = min(start + QUERY_CHUNK, length)
+                positions = torch.arange(start, end, device=cache.device).repeat(cache.batch, 1)  # [B, C]
+                self._add_window_attention(queries[:, :, :, start:end].to(cache.device), positions, cache, layer)
         backlog = cache.num_blocks(layer, length)
         if backlog:
             rows = torch.full((cache.batch,), length, device=cache.device)
@@ -151,9 +297,22 @@ class InfLLMSelector(Selector):
 
     # --- scores ------------------------------------------------------------------------------
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
-        # q: [B, Hkv, G, D] -> [B, Hkv, G, max_blocks]: ⟨q_h, mean representative key⟩
+        # q: [B, Hkv, G, D] post-RoPE at position lengths - 1 -> [B, Hkv, G, max_blocks]
+        b, g = q.shape[0], q.shape[2]
+        lengths = block_counts(lengths, b, cache.device)
+        if self.representatives_from == "window_attention":
+            self._add_window_attention(q.unsqueeze(3), (lengths - 1).view(b, 1), cache, layer)
         self._finalise(q, cache, layer, lengths, self._finalised(cache, layer), 1)
-        scores = q.float() @ self._slot(cache, layer).transpose(-1, -2)  # [B, Hkv, G, NB]
+        query = q.float()
+        if self.scoring == "position_agnostic":  # InfLLM's fixed angle: the window's length less one
+            freqs = self._freqs(cache)
+            fixed = max(self.window_blocks * cache.block_size - 1, 0)
+            query = rotate(rotate(query, (lengths - 1).view(b, 1, 1), freqs, sign=-1.0),
+                           torch.full((b, 1, 1), fixed, device=cache.device), freqs)
+        final = torch.einsum("bhgd,bhngd->bhgn", query, self._repr(cache, layer, g))  # [B, Hkv, G, NB]
+        live = query @ self._live(cache, layer).transpose(-1, -2)  # [B, Hkv, G, NB]
+        is_final = torch.arange(cache.max_blocks, device=cache.device) < self._finalised(cache, layer).view(b, 1, 1, 1)
+        scores = torch.where(is_final, final, live)
         if not self.per_head:
             scores = scores.sum((1, 2), keepdim=True).expand_as(scores)  # Σ over every head of the layer
         return scores

@@ -49,14 +49,9 @@ $(TEST_STAMP): $(RUN_STAMP) pyproject.toml
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	@touch $@
 
-# logger=wandb (the default) needs the wandb extra, which the run install leaves out: without it, logger=none.
-run: $(RUN_STAMP)  ## the default experiment: SmolLM2-135M, Quest + EMA, ~4K-token prompt, CPU
-	@if $(PYTHON) -c "import wandb, matplotlib" 2>/dev/null; then \
-		$(PYTHON) run.py; \
-	else \
-		echo "prr: wandb is not installed (make install adds it): running with logger=none"; \
-		$(PYTHON) run.py logger=none; \
-	fi
+# logger=auto (the default) logs to W&B when wandb is installed (make install), else says it does not.
+run: $(RUN_STAMP)  ## the default experiment: SmolLM2-135M, Quest + EMA, ~4K-token prompt (GPU if torch sees one, else CPU)
+	$(PYTHON) run.py
 
 test: $(TEST_STAMP)  ## CPU tests (one short real-model run; the full default run is in test-full)
 	$(PYTHON) -m pytest -q -m "not slow and not gpu" -n auto

@@ -3,7 +3,8 @@
   exits with code 2 and one line per problem on stderr, `error: ...`;
 - an interrupted run (Ctrl-C, or SIGTERM, which the runner raises as Terminated) exits with
   code 130 and one line on stderr naming the run dir that keeps its records.
-No traceback for either: neither is a bug of prr's, and the line says all there is."""
+No traceback for either: neither is a bug of prr's, and the line says all there is.
+This module imports nothing beyond the standard library: run.py loads it first."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from prr.runner import Terminated
-
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's kill, `kill PID`) turned into an exception so the run is marked
+    (prr.runner raises it). Defined here, so that run.py can end any run without importing torch."""
 
 
 def refuse(*problems: str) -> NoReturn:

@@ -28,16 +28,18 @@ class BadOverride(ValueError):
     """A command-line override that does not compose; the message is one line."""
 
 
-def check_command_line(argv: list[str], conf_dir: Path, config_name: str) -> None:
-    """Raise BadOverride for the first override of argv (run.py's arguments) that Hydra would refuse."""
+def check_command_line(argv: list[str], conf_dir: Path, config_name: str) -> list[DictConfig] | None:
+    """Raise BadOverride for the first override of argv (run.py's arguments) that Hydra would refuse.
+    Returns the jobs' configs as composed (module docstring; with their `hydra` node), or None
+    when argv asks for Hydra's help or information, or names another config dir."""
     parser = get_args_parser()  # Hydra's own: what it refuses, Hydra would refuse with its usage text
     parser.error = refuse_arguments  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun:
-        return  # Hydra's help and information, as Hydra prints them; a rerun takes a pickled config, not argv
+        return None  # Hydra's help and information, as Hydra prints them; a rerun takes a pickled config, not argv
     if args.config_path or args.config_dir:
-        return  # another config dir than conf_dir: Hydra reports what does not compose there
-    check_overrides(args.overrides, conf_dir, args.config_name or config_name, multirun=args.multirun)
+        return None  # another config dir than conf_dir: Hydra reports what does not compose there
+    return check_overrides(args.overrides, conf_dir, args.config_name or config_name, multirun=args.multirun)
 
 
 def refuse_arguments(message: str) -> NoReturn:
@@ -47,15 +49,22 @@ def refuse_arguments(message: str) -> NoReturn:
     raise BadOverride(f"{message} (python run.py --hydra-help lists the flags)")
 
 
-def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, multirun: bool) -> None:
+def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, multirun: bool) -> list[DictConfig]:
+    """The composed configs of the jobs (module docstring), or BadOverride."""
+    if GlobalHydra.instance().is_initialized():  # a caller's Hydra (tests, tools): this check composes its own
+        GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir.absolute()), version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
         groups = config_groups(loader)
         parsed = parse(overrides, loader)
+        top_keys = top_level_keys(conf_dir / f"{config_name}.yaml", groups)
         for override in parsed:
             if override.is_sweep_override() and not multirun:
                 raise BadOverride(f"{override.input_line} is a sweep: add -m (--multirun) to run one job per value, "
                                   f"or write a list as {override.key_or_group}=[a,b]")
+            unread = added_unread_key(override, groups, top_keys)
+            if unread:
+                raise BadOverride(f"{override.input_line}: {unread}")
         jobs = sweep_jobs(parsed, groups, loader)
         if multirun:  # the sweeper's params from the config (experiment presets) sweep too, before argv's
             # read from the group options alone: argv's keys may exist only under the groups the params choose
@@ -64,8 +73,28 @@ def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, mult
             if params:
                 preset = parse([f"{k}={v}" for k, v in params.items()], loader)
                 jobs = sweep_jobs(preset + parsed, groups, loader)
-        for job in jobs:
-            compose_job(config_name, job, groups)
+        return [compose_job(config_name, job, groups) for job in jobs]
+
+
+def top_level_keys(config_file: Path, groups: set[str]) -> set[str]:
+    """The primary config's own keys (seed, hydra) and its config groups' (model, selector, ...)."""
+    own = OmegaConf.load(config_file) if config_file.is_file() else OmegaConf.create()
+    return {str(k) for k in own if k != "defaults"} | {g.split("/")[0] for g in groups}
+
+
+def added_unread_key(override: Override, groups: set[str], top_keys: set[str]) -> str | None:
+    """Why `+foo=1` (or `++foo=1`) is refused: it adds a top-level key that nothing in prr
+    reads, so the run would go ahead as if it were not there. None for any other override
+    (keys added under a group are checked against that group's class by the validation)."""
+    if not (override.is_add() or override.is_force_add()) or override.key_or_group in groups:
+        return None
+    first = override.key_or_group.split(".")[0]
+    if first in top_keys:
+        return None
+    close = closest(first, sorted(top_keys))
+    hint = f"did you mean {close}? " if close else ""
+    return (f"prr reads no top-level key {first!r}, so adding it would change nothing; {hint}"
+            f"keys and groups: {', '.join(sorted(top_keys))}")
 
 
 def parse(overrides: list[str], loader: ConfigLoader) -> list[Override]:
@@ -171,14 +200,23 @@ def missing_key(tree: dict[str, Any], override: Override, choices: dict[str, str
             continue
         keys = sorted(k for k in node if not k.startswith("_"))
         where = ".".join(parts[:depth])
+        elsewhere = key_elsewhere(tree, part, parts[0] if depth else None)
         close = closest(part, keys)
         hint = f"did you mean {where + '.' if where else ''}{close}? " if close else ""
+        if depth <= 1 and elsewhere:  # the key of another group (selector.block_size: runtime.block_size)
+            hint = f"did you mean {elsewhere}? "
         if not where:
-            if not close and not override.is_delete():
-                hint = f"+{override.input_line} adds it; "  # new top-level keys are free (+foo=1)
             return f"the config has no key {part!r}; {hint}keys: {', '.join(keys)}"
         owner = f"{where} ({choices[where]})" if where in choices else where
         return f"{owner} has no key {part!r}; {hint}keys: {', '.join(keys)}"
+    return None
+
+
+def key_elsewhere(tree: dict[str, Any], key: str, group: str | None) -> str | None:
+    """`<other group>.<key>` when another top-level node (not hydra's) has exactly this key."""
+    for name, node in tree.items():
+        if name not in (group, "hydra") and isinstance(node, dict) and key in node:
+            return f"{name}.{key}"
     return None
 
 

@@ -15,6 +15,21 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "prr"
 
 
+def cache_dir_problem() -> str | None:
+    """Why the cache dir cannot hold prr's caches (one line), or None: a file where the dir
+    should be, or a missing dir that cannot be created."""
+    root = cache_dir()
+    source = f"PRR_CACHE_DIR={os.environ['PRR_CACHE_DIR']!r}" if os.environ.get("PRR_CACHE_DIR") else f"the cache dir {root}"
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{source}: {existing} is a file, not a directory; point PRR_CACHE_DIR at a directory"
+    if existing != root and not os.access(existing, os.W_OK | os.X_OK):  # (a cache already there may be read-only)
+        return f"{source}: {root} cannot be created in {existing}; point PRR_CACHE_DIR at a writable directory"
+    return None
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from prr.cache import PagedKVCache
+from prr.cli_exits import Terminated
 from prr.config_check import validate
 from prr.evaluation import evaluate_run, is_evaluation_task
 from prr.metrics import layer_step_rows, per_layer, summarize
@@ -110,9 +111,9 @@ def run(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig | None = None) -> 
     write_text_atomic(run_dir / "config.yaml", config_yaml)
     write_json_atomic(run_dir / "summary.json", {"status": "running"})
     logger = instantiate(cfg.logger)
-    logger.start(run_dir, OmegaConf.to_container(cfg, resolve=True), name=run_name(cfg))
     ok = False
     try:
+        logger.start(run_dir, OmegaConf.to_container(cfg, resolve=True), name=run_name(cfg))  # its failure: failed too
         with terminate_as_interrupt():
             # Scored tasks (many requests: accuracy, perplexity, lm-eval) take the evaluation path;
             # runtime.engine=graph decodes through the CUDA-graph engine.
@@ -148,10 +149,6 @@ def run_as_worker(cfg: DictConfig) -> dict[str, Any]:
         root.removeHandler(handler)
     with tempfile.TemporaryDirectory(prefix=f"prr-rank{worker_rank(cfg)}-") as scratch:
         return graph_decode_run(cfg, Path(scratch), NoLogger())
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's kill, `kill PID`) turned into an exception so the run is marked."""
 
 
 @contextlib.contextmanager

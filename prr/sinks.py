@@ -3,13 +3,18 @@ a killed run keeps every finished step) and W&B (offline unless the user has a k
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported where it is used: config validation imports this module
+    import pandas as pd
+
+log = logging.getLogger("prr")
 
 
 def _clean(value: Any) -> Any:
@@ -45,7 +50,43 @@ class RunLogger:
 
 
 class NoLogger(RunLogger):
-    """`logger=none`: nothing beyond the run directory's files."""
+    """`logger=none`: nothing beyond the run directory's files. `note`: a line logged when the
+    run starts (logger=auto says here why it logs nothing)."""
+
+    def __init__(self, note: str | None = None) -> None:
+        self.note = note
+
+    def start(self, run_dir: Path, config: dict[str, Any], name: str) -> None:
+        if self.note:
+            log.info(self.note)
+
+
+def missing_wandb_packages() -> list[str]:
+    """The packages logger=wandb needs that this install lacks (`make run` installs neither):
+    wandb, and matplotlib for the run's figures. Looked up without importing them."""
+    return [name for name in ("wandb", "matplotlib") if importlib.util.find_spec(name) is None]
+
+
+class AutoLogger(RunLogger):
+    """`logger=auto` (the default): W&B (a WandbLogger with these settings) when wandb and
+    matplotlib are installed, else no logger, and the run's log says so in one line."""
+
+    def __init__(self, project: str = "prr", mode: str = "auto", group: str | None = None,
+                 tags: list[str] | None = None, entity: str | None = None) -> None:
+        missing = missing_wandb_packages()
+        self.inner: RunLogger = (
+            NoLogger(note=f"logger=auto: {' and '.join(missing)} not installed (`make install` adds them), so this run "
+                          "logs to its run dir only, as logger=none; logger=wandb would be refused") if missing
+            else WandbLogger(project=project, mode=mode, group=group, tags=tags, entity=entity))
+
+    def start(self, run_dir: Path, config: dict[str, Any], name: str) -> None:
+        self.inner.start(run_dir, config, name)
+
+    def log_run(self, summary: dict[str, Any], layers: pd.DataFrame, steps: pd.DataFrame) -> None:
+        self.inner.log_run(summary, layers, steps)
+
+    def finish(self, ok: bool) -> None:
+        self.inner.finish(ok)
 
 
 class WandbLogger(RunLogger):
@@ -55,6 +96,10 @@ class WandbLogger(RunLogger):
                  tags: list[str] | None = None, entity: str | None = None) -> None:
         if mode not in ("auto", "online", "offline"):
             raise ValueError(f"logger.mode={mode!r} is not one of ['auto', 'online', 'offline']")
+        missing = missing_wandb_packages()
+        if missing:  # refused by config validation, before the run begins
+            raise ValueError(f"logger=wandb needs {' and '.join(missing)}, not installed: `make install` adds them "
+                             "(or pip install -e '.[wandb]'); or use logger=auto or logger=none")
         self.project, self.group, self.tags, self.entity = project, group, list(tags or []), entity
         self.mode = mode if mode != "auto" else ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self._run = None
@@ -148,6 +193,8 @@ def run_figures_module() -> Any:
 def read_jsonl(path: Path) -> pd.DataFrame:
     """Rows of a records file. A last line cut short by a killed writer is left out (the
     file is appended one step at a time, so every earlier line is whole)."""
+    import pandas as pd
+
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     return pd.DataFrame([json.loads(line) for line in lines[:-1] if line.strip()])

@@ -162,6 +162,7 @@ def test_profiled_applies_one_rule_in_both_engines(tmp_path, monkeypatch):
 
     def fixed(seconds):
         return StageTiming(seconds, seconds, seconds, seconds, seconds)
+    monkeypatch.setattr(StageProbe, "stages_in_sequence", False)  # time it as if it could overlap (else |P| = 0 untimed)
     for probe in (StageProbe, GraphProbe):
         monkeypatch.setattr(probe, "time_select", lambda self, c: fixed(1e-3))
         monkeypatch.setattr(probe, "time_speculate", lambda self, n, c: fixed(1e-5 * n))

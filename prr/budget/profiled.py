@@ -15,6 +15,9 @@ The table (context -> |P|) is cached in a file keyed by device, probe, shape and
 settings; decoding uses the row of the largest profiled context not above the step's context.
 The graph engine profiles the prompt's context only (its |P| is static for the decode).
 
+A probe whose runtime runs its stages one after the other (`stages_in_sequence`: the eager
+runtime) is not timed at all when `stage_check` is on: |P| = 0 everywhere, said in one line.
+
 A loaded machine times wrongly (issue 23: selection 60 ms under load, 0.36 ms in the run),
 so every stage's min/quartiles/max over its repeats are kept; when a stage's upper quartile
 is more than `max_spread` × its lower quartile, the whole profile is measured again (up to
@@ -106,6 +109,8 @@ class ProfiledBudget(SpeculationBudget):
         contexts = sorted(set(contexts)) if contexts is not None else self._contexts(selected_blocks, max_blocks)
         if not contexts or any(not 0 < c <= max_blocks for c in contexts):
             raise ValueError(f"profiled contexts {list(contexts)} must be non-empty, each in [1, {max_blocks}] blocks")
+        if self.stage_check and getattr(probe, "stages_in_sequence", False):
+            return self._serial_without_measuring(contexts)
         check = f"stage_check(margin={self.margin},hit={self.hit_rate})" if self.stage_check else "no_stage_check"
         key = (f"{probe.device_name}|{probe.shape_key}|K={selected_blocks}|N={max_blocks}|r={self.ratios}|"
                f"contexts={contexts}|{check}")
@@ -138,11 +143,27 @@ class ProfiledBudget(SpeculationBudget):
                 **self._summary(record)}
         if cache_problem is not None:
             info["profile_cache_problem"] = f"{path}: {cache_problem}"
-        where = f"cached to {path}" if written else "not cached" + ("" if self.use_cache else " (use_cache=false)")
+        where = (f"cached to {path}" if written else f"not cached to {path} (budget.use_cache=false)" if not self.use_cache
+                 else f"not cached to {path} (timings too spread)")
         log.info("budget=profiled: |P| per context %s; measured now (%d round(s), timing spread %.2fx), %s",
                  self._describe(), len(record["rounds"]), record["spread"], where)
         self.setup_info = info
         return info
+
+    def _serial_without_measuring(self, contexts: list[int]) -> dict[str, Any]:
+        """|P| = 0 at every context, unmeasured: the probe's runtime runs speculate, select,
+        repair and merge one after the other (the eager runtime), so PRR's stage is serial
+        DSA's plus work and the stage check could only choose serial DSA."""
+        self.table = [(c, 0) for c in contexts]
+        self.profiled_select = []  # no timings: observe() has nothing to compare
+        reason = ("this runtime runs its stages one after another (the eager runtime), so no |P| hides inside "
+                  "selection and the stage check would choose serial DSA")
+        log.info("budget=profiled: |P| = 0 (serial DSA) at every context, not measured: %s; nothing timed or cached "
+                 "(budget.stage_check=false times the paper's rule alone)", reason)
+        self.setup_info = {"profile_source": "not measured", "profile_cached": False, "profile_cache": None,
+                           "profile_reason": reason, "profile_table": self.table,
+                           "profile_choice": {str(c): 0 for c in contexts}}
+        return self.setup_info
 
     def _measure(self, probe: TimingProbe, key: str, selected_blocks: int, contexts: list[int]) -> dict[str, Any]:
         """Rounds of the whole profile until one is steady (or max_rounds); the steadiest is kept."""

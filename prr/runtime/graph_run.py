@@ -50,8 +50,6 @@ log = logging.getLogger("prr")
 
 def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     """Why this config cannot run on runtime.engine=graph (empty: it can)."""
-    from prr.kernels.sparse_decode import MIN_BLOCK_SIZE, SUPPORTED_HEAD_DIMS
-
     runtime, selector, predictor, budget, task = (built[g] for g in ("runtime", "selector", "predictor", "budget",
                                                                      "task"))
     out = []
@@ -73,10 +71,17 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
         out.append(f"{head}: |P| = {size} blocks exceeds the prompt's {prompt_blocks} blocks; lower budget.ratio / "
                    "budget.blocks")
     backend = engine_backend(runtime.device, built["backend"].name)
-    if backend == "triton" and model.head_dim not in SUPPORTED_HEAD_DIMS:
-        out.append(f"{head}: head_dim={model.head_dim} is not one of the kernels' {list(SUPPORTED_HEAD_DIMS)}")
-    if backend == "triton" and runtime.block_size < MIN_BLOCK_SIZE:
-        out.append(f"{head}: runtime.block_size={runtime.block_size} must be >= {MIN_BLOCK_SIZE}")
+    if backend == "triton":
+        try:  # the install of `make run` has no Triton: the engine's kernels on a GPU need it
+            from prr.kernels.sparse_decode import MIN_BLOCK_SIZE, SUPPORTED_HEAD_DIMS
+        except ImportError as err:
+            out.append(f"{head} on runtime.device={runtime.device} runs Triton kernels, and {err}: `make install` "
+                       "(or pip install -e '.[dev]') adds it")
+        else:
+            if model.head_dim not in SUPPORTED_HEAD_DIMS:
+                out.append(f"{head}: head_dim={model.head_dim} is not one of the kernels' {list(SUPPORTED_HEAD_DIMS)}")
+            if runtime.block_size < MIN_BLOCK_SIZE:
+                out.append(f"{head}: runtime.block_size={runtime.block_size} must be >= {MIN_BLOCK_SIZE}")
     if backend == "torch" and runtime.graph_projections() == "fused":
         out.append(f"{head} with runtime.projections=fused runs Triton GEMVs: use backend=triton (CUDA, or the CPU "
                    "under TRITON_INTERPRET=1) or runtime.projections=torch")

@@ -69,6 +69,10 @@ class GivenPrediction(Predictor):
 
 
 class StageProbe:
+    # The eager step (StaticPlan.eager) runs speculate, select, repair and merge one after the
+    # other, on any device: budget=profiled's stage check then knows |P| = 0 without timing.
+    stages_in_sequence = True
+
     def __init__(
         self,
         selector: Selector,

@@ -23,8 +23,11 @@ def read_prompt_file(path: str, tokens_needed: int, needed_by: str) -> str:
     so a file of fewer bytes cannot hold them under any tokenizer: this is checked here, before
     the model loads. The exact token count needs the tokenizer and is checked once it loads."""
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise IsADirectoryError(f"task.prompt_file={path!r} is a directory; give a text file (e.g. one of its files)")
     if not file.is_file():
-        raise FileNotFoundError(f"task.prompt_file={path!r} does not exist (resolved to {file.resolve()})")
+        what = "is not a regular file" if file.exists() else "does not exist"
+        raise FileNotFoundError(f"task.prompt_file={path!r} {what} (resolved to {file.resolve()})")
     data = file.read_bytes()
     fix = "give a UTF-8 text file"
     first_nul = data.find(b"\0")

@@ -1,0 +1,101 @@
+"""What `python run.py` checks before Hydra starts a job, cheapest first, so that bad input is
+refused in one line per problem before any work (prr/cli_exits.py: exit code 2):
+
+1. the command line: flags, group options, keys (prr.override_check: Hydra and OmegaConf only);
+2. paths: the run or sweep dir can be written, PRR_CACHE_DIR is a directory (no torch yet);
+3. `runtime=auto` (the default) becomes runtime=cuda when torch sees a GPU, else runtime=cpu;
+4. values: every job's config validated against its classes and the model (prr.config_check),
+   which imports torch: the only step that does.
+
+Nothing here writes a file. `preflight` returns the command line to hand Hydra and the line
+that says what runtime=auto chose (None when the command chose a runtime itself)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from prr.config_check import ConfigError
+from prr.override_check import BadOverride, check_command_line
+from prr.paths import cache_dir_problem
+
+
+def preflight(argv: list[str], conf_dir: Path, config_name: str = "config") -> tuple[list[str], str | None]:
+    """argv: run.py's arguments. Raises BadOverride or ConfigError (every problem found)."""
+    jobs = check_command_line(argv, conf_dir, config_name)
+    if jobs is None or {"--cfg", "-c"} & set(argv):  # Hydra's help, information, or the config printed
+        return argv, None
+    multirun = "-m" in argv or "--multirun" in argv
+    problems = path_problems(jobs[0], multirun)
+    if problems:
+        raise ConfigError(problems)
+    chosen = None
+    if any(OmegaConf.select(job, "hydra.runtime.choices.runtime") == "auto" for job in jobs):
+        choice, why = auto_runtime()
+        argv = [*argv, f"runtime={choice}"]
+        chosen = f"prr: runtime=auto chose runtime={choice} ({why})"
+        jobs = check_command_line(argv, conf_dir, config_name) or []
+    from prr.config_check import validate  # imports torch and the configured classes
+
+    for job in jobs:
+        validate(job)
+    return argv, chosen
+
+
+def auto_runtime() -> tuple[str, str]:
+    """('cuda' | 'cpu', why): cuda when this torch sees a GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", f"torch {torch.__version__} sees {torch.cuda.get_device_name(0)}"
+    return "cpu", f"torch {torch.__version__} sees no GPU"
+
+
+def path_problems(job: DictConfig, multirun: bool) -> list[str]:
+    """The run dir (sweep dir for -m) must be, or be creatable as, a writable directory, and
+    PRR_CACHE_DIR (when set) a directory: checked here rather than met as an OSError mid-run."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        where = Path(str(OmegaConf.select(job, key))).expanduser()
+    except Exception:  # noqa: BLE001 - an interpolation only Hydra's job context resolves: Hydra checks it
+        return []
+    problems = [p for p in [unwritable_dir(where, key), cache_dir_problem()] if p]
+    return problems
+
+
+def unwritable_dir(path: Path, key: str) -> str | None:
+    """Why `path` (a dir prr will create or write into) cannot be written, or None. Tried by
+    creating and removing an empty dir in it (permissions, a read-only file system and the
+    immutable attribute all show; access() does not see the last two for root); the folder's
+    times are put back, so a folder left empty keeps looking as old as it is."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{key}={str(path)!r}: {existing} is a file, not a directory; choose another {key}"
+    inside = [existing] + ([existing / d for d in (".hydra", "records", "wandb") if (existing / d).is_dir()]
+                           if existing == path else [])
+    for folder in inside:
+        error = write_probe(folder)
+        if error:
+            return f"{key}={str(path)!r}: {folder} cannot be written ({error}); choose another {key}"
+    return None
+
+
+def write_probe(folder: Path) -> str | None:
+    """None when a dir can be made (and is removed) in folder, else the OS's reason."""
+    times = folder.stat()
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".prr-write-probe-", dir=folder))
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    with contextlib.suppress(OSError):
+        os.utime(folder, ns=(times.st_atime_ns, times.st_mtime_ns))
+    return None
+
+
+__all__ = ["BadOverride", "ConfigError", "preflight"]

@@ -12,6 +12,13 @@ changes from step to step (a captured graph replays device work only). Host valu
 for the run (the constructor's options, what `calibrate` fitted before decoding) are fine.
 `num_blocks` is a host int or a device tensor [B] (rows may differ); implementations read
 it through `prr.blocks.block_counts`.
+
+Backends, as selectors have them (`Selector.set_backend`): the torch ops below are the
+definition, the CPU path and the kernels' reference; predictors with kernels
+(prr.kernels.predict) override `triton_problems` and run `propose` / `update` as one or two
+launches when the engine's backend is triton (`set_backend`, called by AttentionEngine). The
+kernels give the same P as a set (tested): torch writes P best first, the kernels in ascending
+block order. Callers that take a prefix of P as "the best blocks" use `propose_best_first`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,19 @@ class Predictor(ABC):
     history_only: bool = True
     needs_query: bool = False
     needs_current_selection: bool = False
+    # "torch" (the definition) or "triton" (prr.kernels.predict), chosen by `set_backend`.
+    backend: str = "torch"
+
+    def triton_problems(self) -> list[str] | None:
+        """None: no Triton path (torch ops under every backend); []: the kernels run this
+        configuration; else why not."""
+        return None
+
+    def set_backend(self, backend: str) -> str:
+        """Run on the kernels when `backend` is "triton" and this predictor has them, on torch
+        ops otherwise; returns the predictor's backend."""
+        self.backend = "triton" if backend == "triton" and self.triton_problems() == [] else "torch"
+        return self.backend
 
     @abstractmethod
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
@@ -70,5 +90,17 @@ class Predictor(ABC):
         current: Selection | None = None, query: Tensor | None = None,
     ) -> BlockSet:
         """P: the `budget_blocks` best-ranked blocks (a host int, static per captured graph).
-        -> BlockSet [B, Hkv, budget_blocks]."""
+        -> BlockSet [B, Hkv, budget_blocks] (best first on torch, ascending on triton: one set)."""
         return top_blocks(self.rank(state, layer, num_blocks), budget_blocks)
+
+    def propose_best_first(
+        self, state: Any, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+        current: Selection | None = None, query: Tensor | None = None,
+    ) -> BlockSet:
+        """`propose` by the torch definition whatever the backend: P best first, for measurements
+        that take its first entries as the best-ranked blocks (untimed; same set as `propose`)."""
+        backend, self.backend = self.backend, "torch"
+        try:
+            return self.propose(state, layer, num_blocks, budget_blocks, current, query=query)
+        finally:
+            self.backend = backend

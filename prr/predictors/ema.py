@@ -6,9 +6,12 @@ stickiness and a recency bonus. The paper's exact formula is not public; ours:
     e_t(b)    = α · e_{t−1}(b) + (1 − α) · z_t(b)            (new blocks start at e = 0: average)
     rank_{t+1}(b) = e_t(b) + β · 1[b ∈ A_t] + γ · 1[b among the `recent_blocks` newest]
 
-P = the top-|P| blocks by rank. α, β, γ are calibrated per prompt by grid search: replay
+P = the top-|P| blocks by rank (ties to the lower block id). α, β, γ are calibrated per prompt by grid search: replay
 the selections of the prefill tail and keep the triple with the highest hit rate at
 |P| = |A| (one triple per run, or one per layer with per_layer=True).
+
+On backend triton (prr.kernels.predict): propose = one rank launch + the top-k kernel, update =
+one launch (standardise, EMA, last_selected); the torch ops here are the definition.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import block_counts, inside_context
+from prr.blocks import BlockSet, block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.selectors.base import Selection
 
@@ -91,6 +94,19 @@ class EmaPredictor(Predictor):
         return EmaState(torch.zeros(shape, device=device), torch.zeros(shape, dtype=torch.bool, device=device),
                         alpha, stick, rec)
 
+    def triton_problems(self) -> list[str]:
+        return []
+
+    def propose(self, state: EmaState, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+                current: Selection | None = None, query: Tensor | None = None) -> BlockSet:
+        if self.backend != "triton" or budget_blocks <= 0:
+            return super().propose(state, layer, num_blocks, budget_blocks)
+        from prr.kernels.predict import ema_propose
+
+        one = slice(layer, layer + 1)
+        return BlockSet(*ema_propose(state.ema[layer], state.last_selected[layer], state.stickiness[one],
+                                     state.recency[one], num_blocks, self.recent_blocks, budget_blocks))
+
     def rank(self, state: EmaState, layer: int, num_blocks: int | Tensor) -> Tensor:
         max_blocks = state.ema.shape[-1]
         nb = block_counts(num_blocks, state.ema.shape[1], state.ema.device)  # [B]
@@ -99,6 +115,12 @@ class EmaPredictor(Predictor):
         return score.masked_fill(~inside_context(nb, max_blocks), NEVER)  # [B, Hkv, N]
 
     def update(self, state: EmaState, layer: int, selection: Selection) -> None:
+        if self.backend == "triton":
+            from prr.kernels.predict import ema_update
+
+            ema_update(selection.scores, selection.blocks.indices, selection.blocks.count,
+                       state.alpha[layer : layer + 1], state.ema[layer], state.last_selected[layer])
+            return
         z = standardise(selection.scores)  # [B, Hkv, N]
         a = state.alpha[layer]  # a 0-dim device tensor: no sync
         state.ema[layer] = torch.where(torch.isfinite(selection.scores), a * state.ema[layer] + (1 - a) * z, state.ema[layer])

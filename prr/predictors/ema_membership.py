@@ -6,6 +6,9 @@ The simplest predictor with memory beyond one step, and the one the CUDA-graph e
 on the device (prr/runtime/graph_decode.py, predictor "ema"): `runtime.engine=graph
 predictor=ema_membership` and the eager runtime propose the same P. Unlike `ema` it uses no
 selector scores, stickiness, recency or calibration.
+
+On backend triton (prr.kernels.predict): propose = the top-k kernel over the state as it is,
+update = one launch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import block_counts, inside_context
+from prr.blocks import BlockSet, block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.selectors.base import Selection
 
@@ -29,10 +32,26 @@ class EmaMembershipPredictor(Predictor):
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
         return torch.zeros(num_layers, batch, num_kv_heads, max_blocks, device=device)  # [L, B, Hkv, NB]
 
+    def triton_problems(self) -> list[str]:
+        return []
+
+    def propose(self, state: Tensor, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+                current: Selection | None = None, query: Tensor | None = None) -> BlockSet:
+        if self.backend != "triton" or budget_blocks <= 0:
+            return super().propose(state, layer, num_blocks, budget_blocks)
+        from prr.kernels.predict import propose_top, row_counts
+
+        return BlockSet(*propose_top(state[layer], budget_blocks, row_counts(num_blocks, state.shape[1], state.device)))
+
     def rank(self, state: Tensor, layer: int, num_blocks: int | Tensor) -> Tensor:
         nb = block_counts(num_blocks, state.shape[1], state.device)  # [B]
         return state[layer].masked_fill(~inside_context(nb, state.shape[-1]), NEVER)  # [B, Hkv, N]
 
     def update(self, state: Tensor, layer: int, selection: Selection) -> None:
+        if self.backend == "triton":
+            from prr.kernels.predict import membership_ema_update
+
+            membership_ema_update(state[layer], selection.blocks.indices, selection.blocks.count, self.alpha)
+            return
         member = selection.blocks.mask(state.shape[-1]).to(state.dtype)  # [B, Hkv, N]
         state[layer].mul_(self.alpha).add_(member, alpha=1.0 - self.alpha)

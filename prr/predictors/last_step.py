@@ -1,5 +1,8 @@
 """`last_step`: P_t = A_{t-1}, ranked by the previous step's selector scores (so a budget
-smaller than |A_{t-1}| keeps its best blocks)."""
+smaller than |A_{t-1}| keeps its best blocks; ties to the lower block id).
+
+On backend triton (prr.kernels.predict): propose = the top-k kernel over the state as it is
+(it masks blocks past the context itself), update = one launch."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import block_counts, inside_context
+from prr.blocks import BlockSet, block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.selectors.base import Selection
 
@@ -18,12 +21,28 @@ class LastStepPredictor(Predictor):
         # rank per layer: [L, B, Hkv, max_blocks]; NEVER until a selection is seen
         return torch.full((num_layers, batch, num_kv_heads, max_blocks), NEVER, device=device)
 
+    def triton_problems(self) -> list[str]:
+        return []
+
+    def propose(self, state: Tensor, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+                current: Selection | None = None, query: Tensor | None = None) -> BlockSet:
+        if self.backend != "triton" or budget_blocks <= 0:
+            return super().propose(state, layer, num_blocks, budget_blocks)
+        from prr.kernels.predict import propose_top, row_counts
+
+        return BlockSet(*propose_top(state[layer], budget_blocks, row_counts(num_blocks, state.shape[1], state.device)))
+
     def rank(self, state: Tensor, layer: int, num_blocks: int | Tensor) -> Tensor:
         nb = block_counts(num_blocks, state.shape[1], state.device)  # [B]
         # A_{t-1} lies inside the context already; the mask only guards a row whose context shrank.
         return state[layer].masked_fill(~inside_context(nb, state.shape[-1]), NEVER)  # [B, Hkv, N]
 
     def update(self, state: Tensor, layer: int, selection: Selection) -> None:
+        if self.backend == "triton":
+            from prr.kernels.predict import last_step_update
+
+            last_step_update(selection.scores, selection.blocks.indices, selection.blocks.count, state[layer])
+            return
         chosen = selection.blocks.mask(state.shape[-1])  # [B, Hkv, N]
         # Forced blocks may score -inf-free but low; any finite rank keeps them in P.
         finite = torch.nan_to_num(selection.scores, neginf=-1e30, posinf=1e30)

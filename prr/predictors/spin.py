@@ -22,6 +22,10 @@ proposal is a deterministic function of the state (proposing twice in one step g
 same P), nothing is seeded on the host per call, and it captures in a CUDA graph. The batch
 row is not a key: a row's P does not depend on which batch it runs in.
 Unseen blocks and distances start at 0 (average).
+
+On backend triton (prr.kernels.predict): update = one launch; propose = one launch (rank and
+draw) + the top-k kernel, and with exploration a top-k of the exploited blocks, one launch
+marking them and a top-k over the draw (the same set as the torch path's, in ascending order).
 """
 
 from __future__ import annotations
@@ -66,12 +70,18 @@ def mix32(x: Tensor | int) -> Tensor | int:
     return x ^ (x >> 16)
 
 
-def uniform_draw(seed: int, layer: int, step: Tensor, shape: tuple[int, int, int]) -> Tensor:
-    """step: 0-dim int64 device tensor -> [B, Hkv, N] fp32 uniform in [0, 1), a pure function
-    of (seed, layer, step, KV head, block); rows of the batch share it (batch invariance)."""
+def draw_key(seed: int, layer: int) -> int:
+    """The host part of the draw's key, in [0, 2^32): mix32 chained over (seed, layer)."""
     key = 0
     for part in (seed & MASK32, (seed >> 32) & MASK32, layer):  # host constants, fixed per layer
         key = mix32(key ^ part)
+    return key
+
+
+def uniform_draw(seed: int, layer: int, step: Tensor, shape: tuple[int, int, int]) -> Tensor:
+    """step: 0-dim int64 device tensor -> [B, Hkv, N] fp32 uniform in [0, 1), a pure function
+    of (seed, layer, step, KV head, block); rows of the batch share it (batch invariance)."""
+    key = draw_key(seed, layer)
     b, h, n = shape
     head_block = torch.arange(h * n, device=step.device).view(1, h, n)  # [1, Hkv, N]
     bits = mix32(mix32(key ^ (step & MASK32)) ^ head_block)  # [1, Hkv, N] in [0, 2^32)
@@ -104,6 +114,9 @@ class SpinPredictor(Predictor):
         return SpinState(torch.zeros(shape, device=device), torch.zeros(shape, device=device),
                          torch.zeros(num_layers, dtype=torch.int64, device=device))
 
+    def triton_problems(self) -> list[str]:
+        return []
+
     def rank(self, state: SpinState, layer: int, num_blocks: int | Tensor) -> Tensor:
         """-> [B, Hkv, max_blocks]: max of the vertical and diagonal EMAs; NEVER past the context."""
         batch, heads, max_blocks = state.vertical.shape[1:]
@@ -118,8 +131,14 @@ class SpinPredictor(Predictor):
         self, state: SpinState, layer: int, num_blocks: int | Tensor, budget_blocks: int,
         current: Selection | None = None, query: Tensor | None = None,
     ) -> BlockSet:
-        rank = self.rank(state, layer, num_blocks)  # [B, Hkv, N]
         explored = math.floor(self.explore * budget_blocks)  # host int: the budget is static
+        if self.backend == "triton" and budget_blocks > 0:
+            from prr.kernels.predict import spin_propose
+
+            return BlockSet(*spin_propose(state.vertical[layer], state.diagonal[layer], num_blocks,
+                                          state.updates[layer : layer + 1], draw_key(self.seed, layer), budget_blocks,
+                                          explored))
+        rank = self.rank(state, layer, num_blocks)  # [B, Hkv, N]
         if explored == 0:
             return top_blocks(rank, budget_blocks)
         n = rank.shape[-1]
@@ -135,6 +154,13 @@ class SpinPredictor(Predictor):
         return top_blocks(key, budget_blocks)
 
     def update(self, state: SpinState, layer: int, selection: Selection) -> None:
+        if self.backend == "triton":
+            from prr.kernels.predict import spin_update
+
+            spin_update(selection.scores, selection.blocks.indices, selection.blocks.count, state.vertical[layer],
+                        state.diagonal[layer], state.updates[layer : layer + 1], self.alpha_vertical,
+                        self.alpha_diagonal, self.selection_bonus)
+            return
         scores = selection.scores  # [B, Hkv, N], -inf past the context
         n = scores.shape[-1]
         finite = torch.isfinite(scores)

@@ -44,7 +44,8 @@ class AttentionEngine:
         """selector / predictor: the run's prr.selectors / prr.predictors objects (default: built
         from `plan`, `StaticPlan.make_selector` / `make_predictor`).
         backend: "triton" (prr.kernels; CUDA, or the CPU under TRITON_INTERPRET=1) or "torch"
-        (static-shape torch ops, any device); the selector selects on the same backend.
+        (static-shape torch ops, any device); the selector selects and the predictor proposes and
+        learns on the same backend where they have kernels.
         timer: time each stage (the eager runtime; stages then run one after the other: a
         plan with overlap=False and fused_repair=False keeps them apart)."""
         from prr.runtime.engine_ops import engine_ops
@@ -74,6 +75,9 @@ class AttentionEngine:
         # Selection in Triton where the selector has kernels (Quest) and the backend is triton,
         # torch ops otherwise.
         self.selector.set_backend(backend)
+        # The predictor's propose / update likewise: kernels (prr.kernels.predict) where it has them.
+        if self.predictor is not None:
+            self.predictor.set_backend(backend)
         # Selectors whose whole metadata is Quest's key max / min let the append kernels update it
         # (backend triton; the torch backend's append leaves it to the selector's append_metadata).
         self.kernel_metadata = self.selector.metadata_in_append_kernel and backend == "triton"

@@ -157,7 +157,7 @@ class DSABackend:
         current = self.selector.select(qg, self.cache, layer) if self.predictor.needs_current_selection else None
         capacity = self.selector.capacity(self.group, self.cache.max_blocks)  # |A| at most
         query = {"query": qg} if getattr(self.predictor, "needs_query", False) else {}  # query_similarity
-        ranking = self.predictor.propose(self.predictor_state, layer, num_blocks, capacity, current, **query)
+        ranking = self.predictor.propose_best_first(self.predictor_state, layer, num_blocks, capacity, current, **query)
         self.measure_s += time.perf_counter() - measure_start
         out, selection = self.engine.sparse_attention(layer, q, lengths, block_counts, predicted_blocks=budget_blocks,
                                                       fp32=True)  # [B, Hq, D] fp32

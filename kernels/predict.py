@@ -1,0 +1,323 @@
+"""Launchers (checks, allocation, grid) of the predictor kernels in `prr.kernels.predict_jit`;
+torch references in `prr.kernels.reference_predict`. One program per (batch row, KV head).
+
+Propose = one rank launch (or none: last_step and ema_membership rank with their state as it
+is) + `prr.kernels.topk.topk_select` over the rank with no forced blocks: P is the set of
+`reference_selection.top_k_blocks(rank, k)` (higher rank first, ties to the lower block id,
+-inf never taken), written in ascending block order (the torch path writes it best first:
+the same set). Update = one launch per layer.
+
+Static shapes, no host synchronisation: per-layer parameters (α, β, γ, SPIN's step counter)
+are read from device tensors, so every launcher is capturable in a CUDA graph.
+Shapes: B rows, Hkv KV heads, N blocks (the cache's max_blocks), C a selection's capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from .pdl import launch_kwargs
+from .predict_jit import (
+    _ema_rank_kernel,
+    _ema_update_kernel,
+    _scatter_selected_kernel,
+    _spin_rank_kernel,
+    _spin_update_kernel,
+)
+from .topk import topk_select
+
+MAX_TILE = 4096  # blocks of a row per loop iteration
+IDX_TILE = 128  # selected ids per loop iteration
+
+
+def _tile(n: int) -> int:
+    return max(16, min(triton.next_power_of_2(max(n, 1)), MAX_TILE))
+
+
+def _warps(tile: int) -> int:
+    return max(1, min(8, tile // 256))
+
+
+# --- checks ---------------------------------------------------------------------------
+
+
+def _check_row_tensor(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if t.shape != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {list(shape)}; got {t.dtype} {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}: put every input on one device")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (a layer of the predictor's [L, B, Hkv, N] state)")
+
+
+def _check_param(name: str, t: Tensor, device: torch.device) -> None:
+    if t.numel() != 1 or t.dtype != torch.float32 or t.device != device:
+        raise ValueError(f"{name} must be one fp32 value on {device} (a [1] slice of the per-layer tensor); got "
+                         f"{t.dtype} {list(t.shape)} on {t.device}")
+
+
+def _check_selection(scores: Tensor | None, indices: Tensor, count: Tensor, batch: int, heads: int, n: int,
+                     device: torch.device) -> None:
+    if scores is not None and (scores.shape != (batch, heads, n) or scores.dtype != torch.float32):
+        raise ValueError(f"selection scores must be fp32 [B, Hkv, N] = {[batch, heads, n]}; got {scores.dtype} "
+                         f"{list(scores.shape)}")
+    if indices.dim() != 3 or indices.shape[:2] != (batch, heads) or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"selection indices must be int32/int64 [B, Hkv, C] with [B, Hkv] = {[batch, heads]}; got "
+                         f"{indices.dtype} {list(indices.shape)}")
+    if count.shape != (batch, heads) or count.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"selection count must be int32/int64 [B, Hkv] = {[batch, heads]}; got {count.dtype} "
+                         f"{list(count.shape)}")
+    for name, t in (("scores", scores), ("indices", indices), ("count", count)):
+        if t is not None and t.device != device:
+            raise ValueError(f"selection {name} is on {t.device}, the state on {device}")
+
+
+def row_counts(num_blocks: int | Tensor, batch: int, device: torch.device) -> Tensor:
+    """Blocks in each row's context as the kernels read them: [B] int32/int64 contiguous on
+    `device` (a host int is filled on the device; a 0-dim tensor broadcast; a [B] tensor used as is)."""
+    if not isinstance(num_blocks, Tensor):
+        return torch.full((batch,), int(num_blocks), dtype=torch.int32, device=device)
+    if num_blocks.dtype not in (torch.int32, torch.int64) or num_blocks.device != device:
+        raise ValueError(f"num_blocks must be an int32/int64 tensor on {device}; got {num_blocks.dtype} on "
+                         f"{num_blocks.device}")
+    if num_blocks.dim() == 0:
+        return num_blocks.expand(batch).contiguous()
+    if num_blocks.shape != (batch,):
+        raise ValueError(f"num_blocks must be [B] = [{batch}]; got {list(num_blocks.shape)}")
+    return num_blocks.contiguous()
+
+
+def _selection_args(scores: Tensor | None, indices: Tensor, count: Tensor) -> tuple:
+    s = scores.stride() if scores is not None else (0, 0, 0)
+    return (*s, *indices.stride(), *count.stride())
+
+
+# --- propose ------------------------------------------------------------------------------
+
+
+def propose_top(rank: Tensor, k: int, num_blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """rank [B, Hkv, N] fp32 (-inf: never), num_blocks [B] -> P (indices [B, Hkv, min(k, N)]
+    int32 ascending then padding 0, counts [B, Hkv] int32): the set of top_k_blocks(rank, k)."""
+    return topk_select(rank, k, num_blocks, sink_blocks=0, recent_blocks=0)
+
+
+def _rank_launch(batch: int, heads: int, n: int, device: torch.device, nb: Tensor, mix: int,
+                 ema: Tensor | None, last_selected: Tensor | None, stickiness: Tensor | None, recency: Tensor | None,
+                 recent_blocks: int, z_source: Tensor | None, selected_source: Tensor | None,
+                 source_stickiness: float, temporal_weight: float) -> Tensor:
+    rank = torch.empty(batch, heads, n, dtype=torch.float32, device=device)
+    if batch == 0 or heads == 0 or n == 0:
+        return rank
+    dummy_f = rank  # never read: the constexpr MIX leaves those loads out
+    dummy_u8 = torch.empty(1, dtype=torch.uint8, device=device)
+    one = torch.ones(1, dtype=torch.float32, device=device) if stickiness is None else None
+    tile = _tile(n)
+    _ema_rank_kernel[(heads, batch)](
+        ema if ema is not None else dummy_f,
+        last_selected.view(torch.uint8) if last_selected is not None else dummy_u8,
+        stickiness if stickiness is not None else one,
+        recency if recency is not None else one,
+        nb,
+        z_source if z_source is not None else dummy_f,
+        selected_source.view(torch.uint8) if selected_source is not None else dummy_u8,
+        rank,
+        n, heads, recent_blocks,
+        float(source_stickiness), float(temporal_weight), float(1 - temporal_weight),
+        MIX=mix, TILE=tile, num_warps=_warps(tile), enable_fp_fusion=False, **launch_kwargs(device),
+    )
+    return rank
+
+
+def ema_rank(ema: Tensor, last_selected: Tensor, stickiness: Tensor, recency: Tensor, num_blocks: int | Tensor,
+             recent_blocks: int) -> Tensor:
+    """ema [B, Hkv, N] fp32, last_selected [B, Hkv, N] bool, stickiness / recency one fp32 each
+    (device), num_blocks (host int or [B]) -> rank [B, Hkv, N] fp32: ema + β·1[last selected] +
+    γ·1[among the recent_blocks newest], -inf at or past num_blocks (bit-equal to the reference:
+    no fused multiply-add)."""
+    batch, heads, n = ema.shape
+    dev = ema.device
+    _check_row_tensor("ema", ema, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
+    _check_param("stickiness", stickiness, dev)
+    _check_param("recency", recency, dev)
+    if isinstance(recent_blocks, bool) or not isinstance(recent_blocks, int) or recent_blocks < 0:
+        raise ValueError(f"recent_blocks={recent_blocks!r} must be an int >= 0")
+    nb = row_counts(num_blocks, batch, dev)
+    return _rank_launch(batch, heads, n, dev, nb, 0, ema, last_selected, stickiness, recency, min(recent_blocks, n + 1),
+                        None, None, 0.0, 1.0)
+
+
+def ema_propose(ema: Tensor, last_selected: Tensor, stickiness: Tensor, recency: Tensor, num_blocks: int | Tensor,
+                recent_blocks: int, k: int) -> tuple[Tensor, Tensor]:
+    """ema's P: the top-k blocks of `ema_rank` (two launches) -> (indices [B, Hkv, min(k, N)]
+    int32 ascending, counts [B, Hkv] int32)."""
+    rank = ema_rank(ema, last_selected, stickiness, recency, num_blocks, recent_blocks)
+    return propose_top(rank, k, row_counts(num_blocks, ema.shape[0], ema.device))
+
+
+def cross_layer_rank(z_source: Tensor, selected_source: Tensor, source_stickiness: float, temporal_weight: float,
+                     num_blocks: int | Tensor, ema: Tensor | None = None, last_selected: Tensor | None = None,
+                     stickiness: Tensor | None = None, recency: Tensor | None = None, recent_blocks: int = 0) -> Tensor:
+    """cross_layer's rank: (1 - w)·(z_source + s·1[selected_source]) + w·ema_rank(...) for
+    0 < w < 1, the cross part alone for w = 0 (then the ema arguments are not needed), -inf at or
+    past num_blocks. z_source [B, Hkv, N] fp32, selected_source [B, Hkv, N] bool."""
+    batch, heads, n = z_source.shape
+    dev = z_source.device
+    _check_row_tensor("z_source", z_source, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("selected_source", selected_source, (batch, heads, n), torch.bool, dev)
+    if not 0.0 <= temporal_weight < 1.0:
+        raise ValueError(f"temporal_weight={temporal_weight} must lie in [0, 1) here (1: use ema_rank)")
+    nb = row_counts(num_blocks, batch, dev)
+    if temporal_weight == 0.0:
+        return _rank_launch(batch, heads, n, dev, nb, 1, None, None, None, None, 0, z_source, selected_source,
+                            source_stickiness, 0.0)
+    if ema is None or last_selected is None or stickiness is None or recency is None:
+        raise ValueError(f"temporal_weight={temporal_weight} > 0 mixes in ema's rank: pass ema, last_selected, "
+                         "stickiness and recency")
+    _check_row_tensor("ema", ema, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
+    _check_param("stickiness", stickiness, dev)
+    _check_param("recency", recency, dev)
+    return _rank_launch(batch, heads, n, dev, nb, 2, ema, last_selected, stickiness, recency, min(recent_blocks, n + 1),
+                        z_source, selected_source, source_stickiness, temporal_weight)
+
+
+def spin_rank(vertical: Tensor, diagonal: Tensor, num_blocks: int | Tensor, updates: Tensor | None = None,
+              key: int = 0, draw: bool = False) -> tuple[Tensor, Tensor | None]:
+    """vertical, diagonal [B, Hkv, N] fp32 -> (rank [B, Hkv, N]: max(vertical(b), diagonal(nb-1-b)),
+    -inf outside; with draw, the exploration draw [B, Hkv, N] in [0, 1) inside the context (-inf
+    outside) of step key `updates` ([1] int64 device counter) and host key `key` < 2^32)."""
+    batch, heads, n = vertical.shape
+    dev = vertical.device
+    _check_row_tensor("vertical", vertical, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("diagonal", diagonal, (batch, heads, n), torch.float32, dev)
+    if draw and (updates is None or updates.numel() != 1 or updates.dtype != torch.int64 or updates.device != dev):
+        raise ValueError(f"the exploration draw needs updates: one int64 on {dev} (the layer's selection counter)")
+    if not 0 <= key < 2**32:
+        raise ValueError(f"key={key} must lie in [0, 2^32)")
+    nb = row_counts(num_blocks, batch, dev)
+    rank = torch.empty(batch, heads, n, dtype=torch.float32, device=dev)
+    drawn = torch.empty_like(rank) if draw else None
+    if batch == 0 or heads == 0 or n == 0:
+        return rank, drawn
+    tile = _tile(n)
+    _spin_rank_kernel[(heads, batch)](
+        vertical, diagonal, nb, updates if draw else nb, rank, drawn if draw else rank,
+        n, heads, key - 2**32 if key >= 2**31 else key,
+        DRAW=draw, TILE=tile, num_warps=_warps(tile), **launch_kwargs(dev),
+    )
+    return rank, drawn
+
+
+def spin_propose(vertical: Tensor, diagonal: Tensor, num_blocks: int | Tensor, updates: Tensor, key: int,
+                 budget_blocks: int, explored: int) -> tuple[Tensor, Tensor]:
+    """SPIN's P: the best budget - explored blocks by `spin_rank`, then the `explored` other
+    in-context blocks of highest draw (ties to the lower id) -> (indices [B, Hkv, min(budget, N)]
+    int32 ascending, counts [B, Hkv] int32). One launch + one top-k without exploration; rank
+    and draw, top-k, a mark, top-k with it."""
+    if not 0 <= explored < max(budget_blocks, 1):
+        raise ValueError(f"explored={explored} must lie in [0, budget_blocks={budget_blocks})")
+    nb = row_counts(num_blocks, vertical.shape[0], vertical.device)
+    rank, drawn = spin_rank(vertical, diagonal, nb, updates, key, draw=explored > 0)
+    if explored == 0:
+        return propose_top(rank, budget_blocks, nb)
+    best, best_count = propose_top(rank, budget_blocks - explored, nb)
+    mark_blocks(drawn, best, best_count, 2.0)  # exploited blocks above every draw (< 1)
+    return propose_top(drawn, budget_blocks, nb)
+
+
+# --- update -------------------------------------------------------------------------------
+
+
+def ema_update(scores: Tensor, indices: Tensor, count: Tensor, alpha: Tensor, ema: Tensor, last_selected: Tensor,
+               z_out: Tensor | None = None, selected_out: Tensor | None = None) -> None:
+    """One launch: z = the selection scores standardised per (row, KV head) over the finite
+    entries; ema <- α·ema + (1-α)·z where the score is finite; last_selected <- the selection's
+    mask. With z_out / selected_out ([B, Hkv, N] fp32 / bool) also writes z and the mask there
+    (cross_layer). scores [B, Hkv, N] fp32, indices [B, Hkv, C], count [B, Hkv], alpha one fp32
+    on the device; ema [B, Hkv, N] fp32 and last_selected bool, contiguous, in place."""
+    batch, heads, n = ema.shape
+    dev = ema.device
+    _check_row_tensor("ema", ema, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
+    _check_param("alpha", alpha, dev)
+    _check_selection(scores, indices, count, batch, heads, n, dev)
+    write_z = z_out is not None or selected_out is not None
+    if write_z:
+        if z_out is None or selected_out is None:
+            raise ValueError("pass both z_out and selected_out, or neither")
+        _check_row_tensor("z_out", z_out, (batch, heads, n), torch.float32, dev)
+        _check_row_tensor("selected_out", selected_out, (batch, heads, n), torch.bool, dev)
+    if batch == 0 or heads == 0 or n == 0:
+        return
+    tile = _tile(n)
+    sel = last_selected.view(torch.uint8)
+    _ema_update_kernel[(heads, batch)](
+        scores, indices, count, alpha, ema, sel,
+        z_out if write_z else ema, selected_out.view(torch.uint8) if write_z else sel,
+        n, heads, indices.shape[-1],
+        *_selection_args(scores, indices, count),
+        WRITE_Z=write_z, TILE=tile, IDX_TILE=IDX_TILE, num_warps=_warps(tile), **launch_kwargs(dev),
+    )
+
+
+def _scatter(mode: int, row: Tensor, scores: Tensor | None, indices: Tensor, count: Tensor, scale: float,
+             bonus: float) -> None:
+    batch, heads, n = row.shape
+    dev = row.device
+    _check_row_tensor("state", row, (batch, heads, n), torch.float32, dev)
+    _check_selection(scores, indices, count, batch, heads, n, dev)
+    if batch == 0 or heads == 0 or n == 0:
+        return
+    tile = _tile(n)
+    _scatter_selected_kernel[(heads, batch)](
+        row, scores if scores is not None else row, indices, count,
+        n, heads, indices.shape[-1], float(scale), float(bonus),
+        *_selection_args(scores, indices, count),
+        MODE=mode, TILE=tile, IDX_TILE=IDX_TILE, num_warps=_warps(tile), **launch_kwargs(dev),
+    )
+
+
+def last_step_update(scores: Tensor, indices: Tensor, count: Tensor, rank: Tensor) -> None:
+    """One launch: rank [B, Hkv, N] fp32 <- the selected blocks' scores (NaN -> 0, ±inf -> ±1e30),
+    -inf elsewhere."""
+    _scatter(0, rank, scores, indices, count, 1.0, 0.0)
+
+
+def membership_ema_update(state: Tensor, indices: Tensor, count: Tensor, alpha: float) -> None:
+    """One launch: state [B, Hkv, N] fp32 <- α·state + (1 - α)·1[b selected]."""
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"alpha={alpha} must lie in [0, 1)")
+    _scatter(1, state, None, indices, count, alpha, 1.0 - alpha)
+
+
+def mark_blocks(row: Tensor, indices: Tensor, count: Tensor, value: float) -> None:
+    """One launch: row [B, Hkv, N] fp32 <- value at the listed blocks (the others unchanged)."""
+    _scatter(2, row, None, indices, count, 1.0, value)
+
+
+def spin_update(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor, diagonal: Tensor, updates: Tensor,
+                alpha_vertical: float, alpha_diagonal: float, selection_bonus: float) -> None:
+    """One launch: x = z + bonus·1[b ∈ A] (z: scores standardised over the finite entries);
+    vertical <- α_v·vertical + (1-α_v)·x where the score is finite; diagonal(δ) <- α_d·diagonal(δ)
+    + (1-α_d)·x(n-1-δ) for δ < n (n: the row's finite scores); updates ([1] int64) += 1."""
+    batch, heads, n = vertical.shape
+    dev = vertical.device
+    _check_row_tensor("vertical", vertical, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("diagonal", diagonal, (batch, heads, n), torch.float32, dev)
+    _check_selection(scores, indices, count, batch, heads, n, dev)
+    if updates.numel() != 1 or updates.dtype != torch.int64 or updates.device != dev:
+        raise ValueError(f"updates must be one int64 on {dev} (the layer's selection counter)")
+    member = torch.empty(batch, heads, n, dtype=torch.uint8, device=dev)  # scratch: the selection's mask
+    if batch == 0 or heads == 0 or n == 0:
+        updates.add_(1)
+        return
+    tile = _tile(n)
+    _spin_update_kernel[(heads, batch)](
+        scores, indices, count, vertical, diagonal, member, updates,
+        n, heads, indices.shape[-1], float(alpha_vertical), float(alpha_diagonal), float(selection_bonus),
+        *_selection_args(scores, indices, count),
+        TILE=tile, IDX_TILE=IDX_TILE, num_warps=_warps(tile), **launch_kwargs(dev),
+    )

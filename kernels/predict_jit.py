@@ -1,0 +1,309 @@
+"""Triton kernels of the predictors' propose and update (one program per (batch row, KV head),
+rows walked in tiles of TILE blocks). Launchers with checks: `prr.kernels.predict`; torch
+references: `prr.kernels.reference_predict`.
+
+- `_ema_rank_kernel`: ema's rank (ema + β·last_selected + γ·recent, -inf outside the context),
+  optionally mixed with the cross-layer part; feeds `topk_select` (the propose's second launch).
+- `_ema_update_kernel`: standardise the selection scores over the finite entries, EMA them,
+  write last_selected from the selection's block ids (and, for cross_layer, z and the mask).
+- `_scatter_selected_kernel`: last_step's update (the selected blocks' scores, -inf elsewhere),
+  ema_membership's update (α·s, then + (1-α) on the selected blocks), SPIN's exploit marks.
+- `_spin_rank_kernel`, `_spin_update_kernel`: SPIN's max-pooled rank with its exploration
+  draw, and its vertical / diagonal EMAs.
+
+Writes of one program that its own threads read back are separated by `tl.debug_barrier()`
+(a CTA barrier: the program's global writes before it are visible to its threads after it).
+Row offsets are int64; block ids and counts int32. Constants are literals (no module globals).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .pdl import pdl_prologue
+
+
+@triton.jit
+def _row_stats(scores_ptr, score_row, stride_sn, n, TILE: tl.constexpr):
+    """-> (mean, std, finite count) of one row's finite scores: mean = Σx / max(n, 1), std =
+    max(sqrt(Σ(x - mean)² / max(n, 1)), 1e-6) (two passes, as the torch reference)."""
+    total = tl.zeros([], dtype=tl.float32)
+    count = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        s = tl.load(scores_ptr + score_row + offs.to(tl.int64) * stride_sn, mask=offs < n, other=float("-inf"))
+        s = s.to(tl.float32)
+        finite = (s == s) & (tl.abs(s) < float("inf"))
+        total += tl.sum(tl.where(finite, s, 0.0), axis=0)
+        count += tl.sum(finite.to(tl.int32), axis=0)
+    rows = tl.maximum(count, 1).to(tl.float32)
+    mean = total / rows
+    squares = tl.zeros([], dtype=tl.float32)
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        s = tl.load(scores_ptr + score_row + offs.to(tl.int64) * stride_sn, mask=offs < n, other=float("-inf"))
+        s = s.to(tl.float32)
+        finite = (s == s) & (tl.abs(s) < float("inf"))
+        dev = tl.where(finite, s - mean, 0.0)
+        squares += tl.sum(dev * dev, axis=0)
+    std = tl.maximum(tl.sqrt_rn(squares / rows), 1e-6)
+    return mean, std, count
+
+
+@triton.jit
+def _zscore(s, mean, std):
+    """-> (z, finite) of scores s: (s - mean) / std where finite, 0 elsewhere."""
+    finite = (s == s) & (tl.abs(s) < float("inf"))
+    return tl.where(finite, tl.div_rn(s - mean, std), 0.0), finite
+
+
+@triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 (products wrap mod 2^32, as the reference's mul32)."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _ema_rank_kernel(
+    ema_ptr,  # [B, Hkv, N] fp32 contiguous (MIX != 1)
+    sel_ptr,  # [B, Hkv, N] uint8 (bool) last_selected (MIX != 1)
+    stick_ptr,  # [1] fp32 β of the layer
+    rec_ptr,  # [1] fp32 γ of the layer
+    num_blocks_ptr,  # [B] int32/int64 blocks in each row's context at the step proposed
+    z_ptr,  # [B, Hkv, N] fp32 the source layer's z-scores (MIX != 0)
+    zsel_ptr,  # [B, Hkv, N] uint8 the source layer's selection (MIX != 0)
+    rank_ptr,  # [B, Hkv, N] fp32 out
+    n, num_kv_heads, recent_blocks,
+    source_stickiness, temporal_weight, cross_weight,  # fp32: s, w, 1 - w
+    MIX: tl.constexpr,  # 0: ema's rank; 1: the cross-layer part alone; 2: (1 - w)·cross + w·ema's rank
+    TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    nb = tl.load(num_blocks_ptr + batch).to(tl.int32)
+    row = (batch.to(tl.int64) * num_kv_heads + kv_head) * n
+    stick = tl.load(stick_ptr)
+    rec = tl.load(rec_ptr)
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        live = offs < n
+        inside = offs < nb
+        if MIX != 1:
+            e = tl.load(ema_ptr + row + offs, mask=live, other=0.0)
+            s = tl.load(sel_ptr + row + offs, mask=live, other=0).to(tl.float32)
+            recent = ((offs >= nb - recent_blocks) & inside).to(tl.float32)
+            temporal = e + stick * s + rec * recent
+        if MIX != 0:
+            zs = tl.load(z_ptr + row + offs, mask=live, other=0.0)
+            zsel = tl.load(zsel_ptr + row + offs, mask=live, other=0).to(tl.float32)
+            cross = zs + source_stickiness * zsel
+        if MIX == 0:
+            score = temporal
+        elif MIX == 1:
+            score = cross
+        else:
+            score = cross_weight * cross + temporal_weight * tl.where(inside, temporal, float("-inf"))
+        tl.store(rank_ptr + row + offs, tl.where(inside, score, float("-inf")), mask=live)
+
+
+@triton.jit
+def _ema_update_kernel(
+    scores_ptr,  # [B, Hkv, N] fp32 selection scores (-inf outside the context), strided
+    idx_ptr,  # [B, Hkv, C] int32/int64 selected block ids (entries >= count: padding), strided
+    cnt_ptr,  # [B, Hkv] int32/int64, strided
+    alpha_ptr,  # [1] fp32 α of the layer
+    ema_ptr,  # [B, Hkv, N] fp32 contiguous, updated in place
+    sel_ptr,  # [B, Hkv, N] uint8 contiguous: last_selected, rewritten
+    z_ptr,  # [B, Hkv, N] fp32 contiguous: z-scores out (WRITE_Z)
+    zsel_ptr,  # [B, Hkv, N] uint8 contiguous: the selection's mask out (WRITE_Z)
+    n, num_kv_heads, capacity,
+    stride_sb, stride_sh, stride_sn,
+    stride_ib, stride_ih, stride_ic,
+    stride_cb, stride_ch,
+    WRITE_Z: tl.constexpr,
+    TILE: tl.constexpr,
+    IDX_TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    score_row = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    row = (batch.to(tl.int64) * num_kv_heads + kv_head) * n
+    mean, std, count = _row_stats(scores_ptr, score_row, stride_sn, n, TILE)
+    alpha = tl.load(alpha_ptr)
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        live = offs < n
+        s = tl.load(scores_ptr + score_row + offs.to(tl.int64) * stride_sn, mask=live, other=float("-inf"))
+        z, finite = _zscore(s.to(tl.float32), mean, std)
+        e = tl.load(ema_ptr + row + offs, mask=live, other=0.0)
+        tl.store(ema_ptr + row + offs, tl.where(finite, alpha * e + (1 - alpha) * z, e), mask=live)
+        tl.store(sel_ptr + row + offs, tl.zeros([TILE], dtype=tl.uint8), mask=live)
+        if WRITE_Z:
+            tl.store(z_ptr + row + offs, z, mask=live)
+            tl.store(zsel_ptr + row + offs, tl.zeros([TILE], dtype=tl.uint8), mask=live)
+    tl.debug_barrier()  # the zeros land before the selected blocks' ones
+    chosen = tl.load(cnt_ptr + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch).to(tl.int32)
+    idx_row = batch.to(tl.int64) * stride_ib + kv_head.to(tl.int64) * stride_ih
+    for start in range(0, capacity, IDX_TILE):
+        j = start + tl.arange(0, IDX_TILE)
+        valid = (j < chosen) & (j < capacity)
+        ids = tl.load(idx_ptr + idx_row + j.to(tl.int64) * stride_ic, mask=valid, other=0).to(tl.int32)
+        valid = valid & (ids >= 0) & (ids < n)
+        tl.store(sel_ptr + row + ids, tl.full([IDX_TILE], 1, tl.uint8), mask=valid)
+        if WRITE_Z:
+            tl.store(zsel_ptr + row + ids, tl.full([IDX_TILE], 1, tl.uint8), mask=valid)
+
+
+@triton.jit
+def _scatter_selected_kernel(
+    row_ptr,  # [B, Hkv, N] fp32 contiguous, rewritten
+    scores_ptr,  # [B, Hkv, N] fp32, strided (MODE 0)
+    idx_ptr,  # [B, Hkv, C] int32/int64 block ids, strided
+    cnt_ptr,  # [B, Hkv] int32/int64, strided
+    n, num_kv_heads, capacity,
+    scale, bonus,  # fp32 (MODE 1: α, 1 - α; MODE 2: -, the mark)
+    stride_sb, stride_sh, stride_sn,
+    stride_ib, stride_ih, stride_ic,
+    stride_cb, stride_ch,
+    MODE: tl.constexpr,  # 0: last_step (row = -inf, the selected blocks' scores); 1: membership EMA
+                         # (row = α·row, + (1 - α) on the selected); 2: mark (row[selected] = bonus)
+    TILE: tl.constexpr,
+    IDX_TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    row = (batch.to(tl.int64) * num_kv_heads + kv_head) * n
+    if MODE != 2:
+        for start in range(0, n, TILE):
+            offs = start + tl.arange(0, TILE)
+            live = offs < n
+            if MODE == 0:
+                tl.store(row_ptr + row + offs, tl.full([TILE], float("-inf"), tl.float32), mask=live)
+            else:
+                r = tl.load(row_ptr + row + offs, mask=live, other=0.0)
+                tl.store(row_ptr + row + offs, r * scale, mask=live)
+        tl.debug_barrier()  # the whole row is written before the selected blocks are
+    chosen = tl.load(cnt_ptr + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch).to(tl.int32)
+    idx_row = batch.to(tl.int64) * stride_ib + kv_head.to(tl.int64) * stride_ih
+    score_row = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    for start in range(0, capacity, IDX_TILE):
+        j = start + tl.arange(0, IDX_TILE)
+        valid = (j < chosen) & (j < capacity)
+        ids = tl.load(idx_ptr + idx_row + j.to(tl.int64) * stride_ic, mask=valid, other=0).to(tl.int32)
+        valid = valid & (ids >= 0) & (ids < n)
+        if MODE == 0:
+            s = tl.load(scores_ptr + score_row + ids.to(tl.int64) * stride_sn, mask=valid, other=0.0).to(tl.float32)
+            s = tl.where(s == s, s, 0.0)  # NaN -> 0, ±inf -> ±1e30 (torch.nan_to_num's)
+            s = tl.minimum(tl.maximum(s, -1e30), 1e30)
+            tl.store(row_ptr + row + ids, s, mask=valid)
+        elif MODE == 1:
+            r = tl.load(row_ptr + row + ids, mask=valid, other=0.0, cache_modifier=".cg")
+            tl.store(row_ptr + row + ids, r + bonus, mask=valid)
+        else:
+            tl.store(row_ptr + row + ids, tl.full([IDX_TILE], 0.0, tl.float32) + bonus, mask=valid)
+
+
+@triton.jit(do_not_specialize=["key"])
+def _spin_rank_kernel(
+    vertical_ptr,  # [B, Hkv, N] fp32 contiguous
+    diagonal_ptr,  # [B, Hkv, N] fp32 contiguous, by distance from the newest block
+    num_blocks_ptr,  # [B] int32/int64
+    updates_ptr,  # [1] int64 selections the layer has seen (the draw's step key)
+    rank_ptr,  # [B, Hkv, N] fp32 out
+    draw_ptr,  # [B, Hkv, N] fp32 out: the exploration draw in [0, 1), -inf outside (DRAW)
+    n, num_kv_heads, key,  # key: the host part of the draw's key, its 32 bits as an int32
+    DRAW: tl.constexpr,
+    TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    nb = tl.load(num_blocks_ptr + batch).to(tl.int32)
+    row = (batch.to(tl.int64) * num_kv_heads + kv_head) * n
+    if DRAW:
+        step = (tl.load(updates_ptr) & 0xFFFFFFFF).to(tl.uint32)
+        step_key = _mix32(key.to(tl.uint32, bitcast=True) ^ step)
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        live = offs < n
+        inside = offs < nb
+        distance = tl.minimum(tl.maximum(nb - 1 - offs, 0), n - 1)
+        v = tl.load(vertical_ptr + row + offs, mask=live, other=0.0)
+        d = tl.load(diagonal_ptr + row + distance, mask=live, other=0.0)
+        tl.store(rank_ptr + row + offs, tl.where(inside, tl.maximum(v, d), float("-inf")), mask=live)
+        if DRAW:
+            bits = _mix32(step_key ^ (kv_head * n + offs).to(tl.uint32))
+            u = (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+            tl.store(draw_ptr + row + offs, tl.where(inside, u, float("-inf")), mask=live)
+
+
+@triton.jit
+def _spin_update_kernel(
+    scores_ptr,  # [B, Hkv, N] fp32 selection scores, strided
+    idx_ptr,  # [B, Hkv, C] int32/int64, strided
+    cnt_ptr,  # [B, Hkv] int32/int64, strided
+    vertical_ptr,  # [B, Hkv, N] fp32 contiguous, updated in place
+    diagonal_ptr,  # [B, Hkv, N] fp32 contiguous, updated in place
+    member_ptr,  # [B, Hkv, N] uint8 scratch: the selection's mask
+    updates_ptr,  # [1] int64, + 1
+    n, num_kv_heads, capacity,
+    alpha_vertical, alpha_diagonal, selection_bonus,
+    stride_sb, stride_sh, stride_sn,
+    stride_ib, stride_ih, stride_ic,
+    stride_cb, stride_ch,
+    TILE: tl.constexpr,
+    IDX_TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    score_row = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    row = (batch.to(tl.int64) * num_kv_heads + kv_head) * n
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        tl.store(member_ptr + row + offs, tl.zeros([TILE], dtype=tl.uint8), mask=offs < n)
+    mean, std, count = _row_stats(scores_ptr, score_row, stride_sn, n, TILE)
+    tl.debug_barrier()
+    chosen = tl.load(cnt_ptr + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch).to(tl.int32)
+    idx_row = batch.to(tl.int64) * stride_ib + kv_head.to(tl.int64) * stride_ih
+    for start in range(0, capacity, IDX_TILE):
+        j = start + tl.arange(0, IDX_TILE)
+        valid = (j < chosen) & (j < capacity)
+        ids = tl.load(idx_ptr + idx_row + j.to(tl.int64) * stride_ic, mask=valid, other=0).to(tl.int32)
+        valid = valid & (ids >= 0) & (ids < n)
+        tl.store(member_ptr + row + ids, tl.full([IDX_TILE], 1, tl.uint8), mask=valid)
+    tl.debug_barrier()  # the mask is complete before it is read (forward and reversed)
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        live = offs < n
+        s = tl.load(scores_ptr + score_row + offs.to(tl.int64) * stride_sn, mask=live, other=float("-inf"))
+        z, finite = _zscore(s.to(tl.float32), mean, std)
+        member = tl.load(member_ptr + row + offs, mask=live, other=0, cache_modifier=".cg").to(tl.float32)
+        x = z + selection_bonus * member
+        v = tl.load(vertical_ptr + row + offs, mask=live, other=0.0)
+        tl.store(vertical_ptr + row + offs, tl.where(finite, alpha_vertical * v + (1 - alpha_vertical) * x, v),
+                 mask=live)
+        # diagonal at distance δ = offs: x of block count - 1 - δ (clamped to 0)
+        source = tl.maximum(count - 1 - offs, 0)
+        s_src = tl.load(scores_ptr + score_row + source.to(tl.int64) * stride_sn, mask=live, other=float("-inf"))
+        z_src, _ = _zscore(s_src.to(tl.float32), mean, std)
+        member_src = tl.load(member_ptr + row + source, mask=live, other=0, cache_modifier=".cg").to(tl.float32)
+        x_src = z_src + selection_bonus * member_src
+        d = tl.load(diagonal_ptr + row + offs, mask=live, other=0.0)
+        tl.store(diagonal_ptr + row + offs,
+                 tl.where(offs < count, alpha_diagonal * d + (1 - alpha_diagonal) * x_src, d), mask=live)
+    if (kv_head == 0) & (batch == 0):
+        tl.store(updates_ptr, tl.load(updates_ptr) + 1)

@@ -1,0 +1,267 @@
+"""Predictor kernels (prr.kernels.predict) against their torch references
+(prr.kernels.reference_predict) and against the predictors' own torch path, on fresh random
+inputs at odd sizes: ragged rows, -inf scores outside the context, |P| >= the blocks, int32 and
+int64 selections. CPU: TRITON_INTERPRET=1 (conftest); `-m gpu` variants at the 8B shape
+(8 KV heads, 8192 blocks) with TRITON_INTERPRET=0.
+
+P must be the same set: ranks are bit-equal to the reference's (no fused multiply-add in the
+rank kernels) and the top-k breaks ties towards the lower block id, as top_k_blocks does, so
+even tied ranks (a fresh state) give the same P. States after an update are within 1e-5."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from prr.kernels import predict as kp
+from prr.kernels import reference_predict as ref
+from prr.kernels.reference_selection import top_k_blocks
+
+from prr.blocks import BlockSet
+from prr.predictors import EmaMembershipPredictor, EmaPredictor, LastStepPredictor, SpinPredictor
+from prr.selectors.base import Selection
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device and TRITON_INTERPRET=0",
+)
+# (batch, KV heads, N, each row's num_blocks)
+SIZES = [(1, 1, 27, [27]), (2, 3, 61, [61, 40]), (3, 2, 113, [113, 1, 0]), (2, 4, 1110, [1110, 777])]
+TOL = 1e-5
+
+
+def as_set(indices: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
+    return ref.membership_reference(indices, count, n)
+
+
+def ref_set(rank: torch.Tensor, k: int) -> torch.Tensor:
+    return as_set(*top_k_blocks(rank, k), rank.shape[-1])
+
+
+def params(device, *values):
+    return [torch.tensor([v], dtype=torch.float32, device=device) for v in values]
+
+
+@pytest.mark.parametrize("batch,heads,n,nb", SIZES)
+def test_ema_rank_and_propose_equal_the_reference(batch, heads, n, nb):
+    seed = n * 7 + batch
+    st = ref.make_state(batch, heads, n, seed=seed)
+    nbt = torch.tensor(nb, dtype=torch.int32)
+    stick, rec = params("cpu", 1.5, 4.0)
+    for recent in (0, 1, 3):
+        rank = kp.ema_rank(st["ema"], st["last_selected"], stick, rec, nbt, recent)
+        want = ref.ema_rank_reference(st["ema"], st["last_selected"], stick[0], rec[0], nbt, recent)
+        assert torch.equal(rank, want), recent  # bit for bit
+        for k in (1, 7, n, n + 5):
+            idx, cnt = kp.ema_propose(st["ema"], st["last_selected"], stick, rec, nbt, recent, k)
+            assert idx.shape == (batch, heads, min(k, n)) and idx.dtype == torch.int32
+            assert torch.equal(as_set(idx, cnt, n), ref_set(want, k)), (recent, k)
+            assert torch.equal(cnt.long(), torch.tensor(nb).clamp(max=k).view(-1, 1).expand(batch, heads))
+
+
+@pytest.mark.parametrize("batch,heads,n,nb", SIZES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_ema_update_equals_the_reference(batch, heads, n, nb, index_dtype):
+    sel = ref.make_selection(batch, heads, n, nb, topk=9, seed=n + 1, index_dtype=index_dtype)
+    st = ref.make_state(batch, heads, n, seed=n + 2)
+    (alpha,) = params("cpu", 0.7)
+    ema, last = st["ema"].clone(), st["last_selected"].clone()
+    kp.ema_update(sel["scores"], sel["indices"], sel["count"], alpha, ema, last)
+    want_ema, want_last = ref.ema_update_reference(st["ema"], sel["scores"], sel["indices"], sel["count"], alpha[0])
+    assert (ema - want_ema).abs().max() <= TOL
+    assert torch.equal(last, want_last)
+    # Rows with no context keep their EMA; the z-scores out (cross_layer) match too.
+    z, chosen = torch.empty_like(ema), torch.empty_like(last)
+    ema2 = st["ema"].clone()
+    kp.ema_update(sel["scores"], sel["indices"], sel["count"], alpha, ema2, last.clone(), z_out=z, selected_out=chosen)
+    assert (z - ref.standardise_reference(sel["scores"])).abs().max() <= TOL
+    assert torch.equal(chosen, want_last) and torch.equal(ema2, ema)
+
+
+@pytest.mark.parametrize("batch,heads,n,nb", SIZES)
+def test_last_step_and_membership_updates_equal_the_reference(batch, heads, n, nb):
+    sel = ref.make_selection(batch, heads, n, nb, topk=n + 3, seed=n + 3)  # |A| >= the blocks
+    sel["scores"][..., :1] = float("nan")  # nan_to_num's 0 where selected
+    rank = torch.randn(batch, heads, n)
+    kp.last_step_update(sel["scores"], sel["indices"], sel["count"], rank)
+    want = ref.last_step_update_reference(sel["scores"], sel["indices"], sel["count"])
+    assert torch.equal(rank, want)
+    nbt = sel["num_blocks"]
+    for k in (1, 5, n + 2):
+        assert torch.equal(as_set(*kp.propose_top(rank, k, nbt), n), ref_set(want.masked_fill(
+            ~ref.inside_reference(nbt, n), float("-inf")), k))
+    state = ref.make_state(batch, heads, n, seed=n)["ema"].abs()
+    got = state.clone()
+    kp.membership_ema_update(got, sel["indices"], sel["count"], 0.8)
+    assert (got - ref.membership_ema_reference(state, sel["indices"], sel["count"], 0.8)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("batch,heads,n,nb", SIZES)
+def test_spin_kernels_equal_the_reference(batch, heads, n, nb):
+    sel = ref.make_selection(batch, heads, n, nb, topk=6, seed=n + 4)
+    st = ref.make_state(batch, heads, n, seed=n + 5)
+    v, d, updates = st["vertical"].clone(), st["diagonal"].clone(), torch.tensor([41], dtype=torch.int64)
+    kp.spin_update(sel["scores"], sel["indices"], sel["count"], v, d, updates, 0.8, 0.6, 1.0)
+    want_v, want_d = ref.spin_update_reference(st["vertical"], st["diagonal"], sel["scores"], sel["indices"],
+                                               sel["count"], 0.8, 0.6, 1.0)
+    assert (v - want_v).abs().max() <= TOL and (d - want_d).abs().max() <= TOL
+    assert updates.item() == 42
+    nbt = sel["num_blocks"]
+    for seed in (7, 2**40 + 3):  # a key above 2^31 as well
+        key = ref.spin_key_reference(seed, 5)
+        rank, draw = kp.spin_rank(v, d, nbt, updates, key, draw=True)
+        want_rank = ref.spin_rank_reference(v, d, nbt)
+        want_draw = ref.spin_draw_reference(key, updates[0], (batch, heads, n)).masked_fill(
+            ~ref.inside_reference(nbt, n), float("-inf"))
+        assert torch.equal(rank, want_rank) and torch.equal(draw, want_draw)
+        for budget, explored in ((4, 0), (9, 2), (n + 4, 3)):
+            idx, cnt = kp.spin_propose(v, d, nbt, updates, key, budget, explored)
+            assert torch.equal(as_set(idx, cnt, n), ref.spin_propose_reference(want_rank, want_draw, budget, explored))
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.3])
+def test_cross_layer_rank_equals_the_reference(weight):
+    batch, heads, n, nb = 2, 3, 113, [113, 50]
+    st = ref.make_state(batch, heads, n, seed=3)
+    src = ref.make_state(batch, heads, n, seed=4)
+    nbt = torch.tensor(nb, dtype=torch.int32)
+    stick, rec = params("cpu", 1.0, 2.0)
+    rank = kp.cross_layer_rank(src["vertical"], src["last_selected"], 1.5, weight, nbt, st["ema"], st["last_selected"],
+                               stick, rec, 2)
+    temporal = ref.ema_rank_reference(st["ema"], st["last_selected"], stick[0], rec[0], nbt, 2)
+    want = ref.cross_layer_rank_reference(temporal, src["vertical"], src["last_selected"], 1.5, weight, nbt)
+    assert torch.equal(rank, want)
+
+
+def test_launchers_refuse_bad_inputs_by_name():
+    st = ref.make_state(1, 2, 27)
+    stick, rec = params("cpu", 1.0, 1.0)
+    with pytest.raises(ValueError, match="ema must be"):
+        kp.ema_rank(st["ema"].double(), st["last_selected"], stick, rec, 27, 1)
+    with pytest.raises(ValueError, match="stickiness"):
+        kp.ema_rank(st["ema"], st["last_selected"], torch.ones(2), rec, 27, 1)
+    with pytest.raises(ValueError, match="num_blocks must be"):
+        kp.ema_rank(st["ema"], st["last_selected"], stick, rec, torch.ones(3, dtype=torch.int32), 1)
+    sel = ref.make_selection(1, 2, 27)
+    with pytest.raises(ValueError, match="count must be"):
+        kp.last_step_update(sel["scores"], sel["indices"], sel["count"].float(), torch.zeros(1, 2, 27))
+    with pytest.raises(ValueError, match="explored=5"):
+        kp.spin_propose(st["vertical"], st["diagonal"], 27, torch.zeros(1, dtype=torch.int64), 0, 4, 5)
+
+
+# --- the predictors: backend triton against their own torch path ------------------------
+
+PREDICTORS = {
+    "ema": lambda: EmaPredictor(alpha=0.7, stickiness=1.5, recency=2.0, recent_blocks=2, calibrate=False),
+    "last_step": LastStepPredictor,
+    "ema_membership": lambda: EmaMembershipPredictor(alpha=0.6),
+    "spin": lambda: SpinPredictor(explore=0.25, seed=11),
+    "spin_no_explore": lambda: SpinPredictor(explore=0.0),
+}
+
+
+def state_tensors(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    return [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+
+
+def run_predictor(name: str, backend: str, device: str, batch: int, heads: int, n: int, nb: list[int], steps: int,
+                  budget: int):
+    """-> (P masks per step, final state tensors): propose on a fresh state (tied ranks), then
+    `steps` of update + propose over random selections (the context grows a block a step)."""
+    p = PREDICTORS[name]()
+    assert p.set_backend(backend) == backend
+    layers = 2
+    state = p.init_state(layers, batch, heads, n, device)
+    out = []
+    counts = torch.tensor(nb, dtype=torch.int32, device=device)
+    for step in range(steps):
+        for layer in range(layers):
+            blocks = p.propose(state, layer, counts, budget)
+            out.append(BlockSet(blocks.indices, blocks.count).mask(n))
+            sel = ref.make_selection(batch, heads, n, counts.tolist(), topk=5, seed=step * 10 + layer, device=device)
+            p.update(state, layer, Selection(BlockSet(sel["indices"], sel["count"]), sel["scores"]))
+        counts = (counts + 1).clamp(max=n)
+    return out, state_tensors(state)
+
+
+@pytest.mark.parametrize("name", sorted(PREDICTORS))
+@pytest.mark.parametrize("budget", [3, 70])
+def test_predictors_propose_and_learn_alike_on_both_backends(name, budget):
+    args = (2, 3, 61, [40, 13], 4, budget)
+    want_p, want_state = run_predictor(name, "torch", "cpu", *args)
+    got_p, got_state = run_predictor(name, "triton", "cpu", *args)
+    for step, (got, want) in enumerate(zip(got_p, want_p, strict=True)):
+        assert torch.equal(got, want), step
+    for got, want in zip(got_state, want_state, strict=True):
+        if got.is_floating_point():
+            finite = torch.isfinite(want)
+            assert torch.equal(finite, torch.isfinite(got))
+            assert (got[finite] - want[finite]).abs().max() <= TOL
+        else:
+            assert torch.equal(got, want)
+
+
+def test_backend_choice_follows_the_engine_backend():
+    p = EmaPredictor(calibrate=False)
+    assert p.backend == "torch" and p.triton_problems() == []
+    assert p.set_backend("triton") == "triton"
+    assert p.set_backend("torch") == "torch"
+
+
+def test_best_first_proposals_take_the_torch_order():
+    p = EmaPredictor(calibrate=False, recency=0.0, stickiness=0.0)
+    p.set_backend("triton")
+    state = p.init_state(1, 1, 1, 27, "cpu")
+    state.ema[0, 0, 0] = torch.linspace(0, 1, 27)
+    first = p.propose_best_first(state, 0, 27, 4)
+    assert first.indices[0, 0].tolist() == [26, 25, 24, 23] and p.backend == "triton"
+    assert sorted(p.propose(state, 0, 27, 4).indices[0, 0].tolist()) == [23, 24, 25, 26]
+
+
+# --- GPU: the 8B shape (8 KV heads, 8192 blocks), and CUDA-graph capture -----------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", sorted(PREDICTORS))
+def test_gpu_predictors_alike_on_both_backends(name):
+    args = (1, 8, 8192, [8000], 3, 128)
+    want_p, want_state = run_predictor(name, "torch", "cuda", *args)
+    got_p, got_state = run_predictor(name, "triton", "cuda", *args)
+    for got, want in zip(got_p, want_p, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(got_state, want_state, strict=True):
+        if got.is_floating_point():
+            finite = torch.isfinite(want)
+            assert (got[finite] - want[finite]).abs().max() <= TOL
+        else:
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_ema_update_and_propose_capture_in_a_cuda_graph():
+    dev = "cuda"
+    sel = ref.make_selection(2, 8, 8192, [8192, 5000], topk=32, seed=5, device=dev)
+    st = ref.make_state(2, 8, 8192, seed=6, device=dev)
+    alpha, stick, rec = params(dev, 0.8, 1.0, 1.0)
+    ema, last = st["ema"].clone(), st["last_selected"].clone()
+
+    def step():
+        kp.ema_update(sel["scores"], sel["indices"], sel["count"], alpha, ema, last)
+        return kp.ema_propose(ema, last, stick, rec, sel["num_blocks"], 1, 128)
+
+    step()  # warm-up (compiles)
+    ema.copy_(st["ema"])
+    last.copy_(st["last_selected"])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx, cnt = step()
+    graph.replay()
+    want_ema, want_last = ref.ema_update_reference(st["ema"], sel["scores"], sel["indices"], sel["count"], alpha[0])
+    assert (ema - want_ema).abs().max() <= TOL and torch.equal(last, want_last)
+    want = ref.ema_rank_reference(ema, last, stick[0], rec[0], sel["num_blocks"], 1)
+    assert torch.equal(as_set(idx, cnt, 8192), ref_set(want, 128))

@@ -1,5 +1,6 @@
 """`make figures`: every registered figure from the committed results into analysis/figures/
-(PDF + PNG; tables as .md + .csv). A figure whose results file does not exist yet is skipped
+(PDF + PNG, and the figure's data as <name>.data.csv: tests/test_figures_current.py checks
+that it matches the committed results; tables as .md + .csv). A figure whose results file does not exist yet is skipped
 with one line naming the file and the command that produces it; that is not an error.
 
     python -m prr.analysis.make_figures [--root REPO] [--out DIR] [--only NAME ...]
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .figure_data import figure_table
 from .figures import Figure, registry, table_markdown
 from .style import save
 
@@ -33,7 +35,25 @@ def make_figure(figure: Figure, root: Path = ROOT, out: Path = ROOT / "analysis"
         paths[0].write_text(f"{figure.caption}\n\n{table_markdown(result)}")
         result.to_csv(paths[1], float_format="%.4f")
         return paths
-    return save(result, out, figure.name)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / f"{figure.name}.data.csv"  # what the figure shows, as a table: CI checks it is current
+    data.write_text(figure_table(result))
+    return [*save(result, out, figure.name), data]
+
+
+def drawn_now(figure: Figure, root: Path = ROOT) -> dict[str, str]:
+    """{file name: text} of what make_figure would write for this figure's data (its .data.csv,
+    or a table's .md and .csv), drawn from the results under root, nothing written."""
+    frame = figure.load(*[root / p for p in figure.inputs])
+    result = figure.draw(frame)
+    if isinstance(result, pd.DataFrame):
+        return {f"{figure.name}.md": f"{figure.caption}\n\n{table_markdown(result)}",
+                f"{figure.name}.csv": result.to_csv(float_format="%.4f")}
+    import matplotlib.pyplot as plt
+
+    text = figure_table(result)
+    plt.close(result)
+    return {f"{figure.name}.data.csv": text}
 
 
 def make_all(root: Path = ROOT, out: Path = ROOT / "analysis" / "figures", only: list[str] | None = None) -> dict:

@@ -19,7 +19,13 @@ from prr.kernels import reference_predict as ref
 from prr.kernels.reference_selection import top_k_blocks
 
 from prr.blocks import BlockSet
-from prr.predictors import EmaMembershipPredictor, EmaPredictor, LastStepPredictor, SpinPredictor
+from prr.predictors import (
+    CrossLayerPredictor,
+    EmaMembershipPredictor,
+    EmaPredictor,
+    LastStepPredictor,
+    SpinPredictor,
+)
 from prr.selectors.base import Selection
 
 gpu = pytest.mark.skipif(
@@ -158,13 +164,18 @@ PREDICTORS = {
     "ema_membership": lambda: EmaMembershipPredictor(alpha=0.6),
     "spin": lambda: SpinPredictor(explore=0.25, seed=11),
     "spin_no_explore": lambda: SpinPredictor(explore=0.0),
+    "cross_layer": lambda: CrossLayerPredictor(temporal_weight=0.0, source_stickiness=1.5, calibrate=False),
+    "cross_layer_mixed": lambda: CrossLayerPredictor(temporal_weight=0.4, recent_blocks=2, calibrate=False),
 }
 
 
 def state_tensors(state) -> list[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         return [state]
-    return [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+    out = []
+    for v in vars(state).values():
+        out += [v] if isinstance(v, torch.Tensor) else state_tensors(v) if hasattr(v, "__dataclass_fields__") else []
+    return out
 
 
 def run_predictor(name: str, backend: str, device: str, batch: int, heads: int, n: int, nb: list[int], steps: int,

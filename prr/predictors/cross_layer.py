@@ -16,6 +16,9 @@ is this step's. With c = that source layer:
 ema_l is `ema`'s rank for layer l (prr/predictors/ema.py, calibrated on the prefill tail
 when calibrate=true). When no layer below has ever been selected (the first sparse layer),
 rank = ema_l alone. w = 0: pure cross-layer; w = 1: the plain EMA.
+
+On backend triton (prr.kernels.predict): update = one launch (ema's update kernel, also writing
+z and the selection's mask), propose = one rank launch + the top-k kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import block_counts, inside_context
+from prr.blocks import BlockSet, block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.predictors.ema import EmaPredictor, EmaState, standardise
 from prr.selectors.base import Selection
@@ -77,6 +80,29 @@ class CrossLayerPredictor(Predictor):
         below = [i for i in state.updated_layers if i < layer]
         return max(below) if below else None
 
+    def triton_problems(self) -> list[str]:
+        return []
+
+    def set_backend(self, backend: str) -> str:
+        self.temporal.set_backend(backend)
+        return super().set_backend(backend)
+
+    def propose(self, state: CrossLayerState, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+                current: Selection | None = None, query: Tensor | None = None) -> BlockSet:
+        source = self.source_layer(state, layer)
+        if self.backend != "triton" or budget_blocks <= 0:
+            return super().propose(state, layer, num_blocks, budget_blocks)
+        if source is None or self.temporal_weight == 1.0:  # ema's rank alone
+            return self.temporal.propose(state.ema, layer, num_blocks, budget_blocks)
+        from prr.kernels.predict import cross_layer_rank, propose_top, row_counts
+
+        nb = row_counts(num_blocks, state.z.shape[1], state.z.device)
+        e, one = state.ema, slice(layer, layer + 1)
+        rank = cross_layer_rank(state.z[source], state.selected[source], self.source_stickiness, self.temporal_weight, nb,
+                                e.ema[layer], e.last_selected[layer], e.stickiness[one], e.recency[one],
+                                self.temporal.recent_blocks)
+        return BlockSet(*propose_top(rank, budget_blocks, nb))
+
     def rank(self, state: CrossLayerState, layer: int, num_blocks: int | Tensor) -> Tensor:
         nb = block_counts(num_blocks, state.z.shape[1], state.z.device)  # [B]
         temporal = self.temporal.rank(state.ema, layer, nb)  # [B, Hkv, N], NEVER past the context
@@ -89,6 +115,14 @@ class CrossLayerPredictor(Predictor):
         return score.masked_fill(~inside_context(nb, score.shape[-1]), NEVER)
 
     def update(self, state: CrossLayerState, layer: int, selection: Selection) -> None:
+        if self.backend == "triton":
+            from prr.kernels.predict import ema_update
+
+            e = state.ema
+            ema_update(selection.scores, selection.blocks.indices, selection.blocks.count, e.alpha[layer : layer + 1],
+                       e.ema[layer], e.last_selected[layer], z_out=state.z[layer], selected_out=state.selected[layer])
+            state.updated_layers.add(layer)
+            return
         self.temporal.update(state.ema, layer, selection)
         state.z[layer] = standardise(selection.scores)
         state.selected[layer] = selection.blocks.mask(state.z.shape[-1])

@@ -52,8 +52,15 @@ Metadata per sparse layer (dense layers keep none): Quest's slots, `less_S`
 m·(D+2) floats per block and KV head — with m = 64, D = 64 about twice the block's own
 keys and values at block_size 16), and in the layer's metadata dict the totals
 `less_S_tot` [B, Hkv, m, D], `less_s_tot`/`less_c_tot` [B, Hkv, m], the centre `less_center`
-[B, Hkv, D] and the features `less_w` [Hkv, m, D]. No Triton kernels (torch under every
-backend); `budget=profiled` times selection only, not the compensation.
+[B, Hkv, D] and the features `less_w` [Hkv, m, D]. `budget=profiled` times selection only,
+not the compensation.
+
+**Backends**: torch ops (the CPU path and the kernels' reference) or, with backend=triton and
+`scores=quest`, Quest's selection kernels and the compensation kernel
+(`prr.kernels.less.less_compensation`: two launches; a trained map's query branch stays a torch
+op, its log-features handed in), tested equal. `scores=features` has no selection kernel: that
+selector runs torch ops under every backend (`triton_problems()` is None). The summaries' upkeep
+(`append_metadata`) is torch ops under both.
 """
 
 from __future__ import annotations
@@ -115,8 +122,10 @@ class LessSelector(QuestSelector):
             # A missing file raises, naming `make train-less` (no silent fallback to random features).
             self.trained = load_trained_map(feature_map_model, num_features)
 
-    def triton_problems(self) -> None:
-        return None  # no kernels: torch selection under every backend
+    def triton_problems(self) -> list[str] | None:
+        if self.scores == "features":
+            return None  # no kernel for the feature scores: torch selection and compensation under every backend
+        return super().triton_problems()  # Quest's selection kernels, and the compensation kernel
 
     # --- feature map ---------------------------------------------------------------------------
     def _features(self, cache: PagedKVCache, layer: int) -> Tensor:
@@ -249,6 +258,8 @@ class LessSelector(QuestSelector):
             # Held-out validation found no gain on this layer (make train-less): no compensation.
             empty = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             return AttentionState(out=torch.zeros_like(q, dtype=torch.float32), lse=empty)
+        if self.backend == "triton":
+            return self._compensation_triton(q, cache, layer, selection, length)
         scale = 1.0 / math.sqrt(cache.head_dim)
         slots = cache.metadata[layer]
         num_blocks = (token_counts(cache, layer, length, q.shape[0], q.device) + cache.block_size - 1) // cache.block_size
@@ -280,4 +291,25 @@ class LessSelector(QuestSelector):
         out = torch.where(use.unsqueeze(-1), numerator / safe_mass.unsqueeze(-1), torch.zeros_like(numerator))
         exact = scale * (q.float() * slots["less_center"].unsqueeze(2)).sum(-1)  # [B, Hkv, G]
         lse = torch.where(use, top.squeeze(-1) + torch.log(safe_mass) + exact, torch.full_like(mass, float("-inf")))
+        return AttentionState(out=out, lse=lse)
+
+    def _compensation_triton(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection,
+                             length: int | Tensor | None) -> AttentionState:
+        """`compensation` by the kernel (same arguments and result)."""
+        from prr.kernels.less import less_compensation
+
+        slots = cache.metadata[layer]
+        if isinstance(length, Tensor) and length.dim() == 1:
+            lengths = length  # [B] int32/int64 as the engine holds it: no conversion launch
+        else:
+            lengths = token_counts(cache, layer, length, q.shape[0], q.device)
+        trained = self.trained is not None
+        w = None if trained else self._features(cache, layer)  # [Hkv, m, D]
+        q_logits = self.trained.logits(q, layer, "q").float() if trained else None  # [B, Hkv, G, m]
+        blocks = selection.blocks
+        out, lse = less_compensation(
+            q, w, blocks.indices.to(torch.int32), blocks.count.to(torch.int32), lengths, cache.block_size,
+            slots["less_S"], slots["less_s"], slots["less_c"], slots["less_S_tot"], slots["less_s_tot"],
+            slots["less_c_tot"], slots["less_center"], 1.0 / math.sqrt(cache.head_dim), q_logits=q_logits,
+            min_relative_mass=MIN_RELATIVE_MASS)
         return AttentionState(out=out, lse=lse)

@@ -1,0 +1,216 @@
+"""LESS's compensation kernel (prr.kernels.less) against its fp64 torch reference and prr's own
+`LessSelector.compensation` torch path, on fresh random state at odd sizes. CPU:
+TRITON_INTERPRET=1 (set in conftest). GPU variants (-m gpu) at the 8B shape; run them with
+TRITON_INTERPRET=0."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from prr.kernels.less import less_compensation
+from prr.kernels.reference_less import less_compensation_reference, make_less_inputs, query_log_features
+
+from prr.blocks import BlockSet
+from prr.cache import PagedKVCache
+from prr.selectors import LessSelector
+from prr.selectors.base import Selection
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device and TRITON_INTERPRET=0",
+)
+
+
+def check_state(out, lse, ref_out, ref_lse, tol: float = 1e-5) -> None:
+    """out [B, Hkv, G, D], lse [B, Hkv, G] against the reference: the same -inf pattern (dropped
+    compensations), out exactly 0 there, relative-norm error of out per (row, KV head) and absolute
+    error of lse below tol elsewhere."""
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not out.isnan().any() and not lse.isnan().any()
+    used = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), used), "dropped / used pattern differs"
+    assert torch.all(out[~used] == 0)
+    if used.any():
+        assert (lse[used].double() - ref_lse[used].double()).abs().max() < tol
+        err = (out.double() - ref_out.double()).flatten(2).norm(dim=-1) / ref_out.double().flatten(2).norm(dim=-1)
+        assert err[used.any(-1)].max() < tol
+
+
+@pytest.mark.parametrize(
+    "group,head_dim,num_features,block_size,max_blocks,lengths,counts,capacity,q_dtype",
+    [
+        (1, 64, 13, 16, 7, [27, 100], None, 3, torch.float32),
+        (3, 128, 24, 16, 8, [113, 61], None, 5, torch.float16),
+        (4, 64, 64, 16, 70, [1110, 27], None, 32, torch.float32),
+        (8, 64, 17, 64, 19, [1110, 1], None, 8, torch.bfloat16),
+        (4, 64, 16, 16, 9, [61, 130], [2, 9], 9, torch.float32),  # row 1: every block selected -> dropped
+        (2, 64, 16, 16, 9, [61, 130], [0, 2], 4, torch.float32),  # row 0: nothing selected: all of it
+        (3, 64, 16, 32, 5, [0, 150], None, 4, torch.float32),  # an empty row: no compensation
+    ],
+)
+def test_less_compensation_matches_reference(group, head_dim, num_features, block_size, max_blocks, lengths, counts,
+                                             capacity, q_dtype):
+    x = make_less_inputs(len(lengths), 2, group, head_dim, num_features, block_size, max_blocks, lengths, counts,
+                         capacity, q_dtype, seed=group + num_features)
+    out, lse = less_compensation(**x)
+    check_state(out, lse, *less_compensation_reference(**x))
+    if counts is not None and counts[0] == 0:  # no block selected: the totals themselves
+        assert torch.isfinite(lse[0]).all()
+
+
+def test_dropped_and_used_cases_occur():
+    """The cases above exercise both outcomes: a row whose blocks are all selected is dropped."""
+    x = make_less_inputs(2, 2, 4, 64, 16, 16, 9, [61, 130], [2, 9], 9, seed=20)
+    _, lse = less_compensation(**x)
+    assert torch.isfinite(lse[0]).all() and torch.isinf(lse[1]).all()
+
+
+@pytest.mark.parametrize("m_block,d_block,c_block", [(8, 16, 1), (16, 64, 2), (32, 8, 16), (64, 64, 32)])
+def test_tilings_give_the_same_state(m_block, d_block, c_block):
+    x = make_less_inputs(2, 2, 3, 64, 40, 16, 21, [330, 200], None, 10, seed=4)
+    out, lse = less_compensation(**x, m_block=m_block, d_block=d_block, c_block=c_block)
+    check_state(out, lse, *less_compensation_reference(**x))
+
+
+def test_given_query_log_features():
+    """A trained map's log-features of q handed in (w=None) give the state the reference gives from them."""
+    x = make_less_inputs(2, 2, 4, 64, 24, 16, 13, [200, 97], None, 6, seed=8)
+    gen = torch.Generator().manual_seed(1)
+    q_logits = (query_log_features(x["q"], x["w"], x["scale"]) + 0.3 * torch.randn(2, 2, 4, 24, generator=gen,
+                                                                                     dtype=torch.float64)).float()
+    w = x.pop("w")
+    out, lse = less_compensation(**x, w=None, q_logits=q_logits)
+    check_state(out, lse, *less_compensation_reference(**x, w=None, q_logits=q_logits))
+    # and they are used: the random features give another state
+    _, lse_random = less_compensation(**x, w=w)
+    assert (lse_random - lse).abs().max() > 1e-3
+
+
+def test_less_kernel_errors():
+    x = make_less_inputs(1, 2, 2, 64, 8, 16, 4, None, None, 2)
+    with pytest.raises(ValueError, match="exactly one of w"):
+        less_compensation(**x, q_logits=torch.zeros(1, 2, 2, 8))
+    with pytest.raises(ValueError, match="indices must be int32"):
+        less_compensation(**{**x, "indices": x["indices"].long()})
+    with pytest.raises(ValueError, match="offset_tot"):
+        less_compensation(**{**x, "offset_tot": x["offset_tot"][..., :5]})
+    with pytest.raises(ValueError, match="small \\(s_b\\)"):
+        less_compensation(**{**x, "small": x["small"].half()})
+    with pytest.raises(ValueError, match="block_size=12"):
+        less_compensation(**{**x, "block_size": 12})
+    with pytest.raises(ValueError, match="m_block=3"):
+        less_compensation(**x, m_block=3)
+
+
+def less_cache(batch: int, hkv: int, d: int, bs: int, tokens: int, appended: int, selector: LessSelector,
+               seed: int) -> PagedKVCache:
+    """A cache of `tokens` prefilled tokens and `appended` decode tokens, its LESS metadata built by
+    the selector's own update_metadata / append_metadata (torch under both backends)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(1, batch, hkv, d, bs, tokens + appended + 8)
+    cache.append(0, torch.randn(batch, hkv, tokens, d, generator=gen) * 2, torch.randn(batch, hkv, tokens, d, generator=gen))
+    selector.update_metadata(cache, 0, 0, tokens)
+    for pos in range(tokens, tokens + appended):
+        cache.append(0, torch.randn(batch, hkv, 1, d, generator=gen) * 2, torch.randn(batch, hkv, 1, d, generator=gen))
+        selector.append_metadata(cache, 0, torch.full((batch,), pos, dtype=torch.int64))
+    return cache
+
+
+@pytest.mark.parametrize("group,center_keys,orthogonal", [(1, True, True), (3, False, True), (4, True, False)])
+def test_less_selector_triton_compensation_equals_torch(group, center_keys, orthogonal):
+    """LessSelector.compensation on both backends over a ragged batch, for the selector's own A
+    (Quest's kernels on the Triton side): the same A, states within fp32 tolerance."""
+    hkv, d, bs = 2, 64, 16
+    kw = dict(topk_blocks=4, num_features=24, center_keys=center_keys, orthogonal=orthogonal, seed=3)
+    torch_sel, triton_sel = LessSelector(**kw), LessSelector(**kw)
+    assert triton_sel.set_backend("triton") == "triton"
+    cache = less_cache(2, hkv, d, bs, 150, 3, torch_sel, seed=group)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, hkv, group, d, generator=gen)
+    lengths = torch.tensor([153, 90], dtype=torch.int32)
+    want_sel = torch_sel.select(q, cache, 0, lengths)
+    got_sel = triton_sel.select(q, cache, 0, lengths, num_blocks=(lengths + bs - 1) // bs)
+    assert torch.equal(got_sel.blocks.indices, want_sel.blocks.indices)
+    want = torch_sel.compensation(q, cache, 0, want_sel, lengths)
+    for length in (lengths, lengths.long()):
+        got = triton_sel.compensation(q, cache, 0, got_sel, length)
+        check_state(got.out, got.lse, want.out, want.lse)
+    assert torch.isfinite(want.lse).all()  # a compensation that is used
+    # every block selected: dropped on both
+    full = BlockSet(torch.arange(10, dtype=torch.int32).expand(2, hkv, 10).contiguous(),
+                    torch.tensor([[10, 10], [6, 6]], dtype=torch.int32))
+    want = torch_sel.compensation(q, cache, 0, Selection(full, want_sel.scores), lengths)
+    got = triton_sel.compensation(q, cache, 0, Selection(full, want_sel.scores), lengths)
+    check_state(got.out, got.lse, want.out, want.lse)
+    assert torch.isinf(got.lse).all()
+
+
+def test_less_backends():
+    assert LessSelector(topk_blocks=4).triton_problems() == []
+    assert LessSelector(topk_blocks=4, scores="features").triton_problems() is None
+    assert LessSelector(topk_blocks=4, scores="features").set_backend("triton") == "torch"
+    union = LessSelector(topk_blocks=4, gqa_reduce="union")
+    assert union.triton_problems() and union.set_backend("triton") == "torch"
+
+
+def test_less_triton_in_the_engine_equals_eager(tmp_path, monkeypatch):
+    """The graph engine with backend=triton (Quest's selection and the compensation kernel under
+    the interpreter) decodes the eager runtime's tokens with the same hit rate and overlap
+    (tests/test_one_engine.py's check), both runtimes compensating through the kernel."""
+    import prr.kernels.less as launcher
+
+    from tests.test_one_engine import check_same_algorithm
+
+    calls = []
+    kernel = launcher.less_compensation
+    monkeypatch.setattr(launcher, "less_compensation", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    check_same_algorithm(tmp_path, ("less", "ema_calibrated", "runtime.repair_mode=superset", "backend=triton"), [])
+    assert len(calls) >= 2 * 16
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size,capacity", [(16, 128), (64, 32)])
+def test_gpu_less_compensation_8b_shape(block_size, capacity):
+    """8 KV heads of 4 query heads, head 128, m = 64, bf16 q, 8K tokens, ragged batch of 2."""
+    x = make_less_inputs(2, 8, 4, 128, 64, block_size, 8192 // block_size, [8192, 3001], None, capacity,
+                         torch.bfloat16, seed=5, device="cuda")
+    out, lse = less_compensation(**x)
+    ref = less_compensation_reference(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in x.items()})
+    check_state(out.cpu(), lse.cpu(), *ref)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_less_selector_captured_equals_torch():
+    """Selection and compensation replayed from a CUDA graph equal the torch path's, fp32."""
+    hkv, group, d, bs = 8, 4, 128, 16
+    kw = dict(topk_blocks=32, num_features=64, seed=1)
+    torch_sel, triton_sel = LessSelector(**kw), LessSelector(**kw)
+    triton_sel.set_backend("triton")
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, 1, hkv, d, bs, 4096, device="cuda")
+    cache.append(0, (torch.randn(1, hkv, 4000, d, generator=gen) * 2).cuda(), torch.randn(1, hkv, 4000, d, generator=gen).cuda())
+    torch_sel.update_metadata(cache, 0, 0, 4000)
+    q = torch.randn(1, hkv, group, d, generator=gen).cuda()
+    lengths = torch.tensor([4000], dtype=torch.int32, device="cuda")
+    nb = ((lengths + bs - 1) // bs).to(torch.int32)
+    want_sel = torch_sel.select(q, cache, 0, lengths)
+    want = torch_sel.compensation(q, cache, 0, want_sel, lengths)
+    triton_sel.compensation(q, cache, 0, triton_sel.select(q, cache, 0, lengths, num_blocks=nb), lengths)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_sel = triton_sel.select(q, cache, 0, lengths, num_blocks=nb)
+        got = triton_sel.compensation(q, cache, 0, got_sel, lengths)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got_sel.blocks.indices, want_sel.blocks.indices)
+    check_state(got.out.cpu(), got.lse.cpu(), want.out.cpu(), want.lse.cpu())
+    assert math.isfinite(float(got.lse.min()))

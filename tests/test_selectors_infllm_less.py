@@ -128,4 +128,5 @@ def test_less_bad_options_are_clear_errors():
         LessSelector(topk_blocks=8, num_features=0)
     with pytest.raises(ValueError, match=r"compensate='no' is not one of \[True, False\]"):
         LessSelector(topk_blocks=8, compensate="no")
-    assert LessSelector(topk_blocks=8).triton_problems() is None
+    assert LessSelector(topk_blocks=8).triton_problems() == []  # Quest's selection kernels + the compensation kernel
+    assert LessSelector(topk_blocks=8, scores="features").triton_problems() is None  # no kernel for feature scores

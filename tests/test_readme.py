@@ -15,6 +15,8 @@ trailing comment marks a command that is not cheap:
   are this suite itself.
 - no marker: cheap, run here as shown (≤ 60 s each); the exit code must be 0, or the N of an
   "exit N" in the comment.
+- the virtual environment's lines (`python3 -m venv DIR`, `. DIR/bin/activate`): run in a
+  temporary directory, where the activated shell's `python3` must be the venv's.
 
 `$HOME/paper.txt` (the README's own-text example) is given a temporary text file.
 """
@@ -40,6 +42,11 @@ SUITE = {"make test", "make test-full"}
 class Command:
     text: str  # the command as shown, continuation lines joined, without its comment
     comment: str
+
+    @property
+    def is_venv(self) -> bool:
+        """`python3 -m venv DIR` or `. DIR/bin/activate`: the install's virtual environment."""
+        return self.text.startswith(("python3 -m venv ", ". ", "source "))
 
     @property
     def mark(self) -> str | None:
@@ -126,7 +133,7 @@ def test_readme_commands_are_found_and_marked():
     assert "python run.py selector=quest predictor=ema budget=profiled" in texts  # the main command
     assert "make run" in texts and "make test" in texts
     for command in COMMANDS:
-        assert command.text.split()[0] in ("python", "make"), f"not a command this test knows: {command}"
+        assert command.is_venv or command.text.split()[0] in ("python", "make"), f"not a command this test knows: {command}"
         if command.mark is None:
             assert command.text not in SUITE and command.text != "make run", f"{command} is slow: mark it"
     assert not any("~" in c.text for c in COMMANDS), "bash does not expand ~ after '=': write $HOME"
@@ -141,7 +148,7 @@ def test_the_extractor_joins_lines_and_reads_markers():
 
 def test_cheap_commands_run(home):
     """All at once (each pays Python's and torch's start-up), one test item."""
-    cheap = [c for c in COMMANDS if c.mark is None]
+    cheap = [c for c in COMMANDS if c.mark is None and not c.is_venv]
     running = []
     for command in cheap:
         argv = argv_of(command, home)
@@ -156,6 +163,19 @@ def test_cheap_commands_run(home):
         elif command.expected_exit == 2 and ("Traceback" in err or len(err.strip().splitlines()) != 1):
             problems.append(f"{command}: a refusal is one line on stderr, no traceback: {err[-1000:]}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_venv_lines_make_a_venv_whose_python_the_shell_then_runs(tmp_path):
+    """README's venv lines, in order, in one shell in a temporary directory (not the repo):
+    afterwards `python3` is the venv's, which is what the Makefile then installs into."""
+    lines = [c.text for c in COMMANDS if c.is_venv]
+    assert len(lines) == 2 and lines[0].startswith("python3 -m venv ") and lines[1].endswith("/bin/activate"), lines
+    script = " && ".join([*lines, "command -v python3", 'python3 -c "import sys; print(sys.prefix)"'])
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    venv = (tmp_path / lines[0].split()[-1]).resolve()
+    found, prefix = done.stdout.split()
+    assert Path(found).parent == venv / "bin" and Path(prefix).resolve() == venv, done.stdout
 
 
 def run_py_overrides(command: Command, home: Path) -> list[str]:

@@ -22,6 +22,9 @@ from .pdl import launch_kwargs
 from .predict_jit import (
     _ema_rank_kernel,
     _ema_update_kernel,
+    _qsim_counters_kernel,
+    _qsim_rank_kernel,
+    _qsim_update_kernel,
     _scatter_selected_kernel,
     _spin_rank_kernel,
     _spin_update_kernel,
@@ -321,3 +324,88 @@ def spin_update(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor
         *_selection_args(scores, indices, count),
         TILE=tile, IDX_TILE=IDX_TILE, num_warps=_warps(tile), **launch_kwargs(dev),
     )
+
+
+# --- query_similarity ---------------------------------------------------------------------
+
+
+def query_similarity_rank(query: Tensor, keys: Tensor, sets: Tensor, last_selected: Tensor, last_z: Tensor,
+                          filled: Tensor, num_blocks: int | Tensor, pending: Tensor, has_pending: Tensor,
+                          neighbours: int, recent_blocks: int, tie: float) -> Tensor:
+    """One launch: pending <- query / max(‖query‖, 1e-12) (per row and KV head), has_pending <- True,
+    -> rank [B, Hkv, N] fp32 = Σ over the `neighbours` cached queries most similar to it (cosine;
+    unfilled slots never vote) of (1.5 + s/2)·1[b in their selection] (A_{t-1} instead while no
+    pair is cached) + (2·neighbours + 1)·1[among the recent_blocks newest] + tie·last_z, -inf at
+    or past num_blocks. query [B, Hkv, G, D] (any float dtype), keys [B, Hkv, C, G·D] fp32,
+    sets [B, Hkv, C, N] bool, last_selected [B, Hkv, N] bool, last_z [B, Hkv, N] fp32, filled [1]
+    int64, pending [B, Hkv, G·D] fp32, has_pending [1] bool."""
+    batch, heads, cache_size, query_size = keys.shape
+    n = sets.shape[-1]
+    dev = keys.device
+    if query.shape[:2] != (batch, heads) or query[0, 0].numel() != query_size or query.device != dev:
+        raise ValueError(f"query must be [B, Hkv, G, D] with [B, Hkv] = {[batch, heads]} and G·D = {query_size} on "
+                         f"{dev}; got {list(query.shape)} on {query.device}")
+    _check_row_tensor("keys", keys, (batch, heads, cache_size, query_size), torch.float32, dev)
+    _check_row_tensor("sets", sets, (batch, heads, cache_size, n), torch.bool, dev)
+    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
+    _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("pending", pending, (batch, heads, query_size), torch.float32, dev)
+    for name, t, dtype in (("filled", filled, torch.int64), ("has_pending", has_pending, torch.bool)):
+        if t.numel() != 1 or t.dtype != dtype or t.device != dev:
+            raise ValueError(f"{name} must be one {dtype} on {dev} (the layer's counter)")
+    if not 1 <= neighbours <= cache_size:
+        raise ValueError(f"neighbours={neighbours} must lie in [1, cache_size={cache_size}]")
+    nb = row_counts(num_blocks, batch, dev)
+    rank = torch.empty(batch, heads, n, dtype=torch.float32, device=dev)
+    if batch == 0 or heads == 0 or n == 0:
+        return rank
+    tile = _tile(n)
+    _qsim_rank_kernel[(heads, batch)](
+        query.contiguous(), keys, sets.view(torch.uint8), last_selected.view(torch.uint8), last_z, filled, nb, pending,
+        has_pending.view(torch.uint8), rank,
+        n, heads, query_size, cache_size, min(recent_blocks, n + 1), float(2 * neighbours + 1), float(tie),
+        NEIGHBOURS=neighbours, C_BLOCK=max(16, triton.next_power_of_2(cache_size)),
+        Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), TILE=tile, num_warps=_warps(tile),
+        enable_fp_fusion=False, **launch_kwargs(dev),
+    )
+    return rank
+
+
+def query_similarity_update(scores: Tensor, indices: Tensor, count: Tensor, keys: Tensor, sets: Tensor,
+                            pending: Tensor, has_pending: Tensor, cursor: Tensor, filled: Tensor,
+                            last_selected: Tensor, last_z: Tensor) -> None:
+    """Two launches: last_z <- the scores standardised over the finite entries, last_selected <-
+    the selection's mask, and where a propose left a query (has_pending) the ring-buffer slot
+    `cursor` <- (pending, the mask); then cursor <- (cursor + 1) mod C, filled <- min(filled + 1,
+    C), has_pending <- False where it was set. keys [B, Hkv, C, G·D] (G·D = 0: no query yet, no
+    pairing), the rest as query_similarity_rank's."""
+    batch, heads, cache_size, query_size = keys.shape
+    n = last_z.shape[-1]
+    dev = last_z.device
+    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
+    _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("sets", sets, (batch, heads, cache_size, n), torch.bool, dev)
+    _check_selection(scores, indices, count, batch, heads, n, dev)
+    pair = query_size > 0
+    if pair:
+        _check_row_tensor("keys", keys, (batch, heads, cache_size, query_size), torch.float32, dev)
+        _check_row_tensor("pending", pending, (batch, heads, query_size), torch.float32, dev)
+    for name, t, dtype in (("cursor", cursor, torch.int64), ("filled", filled, torch.int64),
+                           ("has_pending", has_pending, torch.bool)):
+        if t.numel() != 1 or t.dtype != dtype or t.device != dev:
+            raise ValueError(f"{name} must be one {dtype} on {dev} (the layer's counter)")
+    if batch == 0 or heads == 0 or n == 0:
+        return
+    tile = _tile(n)
+    pdl = launch_kwargs(dev)
+    flag = has_pending.view(torch.uint8)
+    _qsim_update_kernel[(heads, batch)](
+        scores, indices, count, keys if pair else last_z, sets.view(torch.uint8), pending if pair else last_z, flag,
+        cursor, last_selected.view(torch.uint8), last_z,
+        n, heads, indices.shape[-1], query_size, cache_size,
+        *_selection_args(scores, indices, count),
+        PAIR=pair, TILE=tile, IDX_TILE=IDX_TILE, Q_TILE=max(16, min(triton.next_power_of_2(max(query_size, 1)), 128)),
+        num_warps=_warps(tile), **pdl,
+    )
+    if pair:
+        _qsim_counters_kernel[(1,)](flag, cursor, filled, cache_size, num_warps=1)

@@ -10,6 +10,10 @@ references: `prr.kernels.reference_predict`.
   ema_membership's update (α·s, then + (1-α) on the selected blocks), SPIN's exploit marks.
 - `_spin_rank_kernel`, `_spin_update_kernel`: SPIN's max-pooled rank with its exploration
   draw, and its vertical / diagonal EMAs.
+- `_qsim_rank_kernel`, `_qsim_update_kernel`, `_qsim_counters_kernel`: query_similarity's
+  rank (normalise the query, cosine against the ring buffer, the best neighbours' votes, the
+  recent window, the last z-scores) and its update (ring-buffer slot, last z and selection; the
+  counters in a one-program launch after it).
 
 Writes of one program that its own threads read back are separated by `tl.debug_barrier()`
 (a CTA barrier: the program's global writes before it are visible to its threads after it).
@@ -307,3 +311,152 @@ def _spin_update_kernel(
                  tl.where(offs < count, alpha_diagonal * d + (1 - alpha_diagonal) * x_src, d), mask=live)
     if (kv_head == 0) & (batch == 0):
         tl.store(updates_ptr, tl.load(updates_ptr) + 1)
+
+
+@triton.jit
+def _qsim_rank_kernel(
+    query_ptr,  # [B, Hkv, GD] fp32/bf16/fp16 this step's query (G query heads of D), contiguous
+    keys_ptr,  # [B, Hkv, C, GD] fp32 contiguous: the ring buffer's normalised past queries
+    sets_ptr,  # [B, Hkv, C, N] uint8 (bool) contiguous: their selections
+    last_sel_ptr,  # [B, Hkv, N] uint8 (bool): A_{t-1}
+    last_z_ptr,  # [B, Hkv, N] fp32: z-scores of step t-1
+    filled_ptr,  # [1] int64 pairs cached
+    num_blocks_ptr,  # [B] int32/int64
+    pending_ptr,  # [B, Hkv, GD] fp32 out: the normalised query
+    has_pending_ptr,  # [1] uint8 (bool) out: set
+    rank_ptr,  # [B, Hkv, N] fp32 out
+    n, num_kv_heads, query_size, cache_size, recent_blocks,
+    recent_bonus, tie,  # fp32: 2·neighbours + 1, TIE
+    NEIGHBOURS: tl.constexpr,
+    C_BLOCK: tl.constexpr,  # next power of two >= cache_size
+    Q_TILE: tl.constexpr,  # query values per loop iteration
+    TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    bh = batch.to(tl.int64) * num_kv_heads + kv_head
+    q_row = bh * query_size
+    # the query's norm, then the similarity of every cached query (keys are unit vectors)
+    squares = tl.zeros([], dtype=tl.float32)
+    for start in range(0, query_size, Q_TILE):
+        offs = start + tl.arange(0, Q_TILE)
+        x = tl.load(query_ptr + q_row + offs, mask=offs < query_size, other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, axis=0)
+    inv = 1.0 / tl.maximum(tl.sqrt_rn(squares), 1e-12)
+    slots = tl.arange(0, C_BLOCK)
+    similarity = tl.zeros([C_BLOCK], dtype=tl.float32)
+    key_rows = (bh * cache_size + slots.to(tl.int64)) * query_size
+    for start in range(0, query_size, Q_TILE):
+        offs = start + tl.arange(0, Q_TILE)
+        live = offs < query_size
+        x = tl.load(query_ptr + q_row + offs, mask=live, other=0.0).to(tl.float32) * inv
+        tl.store(pending_ptr + q_row + offs, x, mask=live)
+        k = tl.load(keys_ptr + key_rows[:, None] + offs[None, :], mask=(slots[:, None] < cache_size) & live[None, :],
+                    other=0.0)
+        similarity += tl.sum(k * x[None, :], axis=1)
+    if (kv_head == 0) & (batch == 0):
+        tl.store(has_pending_ptr, tl.full([], 1, tl.uint8))
+    filled = tl.load(filled_ptr)
+    similarity = tl.where(slots.to(tl.int64) < filled, similarity, float("-inf"))
+    # the NEIGHBOURS most similar slots, most similar first (ties: the lower slot), and their vote weights
+    nb = tl.load(num_blocks_ptr + batch).to(tl.int32)
+    row = bh * n
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        live = offs < n
+        inside = offs < nb
+        votes = tl.zeros([TILE], dtype=tl.float32)
+        remaining = similarity
+        for _neighbour in tl.static_range(NEIGHBOURS):
+            best = tl.max(remaining, axis=0)
+            which = tl.min(tl.where(remaining == best, slots, C_BLOCK), axis=0)
+            remaining = tl.where(slots == which, float("-inf"), remaining)
+            weight = tl.where(best > float("-inf"), 1.5 + best / 2, 0.0)
+            which = tl.minimum(which, cache_size - 1)
+            member = tl.load(sets_ptr + (bh * cache_size + which) * n + offs, mask=live, other=0).to(tl.float32)
+            votes += weight * member
+        last = tl.load(last_sel_ptr + row + offs, mask=live, other=0).to(tl.float32)
+        votes = tl.where(filled > 0, votes, last)
+        recent = ((offs >= nb - recent_blocks) & inside).to(tl.float32)
+        z = tl.load(last_z_ptr + row + offs, mask=live, other=0.0)
+        score = votes + recent_bonus * recent + tie * z
+        tl.store(rank_ptr + row + offs, tl.where(inside, score, float("-inf")), mask=live)
+
+
+@triton.jit
+def _qsim_update_kernel(
+    scores_ptr,  # [B, Hkv, N] fp32, strided
+    idx_ptr,  # [B, Hkv, C_A] int32/int64, strided
+    cnt_ptr,  # [B, Hkv] int32/int64, strided
+    keys_ptr,  # [B, Hkv, C, GD] fp32 contiguous (PAIR)
+    sets_ptr,  # [B, Hkv, C, N] uint8 contiguous (PAIR)
+    pending_ptr,  # [B, Hkv, GD] fp32 (PAIR)
+    has_pending_ptr,  # [1] uint8 (PAIR)
+    cursor_ptr,  # [1] int64 (PAIR)
+    last_sel_ptr,  # [B, Hkv, N] uint8 out
+    last_z_ptr,  # [B, Hkv, N] fp32 out
+    n, num_kv_heads, capacity, query_size, cache_size,
+    stride_sb, stride_sh, stride_sn,
+    stride_ib, stride_ih, stride_ic,
+    stride_cb, stride_ch,
+    PAIR: tl.constexpr,  # the buffers are sized (a propose has run): pair the pending query
+    TILE: tl.constexpr,
+    IDX_TILE: tl.constexpr,
+    Q_TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """last_z, last_selected <- this selection; where a propose left a query, slot `cursor` of the
+    ring buffer <- (that query, this selection). The counters move in `_qsim_counters_kernel`
+    (after every program here has read them)."""
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    bh = batch.to(tl.int64) * num_kv_heads + kv_head
+    score_row = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    row = bh * n
+    mean, std, count = _row_stats(scores_ptr, score_row, stride_sn, n, TILE)
+    # pair: 1 where a propose left a query to pair (a multiplier of loop bounds: the interpreter
+    # does not broadcast a scalar bool into a block mask)
+    pair = tl.zeros([], dtype=tl.int32)
+    slot = tl.zeros([], dtype=tl.int64)
+    if PAIR:
+        pair = (tl.load(has_pending_ptr) != 0).to(tl.int32)
+        slot = tl.load(cursor_ptr)
+        for start in range(0, query_size, Q_TILE):
+            offs = start + tl.arange(0, Q_TILE)
+            live = offs < query_size * pair
+            x = tl.load(pending_ptr + bh * query_size + offs, mask=live, other=0.0)
+            tl.store(keys_ptr + (bh * cache_size + slot) * query_size + offs, x, mask=live)
+    slot_row = (bh * cache_size + slot) * n
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        live = offs < n
+        s = tl.load(scores_ptr + score_row + offs.to(tl.int64) * stride_sn, mask=live, other=float("-inf"))
+        z, finite = _zscore(s.to(tl.float32), mean, std)
+        tl.store(last_z_ptr + row + offs, z, mask=live)
+        tl.store(last_sel_ptr + row + offs, tl.zeros([TILE], dtype=tl.uint8), mask=live)
+        if PAIR:
+            tl.store(sets_ptr + slot_row + offs, tl.zeros([TILE], dtype=tl.uint8), mask=offs < n * pair)
+    tl.debug_barrier()  # the zeros land before the selected blocks' ones
+    chosen = tl.load(cnt_ptr + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch).to(tl.int32)
+    idx_row = batch.to(tl.int64) * stride_ib + kv_head.to(tl.int64) * stride_ih
+    for start in range(0, capacity, IDX_TILE):
+        j = start + tl.arange(0, IDX_TILE)
+        valid = (j < chosen) & (j < capacity)
+        ids = tl.load(idx_ptr + idx_row + j.to(tl.int64) * stride_ic, mask=valid, other=0).to(tl.int32)
+        valid = valid & (ids >= 0) & (ids < n)
+        tl.store(last_sel_ptr + row + ids, tl.full([IDX_TILE], 1, tl.uint8), mask=valid)
+        if PAIR:
+            tl.store(sets_ptr + slot_row + ids, tl.full([IDX_TILE], 1, tl.uint8), mask=valid & (j < chosen * pair))
+
+
+@triton.jit
+def _qsim_counters_kernel(has_pending_ptr, cursor_ptr, filled_ptr, cache_size):
+    """One program: where a query was pending, cursor <- (cursor + 1) mod C and filled <-
+    min(filled + 1, C); has_pending <- False."""
+    step = (tl.load(has_pending_ptr) != 0).to(tl.int64)
+    tl.store(cursor_ptr, (tl.load(cursor_ptr) + step) % cache_size)
+    tl.store(filled_ptr, tl.minimum(tl.load(filled_ptr) + step, cache_size))
+    tl.store(has_pending_ptr, tl.zeros([], dtype=tl.uint8))

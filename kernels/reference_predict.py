@@ -179,6 +179,42 @@ def spin_propose_reference(rank: Tensor, draw: Tensor, budget_blocks: int, explo
     return membership_reference(order, taken.sum(-1), n)
 
 
+# --- query_similarity ---------------------------------------------------------------------
+
+
+def query_similarity_rank_reference(query: Tensor, keys: Tensor, sets: Tensor, last_selected: Tensor, last_z: Tensor,
+                                    filled: int, num_blocks: Tensor, neighbours: int, recent_blocks: int, tie: float
+                                    ) -> tuple[Tensor, Tensor]:
+    """query [B, Hkv, G, D], keys [B, Hkv, C, G·D] fp32 unit rows, sets [B, Hkv, C, N] bool,
+    last_selected [B, Hkv, N] bool, last_z [B, Hkv, N], filled: cached pairs -> (rank [B, Hkv, N]:
+    Σ over the `neighbours` most similar cached queries (cosine) of (1.5 + s/2)·1[b in their set],
+    A_{t-1} while none is cached, + (2·neighbours + 1)·1[recent] + tie·last_z, -inf outside;
+    the normalised query [B, Hkv, G·D])."""
+    q = torch.nn.functional.normalize(query.float().flatten(2), dim=-1)
+    cache_size, n = keys.shape[2], sets.shape[-1]
+    similarity = torch.einsum("bhcd,bhd->bhc", keys, q)
+    cached = torch.arange(cache_size, device=q.device) < filled
+    best, which = similarity.masked_fill(~cached, NEVER).topk(neighbours, dim=-1)
+    chosen = torch.gather(sets, 2, which.unsqueeze(-1).expand(-1, -1, -1, n))
+    weight = torch.where(best > NEVER, 1.5 + best / 2, 0.0)
+    votes = (weight.unsqueeze(-1) * chosen).sum(2) if filled > 0 else last_selected.float()
+    score = votes + (2 * neighbours + 1) * newest_reference(num_blocks, recent_blocks, n) + tie * last_z
+    return score.masked_fill(~inside_reference(num_blocks, n), NEVER), q
+
+
+def query_similarity_update_reference(keys: Tensor, sets: Tensor, pending: Tensor, paired: bool, cursor: int,
+                                      scores: Tensor, indices: Tensor, count: Tensor
+                                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (keys, sets with slot `cursor` <- (pending, the selection's mask) when paired; last_selected;
+    last_z = the scores standardised)."""
+    chosen = membership_reference(indices, count, sets.shape[-1])
+    keys, sets = keys.clone(), sets.clone()
+    if paired:
+        keys[:, :, cursor] = pending
+        sets[:, :, cursor] = chosen
+    return keys, sets, chosen, standardise_reference(scores)
+
+
 # --- seeded input generators -------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from prr.predictors import (
     EmaMembershipPredictor,
     EmaPredictor,
     LastStepPredictor,
+    QuerySimilarityPredictor,
     SpinPredictor,
 )
 from prr.selectors.base import Selection
@@ -140,6 +141,39 @@ def test_cross_layer_rank_equals_the_reference(weight):
     assert torch.equal(rank, want)
 
 
+@pytest.mark.parametrize("batch,heads,n,nb", SIZES)
+def test_query_similarity_kernels_equal_the_reference(batch, heads, n, nb):
+    g = torch.Generator().manual_seed(n)
+    cache_size, group, dim, m = 5, 3, 24, 2
+    sel = ref.make_selection(batch, heads, n, nb, topk=7, seed=n + 6)
+    keys = torch.nn.functional.normalize(torch.randn(batch, heads, cache_size, group * dim, generator=g), dim=-1)
+    sets = torch.rand(batch, heads, cache_size, n, generator=g) < 0.2
+    last = ref.make_state(batch, heads, n, seed=n)["last_selected"]
+    last_z = torch.randn(batch, heads, n, generator=g)
+    query = torch.randn(batch, heads, group, dim, generator=g)
+    for filled in (0, 1, 4):
+        pending, flag = torch.zeros(batch, heads, group * dim), torch.zeros(1, dtype=torch.bool)
+        rank = kp.query_similarity_rank(query, keys, sets, last, last_z, torch.tensor([filled]), sel["num_blocks"],
+                                        pending, flag, m, 2, 1e-3)
+        want, q = ref.query_similarity_rank_reference(query, keys, sets, last, last_z, filled, sel["num_blocks"], m, 2,
+                                                      1e-3)
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(rank)) and (rank[finite] - want[finite]).abs().max() <= TOL
+        assert (pending - q).abs().max() <= TOL and bool(flag)
+        for k in (3, n + 1):  # random ranks: no ties within the kernel's rounding
+            assert torch.equal(as_set(*kp.propose_top(rank, k, sel["num_blocks"]), n), ref_set(want, k))
+    for paired in (False, True):
+        got = [keys.clone(), sets.clone(), torch.zeros_like(last), torch.zeros_like(last_z)]
+        cursor, filled = torch.tensor([3]), torch.tensor([4])
+        kp.query_similarity_update(sel["scores"], sel["indices"], sel["count"], got[0], got[1], q.clone(),
+                                   torch.tensor([paired]), cursor, filled, got[2], got[3])
+        want = ref.query_similarity_update_reference(keys, sets, q, paired, 3, sel["scores"], sel["indices"],
+                                                     sel["count"])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert (got[3] - want[3]).abs().max() <= TOL
+        assert (cursor.item(), filled.item()) == ((4, 5) if paired else (3, 4))
+
+
 def test_launchers_refuse_bad_inputs_by_name():
     st = ref.make_state(1, 2, 27)
     stick, rec = params("cpu", 1.0, 1.0)
@@ -166,6 +200,7 @@ PREDICTORS = {
     "spin_no_explore": lambda: SpinPredictor(explore=0.0),
     "cross_layer": lambda: CrossLayerPredictor(temporal_weight=0.0, source_stickiness=1.5, calibrate=False),
     "cross_layer_mixed": lambda: CrossLayerPredictor(temporal_weight=0.4, recent_blocks=2, calibrate=False),
+    "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2, recent_blocks=2),
 }
 
 
@@ -188,9 +223,11 @@ def run_predictor(name: str, backend: str, device: str, batch: int, heads: int, 
     state = p.init_state(layers, batch, heads, n, device)
     out = []
     counts = torch.tensor(nb, dtype=torch.int32, device=device)
+    g = torch.Generator().manual_seed(3)
     for step in range(steps):
         for layer in range(layers):
-            blocks = p.propose(state, layer, counts, budget)
+            query = {"query": torch.randn(batch, heads, 2, 8, generator=g).to(device)} if p.needs_query else {}
+            blocks = p.propose(state, layer, counts, budget, **query)
             out.append(BlockSet(blocks.indices, blocks.count).mask(n))
             sel = ref.make_selection(batch, heads, n, counts.tolist(), topk=5, seed=step * 10 + layer, device=device)
             p.update(state, layer, Selection(BlockSet(sel["indices"], sel["count"]), sel["scores"]))

@@ -28,6 +28,12 @@ that arrive without a propose (the prefill tail) therefore pair with nothing, an
 value changes from step to step. The query size G·D is not an argument of `init_state`:
 `keys` and `pending` are sized by the first propose (an eager warm-up call before any
 capture) and never re-allocated.
+
+On backend triton (prr.kernels.predict): propose = one launch (normalise, similarities, the
+neighbours' votes, the rank) + the top-k kernel; update = one launch (ring-buffer slot, last
+selection and z-scores) + a one-program launch moving the counters. The cosine similarities
+are summed in another order than torch's einsum, so votes can differ in the last bit: P is the
+same set unless two blocks' ranks lie within that (tested on random inputs).
 """
 
 from __future__ import annotations
@@ -85,6 +91,9 @@ class QuerySimilarityPredictor(Predictor):
             last_z=torch.zeros(*per_layer, max_blocks, device=device),
         )
 
+    def triton_problems(self) -> list[str]:
+        return []
+
     def propose(
         self, state: QuerySimilarityState, layer: int, num_blocks: int | Tensor, budget_blocks: int,
         current: Selection | None = None, query: Tensor | None = None,
@@ -93,6 +102,17 @@ class QuerySimilarityPredictor(Predictor):
         if query is None:
             raise ValueError("query_similarity needs this step's query: call propose(..., query=q) with q [B, Hkv, G, D]"
                              " (prr's runtime does so for predictors with needs_query=True)")
+        if self.backend == "triton":
+            from prr.kernels.predict import propose_top, query_similarity_rank, row_counts
+
+            self.size_for_query(state, query[0, 0].numel())
+            nb = row_counts(num_blocks, query.shape[0], query.device)
+            rank = query_similarity_rank(query, state.keys[layer], state.sets[layer], state.last_selected[layer],
+                                         state.last_z[layer], state.filled[layer : layer + 1], nb, state.pending[layer],
+                                         state.has_pending[layer : layer + 1], self.neighbours, self.recent_blocks, TIE)
+            if budget_blocks <= 0:
+                return BlockSet.empty(query.shape[0], query.shape[1], query.device)
+            return BlockSet(*propose_top(rank, budget_blocks, nb))
         q = F.normalize(query.float().flatten(2), dim=-1)  # [B, Hkv, G·D]
         self.size_for_query(state, q.shape[-1])
         state.pending[layer] = q
@@ -130,6 +150,14 @@ class QuerySimilarityPredictor(Predictor):
         return score.masked_fill(~inside_context(nb, max_blocks), NEVER)
 
     def update(self, state: QuerySimilarityState, layer: int, selection: Selection) -> None:
+        if self.backend == "triton":
+            from prr.kernels.predict import query_similarity_update
+
+            one = slice(layer, layer + 1)
+            query_similarity_update(selection.scores, selection.blocks.indices, selection.blocks.count, state.keys[layer],
+                                    state.sets[layer], state.pending[layer], state.has_pending[one], state.cursor[one],
+                                    state.filled[one], state.last_selected[layer], state.last_z[layer])
+            return
         chosen = selection.blocks.mask(state.sets.shape[-1])  # [B, Hkv, N]
         if state.pending.shape[-1] != 0:  # structural: false only before the first propose of the run
             # Pair this step's query with its selection where propose left one; else rewrite the slot as it was.

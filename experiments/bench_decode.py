@@ -1,6 +1,6 @@
 """Decode-latency benchmark of PRR against serial DSA, dense attention and the memory floors.
 
-    python experiments/bench_decode.py [--quick] [--parts stage,token,matrix,stream_priority,spec_programs,repair_splits]
+    python experiments/bench_decode.py [--quick] [--parts stage,token,matrix,select,stream_priority,spec_programs,repair_splits]
         [--out experiments/results/h200/bench_decode]
 
 Model: the Llama-3.1-8B shape (32 query / 8 KV heads, head_dim 128, 32 layers) with random
@@ -42,6 +42,14 @@ speculation's per-block program size (StaticPlan.speculation_tokens_per_program)
 speculate and PRR; the one-launch repair + merge's split count (StaticPlan.repair_tokens_per_split)
 against the three launches and serial DSA. They chose the engine's defaults (at least 4 blocks per
 speculation program, prr_repair.default_splits) and left stream priorities off.
+
+Part `select` (issue 33: each selector's selection as the engine calls it, through its Triton path):
+batch 1, the 8B shape, 32K and 128K, blocks 16 and 64, top-K 32 and 128 blocks, over --stage-layers
+caches: Quest (score + top-k), exact (q·K pass + mass pass + top-k; its score launches alone), LESS
+(Quest's selection + the compensation, m = 64; the compensation alone), beside the attention over A
+and dense SDPA, per layer, with byte floors, exact's sets and LESS's state checked against each
+selector's torch path, and LESS's state memory beside the KV cache's. `--parts select --tiny` runs it
+on a CPU under TRITON_INTERPRET=1 at toy sizes (a smoke run, not a speed).
 
 Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_<part>.csv;
 prints short tables last.
@@ -658,6 +666,112 @@ def repair_split_rows(model: Decoder, batch: int, context: int, block: int, topk
     return rows
 
 
+# --- part select: one selection per selector (Quest, exact, LESS), as the engine calls it ------------
+
+# (context tokens, cache tokens, block, top-K blocks): batch 1 at the 8B shape; --tiny: CPU smoke sizes.
+SELECT_GRID = [(c - HEADROOM, c, bs, k) for c in (32768, 131072) for bs in (16, 64) for k in (32, 128)]
+SELECT_TINY = [(200, 256, 16, 4), (300, 512, 64, 3)]
+
+
+def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_blocks: int, layers: int,
+                bandwidth: float, device: torch.device, heads: tuple[int, int] = (32, 8), head_dim: int = 128,
+                num_features: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Selection per layer, the selector objects' Triton paths on `layers` caches of `context`
+    random tokens (so replays walk several caches): Quest (score + top-k), exact (its two score
+    launches + top-k; the score launches alone), LESS (Quest's selection + the compensation; the
+    compensation alone, over Quest's A), beside the attention over A and dense SDPA. On a GPU:
+    CUDA-graph replays, median; on the CPU (TRITON_INTERPRET=1) the host clock (a smoke run, not
+    a speed). Checked on layer 0 against each selector's torch path: exact's sets, LESS's state."""
+    from prr.kernels.exact import exact_scores
+    from prr.kernels.sparse_decode import sparse_decode
+
+    from prr.cache import PagedKVCache
+    from prr.runtime.graph_budget import stage_timing
+    from prr.selectors import ExactSelector, LessSelector, QuestSelector
+
+    hq, hkv = heads
+    group, scale = hq // hkv, head_dim ** -0.5
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache = PagedKVCache(layers, batch, hkv, head_dim, block, cache_tokens, dtype, device)
+    for i in range(layers):
+        cache.append(i, torch.randn(batch, hkv, context, head_dim, generator=gen, device=device).to(dtype),
+                     torch.randn(batch, hkv, context, head_dim, generator=gen, device=device).to(dtype))
+    kw = dict(sink_blocks=1, local_blocks=0)
+    quest, exact, less = QuestSelector(k_blocks, **kw), ExactSelector(k_blocks, **kw), \
+        LessSelector(k_blocks, num_features=num_features, **kw)
+    exact_torch, less_torch = ExactSelector(k_blocks, **kw), LessSelector(k_blocks, num_features=num_features, **kw)
+    for sel in (quest, exact, less):
+        if sel.set_backend("triton") != "triton":
+            raise RuntimeError(f"{type(sel).__name__} has no Triton path here: {sel.triton_problems()}")
+    for i in range(layers):
+        less.update_metadata(cache, i, 0, context)  # Quest's key max / min too (LESS keeps them in the same slots)
+    qs = [torch.randn(batch, hkv, group, head_dim, generator=gen, device=device).to(dtype) for _ in range(layers)]
+    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+    nb = (lengths + block - 1) // block
+    a_sets = [quest.select(qs[i], cache, i, lengths, num_blocks=nb) for i in range(layers)]  # what LESS compensates around
+
+    def every_layer(step):
+        return lambda: [step(i) for i in range(layers)]
+
+    def less_step(i):
+        less.compensation(qs[i], cache, i, less.select(qs[i], cache, i, lengths, num_blocks=nb), lengths)
+
+    def attend(i):
+        sparse_decode(qs[i].view(batch, hq, head_dim), cache.keys[i], cache.values[i], a_sets[i].blocks.indices,
+                      a_sets[i].blocks.count, lengths, block, scale)
+
+    def dense(i):
+        F.scaled_dot_product_attention(qs[i].view(batch, hq, 1, head_dim), cache.keys[i][:, :, :context],
+                                       cache.values[i][:, :, :context], enable_gqa=True)
+
+    variants = {
+        "quest_select": every_layer(lambda i: quest.select(qs[i], cache, i, lengths, num_blocks=nb)),
+        "exact_select": every_layer(lambda i: exact.select(qs[i], cache, i, lengths, num_blocks=nb)),
+        "exact_scores": every_layer(lambda i: exact_scores(qs[i].view(batch, hq, head_dim), cache.keys[i], lengths,
+                                                           nb, block, scale)),
+        "less_select_compensate": every_layer(less_step),
+        "less_compensation": every_layer(lambda i: less.compensation(qs[i], cache, i, a_sets[i], lengths)),
+        "attend_A": every_layer(attend),
+        "dense_sdpa": every_layer(dense),
+    }
+    row = dict(batch=batch, context=context, block=block, topk_blocks=k_blocks, layers_timed=layers,
+               heads=f"{hq}/{hkv}", head_dim=head_dim, num_features=num_features, dtype=str(dtype).replace("torch.", ""))
+    for name, fn in variants.items():
+        fn()  # compile / warm up outside any capture
+        row[name] = stage_timing(fn, device, per_call=layers).median_s * 1e6  # µs per layer
+    # The same selection by each selector's torch path (layer 0).
+    want = exact_torch.select(qs[0], cache, 0, lengths)
+    got = exact.select(qs[0], cache, 0, lengths, num_blocks=nb)
+    row["exact_sets_equal"] = float((got.blocks.indices == want.blocks.indices).all(-1).float().mean())
+    row["exact_counts_equal"] = bool(torch.equal(got.blocks.count, want.blocks.count))
+    ref = less_torch.compensation(qs[0], cache, 0, a_sets[0], lengths)
+    state = less.compensation(qs[0], cache, 0, a_sets[0], lengths)
+    used = torch.isfinite(ref.lse)
+    row["less_same_dropped"] = bool(torch.equal(used, torch.isfinite(state.lse)))
+    row["less_lse_max_abs_err"] = float((state.lse - ref.lse)[used].abs().max()) if used.any() else 0.0
+    row["less_out_rel_err"] = float((state.out - ref.out).norm() / ref.out.norm().clamp(min=1e-30))
+    # Ratios (the acceptance's per-layer view) and byte floors (bytes / bandwidth of this run).
+    row["exact_over_quest"] = row["exact_select"] / row["quest_select"]
+    row["less_over_quest"] = row["less_select_compensate"] / row["quest_select"]
+    row["exact_serial_over_dense"] = (row["exact_select"] + row["attend_A"]) / row["dense_sdpa"]
+    row["quest_serial_over_dense"] = (row["quest_select"] + row["attend_A"]) / row["dense_sdpa"]
+    elt = torch.empty((), dtype=dtype).element_size()
+    blocks = -(-context // block)
+    less_state = (cache.metadata[0]["less_S"].numel() + cache.metadata[0]["less_s"].numel()
+                  + cache.metadata[0]["less_c"].numel()) * 4
+    row["less_state_mib_per_layer"] = less_state / 2**20
+    row["kv_mib_per_layer"] = 2 * cache.keys[0].numel() * elt / 2**20
+    floors = {"quest_select": 2 * batch * hkv * blocks * head_dim * elt,
+              "exact_select": batch * hkv * context * head_dim * elt,
+              "less_compensation": batch * hkv * (k_blocks * (num_features * head_dim + 2 * num_features)
+                                                  + num_features * (head_dim + 2)) * 4,
+              "attend_A": 2 * batch * hkv * k_blocks * block * head_dim * elt,
+              "dense_sdpa": 2 * batch * hkv * context * head_dim * elt}
+    for name, nbytes in floors.items():
+        row[f"{name}_floor_us"] = nbytes / bandwidth * 1e6
+    return [row]
+
+
 LAUNCH_PARTS = {  # part -> (rows function, (batch, cache tokens, block, top-K tokens) grid)
     "stream_priority": (stream_priority_rows, ((1, 131072, 64, 8192), (1, 32768, 64, 8192), (1, 131072, 64, 2048),
                                                (1, 131072, 16, 8192), (8, 32768, 64, 8192), (8, 131072, 64, 8192))),
@@ -679,25 +793,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only (smoke run)")
     parser.add_argument("--parts", default="stage,token",
-                        help="comma-separated: stage, token, matrix, " + ", ".join(LAUNCH_PARTS))
+                        help="comma-separated: stage, token, matrix, select, " + ", ".join(LAUNCH_PARTS))
     parser.add_argument("--stage-layers", type=int, default=4, help="caches the stage timing walks through")
     parser.add_argument("--no-compile", action="store_true", help="per-token runs without torch.compile")
     parser.add_argument("--steps", type=int, default=48, help="timed decode steps (graph replays) per variant")
     parser.add_argument("--selectors", default="dense,exact,quest,infllm,less",
                         help="part matrix: conf/selector YAMLs to run (each × none, last_step, ema)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_decode")
+    parser.add_argument("--tiny", action="store_true",
+                        help="part select at CPU smoke sizes (the only part that runs without a GPU, TRITON_INTERPRET=1)")
     args = parser.parse_args()
     if 4 * args.steps + 64 > HEADROOM:
         parser.error(f"--steps={args.steps}: at most {(HEADROOM - 64) // 4} (the decoded tokens must fit the cache headroom)")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    env = environment()
-    bw = copy_bandwidth() | read_bandwidth()
-    bandwidth = max(bw.values())
-    print(f"{env['gpu']}: bandwidth for the floors {bandwidth / 1e12:.2f} TB/s ("
-          + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in bw.items()) + ")", flush=True)
-    results = {"command": "python " + " ".join(sys.argv), "environment": env, "copy_bandwidth": bw,
-               "hit_rates": HIT_RATES, "stage": [], "token": [], "matrix": [], **{part: [] for part in LAUNCH_PARTS}}
     parts = set(args.parts.split(","))
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    if not on_gpu and (parts != {"select"} or not args.tiny):
+        parser.error("without a CUDA device (or under TRITON_INTERPRET=1) only `--parts select --tiny` runs: a smoke run")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if on_gpu:
+        env = environment()
+        bw = copy_bandwidth() | read_bandwidth()
+        bandwidth = max(bw.values())
+        print(f"{env['gpu']}: bandwidth for the floors {bandwidth / 1e12:.2f} TB/s ("
+              + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in bw.items()) + ")", flush=True)
+    else:
+        import triton
+
+        env, bw, bandwidth = {"gpu": "none (CPU, TRITON_INTERPRET=1)", "torch": torch.__version__,
+                              "triton": triton.__version__}, {}, float("nan")
+    results = {"command": "python " + " ".join(sys.argv), "environment": env, "copy_bandwidth": bw,
+               "hit_rates": HIT_RATES, "stage": [], "token": [], "matrix": [], "select": [],
+               **{part: [] for part in LAUNCH_PARTS}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every configuration: an interrupted run keeps what it measured
@@ -750,6 +876,20 @@ def main() -> None:
                                                  f"{r['stage_us']:.1f} µs/layer" for r in rows), flush=True)
         del model
         torch.cuda.empty_cache()
+    if "select" in parts:
+        device = torch.device("cuda" if on_gpu else "cpu")
+        tiny = dict(heads=(8, 2), head_dim=64, num_features=16) if args.tiny else {}
+        for ctx, cache_tokens, bs, k in SELECT_TINY if args.tiny else SELECT_GRID[:2] if args.quick else SELECT_GRID:
+            rows = select_rows(1, ctx, cache_tokens, bs, k, 2 if args.tiny else args.stage_layers, bandwidth, device,
+                               **tiny)
+            results["select"].extend(rows)
+            save()
+            r = rows[0]
+            print(f"select ctx={ctx} bs={bs} K={k}: quest {r['quest_select']:.1f} exact {r['exact_select']:.1f} "
+                  f"less {r['less_select_compensate']:.1f} (compensation {r['less_compensation']:.1f}) "
+                  f"attend A {r['attend_A']:.1f} dense {r['dense_sdpa']:.1f} µs/layer", flush=True)
+            if on_gpu:
+                torch.cuda.empty_cache()
     for part, (rows_of, grid) in LAUNCH_PARTS.items():
         if part not in parts:
             continue
@@ -785,6 +925,15 @@ def main() -> None:
         cols = ["selector", "predictor", "variant", "predicted_blocks", "token_us", "token_over_serial", "stage_us",
                 "stage_over_serial", "hit_rate", "precision", "last_step_overlap"]
         print(df[cols].round(3).to_string(index=False))
+    if results["select"]:
+        df = pd.DataFrame(results["select"]).assign(command=results["command"])
+        df.to_csv(args.out.parent / (args.out.name + "_select.csv"), index=False)
+        cols = ["context", "block", "topk_blocks", "quest_select", "exact_select", "exact_scores",
+                "less_select_compensate", "less_compensation", "attend_A", "dense_sdpa", "exact_over_quest",
+                "less_over_quest", "exact_serial_over_dense", "exact_sets_equal", "less_lse_max_abs_err",
+                "less_state_mib_per_layer", "kv_mib_per_layer"]
+        print("select (µs per layer; ratios in the same run)")
+        print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     for part in LAUNCH_PARTS:
         if results[part]:
             df = pd.DataFrame(results[part]).assign(command=results["command"])

@@ -27,6 +27,7 @@ def hydra_app() -> None:
     from omegaconf import DictConfig
 
     from prr.config_check import ConfigError
+    from prr.model.loading import CorruptModelFile
     from prr.paths import remove_empty_run_dir
     from prr.runner import RunDirTaken, run
 
@@ -39,7 +40,7 @@ def hydra_app() -> None:
         except ConfigError as err:
             remove_empty_run_dir(run_dir, STARTED)  # refused before anything was written: no empty dir left behind
             refuse(*err.problems)
-        except RunDirTaken as err:
+        except (RunDirTaken, CorruptModelFile) as err:  # the message names the file and what to do
             refuse(str(err))
         except KeyboardInterrupt as err:  # Ctrl-C; SIGTERM arrives as its subclass prr.cli_exits.Terminated
             interrupted(err, run_dir)

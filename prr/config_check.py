@@ -147,7 +147,7 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
 
         if not torch.cuda.is_available():
             problems.append(f"runtime.device={runtime.device!r} but this torch ({torch.__version__}) sees no CUDA device; "
-                            "use runtime.device=cpu")
+                            "use runtime=cpu (or leave runtime=auto to choose)")
     if built["backend"].name == "triton":
         from prr.runtime.engine_ops import triton_problems
 
@@ -156,6 +156,15 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
     bad_layers = sorted(x for x in selector.dense_layers if not 0 <= x < model.num_layers)
     if bad_layers:
         problems.append(f"selector.dense_layers={bad_layers} outside the model's layers 0..{model.num_layers - 1}")
+    budget = built["budget"]
+    if budget.profiles and not bad_layers and set(range(model.num_layers)) <= set(selector.dense_layers):
+        problems.append(f"selector.dense_layers={sorted(selector.dense_layers)} makes every layer of the model "
+                        f"({model.num_layers}) dense: budget=profiled has no selection to time; use budget=fixed or "
+                        "fewer dense_layers")
+    if budget.profiles and not predictor.uses_budget:
+        problems.append(f"predictor={type(predictor).__module__.rsplit('.', 1)[-1]} sets |P| itself (P = A) and "
+                        "ignores the budget, but budget=profiled would size P from timings (the eager runtime speculated "
+                        "on its |P| = 0: a hit rate of 0); use budget=fixed")
     if callable(getattr(task, "evaluate", None)) and runtime.batch_size != 1:  # scored tasks (prr.evaluation)
         problems.append(f"runtime.batch_size={runtime.batch_size}: scored tasks decode one request at a time; "
                         "use runtime.batch_size=1")

@@ -286,7 +286,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as err:
         exit_on_argument_error(err)
     if (getattr(args, "model", None) or from_yaml.get("model")) != "prr":
-        cli.execute(args)  # another lm-eval model, or ls/validate: lm-eval's own behaviour
+        hint = "" if getattr(args, "model", None) else " (and no --model prr: lm-eval's default model would run)"
+        try:
+            cli.execute(args)  # another lm-eval model, or ls/validate: lm-eval's own behaviour
+        except ValueError as err:  # lm-eval's argument errors (an unknown task): one line, as for --model prr
+            exit_on_argument_error(ValueError(f"{err}{hint}"))
         return
     if not (args.device or from_yaml.get("device")):
         args.device = DEVICE_FROM_RUNTIME

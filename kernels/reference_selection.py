@@ -201,14 +201,13 @@ def infllm_reference_selections(q_raw: Tensor, k_raw: Tensor, inv_freq: Tensor, 
     for p in range(total):
         num_blocks = p // s + 1
         first_window = num_blocks - window
-        attended = [j for j in range(p + 1) if j // s < sink_blocks or j // s >= first_window]
-        in_window = [j for j in attended if j // s >= first_window]
+        window_start = max(first_window, 0) * s  # the window: tokens [window_start, p]
+        sink_end = min(sink_blocks * s, window_start)  # sink tokens not in the window: [0, sink_end)
         q_post = rope(q_raw[p], p)  # [Hq, D]
         for h in range(num_heads):
-            logits = torch.stack([q_post[h] @ k_post[j, h // group] for j in attended]) / head_dim ** 0.5
-            probs = dict(zip(attended, torch.softmax(logits, 0).tolist(), strict=True))
-            for j in in_window:
-                summed[j, h] += probs[j]
+            attended = torch.cat((k_post[:sink_end, h // group], k_post[window_start : p + 1, h // group]))
+            probs = torch.softmax(attended @ q_post[h] / head_dim ** 0.5, 0)  # over sinks + window
+            summed[window_start : p + 1, h] += probs[sink_end:]  # the window's tokens
         if p < prompt_len:
             continue
         length = p + 1
@@ -226,3 +225,14 @@ def infllm_reference_selections(q_raw: Tensor, k_raw: Tensor, inv_freq: Tensor, 
         picked = [b for _, b in scored[: max(topk_blocks - len(forced), 0)]]
         out.append(sorted(forced | set(picked)))
     return out
+
+
+def unrotate_rope(x: Tensor, inv_freq: Tensor) -> Tensor:
+    """x: [T, H, D] rotated by RoPE (rotate_half layout) at positions 0..T-1 -> the same before
+    RoPE, fp64 (what infllm_reference_selections takes, from a model's post-RoPE q and k)."""
+    angles = torch.arange(x.shape[0], dtype=torch.float64, device=x.device)[:, None] * inv_freq.double()  # [T, D/2]
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None]  # [T, 1, D]
+    sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None]
+    half = x.shape[-1] // 2
+    x = x.double()
+    return x * cos - torch.cat((-x[..., half:], x[..., :half]), -1) * sin

@@ -172,6 +172,85 @@ def test_less_triton_in_the_engine_equals_eager(tmp_path, monkeypatch):
     assert len(calls) >= 2 * 16
 
 
+# --- compact state (bf16 summaries) and memory ---------------------------------------------------
+
+
+def test_bf16_summaries_match_reference():
+    """The kernel reads bf16 S_b, s_b (fp32 arithmetic): equal to the reference over the same values."""
+    x = make_less_inputs(2, 2, 4, 64, 24, 16, 21, [330, 113], None, 8, seed=12)
+    x = {**x, "big": x["big"].bfloat16(), "small": x["small"].bfloat16()}
+    out, lse = less_compensation(**x)
+    check_state(out, lse, *less_compensation_reference(**x))
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_bf16_summaries_both_backends_and_their_cost(group):
+    """summary_dtype=bfloat16: the torch path and the kernel agree (same stored values); against
+    fp32 summaries the state moves by bf16 rounding only (measured here: lse within 1e-2, out
+    within 1e-2 relative; LESS's own estimation error is far larger)."""
+    hkv, d, bs = 2, 64, 16
+    kw = dict(topk_blocks=4, num_features=24, seed=3)
+    fp32_sel = LessSelector(**kw)
+    bf16_torch, bf16_triton = LessSelector(**kw, summary_dtype="bfloat16"), LessSelector(**kw, summary_dtype="bfloat16")
+    bf16_triton.set_backend("triton")
+    cache32 = less_cache(2, hkv, d, bs, 150, 3, fp32_sel, seed=group)
+    cache16 = less_cache(2, hkv, d, bs, 150, 3, bf16_torch, seed=group)
+    assert cache16.metadata[0]["less_S"].dtype == torch.bfloat16 and cache16.metadata[0]["less_c"].dtype == torch.float32
+    q = torch.randn(2, hkv, group, d, generator=torch.Generator().manual_seed(7))
+    lengths = torch.tensor([153, 90], dtype=torch.int32)
+    selection = fp32_sel.select(q, cache32, 0, lengths)
+    want16 = bf16_torch.compensation(q, cache16, 0, selection, lengths)
+    got16 = bf16_triton.compensation(q, cache16, 0, selection, lengths)
+    check_state(got16.out, got16.lse, want16.out, want16.lse)
+    want32 = fp32_sel.compensation(q, cache32, 0, selection, lengths)
+    used = torch.isfinite(want32.lse)
+    assert used.all() and torch.equal(torch.isfinite(want16.lse), used)
+    assert (want16.lse - want32.lse).abs().max() < 1e-2
+    assert ((want16.out - want32.out).norm() / want32.out.norm()) < 1e-2
+
+
+def test_bad_summary_dtype():
+    with pytest.raises(ValueError, match="summary_dtype='float16' is not one of"):
+        LessSelector(topk_blocks=4, summary_dtype="float16")
+
+
+@pytest.mark.parametrize("summary_dtype", ["float32", "bfloat16"])
+def test_state_bytes_is_what_the_cache_holds(summary_dtype):
+    sel = LessSelector(topk_blocks=4, num_features=24, summary_dtype=summary_dtype, dense_layers=[1])
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(3, 2, 2, 64, 16, 100)
+    for layer in range(3):
+        cache.append(layer, torch.randn(2, 2, 70, 64, generator=gen), torch.randn(2, 2, 70, 64, generator=gen))
+        sel.update_metadata(cache, layer, 0, 70)
+    held = sum(t.numel() * t.element_size() for name, t in cache.metadata[0].items() if name != "less_w")
+    assert held == sel.state_bytes(2, 2, 64, cache.max_blocks, cache.dtype)
+    assert not cache.metadata[1]  # a dense layer keeps nothing
+    report = sel.memory_report(cache)
+    assert report["sparse_layers"] == 2 and report["less_state_gib"] * 2**30 == 2 * held
+    assert report["less_over_kv"] == pytest.approx(2 * held / (2 * 3 * cache.keys[0].numel() * 4))
+    # the 8B shape at 32K, block 16, bf16 cache, m = 64: fp32 summaries ~4.1x the KV cache, bf16 ~2.1x
+    big = LessSelector(topk_blocks=4, num_features=64, summary_dtype=summary_dtype)
+    ratio = big.state_bytes(1, 8, 128, 2048, torch.bfloat16) / (2 * 8 * 32768 * 128 * 2)
+    assert ratio == pytest.approx(4.12 if summary_dtype == "float32" else 2.11, abs=0.01)
+
+
+def test_a_state_that_cannot_fit_is_refused_with_the_numbers(monkeypatch):
+    import prr.selectors.less as less_module
+
+    monkeypatch.setattr(less_module, "free_device_memory", lambda device: 10_000)
+    sel = LessSelector(topk_blocks=4, num_features=24)
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(2, 1, 2, 64, 16, 100)
+    cache.append(0, torch.randn(1, 2, 70, 64, generator=gen), torch.randn(1, 2, 70, 64, generator=gen))
+    with pytest.raises(MemoryError, match=r"selector=less needs 0\.00 GiB for its state over 2 sparse layers "
+                                          r"\(num_features=24, summary_dtype=float32.*GiB is free.*summary_dtype=bfloat16"):
+        sel.update_metadata(cache, 0, 0, 70)
+    assert "less_S" not in cache.metadata[0]  # refused before any of the state is allocated
+    monkeypatch.setattr(less_module, "free_device_memory", lambda device: 1 << 40)
+    sel.update_metadata(cache, 0, 0, 70)
+    assert "less_S" in cache.metadata[0]
+
+
 # --- GPU ------------------------------------------------------------------------------------
 
 

@@ -48,9 +48,13 @@ and `selector=quest` at the same top-K select alike and differ only by the compe
 the compensation off (then `scores=quest` is Quest).
 
 Metadata per sparse layer (dense layers keep none): Quest's slots, `less_S`
-[B, Hkv, max_blocks, m, D], `less_s` and `less_c` [B, Hkv, max_blocks, m] fp32 (memory:
-m·(D+2) floats per block and KV head — with m = 64, D = 64 about twice the block's own
-keys and values at block_size 16), and in the layer's metadata dict the totals
+[B, Hkv, max_blocks, m, D] and `less_s` [B, Hkv, max_blocks, m] in `summary_dtype` (float32, or
+bfloat16: a compact state), `less_c` [B, Hkv, max_blocks, m] fp32 (memory, `state_bytes`:
+m·(D+1) summaries + m fp32 offsets per block and KV head — in fp32 with m = 64, D = 128 about four
+times the block's own bf16 keys and values at block_size 16, twice in bf16; the run's total is
+logged beside the KV cache's when the prefill allocates it, and a run whose state cannot fit on
+its GPU is refused then, with the numbers, before any of it is allocated), and in the layer's
+metadata dict the totals
 `less_S_tot` [B, Hkv, m, D], `less_s_tot`/`less_c_tot` [B, Hkv, m], the centre `less_center`
 [B, Hkv, D] and the features `less_w` [Hkv, m, D]. `budget=profiled` times selection only,
 not the compensation.
@@ -65,6 +69,7 @@ selector runs torch ops under every backend (`triton_problems()` is None). The s
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -80,6 +85,14 @@ from prr.selectors.quest import QuestSelector
 SCORES = ("quest", "features")
 FEATURE_MAPS = ("random", "trained")
 MIN_RELATIVE_MASS = 1e-6  # compensations carrying less of the estimated total mass are dropped
+SUMMARY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SUMMARY_CHUNK_BLOCKS = 512  # blocks summarised at once in the prefill: bounds its fp32 intermediates
+log = logging.getLogger(__name__)
+
+
+def free_device_memory(device: torch.device) -> int | None:
+    """Free bytes on a CUDA device (None elsewhere: no check on the CPU)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 class LessSelector(QuestSelector):
@@ -100,6 +113,7 @@ class LessSelector(QuestSelector):
         seed: int = 0,
         feature_map: str = "random",
         feature_map_model: str = "smollm2-135m",
+        summary_dtype: str = "float32",
     ) -> None:
         super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers)
         if scores not in SCORES:
@@ -115,6 +129,9 @@ class LessSelector(QuestSelector):
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"selector.feature_map={feature_map!r} is not one of {list(FEATURE_MAPS)}")
         self.feature_map, self.feature_map_model = feature_map, feature_map_model
+        if summary_dtype not in SUMMARY_DTYPES:
+            raise ValueError(f"selector.summary_dtype={summary_dtype!r} is not one of {list(SUMMARY_DTYPES)}")
+        self.summary_dtype = SUMMARY_DTYPES[summary_dtype]  # of S_b and s_b; offsets and totals stay fp32
         self.trained = None
         if feature_map == "trained":
             from prr.selectors.less_training import load_trained_map
@@ -169,6 +186,8 @@ class LessSelector(QuestSelector):
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
         if self.is_dense_layer(layer) or end <= start:
             return
+        if "less_S" not in cache.metadata[layer]:
+            self._check_memory(cache)  # before the first sparse layer's state is allocated
         super().update_metadata(cache, layer, start, end)  # Quest's key max/min
         b, h, m, d = cache.batch, cache.num_kv_heads, self.num_features, cache.head_dim
         center = cache.state_slot(layer, "less_center", (b, h, d), torch.float32)
@@ -182,8 +201,56 @@ class LessSelector(QuestSelector):
                 total.fill_(empty)
         self._add_to_totals(cache, layer, cache.keys[layer][:, :, start:end], cache.values[layer][:, :, start:end])
         s = cache.block_size
-        first = torch.full((cache.batch,), start // s, dtype=torch.int64, device=cache.device)
-        self._summarise(cache, layer, first, -(-end // s) - start // s, torch.full_like(first, end))
+        for lo in range(start // s, -(-end // s), SUMMARY_CHUNK_BLOCKS):  # host range (the prefill): chunks
+            first = torch.full((cache.batch,), lo, dtype=torch.int64, device=cache.device)
+            count = min(SUMMARY_CHUNK_BLOCKS, -(-end // s) - lo)
+            self._summarise(cache, layer, first, count, torch.full_like(first, end))
+
+    # --- memory --------------------------------------------------------------------------------
+    def state_bytes(self, batch: int, num_kv_heads: int, head_dim: int, max_blocks: int,
+                    cache_dtype: torch.dtype) -> int:
+        """Bytes of one sparse layer's metadata: per block and KV head Quest's key max / min (2·D
+        in the cache dtype), S_b and s_b (m·(D+1) in summary_dtype) and the offsets c_b (m fp32);
+        per row and KV head the totals and the centre (m·(D+2) + D fp32)."""
+        m, d = self.num_features, head_dim
+        per_block = 2 * d * cache_dtype.itemsize + m * (d + 1) * self.summary_dtype.itemsize + m * 4
+        return batch * num_kv_heads * (max_blocks * per_block + (m * (d + 2) + d) * 4)
+
+    def memory_report(self, cache: PagedKVCache) -> dict[str, float | int]:
+        """LESS's metadata over the cache's sparse layers beside its KV cache, GiB."""
+        root = getattr(cache, "parent", cache)  # a row view's whole cache
+        sparse = [layer for layer in range(root.num_layers) if not self.is_dense_layer(layer)]
+        kv = 2 * root.num_layers * root.keys[0].numel() * root.keys[0].element_size()
+        state = len(sparse) * self.state_bytes(root.batch, root.num_kv_heads, root.head_dim, root.max_blocks, root.dtype)
+        return {"less_state_gib": state / 2**30, "kv_cache_gib": kv / 2**30, "less_over_kv": state / max(kv, 1),
+                "sparse_layers": len(sparse)}
+
+    def _check_memory(self, cache: PagedKVCache) -> None:
+        """Refuse, with the numbers, a run whose LESS state cannot fit on its GPU: checked once, when
+        the cache's first LESS state is about to be allocated (the prefill), for every sparse layer,
+        plus the prefill's summary intermediates."""
+        root = getattr(cache, "parent", cache)
+        sparse = [i for i in range(root.num_layers) if not self.is_dense_layer(i)]
+        if any("less_S" in root.metadata[i] for i in sparse):
+            return  # allocated (and checked) before
+        report = self.memory_report(root)
+        log.info("selector=less state: %.2f GiB over %d sparse layers beside the KV cache's %.2f GiB (%.2fx)",
+                 report["less_state_gib"], report["sparse_layers"], report["kv_cache_gib"], report["less_over_kv"])
+        free = free_device_memory(root.device)
+        if free is None:
+            return
+        m, d, s = self.num_features, root.head_dim, root.block_size
+        need = len(sparse) * self.state_bytes(root.batch, root.num_kv_heads, d, root.max_blocks, root.dtype)
+        blocks = min(SUMMARY_CHUNK_BLOCKS, root.max_blocks)
+        need += root.batch * root.num_kv_heads * blocks * (m * d + s * m + 2 * s * d) * 4  # the prefill's intermediates
+        if need > free:
+            raise MemoryError(
+                f"selector=less needs {need / 2**30:.2f} GiB for its state over {len(sparse)} sparse layers "
+                f"(num_features={m}, summary_dtype={str(self.summary_dtype).replace('torch.', '')}, {root.max_blocks} "
+                f"blocks of {s} x {root.num_kv_heads} KV heads x batch {root.batch}: {report['less_over_kv']:.2f}x the "
+                f"KV cache's {report['kv_cache_gib']:.2f} GiB) and {free / 2**30:.2f} GiB is free on {root.device}: "
+                "lower selector.num_features, set selector.summary_dtype=bfloat16, raise runtime.block_size, add "
+                "selector.dense_layers or shorten the prompt")
 
     def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
         if self.is_dense_layer(layer):
@@ -215,8 +282,8 @@ class LessSelector(QuestSelector):
         live tokens (positions < end [B]). Static shapes."""
         b, h, d, m, s = cache.batch, cache.num_kv_heads, cache.head_dim, self.num_features, cache.block_size
         slots = cache.metadata[layer]
-        big_s = cache.metadata_slot(layer, "less_S", (m, d), torch.float32)
-        small_s = cache.metadata_slot(layer, "less_s", (m,), torch.float32)
+        big_s = cache.metadata_slot(layer, "less_S", (m, d), self.summary_dtype)
+        small_s = cache.metadata_slot(layer, "less_s", (m,), self.summary_dtype)
         offset = cache.metadata_slot(layer, "less_c", (m,), torch.float32, float("-inf"))
         blocks = first.view(b, 1) + torch.arange(count, device=cache.device)  # [B, n]
         tokens = (blocks.unsqueeze(-1) * s + torch.arange(s, device=cache.device)).view(b, 1, count * s, 1)
@@ -230,8 +297,9 @@ class LessSelector(QuestSelector):
         c_block = logits.amax(3)  # [B, Hkv, n, m]; finite: a touched block has a live token
         weights = torch.exp(logits - c_block.unsqueeze(3))  # [B, Hkv, n, S, m]; 0 past `end`
         index = blocks.view(b, 1, count, 1)
-        big_s.scatter_(2, index.view(b, 1, count, 1, 1).expand(b, h, count, m, d), weights.transpose(-1, -2) @ values)
-        small_s.scatter_(2, index.expand(b, h, count, m), weights.sum(3))
+        big_s.scatter_(2, index.view(b, 1, count, 1, 1).expand(b, h, count, m, d),
+                       (weights.transpose(-1, -2) @ values).to(big_s.dtype))
+        small_s.scatter_(2, index.expand(b, h, count, m), weights.sum(3).to(small_s.dtype))
         offset.scatter_(2, index.expand(b, h, count, m), c_block)
 
     # --- selection scores ------------------------------------------------------------------------
@@ -242,7 +310,7 @@ class LessSelector(QuestSelector):
         scale = 1.0 / math.sqrt(cache.head_dim)
         slots = cache.metadata[layer]
         q_logits = self._logits(q, self._features(cache, layer), scale, layer, "q")  # [B, Hkv, G, m]
-        log_s = torch.log(slots["less_s"]) + slots["less_c"]  # [B, Hkv, NB, m]; -inf for empty blocks
+        log_s = torch.log(slots["less_s"].float()) + slots["less_c"]  # [B, Hkv, NB, m]; -inf for empty blocks
         per_block = torch.logsumexp(q_logits.unsqueeze(3) + log_s.unsqueeze(2), dim=-1)  # [B, Hkv, G, NB]
         exact = scale * (q.float() * slots["less_center"].unsqueeze(2)).sum(-1, keepdim=True)  # [B, Hkv, G, 1]
         return per_block + exact
@@ -271,8 +339,8 @@ class LessSelector(QuestSelector):
         index = blocks.indices.long().unsqueeze(-1)  # [B, Hkv, C, 1]
         rescale = torch.exp(torch.gather(cache.metadata[layer]["less_c"], 2, index.expand(b, h, c, m)) - c_tot.unsqueeze(2))
         rescale = rescale * blocks.valid().unsqueeze(-1)  # padding entries count nothing: [B, Hkv, C, m]
-        sel_small = (torch.gather(slots["less_s"], 2, index.expand(b, h, c, m)) * rescale).sum(2)  # [B, Hkv, m]
-        sel_big = torch.gather(slots["less_S"], 2, index.unsqueeze(-1).expand(b, h, c, m, d))
+        sel_small = (torch.gather(slots["less_s"], 2, index.expand(b, h, c, m)).float() * rescale).sum(2)  # [B, Hkv, m]
+        sel_big = torch.gather(slots["less_S"], 2, index.unsqueeze(-1).expand(b, h, c, m, d)).float()
         sel_big = (sel_big * rescale.unsqueeze(-1)).sum(2)  # [B, Hkv, m, D]
         rest_small = (slots["less_s_tot"] - sel_small).clamp(min=0)
         rest_big = slots["less_S_tot"] - sel_big

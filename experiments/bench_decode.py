@@ -739,7 +739,8 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
     for name, fn in variants.items():
         fn()  # compile / warm up outside any capture
         row[name] = stage_timing(fn, device, per_call=layers).median_s * 1e6  # µs per layer
-    # The same selection by each selector's torch path (layer 0).
+    # The same selection by each selector's torch path (layer 0), in full fp32 (main() allows TF32).
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     want = exact_torch.select(qs[0], cache, 0, lengths)
     got = exact.select(qs[0], cache, 0, lengths, num_blocks=nb)
     row["exact_sets_equal"] = float((got.blocks.indices == want.blocks.indices).all(-1).float().mean())
@@ -750,6 +751,7 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
     row["less_same_dropped"] = bool(torch.equal(used, torch.isfinite(state.lse)))
     row["less_lse_max_abs_err"] = float((state.lse - ref.lse)[used].abs().max()) if used.any() else 0.0
     row["less_out_rel_err"] = float((state.out - ref.out).norm() / ref.out.norm().clamp(min=1e-30))
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     # Ratios (the acceptance's per-layer view) and byte floors (bytes / bandwidth of this run).
     row["exact_over_quest"] = row["exact_select"] / row["quest_select"]
     row["less_over_quest"] = row["less_select_compensate"] / row["quest_select"]

@@ -11,7 +11,9 @@ writes
   OUT_STEM_steps.csv      (--steps) one row per run x step x layer x KV head: the named columns
   OUT_STEM.json           the command, device, versions, date, and the rows of OUT_STEM.csv
 Runs whose summary is not `complete` are listed with their status, never dropped silently.
-The command defaults to the one Hydra recorded in the sweep's multirun.yaml.
+The command defaults to the one the runs ran (each job's .hydra/overrides.yaml; multirun.yaml,
+which a later relaunch rewrites, only where no job left one); OUT_STEM.json also lists the runs'
+git commits and package versions (their provenance.json).
 """
 
 from __future__ import annotations
@@ -44,15 +46,46 @@ def varying_config(runs: pd.DataFrame) -> list[str]:
 
 
 def recorded_command(sweeps: list[Path]) -> str | None:
-    """`python run.py -m <overrides>` from each sweep's multirun.yaml (Hydra's record of the CLI)."""
+    """`python run.py -m <overrides>` as the runs ran: from each job's `.hydra/overrides.yaml`
+    (prr writes it only for a job that ran; never rewritten by a relaunch that was refused or
+    skipped), each key with the values its jobs had, in job order. A sweep dir's multirun.yaml
+    is the last relaunch's command, which may not be what its runs used (issue 36), so it is
+    read only where no job left its overrides. None where neither exists."""
     commands = []
     for sweep in sweeps:
+        jobs = sorted((d for d in sweep.iterdir() if (d / ".hydra" / "overrides.yaml").is_file()),
+                      key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name)) \
+            if sweep.is_dir() else []
+        if (sweep / ".hydra" / "overrides.yaml").is_file():  # a single run's dir
+            jobs = [sweep]
+        if jobs:
+            values: dict[str, list[str]] = {}
+            for job in jobs:
+                for line in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []:
+                    key, _, value = str(line).partition("=")
+                    if value not in values.setdefault(key, []):
+                        values[key].append(value)
+            flag = "-m " if len(jobs) > 1 else ""
+            commands.append(f"python run.py {flag}" + " ".join(f"{k}={','.join(v)}" for k, v in values.items()))
+            continue
         saved = sweep / "multirun.yaml"
         if not saved.is_file():
             return None
         overrides = (yaml.safe_load(saved.read_text()).get("hydra", {}).get("overrides", {}) or {}).get("task", [])
         commands.append(" ".join(["python run.py -m", *overrides]))
     return " && ".join(commands)
+
+
+def run_commits(sweeps: list[Path]) -> list[dict]:
+    """Each run's provenance.json (git commit, dirty flag, versions), distinct, in job order."""
+    seen: list[dict] = []
+    for sweep in sweeps:
+        for record in sorted(sweep.rglob("provenance.json")):
+            found = json.loads(record.read_text())
+            entry = {"git": found.get("git"), "versions": found.get("versions")}
+            if entry not in seen:
+                seen.append(entry)
+    return seen
 
 
 def keys(frame: pd.DataFrame, swept: list[str], varying_only: bool = False) -> list[str]:
@@ -77,7 +110,7 @@ def with_run_name(frame: pd.DataFrame, sweeps: list[Path]) -> pd.DataFrame:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", type=Path, nargs="+", help="sweep or run directories, then OUT_STEM")
-    parser.add_argument("--command", help="the command that produced the runs (default: from multirun.yaml)")
+    parser.add_argument("--command", help="the command that produced the runs (default: from the runs' records)")
     parser.add_argument("--per-layer", action="store_true", help="also write OUT_STEM_per_layer.csv")
     parser.add_argument("--steps", nargs="+", metavar="COLUMN", help="also write OUT_STEM_steps.csv with these columns")
     args = parser.parse_args()
@@ -86,7 +119,8 @@ def main() -> None:
     *sweeps, out_stem = args.paths
     command = args.command or recorded_command(sweeps)
     if command is None:
-        parser.error(f"no multirun.yaml in {[str(s) for s in sweeps]} to read the command from; pass --command")
+        parser.error(f"no job overrides or multirun.yaml in {[str(s) for s in sweeps]} to read the command from; "
+                     "pass --command")
 
     runs = load_runs(*sweeps)
     swept = varying_config(runs)
@@ -123,6 +157,7 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "swept": swept,
+        "runs_provenance": run_commits(sweeps),
         "rows": table.drop(columns=["command"]).to_dict(orient="records"),
     }
     out_stem.with_suffix(".json").write_text(json.dumps(provenance, indent=1, default=str) + "\n")

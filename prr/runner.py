@@ -2,6 +2,7 @@
 
 Run directory layout (Hydra's run dir):
   config.yaml              resolved config
+  provenance.json          git commit and dirty flag, prr/torch/triton/transformers versions, argv
   summary.json             run-level numbers; status running -> complete | failed
   records/steps.jsonl      one row per (decode step, layer, batch row, KV head), flushed per step
   records/tokens.jsonl     one row per decode step: token, latency
@@ -36,6 +37,7 @@ from prr.evaluation import evaluate_run, is_evaluation_task
 from prr.metrics import layer_step_rows, per_layer, summarize
 from prr.paths import write_json_atomic, write_text_atomic
 from prr.progress import PrefillProgress, progress_bar
+from prr.provenance import provenance
 from prr.run_inputs import build_run
 from prr.runtime.dsa_backend import DSABackend, check_finite
 from prr.runtime.graph_run import graph_decode_run
@@ -67,16 +69,21 @@ def finished_run(run_dir: Path, config_yaml: str) -> dict[str, Any] | None:
     """The summary of a complete run of this config in run_dir, if there is one.
 
     This is how sweeps resume: re-launched into the same directory, finished jobs are
-    skipped and unfinished ones (running/failed) run again. A finished run of another
-    config is never overwritten."""
+    skipped and unfinished ones (running/failed) run again. A run of another config,
+    finished or not, is never overwritten (RunDirTaken)."""
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         return None
     summary = json.loads(summary_path.read_text())
-    if summary.get("status") != "complete":
-        return None
     config_path = run_dir / "config.yaml"
-    if not config_path.is_file() or config_path.read_text() != config_yaml:
+    same = config_path.is_file() and config_path.read_text() == config_yaml
+    if summary.get("status") != "complete":
+        if config_path.is_file() and not same:  # its records are kept for a rerun of its own config only
+            raise RunDirTaken(f"{run_dir} holds an unfinished run (status {summary.get('status')!r}) of a different "
+                              "config, whose records prr never overwrites; choose another hydra.run.dir (or "
+                              "hydra.sweep.dir), or run its own config again there to redo it")
+        return None
+    if not same:
         raise RunDirTaken(f"{run_dir} holds a finished run of a different config, which prr never overwrites; "
                           "choose another hydra.run.dir (or hydra.sweep.dir)")
     return summary
@@ -109,6 +116,7 @@ def run(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig | None = None) -> 
     if hydra_cfg is not None:
         write_hydra_record(run_dir, cfg, hydra_cfg)
     write_text_atomic(run_dir / "config.yaml", config_yaml)
+    write_json_atomic(run_dir / "provenance.json", provenance())  # git commit (dirty?), package versions
     write_json_atomic(run_dir / "summary.json", {"status": "running"})
     logger = instantiate(cfg.logger)
     ok = False

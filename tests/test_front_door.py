@@ -147,6 +147,57 @@ def test_an_unwritable_run_dir_is_refused_in_one_line(finished):
     assert not any(locked.iterdir()) and sha256_tree(run_dir) == before
 
 
+def test_a_refused_sweep_relaunch_changes_no_file_and_collect_reads_what_the_runs_ran(finished, tmp_path):
+    """A sweep relaunched with another value is refused before Hydra rewrites multirun.yaml (the
+    resume sweeper is the default), and collect_sweep takes the command from the runs' records."""
+    sweep = tmp_path / "sweep"
+    base = [sys.executable, "run.py", "-m", *TINY, "predictor=none,last_step", f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "PRR_CACHE_DIR": str(finished.tmp / "cache"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*base, "task.max_new_tokens=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = sha256_tree(sweep)
+    assert "multirun.yaml" in before and len([f for f in before if f.endswith("summary.json")]) == 2
+    again = subprocess.run([*base, "task.max_new_tokens=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    text = " ".join(refused_lines(again))
+    assert str(sweep / "0") in text and "different config" in text, text
+    assert sha256_tree(sweep) == before
+    (sweep / "multirun.yaml").write_text((sweep / "multirun.yaml").read_text().replace("max_new_tokens=3",
+                                                                                      "max_new_tokens=2"))
+    collected = subprocess.run([sys.executable, "experiments/collect_sweep.py", str(sweep), str(tmp_path / "out")],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert collected.returncode == 0, collected.stderr[-3000:]
+    record = json.loads((tmp_path / "out.json").read_text())
+    assert "task.max_new_tokens=3" in record["command"] and "predictor=none,last_step" in record["command"]
+    (commit,) = record["runs_provenance"]  # both runs: one checkout, one set of versions
+    assert set(commit["versions"]) == {"prr", "torch", "triton", "transformers"} and "dirty" in commit["git"]
+
+
+def test_another_config_relaunched_into_an_interrupted_runs_dir_is_refused(finished, tmp_path):
+    """An interrupted run's records are kept for a rerun of its own config; another config is
+    refused as for a finished run (issue 36: it replaced them silently)."""
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(finished.run_dir, interrupted)
+    (interrupted / "summary.json").write_text(json.dumps({"status": "running"}))  # what kill -9 leaves
+    before = sha256_tree(interrupted)
+    argv, env = command(Case("other", ["task.max_new_tokens=3", f"hydra.run.dir={interrupted}"], [],
+                             points_at_run=False), finished.tmp, None)
+    text = " ".join(refused_lines(subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                                                 timeout=300)))
+    assert str(interrupted) in text and "unfinished run" in text and "'running'" in text, text
+    assert sha256_tree(interrupted) == before
+
+
+def test_each_run_records_its_commit_and_versions(finished):
+    record = json.loads((finished.run_dir / "provenance.json").read_text())
+    assert set(record["versions"]) == {"prr", "torch", "triton", "transformers"}
+    import torch
+
+    assert record["versions"]["torch"] == torch.__version__
+    git = record["git"]
+    assert git["commit"] is None or (len(git["commit"]) == 40 and isinstance(git["dirty"], bool)), git
+
+
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory) -> Path:
     """A tiny HF safetensors dir (no tokenizer) with the checksum record prr writes when it converts."""

@@ -45,7 +45,7 @@ from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SPARSE = ("quest", "infllm", "less", "exact")
+SPARSE = ("quest", "infllm", "infllm_prr", "less", "exact")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -57,6 +57,7 @@ VARIANTS: dict[str, list[str]] = {
     "quest_max": ["selector=quest", "selector.gqa_reduce=max"],
     "quest_sum": ["selector=quest", "selector.gqa_reduce=sum"],
     "infllm": ["selector=infllm"],
+    "infllm_prr": ["selector=infllm_prr"],
     "exact": ["selector=exact"],
 }
 RATIOS = (1.0, 1.25, 1.5, 2.0)

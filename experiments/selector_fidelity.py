@@ -34,7 +34,8 @@ from prr.runner import run
 ROOT = Path(__file__).resolve().parents[1]
 
 # Row name -> selector overrides. less-trained needs `make train-less` first (else a clear error).
-SELECTORS = {"quest": ["selector=quest"], "infllm": ["selector=infllm"], "less": ["selector=less"],
+SELECTORS = {"quest": ["selector=quest"], "infllm": ["selector=infllm"], "infllm_prr": ["selector=infllm_prr"],
+             "less": ["selector=less"],
              "less-trained": ["selector=less", "selector.feature_map=trained"], "exact": ["selector=exact"]}
 BUDGET_TOKENS = (256, 512, 1024, 2048)
 COLUMNS = ("mean_mass_recall", "mean_output_relerr", "last_step_overlap", "hit_rate", "hit_rate_at_k",

@@ -143,3 +143,4 @@ def test_accuracy_report_rebuilds_the_tables_of_a_cut_short_run(tmp_path):
     assert (diff["sample"], diff["first_divergent_step"], diff["serial_top2_margin_there"]) == (1, 1, 0.25)
     table = pd.read_csv(tmp_path / "acc.csv").set_index("selector")
     assert table.loc["dense", "accuracy"] == 1.0 and not (tmp_path / "acc_samples.csv").exists()
+    assert table.loc["dense", "accuracy_hi"] == 1.0 and 0.34 < table.loc["dense", "accuracy_lo"] < 0.35  # Wilson, 2/2

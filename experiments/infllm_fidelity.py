@@ -19,7 +19,10 @@ prompt's queries). At each of those positions, layer and KV head:
   each variant and for the exact top-K with the same forced blocks;
 - `last_step_overlap`: |A_t ∩ A_{t-1}| / |A_t|.
 Means are taken per prompt, then over prompts with a bootstrap over prompts (n = prompts);
-`same_as_reference` is a proportion over every (prompt, position, layer, KV head), Wilson.
+`same_as_reference` is a proportion over every (prompt, position, layer, KV head), Wilson;
+each selection that differs is listed in OUT.json with the reference's scores of the blocks
+only one of them took (a near tie in fp32 against fp64, or not). Only the checked --layers
+are replayed (layers are independent).
 
 Writes OUT.csv (per prompt x K x layer), OUT_summary.csv (per K, with 95% intervals) and
 OUT.json (command, host, versions, date, summary).
@@ -73,9 +76,9 @@ def build_prompts(names: list[str], samples: int, tokenizer, vocab_size: int) ->
     return out
 
 
-def replay(model, qkv, variant: str, topk: int, tail: int, block_size: int):
-    """The kept prefill through DSABackend under `variant` at top-K `topk` -> (selector, the
-    selections of the last `tail` positions per layer: [tail][1, Hkv, NB] bool)."""
+def replay(model, qkv, variant: str, topk: int, tail: int, block_size: int, layers: list[int]):
+    """The kept prefill of `layers` through DSABackend under `variant` at top-K `topk` ->
+    (selector, per layer the selections of the last `tail` positions: [tail] Selection)."""
     mc = model.config
     cfg = compose_config([f"selector={VARIANTS[variant]}", f"selector.topk_blocks={topk}", "selector.dense_layers=[]"],
                          check=False)
@@ -86,9 +89,10 @@ def replay(model, qkv, variant: str, topk: int, tail: int, block_size: int):
     backend = DSABackend(cache, mc.num_heads, selector, NoPredictor(), FixedBudget(), mode="shadow",
                          calibration_tokens=tail)
     with torch.inference_mode():
-        for layer, (q, k, v) in enumerate(qkv):
-            backend.prefill(layer, q, k, v)
-    return selector, [[s.blocks.mask(cache.max_blocks) for s in backend.history[layer]] for layer in range(mc.num_layers)]
+        for layer in layers:  # (layers are independent: the others are not needed)
+            backend.prefill(layer, *qkv[layer])
+    return selector, {layer: [(s.blocks.mask(cache.max_blocks), s.scores) for s in backend.history[layer]]
+                      for layer in layers}
 
 
 def block_mass(q: torch.Tensor, k: torch.Tensor, positions: range, block_size: int, group: int) -> torch.Tensor:
@@ -126,7 +130,7 @@ def main() -> None:
     group = mc.num_heads // mc.num_kv_heads
     layers = list(range(mc.num_layers)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     inv_freq = rope_inv_freq(mc.head_dim, mc.rope_theta, mc.rope_scaling)
-    rows = []
+    rows, mismatches = [], []
     for name, ids in build_prompts(names, args.samples, model.tokenizer, mc.vocab_size):
         capture = CapturingAttention(1.0 / mc.head_dim ** 0.5)
         with torch.inference_mode():
@@ -135,26 +139,37 @@ def main() -> None:
         positions = range(total - args.tail, total)
         print(f"{name}: {total} tokens", flush=True)
         for topk in topks:
-            runs = {v: replay(model, capture.qkv, v, topk, args.tail, bs) for v in VARIANTS}
+            runs = {v: replay(model, capture.qkv, v, topk, args.tail, bs, layers) for v in VARIANTS}
             selector = runs["published"][0]
             for layer in layers:
                 q, k, _ = capture.qkv[layer]
                 mass = block_mass(q, k, positions, bs, group)  # [P, Hkv, NB]
-                want = infllm_reference_selections(
+                want, want_scores = infllm_reference_selections(
                     unrotate_rope(q[0].transpose(0, 1), inv_freq), unrotate_rope(k[0].transpose(0, 1), inv_freq),
                     inv_freq, positions.start, bs, selector.sink_blocks, selector.local_blocks, selector.force_newest,
-                    topk, selector.representatives)
+                    topk, selector.representatives, return_scores=True)
                 stats = {"same": 0, "n": 0, "overlap": [], "last_pub": [], "last_prr": [], "mass_pub": [],
                          "mass_prr": [], "mass_exact": []}
                 for i, p in enumerate(positions):
-                    pub, prr = runs["published"][1][layer][i][0], runs["prr"][1][layer][i][0]  # [Hkv, NB]
+                    pub, prr = runs["published"][1][layer][i][0][0], runs["prr"][1][layer][i][0][0]  # [Hkv, NB]
                     nb = p // bs + 1
                     forced = torch.zeros(pub.shape[-1], dtype=torch.bool)
                     forced[: min(selector.sink_blocks, nb)] = True
                     forced[max(nb - selector.window_blocks, 0): nb] = True
                     for h in range(mc.num_kv_heads):
                         stats["n"] += 1
-                        stats["same"] += int(pub[h].nonzero().flatten().tolist() == want[i])
+                        got = pub[h].nonzero().flatten().tolist()
+                        stats["same"] += int(got == want[i])
+                        if got != want[i]:  # how near a tie: the reference's scores of the blocks only one took
+                            mine, ref = sorted(set(got) - set(want[i])), sorted(set(want[i]) - set(got))
+                            scale = max(abs(x) for x in want_scores[i].values())
+                            mismatches.append({
+                                "prompt": name, "topk_blocks": topk, "layer": layer, "position": p, "kv_head": h,
+                                "only_selector": mine, "only_reference": ref,
+                                "reference_scores_only_selector": [want_scores[i][b] for b in mine],
+                                "reference_scores_only_reference": [want_scores[i][b] for b in ref],
+                                "relative_margin": (min(want_scores[i][b] for b in ref)
+                                                    - max(want_scores[i][b] for b in mine)) / scale})
                         free = pub[h] & ~forced
                         stats["overlap"].append(float((free & prr[h]).sum() / free.sum().clamp(min=1)))
                         stats["mass_pub"].append(float(mass[i, h][pub[h]].sum()))
@@ -165,7 +180,7 @@ def main() -> None:
                         stats["mass_exact"].append(float(mass[i, h][exact].sum()))
                         if i:
                             for key, sets in (("last_pub", runs["published"][1]), ("last_prr", runs["prr"][1])):
-                                now, before = sets[layer][i][0][h], sets[layer][i - 1][0][h]
+                                now, before = sets[layer][i][0][0][h], sets[layer][i - 1][0][0][h]
                                 stats[key].append(float((now & before).sum() / now.sum()))
                 rows.append({"prompt": name, "tokens": total, "topk_blocks": topk, "layer": layer,
                              "selections": stats["n"], "same_as_reference": stats["same"],
@@ -192,7 +207,7 @@ def main() -> None:
         platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": model.name,
         "layers": layers, "tail": args.tail, "prompts": sorted(set(table["prompt"])), "wall_s": time.time() - started,
-        "summary": json.loads(summary_table.to_json(orient="records"))})
+        "summary": json.loads(summary_table.to_json(orient="records")), "mismatches": mismatches})
 
 
 if __name__ == "__main__":

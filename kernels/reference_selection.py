@@ -163,7 +163,8 @@ def make_topk_scores(
 
 def infllm_reference_selections(q_raw: Tensor, k_raw: Tensor, inv_freq: Tensor, prompt_len: int, block_size: int,
                                 sink_blocks: int, local_blocks: int, force_newest: bool, topk_blocks: int,
-                                representatives: int) -> list[list[int]]:
+                                representatives: int, return_scores: bool = False
+                                ) -> list[list[int]] | tuple[list[list[int]], list[dict[int, float]]]:
     """InfLLM's retrieval as its paper's repository does it (thunlp/InfLLM,
     inf_llm/attention/context_manager.py; arXiv 2402.04617), in prr's block framing, written as
     an explicit loop over positions, heads and tokens (fp64), independent of prr.selectors:
@@ -182,7 +183,8 @@ def infllm_reference_selections(q_raw: Tensor, k_raw: Tensor, inv_freq: Tensor, 
 
     q_raw: [T, Hq, D], k_raw: [T, Hkv, D] pre-RoPE queries and keys of positions 0..T-1 (one
     layer, one row); inv_freq [D/2] the model's RoPE frequencies
-    -> for each decode position p in [prompt_len, T): its selected block ids, ascending."""
+    -> for each decode position p in [prompt_len, T): its selected block ids, ascending (and,
+    with return_scores, each position's unit scores {block: score}, for near-tie diagnostics)."""
     q_raw, k_raw, freqs = q_raw.double(), k_raw.double(), inv_freq.double()
     total, num_heads, head_dim = q_raw.shape
     group = num_heads // k_raw.shape[1]
@@ -197,7 +199,7 @@ def infllm_reference_selections(q_raw: Tensor, k_raw: Tensor, inv_freq: Tensor, 
     k_post = torch.stack([rope(k_raw[j], j) for j in range(total)])  # [T, Hkv, D]
     summed = torch.zeros(total, num_heads, dtype=torch.float64)  # summed window probability per token and head
     units: dict[int, Tensor] = {}  # block -> [Hq, D] representative keys (pre-RoPE)
-    out = []
+    out, unit_scores = [], []
     for p in range(total):
         num_blocks = p // s + 1
         first_window = num_blocks - window
@@ -224,7 +226,8 @@ def infllm_reference_selections(q_raw: Tensor, k_raw: Tensor, inv_freq: Tensor, 
                          for b in units if b not in forced), key=lambda x: (-x[0], x[1]))
         picked = [b for _, b in scored[: max(topk_blocks - len(forced), 0)]]
         out.append(sorted(forced | set(picked)))
-    return out
+        unit_scores.append({b: score for score, b in scored})
+    return (out, unit_scores) if return_scores else out
 
 
 def unrotate_rope(x: Tensor, inv_freq: Tensor) -> Tensor:

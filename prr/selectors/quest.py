@@ -2,6 +2,14 @@
 score U_b(q) = Σ_i max(q_i M_{b,i}, q_i m_{b,i}), an upper bound of q·k for every key of b.
 The metadata is refreshed incrementally: only the block that received the token.
 
+As the paper, per head: the bound, its incremental upkeep, top-K pages. Departures (docs/design.md's
+paper-vs-prr table): pages are `runtime.block_size` tokens (the paper's default 16 too); a GQA
+group's query heads share their KV head's selection, their bounds reduced by `gqa_reduce`
+(max | sum, or the union of per-head top-K; Quest's kernels assume one query head per KV head);
+the sink blocks and the newest block are forced (`sink_blocks`, `force_newest`; the paper's rule as
+written is top-K over every page); dense layers are configured (`dense_layers`, [0, 1] by
+default, as the paper's).
+
 One definition, two op backends: torch ops (`head_scores` + the base class's reduce / force /
 top-K) and the Triton kernels (`quest_score` + `topk_select`, `quest_update`), tested equal.
 M and m are stored in the cache's dtype: a max or min of keys is exact in it.

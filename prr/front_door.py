@@ -38,7 +38,8 @@ def preflight(argv: list[str], conf_dir: Path, config_name: str = "config") -> t
         choice, why = auto_runtime()
         argv = [*argv, f"runtime={choice}"]
         chosen = f"prr: runtime=auto chose runtime={choice} ({why})"
-        jobs = check_command_line(argv, conf_dir, config_name) or []
+        if choice != "cpu":  # conf/runtime/auto.yaml is runtime=cpu: only another choice composes again
+            jobs = check_command_line(argv, conf_dir, config_name) or []
     from prr.config_check import validate  # imports torch and the configured classes
 
     for job in jobs:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:  # annotations only: run.py's checks import this module's importers before any run
+    import pandas as pd
 
 from prr.runtime.timing import STAGES
 

@@ -31,7 +31,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -166,6 +165,8 @@ def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, A
     """Prefill (research runtime), then decode through the engine; writes tokens.jsonl,
     layers.csv, generation.txt and summary.json like decode_run."""
     import dataclasses
+
+    import pandas as pd  # here: config validation imports this module for graph_problems
 
     from prr.runtime.dsa_backend import DSABackend
     from prr.runtime.graph_budget import GraphProbe

@@ -12,10 +12,12 @@ over random selections (top-K = --topk blocks of random scores, -inf past the co
 is timed on each backend it has:
 - `update`: learning from A (one sparse layer);
 - `propose`: P of |P| blocks for the next step;
-- `side_chain`: what AttentionEngine._learn runs per layer after the repair on the side stream
-  for history-only predictors: update, the next step's block counts, propose, the copies into
-  the P buffers (for the others only the update runs there; their propose runs at the start of
-  speculation, before the attention over P: on the speculation's critical path).
+- `side_chain`: what AttentionEngine._learn runs per layer after the repair on the side stream:
+  update, then the P it completes (`Predictor.proposals_after_update`: history-only predictors
+  the layer's next P, with the next step's block counts; cross_layer the layer above's P of
+  this step), copied into the P buffers. query_similarity's propose needs the step's query: it
+  runs at the start of speculation, before the attention over P (`before_speculation`: on
+  the speculation's critical path; 0 for the others).
 Before timing, P of both backends is compared on one state (the same set: `p_equal`).
 Times: CUDA-graph replays of all layers' calls, median over repeats, per layer (GPU); the
 host clock over eager calls on the CPU (the interpreter's time: a check of the machinery only).
@@ -63,12 +65,23 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def predictor_conf(name: str):
+    """conf/predictor/<name>.yaml with its `defaults` (another predictor file) merged under it."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(ROOT / "conf" / "predictor" / f"{name}.yaml")
+    if "defaults" not in cfg:
+        return cfg
+    bases = [d for d in cfg.pop("defaults") if d != "_self_"]
+    return OmegaConf.merge(*(predictor_conf(b) for b in bases), cfg)
+
+
 def configured(name: str, **overrides):
     """The predictor conf/predictor/<name>.yaml describes (hydra instantiate), with overrides."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    return instantiate(OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "predictor" / f"{name}.yaml"), overrides))
+    return instantiate(OmegaConf.merge(predictor_conf(name), overrides))
 
 
 OVERRIDES = {"ema": {"calibrate": False}, "ema_calibrated": {"calibrate": False}, "cross_layer": {"calibrate": False},
@@ -171,14 +184,14 @@ def bench_predictor(name: str, sels, warm, lengths, nb_next, query, capacity: in
         return p.propose(state, layer, nb_next, budget, **extra)
 
     def chain(layer, budget, pred_idx, pred_cnt):
-        # AttentionEngine._learn(propose_next=True) for one layer, on one stream
+        # AttentionEngine._learn(propose_next=True) for one layer, on one stream: the update, then
+        # the P it completes (history-only: this layer's next; cross_layer: the layer above's)
         p.update(state, layer, sels[layer])
-        if not p.history_only:
-            return
-        nb = (lengths + block).div(block, rounding_mode="floor")  # the next step's blocks
-        got = p.propose(state, layer, nb, budget, **extra)
-        pred_idx[..., : got.capacity].copy_(got.indices)
-        pred_cnt.copy_(got.count)
+        for target, next_step in p.proposals_after_update(state, layer):
+            nb = (lengths + block).div(block, rounding_mode="floor") if next_step else nb_next
+            got = p.propose(state, target, nb, budget, **extra)
+            pred_idx[..., : got.capacity].copy_(got.indices)
+            pred_cnt.copy_(got.count)
 
     rows = []
     for backend in backends:
@@ -195,9 +208,9 @@ def bench_predictor(name: str, sels, warm, lengths, nb_next, query, capacity: in
                                 for layer in range(layers)], args.repeats)
             rows.append({**base, "budget": budget, "propose_us": propose_us, "update_us": update_us,
                          "side_chain_us": chain_us, "p_equal": equal[budget],
-                         # before this layer's speculation in the same step: history-only
-                         # predictors proposed at the end of the previous step (side chain)
-                         "before_speculation_us": 0.0 if p.history_only else propose_us})
+                         # before this layer's speculation in the same step: none where P was
+                         # written ahead by the side chain (history-only, cross_layer)
+                         "before_speculation_us": 0.0 if p.proposed_ahead(state, layers - 1) else propose_us})
     p.set_backend("torch")
     return rows
 
@@ -207,22 +220,25 @@ COLUMNS = ["predictor", "backend", "context", "block", "num_blocks", "budget", "
 
 
 def table(rows: list[dict]) -> str:
-    """One line per predictor × shape × |P|: µs per layer on each backend and torch / triton."""
+    """One line per predictor × shape × |P|: µs per layer on each backend (crit: before the
+    layer's speculation, on its critical path) and the side chain's torch / triton."""
     by = {}
     for r in rows:
         by.setdefault((r["predictor"], r["context"], r["block"], r["budget"]), {})[r["backend"]] = r
-    lines = ["predictor        context block  |P| | torch: propose update chain | triton: propose update chain |"
-             " chain torch/triton  P equal"]
+    lines = ["predictor         context block  |P| | torch: propose update  chain   crit |"
+             " triton: propose update  chain   crit | chain torch/triton  P equal"]
+
+    def cells(r):
+        return f"{r['propose_us']:8.1f} {r['update_us']:6.1f} {r['side_chain_us']:6.1f} {r['before_speculation_us']:6.1f}"
+
     for (name, context, block, budget), pair in by.items():
         t, k = pair.get("torch"), pair.get("triton")
-        cells = [f"{name:<16} {context:>7} {block:>5} {budget:>4}",
-                 f"{t['propose_us']:8.1f} {t['update_us']:6.1f} {t['side_chain_us']:6.1f}"]
+        line = [f"{name:<17} {context:>7} {block:>5} {budget:>4}", "       " + cells(t)]
         if k is not None:
-            cells.append(f"{k['propose_us']:8.1f} {k['update_us']:6.1f} {k['side_chain_us']:6.1f}")
-            cells.append(f"{t['side_chain_us'] / k['side_chain_us']:8.2f}x  {k['p_equal']}")
+            line += ["        " + cells(k), f"{t['side_chain_us'] / k['side_chain_us']:17.2f}x  {k['p_equal']}"]
         else:
-            cells.append(f"{'(no kernels)':>22}")
-        lines.append(" | ".join(cells))
+            line.append(f"{'(no kernels)':>38}")
+        lines.append(" | ".join(line))
     return "\n".join(lines)
 
 
@@ -239,6 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if not (ROOT / "conf" / "predictor" / f"{n}.yaml").exists()]
     if unknown:
         sys.exit(f"bench_predictors: unknown --predictors {unknown} (conf/predictor has the names)")
+    nothing = [n for n in names if n in ("none", "oracle")]
+    if nothing:
+        sys.exit(f"bench_predictors: --predictors {nothing} compute nothing to time (none: P = ∅; oracle: P = A, "
+                 "handed in)")
     time_us = timer(device)
     started = time.time()
     rows = []
@@ -263,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         writer.writeheader()
         writer.writerows({c: r[c] for c in COLUMNS} for r in rows)
     print(f"wrote {out / 'bench_predictors.json'} and .csv ({len(rows)} rows, {time.time() - started:.0f} s)")
-    print("µs per sparse layer (chain: the side stream's update + next P + copies, history-only predictors;"
-          " update alone for the others, whose propose runs before speculation)")
+    print("µs per sparse layer (chain: the side stream's update + the P it completes + copies; query_similarity's"
+          " propose runs before speculation instead)")
     print(table(rows))
     if not all(r["p_equal"] for r in rows):
         sys.exit("bench_predictors: P differs between backends (see p_equal)")

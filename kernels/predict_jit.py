@@ -209,7 +209,7 @@ def _scatter_selected_kernel(
         if MODE == 0:
             s = tl.load(scores_ptr + score_row + ids.to(tl.int64) * stride_sn, mask=valid, other=0.0).to(tl.float32)
             s = tl.where(s == s, s, 0.0)  # NaN -> 0, ±inf -> ±1e30 (torch.nan_to_num's)
-            s = tl.minimum(tl.maximum(s, -1e30), 1e30)
+            s = tl.where(s == float("inf"), 1e30, tl.where(s == float("-inf"), -1e30, s))
             tl.store(row_ptr + row + ids, s, mask=valid)
         elif MODE == 1:
             r = tl.load(row_ptr + row + ids, mask=valid, other=0.0, cache_modifier=".cg")
@@ -344,14 +344,14 @@ def _qsim_rank_kernel(
         offs = start + tl.arange(0, Q_TILE)
         x = tl.load(query_ptr + q_row + offs, mask=offs < query_size, other=0.0).to(tl.float32)
         squares += tl.sum(x * x, axis=0)
-    inv = 1.0 / tl.maximum(tl.sqrt_rn(squares), 1e-12)
+    norm = tl.maximum(tl.sqrt_rn(squares), 1e-12)
     slots = tl.arange(0, C_BLOCK)
     similarity = tl.zeros([C_BLOCK], dtype=tl.float32)
     key_rows = (bh * cache_size + slots.to(tl.int64)) * query_size
     for start in range(0, query_size, Q_TILE):
         offs = start + tl.arange(0, Q_TILE)
         live = offs < query_size
-        x = tl.load(query_ptr + q_row + offs, mask=live, other=0.0).to(tl.float32) * inv
+        x = tl.div_rn(tl.load(query_ptr + q_row + offs, mask=live, other=0.0).to(tl.float32), norm)
         tl.store(pending_ptr + q_row + offs, x, mask=live)
         k = tl.load(keys_ptr + key_rows[:, None] + offs[None, :], mask=(slots[:, None] < cache_size) & live[None, :],
                     other=0.0)

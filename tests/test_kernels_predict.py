@@ -90,6 +90,7 @@ def test_ema_update_equals_the_reference(batch, heads, n, nb, index_dtype):
 def test_last_step_and_membership_updates_equal_the_reference(batch, heads, n, nb):
     sel = ref.make_selection(batch, heads, n, nb, topk=n + 3, seed=n + 3)  # |A| >= the blocks
     sel["scores"][..., :1] = float("nan")  # nan_to_num's 0 where selected
+    sel["scores"][..., 1:2] = 3e30  # finite: kept (only ±inf become ±1e30)
     rank = torch.randn(batch, heads, n)
     kp.last_step_update(sel["scores"], sel["indices"], sel["count"], rank)
     want = ref.last_step_update_reference(sel["scores"], sel["indices"], sel["count"])
@@ -313,3 +314,55 @@ def test_gpu_ema_update_and_propose_capture_in_a_cuda_graph():
     assert (ema - want_ema).abs().max() <= TOL and torch.equal(last, want_last)
     want = ref.ema_rank_reference(ema, last, stick[0], rec[0], sel["num_blocks"], 1)
     assert torch.equal(as_set(idx, cnt, 8192), ref_set(want, 128))
+
+
+def test_cross_layer_writes_the_layer_above_after_its_source_learned():
+    """The engine writes P right after the update that completes it (AttentionEngine._learn):
+    cross_layer's first selected layer for the next step, every other for this step after the
+    nearest selected layer below learned (dense layers skipped); ema's own next P."""
+    p = CrossLayerPredictor(calibrate=False)
+    state = p.init_state(5, 1, 2, 27, "cpu")
+    sel = ref.make_selection(1, 2, 27)
+    for layer in (0, 2, 4):  # 1 and 3 dense
+        p.update(state, layer, Selection(BlockSet(sel["indices"], sel["count"]), sel["scores"]))
+    assert [p.proposals_after_update(state, layer) for layer in (0, 2, 4)] == [[(0, True), (2, False)], [(4, False)], []]
+    assert [p.proposed_ahead(state, layer) for layer in range(5)] == [True, False, True, False, True]
+    p_emaish = CrossLayerPredictor(temporal_weight=1.0, calibrate=False)
+    assert p_emaish.proposals_after_update(state, 2) == [(2, True)]
+    assert EmaPredictor().proposals_after_update(None, 3) == [(3, True)]
+    assert QuerySimilarityPredictor().proposals_after_update(None, 3) == []
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", sorted(PREDICTORS))
+def test_gpu_predictors_capture_in_a_cuda_graph(name):
+    """propose + update of one layer captured in a CUDA graph: the replay gives the eager P and state."""
+    import copy
+
+    dev, n = "cuda", 8192
+    p = PREDICTORS[name]()
+    p.set_backend("triton")
+    sel = ref.make_selection(1, 8, n, [8000], topk=32, seed=1, device=dev)
+    selection = Selection(BlockSet(sel["indices"], sel["count"]), sel["scores"])
+    state = p.init_state(2, 1, 8, n, dev)
+    p.size_for_query(state, 4 * 128)
+    p.update(state, 0, selection)  # cross_layer: layer 1 has a source
+    query = {"query": torch.randn(1, 8, 4, 128, device=dev)} if p.needs_query else {}
+
+    def step(st):
+        blocks = p.propose(st, 1, sel["num_blocks"], 128, **query)
+        p.update(st, 1, selection)
+        return blocks
+
+    step(copy.deepcopy(state))  # compiles
+    eager_state = copy.deepcopy(state)
+    want = step(eager_state)
+    captured_state = copy.deepcopy(state)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(captured_state)
+    graph.replay()
+    assert torch.equal(got.mask(n), want.mask(n))
+    for a, b in zip(state_tensors(captured_state), state_tensors(eager_state), strict=True):
+        assert torch.equal(a, b)

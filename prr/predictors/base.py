@@ -75,6 +75,20 @@ class Predictor(ABC):
     def update(self, state: Any, layer: int, selection: Selection) -> None:
         """Learn from this step's selection A_t of `layer` (in place; indices int32 or int64)."""
 
+    def proposals_after_update(self, state: Any, layer: int) -> list[tuple[int, bool]]:
+        """The P that `update(state, layer, ·)` completes, which an engine may write right after it
+        (on the side stream, off the critical path), exactly as a propose at the layer's step
+        would: (target layer, next_step): next_step True: the target's P for the next decode step;
+        False: for this step (a layer above, not yet run). Default: history-only predictors the
+        layer's own next P."""
+        return [(layer, True)] if self.history_only else []
+
+    def proposed_ahead(self, state: Any, layer: int) -> bool:
+        """Whether `layer`'s P is written by `proposals_after_update` of an earlier update (this
+        layer's at the previous step, or a layer below's at this step), so an engine that writes
+        those need not propose before the layer's speculation."""
+        return self.history_only
+
     def size_for_query(self, state: Any, query_size: int) -> None:  # noqa: B027 - optional hook
         """Predictors that keep past queries (needs_query) size their buffers for queries of
         query_size = G·D values here, before an engine captures its step."""

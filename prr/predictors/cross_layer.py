@@ -103,6 +103,19 @@ class CrossLayerPredictor(Predictor):
                                 self.temporal.recent_blocks)
         return BlockSet(*propose_top(rank, budget_blocks, nb))
 
+    def proposals_after_update(self, state: CrossLayerState, layer: int) -> list[tuple[int, bool]]:
+        """This layer's next P where it ranks by its own EMA alone (no source below, or w = 1), and
+        this step's P of the next selected layer above, whose source this layer is (its own EMA
+        is not updated before its own selection, so the P is the one it would propose itself)."""
+        out = [(layer, True)] if self.source_layer(state, layer) is None or self.temporal_weight == 1.0 else []
+        above = [i for i in state.updated_layers if i > layer]
+        if above and self.temporal_weight < 1.0:
+            out.append((min(above), False))
+        return out
+
+    def proposed_ahead(self, state: CrossLayerState, layer: int) -> bool:
+        return layer in state.updated_layers  # structural: fixed once every sparse layer has learned once
+
     def rank(self, state: CrossLayerState, layer: int, num_blocks: int | Tensor) -> Tensor:
         nb = block_counts(num_blocks, state.z.shape[1], state.z.device)  # [B]
         temporal = self.temporal.rank(state.ema, layer, nb)  # [B, Hkv, N], NEVER past the context

@@ -8,8 +8,9 @@ kernels, or torch ops on any device).
 
 Two callers run this same step:
 - the graph engine (`GraphDecoder`, a subclass that adds the model's forward) captures it in a
-  CUDA graph: speculation on a second stream beside selection, P of history-only predictors
-  written for the next step on that stream after learning, |P| fixed by the plan;
+  CUDA graph: speculation on a second stream beside selection, P written on that stream right
+  after the learning that completes it (history-only predictors: the layer's next P; cross_layer:
+  the layer above's P of this step), |P| fixed by the plan;
 - the research runtime (`DSABackend`) runs it eagerly, one stage after the other, with a
   `StageTimer` around each stage and the budget's |P| for this step (`predicted_blocks=`),
   P proposed at the start of the step at that size (0: a serial DSA step).
@@ -243,7 +244,7 @@ class AttentionEngine:
             self._note(layer, selection, speculating=False)
             idx, cnt = selection.blocks.indices, selection.blocks.count
             if predictor is not None and self.predictor_state is not None and (eager or p.learn_in_serial):
-                self._learn(layer, q, selection, lengths, propose_next=not eager)
+                self._learn(layer, q, selection, lengths, num_blocks, propose_next=not eager, same_step=False)
             with self._stage("repair"):
                 if not compensates:
                     return self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0], selection
@@ -264,7 +265,12 @@ class AttentionEngine:
             if eager and predictor is not None and predictor.history_only:
                 with self._stage("predict"):
                     self._propose(layer, q, num_blocks)
-            spec, selection = self.speculate_beside_selection(layer, q, lengths, num_blocks)
+            # P written ahead: by the previous step's learning (history-only predictors), or by
+            # an earlier layer's this step (cross_layer: right after its source layer learned)
+            ahead = predictor is not None and (predictor.history_only or (
+                not eager and predictor.proposed_ahead(self.predictor_state, layer)))
+            spec, selection = self.speculate_beside_selection(layer, q, lengths, num_blocks,
+                                                              propose=predictor is not None and not ahead)
         spec_out, spec_lse = spec
         self._shared(q, lengths, spec_out, spec_lse)
         out, lse, keep = self._repair(layer, q, selection, lengths, spec_out, spec_lse, fp32=compensates or fp32)
@@ -277,7 +283,7 @@ class AttentionEngine:
             out = self._compensated(layer, q, out, lse, selection, lengths, fp32)
         if predictor is None:  # P is set from outside: nothing to learn
             return out, selection
-        self._learn(layer, q, selection, lengths, planned, propose_next=not eager)
+        self._learn(layer, q, selection, lengths, num_blocks, planned, propose_next=not eager)
         return out, selection
 
     def _size_predictions(self, layer: int, predicted_blocks: int) -> None:
@@ -290,11 +296,13 @@ class AttentionEngine:
         if self.scratch is None:
             self.scratch = self._k["prr_merge"].repair_scratch(self.batch, self.hkv, self.max_blocks, self.device)
 
-    def _learn(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor,
-               planned: torch.cuda.Event | None = None, propose_next: bool = True) -> None:
+    def _learn(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, num_blocks: Tensor,
+               planned: torch.cuda.Event | None = None, propose_next: bool = True, same_step: bool = True) -> None:
         """The predictor learns from A on the side stream (after `planned`, recorded on the main
         stream once A and P's last readers are queued; now when None), and with propose_next
-        history-only predictors write next step's P."""
+        writes the P that this update completes (`Predictor.proposals_after_update`): history-only
+        predictors the next step's P of this layer, cross_layer also this step's P of the layer
+        above (same_step; num_blocks [B]: this step's blocks), off that layer's critical path."""
         predictor = self.predictor
         if planned is None and self.side is not None and self.plan.overlap:
             planned = torch.cuda.Event()
@@ -305,11 +313,16 @@ class AttentionEngine:
             self._shared(selection.blocks.indices, selection.blocks.count, selection.scores)
         with self._side(), self._stage("predict"):  # learn from A; history-only predictors write next step's P now
             predictor.update(self.predictor_state, layer, selection)
-            if propose_next and predictor.history_only:
-                # The next step's context holds lengths + 1 tokens. (From `lengths`, made at the
-                # step's start: `pos` advances on the main stream while this side work may still run.)
-                bs = self.plan.block_size
-                self._propose(layer, q, (lengths + bs).div(bs, rounding_mode="floor"))
+            if not propose_next:
+                return
+            for target, next_step in predictor.proposals_after_update(self.predictor_state, layer):
+                if next_step:
+                    # The next step's context holds lengths + 1 tokens. (From `lengths`, made at the
+                    # step's start: `pos` advances on the main stream while this side work may still run.)
+                    bs = self.plan.block_size
+                    self._propose(target, q, (lengths + bs).div(bs, rounding_mode="floor"))
+                elif same_step:
+                    self._propose(target, q, num_blocks)
 
     def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,
                      lengths: Tensor, fp32: bool = False) -> Tensor:
@@ -331,17 +344,21 @@ class AttentionEngine:
         self.pred_idx[layer][..., : proposed.capacity].copy_(proposed.indices)
         self.pred_cnt[layer].copy_(proposed.count)
 
-    def speculate_beside_selection(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor):
+    def speculate_beside_selection(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor,
+                                   propose: bool | None = None):
         """PRR's overlapped part: attention over P on the side stream while A is selected on the
-        main one, joined after. P was written by the previous step (history-only predictors, or
-        from outside with predictor None), or is proposed first on the side stream (predictors
-        that need this step's query or the layer below's selection).
+        main one, joined after. P was written ahead (by the previous step for history-only
+        predictors, by the layer below's learning for cross_layer, or from outside with predictor
+        None), or is proposed first on the side stream (propose; default: predictors that are not
+        history-only, e.g. query_similarity, which needs this step's query).
         q: [B, Hq, D] post-RoPE; lengths, num_blocks: [B] int32 (step_positions).
         -> ((spec_out, spec_lse): exact mode [B, Hq, |P|, D], [B, Hq, |P|] per-block states,
             superset [B, Hq, D], [B, Hq]; the Selection A)."""
         self._fork()
+        if propose is None:
+            propose = self.predictor is not None and not self.predictor.history_only
         with self._side():
-            if self.predictor is not None and not self.predictor.history_only:
+            if propose:
                 with self._stage("predict"):
                     self._propose(layer, q, num_blocks)
             with self._stage("speculate"):

@@ -25,8 +25,9 @@ forward, RoPE and the cache append around it, and the capture. Selection and pre
 the run's own selector and predictor objects (prr.selectors, prr.predictors).
 `StaticPlan.selector` / `predictor` only name which of those classes to build when the
 caller passes none (benchmarks). Predictors that rank from history alone (`history_only`)
-write next step's P right after learning, on the side stream; the others (query_similarity,
-cross_layer, oracle) propose at the start of the layer, on the side stream before
+write next step's P right after learning, on the side stream; cross_layer writes a layer's P
+right after the layer below it learned (same step; `Predictor.proposals_after_update`); the
+others (query_similarity, oracle) propose at the start of the layer, on the side stream before
 speculation (the oracle after selection: it needs A).
 """
 
@@ -277,16 +278,19 @@ class GraphDecoder(AttentionEngine):
 
     def prime_predictions(self, length: int | list[int] | Tensor) -> None:
         """P of the first decode step (a context of length + 1 tokens per row) from the
-        predictor state, for predictors that propose from history at the end of a step (the
-        others propose inside it)."""
-        if self.predictor is None or not self.predictor.history_only:
+        predictor state, for the layers whose P a step's learning writes for the next step
+        (`Predictor.proposals_after_update`: history-only predictors, cross_layer's first
+        selected layer); the others are proposed inside the step."""
+        if self.predictor is None or self.predictor_state is None:
             return
         bs = self.plan.block_size
         num_blocks = torch.tensor([(n + bs) // bs for n in self.row_lengths(length)], dtype=torch.int32,
                                   device=self.device)
         for layer in range(self.num_layers):
             if self.sparse[layer]:
-                self._propose(layer, None, num_blocks)
+                for target, next_step in self.predictor.proposals_after_update(self.predictor_state, layer):
+                    if next_step:
+                        self._propose(target, None, num_blocks)
 
     def set_previous_selections(self, masks: list[Tensor | None]) -> None:
         """A_{t-1} per layer ([B, Hkv, NB] bool, None for dense layers; e.g. the eager prefill's

@@ -53,7 +53,8 @@ def _exact_block_lse_kernel(
     batch = tl.program_id(2)
     TILE_TOKENS: tl.constexpr = TILE_BLOCKS * BLOCK_SIZE
     num_blocks = tl.minimum(tl.load(num_blocks_ptr + batch).to(tl.int32), max_blocks)
-    length = tl.load(lengths_ptr + batch).to(tl.int64)
+    # Tokens counted: below the row's length and inside its num_blocks blocks (the caller's counts rule).
+    length = tl.minimum(tl.load(lengths_ptr + batch).to(tl.int64), num_blocks.to(tl.int64) * BLOCK_SIZE)
     first_block = part * (TILES * TILE_BLOCKS)
     # Runs past the row's context write nothing: the mass kernel masks them by num_blocks.
     if first_block < num_blocks:

@@ -239,3 +239,13 @@ def test_gpu_exact_selector_captured_equals_torch(dtype):
     torch.cuda.synchronize()
     check_scores(got.scores, want.scores, 1e-5)
     check_same_set_or_near_tie(got.blocks.indices, got.blocks.count, want.scores, 64, nb, 1, 1)
+
+
+def test_exact_counts_handed_in_are_the_ones_used():
+    """num_blocks below what the lengths imply: only those blocks' tokens count (the softmax over
+    them), as Quest's selection takes the engine's counts."""
+    x = make_exact_inputs(2, 8, 2, 64, 16, 20, [300, 150], torch.float32, seed=9)
+    fewer = torch.tensor([11, 4], dtype=torch.int32)
+    out = exact_scores(x["q"], x["keys"], x["lengths"], fewer, 16, 0.125, tile_blocks=8, tiles=1)
+    ref = exact_scores_reference(x["q"], x["keys"], fewer * 16, fewer, 16, 0.125)
+    check_scores(out, ref, 1e-5)

@@ -36,7 +36,7 @@ def preflight(argv: list[str], conf_dir: Path, config_name: str = "config") -> t
     chosen = None
     if any(OmegaConf.select(job, "hydra.runtime.choices.runtime") == "auto" for job in jobs):
         choice, why = auto_runtime()
-        argv = [*argv, f"runtime={choice}"]
+        argv = with_runtime(argv, choice)
         chosen = f"prr: runtime=auto chose runtime={choice} ({why})"
         if choice != "cpu":  # conf/runtime/auto.yaml is runtime=cpu: only another choice composes again
             jobs = check_command_line(argv, conf_dir, config_name) or []
@@ -45,6 +45,16 @@ def preflight(argv: list[str], conf_dir: Path, config_name: str = "config") -> t
     for job in jobs:
         validate(job)
     return argv, chosen
+
+
+def with_runtime(argv: list[str], choice: str) -> list[str]:
+    """argv choosing runtime=<choice>: `runtime=auto` replaced, else the override put before the
+    first override (argparse takes overrides in one run: `a=1 -m` must not become `a=1 -m b=2`)."""
+    line = f"runtime={choice}"
+    if "runtime=auto" in argv:
+        return [line if a == "runtime=auto" else a for a in argv]
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-") and ("=" in a or a.startswith("~"))), None)
+    return [*argv, line] if first is None else [*argv[:first], line, *argv[first:]]
 
 
 def auto_runtime() -> tuple[str, str]:

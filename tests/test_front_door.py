@@ -317,6 +317,15 @@ def test_runtime_auto_takes_the_gpu_when_torch_sees_one(monkeypatch):
     assert auto_runtime()[0] == "cpu"
 
 
+def test_the_auto_choice_goes_where_hydra_reads_overrides():
+    from prr.front_door import with_runtime
+
+    assert with_runtime(["a=1", "-m"], "cpu") == ["runtime=cpu", "a=1", "-m"]  # not after the flag
+    assert with_runtime(["-m", "a=1"], "cuda") == ["-m", "runtime=cuda", "a=1"]
+    assert with_runtime(["-m"], "cpu") == ["-m", "runtime=cpu"]
+    assert with_runtime(["runtime=auto", "a=1"], "cpu") == ["runtime=cpu", "a=1"]  # replaced, not doubled
+
+
 def test_an_experiment_preset_keeps_its_own_runtime():
     """runtime=auto is replaced only where nothing chose a runtime: a GPU preset stays on cuda,
     the CPU presets on cpu, whatever machine composes them."""

@@ -675,7 +675,8 @@ SELECT_TINY = [(200, 256, 16, 4), (300, 512, 64, 3)]
 
 def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_blocks: int, layers: int,
                 bandwidth: float, device: torch.device, heads: tuple[int, int] = (32, 8), head_dim: int = 128,
-                num_features: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+                num_features: int = 64, dtype: torch.dtype = torch.bfloat16,
+                summary_dtype: str = "bfloat16") -> list[dict]:
     """Selection per layer, the selector objects' Triton paths on `layers` caches of `context`
     random tokens (so replays walk several caches): Quest (score + top-k), exact (its two score
     launches + top-k; the score launches alone), LESS (Quest's selection + the compensation; the
@@ -697,9 +698,9 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
         cache.append(i, torch.randn(batch, hkv, context, head_dim, generator=gen, device=device).to(dtype),
                      torch.randn(batch, hkv, context, head_dim, generator=gen, device=device).to(dtype))
     kw = dict(sink_blocks=1, local_blocks=0)
-    quest, exact, less = QuestSelector(k_blocks, **kw), ExactSelector(k_blocks, **kw), \
-        LessSelector(k_blocks, num_features=num_features, **kw)
-    exact_torch, less_torch = ExactSelector(k_blocks, **kw), LessSelector(k_blocks, num_features=num_features, **kw)
+    less_kw = dict(num_features=num_features, summary_dtype=summary_dtype, **kw)  # conf/selector/less.yaml's storage
+    quest, exact, less = QuestSelector(k_blocks, **kw), ExactSelector(k_blocks, **kw), LessSelector(k_blocks, **less_kw)
+    exact_torch, less_torch = ExactSelector(k_blocks, **kw), LessSelector(k_blocks, **less_kw)
     for sel in (quest, exact, less):
         if sel.set_backend("triton") != "triton":
             raise RuntimeError(f"{type(sel).__name__} has no Triton path here: {sel.triton_problems()}")
@@ -735,7 +736,8 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
         "dense_sdpa": every_layer(dense),
     }
     row = dict(batch=batch, context=context, block=block, topk_blocks=k_blocks, layers_timed=layers,
-               heads=f"{hq}/{hkv}", head_dim=head_dim, num_features=num_features, dtype=str(dtype).replace("torch.", ""))
+               heads=f"{hq}/{hkv}", head_dim=head_dim, num_features=num_features, summary_dtype=summary_dtype,
+               dtype=str(dtype).replace("torch.", ""))
     for name, fn in variants.items():
         fn()  # compile / warm up outside any capture
         row[name] = stage_timing(fn, device, per_call=layers).median_s * 1e6  # µs per layer
@@ -759,14 +761,12 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
     row["quest_serial_over_dense"] = (row["quest_select"] + row["attend_A"]) / row["dense_sdpa"]
     elt = torch.empty((), dtype=dtype).element_size()
     blocks = -(-context // block)
-    less_state = (cache.metadata[0]["less_S"].numel() + cache.metadata[0]["less_s"].numel()
-                  + cache.metadata[0]["less_c"].numel()) * 4
-    row["less_state_mib_per_layer"] = less_state / 2**20
+    row["less_state_mib_per_layer"] = less.state_bytes(batch, hkv, head_dim, cache.max_blocks, dtype) / 2**20
     row["kv_mib_per_layer"] = 2 * cache.keys[0].numel() * elt / 2**20
     floors = {"quest_select": 2 * batch * hkv * blocks * head_dim * elt,
               "exact_select": batch * hkv * context * head_dim * elt,
-              "less_compensation": batch * hkv * (k_blocks * (num_features * head_dim + 2 * num_features)
-                                                  + num_features * (head_dim + 2)) * 4,
+              "less_compensation": batch * hkv * (k_blocks * num_features * ((head_dim + 1) * less.summary_dtype.itemsize
+                                                                             + 4) + num_features * (head_dim + 2) * 4),
               "attend_A": 2 * batch * hkv * k_blocks * block * head_dim * elt,
               "dense_sdpa": 2 * batch * hkv * context * head_dim * elt}
     for name, nbytes in floors.items():

@@ -144,7 +144,10 @@ class InfLLMSelector(Selector):
         if 2 * self.inv_freq.numel() != cache.head_dim:
             raise ValueError(f"the bound RoPE has {self.inv_freq.numel()} frequencies but the cache's head_dim is "
                              f"{cache.head_dim}: bind the model whose keys the cache holds")
-        return self.inv_freq.to(cache.device)
+        # Kept on the cache's device: the first (eager) call moves it, so a captured step never
+        # copies from the host (a host-to-device copy cannot be captured in a CUDA graph).
+        self.inv_freq = self.inv_freq.to(cache.device)
+        return self.inv_freq
 
     # --- metadata slots ----------------------------------------------------------------------
     def _repr(self, cache: PagedKVCache, layer: int, group: int) -> Tensor:

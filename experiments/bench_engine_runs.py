@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-SELECTORS = ("dense", "exact", "quest", "infllm", "less")
+SELECTORS = ("dense", "exact", "quest", "infllm", "infllm_prr", "less")
 PREDICTORS = ("none", "last_step", "ema")
 OFF = "runtime.dense_metrics_every=1000000"  # the first step only
 EVERY_16 = "runtime.dense_metrics_every=16"

@@ -12,8 +12,8 @@ facts, no code carried over:
   token's score, per query head; when a block leaves the window, each query head keeps the
   `representatives` (r) tokens of the block with the largest summed probability, and the
   block's key for that head is the mean of their keys (a GQA group's heads read their KV
-  head's keys). (The paper's text writes the score as the window queries' mean q·k; the
-  repository sums softmax probabilities; we follow the repository.)
+  head's keys). (The paper's text defines the representative score from the window queries'
+  dot products q·k; the repository sums softmax probabilities; we follow the repository.)
 - position-agnostic scoring (`scoring=position_agnostic`, the default): the representative
   keys are kept *before* RoPE and the query is rotated to one fixed angle, the local window's
   length less one (InfLLM: `n_local - 1`), so a block's score does not depend on how far back
@@ -39,7 +39,10 @@ measured effects):
    probabilities as decode queries do (`catch_up(queries=...)`), where InfLLM's chunked
    prefill attends retrieved units and scores each 512-query chunk with its mean query;
 4. a block becomes a memory unit at the first selection after it left the window, all at
-   once for the prompt's backlog (`catch_up`); the same moment as InfLLM's.
+   once for the prompt's backlog (`catch_up`); the same moment as InfLLM's;
+5. `topk_blocks` counts the forced blocks too (InfLLM retrieves its top-k units on top of the
+   initial tokens and the window); the graph engine's `start_at`, which has no prompt
+   queries, lets one query stand for every prompt position's (timing runs, not studies).
 
 prr's variant (conf/selector/infllm_prr.yaml: `scoring=rope`, `representatives_from=
 one_query`): the r tokens of a block with the largest q·k under **the one query of the step

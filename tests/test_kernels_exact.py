@@ -249,3 +249,31 @@ def test_exact_counts_handed_in_are_the_ones_used():
     out = exact_scores(x["q"], x["keys"], x["lengths"], fewer, 16, 0.125, tile_blocks=8, tiles=1)
     ref = exact_scores_reference(x["q"], x["keys"], fewer * 16, fewer, 16, 0.125)
     check_scores(out, ref, 1e-5)
+
+
+@pytest.mark.slow  # the kernels under TRITON_INTERPRET=1
+def test_exact_ragged_batch_on_the_triton_backend():
+    """The graph engine on a ragged batch with exact's kernels decodes what each row decodes alone
+    (tests/test_ragged_batch.py's decode; exact keeps no metadata, so tokens, A and next P per step
+    are compared here): per-row lengths reach the q·K and mass passes."""
+    from prr.runtime.graph_decode import StaticPlan
+    from tests.test_ragged_batch import CONFIG64, LENGTHS, decode
+
+    plan = StaticPlan(variant="prr", selector="quest", topk_blocks=3, predicted_blocks=2, block_size=16,
+                      dense_layers=(0,), predictor="ema_membership", count_hits=True)
+
+    def run(rows):
+        return decode(plan, rows, ExactSelector(topk_blocks=3, sink_blocks=1, dense_layers=(0,)), backend="triton",
+                      config=CONFIG64)
+
+    batch_tokens, batch_steps = run([0, 1, 2])
+    for b in range(len(LENGTHS)):
+        tokens, steps = run([b])
+        assert torch.equal(batch_tokens[b], tokens[0]), f"row {b}"
+        assert len(steps) == len(batch_steps) > 2
+        for step in range(1, len(steps) - 1):  # between the metadata entries: A and next P per sparse layer
+            for mine, one in zip(batch_steps[step], steps[step], strict=True):
+                assert len(mine) == len(one) > 0
+                for x, y in zip(mine, one, strict=True):
+                    if x is not None:
+                        assert torch.equal(x[b], y[0]), f"row {b}, step {step}"

@@ -293,3 +293,22 @@ def test_gpu_less_selector_captured_equals_torch():
     assert torch.equal(got_sel.blocks.indices, want_sel.blocks.indices)
     check_state(got.out.cpu(), got.lse.cpu(), want.out.cpu(), want.lse.cpu())
     assert math.isfinite(float(got.lse.min()))
+
+
+@pytest.mark.slow  # the kernels under TRITON_INTERPRET=1
+def test_less_ragged_batch_on_the_triton_backend():
+    """The graph engine on a ragged batch with LESS's kernels (Quest's selection, the compensation)
+    decodes what each row decodes alone (tests/test_ragged_batch.py's check; fp32 summaries: its
+    end-of-run metadata tolerance is for fp32, bf16 storage turns the batched projections' rounding
+    into whole bf16 ulps there)."""
+    from prr.runtime.graph_decode import StaticPlan
+    from tests.test_ragged_batch import CONFIG64, LENGTHS, check_rows, decode
+
+    plan = StaticPlan(variant="prr", selector="quest", topk_blocks=3, predicted_blocks=2, block_size=16,
+                      dense_layers=(0,), predictor="ema_membership", count_hits=True)
+
+    def run(rows):
+        selector = LessSelector(topk_blocks=3, sink_blocks=1, dense_layers=(0,), num_features=16)
+        return decode(plan, rows, selector, backend="triton", config=CONFIG64)
+
+    check_rows(run([0, 1, 2]), [run([b]) for b in range(len(LENGTHS))])

@@ -114,6 +114,7 @@ class AttentionEngine:
         self.measured = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._forked = False
+        self._next_blocks: tuple[Tensor, Tensor] | None = None  # (this step's lengths, next step's block counts)
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
 
     def adopt_predictor_state(self, state: object) -> None:
@@ -317,12 +318,19 @@ class AttentionEngine:
                 return
             for target, next_step in predictor.proposals_after_update(self.predictor_state, layer):
                 if next_step:
-                    # The next step's context holds lengths + 1 tokens. (From `lengths`, made at the
-                    # step's start: `pos` advances on the main stream while this side work may still run.)
-                    bs = self.plan.block_size
-                    self._propose(target, q, (lengths + bs).div(bs, rounding_mode="floor"))
+                    self._propose(target, q, self._next_step_blocks(lengths))
                 elif same_step:
                     self._propose(target, q, num_blocks)
+
+    def _next_step_blocks(self, lengths: Tensor) -> Tensor:
+        """lengths [B] (this step's tokens) -> [B] blocks of the next step's context (lengths + 1
+        tokens), computed once per step (two launches) on the stream of the first caller and
+        reused by the other layers' learning there. (From `lengths`, made at the step's start:
+        `pos` advances on the main stream while side work may still run.)"""
+        if self._next_blocks is None or self._next_blocks[0] is not lengths:
+            bs = self.plan.block_size
+            self._next_blocks = (lengths, (lengths + bs).div(bs, rounding_mode="floor"))
+        return self._next_blocks[1]
 
     def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,
                      lengths: Tensor, fp32: bool = False) -> Tensor:

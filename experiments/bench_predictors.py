@@ -183,12 +183,16 @@ def bench_predictor(name: str, sels, warm, lengths, nb_next, query, capacity: in
     def propose(layer, budget):
         return p.propose(state, layer, nb_next, budget, **extra)
 
+    next_blocks = []  # the next step's block counts: computed by the first layer's chain, as the engine does
+
     def chain(layer, budget, pred_idx, pred_cnt):
         # AttentionEngine._learn(propose_next=True) for one layer, on one stream: the update, then
         # the P it completes (history-only: this layer's next; cross_layer: the layer above's)
         p.update(state, layer, sels[layer])
+        if layer == 0:
+            next_blocks[:] = [(lengths + block).div(block, rounding_mode="floor")]
         for target, next_step in p.proposals_after_update(state, layer):
-            nb = (lengths + block).div(block, rounding_mode="floor") if next_step else nb_next
+            nb = next_blocks[0] if next_step else nb_next
             got = p.propose(state, target, nb, budget, **extra)
             pred_idx[..., : got.capacity].copy_(got.indices)
             pred_cnt.copy_(got.count)

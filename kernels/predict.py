@@ -23,13 +23,14 @@ from .predict_jit import (
     _ema_rank_kernel,
     _ema_update_kernel,
     _qsim_counters_kernel,
+    _qsim_propose_kernel,
     _qsim_rank_kernel,
     _qsim_update_kernel,
     _scatter_selected_kernel,
     _spin_rank_kernel,
     _spin_update_kernel,
 )
-from .topk import topk_select
+from .topk import MAX_ROW_BLOCK, PAD_BLOCK, topk_select
 
 MAX_TILE = 4096  # blocks of a row per loop iteration
 IDX_TILE = 128  # selected ids per loop iteration
@@ -369,6 +370,56 @@ def query_similarity_rank(query: Tensor, keys: Tensor, sets: Tensor, last_select
         enable_fp_fusion=False, **launch_kwargs(dev),
     )
     return rank
+
+
+def query_similarity_propose(query: Tensor, keys: Tensor, sets: Tensor, last_selected: Tensor, last_z: Tensor,
+                             filled: Tensor, num_blocks: int | Tensor, pending: Tensor, has_pending: Tensor,
+                             neighbours: int, recent_blocks: int, tie: float, k: int) -> tuple[Tensor, Tensor]:
+    """query_similarity's P: the top-k blocks of `query_similarity_rank` (which it writes to
+    pending / has_pending alike) -> (indices [B, Hkv, min(k, N)] int32 ascending, counts [B, Hkv]
+    int32). One launch for rows of up to MAX_ROW_BLOCK blocks with tie < 0.5 / sqrt(N - 1) (the
+    voted blocks then outrank the others: where at least k got a vote the top k are taken among
+    them, else from the whole row, in registers); rank + topk_select beyond."""
+    batch, heads, cache_size, query_size = keys.shape
+    n = sets.shape[-1]
+    dev = keys.device
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k={k!r} must be an int >= 0 (blocks to propose)")
+    one_launch = triton.next_power_of_2(max(n, 1)) <= MAX_ROW_BLOCK and abs(tie) * max(n - 1, 0) ** 0.5 < 0.5
+    if not one_launch or k == 0 or batch == 0 or heads == 0 or n == 0:
+        rank = query_similarity_rank(query, keys, sets, last_selected, last_z, filled, num_blocks, pending, has_pending,
+                                     neighbours, recent_blocks, tie)
+        return propose_top(rank, k, row_counts(num_blocks, batch, dev))
+    # the rank's checks (shapes, dtypes, devices), without its launch
+    if query.shape[:2] != (batch, heads) or query[0, 0].numel() != query_size or query.device != dev:
+        raise ValueError(f"query must be [B, Hkv, G, D] with [B, Hkv] = {[batch, heads]} and G·D = {query_size} on "
+                         f"{dev}; got {list(query.shape)} on {query.device}")
+    _check_row_tensor("keys", keys, (batch, heads, cache_size, query_size), torch.float32, dev)
+    _check_row_tensor("sets", sets, (batch, heads, cache_size, n), torch.bool, dev)
+    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
+    _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("pending", pending, (batch, heads, query_size), torch.float32, dev)
+    for name, t, dtype in (("filled", filled, torch.int64), ("has_pending", has_pending, torch.bool)):
+        if t.numel() != 1 or t.dtype != dtype or t.device != dev:
+            raise ValueError(f"{name} must be one {dtype} on {dev} (the layer's counter)")
+    if not 1 <= neighbours <= cache_size:
+        raise ValueError(f"neighbours={neighbours} must lie in [1, cache_size={cache_size}]")
+    nb = row_counts(num_blocks, batch, dev)
+    k = min(k, n)
+    block = triton.next_power_of_2(n)
+    cap = min(block, max(16, triton.next_power_of_2(neighbours * max(k, 64) + recent_blocks)))
+    indices = torch.empty(batch, heads, k, dtype=torch.int32, device=dev)
+    counts = torch.empty(batch, heads, dtype=torch.int32, device=dev)
+    scratch = torch.empty(2, batch * heads, cap, dtype=torch.int32, device=dev)
+    _qsim_propose_kernel[(heads, batch)](
+        query.contiguous(), keys, sets.view(torch.uint8), last_selected.view(torch.uint8), last_z, filled, nb, pending,
+        has_pending.view(torch.uint8), indices, counts, scratch[0], scratch[1],
+        n, heads, query_size, cache_size, min(recent_blocks, n + 1), k, k, float(2 * neighbours + 1), float(tie),
+        NEIGHBOURS=neighbours, C_BLOCK=max(16, triton.next_power_of_2(cache_size)),
+        Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), BLOCK=block, CAP=cap, RADIX_BITS=2,
+        PAD_BLOCK=PAD_BLOCK, num_warps=max(4, min(8, block // 256)), enable_fp_fusion=False, **launch_kwargs(dev),
+    )
+    return indices, counts
 
 
 def query_similarity_update(scores: Tensor, indices: Tensor, count: Tensor, keys: Tensor, sets: Tensor,

@@ -10,9 +10,10 @@ references: `prr.kernels.reference_predict`.
   ema_membership's update (α·s, then + (1-α) on the selected blocks), SPIN's exploit marks.
 - `_spin_rank_kernel`, `_spin_update_kernel`: SPIN's max-pooled rank with its exploration
   draw, and its vertical / diagonal EMAs.
-- `_qsim_rank_kernel`, `_qsim_update_kernel`, `_qsim_counters_kernel`: query_similarity's
-  rank (normalise the query, cosine against the ring buffer, the best neighbours' votes, the
-  recent window, the last z-scores) and its update (ring-buffer slot, last z and selection; the
+- `_qsim_rank_kernel`, `_qsim_propose_kernel`, `_qsim_update_kernel`, `_qsim_counters_kernel`:
+  query_similarity's rank (normalise the query, cosine against the ring buffer, the best
+  neighbours' votes, the recent window, the last z-scores), its propose in one launch (that rank
+  and its top-k: among the voted blocks when they hold it, topk_jit's `_select_row`), its update (ring-buffer slot, last z and selection; the
   counters in a one-program launch after it).
 
 Writes of one program that its own threads read back are separated by `tl.debug_barrier()`
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_prologue
+from .topk_jit import _select_row
 
 
 @triton.jit
@@ -314,6 +316,62 @@ def _spin_update_kernel(
 
 
 @triton.jit
+def _qsim_similarity(query_ptr, keys_ptr, pending_ptr, has_pending_ptr, filled, bh, kv_head, batch, query_size,
+                     cache_size, C_BLOCK: tl.constexpr, Q_TILE: tl.constexpr):
+    """Normalise this row's query (written to pending; program (0, 0) raises has_pending) ->
+    cosine similarity [C_BLOCK] of every cached query (-inf for unfilled slots)."""
+    q_row = bh * query_size
+    squares = tl.zeros([], dtype=tl.float32)
+    for start in range(0, query_size, Q_TILE):
+        offs = start + tl.arange(0, Q_TILE)
+        x = tl.load(query_ptr + q_row + offs, mask=offs < query_size, other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, axis=0)
+    norm = tl.maximum(tl.sqrt_rn(squares), 1e-12)
+    slots = tl.arange(0, C_BLOCK)
+    similarity = tl.zeros([C_BLOCK], dtype=tl.float32)
+    key_rows = (bh * cache_size + slots.to(tl.int64)) * query_size
+    for start in range(0, query_size, Q_TILE):
+        offs = start + tl.arange(0, Q_TILE)
+        live = offs < query_size
+        x = tl.div_rn(tl.load(query_ptr + q_row + offs, mask=live, other=0.0).to(tl.float32), norm)
+        tl.store(pending_ptr + q_row + offs, x, mask=live)
+        k = tl.load(keys_ptr + key_rows[:, None] + offs[None, :], mask=(slots[:, None] < cache_size) & live[None, :],
+                    other=0.0)
+        similarity += tl.sum(k * x[None, :], axis=1)
+    if (kv_head == 0) & (batch == 0):
+        tl.store(has_pending_ptr, tl.full([], 1, tl.uint8))
+    return tl.where(slots.to(tl.int64) < filled, similarity, float("-inf"))
+
+
+@triton.jit
+def _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, offs, n, nb, cache_size, recent_blocks,
+                recent_bonus, tie, NEIGHBOURS: tl.constexpr, C_BLOCK: tl.constexpr):
+    """-> (score, voted) of blocks `offs` of one row: the neighbours' votes (most similar first,
+    ties to the lower slot; A_{t-1} while nothing is cached) + the recent bonus + tie·last z, and
+    whether the block got a vote or is recent (score >= 1 - |tie·z|)."""
+    live = offs < n
+    inside = offs < nb
+    row = bh * n
+    slots = tl.arange(0, C_BLOCK)
+    votes = tl.zeros(offs.shape, dtype=tl.float32)
+    remaining = similarity
+    for _neighbour in tl.static_range(NEIGHBOURS):
+        best = tl.max(remaining, axis=0)
+        which = tl.min(tl.where(remaining == best, slots, C_BLOCK), axis=0)
+        remaining = tl.where(slots == which, float("-inf"), remaining)
+        weight = tl.where(best > float("-inf"), 1.5 + best / 2, 0.0)
+        which = tl.minimum(which, cache_size - 1)
+        member = tl.load(sets_ptr + (bh * cache_size + which) * n + offs, mask=live, other=0).to(tl.float32)
+        votes += weight * member
+    last = tl.load(last_sel_ptr + row + offs, mask=live, other=0).to(tl.float32)
+    votes = tl.where(filled > 0, votes, last)
+    recent = (offs >= nb - recent_blocks) & inside
+    z = tl.load(last_z_ptr + row + offs, mask=live, other=0.0)
+    score = votes + recent_bonus * recent.to(tl.float32) + tie * z
+    return tl.where(inside, score, float("-inf")), (votes > 0) | recent
+
+
+@triton.jit
 def _qsim_rank_kernel(
     query_ptr,  # [B, Hkv, GD] fp32/bf16/fp16 this step's query (G query heads of D), contiguous
     keys_ptr,  # [B, Hkv, C, GD] fp32 contiguous: the ring buffer's normalised past queries
@@ -337,52 +395,74 @@ def _qsim_rank_kernel(
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
     bh = batch.to(tl.int64) * num_kv_heads + kv_head
-    q_row = bh * query_size
-    # the query's norm, then the similarity of every cached query (keys are unit vectors)
-    squares = tl.zeros([], dtype=tl.float32)
-    for start in range(0, query_size, Q_TILE):
-        offs = start + tl.arange(0, Q_TILE)
-        x = tl.load(query_ptr + q_row + offs, mask=offs < query_size, other=0.0).to(tl.float32)
-        squares += tl.sum(x * x, axis=0)
-    norm = tl.maximum(tl.sqrt_rn(squares), 1e-12)
-    slots = tl.arange(0, C_BLOCK)
-    similarity = tl.zeros([C_BLOCK], dtype=tl.float32)
-    key_rows = (bh * cache_size + slots.to(tl.int64)) * query_size
-    for start in range(0, query_size, Q_TILE):
-        offs = start + tl.arange(0, Q_TILE)
-        live = offs < query_size
-        x = tl.div_rn(tl.load(query_ptr + q_row + offs, mask=live, other=0.0).to(tl.float32), norm)
-        tl.store(pending_ptr + q_row + offs, x, mask=live)
-        k = tl.load(keys_ptr + key_rows[:, None] + offs[None, :], mask=(slots[:, None] < cache_size) & live[None, :],
-                    other=0.0)
-        similarity += tl.sum(k * x[None, :], axis=1)
-    if (kv_head == 0) & (batch == 0):
-        tl.store(has_pending_ptr, tl.full([], 1, tl.uint8))
     filled = tl.load(filled_ptr)
-    similarity = tl.where(slots.to(tl.int64) < filled, similarity, float("-inf"))
-    # the NEIGHBOURS most similar slots, most similar first (ties: the lower slot), and their vote weights
+    similarity = _qsim_similarity(query_ptr, keys_ptr, pending_ptr, has_pending_ptr, filled, bh, kv_head, batch,
+                                  query_size, cache_size, C_BLOCK, Q_TILE)
     nb = tl.load(num_blocks_ptr + batch).to(tl.int32)
-    row = bh * n
     for start in range(0, n, TILE):
         offs = start + tl.arange(0, TILE)
-        live = offs < n
-        inside = offs < nb
-        votes = tl.zeros([TILE], dtype=tl.float32)
-        remaining = similarity
-        for _neighbour in tl.static_range(NEIGHBOURS):
-            best = tl.max(remaining, axis=0)
-            which = tl.min(tl.where(remaining == best, slots, C_BLOCK), axis=0)
-            remaining = tl.where(slots == which, float("-inf"), remaining)
-            weight = tl.where(best > float("-inf"), 1.5 + best / 2, 0.0)
-            which = tl.minimum(which, cache_size - 1)
-            member = tl.load(sets_ptr + (bh * cache_size + which) * n + offs, mask=live, other=0).to(tl.float32)
-            votes += weight * member
-        last = tl.load(last_sel_ptr + row + offs, mask=live, other=0).to(tl.float32)
-        votes = tl.where(filled > 0, votes, last)
-        recent = ((offs >= nb - recent_blocks) & inside).to(tl.float32)
-        z = tl.load(last_z_ptr + row + offs, mask=live, other=0.0)
-        score = votes + recent_bonus * recent + tie * z
-        tl.store(rank_ptr + row + offs, tl.where(inside, score, float("-inf")), mask=live)
+        score, voted = _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, offs, n, nb, cache_size,
+                                   recent_blocks, recent_bonus, tie, NEIGHBOURS, C_BLOCK)
+        tl.store(rank_ptr + bh * n + offs, score, mask=offs < n)
+
+
+@triton.jit
+def _qsim_propose_kernel(
+    query_ptr, keys_ptr, sets_ptr, last_sel_ptr, last_z_ptr, filled_ptr, num_blocks_ptr, pending_ptr, has_pending_ptr,
+    # (as _qsim_rank_kernel's)
+    idx_out_ptr,  # [B, Hkv, K_out] int32: P in ascending block order, then padding 0
+    count_out_ptr,  # [B, Hkv] int32
+    scratch_keys_ptr,  # [B * Hkv, CAP] int32 workspace
+    scratch_ids_ptr,  # [B * Hkv, CAP] int32 workspace
+    n, num_kv_heads, query_size, cache_size, recent_blocks, k, k_out,
+    recent_bonus, tie,
+    NEIGHBOURS: tl.constexpr,
+    C_BLOCK: tl.constexpr,
+    Q_TILE: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two >= N: the whole row in registers
+    CAP: tl.constexpr,  # voted blocks selected among (a power of two)
+    RADIX_BITS: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """query_similarity's propose in one launch: the rank of `_qsim_rank_kernel`, then its top-k.
+    Voted or recent blocks score >= 1 - |tie·z| and the others |tie·z| (< 0.5 for rows under
+    250000 blocks: |z| <= sqrt(N - 1)), so where at least k blocks got a vote the top k are among
+    them: selected from those (at most CAP, compacted in block order); else from the whole row."""
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    bh = batch.to(tl.int64) * num_kv_heads + kv_head
+    filled = tl.load(filled_ptr)
+    similarity = _qsim_similarity(query_ptr, keys_ptr, pending_ptr, has_pending_ptr, filled, bh, kv_head, batch,
+                                  query_size, cache_size, C_BLOCK, Q_TILE)
+    nb = tl.minimum(tl.load(num_blocks_ptr + batch).to(tl.int32), n)
+    offs = tl.arange(0, BLOCK)
+    score, voted = _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, offs, n, nb, cache_size,
+                               recent_blocks, recent_bonus, tie, NEIGHBOURS, C_BLOCK)
+    # order-preserving uint32 keys (topk_jit's): -0.0 folded to +0.0, blocks outside the context invalid (0)
+    valid = offs < nb
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.uint32, bitcast=True)
+    keys = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+    keys = tl.where(valid, keys, tl.zeros_like(keys))
+    candidate = valid & voted
+    n_candidates = tl.sum(candidate.to(tl.int32), axis=0)
+    out_row = bh * k_out
+    if (n_candidates >= k) & (n_candidates <= CAP):
+        slot = tl.cumsum(candidate.to(tl.int32), axis=0) - 1
+        scratch = bh * CAP
+        tl.store(scratch_keys_ptr + scratch + slot, keys.to(tl.int32, bitcast=True), mask=candidate)
+        tl.store(scratch_ids_ptr + scratch + slot, offs, mask=candidate)
+        tl.debug_barrier()  # the program's own stores, read back by other threads
+        lane = tl.arange(0, CAP)
+        live = lane < n_candidates
+        c_keys = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0, cache_modifier=".cg").to(
+            tl.uint32, bitcast=True)
+        c_ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0, cache_modifier=".cg")
+        _select_row(c_keys, live, c_ids, k, k_out, out_row, bh, idx_out_ptr, count_out_ptr, 4, PAD_BLOCK)
+    else:
+        _select_row(keys, valid, offs, k, k_out, out_row, bh, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
 
 
 @triton.jit

@@ -148,7 +148,7 @@ def test_query_similarity_kernels_equal_the_reference(batch, heads, n, nb):
     cache_size, group, dim, m = 5, 3, 24, 2
     sel = ref.make_selection(batch, heads, n, nb, topk=7, seed=n + 6)
     keys = torch.nn.functional.normalize(torch.randn(batch, heads, cache_size, group * dim, generator=g), dim=-1)
-    sets = torch.rand(batch, heads, cache_size, n, generator=g) < 0.2
+    sets = torch.rand(batch, heads, cache_size, n, generator=g) < min(0.2, 12 / n)
     last = ref.make_state(batch, heads, n, seed=n)["last_selected"]
     last_z = torch.randn(batch, heads, n, generator=g)
     query = torch.randn(batch, heads, group, dim, generator=g)
@@ -163,6 +163,17 @@ def test_query_similarity_kernels_equal_the_reference(batch, heads, n, nb):
         assert (pending - q).abs().max() <= TOL and bool(flag)
         for k in (3, n + 1):  # random ranks: no ties within the kernel's rounding
             assert torch.equal(as_set(*kp.propose_top(rank, k, sel["num_blocks"]), n), ref_set(want, k))
+        # one launch: the top-k among the voted blocks where they hold it (voted: rank >= 1 - |tie·z|), else the row
+        voted = (want >= 0.5).sum(-1)
+        fast = 0
+        for k in (1, 3, 9, n + 1):
+            pending2, flag2 = torch.zeros_like(pending), torch.zeros(1, dtype=torch.bool)
+            idx, cnt = kp.query_similarity_propose(query, keys, sets, last, last_z, torch.tensor([filled]),
+                                                   sel["num_blocks"], pending2, flag2, m, 2, 1e-3, k)
+            assert torch.equal(as_set(idx, cnt, n), ref_set(want, k)), k
+            assert torch.equal(pending2, pending) and bool(flag2)
+            fast += int((voted >= k).sum())
+        assert fast > 0 or max(nb) < 3  # the voted path ran (a row with a context)
     for paired in (False, True):
         got = [keys.clone(), sets.clone(), torch.zeros_like(last), torch.zeros_like(last_z)]
         cursor, filled = torch.tensor([3]), torch.tensor([4])

@@ -30,7 +30,7 @@ value changes from step to step. The query size G·D is not an argument of `init
 capture) and never re-allocated.
 
 On backend triton (prr.kernels.predict): propose = one launch (normalise, similarities, the
-neighbours' votes, the rank) + the top-k kernel; update = one launch (ring-buffer slot, last
+neighbours' votes, the rank and its top-k, among the voted blocks when they hold it); update = one launch (ring-buffer slot, last
 selection and z-scores) + a one-program launch moving the counters. The cosine similarities
 are summed in another order than torch's einsum, so votes can differ in the last bit: P is the
 same set unless two blocks' ranks lie within that (tested on random inputs).
@@ -103,16 +103,14 @@ class QuerySimilarityPredictor(Predictor):
             raise ValueError("query_similarity needs this step's query: call propose(..., query=q) with q [B, Hkv, G, D]"
                              " (prr's runtime does so for predictors with needs_query=True)")
         if self.backend == "triton":
-            from prr.kernels.predict import propose_top, query_similarity_rank, row_counts
+            from prr.kernels.predict import query_similarity_propose
 
             self.size_for_query(state, query[0, 0].numel())
-            nb = row_counts(num_blocks, query.shape[0], query.device)
-            rank = query_similarity_rank(query, state.keys[layer], state.sets[layer], state.last_selected[layer],
-                                         state.last_z[layer], state.filled[layer : layer + 1], nb, state.pending[layer],
-                                         state.has_pending[layer : layer + 1], self.neighbours, self.recent_blocks, TIE)
-            if budget_blocks <= 0:
-                return BlockSet.empty(query.shape[0], query.shape[1], query.device)
-            return BlockSet(*propose_top(rank, budget_blocks, nb))
+            one = slice(layer, layer + 1)
+            return BlockSet(*query_similarity_propose(
+                query, state.keys[layer], state.sets[layer], state.last_selected[layer], state.last_z[layer],
+                state.filled[one], num_blocks, state.pending[layer], state.has_pending[one], self.neighbours,
+                self.recent_blocks, TIE, max(budget_blocks, 0)))
         q = F.normalize(query.float().flatten(2), dim=-1)  # [B, Hkv, G·D]
         self.size_for_query(state, q.shape[-1])
         state.pending[layer] = q

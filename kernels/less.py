@@ -1,5 +1,6 @@
-"""Launcher for LESS's compensation kernels (checks, allocation, grid); the kernels are in
-`prr.kernels.less_jit`, the torch reference in `prr.kernels.reference_less`.
+"""Launchers for LESS's kernels (checks, allocation, grid): the compensation (`less_compensation`,
+two launches) and the decode token's metadata update (`less_append`, one launch); the kernels are
+in `prr.kernels.less_jit`, the torch references in `prr.kernels.reference_less`.
 
 Layouts are prr's (`LessSelector`'s cache slots): summaries S_b [B, Hkv, NB_max, m, D], s_b and
 their offsets c_b [B, Hkv, NB_max, m], totals S_tot [B, Hkv, m, D], s_tot and c_tot [B, Hkv, m],
@@ -15,7 +16,7 @@ import torch
 import triton
 from torch import Tensor
 
-from .less_jit import _less_finish_kernel, _less_partial_kernel
+from .less_jit import _less_append_kernel, _less_finish_kernel, _less_partial_kernel
 from .pdl import launch_kwargs
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -138,3 +139,62 @@ def less_compensation(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, num_warps=4, **pdl,
     )
     return out, lse
+
+
+def less_append(
+    keys: Tensor,
+    values: Tensor,
+    positions: Tensor,
+    block_size: int,
+    w: Tensor,
+    center: Tensor,
+    big: Tensor,
+    small: Tensor,
+    offset: Tensor,
+    big_tot: Tensor,
+    small_tot: Tensor,
+    offset_tot: Tensor,
+    scale: float,
+    *,
+    m_block: int = 16,
+    num_warps: int = 4,
+) -> None:
+    """LESS's metadata after one decode token per row, in place (`LessSelector.append_metadata`'s
+    feature part, random features): keys, values [B, Hkv, T_max, D] hold the token at positions [B]
+    (int32/int64); the totals (S_tot, s_tot at offsets c_tot) take it, and its block's S_b, s_b, c_b
+    are recomputed from the block's tokens up to it. w [Hkv, m, D], center [B, Hkv, D] fp32; the
+    summaries as in less_compensation. Positions outside the cache write nothing (not checked on the
+    host: no sync). One launch."""
+    if keys.dim() != 4 or values.shape != keys.shape or keys.dtype not in FLOAT_DTYPES or values.dtype != keys.dtype:
+        raise ValueError(f"keys and values must be one float dtype and shape [B, Hkv, T_max, D]; got "
+                         f"{keys.dtype} {list(keys.shape)}, {values.dtype} {list(values.shape)}")
+    batch, num_kv_heads, max_tokens, head_dim = keys.shape
+    if big.dim() != 5:
+        raise ValueError(f"big (S_b) must be [B, Hkv, NB_max, m, D]; got {list(big.shape)}")
+    max_blocks, num_features = big.shape[2], big.shape[3]
+    dev = keys.device
+    _check("big (S_b)", big, (batch, num_kv_heads, max_blocks, num_features, head_dim), SUMMARY_DTYPES, dev)
+    _check("small (s_b)", small, (batch, num_kv_heads, max_blocks, num_features), SUMMARY_DTYPES, dev)
+    _check("offset (c_b)", offset, (batch, num_kv_heads, max_blocks, num_features), (torch.float32,), dev)
+    _check("big_tot (S_tot)", big_tot, (batch, num_kv_heads, num_features, head_dim), (torch.float32,), dev)
+    _check("small_tot (s_tot)", small_tot, (batch, num_kv_heads, num_features), (torch.float32,), dev)
+    _check("offset_tot (c_tot)", offset_tot, (batch, num_kv_heads, num_features), (torch.float32,), dev)
+    _check("center", center, (batch, num_kv_heads, head_dim), (torch.float32,), dev)
+    _check("w", w, (num_kv_heads, num_features, head_dim), (torch.float32,), dev)
+    _check("positions", positions, (batch,), (torch.int32, torch.int64), dev)
+    _check_power_of_two("head_dim", head_dim)
+    _check_power_of_two("block_size", block_size)
+    _check_power_of_two("m_block", m_block)
+    if max_tokens != max_blocks * block_size:
+        raise ValueError(f"keys hold {max_tokens} tokens, the summaries {max_blocks} blocks of {block_size}")
+    if block_size < 16 or m_block < 16:
+        raise ValueError(f"block_size={block_size} and m_block={m_block} must be >= 16 (tl.dot shapes)")
+    if batch == 0 or num_kv_heads == 0 or num_features == 0:
+        return
+    _less_append_kernel[(triton.cdiv(num_features, m_block), num_kv_heads, batch)](
+        keys, values, positions, w, center, big, small, offset, big_tot, small_tot, offset_tot,
+        num_features, max_blocks, math.sqrt(scale), 0.5 * math.log(num_features),
+        *keys.stride(), *values.stride(), *w.stride(), *center.stride(), *big.stride(), *small.stride(),
+        *offset.stride(), *big_tot.stride(), *small_tot.stride(), *offset_tot.stride(),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, M_BLOCK=m_block, num_warps=num_warps, **launch_kwargs(dev),
+    )

@@ -1,5 +1,6 @@
-"""Triton kernels for LESS's compensation (prr.selectors.less): the unselected blocks'
-estimated attention state from the feature summaries. Launchers with checks live in
+"""Triton kernels for LESS (prr.selectors.less): the compensation (the unselected blocks'
+estimated attention state from the feature summaries) and, at the end, the decode token's
+update of those summaries (`_less_append_kernel`). Launchers with checks live in
 `prr.kernels.less`, the torch reference in `prr.kernels.reference_less`.
 
 Per (row, KV head), with φ's log-features of the query ℓ_gj (random features:
@@ -224,3 +225,86 @@ def _less_finish_kernel(
     tl.store(out_ptr + batch * stride_ob + kv_head * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :] * stride_od,
              out, mask=real_head[:, None])
     tl.store(lse_ptr + batch * stride_lb + kv_head * stride_lh + offs_g * stride_lg, lse, mask=real_head)
+
+
+@triton.jit
+def _less_append_kernel(
+    k_ptr,  # [B, Hkv, T_max, D] the layer's key cache (the token at positions[b] already written)
+    v_ptr,  # [B, Hkv, T_max, D] value cache
+    positions_ptr,  # [B] int32/int64: the appended token of each row
+    w_ptr,  # [Hkv, m, D] fp32 random-feature directions
+    center_ptr,  # [B, Hkv, D] fp32 key centre
+    big_ptr,  # [B, Hkv, NB_max, m, D] S_b (fp32 or bf16), block positions[b] // BLOCK_SIZE rewritten
+    small_ptr,  # [B, Hkv, NB_max, m] s_b, rewritten likewise
+    offset_ptr,  # [B, Hkv, NB_max, m] fp32 c_b, rewritten likewise
+    big_tot_ptr,  # [B, Hkv, m, D] fp32 S_tot, updated in place
+    small_tot_ptr,  # [B, Hkv, m] fp32 s_tot
+    offset_tot_ptr,  # [B, Hkv, m] fp32 c_tot
+    num_features, max_blocks, sqrt_scale, half_log_m,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_wh, stride_wm, stride_wd,
+    stride_eb, stride_eh, stride_ed,
+    stride_Sb, stride_Sh, stride_Sn, stride_Sm, stride_Sd,
+    stride_sb, stride_sh, stride_sn, stride_sm,
+    stride_ob, stride_oh, stride_on, stride_om,
+    stride_Tb, stride_Th, stride_Tm, stride_Td,
+    stride_tb, stride_th, stride_tm,
+    stride_ub, stride_uh, stride_um,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    M_BLOCK: tl.constexpr,  # features per program (>= 16 on a GPU: a tl.dot's M)
+    PDL: tl.constexpr,
+):
+    """One decode token per row: the running totals take it (at a running-max offset) and its
+    block's summaries are recomputed from the block's live tokens, for M_BLOCK features."""
+    pdl_prologue(PDL)
+    # grid: (cdiv(m, M_BLOCK), Hkv, B)
+    chunk = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    position = tl.load(positions_ptr + batch).to(tl.int64)
+    block = position // BLOCK_SIZE
+    if block < max_blocks:  # positions outside the cache write nothing
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_t = tl.arange(0, BLOCK_SIZE)
+        offs_m = chunk * M_BLOCK + tl.arange(0, M_BLOCK)
+        live_m = offs_m < num_features
+        tokens = block * BLOCK_SIZE + offs_t  # [BLOCK_SIZE]
+        live_t = tokens <= position
+        keys = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + tokens[:, None] * stride_kt
+                       + offs_d[None, :] * stride_kd, mask=live_t[:, None], other=0.0).to(tl.float32)
+        values = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + tokens[:, None] * stride_vt
+                         + offs_d[None, :] * stride_vd, mask=live_t[:, None], other=0.0).to(tl.float32)
+        center = tl.load(center_ptr + batch * stride_eb + kv_head * stride_eh + offs_d * stride_ed)
+        w = tl.load(w_ptr + kv_head * stride_wh + offs_m[:, None] * stride_wm + offs_d[None, :] * stride_wd,
+                    mask=live_m[:, None], other=0.0)  # [M_BLOCK, D]
+        x = (keys - center[None, :]) * sqrt_scale  # [BLOCK_SIZE, D]
+        logits = tl.dot(x, tl.trans(w), input_precision="ieee")  # [BLOCK_SIZE, M_BLOCK]
+        logits = logits - 0.5 * tl.sum(x * x, axis=1)[:, None] - half_log_m
+        logits = tl.where(live_t[:, None], logits, float("-inf"))
+        # The block's summaries from its live tokens, at their max (finite: the new token is live).
+        c_block = tl.max(logits, axis=0)  # [M_BLOCK]
+        weights = tl.exp(logits - c_block[None, :])  # [BLOCK_SIZE, M_BLOCK]; 0 for later tokens
+        big = tl.dot(tl.trans(weights), values, input_precision="ieee")  # [M_BLOCK, D]
+        small = tl.sum(weights, axis=0)
+        at = batch * stride_ob + kv_head * stride_oh + block * stride_on + offs_m * stride_om
+        tl.store(offset_ptr + at, c_block, mask=live_m)
+        tl.store(small_ptr + batch * stride_sb + kv_head * stride_sh + block * stride_sn + offs_m * stride_sm,
+                 small.to(small_ptr.dtype.element_ty), mask=live_m)
+        tl.store(big_ptr + batch * stride_Sb + kv_head * stride_Sh + block * stride_Sn + offs_m[:, None] * stride_Sm
+                 + offs_d[None, :] * stride_Sd, big.to(big_ptr.dtype.element_ty), mask=live_m[:, None])
+        # The totals take the new token: rescale to the new running max, then add it.
+        is_new = (tokens == position)[:, None]
+        new_logit = tl.max(tl.where(is_new, logits, float("-inf")), axis=0)  # [M_BLOCK]
+        new_value = tl.sum(tl.where(is_new, values, 0.0), axis=0)  # [D]
+        tot = batch * stride_ub + kv_head * stride_uh + offs_m * stride_um
+        c_old = tl.load(offset_tot_ptr + tot, mask=live_m, other=0.0)
+        c_new = tl.maximum(c_old, new_logit)
+        keep = tl.exp(c_old - c_new)  # 0 while the totals are empty (c_old = -inf)
+        add = tl.exp(new_logit - c_new)
+        small_at = small_tot_ptr + batch * stride_tb + kv_head * stride_th + offs_m * stride_tm
+        tl.store(small_at, tl.load(small_at, mask=live_m, other=0.0) * keep + add, mask=live_m)
+        big_at = big_tot_ptr + batch * stride_Tb + kv_head * stride_Th + offs_m[:, None] * stride_Tm + offs_d[None, :] * stride_Td
+        big_tot = tl.load(big_at, mask=live_m[:, None], other=0.0)
+        tl.store(big_at, big_tot * keep[:, None] + add[:, None] * new_value[None, :], mask=live_m[:, None])
+        tl.store(offset_tot_ptr + tot, c_new, mask=live_m)

@@ -1,5 +1,5 @@
-"""Torch reference and seeded input generator for LESS's compensation kernel
-(`prr.kernels.less`).
+"""Torch references and seeded input generator for LESS's kernels (`prr.kernels.less`): the
+compensation and the decode token's metadata update.
 
 The reference follows prr's own `LessSelector.compensation` (prr/selectors/less.py) step by
 step, in fp64: the selected blocks' summaries brought to the totals' offsets and subtracted
@@ -130,3 +130,39 @@ def make_less_inputs(
         "small_tot": small_tot.to(**as32), "offset_tot": offset_tot.to(**as32), "center": center.to(**as32),
         "scale": scale,
     }
+
+
+def less_append_reference(keys: Tensor, values: Tensor, positions: Tensor, block_size: int, w: Tensor, center: Tensor,
+                          big: Tensor, small: Tensor, offset: Tensor, big_tot: Tensor, small_tot: Tensor,
+                          offset_tot: Tensor, scale: float) -> dict[str, Tensor]:
+    """Arguments as prr.kernels.less.less_append -> the updated state, new tensors (fp64
+    arithmetic, stored in each input's dtype): big, small, offset, big_tot, small_tot, offset_tot.
+    As prr's LessSelector.append_metadata (random features): the totals take the token at the
+    running max of the offsets, its block's summaries are recomputed from the block's tokens up to it."""
+    out = {name: t.clone() for name, t in dict(big=big, small=small, offset=offset, big_tot=big_tot,
+                                               small_tot=small_tot, offset_tot=offset_tot).items()}
+    batch, num_kv_heads = keys.shape[:2]
+    m = w.shape[1]
+    for b in range(batch):
+        p = int(positions[b])
+        blk = p // block_size
+        if blk >= big.shape[2]:
+            continue
+        lo = blk * block_size
+        k = keys[b, :, lo : p + 1].double() - center[b].double().unsqueeze(1)  # [Hkv, n, D]
+        v = values[b, :, lo : p + 1].double()
+        x = k * math.sqrt(scale)
+        logits = x @ w.double().transpose(-1, -2) - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(m)  # [Hkv, n, m]
+        c_block = logits.amax(1)  # [Hkv, m]
+        weights = torch.exp(logits - c_block.unsqueeze(1))
+        out["big"][b, :, blk] = (weights.transpose(-1, -2) @ v).to(big.dtype)
+        out["small"][b, :, blk] = weights.sum(1).to(small.dtype)
+        out["offset"][b, :, blk] = c_block.float()
+        new = logits[:, -1]  # [Hkv, m]: the appended token
+        c_old = offset_tot[b].double()
+        c_new = torch.maximum(c_old, new)
+        keep, add = torch.exp(c_old - c_new), torch.exp(new - c_new)
+        out["big_tot"][b] = (big_tot[b].double() * keep.unsqueeze(-1) + add.unsqueeze(-1) * v[:, -1].unsqueeze(1)).float()
+        out["small_tot"][b] = (small_tot[b].double() * keep + add).float()
+        out["offset_tot"][b] = c_new.float()
+    return out

@@ -172,6 +172,79 @@ def test_less_triton_in_the_engine_equals_eager(tmp_path, monkeypatch):
     assert len(calls) >= 2 * 16
 
 
+# --- the decode token's metadata update (less_append) ---------------------------------------------
+
+STATE = ("less_S", "less_s", "less_c", "less_S_tot", "less_s_tot", "less_c_tot")
+
+
+def check_slots(got: dict, want: dict, tol: float) -> None:
+    """The LESS state tensors: same dtype, shape and -inf pattern; relative-norm error below tol."""
+    for name in STATE:
+        x, y = got[name], want[name]
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(torch.isfinite(x), torch.isfinite(y)), name
+        finite = torch.isfinite(y)
+        assert rel_err(x[finite], y[finite]) < tol, name
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("group_heads,block_size,num_features,summary_dtype",
+                         [(2, 16, 24, "float32"), (3, 32, 16, "float32"), (2, 16, 40, "bfloat16")])
+def test_less_append_matches_reference(group_heads, block_size, num_features, summary_dtype):
+    """One token per row at ragged positions (one starts a block, one lands mid-block): the kernel's
+    totals and rewritten block summaries equal the fp64 reference's."""
+    from prr.kernels.less import less_append
+    from prr.kernels.reference_less import less_append_reference
+
+    sel = LessSelector(topk_blocks=4, num_features=num_features, summary_dtype=summary_dtype, seed=2)
+    gen = torch.Generator().manual_seed(group_heads)
+    cache = PagedKVCache(1, 2, group_heads, 64, block_size, 160 + block_size)
+    cache.append(0, torch.randn(2, group_heads, 150, 64, generator=gen) * 2,
+                 torch.randn(2, group_heads, 150, 64, generator=gen))
+    sel.update_metadata(cache, 0, 0, 150)
+    positions = torch.tensor([150, 4 * block_size], dtype=torch.int32)  # row 1 overwrites the token starting block 4
+    for b, p in enumerate(positions.tolist()):
+        cache.keys[0][b, :, p] = torch.randn(group_heads, 64, generator=gen) * 2
+        cache.values[0][b, :, p] = torch.randn(group_heads, 64, generator=gen)
+    slots = cache.metadata[0]
+    args = (cache.keys[0], cache.values[0], positions, block_size, slots["less_w"], slots["less_center"])
+    want = less_append_reference(*args, *(slots[n] for n in STATE), 1 / 8)
+    got = {n: slots[n].clone() for n in STATE}
+    less_append(*args, *(got[n] for n in STATE), 1 / 8)
+    check_slots(got, {n: want[k] for n, k in zip(STATE, ("big", "small", "offset", "big_tot", "small_tot",
+                                                           "offset_tot"), strict=True)},
+                1e-5 if summary_dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("summary_dtype", ["float32", "bfloat16"])
+def test_less_selector_appends_alike_on_both_backends(summary_dtype):
+    """20 decode tokens (crossing block boundaries, ragged rows) through append_metadata on both
+    backends: the same LESS state (bf16 storage: within a bf16 ulp)."""
+    kw = dict(topk_blocks=4, num_features=24, summary_dtype=summary_dtype, seed=1)
+    torch_sel, triton_sel = LessSelector(**kw), LessSelector(**kw)
+    triton_sel.set_backend("triton")
+    caches = []
+    for sel in (torch_sel, triton_sel):
+        gen = torch.Generator().manual_seed(5)
+        cache = PagedKVCache(1, 2, 2, 64, 16, 160)
+        cache.append(0, torch.randn(2, 2, 120, 64, generator=gen) * 2, torch.randn(2, 2, 120, 64, generator=gen))
+        sel.update_metadata(cache, 0, 0, 120)
+        caches.append(cache)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(20):
+        k, v = torch.randn(2, 2, 64, generator=gen) * 2, torch.randn(2, 2, 64, generator=gen)
+        positions = torch.tensor([120 + step, 97 + step], dtype=torch.int64)
+        for cache, sel in zip(caches, (torch_sel, triton_sel), strict=True):
+            for b in range(2):
+                cache.keys[0][b, :, positions[b]] = k[b]
+                cache.values[0][b, :, positions[b]] = v[b]
+            sel.append_metadata(cache, 0, positions)
+    check_slots(caches[1].metadata[0], caches[0].metadata[0], 1e-5 if summary_dtype == "float32" else 1e-2)
+
+
 # --- compact state (bf16 summaries) and memory ---------------------------------------------------
 
 

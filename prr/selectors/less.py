@@ -65,8 +65,9 @@ not the compensation.
 `scores=quest`, Quest's selection kernels and the compensation kernel
 (`prr.kernels.less.less_compensation`: two launches; a trained map's query branch stays a torch
 op, its log-features handed in), tested equal. `scores=features` has no selection kernel: that
-selector runs torch ops under every backend (`triton_problems()` is None). The summaries' upkeep
-(`append_metadata`) is torch ops under both.
+selector runs torch ops under every backend (`triton_problems()` is None). The decode token's
+summary update (`append_metadata`) is `less_append`'s one launch under backend triton (random
+features; a trained map's key branch keeps the torch ops); the prefill's is torch ops.
 """
 
 from __future__ import annotations
@@ -258,6 +259,15 @@ class LessSelector(QuestSelector):
         if self.is_dense_layer(layer):
             return
         super().append_metadata(cache, layer, positions)  # Quest's key max/min
+        if self.backend == "triton" and self.trained is None and cache.block_size >= 16:
+            from prr.kernels.less import less_append
+
+            slots = cache.metadata[layer]
+            less_append(cache.keys[layer], cache.values[layer], positions, cache.block_size,
+                        self._features(cache, layer), slots["less_center"], slots["less_S"], slots["less_s"],
+                        slots["less_c"], slots["less_S_tot"], slots["less_s_tot"], slots["less_c_tot"],
+                        1.0 / math.sqrt(cache.head_dim), m_block=16)
+            return
         b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
         positions = positions.long()
         index = positions.view(b, 1, 1, 1).expand(b, h, 1, d)

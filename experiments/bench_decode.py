@@ -46,7 +46,8 @@ speculation program, prr_repair.default_splits) and left stream priorities off.
 Part `select` (issue 33: each selector's selection as the engine calls it, through its Triton path):
 batch 1, the 8B shape, 32K and 128K, blocks 16 and 64, top-K 32 and 128 blocks, over --stage-layers
 caches: Quest (score + top-k), exact (q·K pass + mass pass + top-k; its score launches alone), LESS
-(Quest's selection + the compensation, m = 64; the compensation alone), beside the attention over A
+(Quest's selection + the compensation, m = 64, bf16 summaries; the compensation alone; the decode
+token's metadata update: less_append), beside the attention over A
 and dense SDPA, per layer, with byte floors, exact's sets and LESS's state checked against each
 selector's torch path, and LESS's state memory beside the KV cache's. `--parts select --tiny` runs it
 on a CPU under TRITON_INTERPRET=1 at toy sizes (a smoke run, not a speed).
@@ -732,6 +733,8 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
                                                            nb, block, scale)),
         "less_select_compensate": every_layer(less_step),
         "less_compensation": every_layer(lambda i: less.compensation(qs[i], cache, i, a_sets[i], lengths)),
+        # the decode token's metadata update (Quest's max / min + less_append), re-applied at one position
+        "less_append": every_layer(lambda i: less.append_metadata(cache, i, lengths - 1)),
         "attend_A": every_layer(attend),
         "dense_sdpa": every_layer(dense),
     }
@@ -931,7 +934,7 @@ def main() -> None:
         df = pd.DataFrame(results["select"]).assign(command=results["command"])
         df.to_csv(args.out.parent / (args.out.name + "_select.csv"), index=False)
         cols = ["context", "block", "topk_blocks", "quest_select", "exact_select", "exact_scores",
-                "less_select_compensate", "less_compensation", "attend_A", "dense_sdpa", "exact_over_quest",
+                "less_select_compensate", "less_compensation", "less_append", "attend_A", "dense_sdpa", "exact_over_quest",
                 "less_over_quest", "exact_serial_over_dense", "exact_sets_equal", "less_lse_max_abs_err",
                 "less_state_mib_per_layer", "kv_mib_per_layer"]
         print("select (µs per layer; ratios in the same run)")

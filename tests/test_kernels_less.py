@@ -385,3 +385,28 @@ def test_less_ragged_batch_on_the_triton_backend():
         return decode(plan, rows, selector, backend="triton", config=CONFIG64)
 
     check_rows(run([0, 1, 2]), [run([b]) for b in range(len(LENGTHS))])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size,summary_dtype", [(16, "float32"), (64, "bfloat16")])
+def test_gpu_less_append_matches_reference(block_size, summary_dtype):
+    """8 KV heads, head 128, m = 64, bf16 cache, 4K tokens then one token per row (ragged)."""
+    from prr.kernels.less import less_append
+    from prr.kernels.reference_less import less_append_reference
+
+    sel = LessSelector(topk_blocks=8, num_features=64, summary_dtype=summary_dtype)
+    gen = torch.Generator().manual_seed(4)
+    cache = PagedKVCache(1, 2, 8, 128, block_size, 4096 + block_size, dtype=torch.bfloat16, device="cuda")
+    cache.append(0, (torch.randn(2, 8, 4000, 128, generator=gen) * 2).cuda(), torch.randn(2, 8, 4000, 128, generator=gen).cuda())
+    sel.update_metadata(cache, 0, 0, 4000)
+    positions = torch.tensor([4000, 3 * block_size], dtype=torch.int32, device="cuda")
+    slots = cache.metadata[0]
+    args = (cache.keys[0], cache.values[0], positions, block_size, slots["less_w"], slots["less_center"])
+    want = less_append_reference(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args),
+                                 *(slots[n].cpu() for n in STATE), 128 ** -0.5)
+    got = {n: slots[n].clone() for n in STATE}
+    less_append(*args, *(got[n] for n in STATE), 128 ** -0.5)
+    check_slots({n: t.cpu() for n, t in got.items()},
+                {n: want[k] for n, k in zip(STATE, ("big", "small", "offset", "big_tot", "small_tot", "offset_tot"),
+                                            strict=True)}, 1e-5 if summary_dtype == "float32" else 1e-2)

@@ -149,6 +149,28 @@ def test_less_selector_triton_compensation_equals_torch(group, center_keys, orth
     assert torch.isinf(got.lse).all()
 
 
+def test_less_trained_map_compensation_equals_torch(monkeypatch):
+    """feature_map=trained under backend triton: the map's query branch (a torch op) hands its
+    log-features to the kernel; the state equals the torch path's (an untrained map of the real
+    class stands in for `make train-less`'s file)."""
+    import prr.selectors.less_training as training
+
+    fmap = training.TrainedFeatureMap(1, 64, 24, hidden=16, seed=4)
+    monkeypatch.setattr(training, "load_trained_map", lambda model, m: fmap)
+    kw = dict(topk_blocks=4, num_features=24, feature_map="trained")
+    torch_sel, triton_sel = LessSelector(**kw), LessSelector(**kw)
+    assert triton_sel.set_backend("triton") == "triton"
+    cache = less_cache(2, 2, 64, 16, 150, 2, torch_sel, seed=9)
+    q = torch.randn(2, 2, 3, 64, generator=torch.Generator().manual_seed(2))
+    lengths = torch.tensor([152, 77], dtype=torch.int32)
+    selection = torch_sel.select(q, cache, 0, lengths)
+    with torch.no_grad():
+        want = torch_sel.compensation(q, cache, 0, selection, lengths)
+        got = triton_sel.compensation(q, cache, 0, selection, lengths)
+    assert torch.isfinite(want.lse).any()
+    check_state(got.out, got.lse, want.out, want.lse)
+
+
 def test_less_backends():
     assert LessSelector(topk_blocks=4).triton_problems() == []
     assert LessSelector(topk_blocks=4, scores="features").triton_problems() is None

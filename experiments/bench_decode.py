@@ -744,6 +744,23 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
     for name, fn in variants.items():
         fn()  # compile / warm up outside any capture
         row[name] = stage_timing(fn, device, per_call=layers).median_s * 1e6  # µs per layer
+    # exact's q·K pass tilings (tokens per tl.dot tile x tiles per program): which default to keep.
+    tilings = {}
+    for tile_tokens in (64, 128, 256):
+        for tiles in (2, 4, 8):
+            tile_blocks = max(1, tile_tokens // block)
+            if tile_blocks * block != tile_tokens:
+                continue
+
+            def scores_at(i, tile_blocks=tile_blocks, tiles=tiles):
+                exact_scores(qs[i].view(batch, hq, head_dim), cache.keys[i], lengths, nb, block, scale,
+                             tile_blocks=tile_blocks, tiles=tiles)
+            fn = every_layer(scores_at)
+            fn()
+            tilings[f"{tile_blocks * block}x{tiles}"] = stage_timing(fn, device, per_call=layers).median_s * 1e6
+    row["exact_scores_tilings"] = tilings
+    row["exact_best_tiling"] = min(tilings, key=tilings.get)
+    row["exact_scores_best"] = tilings[row["exact_best_tiling"]]
     # The same selection by each selector's torch path (layer 0), in full fp32 (main() allows TF32).
     tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     want = exact_torch.select(qs[0], cache, 0, lengths)
@@ -933,7 +950,8 @@ def main() -> None:
     if results["select"]:
         df = pd.DataFrame(results["select"]).assign(command=results["command"])
         df.to_csv(args.out.parent / (args.out.name + "_select.csv"), index=False)
-        cols = ["context", "block", "topk_blocks", "quest_select", "exact_select", "exact_scores",
+        cols = ["context", "block", "topk_blocks", "quest_select", "exact_select", "exact_scores", "exact_scores_best",
+                "exact_best_tiling",
                 "less_select_compensate", "less_compensation", "less_append", "attend_A", "dense_sdpa", "exact_over_quest",
                 "less_over_quest", "exact_serial_over_dense", "exact_sets_equal", "less_lse_max_abs_err",
                 "less_state_mib_per_layer", "kv_mib_per_layer"]

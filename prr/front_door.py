@@ -48,11 +48,13 @@ def preflight(argv: list[str], conf_dir: Path, config_name: str = "config") -> t
 
 
 def with_runtime(argv: list[str], choice: str) -> list[str]:
-    """argv choosing runtime=<choice>: `runtime=auto` replaced, else the override put before the
-    first override (argparse takes overrides in one run: `a=1 -m` must not become `a=1 -m b=2`)."""
+    """argv choosing runtime=<choice>: `auto` replaced where the command names it (`runtime=auto`, or
+    one value of a sweep's `runtime=auto,cpu`), else the override put before the first override
+    (argparse takes overrides in one run: `a=1 -m` must not become `a=1 -m b=2`)."""
     line = f"runtime={choice}"
-    if "runtime=auto" in argv:
-        return [line if a == "runtime=auto" else a for a in argv]
+    if any(a.startswith("runtime=") for a in argv):
+        return ["runtime=" + ",".join(choice if v == "auto" else v for v in a.removeprefix("runtime=").split(","))
+                if a.startswith("runtime=") else a for a in argv]
     first = next((i for i, a in enumerate(argv) if not a.startswith("-") and ("=" in a or a.startswith("~"))), None)
     return [*argv, line] if first is None else [*argv[:first], line, *argv[first:]]
 

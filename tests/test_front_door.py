@@ -326,6 +326,8 @@ def test_the_auto_choice_goes_where_hydra_reads_overrides():
     assert with_runtime(["-m", "a=1"], "cuda") == ["-m", "runtime=cuda", "a=1"]
     assert with_runtime(["-m"], "cpu") == ["-m", "runtime=cpu"]
     assert with_runtime(["runtime=auto", "a=1"], "cpu") == ["runtime=cpu", "a=1"]  # replaced, not doubled
+    # inside a sweep's list too: the job printed as "auto chose cuda" must run on cuda
+    assert with_runtime(["-m", "runtime=auto,cpu"], "cuda") == ["-m", "runtime=cuda,cpu"]
 
 
 def test_an_experiment_preset_keeps_its_own_runtime():

@@ -87,3 +87,11 @@ def test_bad_selector_options_are_clear_errors():
         QuestSelector(topk_blocks=4, gqa_reduce="mean")
     with pytest.raises(ValueError, match="raise topk_blocks"):
         QuestSelector(topk_blocks=2, sink_blocks=2, local_blocks=1)
+
+
+def test_set_backend_goes_both_ways():
+    """A selector reused by an engine of the other backend takes that backend (a torch-vs-triton
+    comparison on one object must not compare the kernels with themselves)."""
+    sel = QuestSelector(topk_blocks=4)
+    assert sel.set_backend("triton") == "triton" and sel.set_backend("torch") == "torch"
+    assert QuestSelector(topk_blocks=4, gqa_reduce="union").set_backend("triton") == "torch"  # no kernel for union

@@ -118,8 +118,8 @@ class Selector(ABC):
 
     def set_backend(self, backend: str) -> str:
         """Use runtime.backend where this selector has kernels; returns the selection backend."""
-        if backend == "triton" and self.triton_problems() == []:
-            self.backend = "triton"
+        # both ways: a selector reused by an engine of the other backend must not keep the old one
+        self.backend = "triton" if backend == "triton" and self.triton_problems() == [] else "torch"
         return self.backend
 
     # --- shared ---------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_make_figures_skips_missing_results_and_is_byte_stable(tmp_path, capsys)
     written = make_all(tmp_path, tmp_path / "out")
     assert list(written) == ["selector_fidelity"]
     paths = written["selector_fidelity"]
-    assert [p.suffix for p in paths] == [".pdf", ".png"]
+    assert [p.name for p in paths] == ["selector_fidelity.pdf", "selector_fidelity.png", "selector_fidelity.data.csv"]
     first_bytes = [p.read_bytes() for p in paths]
     make_all(tmp_path, tmp_path / "out", only=["selector_fidelity"])
     assert [p.read_bytes() for p in paths] == first_bytes  # no timestamps: the same results give the same files

@@ -180,6 +180,7 @@ def test_exact_kernel_errors():
     assert default_tiling(16) == (8, 4) and default_tiling(64) == (2, 4) and default_tiling(256) == (1, 2)
 
 
+@pytest.mark.slow  # 35-80 s under the interpreter (make test-full); the kernels vs torch run in make test
 def test_exact_triton_selection_in_the_engine_equals_eager(tmp_path, monkeypatch):
     """The graph engine with backend=triton (exact's kernels under the interpreter) decodes the
     eager runtime's tokens with the same hit rate and overlap (tests/test_one_engine.py's check),

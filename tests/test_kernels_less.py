@@ -179,6 +179,7 @@ def test_less_backends():
     assert union.triton_problems() and union.set_backend("triton") == "torch"
 
 
+@pytest.mark.slow  # 35-80 s under the interpreter (make test-full); the kernels vs torch run in make test
 def test_less_triton_in_the_engine_equals_eager(tmp_path, monkeypatch):
     """The graph engine with backend=triton (Quest's selection and the compensation kernel under
     the interpreter) decodes the eager runtime's tokens with the same hit rate and overlap

@@ -35,6 +35,9 @@ gpu = pytest.mark.skipif(
 )
 # (batch, KV heads, N, each row's num_blocks)
 SIZES = [(1, 1, 27, [27]), (2, 3, 61, [61, 40]), (3, 2, 113, [113, 1, 0]), (2, 4, 1110, [1110, 777])]
+# The rank + top-k tests at 1,110 blocks take 30-80 s each under the interpreter: `make test-full`
+# runs them (make test keeps 10 minutes); the update tests keep 1,110 blocks in `make test`.
+SIZES_RANK = [*SIZES[:3], pytest.param(*SIZES[3], marks=pytest.mark.slow, id="2-4-1110-nb3")]
 TOL = 1e-5
 
 
@@ -50,7 +53,7 @@ def params(device, *values):
     return [torch.tensor([v], dtype=torch.float32, device=device) for v in values]
 
 
-@pytest.mark.parametrize("batch,heads,n,nb", SIZES)
+@pytest.mark.parametrize("batch,heads,n,nb", SIZES_RANK)
 def test_ema_rank_and_propose_equal_the_reference(batch, heads, n, nb):
     seed = n * 7 + batch
     st = ref.make_state(batch, heads, n, seed=seed)
@@ -105,7 +108,7 @@ def test_last_step_and_membership_updates_equal_the_reference(batch, heads, n, n
     assert (got - ref.membership_ema_reference(state, sel["indices"], sel["count"], 0.8)).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("batch,heads,n,nb", SIZES)
+@pytest.mark.parametrize("batch,heads,n,nb", SIZES_RANK)
 def test_spin_kernels_equal_the_reference(batch, heads, n, nb):
     sel = ref.make_selection(batch, heads, n, nb, topk=6, seed=n + 4)
     st = ref.make_state(batch, heads, n, seed=n + 5)
@@ -142,7 +145,7 @@ def test_cross_layer_rank_equals_the_reference(weight):
     assert torch.equal(rank, want)
 
 
-@pytest.mark.parametrize("batch,heads,n,nb", SIZES)
+@pytest.mark.parametrize("batch,heads,n,nb", SIZES_RANK)
 def test_query_similarity_kernels_equal_the_reference(batch, heads, n, nb):
     g = torch.Generator().manual_seed(n)
     cache_size, group, dim, m = 5, 3, 24, 2

@@ -189,6 +189,8 @@ def main() -> None:
                   f" / {sum(r['selections'] for r in rows if r['prompt'] == name and r['topk_blocks'] == topk)}"
                   f" ({time.time() - started:.0f} s)", flush=True)
     table = pd.DataFrame(rows)
+    command = "python " + shlex.join(sys.argv)
+    table["command"] = command  # each results file says how it was made
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out.with_suffix(".csv"), index=False)
     summary = []
@@ -200,6 +202,7 @@ def main() -> None:
             row.update(bootstrap_mean(per_prompt[key].tolist()).as_dict(key))
         summary.append(row)
     summary_table = pd.DataFrame(summary)
+    summary_table["command"] = command
     summary_table.to_csv(args.out.with_name(args.out.name + "_summary.csv"), index=False)
     print(summary_table.to_string(index=False))
     write_json_atomic(args.out.with_suffix(".json"), {

@@ -118,3 +118,20 @@ class Predictor(ABC):
             return self.propose(state, layer, num_blocks, budget_blocks, current, query=query)
         finally:
             self.backend = backend
+
+
+class StateRankPredictor(Predictor):
+    """Predictors whose per-layer state [L, B, Hkv, max_blocks] is already the rank (last_step,
+    ema_membership): on backend triton P is the top-k kernel over the state row as it is (it masks
+    blocks past each row's context itself); on torch, `rank` + `top_blocks`."""
+
+    def triton_problems(self) -> list[str]:
+        return []
+
+    def propose(self, state: Tensor, layer: int, num_blocks: int | Tensor, budget_blocks: int,
+                current: Selection | None = None, query: Tensor | None = None) -> BlockSet:
+        if self.backend != "triton" or budget_blocks <= 0:
+            return super().propose(state, layer, num_blocks, budget_blocks)
+        from prr.kernels.predict import propose_top, row_counts
+
+        return BlockSet(*propose_top(state[layer], budget_blocks, row_counts(num_blocks, state.shape[1], state.device)))

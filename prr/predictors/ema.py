@@ -25,6 +25,10 @@ import torch
 from torch import Tensor
 
 from prr.blocks import BlockSet, block_counts, inside_context
+
+# z-scores over each row's finite entries, 0 elsewhere: written once, beside the update kernel
+# whose reference it is (kernels/ import nothing from prr; prr wraps them, as top_k_blocks)
+from prr.kernels.reference_predict import standardise_reference as standardise
 from prr.predictors.base import NEVER, Predictor
 from prr.selectors.base import Selection
 
@@ -36,17 +40,6 @@ class EmaState:
     alpha: Tensor  # [L] decay per layer
     stickiness: Tensor  # [L]
     recency: Tensor  # [L]
-
-
-def standardise(scores: Tensor) -> Tensor:
-    """scores: [..., N] with -inf outside the context -> z-scores there, 0 elsewhere."""
-    finite = torch.isfinite(scores)
-    x = torch.where(finite, scores, torch.zeros_like(scores))
-    n = finite.sum(-1, keepdim=True).clamp(min=1)
-    mean = x.sum(-1, keepdim=True) / n
-    var = (torch.where(finite, x - mean, torch.zeros_like(x)) ** 2).sum(-1, keepdim=True) / n
-    z = (x - mean) / var.sqrt().clamp(min=1e-6)
-    return torch.where(finite, z, torch.zeros_like(z))
 
 
 def newest_mask(num_blocks: Tensor, recent_blocks: int, max_blocks: int) -> Tensor:

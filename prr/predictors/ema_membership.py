@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import BlockSet, block_counts, inside_context
-from prr.predictors.base import NEVER, Predictor
+from prr.blocks import block_counts, inside_context
+from prr.predictors.base import NEVER, StateRankPredictor
 from prr.selectors.base import Selection
 
 
-class EmaMembershipPredictor(Predictor):
+class EmaMembershipPredictor(StateRankPredictor):
     def __init__(self, alpha: float = 0.8) -> None:
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"predictor.alpha={alpha} must lie in [0, 1) (0: P = the last step's A)")
@@ -31,17 +31,6 @@ class EmaMembershipPredictor(Predictor):
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
         return torch.zeros(num_layers, batch, num_kv_heads, max_blocks, device=device)  # [L, B, Hkv, NB]
-
-    def triton_problems(self) -> list[str]:
-        return []
-
-    def propose(self, state: Tensor, layer: int, num_blocks: int | Tensor, budget_blocks: int,
-                current: Selection | None = None, query: Tensor | None = None) -> BlockSet:
-        if self.backend != "triton" or budget_blocks <= 0:
-            return super().propose(state, layer, num_blocks, budget_blocks)
-        from prr.kernels.predict import propose_top, row_counts
-
-        return BlockSet(*propose_top(state[layer], budget_blocks, row_counts(num_blocks, state.shape[1], state.device)))
 
     def rank(self, state: Tensor, layer: int, num_blocks: int | Tensor) -> Tensor:
         nb = block_counts(num_blocks, state.shape[1], state.device)  # [B]

@@ -11,26 +11,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import BlockSet, block_counts, inside_context
-from prr.predictors.base import NEVER, Predictor
+from prr.blocks import block_counts, inside_context
+from prr.predictors.base import NEVER, StateRankPredictor
 from prr.selectors.base import Selection
 
 
-class LastStepPredictor(Predictor):
+class LastStepPredictor(StateRankPredictor):
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
         # rank per layer: [L, B, Hkv, max_blocks]; NEVER until a selection is seen
         return torch.full((num_layers, batch, num_kv_heads, max_blocks), NEVER, device=device)
-
-    def triton_problems(self) -> list[str]:
-        return []
-
-    def propose(self, state: Tensor, layer: int, num_blocks: int | Tensor, budget_blocks: int,
-                current: Selection | None = None, query: Tensor | None = None) -> BlockSet:
-        if self.backend != "triton" or budget_blocks <= 0:
-            return super().propose(state, layer, num_blocks, budget_blocks)
-        from prr.kernels.predict import propose_top, row_counts
-
-        return BlockSet(*propose_top(state[layer], budget_blocks, row_counts(num_blocks, state.shape[1], state.device)))
 
     def rank(self, state: Tensor, layer: int, num_blocks: int | Tensor) -> Tensor:
         nb = block_counts(num_blocks, state.shape[1], state.device)  # [B]

@@ -14,6 +14,18 @@ and at decode the unselected blocks U contribute, per query head,
 which the runtime merges with the sparse attention state over A as one more partial state
 (out = num_U / mass_U, lse = log mass_U) by log-sum-exp, after repair, in the merge stage.
 
+Departures from the paper (docs/design.md's paper-vs-prr table has the measured effects):
+1. LESS pairs a fixed eviction policy (H2O, Λ-shaped) with the state of the evicted tokens; here
+   selection is dynamic (Quest's bound by default, `scores=features`: the estimated block mass),
+   so "evicted" is "not selected this step": summaries per block and totals, unselected =
+   total − selected (DSA evicts nothing for good);
+2. φ is training-free positive random features by default (`feature_map=random`; LESS learns
+   small per-layer MLPs for φ and ψ) or a per-layer map fitted to Quest's unselected blocks
+   (`feature_map=trained`); keys are centred;
+3. the two states merge by log-sum-exp of their partials, where LESS normalises sparse and state
+   attention together in one softmax (the same result when mass_U is exact);
+4. the summaries may be bf16 (`summary_dtype`; conf default), the totals stay fp32.
+
 **Feature map** `feature_map=random` (default, training-free): positive random features (FAVOR+, arXiv 2009.14794), with
 x' = √scale · x and w_j ~ N(0, I_D) (block-orthogonal rows with chi-distributed norms when
 `orthogonal=true`), one draw per layer and KV head from `seed`:

@@ -75,16 +75,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import block_counts
+from prr.blocks import BlockSet, block_counts
 from prr.cache import PagedKVCache
 from prr.model.rope import rope_inv_freq
-from prr.selectors.base import Selector
+from prr.selectors.base import Selection, Selector
 
 REPR_SLOT = "infllm_repr"
 LIVE_SLOT = "infllm_live"
 FINALISED = "infllm_finalised"
 WINDOW_SLOT = "infllm_window"
 SCORED = "infllm_scored"
+ARRIVALS = "infllm_arrivals"  # backend=triton: the step kernel's arrival counter per row (zero between launches)
 SCORINGS = ("position_agnostic", "rope")
 REPRESENTATIVES_FROM = ("window_attention", "one_query")
 QUERY_CHUNK = 256  # prefill queries per chunk in catch_up (bounds its gathered keys)
@@ -166,6 +167,10 @@ class InfLLMSelector(Selector):
     def _window(self, cache: PagedKVCache, layer: int, group: int) -> Tensor:
         return cache.metadata_slot(layer, WINDOW_SLOT, (group, cache.block_size), torch.float32)  # [B, Hkv, NB, G, S]
 
+    def _arrivals(self, cache: PagedKVCache, layer: int) -> Tensor:
+        """[B] int32 zeros: the Triton step kernel's per-row arrival counter (left zeroed)."""
+        return cache.state_slot(layer, ARRIVALS, (cache.batch,), torch.int32)
+
     def _scored(self, cache: PagedKVCache, layer: int) -> Tensor:
         """[B] int64: the queries of positions < n have added their window probabilities."""
         return cache.state_slot(layer, SCORED, (cache.batch,), torch.int64)
@@ -208,6 +213,13 @@ class InfLLMSelector(Selector):
 
     def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
         if self.is_dense_layer(layer):
+            return
+        if self.backend == "triton":  # one launch: the token's block mean (prr.kernels.infllm)
+            from prr.kernels.infllm import infllm_live_update
+
+            self._arrivals(cache, layer)  # allocated here, eagerly, before any captured step
+            freqs = self._freqs(cache) if self.scoring == "position_agnostic" else None
+            infllm_live_update(self._live(cache, layer), cache.keys[layer], positions, cache.block_size, freqs)
             return
         positions = positions.long()
         self._provisional(cache, layer, positions // cache.block_size, 1, positions + 1)
@@ -301,6 +313,48 @@ class InfLLMSelector(Selector):
             rows = torch.full((cache.batch,), length, device=cache.device)
             self._finalise(q, cache, layer, rows, torch.zeros_like(rows), backlog)
 
+    # --- backends ----------------------------------------------------------------------------
+    def triton_problems(self) -> list[str]:
+        problems = []
+        if self.gqa_reduce == "union":
+            problems.append("selector.gqa_reduce=union has no Triton InfLLM kernel (it reduces inside the kernel); "
+                            "use gqa_reduce=max or sum, or runtime.backend=torch")
+        if self.inv_freq is not None:  # (bound: the head_dim is known)
+            d = 2 * self.inv_freq.numel()
+            if d < 16 or d > 256 or d & (d - 1):
+                problems.append(f"head_dim={d}: the Triton InfLLM kernels take a power of two in [16, 256]; "
+                                "use runtime.backend=torch")
+        return problems
+
+    def select_triton(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor,
+                      num_blocks: Tensor) -> Selection:
+        """`head_scores` + the base class's reduce / force / top-K in three launches (the token's
+        live mean is `append_metadata`'s): prr.kernels.infllm's step (window work + finalising)
+        and scores, then topk_select. Static shapes, no host synchronisation."""
+        from prr.kernels.infllm import infllm_scores, infllm_step
+        from prr.kernels.topk import topk_select
+
+        if cache.block_size & (cache.block_size - 1):
+            raise ValueError(f"block_size={cache.block_size}: the Triton InfLLM kernels take a power of two")
+        b, h, g, d = q.shape
+        q3 = q.reshape(b, h * g, d)
+        keys = cache.keys[layer]
+        freqs = self._freqs(cache) if self.scoring == "position_agnostic" else None
+        from_window = self.representatives_from == "window_attention"
+        repr_keys, finalised = self._repr(cache, layer, g), self._finalised(cache, layer)
+        infllm_step(q3, keys, lengths, repr_keys, finalised, self._arrivals(cache, layer), cache.block_size,
+                    self.sink_blocks, self.window_blocks, self.representatives,
+                    window=self._window(cache, layer, g) if from_window else None,
+                    scored=self._scored(cache, layer) if from_window else None,
+                    inv_freq=freqs, layer_sum=not from_window and not self.per_head)
+        rows = num_blocks.to(torch.int32)
+        scores = infllm_scores(q3, lengths, rows, finalised, repr_keys, self._live(cache, layer), inv_freq=freqs,
+                               fixed_position=max(self.window_blocks * cache.block_size - 1, 0),
+                               layer_sum=not self.per_head, gqa_reduce=self.gqa_reduce, shared_repr=not from_window)
+        indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
+                                      recent_blocks=self.local_blocks + int(self.force_newest))
+        return Selection(blocks=BlockSet(indices, counts), scores=scores)
+
     # --- scores ------------------------------------------------------------------------------
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         # q: [B, Hkv, G, D] post-RoPE at position lengths - 1 -> [B, Hkv, G, max_blocks]
@@ -309,6 +363,14 @@ class InfLLMSelector(Selector):
         if self.representatives_from == "window_attention":
             self._add_window_attention(q.unsqueeze(3), (lengths - 1).view(b, 1), cache, layer)
         self._finalise(q, cache, layer, lengths, self._finalised(cache, layer), 1)
+        return self.block_scores(q, cache, layer, lengths)
+
+    def block_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
+        """`head_scores` without its metadata work (the metadata as it is): q [B, Hkv, G, D],
+        lengths [B] -> [B, Hkv, G, max_blocks], final blocks against their representatives, the
+        others against their live mean (what prr.kernels.infllm.infllm_scores computes, reduced)."""
+        b, g = q.shape[0], q.shape[2]
+        lengths = block_counts(lengths, b, cache.device)
         query = q.float()
         if self.scoring == "position_agnostic":  # InfLLM's fixed angle: the window's length less one
             freqs = self._freqs(cache)

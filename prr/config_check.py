@@ -165,6 +165,16 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
         problems.append(f"predictor={type(predictor).__module__.rsplit('.', 1)[-1]} sets |P| itself (P = A) and "
                         "ignores the budget, but budget=profiled would size P from timings (the eager runtime speculated "
                         "on its |P| = 0: a hit rate of 0); use budget=fixed")
+    name = type(predictor).__module__.rsplit(".", 1)[-1]
+    if predictor.replays_selections and getattr(runtime, "engine", "eager") != "graph":
+        problems.append(f"predictor={name} replays a serial pass recorded before decoding, which only "
+                        f"runtime.engine=graph records (engine is {getattr(runtime, 'engine', 'eager')!r}): add "
+                        "runtime.engine=graph")
+    declared = predictor.declared_hit_rate
+    if budget.profiles and declared is not None and getattr(budget, "stage_check", False) \
+            and budget.hit_rate != declared:
+        problems.append(f"budget=profiled checks PRR's stage with P holding budget.hit_rate={budget.hit_rate} of A, but "
+                        f"predictor={name} holds {declared}: set budget.hit_rate={declared}")
     if callable(getattr(task, "evaluate", None)) and runtime.batch_size != 1:  # scored tasks (prr.evaluation)
         problems.append(f"runtime.batch_size={runtime.batch_size}: scored tasks decode one request at a time; "
                         "use runtime.batch_size=1")

@@ -48,6 +48,12 @@ class Predictor(ABC):
     history_only: bool = True
     needs_query: bool = False
     needs_current_selection: bool = False
+    # replays_selections: P comes from a serial pass recorded before decoding (the benchmark tool
+    # bench_hit_rate); only the graph engine records one (GraphDecoder.prime_predictions).
+    replays_selections: bool = False
+    # The share of A that P holds when the predictor knows it by construction (bench_hit_rate);
+    # None for real predictors, whose hit rate is measured.
+    declared_hit_rate: float | None = None
     # "torch" (the definition) or "triton" (prr.kernels.predict), chosen by `set_backend`.
     backend: str = "torch"
 

@@ -119,6 +119,7 @@ class GraphDecoder(AttentionEngine):
                                  f"(block_size={bs}): lower it or raise max_tokens")
         super().__init__(plan, cache, c.num_heads, chosen, predictor, backend)
         self.compiled = compile
+        self.replay: dict | None = None  # a replaying predictor's record of its serial pass (prime_predictions)
         self.model = model
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         cos, sin = rope_cos_sin(torch.arange(self.max_tokens, device=device), model.rope.inv_freq.to(device))
@@ -280,9 +281,17 @@ class GraphDecoder(AttentionEngine):
         """P of the first decode step (a context of length + 1 tokens per row) from the
         predictor state, for the layers whose P a step's learning writes for the next step
         (`Predictor.proposals_after_update`: history-only predictors, cross_layer's first
-        selected layer); the others are proposed inside the step."""
+        selected layer); the others are proposed inside the step.
+        A predictor that replays selections (`replays_selections`: the benchmark tool
+        bench_hit_rate) gets its serial pass recorded first (prr/runtime/replay.py): the engine
+        decodes the steps its cache has room for as serial DSA, rewinds, and the predictor builds
+        P of every step from the recorded A (its record: `self.replay`)."""
         if self.predictor is None or self.predictor_state is None:
             return
+        if self.predictor.replays_selections:
+            from prr.runtime.replay import record_serial_pass
+
+            self.replay = record_serial_pass(self, self.row_lengths(length))
         bs = self.plan.block_size
         num_blocks = torch.tensor([(n + bs) // bs for n in self.row_lengths(length)], dtype=torch.int32,
                                   device=self.device)

@@ -1,0 +1,43 @@
+"""The recorded serial pass of predictors that replay selections (`Predictor.replays_selections`:
+the benchmark tool bench_hit_rate, prr/predictors/bench_hit_rate.py).
+
+Before decoding, from where the engine stands (the prompt's end, the predictor state warmed):
+checkpoint; decode the run's steps as serial DSA with the predictor learning from each sparse
+layer's A (a `learn_in_serial` view, uncaptured), which it records; rewind to the checkpoint
+(position, token, metadata, counters and predictor state; K/V past the prompt is rewritten by
+the run); then the predictor builds P of every step from what it recorded. The run that follows
+decodes the same greedy trajectory from the same state, so its step t selects the recorded A_t.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def record_serial_pass(engine: Any, rows: list[int]) -> dict[str, Any]:
+    """engine: a GraphDecoder built for PRR with a replaying predictor, at the prompt's end;
+    rows: [B] tokens each row holds. The pass covers every step the engine's cache has room for
+    (max_tokens - 1 - the longest row: the run's max_new_tokens). -> the predictor's record of
+    its script (steps, |P|, the hit rate it makes, exactly)."""
+    predictor, state = engine.predictor, engine.predictor_state
+    steps = engine.max_tokens - 1 - max(rows)
+    if steps < 1:
+        raise ValueError(f"no decode step fits after {max(rows)} tokens in a cache of {engine.max_tokens}")
+    bs = engine.plan.block_size
+    with torch.inference_mode():  # (the prefill's tensors, the predictor state among them, are inference tensors)
+        predictor.start_recording(state, steps, engine.batch, engine.hkv, engine.topk_capacity, engine.max_blocks)
+        start = engine.checkpoint()
+        serial = engine.with_plan(variant="serial", learn_in_serial=True, count_hits=False, measure_dense=False)
+        tokens = []
+        for _ in range(steps):
+            serial.step(advance=True)
+            tokens.append(serial.token.clone())
+        engine.restore(start)
+        # blocks of step s's context per row: rows[b] + s + 1 tokens
+        num_blocks = torch.tensor([[(n + s + bs) // bs for n in rows] for s in range(steps)], dtype=torch.int64)
+        info = predictor.finish_recording(state, num_blocks, engine.plan.predicted_blocks,
+                                          [i for i in range(engine.num_layers) if engine.sparse[i]])
+    info["serial_tokens"] = torch.cat(tokens, 1).tolist()  # [B][steps]: the trajectory the run replays
+    return info

@@ -108,6 +108,9 @@ def test_a_whole_run_hits_the_asked_share_and_decodes_serial_dsa(tmp_path, hit_r
     assert run["generated_token_ids"] == serial["generated_token_ids"]
     assert run["variant"] == "prr" and run["predicted_blocks"] == (9 if extra else 6)
     assert run["hit_rate"] == round(hit_rate * 6) / 6  # every A holds 6 blocks (K = 6 of 19)
+    record = run["budget_setup"]["calibration"]  # the script's counts, in the run's record
+    assert record["expected_hit_rate"] == run["hit_rate"]
+    assert record["hits"] == round(hit_rate * 6) * record["selected"] // 6
     if hit_rate > 0:
         assert run["precision"] == pytest.approx(round(hit_rate * 6) / run["predicted_blocks"], abs=1e-12)
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.blocks import BlockSet, block_counts
+from prr.blocks import BlockSet
 from prr.predictors.base import NEVER, Predictor
 from prr.selectors.base import Selection
 
@@ -79,6 +79,7 @@ class BenchHitRatePredictor(Predictor):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"predictor.seed={seed!r} must be an int >= 0")
         self.hit_rate, self.seed = float(hit_rate), seed
+        self.record: dict[str, Any] = {}
 
     @property
     def declared_hit_rate(self) -> float:
@@ -88,8 +89,12 @@ class BenchHitRatePredictor(Predictor):
         return BenchHitRateState(step=torch.zeros(num_layers, dtype=torch.int64, device=device))
 
     def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
-        return {"benchmark_tool": "P = the recorded A with a share swapped out", "hit_rate": self.hit_rate,
-                "seed": self.seed}
+        """Nothing to fit. Returns the predictor's record for the run (its summary's
+        budget_setup.calibration), which `finish_recording` completes in place with the script's
+        counts once the serial pass is recorded."""
+        self.record = {"benchmark_tool": "P = the recorded A with a share swapped out", "hit_rate": self.hit_rate,
+                       "seed": self.seed}
+        return self.record
 
     # --- the step: static shapes, device tensors only ------------------------------------------
     def update(self, state: BenchHitRateState, layer: int, selection: Selection) -> None:
@@ -180,6 +185,7 @@ class BenchHitRatePredictor(Predictor):
         script.recording = False
         script.info.update(steps=steps, predicted_blocks=size, hits=kept, selected=chosen,
                            expected_hit_rate=kept / chosen if chosen else None)
+        self.record.update({k: v for k, v in script.info.items() if k != "max_blocks"})
         log.info("predictor=bench_hit_rate (a benchmark tool): P of %d steps from a recorded serial pass, hit rate "
                  "%.4f by construction (%d of %d selected blocks; requested %.4f)", steps,
                  kept / chosen if chosen else float("nan"), kept, chosen, self.hit_rate)

@@ -15,6 +15,8 @@ ones), with speculation overlapped on a second stream and not; and each stage al
 (select, speculate, repair at that hit rate, merge; serial DSA with the merge launch, and with
 the splits merged in the split kernel: serial_fused_merge), and PRR's step up to the join (append,
 then select ∥ speculate: serial over it bounds what any repair + merge could leave PRR).
+The selector of a cell is its conf/selector YAML's object (run.py's), every layer sparse;
+`--stage-cells` runs only the cells named (batch 1) and `--hit-rates` sets PRR's controlled rates.
 The profiled choice is compared with serial DSA timed again next to it (the PRR runs leave
 the L2 in another state than the first serial timing saw). Times: CUDA-graph replays of all NL
 layers, median over repeats, per layer. Floor: metadata + selected KV bytes / copy
@@ -111,11 +113,14 @@ def time_eager_us(fn, repeats: int = 15, warmup: int = 2) -> float:
 # --- part 1: the attention stage per layer ------------------------------------------------------
 
 def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector: str, layers: int,
-               bandwidth: float, model: Decoder, capacity: int) -> list[dict]:
+               bandwidth: float, model: Decoder, capacity: int, hit_rates: tuple[float, ...] = HIT_RATES) -> list[dict]:
+    """selector: a conf/selector YAML (run.py's object, every layer sparse, top-K = topk_tokens)."""
     k_blocks = topk_tokens // block
-    plan = StaticPlan(variant="prr", selector=selector, topk_blocks=k_blocks, predicted_blocks=k_blocks,
+    chosen = configured("selector", selector, topk_blocks=k_blocks, dense_layers=[])
+    # (the plan's selector / sink / recent fields name nothing: the configured selector is passed)
+    plan = StaticPlan(variant="prr", topk_blocks=k_blocks, predicted_blocks=k_blocks,
                       predictor="fixed", block_size=block, dense_layers=(), sink_blocks=1, recent_blocks=1)
-    eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity)
+    eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity, selector=chosen)
     eng.fill_random_context(context, seed=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
     hq, hkv, d = eng.hq, eng.hkv, eng.d
@@ -167,7 +172,7 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     out["stage_attend_A"] = per_layer(lambda: [eng.attend(i, qs[i], a_idx[i], a_cnt[i], lengths)
                                                for i in range(layers)])
     rows = []
-    for hit in HIT_RATES:
+    for hit in hit_rates:
         hgen = torch.Generator().manual_seed(int(hit * 1000))
         for i in range(layers):
             eng.set_predictions(i, *controlled_predictions(selections[i], hit, num_blocks, hgen))
@@ -206,7 +211,8 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         measured_hit = float(sum(p[2].sum() for p in plans) / sum(c.sum() for c in a_cnt))
         # Floors (bytes / measured copy bandwidth): selection reads the metadata once; attention
         # reads the selected K/V; dense reads the whole context's K/V.
-        meta_bytes = batch * hkv * num_blocks * metadata_bytes_per_block(selector, eng.dtype, d)
+        meta_bytes = batch * hkv * num_blocks * metadata_bytes_per_block("quest" if selector == "quest" else "infllm",
+                                                                         eng.dtype, d)
         kv_sel_bytes = batch * hkv * k_blocks * block * d * 2 * BF16
         kv_dense_bytes = batch * hkv * (context + 1) * d * 2 * BF16
         t.update(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
@@ -805,6 +811,34 @@ LAUNCH_PARTS = {  # part -> (rows function, (batch, cache tokens, block, top-K t
 }
 
 
+def stage_cells(text: str) -> list[tuple[int, int, int, int, str]]:
+    """'quest:32768:16:512,...' -> [(batch 1, context, block, topk_tokens, selector), ...]."""
+    cells = []
+    for cell in text.split(","):
+        parts = cell.split(":")
+        try:
+            selector, context, block, topk = parts[0], *map(int, parts[1:])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{cell!r} is not selector:context:block:topk_tokens") from None
+        if not (ROOT / "conf" / "selector" / f"{selector}.yaml").is_file():
+            raise argparse.ArgumentTypeError(f"{cell!r}: no conf/selector/{selector}.yaml")
+        if min(context, block, topk) <= 0 or topk % block:
+            raise argparse.ArgumentTypeError(f"{cell!r}: context, block, topk_tokens positive, topk_tokens a multiple "
+                                             "of block")
+        cells.append((1, context, block, topk, selector))
+    return cells
+
+
+def hit_rate_list(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of hit rates") from None
+    if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: every hit rate must lie in [0, 1]")
+    return rates
+
+
 def fits(batch: int, context: int, layers: int, weight_gib: float) -> bool:
     kv_gib = 2 * batch * 8 * context * 128 * BF16 * layers / 2**30
     free = torch.cuda.mem_get_info()[0] / 2**30
@@ -822,6 +856,11 @@ def main() -> None:
     parser.add_argument("--selectors", default="dense,exact,quest,infllm,less",
                         help="part matrix: conf/selector YAMLs to run (each × none, last_step, ema)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/h200/bench_decode")
+    parser.add_argument("--stage-cells", type=stage_cells,
+                        help="part stage: only these cells, each selector:context:block:topk_tokens at batch 1 "
+                             "(e.g. quest:32768:16:512,infllm:131072:64:2048); the selector a conf/selector YAML")
+    parser.add_argument("--hit-rates", type=hit_rate_list, default=HIT_RATES,
+                        help="part stage: PRR's controlled hit rates (default " + ",".join(map(str, HIT_RATES)) + ")")
     parser.add_argument("--tiny", action="store_true",
                         help="part select at CPU smoke sizes (the only part that runs without a GPU, TRITON_INTERPRET=1)")
     args = parser.parse_args()
@@ -844,7 +883,7 @@ def main() -> None:
         env, bw, bandwidth = {"gpu": "none (CPU, TRITON_INTERPRET=1)", "torch": torch.__version__,
                               "triton": triton.__version__}, {}, float("nan")
     results = {"command": "python " + " ".join(sys.argv), "environment": env, "copy_bandwidth": bw,
-               "hit_rates": HIT_RATES, "stage": [], "token": [], "matrix": [], "select": [],
+               "hit_rates": args.hit_rates, "stage": [], "token": [], "matrix": [], "select": [],
                **{part: [] for part in LAUNCH_PARTS}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -857,8 +896,11 @@ def main() -> None:
                 for bs in (16, 64) for k in (2048, 8192)]
         if args.quick:
             grid = [(1, 131072, 16, 2048, "quest"), (8, 32768, 64, 8192, "infllm")]
+        if args.stage_cells:
+            grid = args.stage_cells
         for b, c, bs, k, sel in grid:
-            rows = stage_rows(b, c - HEADROOM, bs, k, sel, args.stage_layers, bandwidth, model, capacity=c)
+            rows = stage_rows(b, c - HEADROOM, bs, k, sel, args.stage_layers, bandwidth, model, capacity=c,
+                              hit_rates=args.hit_rates)
             torch.cuda.empty_cache()
             results["stage"].extend(rows)
             r = rows[0]

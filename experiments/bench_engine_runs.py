@@ -11,13 +11,23 @@ latency is the device time of each step's CUDA-graph replay (the run's own summa
   --cases matrix: every selector x {none, last_step, ema} at budget=fixed (|P| = top-K), at each
       setting of --contexts x --blocks x --topk (prompt tokens, runtime.block_size,
       selector.topk_blocks; one setting by default: --prompt-tokens, block 16, top-K 32).
-      --selectors / --predictors narrow it.
+      --selectors / --predictors narrow it. --hit-rates 0.5,0.7,0.9 adds, per selector and setting,
+      PRR with predictor=bench_hit_rate at each rate (a benchmark tool: the step's true A with the
+      rest of P swapped out, replayed from a recorded serial pass; cases selector-hit0.7@setting);
+      --profiled-hit-rates 0.9 adds the same predictor under budget=profiled (its stage check at
+      that rate: budget.hit_rate; cases selector-hit0.9+profiled@setting), whose |P| the run chooses.
 
 With --stage-map (bench_decode.py's stage CSV), each PRR row is printed beside what the map
 predicts for it: its serial run's per-token time minus, over the sparse layers, (serial stage -
 PRR stage at the run's measured hit rate; linear between the map's hit rates), from the map's
 cell at the same selector, block, budget (top-K x block tokens) and the nearest context. Rows
 the map has no cell for get no prediction (NaN), never a neighbour's.
+
+The map is timed at |P| = |A|: a run whose |P| differs (the profiled budget's choice) gets no
+prediction. Every row carries 95% intervals: the median per-token latency over serial DSA's
+(percentile bootstrap over each run's steps, resampled independently; n = steps) and, for the
+replayed predictor, the hit rate (Wilson over the selected blocks the script counts), and says
+whether its tokens equal its serial run's (exact-mode PRR decodes serial DSA's tokens).
 
 Writes <out>.json (every summary's numbers, the commands, GPU, versions, date) and <out>.csv,
 and prints a table last.
@@ -63,9 +73,12 @@ class Setting:
 
 
 def cases(kind: str, settings: list[Setting] | None = None, selectors: tuple[str, ...] = SELECTORS,
-          predictors: tuple[str, ...] = PREDICTORS) -> dict[str, list[str]]:
+          predictors: tuple[str, ...] = PREDICTORS, hit_rates: tuple[float, ...] = (),
+          profiled_hit_rates: tuple[float, ...] = ()) -> dict[str, list[str]]:
     """name -> overrides. Matrix names are selector-predictor@setting; a single default setting
-    (None) keeps the overrides out and the names short (selector-predictor)."""
+    (None) keeps the overrides out and the names short (selector-predictor). hit_rates: also
+    predictor=bench_hit_rate at each (selector-hit0.7); profiled_hit_rates: that predictor under
+    budget=profiled (selector-hit0.9+profiled)."""
     if kind == "acceptance":
         main = ["selector=quest", "predictor=ema", "budget=profiled"]
         return {"serial": ["selector=quest", "predictor=none", OFF], "main": [*main, OFF],
@@ -80,8 +93,20 @@ def cases(kind: str, settings: list[Setting] | None = None, selectors: tuple[str
                     if selector == "dense" and setting:  # dense has no top-K: the block size alone
                         extra = [o for o in extra if not o.startswith("selector.topk_blocks")]
                     out[name] = [f"selector={selector}", f"predictor={predictor}", OFF, *extra]
+                at = f"@{setting.tag}" if setting else ""
+                for rate in hit_rates:
+                    out[f"{selector}-hit{rate:g}{at}"] = [f"selector={selector}", *replay(rate), OFF, *extra]
+                for rate in profiled_hit_rates:
+                    out[f"{selector}-hit{rate:g}+profiled{at}"] = [
+                        f"selector={selector}", *replay(rate), "budget=profiled", f"budget.hit_rate={rate}",
+                        "budget.use_cache=false", OFF, *extra]
         return out
     raise SystemExit(f"--cases {kind!r} is not one of ['acceptance', 'matrix']")
+
+
+def replay(rate: float) -> list[str]:
+    """The overrides of predictor=bench_hit_rate at `rate`."""
+    return ["predictor=bench_hit_rate", f"predictor.hit_rate={rate}"]
 
 
 def serial_of(case: str) -> str:
@@ -124,6 +149,10 @@ def run_case(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
         print(f"{name}: FAILED rc={proc.returncode}\n{row['error']}", file=sys.stderr)
         return row
     summary = json.loads(summary_path.read_text())
+    tokens = run_dir / "records" / "tokens.jsonl"
+    if tokens.exists():  # each step's device time (GPU) for the intervals
+        row["latencies_ms"] = [1e3 * json.loads(line)["latency_s"] for line in tokens.read_text().splitlines()]
+    row["generated_token_ids"] = summary.get("generated_token_ids")
     keep = ("engine", "variant", "device", "torch", "prompt_tokens", "block_size", "topk_blocks", "predicted_blocks",
             "decode_steps",
             "token_latency_median_ms", "token_latency_mean_ms", "token_latency_p90_ms", "hit_rate", "precision",
@@ -148,6 +177,11 @@ def main() -> None:
                                                    "ema_calibrated", "query_similarity", "cross_layer")),
                    default=PREDICTORS)
     p.add_argument("--stage-map", help="bench_decode.py's stage CSV: print each PRR row beside its prediction")
+    p.add_argument("--hit-rates", type=rate_list, default=(),
+                   help="matrix: also predictor=bench_hit_rate (a benchmark tool) at each rate, e.g. 0.5,0.7,0.9")
+    p.add_argument("--profiled-hit-rates", type=rate_list, default=(),
+                   help="matrix: also predictor=bench_hit_rate at each rate under budget=profiled (budget.hit_rate "
+                        "the same)")
     args = p.parse_args()
     if args.stage_map and not Path(args.stage_map).is_file():
         p.error(f"--stage-map {args.stage_map}: no such file (bench_decode.py --parts stage writes it)")
@@ -157,13 +191,14 @@ def main() -> None:
         settings = [Setting(c, b, k) for c in args.contexts or [args.prompt_tokens] for b in args.blocks or [16]
                     for k in args.topk or [32]]
     rows = []
-    for name, overrides in cases(args.cases, settings, args.selectors, args.predictors).items():
+    for name, overrides in cases(args.cases, settings, args.selectors, args.predictors, args.hit_rates,
+                                 args.profiled_hit_rates).items():
         rows.append(run_case(name, overrides, args))
         write(rows, args, stage_map)  # after every case: a cut session keeps what ran
     table = write(rows, args, stage_map)
-    shown = [c for c in ("case", "variant", "predicted_blocks", "token_latency_median_ms", "token_latency_mean_ms",
-                         "median_over_serial", "mean_over_serial", "hit_rate", "map_predicted_ms",
-                         "median_over_map", "mean_mass_recall") if c in table]
+    shown = [c for c in ("case", "variant", "predicted_blocks", "token_latency_median_ms", "median_over_serial",
+                         "median_over_serial_lo", "median_over_serial_hi", "hit_rate", "hit_rate_lo", "hit_rate_hi",
+                         "tokens_equal_serial", "map_predicted_ms", "median_over_map") if c in table]
     print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 
@@ -175,6 +210,16 @@ def int_list(text: str) -> list[int]:
     if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
     return values
+
+
+def rate_list(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of hit rates") from None
+    if any(not 0.0 <= r <= 1.0 for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: every hit rate must lie in [0, 1]")
+    return rates
 
 
 def name_list(allowed: tuple[str, ...]):
@@ -193,7 +238,8 @@ def with_predictions(table: pd.DataFrame, stage_map: pd.DataFrame) -> pd.DataFra
     predicted = []
     for row in table.itertuples(index=False):
         serial = serial_of(row.case)
-        ok = (getattr(row, "variant", None) == "prr" and serial in by_case.index
+        at_map_size = int(getattr(row, "predicted_blocks", row.topk_blocks)) == int(row.topk_blocks)  # the map's |P|
+        ok = (getattr(row, "variant", None) == "prr" and serial in by_case.index and at_map_size
               and pd.notna(by_case.loc[serial].get("token_latency_median_ms")))
         if not ok:
             predicted.append(math.nan)
@@ -220,6 +266,8 @@ def write(rows: list[dict], args: argparse.Namespace, stage_map: pd.DataFrame | 
         if col in table:  # each case against serial DSA at the same setting, timed in this session
             base = table["case"].map(serial_of).map(by_case[col])
             table[col.replace("token_latency_", "").replace("_ms", "") + "_over_serial"] = table[col] / base
+    if "latencies_ms" in table:
+        table = with_intervals(table)
     if stage_map is not None and "variant" in table:
         table = with_predictions(table, stage_map)
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -228,8 +276,53 @@ def write(rows: list[dict], args: argparse.Namespace, stage_map: pd.DataFrame | 
             "torch": torch.__version__, "triton": triton.__version__, "rows": table.to_dict("records")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(meta, indent=1, default=str))
-    table.drop(columns=["budget_setup", "error"], errors="ignore").to_csv(args.out + ".csv", index=False)
+    table.drop(columns=["budget_setup", "error", "latencies_ms", "generated_token_ids"],
+               errors="ignore").to_csv(args.out + ".csv", index=False)
     return table
+
+
+def median_ratio_interval(runs: list[float], base: list[float], resamples: int = 10_000,
+                          seed: int = 0) -> tuple[float, float, float]:
+    """median(runs) / median(base) and its 95% percentile-bootstrap interval, each run's steps
+    resampled independently (per-token device times of one run are near-independent draws)."""
+    a, b = np.asarray(runs, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    ratios = (np.median(a[rng.integers(0, a.size, (resamples, a.size))], 1)
+              / np.median(b[rng.integers(0, b.size, (resamples, b.size))], 1))
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(np.median(a) / np.median(b)), float(low), float(high)
+
+
+def with_intervals(table: pd.DataFrame) -> pd.DataFrame:
+    """Adds median_over_serial_lo/_hi/_n (bootstrap over steps), hit_rate_lo/_hi/_n (Wilson over
+    the selected blocks bench_hit_rate's script counts) and tokens_equal_serial."""
+    from prr.intervals import wilson
+
+    by_case = table.set_index("case")
+    extra = []
+    for row in table.itertuples(index=False):
+        out: dict = {}
+        serial = serial_of(row.case)
+        mine = getattr(row, "latencies_ms", None)
+        mine = mine if isinstance(mine, list) else None
+        if serial != row.case and serial in by_case.index:
+            base = by_case.loc[serial, "latencies_ms"]
+            if mine and isinstance(base, list) and base:
+                _, lo, hi = median_ratio_interval(mine, base)
+                out.update(median_over_serial_lo=lo, median_over_serial_hi=hi, median_over_serial_n=len(mine))
+            theirs = by_case.loc[serial, "generated_token_ids"]
+            tokens = getattr(row, "generated_token_ids", None)
+            if isinstance(theirs, list) and isinstance(tokens, list):
+                out["tokens_equal_serial"] = tokens == theirs
+        setup = getattr(row, "budget_setup", None)
+        record = (setup.get("calibration") or {}) if isinstance(setup, dict) else {}
+        n, hit = record.get("selected"), getattr(row, "hit_rate", None)
+        if n and hit is not None and pd.notna(hit):
+            interval = wilson(round(float(hit) * n), int(n))
+            out.update(hit_rate_lo=interval.low, hit_rate_hi=interval.high, hit_rate_n=interval.n,
+                       script_hit_rate=record.get("expected_hit_rate"))
+        extra.append(out)
+    return pd.concat([table, pd.DataFrame(extra, index=table.index)], axis=1)
 
 
 if __name__ == "__main__":

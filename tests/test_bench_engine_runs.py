@@ -77,3 +77,42 @@ def test_bad_arguments_are_one_line_before_any_run(argv, message, monkeypatch, c
     with pytest.raises(SystemExit) as exit_:
         er.main()
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_controlled_hit_rate_cases_and_their_serial_runs():
+    """--hit-rates / --profiled-hit-rates: predictor=bench_hit_rate per rate (and under
+    budget=profiled with the same budget.hit_rate), each compared with its selector's serial run."""
+    cases = er.cases("matrix", [er.Setting(32000, 16, 32)], ("quest",), ("none",), (0.5, 0.9), (0.9,))
+    assert list(cases) == ["quest-none@32k_b16_k32", "quest-hit0.5@32k_b16_k32", "quest-hit0.9@32k_b16_k32",
+                           "quest-hit0.9+profiled@32k_b16_k32"]
+    assert {"predictor=bench_hit_rate", "predictor.hit_rate=0.5", "task.prompt_tokens=32000"} <= set(
+        cases["quest-hit0.5@32k_b16_k32"])
+    assert {"budget=profiled", "budget.hit_rate=0.9", "predictor.hit_rate=0.9"} <= set(
+        cases["quest-hit0.9+profiled@32k_b16_k32"])
+    for name in cases:
+        assert er.serial_of(name) == "quest-none@32k_b16_k32"
+    assert list(er.cases("matrix", None, ("quest",), ("none",), (0.7,))) == ["quest-none", "quest-hit0.7"]
+
+
+def test_intervals_and_the_map_only_at_its_own_p():
+    """Bootstrap interval of the median ratio over steps, Wilson over the script's selected blocks,
+    token equality with serial DSA; a run at another |P| than |A| gets no map prediction."""
+    base = {"variant": "prr", "prompt_tokens": 32000, "block_size": 16, "topk_blocks": 32,
+            "generated_token_ids": [[1, 2, 3]]}
+    table = pd.DataFrame([
+        {**base, "case": "quest-none", "variant": "serial", "predicted_blocks": 0, "hit_rate": math.nan,
+         "token_latency_median_ms": 5.0, "latencies_ms": [5.0, 5.1, 4.9, 5.0] * 8},
+        {**base, "case": "quest-hit0.5", "predicted_blocks": 32, "hit_rate": 0.5, "token_latency_median_ms": 5.2,
+         "latencies_ms": [5.2, 5.3, 5.1, 5.2] * 8,
+         "budget_setup": {"calibration": {"selected": 1000, "hits": 500, "expected_hit_rate": 0.5}}},
+        {**base, "case": "quest-hit0.9+profiled", "predicted_blocks": 64, "hit_rate": 0.9,
+         "token_latency_median_ms": 4.9, "latencies_ms": [4.9] * 32, "generated_token_ids": [[1, 2, 4]]},
+    ])
+    out = er.with_predictions(er.with_intervals(table), stage_map())
+    row = out.set_index("case").loc["quest-hit0.5"]
+    assert row["median_over_serial_lo"] <= 5.2 / 5.0 <= row["median_over_serial_hi"] and row["median_over_serial_n"] == 32
+    assert row["hit_rate_lo"] < 0.5 < row["hit_rate_hi"] and row["hit_rate_n"] == 1000 and row["script_hit_rate"] == 0.5
+    assert bool(row["tokens_equal_serial"]) and math.isfinite(row["map_predicted_ms"])
+    other = out.set_index("case").loc["quest-hit0.9+profiled"]
+    assert not bool(other["tokens_equal_serial"]) and math.isnan(other["map_predicted_ms"])  # |P| = 64, map's 32
+    assert math.isnan(other["hit_rate_n"])  # no script counts in its record: no interval

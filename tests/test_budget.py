@@ -80,9 +80,26 @@ def test_profiled_keeps_a_hidden_p_only_where_the_whole_stage_is_faster(tmp_path
     probe = FakeProbe(select_per_block=1.0, spec_per_block=2.0, prr_stage_share=share)
     info = budget.setup(probe, selected_blocks=16, max_blocks=64)
     assert budget.predicted_blocks(0, 64, 16) == expected
-    assert probe.stages == ([(64, 0), (64, 32)] if stage_check else [])
+    assert probe.stages == ([(64, 0), (64, 8), (64, 16), (64, 32)] if stage_check else [])  # every |P| that hides
     row = info["profile_measurements"][0]
     assert row["hidden_blocks"] == 32 and ("stage_prr_s" in row) == stage_check
+
+
+def test_profiled_takes_the_fastest_hidden_p_not_the_widest(tmp_path, monkeypatch):
+    """A wider P costs the merge more: where the widest |P| that hides loses to serial DSA and a
+    narrower one wins, the narrower one is chosen."""
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
+
+    class WiderCostsMore(FakeProbe):
+        def time_stage(self, context_blocks, predicted_blocks, hit_rate):
+            self.stages.append((context_blocks, predicted_blocks))
+            serial = 3.0 * self.a * context_blocks
+            return self._timing(serial * (1.0 if predicted_blocks == 0 else 0.9 + 0.005 * predicted_blocks))
+    budget = ProfiledBudget(ratios=[0.5, 1.0, 2.0], context_points=1, use_cache=False)
+    info = budget.setup(WiderCostsMore(select_per_block=1.0, spec_per_block=2.0), selected_blocks=16, max_blocks=64)
+    row = info["profile_measurements"][0]
+    assert row["hidden_blocks"] == 32 and row["stage_best_blocks"] == 8  # 0.94, 0.98, 1.06 x serial
+    assert budget.predicted_blocks(0, 64, 16) == 8 and set(row["stage_prr_by_size_s"]) == {8, 16, 32}
 
 
 def test_profiled_profiles_the_contexts_it_is_given(tmp_path, monkeypatch):

@@ -6,11 +6,14 @@ Once per device, shape and setting, at each profiled context c:
   2. n(c) = the largest |P| with T_speculate(|P|) <= T_select(c): speculation that hides
      inside selection (the paper's rule); 0 where none does;
   3. with `stage_check` (default), time the whole attention stage as serial DSA and as PRR
-     at n(c), P holding `hit_rate` of A, and keep n(c) only if PRR measured faster than
-     serial by more than `margin`; else n(c) = 0 (plain serial DSA). Hiding speculation is
-     not enough when repair and merge cost more than it saves; and a runtime that runs its
-     stages one after the other (the eager one) never hides anything, so there the check
-     chooses serial DSA. `stage_check=false` keeps the paper's rule alone.
+     at every |P| that hides (those of step 2 up to n(c)), P holding `hit_rate` of A, and take
+     the fastest PRR if it measured faster than serial by more than `margin`; else |P| = 0
+     (plain serial DSA). Hiding speculation is not enough when repair and merge cost more than
+     it saves (and a wider P costs the merge more: the largest |P| that hides is not always the
+     fastest); a runtime that runs its stages one after the other (the eager one) never hides
+     anything, so there the check chooses serial DSA. `stage_check=false` keeps the paper's
+     rule alone. `hit_rate` is an assumption about the predictor; a benchmark predictor that
+     declares its own (bench_hit_rate) must be run with the same (config_check says so).
 The table (context -> |P|) is cached in a file keyed by device, probe, shape and these
 settings; decoding uses the row of the largest profiled context not above the step's context.
 The graph engine profiles the prompt's context only (its |P| is static for the decode).
@@ -111,7 +114,9 @@ class ProfiledBudget(SpeculationBudget):
             raise ValueError(f"profiled contexts {list(contexts)} must be non-empty, each in [1, {max_blocks}] blocks")
         if self.stage_check and getattr(probe, "stages_in_sequence", False):
             return self._serial_without_measuring(contexts)
-        check = f"stage_check(margin={self.margin},hit={self.hit_rate})" if self.stage_check else "no_stage_check"
+        # (the fastest of the hidden sizes: a table of the older rule, the largest alone, is not reused)
+        check = (f"stage_check(fastest_hidden,margin={self.margin},hit={self.hit_rate})" if self.stage_check
+                 else "no_stage_check")
         key = (f"{probe.device_name}|{probe.shape_key}|K={selected_blocks}|N={max_blocks}|r={self.ratios}|"
                f"contexts={contexts}|{check}")
         path = cache_dir() / "budget" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
@@ -170,7 +175,7 @@ class ProfiledBudget(SpeculationBudget):
         sizes = sorted({max(1, round(r * selected_blocks)) for r in self.ratios})
         rounds = []
         for i in range(self.max_rounds):
-            points = len(contexts) * (1 + len(sizes) + (2 if self.stage_check else 0))
+            points = len(contexts) * (1 + len(sizes) + (1 + len(sizes) if self.stage_check else 0))
             with progress_bar(points, f"budget=profiled: timing, round {i + 1} "
                               f"(of at most {self.max_rounds})", "point") as bar:
                 rounds.append(self._measure_round(probe, contexts, sizes, bar.update))
@@ -205,13 +210,16 @@ class ProfiledBudget(SpeculationBudget):
                    "speculate_timing": {n: t.as_dict() for n, t in t_spec.items()}, "hidden_blocks": hidden}
             chosen = hidden
             if self.stage_check and hidden > 0:  # step 3: the whole stage must be faster, not only hide
-                serial, prr = probe.time_stage(c, 0, self.hit_rate), probe.time_stage(c, hidden, self.hit_rate)
-                spreads += [serial.spread, prr.spread]
-                faster = prr.median_s < serial.median_s * (1.0 - self.margin)
-                chosen = hidden if faster else 0
-                row.update(stage_serial_s=serial.median_s, stage_prr_s=prr.median_s,
-                           stage_serial_timing=serial.as_dict(), stage_prr_timing=prr.as_dict())
-            tick(2 if self.stage_check else 0)  # the stage check's two points (none to time when nothing hides)
+                serial = probe.time_stage(c, 0, self.hit_rate)
+                prr = {n: probe.time_stage(c, n, self.hit_rate) for n in fitting}  # every |P| that hides
+                spreads += [serial.spread, *(t.spread for t in prr.values())]
+                best = min(fitting, key=lambda n: (prr[n].median_s, -n))  # (a tie: the wider P)
+                faster = prr[best].median_s < serial.median_s * (1.0 - self.margin)
+                chosen = best if faster else 0
+                row.update(stage_serial_s=serial.median_s, stage_best_blocks=best, stage_prr_s=prr[best].median_s,
+                           stage_prr_by_size_s={n: t.median_s for n, t in prr.items()},
+                           stage_serial_timing=serial.as_dict(), stage_prr_timing=prr[best].as_dict())
+            tick(1 + len(sizes) if self.stage_check else 0)  # the stage check's points (none timed when nothing hides)
             table.append((c, chosen))
             rows.append(row)
         return {"table": table, "measurements": rows, "spread": max(spreads)}

@@ -27,7 +27,6 @@ import math
 import torch
 from torch import Tensor
 
-from prr.attention_state import AttentionState, merge
 from prr.block_attention import relative_error
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
@@ -249,7 +248,8 @@ class AttentionEngine:
             with self._stage("repair"):
                 if not compensates:
                     return self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0], selection
-                out, lse = self.attend(layer, q, idx, cnt, lengths)
+                # the split partials: the selector's compensation merges them with its state (LESS: one launch)
+                out, lse = self.attend(layer, q, idx, cnt, lengths, merge_splits=False)
             return self._compensated(layer, q, out, lse, selection, lengths, fp32), selection
 
         if eager:
@@ -334,13 +334,12 @@ class AttentionEngine:
 
     def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,
                      lengths: Tensor, fp32: bool = False) -> Tensor:
-        """out [B, Hq, D] fp32, lse [B, Hq] of the attended blocks ⊕ the selector's estimate of the
-        others (LESS) -> [B, Hq, D] in the model dtype (fp32 with fp32=True)."""
-        b, h, g, d = self.batch, self.hkv, self.group, self.d
+        """out [B, Hq, D] fp32, lse [B, Hq] of the attended blocks (or their split partials
+        [B, Hq, S, D], [B, Hq, S]) ⊕ the selector's estimate of the others (LESS,
+        `Selector.compensated`) -> [B, Hq, D] in the model dtype (fp32 with fp32=True)."""
         with self._stage("merge"):
-            state = AttentionState(out.float().view(b, h, g, d), lse.view(b, h, g))
-            state = merge(state, self.selector.compensation(self._grouped(q), self.cache, layer, selection, lengths))
-        return state.out.to(torch.float32 if fp32 else self.dtype).view(b, h * g, d)
+            return self.selector.compensated(self._grouped(q), self.cache, layer, selection, lengths, out, lse,
+                                             torch.float32 if fp32 else self.dtype)
 
     def _propose(self, layer: int, q: Tensor | None, num_blocks: Tensor, current: Selection | None = None) -> None:
         """Write the predictor's P for a context of num_blocks [B] blocks into this layer's P

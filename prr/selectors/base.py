@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.attention_state import AttentionState
+from prr.attention_state import AttentionState, merge, merge_many
 from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
 from prr.cache import PagedKVCache
 
@@ -94,6 +94,18 @@ class Selector(ABC):
         convention) for the tokens of the cache's blocks outside `selection`, within each row's
         first `length` tokens (host int or [B] tensor; default: the cache's length)."""
         raise NotImplementedError(f"{type(self).__name__} has no compensation (compensates=False)")
+
+    def compensated(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection, lengths: Tensor,
+                    out: Tensor, lse: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """The layer's output: the attention over A ⊕ `compensation`. q: [B, Hkv, G, D]; out, lse:
+        the attention over A, fp32 [B, Hq, D], [B, Hq] or its split partials [B, Hq, S, D],
+        [B, Hq, S]; lengths [B] -> [B, Hq, D] in out_dtype. Torch ops (selectors with a kernel
+        override it: LESS's merges in its compensation launch)."""
+        b, h, g, d = q.shape
+        attended = merge_many(out, lse) if out.dim() == 4 else AttentionState(out, lse)
+        state = AttentionState(attended.out.float().view(b, h, g, d), attended.lse.view(b, h, g))
+        state = merge(state, self.compensation(q, cache, layer, selection, lengths))
+        return state.out.to(out_dtype).view(b, h * g, d)
 
     # Metadata kept only in the cache's slots, per-row slots leading with the batch dim: a
     # `PagedKVCache.row` view rebuilds one row of it (ragged batches in the graph engine).

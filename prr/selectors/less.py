@@ -270,16 +270,16 @@ class LessSelector(QuestSelector):
     def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
         if self.is_dense_layer(layer):
             return
-        super().append_metadata(cache, layer, positions)  # Quest's key max/min
-        if self.backend == "triton" and self.trained is None and cache.block_size >= 16:
+        if self.backend == "triton" and self.trained is None and cache.block_size >= 16 and cache.head_dim >= 16:
             from prr.kernels.less import less_append
 
-            slots = cache.metadata[layer]
+            slots = cache.metadata[layer]  # one launch: the feature summaries and Quest's key max / min
             less_append(cache.keys[layer], cache.values[layer], positions, cache.block_size,
                         self._features(cache, layer), slots["less_center"], slots["less_S"], slots["less_s"],
                         slots["less_c"], slots["less_S_tot"], slots["less_s_tot"], slots["less_c_tot"],
-                        1.0 / math.sqrt(cache.head_dim), m_block=16)
+                        1.0 / math.sqrt(cache.head_dim), *self.metadata(cache, layer))
             return
+        super().append_metadata(cache, layer, positions)  # Quest's key max/min
         b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
         positions = positions.long()
         index = positions.view(b, 1, 1, 1).expand(b, h, 1, d)
@@ -385,23 +385,42 @@ class LessSelector(QuestSelector):
         lse = torch.where(use, top.squeeze(-1) + torch.log(safe_mass) + exact, torch.full_like(mass, float("-inf")))
         return AttentionState(out=out, lse=lse)
 
-    def _compensation_triton(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection,
-                             length: int | Tensor | None) -> AttentionState:
-        """`compensation` by the kernel (same arguments and result)."""
-        from prr.kernels.less import less_compensation
+    def compensated(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection, lengths: Tensor,
+                    out: Tensor, lse: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """`Selector.compensated`: under backend triton one launch (`less_compensate_merge`: the
+        compensation, the merge of A's split partials with it, the output in out_dtype)."""
+        if self.backend != "triton" or (self.trained is not None and not self.trained.enabled(layer)):
+            return super().compensated(q, cache, layer, selection, lengths, out, lse, out_dtype)
+        from prr.kernels.less import less_compensate_merge
 
+        merged, _ = less_compensate_merge(*self._kernel_arguments(q, cache, layer, selection, lengths), out, lse,
+                                          out_dtype=out_dtype, q_logits=self._query_logits(q, layer),
+                                          min_relative_mass=MIN_RELATIVE_MASS)
+        return merged
+
+    def _query_logits(self, q: Tensor, layer: int) -> Tensor | None:
+        """A trained map's log-features of q [B, Hkv, G, m] fp32 (its query branch, torch ops); None for random features."""
+        return self.trained.logits(q, layer, "q").float() if self.trained is not None else None
+
+    def _kernel_arguments(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection,
+                          length: int | Tensor | None) -> tuple:
+        """The positional arguments of prr.kernels.less.less_compensation (q to scale)."""
         slots = cache.metadata[layer]
         if isinstance(length, Tensor) and length.dim() == 1:
             lengths = length  # [B] int32/int64 as the engine holds it: no conversion launch
         else:
             lengths = token_counts(cache, layer, length, q.shape[0], q.device)
-        trained = self.trained is not None
-        w = None if trained else self._features(cache, layer)  # [Hkv, m, D]
-        q_logits = self.trained.logits(q, layer, "q").float() if trained else None  # [B, Hkv, G, m]
+        w = None if self.trained is not None else self._features(cache, layer)  # [Hkv, m, D]
         blocks = selection.blocks
-        out, lse = less_compensation(
-            q, w, blocks.indices.to(torch.int32), blocks.count.to(torch.int32), lengths, cache.block_size,
-            slots["less_S"], slots["less_s"], slots["less_c"], slots["less_S_tot"], slots["less_s_tot"],
-            slots["less_c_tot"], slots["less_center"], 1.0 / math.sqrt(cache.head_dim), q_logits=q_logits,
-            min_relative_mass=MIN_RELATIVE_MASS)
+        return (q, w, blocks.indices.to(torch.int32), blocks.count.to(torch.int32), lengths, cache.block_size,
+                slots["less_S"], slots["less_s"], slots["less_c"], slots["less_S_tot"], slots["less_s_tot"],
+                slots["less_c_tot"], slots["less_center"], 1.0 / math.sqrt(cache.head_dim))
+
+    def _compensation_triton(self, q: Tensor, cache: PagedKVCache, layer: int, selection: Selection,
+                             length: int | Tensor | None) -> AttentionState:
+        """`compensation` by the kernel (same arguments and result; one launch)."""
+        from prr.kernels.less import less_compensation
+
+        out, lse = less_compensation(*self._kernel_arguments(q, cache, layer, selection, length),
+                                     q_logits=self._query_logits(q, layer), min_relative_mass=MIN_RELATIVE_MASS)
         return AttentionState(out=out, lse=lse)

@@ -14,6 +14,8 @@ import math
 import torch
 from torch import Tensor
 
+from .reference_merge import lse_merge, lse_merge_many
+
 
 def query_log_features(q: Tensor, w: Tensor, scale: float) -> Tensor:
     """Random features of q: [B, Hkv, G, D], w [Hkv, m, D] -> log φ(q) [B, Hkv, G, m] fp64."""
@@ -58,6 +60,38 @@ def less_compensation_reference(
     exact = scale * (q.double() * center.double().unsqueeze(2)).sum(-1)
     lse = torch.where(use, top.squeeze(-1) + torch.log(safe_mass) + exact, torch.full_like(mass, float("-inf")))
     return out.float(), lse.float()
+
+
+def less_compensate_merge_reference(
+    q: Tensor, w: Tensor | None, indices: Tensor, counts: Tensor, lengths: Tensor, block_size: int,
+    big: Tensor, small: Tensor, offset: Tensor, big_tot: Tensor, small_tot: Tensor, offset_tot: Tensor,
+    center: Tensor, scale: float, part_out: Tensor, part_lse: Tensor, q_logits: Tensor | None = None,
+    min_relative_mass: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Arguments as prr.kernels.less.less_compensate_merge -> (out [B, Hq, D], lse [B, Hq]) fp32 (fp64
+    arithmetic): the split partials merged (merge_many), then merged with the compensation's state
+    (merge), as prr's Selector.compensated does."""
+    b, h, g, d = q.shape
+    if part_out.dim() == 3:
+        part_out, part_lse = part_out.unsqueeze(2), part_lse.unsqueeze(2)
+    comp_out, comp_lse = less_compensation_reference(q, w, indices, counts, lengths, block_size, big, small, offset,
+                                                     big_tot, small_tot, offset_tot, center, scale, q_logits,
+                                                     min_relative_mass)
+    att_out, att_lse = lse_merge_many(part_out.double(), part_lse.double())  # [B, Hq, D], [B, Hq]
+    out, lse = lse_merge(att_out, att_lse, comp_out.double().reshape(b, h * g, d), comp_lse.double().reshape(b, h * g))
+    return out.float(), lse.float()
+
+
+def make_partials(batch: int, num_q_heads: int, splits: int, head_dim: int, empty: int = 1, seed: int = 0) -> tuple:
+    """Random split partials of an attention over A: out [B, Hq, S, D] fp32, lse [B, Hq, S] fp32 around
+    LESS-like magnitudes, the last `empty` splits of every head empty (lse -inf, out 0: padding splits)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(batch, num_q_heads, splits, head_dim, generator=g)
+    lse = 3.0 * torch.randn(batch, num_q_heads, splits, generator=g) + 2.0
+    if empty:
+        out[..., splits - empty:, :] = 0.0
+        lse[..., splits - empty:] = float("-inf")
+    return out, lse
 
 
 def make_less_inputs(

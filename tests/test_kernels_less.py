@@ -10,8 +10,14 @@ import os
 
 import pytest
 import torch
-from prr.kernels.less import less_compensation
-from prr.kernels.reference_less import less_compensation_reference, make_less_inputs, query_log_features
+from prr.kernels.less import less_compensate_merge, less_compensation
+from prr.kernels.reference_less import (
+    less_compensate_merge_reference,
+    less_compensation_reference,
+    make_less_inputs,
+    make_partials,
+    query_log_features,
+)
 
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
@@ -88,6 +94,73 @@ def test_given_query_log_features():
     # and they are used: the random features give another state
     _, lse_random = less_compensation(**x, w=w)
     assert (lse_random - lse).abs().max() > 1e-3
+
+
+def check_merged(out, lse, ref_out, ref_lse, tol: float) -> None:
+    """The layer output [B, Hq, D] and its lse [B, Hq] against the reference: same -inf pattern,
+    lse within tol, relative-norm error of out per (row, head) within tol."""
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert not out.float().isnan().any() and not lse.isnan().any()
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), live)
+    assert torch.all(out[~live] == 0)
+    if live.any():
+        assert (lse[live].double() - ref_lse[live].double()).abs().max() < tol
+        err = (out.double() - ref_out.double()).norm(dim=-1) / ref_out.double().norm(dim=-1).clamp(min=1e-30)
+        assert err[live].max() < tol
+
+
+@pytest.mark.parametrize(
+    "group,head_dim,num_features,block_size,max_blocks,lengths,counts,capacity,splits,empty,out_dtype",
+    [
+        (1, 64, 13, 16, 7, [27, 100], None, 3, 1, 0, torch.float32),  # a merged state (S = 1)
+        (3, 128, 24, 16, 8, [113, 61], None, 5, 3, 1, torch.float32),
+        (4, 64, 40, 32, 37, [1110, 27], None, 32, 5, 2, torch.float32),
+        (8, 64, 17, 64, 19, [1110, 1], None, 8, 7, 0, torch.float32),
+        (4, 64, 16, 16, 9, [61, 130], [2, 9], 9, 2, 1, torch.float32),  # row 1: dropped -> A's partials alone
+        (2, 64, 16, 16, 9, [61, 130], [0, 2], 4, 3, 3, torch.float32),  # A empty (every split -inf): the estimate
+        (3, 64, 16, 32, 5, [0, 150], None, 4, 2, 2, torch.float32),  # an empty row: -inf, out 0
+        (4, 64, 24, 16, 21, [330, 113], None, 8, 4, 1, torch.float16),  # the model's dtype written
+    ],
+)
+def test_less_compensate_merge_matches_reference(group, head_dim, num_features, block_size, max_blocks, lengths,
+                                                 counts, capacity, splits, empty, out_dtype):
+    """The one-launch layer output: A's split partials ⊕ the compensation, against merge_many + merge
+    of the fp64 references."""
+    x = make_less_inputs(len(lengths), 2, group, head_dim, num_features, block_size, max_blocks, lengths, counts,
+                         capacity, seed=3 * group + num_features)
+    part_out, part_lse = make_partials(len(lengths), 2 * group, splits, head_dim, empty, seed=splits)
+    if splits == 1:
+        part_out, part_lse = part_out.squeeze(2), part_lse.squeeze(2)  # [B, Hq, D]: a merged attention
+    out, lse = less_compensate_merge(**x, part_out=part_out, part_lse=part_lse, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    ref_out, ref_lse = less_compensate_merge_reference(**x, part_out=part_out, part_lse=part_lse)
+    check_merged(out, lse, ref_out, ref_lse, 1e-5 if out_dtype == torch.float32 else 2e-3)
+    comp_lse = less_compensation_reference(**x)[1]
+    if counts is not None and counts[1] == 9:  # the dropped compensation leaves A's merged partials
+        assert torch.isinf(comp_lse[1]).all()
+    if counts is not None and counts[0] == 0:  # nothing attended: the output is the estimate itself
+        comp_out = less_compensation_reference(**x)[0]
+        assert torch.allclose(out[0], comp_out[0].reshape(2 * group, head_dim), atol=1e-5)
+
+
+def test_less_compensate_merge_given_query_log_features_and_errors():
+    x = make_less_inputs(2, 2, 4, 64, 24, 16, 13, [200, 97], None, 6, seed=8)
+    gen = torch.Generator().manual_seed(1)
+    q_logits = (query_log_features(x["q"], x["w"], x["scale"]) + 0.3 * torch.randn(2, 2, 4, 24, generator=gen,
+                                                                                     dtype=torch.float64)).float()
+    x.pop("w")
+    part_out, part_lse = make_partials(2, 8, 3, 64, 1, seed=2)
+    out, lse = less_compensate_merge(**x, w=None, q_logits=q_logits, part_out=part_out, part_lse=part_lse)
+    check_merged(out, lse, *less_compensate_merge_reference(**x, w=None, q_logits=q_logits, part_out=part_out,
+                                                            part_lse=part_lse), 1e-5)
+    with pytest.raises(ValueError, match="part_out must be fp32"):
+        less_compensate_merge(**x, w=None, q_logits=q_logits, part_out=part_out[:, :4], part_lse=part_lse)
+    with pytest.raises(ValueError, match="part_lse"):
+        less_compensate_merge(**x, w=None, q_logits=q_logits, part_out=part_out, part_lse=part_lse[..., :2])
+    with pytest.raises(ValueError, match="out_dtype"):
+        less_compensate_merge(**x, w=None, q_logits=q_logits, part_out=part_out, part_lse=part_lse,
+                              out_dtype=torch.int32)
 
 
 def test_less_kernel_errors():
@@ -215,7 +288,8 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("group_heads,block_size,num_features,summary_dtype",
-                         [(2, 16, 24, "float32"), (3, 32, 16, "float32"), (2, 16, 40, "bfloat16")])
+                         [(2, 16, 24, "float32"), (3, 32, 16, "float32"), (2, 16, 40, "bfloat16"),
+                          (3, 64, 33, "float32"), (2, 64, 32, "bfloat16")])
 def test_less_append_matches_reference(group_heads, block_size, num_features, summary_dtype):
     """One token per row at ragged positions (one starts a block, one lands mid-block): the kernel's
     totals and rewritten block summaries equal the fp64 reference's."""
@@ -228,7 +302,8 @@ def test_less_append_matches_reference(group_heads, block_size, num_features, su
     cache.append(0, torch.randn(2, group_heads, 150, 64, generator=gen) * 2,
                  torch.randn(2, group_heads, 150, 64, generator=gen))
     sel.update_metadata(cache, 0, 0, 150)
-    positions = torch.tensor([150, 4 * block_size], dtype=torch.int32)  # row 1 overwrites the token starting block 4
+    start = 4 * block_size if block_size < 64 else 2 * block_size
+    positions = torch.tensor([150, start], dtype=torch.int32)  # row 1 overwrites the token starting a block
     for b, p in enumerate(positions.tolist()):
         cache.keys[0][b, :, p] = torch.randn(group_heads, 64, generator=gen) * 2
         cache.values[0][b, :, p] = torch.randn(group_heads, 64, generator=gen)
@@ -266,6 +341,52 @@ def test_less_selector_appends_alike_on_both_backends(summary_dtype):
                 cache.values[0][b, :, positions[b]] = v[b]
             sel.append_metadata(cache, 0, positions)
     check_slots(caches[1].metadata[0], caches[0].metadata[0], 1e-5 if summary_dtype == "float32" else 1e-2)
+    for name in ("quest_key_max", "quest_key_min"):  # updated in less_append's launch: exact
+        assert torch.equal(caches[1].metadata[0][name], caches[0].metadata[0][name]), name
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_less_append_updates_quest_metadata(block_size):
+    """key_max / key_min handed to less_append: its block's running max / min take the token (the
+    first token of a block replaces stale contents), as Quest's update; the LESS state equals a
+    launch without them."""
+    from prr.kernels.less import less_append
+
+    sel = LessSelector(topk_blocks=4, num_features=20, seed=4)
+    gen = torch.Generator().manual_seed(block_size)
+    cache = PagedKVCache(1, 3, 2, 32, block_size, 6 * block_size)
+    cache.append(0, torch.randn(3, 2, 3 * block_size + 5, 32, generator=gen), torch.randn(3, 2, 3 * block_size + 5, 32,
+                                                                                        generator=gen))
+    sel.update_metadata(cache, 0, 0, 3 * block_size + 5)
+    positions = torch.tensor([3 * block_size + 5, 3 * block_size, 2], dtype=torch.int64)  # mid, first of a block, early
+    key_max, key_min = sel.metadata(cache, 0)
+    key_max[1, :, 3], key_min[1, :, 3] = 50.0, -50.0  # stale contents of the block row 1 starts
+    for b, p in enumerate(positions.tolist()):
+        cache.keys[0][b, :, p] = torch.randn(2, 32, generator=gen) * 3
+        cache.values[0][b, :, p] = torch.randn(2, 32, generator=gen)
+    slots = cache.metadata[0]
+    args = (cache.keys[0], cache.values[0], positions, block_size, slots["less_w"], slots["less_center"])
+    alone = {n: slots[n].clone() for n in STATE}
+    less_append(*args, *(alone[n] for n in STATE), 32 ** -0.5)
+    got = {n: slots[n].clone() for n in STATE}
+    got_max, got_min = key_max.clone(), key_min.clone()
+    less_append(*args, *(got[n] for n in STATE), 32 ** -0.5, got_max, got_min)
+    for name in STATE:
+        assert torch.equal(got[name], alone[name]), name
+    # Quest's update (prr.kernels.quest.quest_update): the running max / min with the token, the token
+    # alone when it starts its block (row 1: the stale ±50 dropped)
+    for b, p in enumerate(positions.tolist()):
+        blk, k_new = p // block_size, cache.keys[0][b, :, p]
+        first = p % block_size == 0
+        assert torch.equal(got_max[b, :, blk], k_new if first else torch.maximum(key_max[b, :, blk], k_new)), b
+        assert torch.equal(got_min[b, :, blk], k_new if first else torch.minimum(key_min[b, :, blk], k_new)), b
+    other = torch.ones_like(got_max, dtype=torch.bool)
+    other[torch.arange(3), :, positions // block_size] = False
+    assert torch.equal(got_max[other], key_max[other]) and torch.equal(got_min[other], key_min[other])
+    with pytest.raises(ValueError, match="together"):
+        less_append(*args, *(got[n] for n in STATE), 32 ** -0.5, got_max, None)
+    with pytest.raises(ValueError, match="d_block=8"):
+        less_append(*args, *(got[n] for n in STATE), 32 ** -0.5, d_block=8)
 
 
 # --- compact state (bf16 summaries) and memory ---------------------------------------------------
@@ -364,6 +485,83 @@ def test_gpu_less_compensation_8b_shape(block_size, capacity):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("block_size,capacity,num_features,splits,out_dtype",
+                         [(16, 32, 32, 8, torch.bfloat16), (64, 32, 64, 5, torch.float32), (16, 128, 32, 16, torch.float32)])
+def test_gpu_less_compensate_merge_8b_shape(block_size, capacity, num_features, splits, out_dtype):
+    """The one-launch layer output at the 8B shape (8 KV heads of 4, head 128), bf16 q and summaries."""
+    x = make_less_inputs(2, 8, 4, 128, num_features, block_size, 8192 // block_size, [8192, 3001], None, capacity,
+                         torch.bfloat16, seed=6, device="cuda")
+    x = {**x, "big": x["big"].bfloat16(), "small": x["small"].bfloat16()}
+    part_out, part_lse = make_partials(2, 32, splits, 128, 1, seed=splits)
+    out, lse = less_compensate_merge(**x, part_out=part_out.cuda(), part_lse=part_lse.cuda(), out_dtype=out_dtype)
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    ref_out, ref_lse = less_compensate_merge_reference(**cpu, part_out=part_out, part_lse=part_lse)
+    check_merged(out.cpu(), lse.cpu(), ref_out, ref_lse, 1e-5 if out_dtype == torch.float32 else 1e-2)
+
+
+def check_engine_ops(hkv: int, group: int, d: int, block_size: int, num_features: int, tokens: int, topk: int,
+                     device: str, capture: bool) -> None:
+    """The decode step's LESS ops as the engine runs them under backend triton (append_metadata: one
+    launch with Quest's max / min; selection; compensated: one launch, A's split partials merged),
+    optionally replayed from a CUDA graph, against the torch backend's: identical A, identical
+    Quest metadata, fp32 output within 1e-5."""
+    kw = dict(topk_blocks=topk, num_features=num_features, seed=1)
+    torch_sel, triton_sel = LessSelector(**kw), LessSelector(**kw)
+    triton_sel.set_backend("triton")
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, hkv, tokens + 1, d, generator=gen) * 2
+    values = torch.randn(1, hkv, tokens + 1, d, generator=gen)
+    caches = []
+    for sel in (torch_sel, triton_sel, triton_sel):  # the third: the kernels' warm-up (compile) before capture
+        cache = PagedKVCache(1, 1, hkv, d, block_size, tokens + block_size, device=device)
+        cache.append(0, keys[:, :, :tokens].to(device), values[:, :, :tokens].to(device))
+        sel.update_metadata(cache, 0, 0, tokens)
+        cache.append(0, keys[:, :, tokens:].to(device), values[:, :, tokens:].to(device))
+        caches.append(cache)
+    q = torch.randn(1, hkv, group, d, generator=gen).to(device)
+    pos = torch.tensor([tokens], dtype=torch.int32, device=device)
+    lengths = pos + 1
+    nb = ((lengths + block_size - 1) // block_size).to(torch.int32)
+    parts = tuple(t.to(device) for t in make_partials(1, hkv * group, 3, d, 1, seed=2))
+
+    def step(sel, cache, **select_kw):
+        sel.append_metadata(cache, 0, pos)
+        selection = sel.select(q, cache, 0, lengths, **select_kw)
+        return selection, sel.compensated(q, cache, 0, selection, lengths, *parts, torch.float32)
+
+    want_sel, want = step(torch_sel, caches[0])
+    if capture:
+        step(triton_sel, caches[2], num_blocks=nb)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got_sel, got = step(triton_sel, caches[1], num_blocks=nb)
+        graph.replay()
+        torch.cuda.synchronize()
+    else:
+        got_sel, got = step(triton_sel, caches[1], num_blocks=nb)
+    assert torch.equal(got_sel.blocks.indices, want_sel.blocks.indices)
+    assert torch.equal(got_sel.blocks.count, want_sel.blocks.count)
+    for name in ("quest_key_max", "quest_key_min"):
+        assert torch.equal(caches[1].metadata[0][name], caches[0].metadata[0][name]), name
+    err = ((got.double() - want.double()).norm(dim=-1) / want.double().norm(dim=-1)).max()
+    assert got.dtype == torch.float32 and err < 1e-5, float(err)
+
+
+@pytest.mark.parametrize("group,block_size,num_features,tokens", [(3, 16, 24, 250), (4, 32, 17, 301), (1, 64, 16, 300)])
+def test_less_engine_ops_equal_torch(group, block_size, num_features, tokens):
+    check_engine_ops(2, group, 64, block_size, num_features, tokens, 4, "cpu", capture=False)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size,num_features", [(16, 32), (64, 32), (64, 64)])
+def test_gpu_less_engine_ops_captured_equal_torch(block_size, num_features):
+    """At the 8B shape (8 KV heads of 4, head 128), 4K tokens, top-K 32, from a CUDA graph."""
+    check_engine_ops(8, 4, 128, block_size, num_features, 4000, 32, "cuda", capture=True)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_less_selector_captured_equals_torch():
     """Selection and compensation replayed from a CUDA graph equal the torch path's, fp32."""
     hkv, group, d, bs = 8, 4, 128, 16
@@ -412,13 +610,14 @@ def test_less_ragged_batch_on_the_triton_backend():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block_size,summary_dtype", [(16, "float32"), (64, "bfloat16")])
-def test_gpu_less_append_matches_reference(block_size, summary_dtype):
-    """8 KV heads, head 128, m = 64, bf16 cache, 4K tokens then one token per row (ragged)."""
+@pytest.mark.parametrize("block_size,summary_dtype,num_features",
+                         [(16, "float32", 64), (64, "bfloat16", 64), (64, "float32", 32), (16, "bfloat16", 32)])
+def test_gpu_less_append_matches_reference(block_size, summary_dtype, num_features):
+    """8 KV heads, head 128, bf16 cache, 4K tokens then one token per row (ragged)."""
     from prr.kernels.less import less_append
     from prr.kernels.reference_less import less_append_reference
 
-    sel = LessSelector(topk_blocks=8, num_features=64, summary_dtype=summary_dtype)
+    sel = LessSelector(topk_blocks=8, num_features=num_features, summary_dtype=summary_dtype)
     gen = torch.Generator().manual_seed(4)
     cache = PagedKVCache(1, 2, 8, 128, block_size, 4096 + block_size, dtype=torch.bfloat16, device="cuda")
     cache.append(0, (torch.randn(2, 8, 4000, 128, generator=gen) * 2).cuda(), torch.randn(2, 8, 4000, 128, generator=gen).cuda())

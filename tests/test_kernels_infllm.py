@@ -234,13 +234,16 @@ def decode_both(variant: str, group: int, steps: int, prompt: int, kv_heads=2, h
         yield step, ref.select(q, cache, 0), fast.select(q, twin, 0), cache, twin, fast, q
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("group", [1, 3])
+FAST_DECODES = {("infllm", 3), ("infllm_prr", 3)}  # `make test`; the rest under -m slow (~15 s each here)
+
+
+@pytest.mark.parametrize("variant, group", [
+    pytest.param(v, g, marks=() if (v, g) in FAST_DECODES else pytest.mark.slow) for v in sorted(VARIANTS) for g in (1, 3)])
 def test_triton_path_selects_what_the_torch_path_selects(variant, group):
-    """27 decode steps from a 45-token prompt (blocks of 8: four blocks finalised on the way),
+    """19 decode steps from a 45-token prompt (blocks of 8: three blocks finalised on the way),
     batch 2: the same A, scores within 1e-5 and the same slots at every step; a second selection
     at a step (the oracle's look) changes nothing and selects the same."""
-    for step, want, got, cache, twin, fast, q in decode_both(variant, group, 27, 45, batch=2, seed=group):
+    for step, want, got, cache, twin, fast, q in decode_both(variant, group, 19, 45, batch=2, seed=group):
         assert torch.equal(got.blocks.indices, want.blocks.indices), step
         assert torch.equal(got.blocks.count, want.blocks.count), step
         finite = torch.isfinite(want.scores)

@@ -48,11 +48,14 @@ speculation program, prr_repair.default_splits) and left stream priorities off.
 Part `select` (issue 33: each selector's selection as the engine calls it, through its Triton path):
 batch 1, the 8B shape, 32K and 128K, blocks 16 and 64, top-K 32 and 128 blocks, over --stage-layers
 caches: Quest (score + top-k), exact (q·K pass + mass pass + top-k; its score launches alone), LESS
-(Quest's selection + the compensation, m = 64, bf16 summaries; the compensation alone; the decode
-token's metadata update: less_append), beside the attention over A
-and dense SDPA, per layer, with byte floors, exact's sets and LESS's state checked against each
-selector's torch path, and LESS's state memory beside the KV cache's. `--parts select --tiny` runs it
-on a CPU under TRITON_INTERPRET=1 at toy sizes (a smoke run, not a speed).
+(Quest's selection + the compensation, m = 32, bf16 summaries: conf/selector/less.yaml's; the
+compensation alone; the decode token's metadata update with Quest's: less_append), beside the attention
+over A and dense SDPA, and a whole serial layer as the graph engine runs it (quest_layer: select + the
+attention over A in the model dtype; less_layer: less_append + select + the attention's split partials
++ the one-launch compensation and merge; less_layer_extra = their difference, what LESS adds), per
+layer, with byte floors, exact's sets and LESS's state and merged output checked against each
+selector's torch path, and LESS's state memory beside the KV cache's. `--select-cells` picks cells.
+`--parts select --tiny` runs it on a CPU under TRITON_INTERPRET=1 at toy sizes (a smoke run, not a speed).
 
 Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_<part>.csv;
 prints short tables last.
@@ -682,7 +685,7 @@ SELECT_TINY = [(200, 256, 16, 4), (300, 512, 64, 3)]
 
 def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_blocks: int, layers: int,
                 bandwidth: float, device: torch.device, heads: tuple[int, int] = (32, 8), head_dim: int = 128,
-                num_features: int = 64, dtype: torch.dtype = torch.bfloat16,
+                num_features: int = 32, dtype: torch.dtype = torch.bfloat16,
                 summary_dtype: str = "bfloat16") -> list[dict]:
     """Selection per layer, the selector objects' Triton paths on `layers` caches of `context`
     random tokens (so replays walk several caches): Quest (score + top-k), exact (its two score
@@ -691,7 +694,7 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
     CUDA-graph replays, median; on the CPU (TRITON_INTERPRET=1) the host clock (a smoke run, not
     a speed). Checked on layer 0 against each selector's torch path: exact's sets, LESS's state."""
     from prr.kernels.exact import exact_scores
-    from prr.kernels.sparse_decode import sparse_decode
+    from prr.kernels.sparse_decode import sparse_decode, sparse_decode_one_wave
 
     from prr.cache import PagedKVCache
     from prr.runtime.graph_budget import stage_timing
@@ -728,6 +731,28 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
         sparse_decode(qs[i].view(batch, hq, head_dim), cache.keys[i], cache.values[i], a_sets[i].blocks.indices,
                       a_sets[i].blocks.count, lengths, block, scale)
 
+    # A layer's selection and attention as the serial graph engine runs them: Quest's output merged in
+    # the model dtype (its metadata rides in the cache append kernel); LESS's adds less_append, leaves
+    # the splits unmerged and merges them with its compensation in one launch (Selector.compensated).
+    fused = sparse_decode_one_wave(k_blocks, batch, hkv, block, device, head_dim=head_dim, cache_dtype=dtype) \
+        if device.type == "cuda" else False
+
+    def quest_layer(i):
+        sel = quest.select(qs[i], cache, i, lengths, num_blocks=nb)
+        sparse_decode(qs[i].view(batch, hq, head_dim), cache.keys[i], cache.values[i], sel.blocks.indices,
+                      sel.blocks.count, lengths, block, scale, out_dtype=dtype, fuse_merge=fused)
+
+    def less_attend(i, sel):
+        return sparse_decode(qs[i].view(batch, hq, head_dim), cache.keys[i], cache.values[i], sel.blocks.indices,
+                             sel.blocks.count, lengths, block, scale, merge_splits=False)
+
+    def less_layer(i):
+        less.append_metadata(cache, i, lengths - 1)
+        sel = less.select(qs[i], cache, i, lengths, num_blocks=nb)
+        less.compensated(qs[i], cache, i, sel, lengths, *less_attend(i, sel), dtype)
+
+    parts = [less_attend(i, a_sets[i]) for i in range(layers)]  # A's split partials
+
     def dense(i):
         F.scaled_dot_product_attention(qs[i].view(batch, hq, 1, head_dim), cache.keys[i][:, :, :context],
                                        cache.values[i][:, :, :context], enable_gqa=True)
@@ -739,6 +764,10 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
                                                            nb, block, scale)),
         "less_select_compensate": every_layer(less_step),
         "less_compensation": every_layer(lambda i: less.compensation(qs[i], cache, i, a_sets[i], lengths)),
+        "less_compensate_merge": every_layer(lambda i: less.compensated(qs[i], cache, i, a_sets[i], lengths, *parts[i],
+                                                                        dtype)),
+        "quest_layer": every_layer(quest_layer),
+        "less_layer": every_layer(less_layer),
         # the decode token's metadata update (Quest's max / min + less_append), re-applied at one position
         "less_append": every_layer(lambda i: less.append_metadata(cache, i, lengths - 1)),
         "attend_A": every_layer(attend),
@@ -779,10 +808,15 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
     row["less_same_dropped"] = bool(torch.equal(used, torch.isfinite(state.lse)))
     row["less_lse_max_abs_err"] = float((state.lse - ref.lse)[used].abs().max()) if used.any() else 0.0
     row["less_out_rel_err"] = float((state.out - ref.out).norm() / ref.out.norm().clamp(min=1e-30))
+    merged = less.compensated(qs[0], cache, 0, a_sets[0], lengths, *parts[0], torch.float32)
+    merged_ref = less_torch.compensated(qs[0], cache, 0, a_sets[0], lengths, *parts[0], torch.float32)
+    row["less_merged_rel_err"] = float((merged - merged_ref).norm() / merged_ref.norm().clamp(min=1e-30))
     torch.backends.cuda.matmul.allow_tf32 = tf32
     # Ratios (the acceptance's per-layer view) and byte floors (bytes / bandwidth of this run).
     row["exact_over_quest"] = row["exact_select"] / row["quest_select"]
     row["less_over_quest"] = row["less_select_compensate"] / row["quest_select"]
+    row["less_layer_extra"] = row["less_layer"] - row["quest_layer"]  # µs LESS adds to a serial layer
+    row["less_layer_over_quest"] = row["less_layer"] / row["quest_layer"]
     row["exact_serial_over_dense"] = (row["exact_select"] + row["attend_A"]) / row["dense_sdpa"]
     row["quest_serial_over_dense"] = (row["quest_select"] + row["attend_A"]) / row["dense_sdpa"]
     elt = torch.empty((), dtype=dtype).element_size()
@@ -863,6 +897,8 @@ def main() -> None:
                         help="part stage: PRR's controlled hit rates (default " + ",".join(map(str, HIT_RATES)) + ")")
     parser.add_argument("--tiny", action="store_true",
                         help="part select at CPU smoke sizes (the only part that runs without a GPU, TRITON_INTERPRET=1)")
+    parser.add_argument("--select-cells", type=lambda v: {tuple(int(x) for x in c.split(":")) for c in v.split(",")},
+                        help="part select: only these cells, each cache_tokens:block:topk_blocks (e.g. 32768:16:32)")
     args = parser.parse_args()
     if 4 * args.steps + 64 > HEADROOM:
         parser.error(f"--steps={args.steps}: at most {(HEADROOM - 64) // 4} (the decoded tokens must fit the cache headroom)")
@@ -943,14 +979,18 @@ def main() -> None:
     if "select" in parts:
         device = torch.device("cuda" if on_gpu else "cpu")
         tiny = dict(heads=(8, 2), head_dim=64, num_features=16) if args.tiny else {}
-        for ctx, cache_tokens, bs, k in SELECT_TINY if args.tiny else SELECT_GRID[:2] if args.quick else SELECT_GRID:
+        grid = SELECT_TINY if args.tiny else SELECT_GRID[:2] if args.quick else SELECT_GRID
+        if args.select_cells:
+            grid = [cell for cell in grid if cell[1:] in args.select_cells]
+        for ctx, cache_tokens, bs, k in grid:
             rows = select_rows(1, ctx, cache_tokens, bs, k, 2 if args.tiny else args.stage_layers, bandwidth, device,
                                **tiny)
             results["select"].extend(rows)
             save()
             r = rows[0]
             print(f"select ctx={ctx} bs={bs} K={k}: quest {r['quest_select']:.1f} exact {r['exact_select']:.1f} "
-                  f"less {r['less_select_compensate']:.1f} (compensation {r['less_compensation']:.1f}) "
+                  f"less {r['less_select_compensate']:.1f} (compensation {r['less_compensation']:.1f}; layer "
+                  f"{r['less_layer']:.1f} vs Quest's {r['quest_layer']:.1f}) "
                   f"attend A {r['attend_A']:.1f} dense {r['dense_sdpa']:.1f} µs/layer", flush=True)
             if on_gpu:
                 torch.cuda.empty_cache()
@@ -994,9 +1034,10 @@ def main() -> None:
         df.to_csv(args.out.parent / (args.out.name + "_select.csv"), index=False)
         cols = ["context", "block", "topk_blocks", "quest_select", "exact_select", "exact_scores", "exact_scores_best",
                 "exact_best_tiling",
-                "less_select_compensate", "less_compensation", "less_append", "attend_A", "dense_sdpa", "exact_over_quest",
+                "less_select_compensate", "less_compensation", "less_compensate_merge", "less_append", "quest_layer",
+                "less_layer", "less_layer_extra", "attend_A", "dense_sdpa", "exact_over_quest",
                 "less_over_quest", "exact_serial_over_dense", "exact_sets_equal", "less_lse_max_abs_err",
-                "less_state_mib_per_layer", "kv_mib_per_layer"]
+                "less_merged_rel_err", "less_state_mib_per_layer", "kv_mib_per_layer"]
         print("select (µs per layer; ratios in the same run)")
         print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     for part in LAUNCH_PARTS:

@@ -451,6 +451,24 @@ def test_state_bytes_is_what_the_cache_holds(summary_dtype):
     assert ratio == pytest.approx(4.12 if summary_dtype == "float32" else 2.11, abs=0.01)
 
 
+def test_conf_default_state_fits_in_one_and_a_half_kv_caches():
+    """conf/selector/less.yaml's m and summary dtype at the 8B shape (32 layers, layers 0-1 dense, 8 KV
+    heads, head 128, bf16 cache, batch 1), 32K and 128K, blocks 16 and 64: the state is at most 1.5x
+    the KV cache (issue 33); m = 32 in bf16 is 1.02x at 32K / block 16."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/selector/less.yaml")
+    sel = LessSelector(topk_blocks=4, num_features=conf.num_features, summary_dtype=conf.summary_dtype)
+    for context in (32768, 131072):
+        for block in (16, 64):
+            state = 30 * sel.state_bytes(1, 8, 128, context // block, torch.bfloat16)
+            assert state / (2 * 32 * 8 * context * 128 * 2) <= 1.5, (context, block)
+    assert 30 * sel.state_bytes(1, 8, 128, 2048, torch.bfloat16) / (2 * 32 * 8 * 32768 * 128 * 2) == pytest.approx(
+        1.02, abs=0.01)
+
+
 def test_a_state_that_cannot_fit_is_refused_with_the_numbers(monkeypatch):
     import prr.selectors.less as less_module
 

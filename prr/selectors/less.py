@@ -65,7 +65,8 @@ class default, or bfloat16, conf/selector/less.yaml's: on SmolLM2 at top-K 512 t
 output error against dense by <= 2e-5 at m = 16, 32 and 64, where m moved it by 1e-3, and all of
 them stay within 1% of Quest's: experiments/less_compact_state.py), `less_c` [B, Hkv, max_blocks, m] fp32 (memory, `state_bytes`:
 m·(D+1) summaries + m fp32 offsets per block and KV head — in fp32 with m = 64, D = 128 about four
-times the block's own bf16 keys and values at block_size 16, twice in bf16; the run's total is
+times the block's own bf16 keys and values at block_size 16, twice in bf16, about once at the conf's
+m = 32 in bf16 (1.02x the KV cache at the 8B shape, 32K, 30 sparse layers); the run's total is
 logged beside the KV cache's when the prefill allocates it, and a run whose state cannot fit on
 its GPU is refused then, with the numbers, before any of it is allocated), and in the layer's
 metadata dict the totals
@@ -74,12 +75,15 @@ metadata dict the totals
 not the compensation.
 
 **Backends**: torch ops (the CPU path and the kernels' reference) or, with backend=triton and
-`scores=quest`, Quest's selection kernels and the compensation kernel
-(`prr.kernels.less.less_compensation`: two launches; a trained map's query branch stays a torch
-op, its log-features handed in), tested equal. `scores=features` has no selection kernel: that
-selector runs torch ops under every backend (`triton_problems()` is None). The decode token's
-summary update (`append_metadata`) is `less_append`'s one launch under backend triton (random
-features; a trained map's key branch keeps the torch ops); the prefill's is torch ops.
+`scores=quest`, Quest's selection kernels and the compensation kernel (one launch; a trained map's
+query branch stays a torch op, its log-features handed in), tested equal. The engine asks for the
+layer's output (`compensated`): the attention over A's split partials, merged with the compensation
+and written in the model dtype by that same launch (`prr.kernels.less.less_compensate_merge`), so
+LESS adds no merge launch to a serial layer; `compensation` (the state alone) is
+`less_compensation`. `scores=features` has no selection kernel: that selector runs torch ops under
+every backend (`triton_problems()` is None). The decode token's metadata update (`append_metadata`:
+the feature summaries and Quest's key max / min) is `less_append`'s one launch under backend triton
+(random features; a trained map's key branch keeps the torch ops); the prefill's is torch ops.
 """
 
 from __future__ import annotations

@@ -394,7 +394,7 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description="Train the LESS feature map (selector.feature_map=trained).")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--num-features", type=int, default=64)
+    p.add_argument("--num-features", type=int, default=32, help="m (conf/selector/less.yaml's; a map is per m)")
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--windows", type=int, default=6, help="text windows; the last --held-out are for validation")
     p.add_argument("--held-out", type=int, default=1, help="windows kept for early stopping and the layer gate")

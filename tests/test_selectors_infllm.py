@@ -290,4 +290,5 @@ def test_infllm_bad_options_are_clear_errors():
     wrong = infllm("published", head_dim=32, topk_blocks=8)
     with pytest.raises(ValueError, match="head_dim is 16"):
         random_cache(wrong, length=40)
-    assert InfLLMSelector(topk_blocks=8).triton_problems() is None
+    assert InfLLMSelector(topk_blocks=8).triton_problems() == []  # its kernels: prr.kernels.infllm
+    assert "gqa_reduce=union" in InfLLMSelector(topk_blocks=8, gqa_reduce="union").triton_problems()[0]

@@ -54,7 +54,9 @@ over A and dense SDPA, and a whole serial layer as the graph engine runs it (que
 attention over A in the model dtype; less_layer: less_append + select + the attention's split partials
 + the one-launch compensation and merge; less_layer_extra = their difference, what LESS adds), per
 layer, with byte floors, exact's sets and LESS's state and merged output checked against each
-selector's torch path, and LESS's state memory beside the KV cache's. `--select-cells` picks cells.
+selector's torch path, and LESS's state memory beside the KV cache's; InfLLM and infllm_prr beside Quest
+(experiments/bench_infllm_select.py's columns: the live mean + select, their kernels alone, the score
+kernel's tilings, floors, sets checked against the torch path). `--select-cells` picks cells.
 `--parts select --tiny` runs it on a CPU under TRITON_INTERPRET=1 at toy sizes (a smoke run, not a speed).
 
 Writes OUT.json (command, GPU, driver, versions, date, every row) and OUT_<part>.csv;
@@ -977,6 +979,8 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     if "select" in parts:
+        from bench_infllm_select import infllm_select_columns  # (a sibling script: experiments/ is sys.path[0])
+
         device = torch.device("cuda" if on_gpu else "cpu")
         tiny = dict(heads=(8, 2), head_dim=64, num_features=16) if args.tiny else {}
         grid = SELECT_TINY if args.tiny else SELECT_GRID[:2] if args.quick else SELECT_GRID
@@ -985,6 +989,10 @@ def main() -> None:
         for ctx, cache_tokens, bs, k in grid:
             rows = select_rows(1, ctx, cache_tokens, bs, k, 2 if args.tiny else args.stage_layers, bandwidth, device,
                                **tiny)
+            # InfLLM and infllm_prr beside Quest (experiments/bench_infllm_select.py; K >= their 6 forced blocks)
+            rows[0].update(infllm_select_columns(1, ctx, cache_tokens, bs, max(k, 6), 2 if args.tiny else args.stage_layers,
+                                                 bandwidth, device, tilings=not args.tiny,
+                                                 **{n: tiny[n] for n in ("heads", "head_dim") if n in tiny}))
             results["select"].extend(rows)
             save()
             r = rows[0]
@@ -992,6 +1000,9 @@ def main() -> None:
                   f"less {r['less_select_compensate']:.1f} (compensation {r['less_compensation']:.1f}; layer "
                   f"{r['less_layer']:.1f} vs Quest's {r['quest_layer']:.1f}) "
                   f"attend A {r['attend_A']:.1f} dense {r['dense_sdpa']:.1f} µs/layer", flush=True)
+            print(f"  infllm {r['infllm_select']:.1f} ({r['infllm_over_quest']:.2f}x Quest's "
+                  f"{r['quest_select_beside_infllm']:.1f}) infllm_prr {r['infllm_prr_select']:.1f} "
+                  f"({r['infllm_prr_over_quest']:.2f}x) µs/layer", flush=True)
             if on_gpu:
                 torch.cuda.empty_cache()
     for part, (rows_of, grid) in LAUNCH_PARTS.items():
@@ -1037,7 +1048,9 @@ def main() -> None:
                 "less_select_compensate", "less_compensation", "less_compensate_merge", "less_append", "quest_layer",
                 "less_layer", "less_layer_extra", "attend_A", "dense_sdpa", "exact_over_quest",
                 "less_over_quest", "exact_serial_over_dense", "exact_sets_equal", "less_lse_max_abs_err",
-                "less_merged_rel_err", "less_state_mib_per_layer", "kv_mib_per_layer"]
+                "less_merged_rel_err", "less_state_mib_per_layer", "kv_mib_per_layer",
+                "quest_select_beside_infllm", "infllm_select", "infllm_prr_select", "infllm_over_quest",
+                "infllm_prr_over_quest", "infllm_sets_equal", "infllm_prr_sets_equal"]
         print("select (µs per layer; ratios in the same run)")
         print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     for part in LAUNCH_PARTS:

@@ -48,7 +48,7 @@ from prr.cache import PagedKVCache
 from prr.config_check import compose_config, validate
 from prr.predictors.base import Predictor
 from prr.run_inputs import DTYPES
-from prr.runner import next_token
+from prr.runtime.eager_run import next_token
 from prr.runtime.dsa_backend import DSABackend
 from prr.selectors.base import Selection
 from prr.tasks.ruler import task_overrides

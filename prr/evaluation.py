@@ -13,7 +13,6 @@ per scored sample), flushed as they come.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,18 +20,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import Tensor
 
-from prr.cache import PagedKVCache
-from prr.metrics import layer_step_rows, per_layer, summarize
-from prr.paths import write_json_atomic, write_text_atomic
+from prr.eos import eos_ids
 from prr.run_inputs import DTYPES
-from prr.runtime.dsa_backend import DSABackend, check_finite
-from prr.runtime.probe import StageProbe
-from prr.selectors.dense import DenseSelector
-from prr.sinks import JsonlWriter, read_jsonl
-from prr.summary_table import format_summary
+from prr.run_records import RunRecords, step_rows, token_row
+from prr.runtime.eager_run import EagerRuntime, eager_budget_setup
+from prr.runtime.run_strategy import topk_label
 from prr.tasks.base import Task
 from prr.tasks.samples import ByteTokenizer
 
@@ -97,23 +92,15 @@ class Engine:
         self.max_tokens = min(max_tokens, mc.max_position_embeddings)
         selector = self._selector()
         self.selection_backend = selector.set_backend(self.ops.name)
-        probe = StageProbe(selector, self.settings.repair_mode, 1, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                           self.settings.block_size, self.max_tokens, self.dtype, self.device, backend=self.ops.name)
-        max_blocks = -(-self.max_tokens // self.settings.block_size)
-        self.budget_info = self.budget.setup(probe, selector.selected_blocks(max_blocks), max_blocks)
-        self.device_name = probe.device_name
-        self.topk_blocks = "all" if isinstance(selector, DenseSelector) else selector.topk_blocks
-        eos = mc.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        self.budget_info, self.device_name = eager_budget_setup(self.budget, selector, self.settings, model.decoder,
+                                                                self.max_tokens, self.dtype, self.ops.name)
+        self.topk_blocks = topk_label(selector)
+        self.eos_ids = set(eos_ids(mc))
         self.request = -1  # index of the current request: the records' `sample` column
-        self.steps_out = self.tokens_out = self.samples_out = None
         self.run_dir = run_dir
         self.collect = False  # True: keep the current request's step rows in self.request_rows (studies)
         self.request_rows: list[dict[str, Any]] = []
-        if run_dir is not None:
-            self.steps_out = JsonlWriter(run_dir / "records" / "steps.jsonl")
-            self.tokens_out = JsonlWriter(run_dir / "records" / "tokens.jsonl")
-            self.samples_out = JsonlWriter(run_dir / "records" / "samples.jsonl")
+        self.records = RunRecords(run_dir, samples=True) if run_dir is not None else None
 
     def _selector(self) -> Any:
         selector = instantiate(self.cfg.selector)
@@ -121,9 +108,8 @@ class Engine:
         return selector
 
     def close(self) -> None:
-        for w in (self.steps_out, self.tokens_out, self.samples_out):
-            if w is not None:
-                w.close()
+        if self.records is not None:
+            self.records.close()
 
     # --- text ---------------------------------------------------------------------------
     def encode_prompt(self, text: str, chat_template: bool, gen_prefix: str = "") -> Tensor:
@@ -140,8 +126,8 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def log_sample(self, row: dict[str, Any]) -> None:
-        if self.samples_out is not None:
-            self.samples_out.write([{"sample": self.request, **row}])
+        if self.records is not None:
+            self.records.samples.write([{"sample": self.request, **row}])
 
     # --- prefill ------------------------------------------------------------------------
     def prefill(self, input_ids: Tensor) -> Prefill:
@@ -153,57 +139,46 @@ class Engine:
             logits = self.model.decoder(input_ids.to(self.device), 0, capture, last_logits_only=True)[:, -1]
         return Prefill(input_ids, logits, capture.qkv)
 
-    def _backend(self, total_tokens: int) -> DSABackend:
-        mc, s = self.model.config, self.settings
+    def _runtime(self, total_tokens: int) -> EagerRuntime:
+        """A fresh runtime for one request of total_tokens: its own cache, selector and predictor."""
+        mc = self.model.config
         if total_tokens > self.max_tokens:
             raise ValueError(f"a request of {total_tokens} tokens exceeds this engine's {self.max_tokens} "
                              f"(model context {mc.max_position_embeddings}); shorten the prompt")
         selector = self._selector()
         selector.set_backend(self.ops.name)
-        cache = PagedKVCache(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, s.block_size, total_tokens,
-                             self.dtype, self.device)
-        return DSABackend(cache, mc.num_heads, selector, instantiate(self.cfg.predictor), self.budget, mode=s.mode,
-                          repair_mode=s.repair_mode, calibration_tokens=s.calibration_tokens,
-                          dense_metrics_every=s.dense_metrics_every, check_serial=s.check_serial, backend=self.ops.name)
+        return EagerRuntime(self.model.decoder, self.settings, selector, instantiate(self.cfg.predictor), self.budget,
+                            self.ops.name, total_tokens, self.dtype)
 
     def _start(self, input_ids: Tensor, new_tokens: int, prefill: Prefill | None,
-               all_logits: bool = False) -> tuple[DSABackend, Tensor]:
-        """A fresh backend holding the prompt -> (backend, logits [1, V] at the last prompt
+               all_logits: bool = False) -> tuple[EagerRuntime, Tensor]:
+        """A fresh runtime holding the prompt -> (runtime, logits [1, V] at the last prompt
         position; [T, V] at every position with all_logits)."""
         self.request += 1
         self.request_rows = []
-        backend = self._backend(input_ids.shape[1] + new_tokens)
+        runtime = self._runtime(input_ids.shape[1] + new_tokens)
         with torch.inference_mode():
             if prefill is None:
-                logits = self.model.decoder(input_ids.to(self.device), 0, backend, last_logits_only=not all_logits)
-                logits = logits[0] if all_logits else logits[:, -1]
+                logits = runtime.prefill(input_ids, all_logits=all_logits, last_logits_only=not all_logits)
             else:
                 if not torch.equal(prefill.input_ids, input_ids):
                     raise ValueError("the Prefill given was made from other input_ids")
-                for layer, (q, k, v) in enumerate(prefill.qkv):  # same q/k/v: selector metadata and tail rebuilt
-                    backend.prefill(layer, q, k, v)
+                runtime.replay_prefill(prefill.qkv)  # same q/k/v: selector metadata and tail rebuilt
                 logits = prefill.last_logits
-            backend.finish_prefill()
-        return backend, logits
+            runtime.finish_prefill()
+        return runtime, logits
 
-    def _step(self, backend: DSABackend, token: int, position: int, step: int) -> Tensor:
+    def _step(self, runtime: EagerRuntime, token: int, position: int, step: int) -> Tensor:
         """One decode step of `token` at `position` -> logits [1, V]; records written."""
-        t0 = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model.decoder(torch.tensor([[token]], device=self.device), position, backend)[:, -1]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        latency = time.perf_counter() - t0
-        records, measure_s = backend.end_step()
-        check_finite(logits, step, backend)
-        if self.steps_out is not None or self.collect:
-            rows = [{"sample": self.request, **row} for r in records for row in layer_step_rows(r)]
+            logits, records, wall, measure_s = runtime.step(torch.tensor([token]), position, step)
+        if self.records is not None or self.collect:
+            rows = step_rows(records, sample=self.request)
             if self.collect:
                 self.request_rows += rows
-        if self.steps_out is not None:
-            self.steps_out.write(rows)
-            self.tokens_out.write([{"sample": self.request, "step": step, "token": token, "wall_s": latency,
-                                    "measure_s": measure_s, "latency_s": latency - measure_s}])
+        if self.records is not None:
+            self.records.steps.write(rows)
+            self.records.tokens.write([token_row(step, token, wall, measure_s, sample=self.request)])
         return logits.float()
 
     # --- requests -----------------------------------------------------------------------
@@ -211,7 +186,7 @@ class Engine:
                  prefill: Prefill | None = None) -> Generation:
         """Greedy decoding of up to max_new_tokens after input_ids [1, T]; stops at EOS or when
         the text holds a stop string (cut there)."""
-        backend, logits = self._start(input_ids, max_new_tokens, prefill)
+        runtime, logits = self._start(input_ids, max_new_tokens, prefill)
         prompt_len = input_ids.shape[1]
         tokens: list[int] = []
         margins: list[float] = []
@@ -224,7 +199,7 @@ class Engine:
                 break
             if step == max_new_tokens - 1:
                 break  # the last token needs no decode step of its own
-            logits = self._step(backend, token, prompt_len + step, step)
+            logits = self._step(runtime, token, prompt_len + step, step)
         text = self.decode_text(tokens)
         for s in stop:
             if s and s in text:
@@ -242,12 +217,12 @@ class Engine:
             if prefill is not None:
                 raise ValueError("a one-token context is prefilled together with its first continuation token")
             input_ids = torch.cat([input_ids, torch.tensor([continuation[:1]], dtype=input_ids.dtype)], 1)
-            backend, both = self._start(input_ids, len(continuation) - 1, None, all_logits=True)  # [2, V]
+            runtime, both = self._start(input_ids, len(continuation) - 1, None, all_logits=True)  # [2, V]
             logprobs.append(float(torch.log_softmax(both[0].float(), -1)[continuation[0]]))
             greedy = int(both[0].argmax()) == continuation[0]
             logits, continuation, offset = both[1:], continuation[1:], 1
         else:
-            backend, logits = self._start(input_ids, len(continuation), prefill)
+            runtime, logits = self._start(input_ids, len(continuation), prefill)
             offset = 0
         prompt_len = input_ids.shape[1]
         for i, token in enumerate(continuation):
@@ -255,59 +230,5 @@ class Engine:
             logprobs.append(float(logp[token]))
             greedy = greedy and int(logits[0].argmax()) == token
             if i + 1 < len(continuation):
-                logits = self._step(backend, token, prompt_len + i, i + offset)
+                logits = self._step(runtime, token, prompt_len + i, i + offset)
         return sum(logprobs), greedy, logprobs
-
-
-def evaluate_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
-    """The runner's path for scored tasks: every request through one engine, then the task's
-    metrics (accuracy, perplexity, lm-eval scores) in summary.json and the logger."""
-    torch.manual_seed(cfg.seed)
-    task = instantiate(cfg.task)
-    settings = instantiate(cfg.runtime)
-    t0 = time.perf_counter()
-    model = instantiate(cfg.model).load(settings.dtype, settings.device)
-    load_s = time.perf_counter() - t0
-    engine = Engine(cfg, model, task.prompt_tokens_upper_bound() + task.max_new_tokens, run_dir)
-    t0 = time.perf_counter()
-    try:
-        metrics = task.evaluate(engine)
-    finally:
-        engine.close()
-    eval_s = time.perf_counter() - t0
-    steps = read_jsonl(run_dir / "records" / "steps.jsonl")
-    tokens = read_jsonl(run_dir / "records" / "tokens.jsonl")
-    layers = per_layer(steps)
-    layers.to_csv(run_dir / "layers.csv", index=False)
-    samples = read_jsonl(run_dir / "records" / "samples.jsonl")
-    if "prediction" in samples:
-        write_text_atomic(run_dir / "generation.txt", "".join(
-            f"sample {r['sample']}: {r['prediction']!r} (answers {r.get('answers')}, score {r.get('score')})\n"
-            for r in samples.to_dict("records")))
-    summary = {
-        "status": "complete",
-        "model": model.name,
-        "task": cfg.task._target_.rsplit(".", 1)[-1],
-        "selector": OmegaConf.to_container(cfg.selector, resolve=True),
-        "predictor": OmegaConf.to_container(cfg.predictor, resolve=True),
-        "budget": OmegaConf.to_container(cfg.budget, resolve=True),
-        "mode": settings.mode,
-        "repair_mode": settings.repair_mode,
-        "backend": engine.ops.name,
-        "selection_backend": engine.selection_backend,
-        "device": engine.device_name,
-        "prompt_tokens": getattr(task, "prompt_tokens", None),
-        "block_size": settings.block_size,
-        "topk_blocks": engine.topk_blocks,
-        "model_load_s": load_s,
-        "eval_s": eval_s,
-        "budget_setup": engine.budget_info,
-        **metrics,
-        **summarize(steps, tokens),
-    }
-    write_json_atomic(run_dir / "summary.json", summary)
-    logger.log_run(summary, layers, steps)
-    print(format_summary(summary, layers) if not steps.empty else "")
-    print("  task metrics               " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                     for k, v in metrics.items()))
-    return summary

@@ -40,6 +40,8 @@ from lm_eval.api.registry import model_registry
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
+from prr.eos import eos_ids
+
 log = logging.getLogger("prr")
 LOCAL_TASKS = Path(__file__).resolve().parent / "tasks" / "lm_eval_tasks"
 # prr-lm-eval's --device when none is given (lm-eval's own default, cuda:0, would read as the
@@ -139,8 +141,8 @@ class PRRLM(LM):
         self.max_gen_toks = max_gen_toks
         self.truncated_requests = 0  # requests that lost context tokens to max_length (all request types)
         tok = engine.tokenizer
-        eos, bos = engine.model.config.eos_token_id, engine.model.config.bos_token_id
-        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        ends, bos = eos_ids(engine.model.config), engine.model.config.bos_token_id
+        eos = ends[0] if ends else None
         # lm-eval's "prefix token" (empty contexts, first rolling window): BOS, else EOS, else id 0 (bytes).
         self.prefix_token_id = bos if bos is not None else eos if eos is not None else 0
         self._tok = tok

@@ -77,9 +77,9 @@ def test_graph_engine_adaptive_switches_between_serial_and_prr(tmp_path, predict
     assert 0 < graph["hit_rate"] <= 1
 
 
-def test_eos_stop_matches_decode_run():
-    """decode_run stops after the first step by which every row has read an EOS."""
-    from prr.runtime.graph_run import steps_until_eos
+def test_eos_stop_after_every_row_read_one():
+    """A decode stops after the first step by which every row has read an EOS."""
+    from prr.eos import steps_until_eos
 
     inputs = torch.tensor([[1, 5, 2, 5], [3, 3, 5, 1]])
     assert steps_until_eos(inputs, torch.tensor([5])) == 3

@@ -167,12 +167,12 @@ def test_nan_in_attention_is_reported_with_step_and_layer(tmp_path, monkeypatch)
 
 
 def test_kv_cache_out_of_memory_names_the_sizes(tmp_path, monkeypatch):
-    import prr.runner
+    import prr.runtime.eager_run
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(prr.runner, "PagedKVCache", no_memory)
+    monkeypatch.setattr(prr.runtime.eager_run, "PagedKVCache", no_memory)
     with pytest.raises(MemoryError, match=r"GiB for 2 layers x batch 1 x 2 KV heads x 310 tokens"):
         run(tiny_cfg(), tmp_path / "oom")
 

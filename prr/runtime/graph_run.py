@@ -22,27 +22,23 @@ so both propose the same P from the first step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
+from omegaconf import DictConfig
+from torch import Tensor
 
-from prr.cache import PagedKVCache
-from prr.paths import write_json_atomic, write_text_atomic
-from prr.run_inputs import build_run
 from prr.runtime.graph_decode import StaticPlan
+from prr.runtime.run_strategy import Results, Window
 from prr.selectors.base import stack_rows
-from prr.sinks import JsonlWriter
-from prr.summary_table import format_summary
 
 log = logging.getLogger("prr")
 
@@ -137,13 +133,6 @@ def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_bl
                       dense_layers=tuple(sorted(selector.dense_layers)))
 
 
-def steps_until_eos(inputs: torch.Tensor, eos_ids: torch.Tensor) -> int | None:
-    """inputs: [B, n] tokens read by steps 0..n-1 -> how many steps decode_run runs before it
-    stops (after the first step by which every row has read an EOS), or None if not yet."""
-    seen = torch.isin(inputs, eos_ids).int().cummax(1).values.min(0).values  # [n]: all rows have seen one
-    return int(seen.argmax()) + 1 if bool(seen.any()) else None
-
-
 def tensor_parallel_group(settings: Any):
     """runtime.tensor_parallel > 1: join torchrun's process group (gloo on a CPU, NCCL on GPUs,
     one GPU per rank: cuda:LOCAL_RANK) -> this rank's TensorParallel; None for one process."""
@@ -161,268 +150,255 @@ def tensor_parallel_group(settings: Any):
     return TensorParallel(dist.get_rank(), dist.get_world_size())
 
 
-def graph_decode_run(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
-    """Prefill (research runtime), then decode through the engine; writes tokens.jsonl,
-    layers.csv, generation.txt and summary.json like decode_run."""
-    import dataclasses
+class GraphDecode:
+    """The run driver's strategy for `runtime.engine=graph`: prefill through the research
+    runtime (`EagerRuntime`, dense over the prompt; a ragged batch row by row), then windows of
+    engine steps, CUDA-graph replays on a GPU; the summary from the device counters."""
 
-    import pandas as pd  # here: config validation imports this module for graph_problems
+    progress_label = "decode (graph)"
 
-    from prr.runtime.dsa_backend import DSABackend
-    from prr.runtime.graph_budget import GraphProbe
-    from prr.runtime.graph_decode import GraphDecoder
-    from prr.runtime.probe import device_name
+    def __init__(self, cfg: DictConfig, inputs: Any, tp: Any) -> None:
+        from prr.runtime.graph_budget import GraphProbe
+        from prr.runtime.graph_decode import GraphDecoder
 
-    tp = tensor_parallel_group(instantiate(cfg.runtime))  # (first: each rank loads onto its own GPU)
-    r = build_run(cfg)
-    settings, task, selector, predictor, budget = r.settings, r.task, r.selector, r.predictor, r.budget
-    device, dtype, model, load_s, prompt, input_ids = r.device, r.dtype, r.model, r.load_s, r.prompt, r.input_ids
-    decoder = model.decoder  # the whole model, or this rank's shard (tensor parallelism)
-    if tp is not None:
-        from prr.model.tensor_parallel import shard_decoder
+        self.cfg, self.inputs, self.tp = cfg, inputs, tp
+        r, settings = inputs, inputs.settings
+        selector, predictor, budget = r.selector, r.predictor, r.budget
+        decoder = r.model.decoder  # the whole model, or this rank's shard (tensor parallelism)
+        if tp is not None:
+            from prr.model.tensor_parallel import shard_decoder
 
-        decoder = shard_decoder(decoder, tp)
-        model.decoder = decoder  # the whole model is freed: a rank keeps its shard only
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    mc = decoder.config
-    prompt_len = input_ids.shape[1]
-    capacity = prompt_len + task.max_new_tokens + 1
-    # Tokens of the prompt each row holds: all of it, or a ragged batch's last row_tokens[b].
-    row_tokens = settings.row_tokens or [prompt_len] * settings.batch_size
-    if max(row_tokens) > prompt_len:  # (graph_problems refuses rows above task.prompt_tokens before any work)
-        raise ValueError(f"runtime.row_tokens={settings.row_tokens}: a row cannot hold more than the prompt's "
-                         f"{prompt_len} tokens")
+            decoder = shard_decoder(decoder, tp)
+            r.model.decoder = decoder  # the whole model is freed: a rank keeps its shard only
+            if r.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.decoder = decoder
+        self.prompt_len = prompt_len = r.input_ids.shape[1]
+        self.capacity = capacity = prompt_len + r.task.max_new_tokens + 1
+        # Tokens of the prompt each row holds: all of it, or a ragged batch's last row_tokens[b].
+        self.row_tokens = row_tokens = settings.row_tokens or [prompt_len] * settings.batch_size
+        if max(row_tokens) > prompt_len:  # (graph_problems refuses rows above task.prompt_tokens before any work)
+            raise ValueError(f"runtime.row_tokens={settings.row_tokens}: a row cannot hold more than the prompt's "
+                             f"{prompt_len} tokens")
+        self.max_blocks = max_blocks = -(-capacity // settings.block_size)
+        plan = graph_plan(settings, selector, predictor, budget, max_blocks)
+        self.ops = instantiate(cfg.backend).name  # the prefill's ops; the engine's follow the device (engine_backend)
+        self.ops_backend = engine_backend(settings.device, self.ops)
+        self.budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
+        if plan.variant == "prr" and budget.profiles and predictor.uses_budget:  # before the prefill: less memory at once
+            # The profile at the first decode step's context (the longest row + 1 tokens): |P| is static
+            # for the decode.
+            context = (max(row_tokens) + settings.block_size) // settings.block_size
+            probe = GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n),
+                                                      settings.batch_size, capacity, selector=selector,
+                                                      backend=self.ops_backend),
+                               first_size=plan.topk_blocks)
+            self.budget_info.update(budget.setup(probe, plan.topk_blocks, max_blocks, contexts=[context]))
+            probe.release()
+            size = budget.predicted_blocks(0, context, plan.topk_blocks)
+            plan = dataclasses.replace(plan, variant="prr" if size else "serial", predicted_blocks=size)
+            self.budget_info.update(choice=plan.variant, predicted_blocks=size)
+        self.plan = plan
+        self.adaptive = budget.adapts_online
+        # Steps run back to back; the host looks at tokens (EOS) every window of steps, and on a
+        # GPU each step's time is its replay's device time (CUDA events): no host sync per token.
+        self.window = budget.window_steps if self.adaptive else 16 if r.device.type == "cuda" else 1
 
-    max_blocks = -(-capacity // settings.block_size)
-    plan = graph_plan(settings, selector, predictor, budget, max_blocks)
-    ops = instantiate(cfg.backend)  # the prefill's ops; the engine's follow the device (engine_backend)
-    ops_backend = engine_backend(settings.device, ops.name)
-    budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
-    if plan.variant == "prr" and budget.profiles and predictor.uses_budget:  # before the prefill: less memory at once
-        # The profile at the first decode step's context (the longest row + 1 tokens): |P| is static
-        # for the decode.
-        context = (max(row_tokens) + settings.block_size) // settings.block_size
-        probe = GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n),
-                                                  settings.batch_size, capacity, selector=selector,
-                                                  backend=ops_backend),
-                           first_size=plan.topk_blocks)
-        budget_info.update(budget.setup(probe, plan.topk_blocks, max_blocks, contexts=[context]))
-        probe.release()
-        size = budget.predicted_blocks(0, context, plan.topk_blocks)
-        plan = dataclasses.replace(plan, variant="prr" if size else "serial", predicted_blocks=size)
-        budget_info.update(choice=plan.variant, predicted_blocks=size)
-    # Prefill through the research runtime (dense over the prompt), into a paged cache: its K/V,
-    # the selector's metadata and the warmed predictor state are what the engine decodes from.
-    # A ragged batch prefills its rows one by one, each into its row of the cache
-    # (`PagedKVCache.row`: its own length and metadata), then calibrates and warms the predictor
-    # on every row's prefill tail at once, as a uniform batch does.
-    cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
-                         capacity, dtype, device)
-    selector.set_backend(ops.name)
+    def prefill(self) -> Tensor:
+        """The research runtime's prefill into a paged cache (its K/V, the selector's metadata and
+        the warmed predictor state are what the engine decodes from), then the engine, its views
+        and (on a GPU) their captures."""
+        from prr.runtime.eager_run import EagerRuntime
+        from prr.runtime.graph_decode import GraphDecoder
 
-    def prefill_backend(target: PagedKVCache) -> DSABackend:
-        return DSABackend(target, mc.num_heads, selector, predictor, budget, mode="sparse",
-                          repair_mode=settings.repair_mode, calibration_tokens=settings.calibration_tokens,
-                          dense_metrics_every=1, check_serial=False, backend=ops.name)
-    backend = prefill_backend(cache)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        if settings.row_tokens is None:
-            logits = decoder(input_ids, 0, backend)[:, -1]  # [B, V]
-            history = None
-        else:
-            rows, row_logits = [], []
-            for b, n in enumerate(row_tokens):
-                rows.append(prefill_backend(cache.row(b)))
-                row_logits.append(decoder(input_ids[b : b + 1, prompt_len - n :], 0, rows[-1])[:, -1])  # [1, V]
-            logits = torch.cat(row_logits)  # [B, V]
-            for layer in range(mc.num_layers):  # the host length: the longest row (rows mask their own)
-                cache.set_length(layer, max(row_tokens))
-            history = [None if rows[0].history[layer] is None else
-                       [stack_rows(list(step)) for step in zip(*(r.history[layer] for r in rows), strict=True)]
-                       for layer in range(mc.num_layers)]
-            del rows
-        calibrate_on = None
-        if tp is not None:  # calibration fits every rank's heads (all ranks choose alike, as one process would)
-            own = history if history is not None else backend.history
-            calibrate_on = [None if h is None else [tp.gather_heads(s) for s in h] for h in own]
-        calibration = backend.finish_prefill(history, calibrate_on)  # calibrates and warms the predictor
-        prefill_s = time.perf_counter() - t0
-    if calibration:
-        budget_info["calibration"] = calibration
-
-    speculating = plan.variant == "prr"
-    plan = dataclasses.replace(plan, projections=settings.graph_projections())
-    engine = GraphDecoder(decoder, plan, settings.batch_size, capacity, compile=device.type == "cuda" and tp is None,
-                          selector=selector, predictor=predictor if speculating else None, cache=cache,
-                          backend=ops_backend)
-    first = logits.argmax(-1)  # [B] greedy
-    engine.begin(row_tokens, first)
-    if speculating:
-        engine.adopt_predictor_state(backend.predictor_state)
-        engine.prime_predictions(row_tokens)
-    engine.set_previous_selections(backend.previous)  # A of the last prompt-tail step: last-step overlap
-    del backend
-    log.info("prompt: %s (%d tokens); engine=graph, %s", prompt.description, prompt_len, plan)
-
-    adaptive = budget.adapts_online
-    if adaptive:
-        budget_info.update(budget.setup(None, plan.topk_blocks, max_blocks))
-        log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of %d steps, by "
-                 "measured time and PRR's hit rate (min_hit=%s)", plan.predicted_blocks, budget.window_steps,
-                 budget.min_hit)
-    steps = task.max_new_tokens
-    outputs = torch.zeros(settings.batch_size, steps + 2, dtype=torch.long, device=device)  # each step's token
-
-    # One view of the engine per variant this run can take (adaptive: both, over the same cache).
-    # Steps that also measure against dense attention (runtime.dense_metrics_every; shadow mode
-    # measures every step) are a second view of each variant. Every view counts |A|, |P|, hits
-    # and last-step overlap on the device (a few small reductions per sparse layer), read once
-    # per window.
-    variants = ("serial", "prr") if adaptive else (plan.variant,)
-    every = 1 if plan.mode == "shadow" else settings.dense_metrics_every
-    measures = (True,) if every == 1 else (True, False)
-
-    def stepper(view: GraphDecoder):
-        def run() -> None:  # one decode step of this view; its greedy token lands in outputs[:, step index]
-            view.step(advance=True)
-            outputs.index_copy_(1, (view.pos[:1] - row_tokens[0] - 1).long(), view.token)
-        return run
-
-    # (adaptive's serial windows keep the predictor learning, as the eager runtime's serial steps do)
-    replays = {(variant, m): stepper(engine.with_plan(variant=variant, measure_dense=m, count_hits=True,
-                                                      learn_in_serial=adaptive))
-               for variant in variants for m in measures}
-    if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: rewind it
-        with torch.inference_mode():  # (the prefill's tensors are inference tensors)
-            start = engine.checkpoint()  # after each capture, and before the decode, to the prompt's end
-            for key, fn in list(replays.items()):
-                replays[key] = engine.capture(fn).replay
-                engine.restore(start)
-    eos = mc.eos_token_id
-    eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    # Steps run back to back; the host looks at tokens (EOS) every CHECK_EVERY steps, and on a
-    # GPU each step's time is its replay's device time (CUDA events): no host sync per token.
-    check_every = budget.window_steps if adaptive else 16 if device.type == "cuda" else 1
-    latencies: list[float] = []
-    ran: list[str] = []  # the variant of each step
-    sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
-    # Hit counters summed over PRR steps only (an adaptive run's serial steps count |A|, no hits).
-    names = engine.COUNTERS
-    totals = {v: torch.zeros(len(names), mc.num_layers, dtype=torch.float64) for v in ("serial", "prr")}
-    done = 0
-    with torch.inference_mode(), tqdm(total=steps, desc="decode (graph)", unit="tok") as bar:
-        while done < steps:
-            chunk = min(check_every, steps - done)
-            variant = budget.variant if adaptive else plan.variant
-            window_replays = [replays[variant, (done + i) % every == 0] for i in range(chunk)]
-            # copies: on the CPU .cpu() would alias the counters the steps add to in place
-            before = torch.tensor([engine.counters()[n] for n in names], dtype=torch.float64)
-            first_latency = len(latencies)
-            if device.type == "cuda":
-                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                          for _ in range(chunk)]
-                for (start, stop), replay in zip(events, window_replays, strict=True):
-                    start.record()
-                    replay()
-                    stop.record()
-                events[-1][1].synchronize()
-                latencies += [start.elapsed_time(stop) * 1e-3 for start, stop in events]
+        r, settings, tp = self.inputs, self.inputs.settings, self.tp
+        selector, predictor, budget, decoder = r.selector, r.predictor, r.budget, self.decoder
+        row_tokens, prompt_len, plan = self.row_tokens, self.prompt_len, self.plan
+        mc = decoder.config
+        # A ragged batch prefills its rows one by one, each into its row of the cache
+        # (`PagedKVCache.row`: its own length and metadata), then calibrates and warms the predictor
+        # on every row's prefill tail at once, as a uniform batch does.
+        selector.set_backend(self.ops)
+        eager = EagerRuntime(decoder, settings, selector, predictor, budget, self.ops, self.capacity, r.dtype,
+                             mode="sparse", dense_metrics_every=1, check_serial=False)
+        cache = eager.cache
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            if settings.row_tokens is None:
+                logits = eager.prefill(r.input_ids)  # [B, V]
+                history = None
             else:
-                for replay in window_replays:
-                    t0 = time.perf_counter()
-                    replay()
-                    latencies.append(time.perf_counter() - t0)
-            done += chunk
-            ran += [variant] * chunk
-            bar.update(chunk)
-            window = torch.tensor([engine.counters()[n] for n in names], dtype=torch.float64) - before
-            totals[variant] += window
-            if adaptive:
-                window_hit = None
-                if variant == "prr":
-                    d_hits, d_sel = window[2, sparse].sum(), window[0, sparse].sum()
-                    window_hit = float(d_hits / d_sel) if d_sel > 0 else None
-                budget.end_window(variant, statistics.median(latencies[first_latency:]), window_hit)
-            inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, done]
-            stop = steps_until_eos(inputs, eos_ids) if task.stop_at_eos else None
-            if stop is not None:
-                done = stop
-                latencies, ran = latencies[:done], ran[:done]
-                break
-    inputs = torch.cat([first.view(-1, 1).cpu(), outputs[:, : done - 1].cpu()], 1)  # [B, steps]: tokens each step read
-    tokens_out = JsonlWriter(run_dir / "records" / "tokens.jsonl")
-    tokens_out.write([{"step": i, "token": int(inputs[0, i]), "wall_s": t, "measure_s": 0.0, "latency_s": t,
-                       "variant": v} for i, (t, v) in enumerate(zip(latencies, ran, strict=True))])
-    tokens_out.close()
+                rows, row_logits = [], []
+                for b, n in enumerate(row_tokens):
+                    rows.append(eager.attention(cache.row(b)))
+                    row_logits.append(eager.prefill(r.input_ids[b : b + 1, prompt_len - n :], rows[-1]))  # [1, V]
+                logits = torch.cat(row_logits)  # [B, V]
+                for layer in range(mc.num_layers):  # the host length: the longest row (rows mask their own)
+                    cache.set_length(layer, max(row_tokens))
+                history = [None if rows[0].history[layer] is None else
+                           [stack_rows(list(step)) for step in zip(*(b.history[layer] for b in rows), strict=True)]
+                           for layer in range(mc.num_layers)]
+                del rows
+            calibrate_on = None
+            if tp is not None:  # calibration fits every rank's heads (all ranks choose alike, as one process would)
+                own = history if history is not None else eager.backend.history
+                calibrate_on = [None if h is None else [tp.gather_heads(s) for s in h] for h in own]
+            calibration = eager.finish_prefill(history, calibrate_on)  # calibrates and warms the predictor
+            self.prefill_s = time.perf_counter() - t0
+        if calibration:
+            self.budget_info["calibration"] = calibration
 
-    token_ids = inputs
-    if tp is not None:  # each rank counted its own KV heads: the run's counts are their sums
-        for variant in totals:
-            totals[variant] = tp.sum_on_host(totals[variant])
-    selected, predicted, hits = (totals["prr"][names.index(n)] for n in ("selected", "predicted", "hits"))
-    both = dict(zip(names, totals["prr"] + totals["serial"], strict=True))  # over every step
+        speculating = plan.variant == "prr"
+        plan = self.plan = dataclasses.replace(plan, projections=settings.graph_projections())
+        device = r.device
+        engine = self.engine = GraphDecoder(decoder, plan, settings.batch_size, self.capacity,
+                                            compile=device.type == "cuda" and tp is None, selector=selector,
+                                            predictor=predictor if speculating else None, cache=cache,
+                                            backend=self.ops_backend)
+        first = logits.argmax(-1)  # [B] greedy
+        engine.begin(row_tokens, first)
+        if speculating:
+            engine.adopt_predictor_state(eager.backend.predictor_state)
+            engine.prime_predictions(row_tokens)
+        engine.set_previous_selections(eager.backend.previous)  # A of the last prompt-tail step: last-step overlap
+        del eager
+        log.info("prompt: %s (%d tokens); engine=graph, %s", r.prompt.description, prompt_len, plan)
 
-    def ratio(num: torch.Tensor, den: torch.Tensor) -> float | None:
-        return float(num.sum() / den.sum()) if den.sum() > 0 else None
+        if self.adaptive:
+            self.budget_info.update(budget.setup(None, plan.topk_blocks, self.max_blocks))
+            log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of %d steps, by "
+                     "measured time and PRR's hit rate (min_hit=%s)", plan.predicted_blocks, budget.window_steps,
+                     budget.min_hit)
+        steps = r.task.max_new_tokens
+        self.outputs = outputs = torch.zeros(settings.batch_size, steps + 2, dtype=torch.long, device=device)
 
-    # hit rate and precision over PRR steps; overlap and the dense-reference metrics over every step
-    layers = pd.DataFrame({"layer": sparse,
-                           "hit_rate": [ratio(hits[i], selected[i]) for i in sparse],
-                           "last_step_overlap": [ratio(both["overlap"][i], both["selected"][i]) for i in sparse],
-                           "mass_recall": [ratio(both["mass_recall"][i], both["measured"][i]) for i in sparse],
-                           "output_relerr": [ratio(both["output_relerr"][i], both["measured"][i]) for i in sparse]})
-    command = "python " + " ".join(sys.argv)  # provenance travels with copies of either file
-    layers.assign(command=command).to_csv(run_dir / "layers.csv", index=False)
-    text = model.tokenizer.decode(token_ids[0].tolist()) if model.tokenizer is not None else None
-    write_text_atomic(run_dir / "generation.txt", f"prompt: {prompt.description}\n\n{text or token_ids[0].tolist()}\n")
-    total_selected = float(selected[sparse].sum())  # over PRR steps
-    if adaptive:
-        budget_info.update(steps_prr=ran.count("prr"), steps_serial=ran.count("serial"))
-    median_ms = 1e3 * statistics.median(latencies)
-    summary = {
-        "status": "complete",
-        # how this file was produced (results copied elsewhere keep their provenance)
-        "command": command,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "engine": "graph",
-        "tensor_parallel": settings.tensor_parallel,
-        "kv_heads_per_rank": mc.num_kv_heads,  # (the shard's: the model's / tensor_parallel)
-        "engine_ops": engine.backend,  # triton kernels, or static-shape torch ops (a CPU without TRITON_INTERPRET)
-        "model": model.name,
-        "selector": OmegaConf.to_container(cfg.selector, resolve=True),
-        "predictor": OmegaConf.to_container(cfg.predictor, resolve=True),
-        "budget": OmegaConf.to_container(cfg.budget, resolve=True),
-        "mode": plan.mode,
-        "repair_mode": plan.repair_mode,
-        "projections": engine.plan.projections,
-        "variant": "adaptive" if adaptive else plan.variant,  # adaptive: per step in tokens.jsonl
-        "device": device_name(device),
-        "prompt_tokens": prompt_len,
-        "row_tokens": row_tokens,  # tokens of the prompt each row holds (a ragged batch's differ)
-        "block_size": plan.block_size,
-        "topk_blocks": plan.topk_blocks,
-        "predicted_blocks": plan.predicted_blocks,
-        "model_load_s": load_s,
-        "prefill_s": prefill_s,
-        "budget_setup": budget_info,
-        "decode_steps": len(latencies),
-        # GPU: device time of each step's graph replay (CUDA events); CPU: wall time of eager steps.
-        "token_latency_median_ms": median_ms,
-        "token_latency_p90_ms": 1e3 * float(pd.Series(latencies).quantile(0.9)),
-        "token_latency_mean_ms": 1e3 * statistics.fmean(latencies),  # with the dense-measured steps' cost
-        "tokens_per_s": settings.batch_size * 1e3 / median_ms,
-        "hit_rate": float(hits[sparse].sum()) / total_selected if total_selected else None,
-        "precision": ratio(hits[sparse], predicted[sparse]),
-        "last_step_overlap": ratio(both["overlap"][sparse], both["selected"][sparse]),
-        "mean_mass_recall": ratio(both["mass_recall"][sparse], both["measured"][sparse]),
-        "mean_output_relerr": ratio(both["output_relerr"][sparse], both["measured"][sparse]),
-        "dense_metrics_every": every,
-        "generated_token_ids": token_ids.tolist(),
-    }
-    write_json_atomic(run_dir / "summary.json", summary)
-    logger.log_run(summary, layers, pd.DataFrame())
-    print(format_summary(summary, layers))
-    return summary
+        # One view of the engine per variant this run can take (adaptive: both, over the same cache).
+        # Steps that also measure against dense attention (runtime.dense_metrics_every; shadow mode
+        # measures every step) are a second view of each variant. Every view counts |A|, |P|, hits
+        # and last-step overlap on the device (a few small reductions per sparse layer), read once
+        # per window.
+        variants = ("serial", "prr") if self.adaptive else (plan.variant,)
+        self.every = 1 if plan.mode == "shadow" else settings.dense_metrics_every
+        measures = (True,) if self.every == 1 else (True, False)
+
+        def stepper(view: GraphDecoder):
+            def run() -> None:  # one decode step of this view; its greedy token lands in outputs[:, step index]
+                view.step(advance=True)
+                outputs.index_copy_(1, (view.pos[:1] - row_tokens[0] - 1).long(), view.token)
+            return run
+
+        # (adaptive's serial windows keep the predictor learning, as the eager runtime's serial steps do)
+        self.replays = {(variant, m): stepper(engine.with_plan(variant=variant, measure_dense=m, count_hits=True,
+                                                               learn_in_serial=self.adaptive))
+                        for variant in variants for m in measures}
+        if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: rewind it
+            with torch.inference_mode():  # (the prefill's tensors are inference tensors)
+                start = engine.checkpoint()  # after each capture, and before the decode, to the prompt's end
+                for key, fn in list(self.replays.items()):
+                    self.replays[key] = engine.capture(fn).replay
+                    engine.restore(start)
+        self.latencies: list[float] = []
+        self.ran: list[str] = []  # the variant of each step
+        self.sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
+        # Hit counters summed over PRR steps only (an adaptive run's serial steps count |A|, no hits).
+        self.totals = {v: torch.zeros(len(engine.COUNTERS), mc.num_layers, dtype=torch.float64)
+                       for v in ("serial", "prr")}
+        self.done = 0
+        return first
+
+    def decode(self, n: int) -> Window:
+        """n steps of one variant (adaptive: the budget's choice for this window), then the
+        window's counters; adaptive budgets learn from its median step time and hit rate."""
+        engine, names, done = self.engine, self.engine.COUNTERS, self.done
+        variant = self.inputs.budget.variant if self.adaptive else self.plan.variant
+        window_replays = [self.replays[variant, (done + i) % self.every == 0] for i in range(n)]
+        # copies: on the CPU .cpu() would alias the counters the steps add to in place
+        before = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64)
+        latencies: list[float] = []
+        if self.inputs.device.type == "cuda":
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+            for (start, stop), replay in zip(events, window_replays, strict=True):
+                start.record()
+                replay()
+                stop.record()
+            events[-1][1].synchronize()
+            latencies = [start.elapsed_time(stop) * 1e-3 for start, stop in events]
+        else:
+            for replay in window_replays:
+                t0 = time.perf_counter()
+                replay()
+                latencies.append(time.perf_counter() - t0)
+        self.done += n
+        self.latencies += latencies
+        self.ran += [variant] * n
+        window = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64) - before
+        self.totals[variant] += window
+        if self.adaptive:
+            window_hit = None
+            if variant == "prr":
+                d_hits, d_sel = window[2, self.sparse].sum(), window[0, self.sparse].sum()
+                window_hit = float(d_hits / d_sel) if d_sel > 0 else None
+            self.inputs.budget.end_window(variant, statistics.median(latencies), window_hit)
+        return Window(self.outputs[:, done : done + n].cpu(), latencies, [0.0] * n, [variant] * n)
+
+    def results(self, token_ids: Tensor) -> Results:
+        """Hit rate and precision over PRR steps; overlap and the dense-reference metrics over every step."""
+        import pandas as pd  # here: config validation imports this module for graph_problems
+
+        from prr.runtime.probe import device_name
+
+        r, settings, plan, engine, sparse = self.inputs, self.inputs.settings, self.plan, self.engine, self.sparse
+        steps = token_ids.shape[1]
+        latencies, ran = self.latencies[:steps], self.ran[:steps]
+        totals, names = self.totals, engine.COUNTERS
+        if self.tp is not None:  # each rank counted its own KV heads: the run's counts are their sums
+            for variant in totals:
+                totals[variant] = self.tp.sum_on_host(totals[variant])
+        selected, predicted, hits = (totals["prr"][names.index(n)] for n in ("selected", "predicted", "hits"))
+        both = dict(zip(names, totals["prr"] + totals["serial"], strict=True))  # over every step
+
+        def ratio(num: torch.Tensor, den: torch.Tensor) -> float | None:
+            return float(num.sum() / den.sum()) if den.sum() > 0 else None
+
+        layers = pd.DataFrame({"layer": sparse,
+                               "hit_rate": [ratio(hits[i], selected[i]) for i in sparse],
+                               "last_step_overlap": [ratio(both["overlap"][i], both["selected"][i]) for i in sparse],
+                               "mass_recall": [ratio(both["mass_recall"][i], both["measured"][i]) for i in sparse],
+                               "output_relerr": [ratio(both["output_relerr"][i], both["measured"][i])
+                                                 for i in sparse]})
+        command = "python " + " ".join(sys.argv)  # provenance travels with copies of either file
+        total_selected = float(selected[sparse].sum())  # over PRR steps
+        if self.adaptive:
+            self.budget_info.update(steps_prr=ran.count("prr"), steps_serial=ran.count("serial"))
+        median_ms = 1e3 * statistics.median(latencies)
+        summary = dict(
+            # how this file was produced (results copied elsewhere keep their provenance)
+            provenance={"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "torch": torch.__version__, "engine": "graph", "tensor_parallel": settings.tensor_parallel,
+                        "kv_heads_per_rank": self.decoder.config.num_kv_heads,  # (the shard's: the model's / tp)
+                        # triton kernels, or static-shape torch ops (a CPU without TRITON_INTERPRET)
+                        "engine_ops": engine.backend},
+            mode=plan.mode, repair_mode=plan.repair_mode,
+            ops={"projections": plan.projections,
+                 "variant": "adaptive" if self.adaptive else plan.variant},  # adaptive: per step in tokens.jsonl
+            device=device_name(r.device), prompt_tokens=self.prompt_len,
+            rows={"row_tokens": self.row_tokens},  # tokens of the prompt each row holds (a ragged batch's differ)
+            block_size=plan.block_size, topk_blocks=plan.topk_blocks,
+            sizes={"predicted_blocks": plan.predicted_blocks}, timing={"prefill_s": self.prefill_s},
+            budget_setup=self.budget_info,
+            results={
+                "decode_steps": len(latencies),
+                # GPU: device time of each step's graph replay (CUDA events); CPU: wall time of eager steps.
+                "token_latency_median_ms": median_ms,
+                "token_latency_p90_ms": 1e3 * float(pd.Series(latencies).quantile(0.9)),
+                "token_latency_mean_ms": 1e3 * statistics.fmean(latencies),  # with the dense-measured steps' cost
+                "tokens_per_s": settings.batch_size * 1e3 / median_ms,
+                "hit_rate": float(hits[sparse].sum()) / total_selected if total_selected else None,
+                "precision": ratio(hits[sparse], predicted[sparse]),
+                "last_step_overlap": ratio(both["overlap"][sparse], both["selected"][sparse]),
+                "mean_mass_recall": ratio(both["mass_recall"][sparse], both["measured"][sparse]),
+                "mean_output_relerr": ratio(both["output_relerr"][sparse], both["measured"][sparse]),
+                "dense_metrics_every": self.every,
+                "generated_token_ids": token_ids.tolist(),
+            })
+        return Results(summary, layers, pd.DataFrame(), layers.assign(command=command))

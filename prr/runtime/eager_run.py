@@ -1,0 +1,188 @@
+"""The research runtime as a run strategy: the model's eager forward over a paged KV cache,
+attention through `DSABackend` (prefill dense, decode through the PRR step, timed stage by
+stage, with per-(step, layer, row, KV head) records).
+
+The one place a run builds a `DSABackend`: the main command's eager decode, the graph engine's
+prefill (prr/runtime/graph_run.py), every request of a scored task (prr/evaluation.py) and the
+studies (experiments/) go through `EagerRuntime`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import Tensor
+
+from prr.cache import PagedKVCache
+from prr.metrics import per_layer, summarize
+from prr.progress import PrefillProgress, progress_bar
+from prr.run_records import step_rows
+from prr.runtime.dsa_backend import DSABackend, check_finite
+from prr.runtime.probe import StageProbe
+from prr.runtime.records import LayerStepRecord
+from prr.runtime.run_strategy import Results, Window, topk_label
+from prr.sinks import JsonlWriter, read_jsonl
+
+log = logging.getLogger("prr")
+
+
+def next_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> Tensor:
+    """logits: [B, V] -> token ids [B]; greedy when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest set reaching top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    choice = torch.multinomial(sorted_probs.cpu(), 1, generator=generator).to(order.device)
+    return order.gather(-1, choice).squeeze(-1)
+
+
+def kv_cache(decoder: Any, batch: int, block_size: int, max_tokens: int, dtype: torch.dtype,
+             device: torch.device) -> PagedKVCache:
+    """The run's paged KV cache for `decoder`'s layers; out of memory: the sizes, named."""
+    mc = decoder.config
+    try:
+        return PagedKVCache(mc.num_layers, batch, mc.num_kv_heads, mc.head_dim, block_size, max_tokens, dtype, device)
+    except torch.OutOfMemoryError as err:
+        cache_bytes = 2 * mc.num_layers * batch * mc.num_kv_heads * mc.head_dim * max_tokens * dtype.itemsize
+        weight_bytes = sum(p.numel() * p.element_size() for p in decoder.parameters())
+        raise MemoryError(
+            f"out of memory on {device} allocating the KV cache: {cache_bytes / 2**30:.2f} GiB for {mc.num_layers} layers"
+            f" x batch {batch} x {mc.num_kv_heads} KV heads x {max_tokens} tokens x "
+            f"head_dim {mc.head_dim} ({str(dtype).removeprefix('torch.')}), beside {weight_bytes / 2**30:.2f} GiB of "
+            "weights; lower task.prompt_tokens, runtime.batch_size or the model's num_layers") from err
+
+
+def eager_budget_setup(budget: Any, selector: Any, settings: Any, decoder: Any, max_tokens: int,
+                       dtype: torch.dtype, backend: str) -> tuple[dict[str, Any], str]:
+    """The budget set up for the eager step (its `StageProbe`: the eager stages, timed on this
+    device) -> (what it decided, for the summary; the device's name)."""
+    mc, device = decoder.config, torch.device(settings.device)
+    probe = StageProbe(selector, settings.repair_mode, settings.batch_size, mc.num_heads, mc.num_kv_heads,
+                       mc.head_dim, settings.block_size, max_tokens, dtype, device, backend=backend)
+    max_blocks = -(-max_tokens // settings.block_size)
+    return budget.setup(probe, selector.selected_blocks(max_blocks), max_blocks), probe.device_name
+
+
+class EagerRuntime:
+    """One request (or one run's batch) through the research runtime: a cache of `max_tokens`
+    per row, the run's selector / predictor / budget objects, its settings (runtime group) and
+    op backend. `changes` override settings for this runtime (the graph engine's prefill, the
+    studies' shadow decodes)."""
+
+    def __init__(self, decoder: Any, settings: Any, selector: Any, predictor: Any, budget: Any, backend: str,
+                 max_tokens: int, dtype: torch.dtype, batch: int | None = None, **changes: Any) -> None:
+        self.decoder, self.backend_name = decoder, backend
+        self.device = torch.device(settings.device)
+        self.cache = kv_cache(decoder, settings.batch_size if batch is None else batch, settings.block_size,
+                              max_tokens, dtype, self.device)
+        options = {"mode": settings.mode, "repair_mode": settings.repair_mode,
+                   "calibration_tokens": settings.calibration_tokens,
+                   "dense_metrics_every": settings.dense_metrics_every, "check_serial": settings.check_serial,
+                   **changes}
+        self.parts = (selector, predictor, budget, options)
+        self.backend = self.attention(self.cache)
+
+    def attention(self, cache: PagedKVCache) -> DSABackend:
+        """The DSA/PRR attention of this runtime over `cache` (the runtime's own, or a row view of
+        it: a ragged batch prefills row by row)."""
+        selector, predictor, budget, options = self.parts
+        return DSABackend(cache, self.decoder.config.num_heads, selector, predictor, budget, backend=self.backend_name,
+                          **options)
+
+    def prefill(self, input_ids: Tensor, attention: Any = None, all_logits: bool = False,
+                last_logits_only: bool = False) -> Tensor:
+        """input_ids [B, T] through the dense prefill -> logits [B, V] at the last position
+        ([T, V] of row 0 with all_logits). attention: the backend to prefill through (default
+        this runtime's; a progress wrapper, or a row's)."""
+        logits = self.decoder(input_ids.to(self.device), 0, self.backend if attention is None else attention,
+                              last_logits_only=last_logits_only)
+        return logits[0] if all_logits else logits[:, -1]
+
+    def replay_prefill(self, qkv: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        """A kept dense prefill's q/k/v per layer into this runtime (cache, selector metadata and
+        the prefill tail's selections rebuilt as a prefill would)."""
+        for layer, (q, k, v) in enumerate(qkv):
+            self.backend.prefill(layer, q, k, v)
+
+    def finish_prefill(self, history: Any = None, calibrate_on: Any = None) -> dict[str, Any]:
+        """Calibrate and warm the predictor on the prefill tail (DSABackend.finish_prefill)."""
+        return self.backend.finish_prefill(history, calibrate_on)
+
+    def step(self, token: Tensor, position: int, step: int) -> tuple[Tensor, list[LayerStepRecord], float, float]:
+        """One decode step reading token [B] at `position` -> (logits [B, V], the step's records,
+        wall seconds, of which measurement work)."""
+        t0 = time.perf_counter()
+        logits = self.decoder(token.view(-1, 1).to(self.device), position, self.backend)[:, -1]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - t0
+        records, measure_s = self.backend.end_step()
+        check_finite(logits, step, self.backend)
+        return logits, records, wall, measure_s
+
+
+class EagerDecode:
+    """The run driver's strategy for `runtime.engine=eager`: one step per host look, sampling
+    (task.temperature, top_p), steps.jsonl per step; the summary from the records."""
+
+    progress_label = "decode"
+    window = 1
+
+    def __init__(self, cfg: DictConfig, inputs: Any, run_dir: Path) -> None:
+        self.cfg, self.inputs, self.run_dir = cfg, inputs, run_dir
+        r, settings = inputs, inputs.settings
+        self.prompt_len = r.input_ids.shape[1]
+        self.ops = instantiate(cfg.backend).name
+        self.selection_backend = r.selector.set_backend(self.ops)
+        self.runtime = EagerRuntime(r.model.decoder, settings, r.selector, r.predictor, r.budget, self.ops,
+                                    self.prompt_len + r.task.max_new_tokens, r.dtype)
+        self.budget_info, self.device_name = eager_budget_setup(r.budget, r.selector, settings, r.model.decoder,
+                                                                self.runtime.cache.max_tokens, r.dtype, self.ops)
+        log.info("prompt: %s (%d tokens); model %s loaded in %.1f s", r.prompt.description, self.prompt_len,
+                 r.model.name, r.load_s)
+        self.steps_out = JsonlWriter(run_dir / "records" / "steps.jsonl")
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.step = 0
+
+    def prefill(self) -> Tensor:
+        r = self.inputs
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            with progress_bar(r.model.config.num_layers, f"prefill ({self.prompt_len} tokens)", "layer") as bar:
+                logits = self.runtime.prefill(r.input_ids, PrefillProgress(self.runtime.backend, bar))  # [B, V]
+                bar.set_postfix_str("calibrating the predictor")
+                self.calibration = self.runtime.finish_prefill()
+            self.prefill_s = time.perf_counter() - t0
+            self.token = next_token(logits, r.task.temperature, r.task.top_p, self.generator)
+        return self.token
+
+    def decode(self, n: int) -> Window:
+        if n != 1:
+            raise ValueError(f"the eager runtime looks at every step's token: windows of 1 step, not {n}")
+        logits, records, wall, measure_s = self.runtime.step(self.token, self.prompt_len + self.step, self.step)
+        self.steps_out.write(step_rows(records))
+        self.token = next_token(logits, self.inputs.task.temperature, self.inputs.task.top_p, self.generator)
+        self.step += 1
+        return Window(self.token.view(-1, 1).cpu(), [wall], [measure_s])
+
+    def results(self, token_ids: Tensor) -> Results:
+        self.steps_out.close()
+        r, settings = self.inputs, self.inputs.settings
+        steps = read_jsonl(self.run_dir / "records" / "steps.jsonl")
+        tokens = read_jsonl(self.run_dir / "records" / "tokens.jsonl")
+        summary = dict(mode=settings.mode, repair_mode=settings.repair_mode,
+                       ops={"backend": self.ops, "selection_backend": self.selection_backend},
+                       device=self.device_name, prompt_tokens=self.prompt_len, block_size=settings.block_size,
+                       topk_blocks=topk_label(r.selector),
+                       timing={"prefill_s": self.prefill_s, "calibration": self.calibration},
+                       budget_setup=self.budget_info,
+                       results={"generated_token_ids": token_ids.tolist(), **summarize(steps, tokens)})
+        return Results(summary, per_layer(steps), steps)

@@ -61,9 +61,25 @@ Metadata (static shapes: the same code runs eagerly and in the captured CUDA-gra
   probabilities per token and query head (memory: Hq floats per token, G/D of the K/V
   cache's), and `infllm_scored` [B] int64: queries at positions < n have been added, so a
   second selection at the same step (the oracle's look) adds nothing: idempotent.
+- backend=triton only: `infllm_arrivals` [B] int32, the step kernel's arrival counter (zero
+  between launches).
 Per step: one softmax over the forced blocks' (sinks + window) tokens per query head, an add
-into the window blocks' scores, at most one block finalised. No Triton kernels: selection
-runs in torch ops under every backend.
+into the window blocks' scores, at most one block finalised.
+
+One definition, two op backends, tested equal (tests/test_kernels_infllm.py: the same sets, slots
+and scores within 1e-5): torch ops (`head_scores` = `_add_window_attention` + `_finalise` +
+`block_scores`, then the base class's reduce / force / top-K; the reference and the CPU path), and
+under runtime backend triton prr.kernels.infllm: `append_metadata` is one launch (the token's
+block mean), `select` three: the step kernel (the window softmax and its add, the finalising of at
+most one block, the row's counters), the score kernel (the query turned to the fixed angle; final
+blocks against their representatives, the others against their live mean; Σ over the layer's
+heads, or reduced per group) and the shared `topk_select`. Representatives stay fp32, as the
+torch path keeps them (bf16 would round the scores differently, and then the selections would not
+be the torch path's); one_query's are equal over a group, so the score kernel reads one per block
+(a quarter of the bytes at G = 4). `gqa_reduce=union` and head dims other than powers of two in
+[16, 256] have no kernels (`triton_problems` says so before a run). The prefill's backlog
+(`catch_up`) runs in torch ops (eager, once). Measured on the H200:
+experiments/results/h200/kernels_issue33.md.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 VARIANTS = {"infllm": {}, "infllm_prr": {"scoring": "rope", "representatives_from": "one_query"}}
-SCORE_TILINGS = [(bn, w) for bn in (4, 8, 16, 32) for w in (4, 8)]  # (blocks per program, warps)
+SCORE_TILINGS = [(4, 4), (8, 4), (16, 4), (8, 8), (32, 8)]  # (blocks per program, warps)
 CHECK_STEPS = 20
 
 

@@ -374,12 +374,17 @@ def query_similarity_rank(query: Tensor, keys: Tensor, sets: Tensor, last_select
 
 def query_similarity_propose(query: Tensor, keys: Tensor, sets: Tensor, last_selected: Tensor, last_z: Tensor,
                              filled: Tensor, num_blocks: int | Tensor, pending: Tensor, has_pending: Tensor,
-                             neighbours: int, recent_blocks: int, tie: float, k: int) -> tuple[Tensor, Tensor]:
+                             neighbours: int, recent_blocks: int, tie: float, k: int, fill: Tensor | None = None,
+                             fill_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """query_similarity's P: the top-k blocks of `query_similarity_rank` (which it writes to
     pending / has_pending alike) -> (indices [B, Hkv, min(k, N)] int32 ascending, counts [B, Hkv]
     int32). One launch for rows of up to MAX_ROW_BLOCK blocks with tie < 0.5 / sqrt(N - 1) (the
-    voted blocks then outrank the others: where at least k got a vote the top k are taken among
-    them, else from the whole row, in registers); rank + topk_select beyond."""
+    voted blocks then outrank the others: where at least k got a vote the top k are counted among
+    them; where fewer did, every voted block and the best others by tie·z, found through `fill`;
+    else the whole row's top-k, in registers); rank + topk_select beyond.
+    fill: [B, Hkv, W] int32, the W best blocks of tie·last_z best first (`fill_reference`), with
+    fill_valid [1] bool (False: not written for this last_z yet); None: no fill (the whole row
+    where fewer than k got a vote)."""
     batch, heads, cache_size, query_size = keys.shape
     n = sets.shape[-1]
     dev = keys.device
@@ -404,19 +409,30 @@ def query_similarity_propose(query: Tensor, keys: Tensor, sets: Tensor, last_sel
             raise ValueError(f"{name} must be one {dtype} on {dev} (the layer's counter)")
     if not 1 <= neighbours <= cache_size:
         raise ValueError(f"neighbours={neighbours} must lie in [1, cache_size={cache_size}]")
+    has_fill = fill is not None and fill.shape[-1] > 0
+    if has_fill:
+        if fill_valid is None or fill_valid.numel() != 1 or fill_valid.dtype != torch.bool or fill_valid.device != dev:
+            raise ValueError(f"fill_valid must be one bool on {dev} (the layer's flag) beside fill")
+        if fill.dim() != 3 or fill.shape[:2] != (batch, heads) or fill.shape[-1] > n:
+            raise ValueError(f"fill must be [B, Hkv, W] with [B, Hkv] = {[batch, heads]} and W <= N = {n}; got "
+                             f"{list(fill.shape)}")
+        _check_row_tensor("fill", fill, tuple(fill.shape), torch.int32, dev)
     nb = row_counts(num_blocks, batch, dev)
     k = min(k, n)
     block = triton.next_power_of_2(n)
     cap = min(block, max(16, triton.next_power_of_2(neighbours * max(k, 64) + recent_blocks)))
+    width = fill.shape[-1] if has_fill else 0
     indices = torch.empty(batch, heads, k, dtype=torch.int32, device=dev)
     counts = torch.empty(batch, heads, dtype=torch.int32, device=dev)
     scratch = torch.empty(2, batch * heads, cap, dtype=torch.int32, device=dev)
     _qsim_propose_kernel[(heads, batch)](
         query.contiguous(), keys, sets.view(torch.uint8), last_selected.view(torch.uint8), last_z, filled, nb, pending,
-        has_pending.view(torch.uint8), indices, counts, scratch[0], scratch[1],
-        n, heads, query_size, cache_size, min(recent_blocks, n + 1), k, k, float(2 * neighbours + 1), float(tie),
+        has_pending.view(torch.uint8), fill if has_fill else indices, fill_valid.view(torch.uint8) if has_fill else counts,
+        indices, counts, scratch[0], scratch[1],
+        n, heads, query_size, cache_size, min(recent_blocks, n + 1), k, k, width, float(2 * neighbours + 1), float(tie),
         NEIGHBOURS=neighbours, C_BLOCK=max(16, triton.next_power_of_2(cache_size)),
-        Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), BLOCK=block, CAP=cap, RADIX_BITS=2,
+        Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), BLOCK=block, CAP=cap, J_TILE=min(cap, 64),
+        HAS_FILL=has_fill, FILL_BLOCK=max(16, triton.next_power_of_2(max(width, 1))), RADIX_BITS=2,
         PAD_BLOCK=PAD_BLOCK, num_warps=max(4, min(8, block // 256)), enable_fp_fusion=False, **launch_kwargs(dev),
     )
     return indices, counts

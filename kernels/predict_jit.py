@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_prologue
-from .topk_jit import _select_row
+from .topk_jit import _pad_and_count, _select_row
 
 
 @triton.jit
@@ -407,28 +407,73 @@ def _qsim_rank_kernel(
 
 
 @triton.jit
+def _order_key(score):
+    """fp32 scores -> order-preserving uint32 keys (topk_jit's): -0.0 folded to +0.0."""
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _rank_select(scratch_keys_ptr, scratch_ids_ptr, scratch, n_cand, k, k_out, out_row, count_index, idx_out_ptr,
+                 count_out_ptr, CAP: tl.constexpr, J_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr):
+    """Top-k of the n_cand (<= CAP) keys at scratch (uint32 as int32, their block ids beside, in
+    ascending block order) by counting: candidate i is taken iff fewer than k candidates come
+    before it in (key descending, block id ascending) order, the top_k_blocks order. One
+    reduction per J_TILE candidates, no digit passes; written in ascending block order."""
+    lane = tl.arange(0, CAP)
+    live = lane < n_cand
+    ki = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0, cache_modifier=".cg").to(tl.uint32,
+                                                                                                  bitcast=True)
+    ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0, cache_modifier=".cg")
+    before = tl.zeros([CAP], dtype=tl.int32)
+    for start in range(0, n_cand, J_TILE):
+        j = start + tl.arange(0, J_TILE)
+        kj = tl.load(scratch_keys_ptr + scratch + j, mask=j < n_cand, other=0, cache_modifier=".cg").to(
+            tl.uint32, bitcast=True)
+        # lanes hold ascending block ids: a lower lane is a lower id
+        better = (kj[None, :] > ki[:, None]) | ((kj[None, :] == ki[:, None]) & (j[None, :] < lane[:, None]))
+        before += tl.sum((better & (j[None, :] < n_cand)).to(tl.int32), axis=1)
+    take = live & (before < k)
+    position = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(idx_out_ptr + out_row + position, ids, mask=take & (position < k_out))
+    _pad_and_count(idx_out_ptr, count_out_ptr, out_row, count_index, tl.minimum(n_cand, k), k_out, PAD_BLOCK)
+
+
+@triton.jit
 def _qsim_propose_kernel(
     query_ptr, keys_ptr, sets_ptr, last_sel_ptr, last_z_ptr, filled_ptr, num_blocks_ptr, pending_ptr, has_pending_ptr,
     # (as _qsim_rank_kernel's)
+    fill_ptr,  # [B, Hkv, W] int32: the W best blocks by tie·last_z, best first (ties to the lower id) (HAS_FILL)
+    fill_valid_ptr,  # [1] uint8: fill is up to date with last_z (HAS_FILL)
     idx_out_ptr,  # [B, Hkv, K_out] int32: P in ascending block order, then padding 0
     count_out_ptr,  # [B, Hkv] int32
     scratch_keys_ptr,  # [B * Hkv, CAP] int32 workspace
     scratch_ids_ptr,  # [B * Hkv, CAP] int32 workspace
-    n, num_kv_heads, query_size, cache_size, recent_blocks, k, k_out,
+    n, num_kv_heads, query_size, cache_size, recent_blocks, k, k_out, fill_width,
     recent_bonus, tie,
     NEIGHBOURS: tl.constexpr,
     C_BLOCK: tl.constexpr,
     Q_TILE: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= N: the whole row in registers
     CAP: tl.constexpr,  # voted blocks selected among (a power of two)
+    J_TILE: tl.constexpr,  # candidates compared per step of the counting top-k
+    HAS_FILL: tl.constexpr,
+    FILL_BLOCK: tl.constexpr,  # next power of two >= fill_width
     RADIX_BITS: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """query_similarity's propose in one launch: the rank of `_qsim_rank_kernel`, then its top-k.
-    Voted or recent blocks score >= 1 - |tie·z| and the others |tie·z| (< 0.5 for rows under
-    250000 blocks: |z| <= sqrt(N - 1)), so where at least k blocks got a vote the top k are among
-    them: selected from those (at most CAP, compacted in block order); else from the whole row."""
+    Voted or recent blocks (candidates) score >= 1 - |tie·z| and the others exactly tie·z (< 0.5
+    for rows under 250000 blocks: |z| <= sqrt(N - 1)), so
+    - where at least k blocks are candidates (at most CAP) the top k are among them: counted
+      among those, compacted in block order (`_rank_select`);
+    - where fewer are, P is every candidate and the best k - n_candidates others by tie·z, whose
+      order does not depend on the query: `fill` (written by the update, off the critical path)
+      lists the row's W best by tie·z, best first; the (k - n_candidates)-th non-candidate inside
+      the context in it is the threshold, the others above it are taken from the row;
+    - else (more than CAP candidates, or fill too short) the top-k of the whole row."""
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
@@ -440,28 +485,46 @@ def _qsim_propose_kernel(
     offs = tl.arange(0, BLOCK)
     score, voted = _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, offs, n, nb, cache_size,
                                recent_blocks, recent_bonus, tie, NEIGHBOURS, C_BLOCK)
-    # order-preserving uint32 keys (topk_jit's): -0.0 folded to +0.0, blocks outside the context invalid (0)
+    # order-preserving uint32 keys; blocks outside the context invalid (0)
     valid = offs < nb
-    score = tl.where(score == 0.0, 0.0, score)
-    bits = score.to(tl.uint32, bitcast=True)
-    keys = tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
-    keys = tl.where(valid, keys, tl.zeros_like(keys))
+    keys = tl.where(valid, _order_key(score), 0)
     candidate = valid & voted
     n_candidates = tl.sum(candidate.to(tl.int32), axis=0)
     out_row = bh * k_out
-    if (n_candidates >= k) & (n_candidates <= CAP):
+    done = (n_candidates >= k) & (n_candidates <= CAP)
+    if done:
         slot = tl.cumsum(candidate.to(tl.int32), axis=0) - 1
         scratch = bh * CAP
         tl.store(scratch_keys_ptr + scratch + slot, keys.to(tl.int32, bitcast=True), mask=candidate)
         tl.store(scratch_ids_ptr + scratch + slot, offs, mask=candidate)
         tl.debug_barrier()  # the program's own stores, read back by other threads
-        lane = tl.arange(0, CAP)
-        live = lane < n_candidates
-        c_keys = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0, cache_modifier=".cg").to(
-            tl.uint32, bitcast=True)
-        c_ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0, cache_modifier=".cg")
-        _select_row(c_keys, live, c_ids, k, k_out, out_row, bh, idx_out_ptr, count_out_ptr, 4, PAD_BLOCK)
-    else:
+        _rank_select(scratch_keys_ptr, scratch_ids_ptr, scratch, n_candidates, k, k_out, out_row, bh, idx_out_ptr,
+                     count_out_ptr, CAP, J_TILE, PAD_BLOCK)
+    if HAS_FILL:
+        if (n_candidates < k) & (tl.load(fill_valid_ptr) != 0):
+            lanes = tl.arange(0, FILL_BLOCK)
+            listed = lanes < fill_width
+            fid = tl.load(fill_ptr + bh * fill_width + lanes, mask=listed, other=0)
+            f_score, f_voted = _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, fid, n, nb,
+                                           cache_size, recent_blocks, recent_bonus, tie, NEIGHBOURS, C_BLOCK)
+            other = listed & (fid < nb) & (f_voted == 0)  # non-candidates inside the context, best first
+            need = k - n_candidates
+            rank = tl.cumsum(other.to(tl.int32), axis=0)
+            enough = tl.sum(other.to(tl.int32), axis=0) >= need
+            at = other & (rank == need)
+            t_key = tl.max(tl.where(at, _order_key(f_score), 0), axis=0)
+            t_id = tl.max(tl.where(at, fid, -1), axis=0)
+            picked = valid & (voted == 0) & ((keys > t_key) | ((keys == t_key) & (offs <= t_id)))
+            # exactly `need` others above the threshold in this row's own keys (a list ordered by
+            # other roundings of tie·z would give another count): else the whole row
+            enough = enough & (tl.sum(picked.to(tl.int32), axis=0) == need)
+            if enough:
+                take = candidate | picked
+                position = tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(idx_out_ptr + out_row + position, offs, mask=take & (position < k_out))
+                _pad_and_count(idx_out_ptr, count_out_ptr, out_row, bh, k, k_out, PAD_BLOCK)
+            done = done | enough
+    if done == 0:
         _select_row(keys, valid, offs, k, k_out, out_row, bh, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
 
 

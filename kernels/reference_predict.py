@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .reference_selection import top_k_blocks
+
 NEVER = float("-inf")
 
 
@@ -200,6 +202,13 @@ def query_similarity_rank_reference(query: Tensor, keys: Tensor, sets: Tensor, l
     votes = (weight.unsqueeze(-1) * chosen).sum(2) if filled > 0 else last_selected.float()
     score = votes + (2 * neighbours + 1) * newest_reference(num_blocks, recent_blocks, n) + tie * last_z
     return score.masked_fill(~inside_reference(num_blocks, n), NEVER), q
+
+
+def fill_reference(last_z: Tensor, tie: float, width: int) -> Tensor:
+    """last_z [B, Hkv, N] -> [B, Hkv, min(width, N)] int32: the blocks of the largest tie·last_z
+    (fp32, as the rank adds it), best first, ties to the lower id (top_k_blocks' order): where
+    fewer than |P| blocks got a vote, query_similarity's P is them and the best of these."""
+    return top_k_blocks(tie * last_z.float(), width)[0].to(torch.int32)
 
 
 def query_similarity_update_reference(keys: Tensor, sets: Tensor, pending: Tensor, paired: bool, cursor: int,

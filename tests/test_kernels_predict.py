@@ -177,6 +177,22 @@ def test_query_similarity_kernels_equal_the_reference(batch, heads, n, nb):
             assert torch.equal(pending2, pending) and bool(flag2)
             fast += int((voted >= k).sum())
         assert fast > 0 or max(nb) < 3  # the voted path ran (a row with a context)
+        # fewer voted blocks than k: every voted block + the best others by tie·z, through the fill
+        # list (the update's, off the critical path); too short a list, or none valid: the row
+        nbt = torch.as_tensor(sel["num_blocks"]).view(-1, 1)
+        filling = 0
+        for width, valid, ks in ((n, True, (n // 2, n - 2)), (6, True, (9, n + 1)), (n, False, (9,))):
+            fill = ref.fill_reference(last_z, 1e-3, width)
+            for k in ks:
+                filling += int(((voted < k) & (nbt >= k)).sum()) if width == n and valid else 0
+                idx, cnt = kp.query_similarity_propose(query, keys, sets, last, last_z, torch.tensor([filled]),
+                                                       sel["num_blocks"], torch.zeros_like(pending),
+                                                       torch.zeros(1, dtype=torch.bool), m, 2, 1e-3, k, fill=fill,
+                                                       fill_valid=torch.tensor([valid]))
+                assert torch.equal(as_set(idx, cnt, n), ref_set(want, k)), (width, valid, k)
+                assert (idx[..., 1:] >= idx[..., :-1]).logical_or(
+                    torch.arange(1, idx.shape[-1]) >= cnt.unsqueeze(-1)).all()  # ascending
+        assert filling > 0  # the fill path ran (rows with fewer voted blocks than k)
     for paired in (False, True):
         got = [keys.clone(), sets.clone(), torch.zeros_like(last), torch.zeros_like(last_z)]
         cursor, filled = torch.tensor([3]), torch.tensor([4])
@@ -187,6 +203,26 @@ def test_query_similarity_kernels_equal_the_reference(batch, heads, n, nb):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
         assert (got[3] - want[3]).abs().max() <= TOL
         assert (cursor.item(), filled.item()) == ((4, 5) if paired else (3, 4))
+
+
+def test_query_similarity_propose_breaks_ties_to_the_lower_block():
+    """z-scores with many equal values: the counted top-k among the voted blocks and the fill path
+    take ties as top_k_blocks does (the lower block id first)."""
+    g = torch.Generator().manual_seed(5)
+    batch, heads, n, cache_size, group, dim = 2, 2, 61, 4, 2, 16
+    nb = torch.tensor([61, 40], dtype=torch.int32)
+    keys = torch.nn.functional.normalize(torch.randn(batch, heads, cache_size, group * dim, generator=g), dim=-1)
+    sets = torch.rand(batch, heads, cache_size, n, generator=g) < 0.25
+    last = torch.rand(batch, heads, n, generator=g) < 0.1
+    last_z = torch.randint(-2, 3, (batch, heads, n), generator=g).float() / 2  # five values: ties everywhere
+    query = torch.randn(batch, heads, group, dim, generator=g)
+    want, _ = ref.query_similarity_rank_reference(query, keys, sets, last, last_z, 3, nb, 2, 1, 1e-3)
+    fill = ref.fill_reference(last_z, 1e-3, n)
+    for k in (4, 12, 30):
+        idx, cnt = kp.query_similarity_propose(query, keys, sets, last, last_z, torch.tensor([3]), nb,
+                                               torch.zeros(batch, heads, group * dim), torch.zeros(1, dtype=torch.bool),
+                                               2, 1, 1e-3, k, fill=fill, fill_valid=torch.tensor([True]))
+        assert torch.equal(as_set(idx, cnt, n), ref_set(want, k)), k
 
 
 def test_launchers_refuse_bad_inputs_by_name():

@@ -58,13 +58,15 @@ SCRIPT = textwrap.dedent('''
           "filled_ptr": I64, "num_blocks_ptr": I32, "pending_ptr": F, "has_pending_ptr": U8, "rank_ptr": F,
           "recent_bonus": "fp32", "tie": "fp32"},
           {"NEIGHBOURS": 2, "C_BLOCK": 64, "Q_TILE": 128, "TILE": 4096, "PDL": False}, enable_fp_fusion=False)
-    for block, cap in ((8192, 256), (64, 64)):
+    for block, cap, fill in ((8192, 256, True), (8192, 256, False), (64, 64, True)):
         build(J._qsim_propose_kernel, {"query_ptr": "*bf16", "keys_ptr": F, "sets_ptr": U8, "last_sel_ptr": U8,
               "last_z_ptr": F, "filled_ptr": I64, "num_blocks_ptr": I32, "pending_ptr": F, "has_pending_ptr": U8,
+              "fill_ptr": I32, "fill_valid_ptr": U8,
               "idx_out_ptr": I32, "count_out_ptr": I32, "scratch_keys_ptr": I32, "scratch_ids_ptr": I32,
               "recent_bonus": "fp32", "tie": "fp32"},
-              {"NEIGHBOURS": 2, "C_BLOCK": 64, "Q_TILE": 128, "BLOCK": block, "CAP": cap, "RADIX_BITS": 2,
-               "PAD_BLOCK": 256, "PDL": False}, enable_fp_fusion=False)
+              {"NEIGHBOURS": 2, "C_BLOCK": 64, "Q_TILE": 128, "BLOCK": block, "CAP": cap, "J_TILE": min(cap, 64),
+               "HAS_FILL": fill, "FILL_BLOCK": 256, "RADIX_BITS": 2, "PAD_BLOCK": 256, "PDL": False},
+              enable_fp_fusion=False)
     for pair in (False, True):
         build(J._qsim_update_kernel, {"scores_ptr": F, "idx_ptr": I32, "cnt_ptr": I32, "keys_ptr": F, "sets_ptr": U8,
               "pending_ptr": F, "has_pending_ptr": U8, "cursor_ptr": I64, "last_sel_ptr": U8, "last_z_ptr": F},

@@ -30,8 +30,11 @@ value changes from step to step. The query size G·D is not an argument of `init
 capture) and never re-allocated.
 
 On backend triton (prr.kernels.predict): propose = one launch (normalise, similarities, the
-neighbours' votes, the rank and its top-k, among the voted blocks when they hold it); update = one launch (ring-buffer slot, last
-selection and z-scores) + a one-program launch moving the counters. The cosine similarities
+neighbours' votes, the rank and its top-k: counted among the voted blocks when they hold it;
+where fewer than |P| got a vote, every voted block and the best others by TIE·last_z, read from
+`fill`, a list the update writes off the critical path since it does not depend on the query);
+update = one launch (ring-buffer slot, last selection and z-scores) + a one-program launch moving
+the counters + the fill list (the top-k kernel and a sort of its W entries). The cosine similarities
 are summed in another order than torch's einsum, so votes can differ in the last bit: P is the
 same set unless two blocks' ranks lie within that (tested on random inputs).
 """
@@ -46,11 +49,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
+from prr.kernels.reference_predict import fill_reference
 from prr.predictors.base import NEVER, Predictor
 from prr.predictors.ema import newest_mask, standardise
 from prr.selectors.base import Selection
 
 TIE = 1e-3  # |z| stays well below 1/TIE, so scores only order blocks of equal votes
+FILL_WIDTH = 256  # blocks in the fill list (|P| up to about W - |the neighbours' union| uses it)
 
 
 @dataclass
@@ -63,6 +68,11 @@ class QuerySimilarityState:
     has_pending: Tensor  # [L] bool: a propose of this step left a query in `pending` for update to pair
     last_selected: Tensor  # [L, B, Hkv, max_blocks] bool: A_{t−1}
     last_z: Tensor  # [L, B, Hkv, max_blocks] fp32 standardised scores of step t−1
+    # [L, B, Hkv, W] int32: the W blocks of largest TIE·last_z, best first (ties to the lower id),
+    # written by update off the critical path: where fewer than |P| blocks got a vote the kernel's
+    # propose takes the rest from it instead of ranking the whole row (the torch path ignores it)
+    fill: Tensor
+    fill_valid: Tensor  # [L] bool: fill matches last_z
 
 
 class QuerySimilarityPredictor(Predictor):
@@ -89,6 +99,8 @@ class QuerySimilarityPredictor(Predictor):
             has_pending=torch.zeros(num_layers, dtype=torch.bool, device=device),
             last_selected=torch.zeros(*per_layer, max_blocks, dtype=torch.bool, device=device),
             last_z=torch.zeros(*per_layer, max_blocks, device=device),
+            fill=torch.zeros(*per_layer, min(FILL_WIDTH, max_blocks), dtype=torch.int32, device=device),
+            fill_valid=torch.zeros(num_layers, dtype=torch.bool, device=device),
         )
 
     def triton_problems(self) -> list[str]:
@@ -110,7 +122,7 @@ class QuerySimilarityPredictor(Predictor):
             return BlockSet(*query_similarity_propose(
                 query, state.keys[layer], state.sets[layer], state.last_selected[layer], state.last_z[layer],
                 state.filled[one], num_blocks, state.pending[layer], state.has_pending[one], self.neighbours,
-                self.recent_blocks, TIE, max(budget_blocks, 0)))
+                self.recent_blocks, TIE, max(budget_blocks, 0), fill=state.fill[layer], fill_valid=state.fill_valid[one]))
         q = F.normalize(query.float().flatten(2), dim=-1)  # [B, Hkv, G·D]
         self.size_for_query(state, q.shape[-1])
         state.pending[layer] = q
@@ -155,6 +167,7 @@ class QuerySimilarityPredictor(Predictor):
             query_similarity_update(selection.scores, selection.blocks.indices, selection.blocks.count, state.keys[layer],
                                     state.sets[layer], state.pending[layer], state.has_pending[one], state.cursor[one],
                                     state.filled[one], state.last_selected[layer], state.last_z[layer])
+            self._write_fill(state, layer)
             return
         chosen = selection.blocks.mask(state.sets.shape[-1])  # [B, Hkv, N]
         if state.pending.shape[-1] != 0:  # structural: false only before the first propose of the run
@@ -170,3 +183,22 @@ class QuerySimilarityPredictor(Predictor):
             state.has_pending[layer].fill_(False)
         state.last_selected[layer] = chosen
         state.last_z[layer] = standardise(selection.scores)
+        self._write_fill(state, layer)
+
+    def _write_fill(self, state: QuerySimilarityState, layer: int) -> None:
+        """fill <- the W best blocks of TIE·last_z, best first, ties to the lower id
+        (reference_predict.fill_reference; on triton the top-k kernel's set ordered by a sort of W)."""
+        width = state.fill.shape[-1]
+        if width == 0:
+            return
+        ranked = TIE * state.last_z[layer]  # [B, Hkv, N] fp32, as the rank adds it
+        if self.backend == "triton":
+            from prr.kernels.predict import propose_top
+
+            batch, n = ranked.shape[0], ranked.shape[-1]
+            idx, _ = propose_top(ranked, width, torch.full((batch,), n, dtype=torch.int32, device=ranked.device))
+            order = torch.sort(ranked.gather(-1, idx.long()), dim=-1, descending=True, stable=True).indices
+            state.fill[layer] = idx.gather(-1, order)  # (the set in ascending order: stable keeps ties by id)
+        else:
+            state.fill[layer] = fill_reference(state.last_z[layer], TIE, width)
+        state.fill_valid[layer].fill_(True)

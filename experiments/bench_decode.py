@@ -847,6 +847,15 @@ LAUNCH_PARTS = {  # part -> (rows function, (batch, cache tokens, block, top-K t
 }
 
 
+def write_stage_csv(results: dict, out: Path):
+    """OUT_stage.csv from the stage rows so far (provenance in every row) -> the frame."""
+    import pandas as pd
+
+    df = pd.DataFrame(results["stage"]).assign(command=results["command"])
+    df.to_csv(out.parent / (out.name + "_stage.csv"), index=False)
+    return df
+
+
 def stage_cells(text: str) -> list[tuple[int, int, int, int, str]]:
     """'quest:32768:16:512,...' -> [(batch 1, context, block, topk_tokens, selector), ...]."""
     cells = []
@@ -941,6 +950,7 @@ def main() -> None:
                               hit_rates=args.hit_rates)
             torch.cuda.empty_cache()
             results["stage"].extend(rows)
+            write_stage_csv(results, args.out)  # after every cell: a cut run keeps the map it measured
             r = rows[0]
             print(f"stage B={b} ctx={c} bs={bs} K={k} {sel}: dense {r['dense_kernel']:.1f} serial {r['serial']:.1f} "
                   f"prr@100% {r['prr']:.1f} sel {r['stage_select']:.1f} spec {r['stage_speculate']:.1f} µs", flush=True)
@@ -1023,8 +1033,7 @@ def main() -> None:
     except ImportError:
         return
     if results["stage"]:
-        df = pd.DataFrame(results["stage"]).assign(command=results["command"])  # provenance in every row
-        df.to_csv(args.out.parent / (args.out.name + "_stage.csv"), index=False)
+        df = write_stage_csv(results, args.out)
         cols = ["selector", "batch", "context", "block", "topk_tokens", "target_hit_rate", "dense_kernel", "serial",
                 "prr", "prr_three_launches", "prr_fused_repair", "prr_no_overlap", "prr_superset", "prr_ideal_overlap", "profiled_choice", "profiled_over_serial",
                 "stage_select", "stage_speculate", "stage_overlap", "prr_overlap_bound", "speedup_prr_vs_serial",

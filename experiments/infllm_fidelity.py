@@ -45,7 +45,6 @@ from hydra.utils import instantiate
 from prr.kernels.reference_selection import infllm_reference_selections, unrotate_rope
 
 from prr.budget.fixed import FixedBudget
-from prr.cache import PagedKVCache
 from prr.config_check import compose_config
 from prr.evaluation import CapturingAttention
 from prr.intervals import bootstrap_mean, wilson
@@ -53,7 +52,7 @@ from prr.model.prompt import encode_prompt
 from prr.model.rope import rope_inv_freq
 from prr.paths import write_json_atomic
 from prr.predictors.none import NoPredictor
-from prr.runtime.dsa_backend import DSABackend
+from prr.runtime.eager_run import EagerRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"published": "infllm", "prr": "infllm_prr"}
@@ -80,18 +79,19 @@ def replay(model, qkv, variant: str, topk: int, tail: int, block_size: int, laye
     """The kept prefill of `layers` through DSABackend under `variant` at top-K `topk` ->
     (selector, per layer the selections of the last `tail` positions: [tail] Selection)."""
     mc = model.config
-    cfg = compose_config([f"selector={VARIANTS[variant]}", f"selector.topk_blocks={topk}", "selector.dense_layers=[]"],
-                         check=False)
+    cfg = compose_config([f"selector={VARIANTS[variant]}", f"selector.topk_blocks={topk}", "selector.dense_layers=[]",
+                          "runtime.device=cpu", f"runtime.block_size={block_size}"], check=False)
     selector = instantiate(cfg.selector)
     selector.bind_model(mc)
     total = qkv[0][1].shape[2]
-    cache = PagedKVCache(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, block_size, total, torch.float32, "cpu")
-    backend = DSABackend(cache, mc.num_heads, selector, NoPredictor(), FixedBudget(), mode="shadow",
-                         calibration_tokens=tail)
+    runtime = EagerRuntime(model.decoder, instantiate(cfg.runtime), selector, NoPredictor(), FixedBudget(), "torch",
+                           total, torch.float32, batch=1, mode="shadow", repair_mode="exact", calibration_tokens=tail,
+                           dense_metrics_every=1, check_serial=False)
+    backend, max_blocks = runtime.backend, runtime.cache.max_blocks
     with torch.inference_mode():
         for layer in layers:  # (layers are independent: the others are not needed)
             backend.prefill(layer, *qkv[layer])
-    return selector, {layer: [(s.blocks.mask(cache.max_blocks), s.scores) for s in backend.history[layer]]
+    return selector, {layer: [(s.blocks.mask(max_blocks), s.scores) for s in backend.history[layer]]
                       for layer in layers}
 
 

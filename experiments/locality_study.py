@@ -39,14 +39,13 @@ from hydra.utils import instantiate
 
 from prr.blocks import BlockSet
 from prr.budget.fixed import FixedBudget
-from prr.cache import PagedKVCache
 from prr.config_check import compose_config
 from prr.evaluation import Engine
 from prr.metrics import layer_step_rows
 from prr.paths import write_json_atomic
 from prr.predictors.base import Predictor
 from prr.run_inputs import DTYPES
-from prr.runtime.dsa_backend import DSABackend
+from prr.runtime.eager_run import EagerRuntime
 from prr.selectors.base import Selection
 from prr.tasks.ruler import task_overrides
 
@@ -142,10 +141,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int, tokens: list[int] | None,
-                   block_size: int) -> tuple[list[dict[str, Any]], list[int], int, int]:
+def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int,
+                   tokens: list[int] | None) -> tuple[list[dict[str, Any]], list[int], int, int]:
     """One shadow-mode decode of `steps` tokens after the replayed prefill under cfg's selector
-    with EMA at |P| = K. tokens: the trajectory to follow (None: greedy, this is the first).
+    with EMA at |P| = K (cfg's runtime.block_size). tokens: the trajectory to follow (None:
+    greedy, this is the first).
     -> (rows per step/layer/KV head, the tokens, argmax disagreements with `tokens`, |P|=K hit
     mismatches between the run's records and the probe)."""
     mc, settings = model.config, instantiate(cfg.runtime)
@@ -155,25 +155,22 @@ def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int, tokens: list[
     selector.set_backend(backend_name)
     probe = RatioProbe(instantiate(cfg.predictor), RATIOS, selector.topk_blocks)
     prompt_len = prefill.input_ids.shape[1]
-    device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
-    cache = PagedKVCache(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, block_size, prompt_len + steps, dtype, device)
-    backend = DSABackend(cache, mc.num_heads, selector, probe, instantiate(cfg.budget), mode="shadow",
-                         repair_mode="exact", calibration_tokens=settings.calibration_tokens, backend=backend_name)
+    runtime = EagerRuntime(model.decoder, settings, selector, probe, instantiate(cfg.budget), backend_name,
+                           prompt_len + steps, DTYPES[settings.dtype], batch=1, mode="shadow", repair_mode="exact",
+                           dense_metrics_every=1, check_serial=False)
     rows: list[dict[str, Any]] = []
     followed: list[int] = []
     disagree = mismatch = 0
     with torch.inference_mode():
-        for layer, (q, k, v) in enumerate(prefill.qkv):
-            backend.prefill(layer, q, k, v)
-        backend.finish_prefill()
+        runtime.replay_prefill(prefill.qkv)
+        runtime.finish_prefill()
         logits = prefill.last_logits
         for step in range(steps):
             greedy = int(logits[0].argmax())
             token = greedy if tokens is None else tokens[step]
             disagree += int(token != greedy)
             followed.append(token)
-            logits = model.decoder(torch.tensor([[token]], device=device), prompt_len + step, backend)[:, -1]
-            records, _ = backend.end_step()
+            logits, records, _, _ = runtime.step(torch.tensor([token]), prompt_len + step, step)
             for record in records:
                 hits = probe.hits.pop(record.layer)  # [R, B, Hkv]
                 for row in layer_step_rows(record):
@@ -232,8 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                         continue  # K covers the context: nothing is left out
                     t0 = time.perf_counter()
                     cfg = compose_config(common + task_over + VARIANTS[variant] + [f"selector.topk_blocks={k}"])
-                    rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens,
-                                                                        args.block_size)
+                    rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens)
                     tokens = tokens or followed
                     frames.append(pd.DataFrame(rows).assign(model=args.model, task=task_name, context_tokens=ctx,
                                                             prompt_tokens=ids.shape[1], variant=variant, topk_blocks=k))

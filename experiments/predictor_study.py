@@ -34,7 +34,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from prr.blocks import BlockSet
-from prr.cache import PagedKVCache
 from prr.config_check import compose_config, validate
 from prr.predictors.base import Predictor
 from prr.run_inputs import DTYPES
-from prr.runtime.eager_run import next_token
-from prr.runtime.dsa_backend import DSABackend
+from prr.runtime.eager_run import EagerRuntime, next_token
 from prr.selectors.base import Selection
 from prr.tasks.ruler import task_overrides
 
@@ -143,22 +141,19 @@ def capture(task: str, steps: int, overrides: list[str]) -> tuple[Trace, dict[st
     selector.bind_model(mc)
     prompt = task_obj.build(model.tokenizer, mc.vocab_size, settings.batch_size)
     prompt_len = prompt.input_ids.shape[1]
-    cache = PagedKVCache(mc.num_layers, settings.batch_size, mc.num_kv_heads, mc.head_dim, settings.block_size,
-                         prompt_len + task_obj.max_new_tokens, DTYPES[settings.dtype], settings.device)
     trace = Trace()
     tracer = Tracer(instantiate(cfg.predictor), trace)
-    backend = DSABackend(cache, mc.num_heads, selector, tracer, budget, mode="shadow", repair_mode=settings.repair_mode,
-                         calibration_tokens=settings.calibration_tokens, backend=instantiate(cfg.backend).name)
-    prompt = replace(prompt, input_ids=prompt.input_ids.to(settings.device))
+    runtime = EagerRuntime(model.decoder, settings, selector, tracer, budget, instantiate(cfg.backend).name,
+                           prompt_len + task_obj.max_new_tokens, DTYPES[settings.dtype], mode="shadow",
+                           dense_metrics_every=1, check_serial=False)
     generator = torch.Generator().manual_seed(cfg.seed)
     with torch.inference_mode():
-        logits = model.decoder(prompt.input_ids, 0, backend)[:, -1]
-        backend.finish_prefill()
+        logits = runtime.prefill(prompt.input_ids)
+        runtime.finish_prefill()
         for step in range(task_obj.max_new_tokens):
             token = next_token(logits, task_obj.temperature, task_obj.top_p, generator)
             trace.steps.append([])
-            logits = model.decoder(token[:, None], prompt_len + step, backend)[:, -1]
-            records, _ = backend.end_step()
+            logits, records, _, _ = runtime.step(token, prompt_len + step, step)
             for r in records:
                 trace.live_hits += int((r.selected & r.predicted).sum())
                 trace.live_selected += int(r.selected.sum())

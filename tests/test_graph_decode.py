@@ -406,3 +406,22 @@ def test_every_selection_takes_the_steps_block_counts(variant, monkeypatch):
     engine.step(advance=True)
     assert len(seen) == sum(engine.sparse) and all(nb is not None for nb in seen)
     assert all(nb.dtype == torch.int32 and nb.tolist() == [-(-204 // 16)] for nb in seen)
+
+
+def test_head_dim_256_runs_the_triton_engine_like_the_torch_ops():
+    """The kernels' SUPPORTED_HEAD_DIMS (the one list backend=triton checks) holds 256: the whole
+    PRR step (Quest selection, speculation, fused repair, predictor, counters) and the fused
+    projections at head_dim 256 decode what the torch ops decode."""
+    config = dataclasses.replace(CONFIG, head_dim=256)
+    logits, hits = {}, {}
+    for backend in ("torch", "triton"):
+        model = Decoder(config, torch.float32, DEVICE).init_random_(seed=3, std=0.05)
+        plan = StaticPlan(variant="prr", topk_blocks=6, predicted_blocks=6, predictor="last_step", count_hits=True,
+                          projections="fused" if backend == "triton" else "torch")
+        engine = GraphDecoder(model, plan, batch=1, max_tokens=240, backend=backend)
+        engine.fill_random_context(150, seed=5)
+        logits[backend] = decode(engine, 3)
+        hits[backend] = engine.counters()["hits"]
+    assert hits["torch"] == hits["triton"] and sum(hits["torch"]) > 0
+    for a, b in zip(logits["torch"], logits["triton"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -95,7 +95,7 @@ def test_every_variant_decodes_the_same_dense_trajectory_and_its_probe_agrees(ti
     tokens = None
     for variant in ("quest_max", "infllm", "exact"):
         cfg = compose_config(common + ls.VARIANTS[variant] + ["selector.dense_layers=[]", "selector.topk_blocks=6"])
-        rows, followed, disagree, mismatch = ls.decode_variant(model, prefill, cfg, steps, tokens, block_size=16)
+        rows, followed, disagree, mismatch = ls.decode_variant(model, prefill, cfg, steps, tokens)
         tokens = tokens or followed
         assert (disagree, mismatch) == (0, 0) and followed == tokens and followed[:len(greedy)] == greedy
         frame = pd.DataFrame(rows)
@@ -110,11 +110,10 @@ def test_every_variant_decodes_the_same_dense_trajectory_and_its_probe_agrees(ti
 def test_each_ratios_hits_are_what_a_run_at_that_ratio_speculates(tiny, topk):
     common, model, prefill = tiny
     over = ls.VARIANTS["quest_max"] + ["selector.dense_layers=[]", f"selector.topk_blocks={topk}"]
-    rows, tokens, _, _ = ls.decode_variant(model, prefill, compose_config(common + over), 5, None, block_size=16)
+    rows, tokens, _, _ = ls.decode_variant(model, prefill, compose_config(common + over), 5, None)
     probed = pd.DataFrame(rows)
     for r in ls.RATIOS[1:]:
-        run, *_ = ls.decode_variant(model, prefill, compose_config(common + over + [f"budget.ratio={r}"]), 5, tokens,
-                                    block_size=16)
+        run, *_ = ls.decode_variant(model, prefill, compose_config(common + over + [f"budget.ratio={r}"]), 5, tokens)
         run = pd.DataFrame(run)
         assert run["predicted_blocks"].max() > topk or r * topk < 13  # the ratio changed |P| (or the cap did)
         assert run["hits"].tolist() == probed[f"hits_x{r}"].tolist()

@@ -53,6 +53,18 @@ def test_triton_backend_reports_what_it_cannot_run(monkeypatch):
     assert any("block_size >= 16" in r for r in reasons)
 
 
+def test_triton_head_dims_are_the_kernels_own():
+    """One source of truth for the head dims backend=triton takes: the attention kernels' list
+    (config checks and the graph engine's read it; head_dim 256 runs the engine, tested equal
+    to the torch ops)."""
+    from prr.kernels.sparse_decode import SUPPORTED_HEAD_DIMS
+
+    assert SUPPORTED_HEAD_DIMS == (64, 128, 256)
+    for d in SUPPORTED_HEAD_DIMS:
+        assert not any("head_dim" in r for r in problems("cuda", d, 16))
+    assert any(str(list(SUPPORTED_HEAD_DIMS)) in r for r in problems("cuda", 96, 16))
+
+
 def decode_with_selector_backend(backend, gqa_reduce="max", seed=2):
     g = torch.Generator().manual_seed(seed)
     hkv, group, d, bs, prompt, steps = 2, 3, 64, 16, 170, 20  # crosses a block boundary while decoding

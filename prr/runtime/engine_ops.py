@@ -30,7 +30,6 @@ from prr.block_attention import partials_over
 from prr.blocks import BlockSet
 
 BACKENDS = ("triton", "torch")
-TRITON_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,20 @@ class OpsBackend:
             raise ValueError(f"backend={self.name!r} is not one of {list(BACKENDS)}")
 
 
+def triton_shape_problems(head_dim: int, block_size: int) -> list[str]:
+    """What the Triton kernels cannot take, from their own limits (prr.kernels.sparse_decode's
+    SUPPORTED_HEAD_DIMS and MIN_BLOCK_SIZE: the attention kernels every engine step runs).
+    Needs the triton package."""
+    from prr.kernels.sparse_decode import MIN_BLOCK_SIZE, SUPPORTED_HEAD_DIMS
+
+    out = []
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        out.append(f"head_dim={head_dim} is not one of the Triton kernels' {list(SUPPORTED_HEAD_DIMS)}")
+    if block_size < MIN_BLOCK_SIZE:
+        out.append(f"the Triton kernels need runtime.block_size >= {MIN_BLOCK_SIZE}, got {block_size}")
+    return out
+
+
 def triton_problems(device: str, head_dim: int, block_size: int) -> list[str]:
     """Reasons backend=triton cannot run this configuration (empty when it can)."""
     out = []
@@ -54,12 +67,7 @@ def triton_problems(device: str, head_dim: int, block_size: int) -> list[str]:
     if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         out.append(f"backend=triton runs on a CUDA device (runtime.device={device!r}); on a CPU only under "
                    "TRITON_INTERPRET=1, for tests. Use backend=torch on the CPU")
-    if head_dim not in TRITON_HEAD_DIMS:
-        out.append(f"backend=triton supports head_dim in {list(TRITON_HEAD_DIMS)}, the model has {head_dim}; "
-                   "use backend=torch")
-    if block_size < 16:
-        out.append(f"backend=triton needs runtime.block_size >= 16, got {block_size}")
-    return out
+    return out + [f"backend=triton: {p}; use backend=torch" for p in triton_shape_problems(head_dim, block_size)]
 
 
 def _blocked(cache: Tensor, block_size: int) -> Tensor:

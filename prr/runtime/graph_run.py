@@ -68,15 +68,15 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     backend = engine_backend(runtime.device, built["backend"].name)
     if backend == "triton":
         try:  # the install of `make run` has no Triton: the engine's kernels on a GPU need it
-            from prr.kernels.sparse_decode import MIN_BLOCK_SIZE, SUPPORTED_HEAD_DIMS
+            import triton  # noqa: F401
         except ImportError as err:
             out.append(f"{head} on runtime.device={runtime.device} runs Triton kernels, and {err}: `make install` "
                        "(or pip install -e '.[dev]') adds it")
         else:
-            if model.head_dim not in SUPPORTED_HEAD_DIMS:
-                out.append(f"{head}: head_dim={model.head_dim} is not one of the kernels' {list(SUPPORTED_HEAD_DIMS)}")
-            if runtime.block_size < MIN_BLOCK_SIZE:
-                out.append(f"{head}: runtime.block_size={runtime.block_size} must be >= {MIN_BLOCK_SIZE}")
+            from prr.runtime.engine_ops import triton_shape_problems
+
+            if built["backend"].name != "triton":  # (backend=triton's own check names these)
+                out += [f"{head}: {p}" for p in triton_shape_problems(model.head_dim, runtime.block_size)]
     if backend == "torch" and runtime.graph_projections() == "fused":
         out.append(f"{head} with runtime.projections=fused runs Triton GEMVs: use backend=triton (CUDA, or the CPU "
                    "under TRITON_INTERPRET=1) or runtime.projections=torch")

@@ -117,7 +117,7 @@ def infllm_select_columns(batch: int, context: int, cache_tokens: int, block: in
                           bandwidth: float, device: torch.device, heads: tuple[int, int] = (32, 8),
                           head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, tilings: bool = True) -> dict:
     """InfLLM's selection columns of one (context, block, top-K) cell; see the module docstring."""
-    from prr.kernels.infllm import default_block_n, infllm_scores, infllm_step
+    from prr.kernels.infllm import default_tiling, infllm_scores, infllm_step
 
     from prr.cache import PagedKVCache
     from prr.runtime.graph_budget import stage_timing
@@ -201,7 +201,7 @@ def infllm_select_columns(batch: int, context: int, cache_tokens: int, block: in
         col[f"{name}_live"] = timed(every_layer(lambda i, sel=sel: sel.append_metadata(cache, i, pos)))
         col[f"{name}_step"] = timed(every_layer(step_only)) - col[f"{name}_reset"]
         col[f"{name}_scores"] = timed(every_layer(scores_only))
-        col[f"{name}_scores_block_n"] = default_block_n(group, head_dim, not window)
+        col[f"{name}_scores_tiling"] = "x".join(map(str, default_tiling(group, head_dim, not window, not sel.per_head)))
         if tilings:
             found = {}
             for block_n, warps in SCORE_TILINGS:

@@ -212,11 +212,16 @@ def infllm_step(
     )
 
 
-def default_block_n(group: int, head_dim: int, shared_repr: bool) -> int:
-    """Blocks per score program: about 4,096 representative floats per program (4 warps, 32 each):
-    8 blocks at G = 4, D = 128 (one_query reads one representative per block: 32)."""
+def default_tiling(group: int, head_dim: int, shared_repr: bool, layer_sum: bool) -> tuple[int, int]:
+    """-> (blocks per score program, warps). Σ over the layer (per_head=false, each program loops
+    over every KV head): 8 blocks, 8 warps, the best of 4/8/16/32 blocks x 4/8 warps on the H200 at
+    32K / block 16 for both rules (experiments/results/h200/bench_infllm_select.json: 13.1 µs for
+    infllm against 15.3 at 8 x 4; 8.2 for infllm_prr against 16.7 at 32 x 8). Per KV head (one head
+    per program): about 4,096 representative floats per program, 4 warps (not measured)."""
+    if layer_sum:
+        return 8, 8
     per_block = (1 if shared_repr else triton.next_power_of_2(group)) * head_dim
-    return max(1, min(128, triton.next_power_of_2(max(1, 4096 // per_block))))
+    return max(1, min(128, triton.next_power_of_2(max(1, 4096 // per_block)))), 4
 
 
 def infllm_scores(
@@ -266,7 +271,8 @@ def infllm_scores(
     _check_per_row("finalised", finalised, batch, live.device, (torch.int64,))
     if inv_freq is not None:
         _check_inv_freq(inv_freq, head_dim, live.device)
-    block_n = block_n or default_block_n(group, head_dim, shared_repr)
+    default_n, default_warps = default_tiling(group, head_dim, shared_repr, layer_sum)
+    block_n, num_warps = block_n or default_n, num_warps or default_warps
     if not _power_of_two(block_n):
         raise ValueError(f"block_n={block_n!r} must be a power of two")
     if out is None:
@@ -282,6 +288,6 @@ def infllm_scores(
         *q.stride(), *repr_keys.stride(), *live.stride(), *out.stride(),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_N=block_n,
         ROTATE=inv_freq is not None, LAYER_SUM=layer_sum, SUM_GROUP=gqa_reduce == "sum", SHARED_REPR=shared_repr,
-        num_warps=num_warps or 4, **launch_kwargs(live.device),
+        num_warps=num_warps, **launch_kwargs(live.device),
     )
     return out

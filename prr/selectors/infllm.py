@@ -61,8 +61,8 @@ Metadata (static shapes: the same code runs eagerly and in the captured CUDA-gra
   probabilities per token and query head (memory: Hq floats per token, G/D of the K/V
   cache's), and `infllm_scored` [B] int64: queries at positions < n have been added, so a
   second selection at the same step (the oracle's look) adds nothing: idempotent.
-- backend=triton only: `infllm_arrivals` [B] int32, the step kernel's arrival counter (zero
-  between launches).
+- `infllm_arrivals` [B] int32: the Triton step kernel's arrival counter (zero between launches;
+  allocated by `update_metadata` whatever the backend, so a decode step adds no slot).
 Per step: one softmax over the forced blocks' (sinks + window) tokens per query head, an add
 into the window blocks' scores, at most one block finalised.
 
@@ -223,6 +223,9 @@ class InfLLMSelector(Selector):
         if self.is_dense_layer(layer) or end <= start:
             return
         s = cache.block_size
+        # Every slot a decode step writes exists after the prefill, whichever backend the prefill
+        # ran: the graph engine checkpoints and restores the slots as a list (GraphDecoder._mutable).
+        self._arrivals(cache, layer)
         first, last = start // s, -(-end // s)
         rows = torch.full((cache.batch,), first, dtype=torch.int64, device=cache.device)
         self._provisional(cache, layer, rows, last - first, torch.full_like(rows, end))
@@ -233,7 +236,6 @@ class InfLLMSelector(Selector):
         if self.backend == "triton":  # one launch: the token's block mean (prr.kernels.infllm)
             from prr.kernels.infllm import infllm_live_update
 
-            self._arrivals(cache, layer)  # allocated here, eagerly, before any captured step
             freqs = self._freqs(cache) if self.scoring == "position_agnostic" else None
             infllm_live_update(self._live(cache, layer), cache.keys[layer], positions, cache.block_size, freqs)
             return

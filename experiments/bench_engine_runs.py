@@ -317,10 +317,15 @@ def with_intervals(table: pd.DataFrame) -> pd.DataFrame:
         setup = getattr(row, "budget_setup", None)
         record = (setup.get("calibration") or {}) if isinstance(setup, dict) else {}
         n, hit = record.get("selected"), getattr(row, "hit_rate", None)
+        steps = getattr(row, "decode_steps", None)
+        script_hit = record.get("expected_hit_rate")
+        if record.get("selected_per_step") and steps is not None and pd.notna(steps):  # the steps the run decoded
+            n = sum(record["selected_per_step"][: int(steps)])
+            script_hit = sum(record["hits_per_step"][: int(steps)]) / n if n else None
         if n and hit is not None and pd.notna(hit):
             interval = wilson(round(float(hit) * n), int(n))
             out.update(hit_rate_lo=interval.low, hit_rate_hi=interval.high, hit_rate_n=interval.n,
-                       script_hit_rate=record.get("expected_hit_rate"))
+                       script_hit_rate=script_hit)
         extra.append(out)
     return pd.concat([table, pd.DataFrame(extra, index=table.index)], axis=1)
 

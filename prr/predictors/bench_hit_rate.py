@@ -173,22 +173,25 @@ class BenchHitRatePredictor(Predictor):
         selected = script.selected.cpu()
         nb = num_blocks.cpu().to(torch.int64).view(steps, batch, 1).expand(steps, batch, heads).reshape(-1)
         predicted = torch.zeros(layers, steps + 1, batch, heads, size + 1, dtype=torch.int32)
-        kept = chosen = 0
+        kept = torch.zeros(steps, dtype=torch.int64)  # per step, over layers, rows and KV heads
+        chosen = torch.zeros(steps, dtype=torch.int64)
         for layer in sparse_layers:
             a = selected[layer].view(-1, width)  # [S·B·Hkv, C + 1]
             idx, cnt, keep = swapped_predictions(a[:, :-1], a[:, -1], nb, self.hit_rate, size,
                                                  script.info["max_blocks"], gen)
             predicted[layer, :steps] = torch.cat([idx, cnt.unsqueeze(-1)], -1).view(steps, batch, heads, size + 1)
-            kept += int(keep.sum())
-            chosen += int(a[:, -1].sum())
+            kept += keep.view(steps, -1).sum(1)
+            chosen += a[:, -1].to(torch.int64).view(steps, -1).sum(1)
         script.predicted = predicted.to(state.step.device)
         script.recording = False
-        script.info.update(steps=steps, predicted_blocks=size, hits=kept, selected=chosen,
-                           expected_hit_rate=kept / chosen if chosen else None)
+        hits, total = int(kept.sum()), int(chosen.sum())
+        script.info.update(steps=steps, predicted_blocks=size, hits=hits, selected=total,
+                           expected_hit_rate=hits / total if total else None,
+                           hits_per_step=kept.tolist(), selected_per_step=chosen.tolist())
         self.record.update({k: v for k, v in script.info.items() if k != "max_blocks"})
         log.info("predictor=bench_hit_rate (a benchmark tool): P of %d steps from a recorded serial pass, hit rate "
                  "%.4f by construction (%d of %d selected blocks; requested %.4f)", steps,
-                 kept / chosen if chosen else float("nan"), kept, chosen, self.hit_rate)
+                 hits / total if total else float("nan"), hits, total, self.hit_rate)
         return dict(script.info)
 
 

@@ -19,15 +19,17 @@ import torch
 def record_serial_pass(engine: Any, rows: list[int]) -> dict[str, Any]:
     """engine: a GraphDecoder built for PRR with a replaying predictor, at the prompt's end;
     rows: [B] tokens each row holds. The pass covers every step the engine's cache has room for
-    (max_tokens - 1 - the longest row: the run's max_new_tokens). -> the predictor's record of
-    its script (steps, |P|, the hit rate it makes, exactly)."""
+    (max_tokens - 1 - the longest row: the run's max_new_tokens, and up to a block more where the
+    cache rounds its size up to whole blocks). -> the predictor's record of its script (steps,
+    |P|, the hit rate it makes, exactly, and per step)."""
     predictor, state = engine.predictor, engine.predictor_state
     steps = engine.max_tokens - 1 - max(rows)
     if steps < 1:
         raise ValueError(f"no decode step fits after {max(rows)} tokens in a cache of {engine.max_tokens}")
     bs = engine.plan.block_size
     with torch.inference_mode():  # (the prefill's tensors, the predictor state among them, are inference tensors)
-        predictor.start_recording(state, steps, engine.batch, engine.hkv, engine.topk_capacity, engine.max_blocks)
+        capacity = engine.selector.capacity(engine.group, engine.max_blocks)  # |A| at most (the engine's A buffers)
+        predictor.start_recording(state, steps, engine.batch, engine.hkv, capacity, engine.max_blocks)
         start = engine.checkpoint()
         serial = engine.with_plan(variant="serial", learn_in_serial=True, count_hits=False, measure_dense=False)
         tokens = []

@@ -165,7 +165,7 @@ def infllm_select_columns(batch: int, context: int, cache_tokens: int, block: in
         window = sel.representatives_from == "window_attention"
         slots = [(sel._scored(cache, i) if window else None, sel._finalised(cache, i)) for i in range(layers)]
         # Every replay a fresh query and a block to finalise: scored back to 0, finalised one back.
-        first = [f.clone() - 1 for _, f in slots]
+        first = [(f.clone() - 1).clamp(min=0) for _, f in slots]
 
         def reset(i, slots=slots, first=first):
             scored, finalised = slots[i]

@@ -202,7 +202,7 @@ def _infllm_step_kernel(
                 old = tl.load(w, mask=add, other=0.0)
                 tl.store(w, old + probs, mask=add)
 
-    if done < target:  # finalise block `done` (it left the window: this step's add never touches it)
+    if (done >= 0) & (done < target):  # finalise block `done` (it left the window: this step's add never touches it)
         tokens = done * BLOCK_SIZE + offs_s
         every = offs_s < BLOCK_SIZE
         keys = _unrotated_keys(k_row, tokens, every, offs_d, stride_kt, stride_kd, inv_freq_ptr, HALF, UNROTATE)

@@ -26,19 +26,21 @@ def _turned(x, x_swapped, offs_d, HALF: tl.constexpr):
 
 
 @triton.jit
-def _unrotated_keys(row_ptr, tokens, live, offs_d, stride_kt, stride_kd, inv_freq_ptr,
-                    HALF: tl.constexpr, UNROTATE: tl.constexpr):
-    """Keys of `tokens` [T] (lanes not `live` read nothing: 0) -> [T, D] fp32, with the model's
-    rotation at each token's position undone when UNROTATE (position_agnostic scoring)."""
+def _unrotated_halves(row_ptr, tokens, live, offs_h, stride_kt, stride_kd, inv_freq_ptr,
+                      HALF: tl.constexpr, UNROTATE: tl.constexpr):
+    """Keys of `tokens` [T] (lanes not `live` read nothing: 0) -> their two halves ([T, D/2] fp32
+    each: d < D/2, d >= D/2), with the model's rotation at each token's position undone when
+    UNROTATE (position_agnostic scoring). The angles repeat over the halves: one cos and one sin
+    per (token, frequency)."""
     rows = row_ptr + tokens[:, None].to(tl.int64) * stride_kt
-    x = tl.load(rows + offs_d[None, :] * stride_kd, mask=live[:, None], other=0.0).to(tl.float32)
+    x1 = tl.load(rows + offs_h[None, :] * stride_kd, mask=live[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(rows + (offs_h + HALF)[None, :] * stride_kd, mask=live[:, None], other=0.0).to(tl.float32)
     if UNROTATE:
-        swapped = (offs_d + HALF) % (2 * HALF)
-        x_sw = tl.load(rows + swapped[None, :] * stride_kd, mask=live[:, None], other=0.0).to(tl.float32)
-        freq = tl.load(inv_freq_ptr + offs_d % HALF)  # [D] fp32
-        angles = tokens.to(tl.float32)[:, None] * freq[None, :]
-        x = x * tl.cos(angles) + _turned(x, x_sw, offs_d, HALF) * (-tl.sin(angles))
-    return x
+        angles = tokens.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + offs_h)[None, :]  # [T, D/2]
+        cos, minus_sin = tl.cos(angles), -tl.sin(angles)
+        # x·cos + turned(x)·(−sin), turned(x) = (−x2, x1): the order of prr.selectors.infllm.rotate
+        x1, x2 = x1 * cos + (-x2) * minus_sin, x2 * cos + x1 * minus_sin
+    return x1, x2
 
 
 @triton.jit
@@ -68,13 +70,13 @@ def _infllm_live_kernel(
     tokens = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     # (Scalar conditions become lane limits: the CPU interpreter mishandles scalar & tensor masks.)
     live = tokens <= tl.where(d_limit > 0, position, -1)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_h = tl.arange(0, HALF)
     row = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    keys = _unrotated_keys(row, tokens, live, offs_d, stride_kt, stride_kd, inv_freq_ptr, HALF, UNROTATE)
+    x1, x2 = _unrotated_halves(row, tokens, live, offs_h, stride_kt, stride_kd, inv_freq_ptr, HALF, UNROTATE)
     count = tl.maximum(position - block * BLOCK_SIZE + 1, 1).to(tl.float32)
-    mean = tl.sum(keys, axis=0) / count  # [D]
     out = live_ptr + batch.to(tl.int64) * stride_lb + kv_head.to(tl.int64) * stride_lh + block * stride_ln
-    tl.store(out + offs_d * stride_ld, mean, mask=offs_d < d_limit)
+    tl.store(out + offs_h * stride_ld, tl.sum(x1, axis=0) / count, mask=offs_h < d_limit)  # [D/2] each
+    tl.store(out + (offs_h + HALF) * stride_ld, tl.sum(x2, axis=0) / count, mask=offs_h < d_limit)
 
 
 @triton.jit
@@ -205,15 +207,17 @@ def _infllm_step_kernel(
     if (done >= 0) & (done < target):  # finalise block `done` (it left the window: this step's add never touches it)
         tokens = done * BLOCK_SIZE + offs_s
         every = offs_s < BLOCK_SIZE
-        keys = _unrotated_keys(k_row, tokens, every, offs_d, stride_kt, stride_kd, inv_freq_ptr, HALF, UNROTATE)
+        offs_h = tl.arange(0, HALF)
+        x1, x2 = _unrotated_halves(k_row, tokens, every, offs_h, stride_kt, stride_kd, inv_freq_ptr, HALF, UNROTATE)
         r = repr_ptr + batch.to(tl.int64) * stride_rb + kv_head.to(tl.int64) * stride_rh + done * stride_rn
         if WINDOW_ATTENTION:
             w = window_ptr + batch.to(tl.int64) * stride_wb + kv_head.to(tl.int64) * stride_wh + done * stride_wn
             for g in tl.static_range(GROUP):
                 token_scores = tl.load(w + g * stride_wg + offs_s * stride_ws)  # [S]
                 chosen = _top_tokens(token_scores, offs_s, R, BLOCK_SIZE)
-                mean = tl.sum(tl.where(chosen[:, None], keys, 0.0), axis=0) / R  # [D]
-                tl.store(r + g * stride_rg + offs_d * stride_rd, mean)
+                tl.store(r + g * stride_rg + offs_h * stride_rd, tl.sum(tl.where(chosen[:, None], x1, 0.0), axis=0) / R)
+                tl.store(r + g * stride_rg + (offs_h + HALF) * stride_rd,
+                         tl.sum(tl.where(chosen[:, None], x2, 0.0), axis=0) / R)
         else:
             # Σ_g q_g·k per token under this query, post-RoPE (this KV head, or every KV head).
             token_scores = tl.zeros([BLOCK_SIZE], tl.float32)
@@ -232,9 +236,11 @@ def _infllm_step_kernel(
                     q_sum += tl.load(q_rows + g * stride_qh + offs_d * stride_qd).to(tl.float32)
                 token_scores += tl.sum(post * q_sum[None, :], axis=1)
             chosen = _top_tokens(token_scores, offs_s, R, BLOCK_SIZE)
-            mean = tl.sum(tl.where(chosen[:, None], keys, 0.0), axis=0) / R  # [D]
+            mean1 = tl.sum(tl.where(chosen[:, None], x1, 0.0), axis=0) / R  # [D/2] each
+            mean2 = tl.sum(tl.where(chosen[:, None], x2, 0.0), axis=0) / R
             for g in tl.static_range(GROUP):
-                tl.store(r + g * stride_rg + offs_d * stride_rd, mean)
+                tl.store(r + g * stride_rg + offs_h * stride_rd, mean1)
+                tl.store(r + g * stride_rg + (offs_h + HALF) * stride_rd, mean2)
 
     tl.debug_barrier()  # every thread's stores precede the arrival (release covers them)
     arrived = tl.atomic_add(arrivals_ptr + batch, 1, sem="acq_rel", scope="gpu")

@@ -101,7 +101,7 @@ LIVE_SLOT = "infllm_live"
 FINALISED = "infllm_finalised"
 WINDOW_SLOT = "infllm_window"
 SCORED = "infllm_scored"
-ARRIVALS = "infllm_arrivals"  # backend=triton: the step kernel's arrival counter per row (zero between launches)
+ARRIVALS = "infllm_arrivals"  # the Triton step kernel's arrival counter per row (zero between launches)
 SCORINGS = ("position_agnostic", "rope")
 REPRESENTATIVES_FROM = ("window_attention", "one_query")
 QUERY_CHUNK = 256  # prefill queries per chunk in catch_up (bounds its gathered keys)

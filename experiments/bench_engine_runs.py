@@ -198,7 +198,8 @@ def main() -> None:
     table = write(rows, args, stage_map)
     shown = [c for c in ("case", "variant", "predicted_blocks", "token_latency_median_ms", "median_over_serial",
                          "median_over_serial_lo", "median_over_serial_hi", "hit_rate", "hit_rate_lo", "hit_rate_hi",
-                         "tokens_equal_serial", "map_predicted_ms", "median_over_map") if c in table]
+                         "tokens_equal_serial", "first_token_difference", "map_predicted_ms", "median_over_map")
+             if c in table]
     print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 
@@ -314,6 +315,9 @@ def with_intervals(table: pd.DataFrame) -> pd.DataFrame:
             tokens = getattr(row, "generated_token_ids", None)
             if isinstance(theirs, list) and isinstance(tokens, list):
                 out["tokens_equal_serial"] = tokens == theirs
+                # the first step whose token differs from serial DSA's (a replayed trajectory left there)
+                out["first_token_difference"] = next((i for i, (x, y) in enumerate(zip(tokens[0], theirs[0], strict=False))
+                                                      if x != y), None)
         setup = getattr(row, "budget_setup", None)
         record = (setup.get("calibration") or {}) if isinstance(setup, dict) else {}
         n, hit = record.get("selected"), getattr(row, "hit_rate", None)

@@ -115,4 +115,5 @@ def test_intervals_and_the_map_only_at_its_own_p():
     assert bool(row["tokens_equal_serial"]) and math.isfinite(row["map_predicted_ms"])
     other = out.set_index("case").loc["quest-hit0.9+profiled"]
     assert not bool(other["tokens_equal_serial"]) and math.isnan(other["map_predicted_ms"])  # |P| = 64, map's 32
+    assert other["first_token_difference"] == 2 and pd.isna(row["first_token_difference"])
     assert math.isnan(other["hit_rate_n"])  # no script counts in its record: no interval

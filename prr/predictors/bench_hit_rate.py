@@ -25,8 +25,20 @@ round(hit_rate·min(|A|, size)) blocks of A (a uniformly random subset) and fill
 blocks of the step's context outside A (as many as there are), the definition of
 `prr.blocks.controlled_predictions` (the stage map's and the profiled budget's). So the run's
 measured hit rate |P ∩ A| / |A| equals the requested fraction per (row, KV head) up to that
-rounding when |P| >= |A| (the engine's counters measure it; a trajectory that left the recorded
-one would show as a lower rate, and as tokens that differ from serial DSA's).
+rounding when |P| >= |A|, as long as the run follows the recorded trajectory (the engine's
+counters measure it; a trajectory that left the recorded one shows as a lower rate, and as tokens
+that differ from serial DSA's: bench_engine_runs prints both).
+
+Where the replay holds and where it does not (measured): on the CPU (torch ops, fp32 and bf16,
+3 sparse layers) and on an H200 in fp32 (the tiny model, captured) the rate is exact and the
+tokens are serial DSA's. On the H200 in bf16 at the Llama-3.1-8B shape it is not: exact-mode PRR
+merges the same blocks' attention in another grouping than serial DSA (per-block states of P ∩ A
+⊕ the repair's splits), so its bf16 outputs differ in the last bits, near-tied Quest/InfLLM
+scores and greedy tokens flip, and the run leaves the recorded trajectory after 1-23 of 32 steps:
+measured hit rates 0.12-0.28 for requested 0.5-0.9, 0.76 for 1.0
+(experiments/results/h200/kernels_issue33.md). Making it hold there needs the replayed pass to
+read the recorded tokens (teacher forcing, a token table indexed by the step counter) and a merge
+order that does not depend on P; neither is built.
 
 Refused where it cannot replay: the eager research runtime (no recorded pass; config_check).
 `budget=profiled` times its stage check at `budget.hit_rate`, which must then equal this

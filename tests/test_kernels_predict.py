@@ -252,6 +252,8 @@ PREDICTORS = {
     "cross_layer": lambda: CrossLayerPredictor(temporal_weight=0.0, source_stickiness=1.5, calibrate=False),
     "cross_layer_mixed": lambda: CrossLayerPredictor(temporal_weight=0.4, recent_blocks=2, calibrate=False),
     "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2, recent_blocks=2),
+    "query_similarity_fill": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2, recent_blocks=2,
+                                                              fill_width=24),
 }
 
 

@@ -32,7 +32,8 @@ capture) and never re-allocated.
 On backend triton (prr.kernels.predict): propose = one launch (normalise, similarities, the
 neighbours' votes, the rank and its top-k: counted among the voted blocks when they hold it;
 where fewer than |P| got a vote, every voted block and the best others by TIE·last_z, read from
-`fill`, a list the update writes off the critical path since it does not depend on the query);
+`fill`, a list the update writes off the critical path since it does not depend on the query,
+when fill_width > 0; else the whole row's top-k);
 update = one launch (ring-buffer slot, last selection and z-scores) + a one-program launch moving
 the counters + the fill list (the top-k kernel and a sort of its W entries). The cosine similarities
 are summed in another order than torch's einsum, so votes can differ in the last bit: P is the
@@ -55,7 +56,6 @@ from prr.predictors.ema import newest_mask, standardise
 from prr.selectors.base import Selection
 
 TIE = 1e-3  # |z| stays well below 1/TIE, so scores only order blocks of equal votes
-FILL_WIDTH = 256  # blocks in the fill list (|P| up to about W - |the neighbours' union| uses it)
 
 
 @dataclass
@@ -68,9 +68,10 @@ class QuerySimilarityState:
     has_pending: Tensor  # [L] bool: a propose of this step left a query in `pending` for update to pair
     last_selected: Tensor  # [L, B, Hkv, max_blocks] bool: A_{t−1}
     last_z: Tensor  # [L, B, Hkv, max_blocks] fp32 standardised scores of step t−1
-    # [L, B, Hkv, W] int32: the W blocks of largest TIE·last_z, best first (ties to the lower id),
-    # written by update off the critical path: where fewer than |P| blocks got a vote the kernel's
-    # propose takes the rest from it instead of ranking the whole row (the torch path ignores it)
+    # [L, B, Hkv, W] int32 (W = fill_width; 0: none): the W blocks of largest TIE·last_z, best first
+    # (ties to the lower id), written by update off the critical path: where fewer than |P| blocks
+    # got a vote the kernel's propose takes the rest from it instead of ranking the whole row (the
+    # torch path ignores it)
     fill: Tensor
     fill_valid: Tensor  # [L] bool: fill matches last_z
 
@@ -79,14 +80,21 @@ class QuerySimilarityPredictor(Predictor):
     needs_query = True  # the runtime passes propose(..., query=q)
     history_only = False  # ranks this step's query
 
-    def __init__(self, cache_size: int = 64, neighbours: int = 2, recent_blocks: int = 1) -> None:
+    def __init__(self, cache_size: int = 64, neighbours: int = 2, recent_blocks: int = 1, fill_width: int = 0) -> None:
+        """fill_width: blocks in the fill list the update writes for the kernel's propose (0: none).
+        It pays where |P| exceeds the neighbours' union (budget.ratio >= 2 against 32-block
+        selections): propose 30.2 -> 22.3 µs at |P| = 128 on the H200, at about 57 µs per layer on the
+        side stream (kernels_issue33.md); with |P| = |A| the list is never read. The same P either way."""
         if cache_size < 1:
             raise ValueError(f"predictor.cache_size={cache_size} must be >= 1 (past queries kept per layer and KV head)")
         if not 1 <= neighbours <= cache_size:
             raise ValueError(f"predictor.neighbours={neighbours} must lie in [1, cache_size={cache_size}]")
         if recent_blocks < 0:
             raise ValueError(f"predictor.recent_blocks={recent_blocks} must be >= 0")
+        if isinstance(fill_width, bool) or not isinstance(fill_width, int) or fill_width < 0:
+            raise ValueError(f"predictor.fill_width={fill_width!r} must be an int >= 0 (0: no fill list)")
         self.cache_size, self.neighbours, self.recent_blocks = cache_size, neighbours, recent_blocks
+        self.fill_width = fill_width
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> QuerySimilarityState:
         per_layer = (num_layers, batch, num_kv_heads)
@@ -99,7 +107,7 @@ class QuerySimilarityPredictor(Predictor):
             has_pending=torch.zeros(num_layers, dtype=torch.bool, device=device),
             last_selected=torch.zeros(*per_layer, max_blocks, dtype=torch.bool, device=device),
             last_z=torch.zeros(*per_layer, max_blocks, device=device),
-            fill=torch.zeros(*per_layer, min(FILL_WIDTH, max_blocks), dtype=torch.int32, device=device),
+            fill=torch.zeros(*per_layer, min(self.fill_width, max_blocks), dtype=torch.int32, device=device),
             fill_valid=torch.zeros(num_layers, dtype=torch.bool, device=device),
         )
 

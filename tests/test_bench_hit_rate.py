@@ -115,6 +115,16 @@ def test_a_whole_run_hits_the_asked_share_and_decodes_serial_dsa(tmp_path, hit_r
         assert run["precision"] == pytest.approx(round(hit_rate * 6) / run["predicted_blocks"], abs=1e-12)
 
 
+def test_replay_holds_over_several_sparse_layers_in_bf16(tmp_path):
+    """3 sparse layers (each its own step counter and script), bf16 on the CPU's torch ops: the
+    asked share exactly and serial DSA's tokens."""
+    more = ["++model.num_layers=4", "task.prompt_tokens=600", "task.max_new_tokens=8", "selector.topk_blocks=8",
+            "runtime.dtype=bfloat16", "runtime.engine=graph"]
+    serial = run_tiny(tmp_path, "predictor=none", *more, name="serial")
+    run = run_tiny(tmp_path, "predictor=bench_hit_rate", "predictor.hit_rate=0.5", *more, name="replay")
+    assert run["generated_token_ids"] == serial["generated_token_ids"] and run["hit_rate"] == 0.5
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["predictor=bench_hit_rate"], "only runtime.engine=graph records"),
     (["predictor=bench_hit_rate", "predictor.hit_rate=1.5", "runtime.engine=graph"],

@@ -1,7 +1,7 @@
 """A compact LESS state, chosen by measured output error (issue 33, item 3).
 
     python experiments/less_compact_state.py [--out experiments/results/cpu/less_compact_state]
-        [--runs-dir multirun/less_compact_state] [--steps 16] [--features 64,32,16]
+        [--runs-dir multirun/less_compact_state] [--steps 16] [--features 64,32,16] [--feature-map trained]
 
 On the default model (SmolLM2-135M, CPU) in shadow mode (attention stays dense, so every variant
 is measured on identical inputs), Quest and LESS at top-K 512 tokens (32 blocks of 16), LESS with
@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per run (dense metrics on each)")
     parser.add_argument("--features", default="64,32,16", help="LESS random-feature counts m")
     parser.add_argument("--extra", default="", help="comma-separated overrides for every run (e.g. task.prompt_tokens=2048)")
+    parser.add_argument("--feature-map", default="random", choices=["random", "trained"],
+                        help="LESS's selector.feature_map (trained: `make train-less`'s map at each m, an error if missing)")
     args = parser.parse_args()
     variants = [("quest", None, None)] + [("less", int(m), dtype) for m in args.features.split(",")
                                           for dtype in ("float32", "bfloat16")]
@@ -61,12 +63,14 @@ def main() -> None:
         overrides = [f"selector={selector}", *common]
         name = selector
         if m is not None:
-            overrides += [f"selector.num_features={m}", f"selector.summary_dtype={dtype}"]
-            name = f"less-m{m}-{dtype}"
+            overrides += [f"selector.num_features={m}", f"selector.summary_dtype={dtype}",
+                          f"selector.feature_map={args.feature_map}"]
+            name = f"less-m{m}-{dtype}" + ("-trained" if args.feature_map == "trained" else "")
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
         summary = run(cfg, args.runs_dir / name)
-        row = {"variant": name, "num_features": m, "summary_dtype": dtype, **{c: summary.get(c) for c in COLUMNS}}
+        row = {"variant": name, "num_features": m, "summary_dtype": dtype,
+               "feature_map": args.feature_map if m is not None else None, **{c: summary.get(c) for c in COLUMNS}}
         for context, block in SHAPES:
             row[f"state_over_kv_{context // 1024}k_b{block}"] = (memory_ratio(m, dtype, context, block)
                                                                   if m is not None else 0.0)

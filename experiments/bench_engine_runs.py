@@ -198,7 +198,8 @@ def main() -> None:
     table = write(rows, args, stage_map)
     shown = [c for c in ("case", "variant", "predicted_blocks", "token_latency_median_ms", "median_over_serial",
                          "median_over_serial_lo", "median_over_serial_hi", "hit_rate", "hit_rate_lo", "hit_rate_hi",
-                         "tokens_equal_serial", "first_token_difference", "map_predicted_ms", "median_over_map")
+                         "tokens_equal_serial", "first_token_difference", "map_predicted_ms", "median_over_map",
+                         "map_hit_clamped")
              if c in table]
     print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
@@ -236,9 +237,10 @@ def name_list(allowed: tuple[str, ...]):
 def with_predictions(table: pd.DataFrame, stage_map: pd.DataFrame) -> pd.DataFrame:
     """Adds map_predicted_ms and median_over_map to PRR rows (see the module docstring)."""
     by_case = table.set_index("case")
-    predicted = []
+    predicted, outside = [], []
     for row in table.itertuples(index=False):
         serial = serial_of(row.case)
+        outside.append(map_hit_outside(stage_map, row))
         at_map_size = int(getattr(row, "predicted_blocks", row.topk_blocks)) == int(row.topk_blocks)  # the map's |P|
         ok = (getattr(row, "variant", None) == "prr" and serial in by_case.index and at_map_size
               and pd.notna(by_case.loc[serial].get("token_latency_median_ms")))
@@ -252,7 +254,21 @@ def with_predictions(table: pd.DataFrame, stage_map: pd.DataFrame) -> pd.DataFra
                                         float(by_case.loc[serial, "token_latency_median_ms"]), layers))
     table["map_predicted_ms"] = predicted
     table["median_over_map"] = table["token_latency_median_ms"] / table["map_predicted_ms"]
+    table["map_hit_clamped"] = outside  # the run's hit rate lies outside the map's: its nearest rate stood in
     return table
+
+
+def map_hit_outside(stage_map: pd.DataFrame, row) -> bool | None:
+    """Whether the run's measured hit rate lies outside the hit rates the map timed for its selector
+    and block (the prediction then takes the nearest one's PRR stage); None for runs without one."""
+    hit = getattr(row, "hit_rate", None)
+    if hit is None or pd.isna(hit) or getattr(row, "variant", None) != "prr":
+        return None
+    cell = stage_map[(stage_map["batch"] == 1) & (stage_map["selector"] == row.case.split("-", 1)[0])
+                     & (stage_map["block"] == int(row.block_size))]
+    if cell.empty:
+        return None
+    return not cell["target_hit_rate"].min() <= float(hit) <= cell["target_hit_rate"].max()
 
 
 def write(rows: list[dict], args: argparse.Namespace, stage_map: pd.DataFrame | None = None) -> pd.DataFrame:

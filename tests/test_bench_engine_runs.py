@@ -66,6 +66,7 @@ def test_predictions_go_to_prr_rows_only_beside_their_serial_run():
     assert math.isnan(out.loc[0, "map_predicted_ms"]) and math.isnan(out.loc[2, "map_predicted_ms"])
     assert out.loc[1, "map_predicted_ms"] == pytest.approx(5.0 - 30 * 5e-3)  # 30 sparse layers of 32
     assert out.loc[1, "median_over_map"] == pytest.approx(4.9 / 4.85)
+    assert out["map_hit_clamped"].tolist() == [None, False, False]  # hit 1.0 lies within the map's 0.0-1.0
 
 
 @pytest.mark.parametrize("argv,message", [(["--contexts", "32k"], "not a comma-separated list of integers"),
@@ -117,3 +118,9 @@ def test_intervals_and_the_map_only_at_its_own_p():
     assert not bool(other["tokens_equal_serial"]) and math.isnan(other["map_predicted_ms"])  # |P| = 64, map's 32
     assert other["first_token_difference"] == 2 and pd.isna(row["first_token_difference"])
     assert math.isnan(other["hit_rate_n"])  # no script counts in its record: no interval
+    assert not row["map_hit_clamped"]  # 0.5 lies within the map's 0.0-1.0
+    low = er.with_predictions(table.assign(hit_rate=[math.nan, 0.2, 0.9]).drop(columns=["map_predicted_ms",
+                                                                                         "median_over_map"],
+                                                                                errors="ignore"),
+                              stage_map()[lambda m: m["target_hit_rate"] >= 0.9])
+    assert low.set_index("case").loc["quest-hit0.5", "map_hit_clamped"]  # 0.2 below the map's lowest rate, 0.9

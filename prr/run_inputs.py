@@ -1,6 +1,6 @@
 """What a run builds from its config before any decoding: the seed, the config groups'
-objects, the model and the prompt (shared by the runner's decode, the graph engine's run and
-the evaluation path, so none of them imports another for it)."""
+objects, the model and the prompt (shared by the run driver's eager and graph decodes, so
+neither imports the other for it)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class RunInputs:
 
 def build_run(cfg: DictConfig) -> RunInputs:
     """Seed, instantiate the config groups, load the model, build the prompt (shared by
-    decode_run and prr.runtime.graph_run)."""
+    the run driver's strategies, prr.runtime.eager_run and prr.runtime.graph_run)."""
     torch.manual_seed(cfg.seed)
     settings = instantiate(cfg.runtime)
     task = instantiate(cfg.task)

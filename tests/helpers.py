@@ -52,12 +52,11 @@ def eager_step(selector: Selector, predictor, cache: PagedKVCache, q: torch.Tens
     after the other, torch ops): q [B, Hkv, G, D], the cache holding this step's token ->
     (out [B, Hkv, G, D] fp32, A, P or None). state: the predictor's (default: a fresh one)."""
     from prr.runtime.attention_engine import AttentionEngine
-    from prr.runtime.static_plan import StaticPlan
     from prr.runtime.timing import StageTimer
 
     b, h, g, d = q.shape
-    plan = StaticPlan.eager(repair_mode, cache.block_size)
-    engine = AttentionEngine(plan, cache, h * g, selector, predictor, "torch", timer=StageTimer(torch.device("cpu")))
+    engine = AttentionEngine.eager_step(cache, h * g, selector, predictor, "torch", repair_mode,
+                                        StageTimer(torch.device("cpu")))
     if state is None:
         state = predictor.init_state(cache.num_layers, b, h, cache.max_blocks, "cpu")
     engine.adopt_predictor_state(state)

@@ -78,14 +78,14 @@ def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     """plan.fuse_merge (splits merged inside the split kernel) decodes what the merge launch does."""
     kwargs = dict(variant=variant, topk_blocks=12)  # 12 blocks of 16: two splits of 128 tokens
     reference = make(StaticPlan(fuse_merge=False, **kwargs))
-    assert not reference._fuse_merge(torch.zeros(2, 2, 12, dtype=torch.int32))
+    assert not reference.attn._fuse_merge(torch.zeros(2, 2, 12, dtype=torch.int32))
     want = decode(reference, 3)
     engine = make(StaticPlan(fuse_merge=fuse_merge, **kwargs))
     sparse_idx = torch.zeros(2, 2, 12, dtype=torch.int32)
-    assert engine._fuse_merge(sparse_idx)  # 2 rows x 2 splits: one wave, so "one_wave" fuses here too
+    assert engine.attn._fuse_merge(sparse_idx)  # 2 rows x 2 splits: one wave, so "one_wave" fuses here too
     for a, b in zip(want, decode(engine, 3), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    assert int(engine.merge_arrivals.abs().sum()) == 0  # re-armed
+    assert int(engine.attn.merge_arrivals.abs().sum()) == 0  # re-armed
 
 
 @pytest.mark.parametrize("selector,predictor", [("quest", "ema_membership"),
@@ -103,11 +103,11 @@ def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
         torch.testing.assert_close(c, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
     hits = [engine.counters()["hits"] for engine in engines]
     assert hits[0] == hits[1] and sum(hits[1]) > 0
-    assert int(engines[1].merge_arrivals.abs().sum()) == 0
+    assert int(engines[1].attn.merge_arrivals.abs().sum()) == 0
     auto = make(StaticPlan(**kwargs))  # the default, "auto": one launch at these small shapes
     idx, pred = torch.zeros(2, 2, 6, dtype=torch.int32), auto.pred_idx[-1]  # layer 2: sparse
-    assert auto.plan.fused_repair == "auto" and auto._fused_repair(idx, pred)
-    assert not make(StaticPlan(repair_mode="superset", **kwargs))._fused_repair(idx, pred)
+    assert auto.plan.fused_repair == "auto" and auto.attn._fused_repair(idx, pred)
+    assert not make(StaticPlan(repair_mode="superset", **kwargs)).attn._fused_repair(idx, pred)
     assert "fused_repair=True needs repair_mode='exact'" in StaticPlan(fused_repair=True,
                                                                      repair_mode="superset").problems()[0]
 
@@ -120,7 +120,7 @@ def test_speculation_in_fewer_programs_decodes_like_the_default():
     want = decode(make(StaticPlan(variant="serial", topk_blocks=6)), 3)
     engine = make(StaticPlan(speculation_tokens_per_program=64, **kwargs))  # 4 blocks of 16 per program
     calls = []
-    kernel = engine._k["sparse_decode"]
+    kernel = engine.attn._k["sparse_decode"]
 
     class Spy:
         def __getattr__(self, name):
@@ -130,7 +130,7 @@ def test_speculation_in_fewer_programs_decodes_like_the_default():
             if kw.get("per_block"):
                 calls.append(kw.get("tokens_per_split"))
             return kernel.sparse_decode(*args, **kw)
-    engine._k["sparse_decode"] = Spy()
+    engine.attn._k["sparse_decode"] = Spy()
     for step, (a, b) in enumerate(zip(want, decode(engine, 3), strict=True)):
         torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
     assert calls and set(calls) == {64}
@@ -164,7 +164,7 @@ def test_fixed_predictions_set_from_the_true_selection_hit_everything():
     for layer, sel in enumerate(engine.last_selection):
         if sel is not None:
             engine.set_predictions(layer, *sel)
-    engine.step_counts.zero_()
+    engine.attn.step_counts.zero_()
     first = engine.step(advance=False)
     assert torch.equal(engine.pos, pos)
     counts = engine.counters()
@@ -294,7 +294,7 @@ def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, select
     two_launches = decode(two, 3)
     one = make(plan, batch=1).with_plan(projections="fused")  # a view: its paired weights built with it
     assert one._paired["weights"] is not None  # not inside a first (captured) step
-    one._k = {**one._k, "cache_append": _NoAppendLaunch()}
+    one.attn._k = {**one.attn._k, "cache_append": _NoAppendLaunch()}
     got = decode(one, 3)
     for a, b, c in zip(want, two_launches, got, strict=True):
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)
@@ -369,7 +369,7 @@ def test_fused_append_graph_at_batch_one_equals_torch_projections_on_the_gpu():
     plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
     want = decode(make(plan, context=3001, device="cuda", batch=1), 6)
     fused = fused_projection_engine(plan, device="cuda", context=3001, batch=1)
-    fused._k = {**fused._k, "cache_append": _NoAppendLaunch()}
+    fused.attn._k = {**fused.attn._k, "cache_append": _NoAppendLaunch()}
     graph = fused.capture(lambda: fused.step(advance=True))
     fused.fill_random_context(3001, seed=5)
     for step, a in enumerate(want):

@@ -7,13 +7,14 @@ selector and predictor objects, on one of two op backends (prr/runtime/engine_op
 kernels, or torch ops on any device).
 
 Two callers run this same step:
-- the graph engine (`GraphDecoder`, a subclass that adds the model's forward) captures it in a
+- the graph engine (`GraphDecoder`, which holds one and adds the model's forward) captures it in a
   CUDA graph: speculation on a second stream beside selection, P written on that stream right
   after the learning that completes it (history-only predictors: the layer's next P; cross_layer:
   the layer above's P of this step), |P| fixed by the plan;
-- the research runtime (`DSABackend`) runs it eagerly, one stage after the other, with a
-  `StageTimer` around each stage and the budget's |P| for this step (`predicted_blocks=`),
-  P proposed at the start of the step at that size (0: a serial DSA step).
+- the research runtime (`DSABackend`) runs it eagerly (`AttentionEngine.eager_step`: built
+  `sized_per_step`), one stage after the other, with a `StageTimer` around each stage and the
+  budget's |P| for this step (`predicted_blocks=`), P proposed at the start of the step at that
+  size (0: a serial DSA step).
 
 Selectors that `compensate` (LESS) merge their estimate of the unselected blocks after repair,
 also under serial DSA, so exact-mode PRR and serial DSA receive the same compensation.
@@ -40,14 +41,18 @@ class AttentionEngine:
     """Static buffers and the decode attention of every layer of `cache` for `num_heads` query heads."""
 
     def __init__(self, plan: StaticPlan, cache: PagedKVCache, num_heads: int, selector: Selector | None = None,
-                 predictor: Predictor | None = None, backend: str = "triton", timer: StageTimer | None = None) -> None:
+                 predictor: Predictor | None = None, backend: str = "triton", timer: StageTimer | None = None,
+                 sized_per_step: bool = False) -> None:
         """selector / predictor: the run's prr.selectors / prr.predictors objects (default: built
         from `plan`, `StaticPlan.make_selector` / `make_predictor`).
         backend: "triton" (prr.kernels; CUDA, or the CPU under TRITON_INTERPRET=1) or "torch"
         (static-shape torch ops, any device); the selector selects and the predictor proposes and
         learns on the same backend where they have kernels.
         timer: time each stage (the eager runtime; stages then run one after the other: a
-        plan with overlap=False and fused_repair=False keeps them apart)."""
+        plan with overlap=False and fused_repair=False keeps them apart).
+        sized_per_step: the research runtime's step (`eager_step`): |P| given by each call
+        (`sparse_attention(predicted_blocks=)`), P proposed at the step's start at that size; else
+        the graph engine's: the plan's variant and |P|, P written ahead into the buffers."""
         from prr.runtime.engine_ops import engine_ops
 
         if plan.problems():
@@ -57,7 +62,7 @@ class AttentionEngine:
         if cache.block_size != plan.block_size:
             raise ValueError(f"cache block_size={cache.block_size} differs from plan.block_size={plan.block_size}")
         self._k = engine_ops(backend)
-        self.backend, self.timer = backend, timer
+        self.backend, self.timer, self.sized_per_step = backend, timer, sized_per_step
         self.plan, self.cache, self.batch = plan, cache, cache.batch
         self.device, self.dtype = cache.keys[0].device, cache.dtype
         self.selector = selector if selector is not None else plan.make_selector()
@@ -81,8 +86,6 @@ class AttentionEngine:
         # Selectors whose whole metadata is Quest's key max / min let the append kernels update it
         # (backend triton; the torch backend's append leaves it to the selector's append_metadata).
         self.kernel_metadata = self.selector.metadata_in_append_kernel and backend == "triton"
-        # Tokens in the cache before this step, per row (rows may differ: ragged batches).
-        self.pos = torch.zeros(B, dtype=torch.int32, device=dev)
         self.all_blocks = torch.arange(NB, dtype=torch.int32, device=dev).expand(B, H, NB).contiguous()
         prr = plan.variant == "prr"  # P buffers exist only when built for prr (a prr view of another is refused)
         # The oracle's P is A itself: A's capacity, whatever the plan's |P|.
@@ -115,6 +118,14 @@ class AttentionEngine:
         self._forked = False
         self._next_blocks: tuple[Tensor, Tensor] | None = None  # (this step's lengths, next step's block counts)
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * self.num_layers
+
+    @classmethod
+    def eager_step(cls, cache: PagedKVCache, num_heads: int, selector: Selector, predictor: Predictor | None,
+                   backend: str, repair_mode: str, timer: StageTimer | None) -> AttentionEngine:
+        """The research runtime's step (DSABackend, StageProbe): stages one after the other
+        (`StaticPlan.eager`), each timed by `timer`, |P| sized per step by the caller."""
+        return cls(StaticPlan.eager(repair_mode, cache.block_size), cache, num_heads, selector, predictor, backend,
+                   timer=timer, sized_per_step=True)
 
     def adopt_predictor_state(self, state: object) -> None:
         """Decode on from a predictor state warmed elsewhere (the eager prefill's, same class)."""
@@ -231,12 +242,16 @@ class AttentionEngine:
         """The DSA step of a sparse layer (serial or PRR): q [B, Hq, D] post-RoPE, this step's
         token in the cache and its metadata; lengths, num_blocks [B] int32 -> (out [B, Hq, D] in
         the model dtype, fp32 with fp32=True; A).
-        predicted_blocks: the eager runtime's |P| for this step: P is proposed now at that size
-        (0: a serial step, the predictor still learns). None (the graph engine): the plan's
-        variant, P from the buffers (written by the previous step or from outside)."""
+        predicted_blocks: an engine `sized_per_step` (the eager runtime) takes its |P| for this
+        step here: P is proposed now at that size (0: a serial step, the predictor still learns).
+        The graph engine's step gives none: the plan's variant, P from the buffers (written by the
+        previous step or from outside)."""
         p = self.plan
         compensates = self.selector.compensates
-        eager = predicted_blocks is not None
+        eager = self.sized_per_step
+        if eager != (predicted_blocks is not None):
+            raise ValueError("an engine sized per step (the eager runtime's) takes predicted_blocks= at every step, "
+                             f"the graph engine's takes none (sized_per_step={eager}, got {predicted_blocks})")
         predictor = self.predictor
         if predicted_blocks == 0 or (not eager and p.variant == "serial"):
             with self._stage("select"):

@@ -30,7 +30,7 @@ from prr.predictors.base import Predictor
 from prr.runtime.attention_engine import AttentionEngine
 from prr.runtime.engine_ops import BACKENDS
 from prr.runtime.records import LayerStepRecord
-from prr.runtime.static_plan import REPAIR_MODES, StaticPlan
+from prr.runtime.static_plan import REPAIR_MODES
 from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
 
@@ -74,8 +74,8 @@ class DSABackend:
         self.check_serial = check_serial
         self.backend = backend
         self.timer = StageTimer(cache.device)
-        plan = StaticPlan.eager(repair_mode, cache.block_size)
-        self.engine = AttentionEngine(plan, cache, num_heads, selector, predictor, backend, timer=self.timer)
+        self.engine = AttentionEngine.eager_step(cache, num_heads, selector, predictor, backend, repair_mode,
+                                                 self.timer)
         self.step = 0
         self.history: list[list[Selection] | None] = [None] * cache.num_layers  # prefill-tail selections
         self.previous: list[Tensor | None] = [None] * cache.num_layers

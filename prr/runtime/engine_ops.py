@@ -7,7 +7,7 @@
   algebra (prr.blocks), so the engine runs on a plain CPU and its step can be captured.
 
 `engine_ops(backend)` returns the name -> namespace dict the engine calls through
-(`GraphDecoder._k`); each torch namespace has the functions of the kernel module of the same
+(`AttentionEngine._k`); each torch namespace has the functions of the kernel module of the same
 name that the engine uses, with the same arguments and results. Launch-tuning arguments
 (fuse_merge, arrivals, tokens_per_split) change how a kernel runs, not what it computes, and
 are ignored by torch. The Triton-only projection kernels (dense_gemv, qkv_append) have no

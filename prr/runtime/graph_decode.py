@@ -20,8 +20,10 @@ path nothing; it sees only selections of past steps.
 
 The per-layer attention (select, speculate, repair, merge, learn) is `AttentionEngine`'s
 (prr/runtime/attention_engine.py), the one PRR step that the eager research runtime
-(DSABackend) runs too, uncaptured and timed stage by stage; this module adds the model's
-forward, RoPE and the cache append around it, and the capture. Selection and prediction are
+(DSABackend) runs too, uncaptured and timed stage by stage. A `GraphDecoder` holds one
+(`attn`: it owns the P buffers, the predictor state and the counters; the decoder reads the
+parts its callers need through read-only views) and adds the model's forward, RoPE and the
+cache append around it, and the capture. Selection and prediction are
 the run's own selector and predictor objects (prr.selectors, prr.predictors).
 `StaticPlan.selector` / `predictor` only name which of those classes to build when the
 caller passes none (benchmarks). Predictors that rank from history alone (`history_only`)
@@ -62,7 +64,12 @@ from prr.runtime.static_plan import (  # noqa: F401  (the plan's names, re-expor
 from prr.selectors import Selector
 
 
-class GraphDecoder(AttentionEngine):
+def _engine_part(name: str, doc: str) -> property:
+    """A read-only view of the attention engine's `name` (GraphDecoder.attn)."""
+    return property(lambda self: getattr(self.attn, name), doc=doc)
+
+
+class GraphDecoder:
     """Static buffers and the decode step of `model` for `batch` rows of up to `max_tokens`:
     the model's forward around `AttentionEngine`'s attention, capturable as one CUDA graph."""
 
@@ -117,7 +124,15 @@ class GraphDecoder(AttentionEngine):
             if blocks > cache.max_blocks:
                 raise ValueError(f"{name}={blocks} exceeds the {cache.max_blocks} blocks of max_tokens={max_tokens} "
                                  f"(block_size={bs}): lower it or raise max_tokens")
-        super().__init__(plan, cache, c.num_heads, chosen, predictor, backend)
+        # The attention of every layer (selection, speculation, repair, merge, the predictor, P and the
+        # counters) is the engine's; this object adds the model's forward around it, and the capture.
+        self.attn = AttentionEngine(plan, cache, c.num_heads, chosen, predictor, backend)
+        self.cache, self.keys, self.values = cache, cache.keys, cache.values  # [B, Hkv, T_max, D] per layer
+        self.batch, self.num_layers, self.max_tokens, self.max_blocks = batch, c.num_layers, cache.max_tokens, cache.max_blocks
+        self.hq, self.hkv, self.group, self.d = c.num_heads, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+        self.device, self.dtype = device, dtype
+        # Tokens in the cache before this step, per row (rows may differ: ragged batches).
+        self.pos = torch.zeros(batch, dtype=torch.int32, device=device)
         self.compiled = compile
         self.replay: dict | None = None  # a replaying predictor's record of its serial pass (prime_predictions)
         self.model = model
@@ -142,6 +157,44 @@ class GraphDecoder(AttentionEngine):
     BUFFER_FIELDS = ("selector", "topk_blocks", "predicted_blocks", "predictor", "ema_alpha", "mode", "block_size",
                      "sink_blocks", "recent_blocks", "dense_layers", "infllm_representatives")
 
+    # The engine's parts and state that the step's callers (the run driver, budgets, benchmarks)
+    # read through the decoder: read-only views of `self.attn`'s, which owns them.
+    COUNTERS = AttentionEngine.COUNTERS
+    plan = _engine_part("plan", "the StaticPlan this view's step runs")
+    backend = _engine_part("backend", "the op backend: triton or torch")
+    selector = _engine_part("selector", "the run's selector")
+    predictor = _engine_part("predictor", "the run's predictor (None: P set from outside)")
+    predictor_state = _engine_part("predictor_state", "the predictor's device state")
+    sparse = _engine_part("sparse", "per layer: sparse (selected) or dense")
+    pred_idx = _engine_part("pred_idx", "P per layer: [B, Hkv, |P|] int32 (None: dense layers)")
+    pred_cnt = _engine_part("pred_cnt", "|P| per layer: [B, Hkv] int32")
+    last_selection = _engine_part("last_selection", "A of each layer's last step: (indices, counts)")
+    topk_capacity = _engine_part("topk_capacity", "|A| at most, per (row, KV head)")
+    kernel_metadata = _engine_part("kernel_metadata", "the append kernels update the selector's metadata")
+    scratch = _engine_part("scratch", "the repair plan's workspace")
+    scale = _engine_part("scale", "the attention's softmax scale")
+
+    def counters(self) -> dict[str, list[float]]:
+        return self.attn.counters()
+
+    def adopt_predictor_state(self, state: object) -> None:
+        self.attn.adopt_predictor_state(state)
+
+    def set_predictions(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
+        self.attn.set_predictions(layer, idx, cnt)
+
+    def select(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor | None = None):
+        return self.attn.select(layer, q, lengths, num_blocks)
+
+    def attend(self, *args, **kwargs):
+        return self.attn.attend(*args, **kwargs)
+
+    def speculate_beside_selection(self, *args, **kwargs):
+        return self.attn.speculate_beside_selection(*args, **kwargs)
+
+    def join(self) -> None:
+        self.attn.join()
+
     def with_plan(self, **changes) -> GraphDecoder:
         """This engine running another plan: the same buffers, cache, metadata, selector,
         predictor and state tensors, with `changes` to the step's choices (variant, overlap,
@@ -153,12 +206,13 @@ class GraphDecoder(AttentionEngine):
         fixed = sorted(set(changes) & set(self.BUFFER_FIELDS))
         if fixed:
             problems.append(f"{fixed} size the engine's buffers or name its objects: build another GraphDecoder")
-        if plan.variant == "prr" and self.scratch is None:
+        if plan.variant == "prr" and self.attn.scratch is None:
             problems.append(f"variant='prr' needs an engine built with variant='prr' (this one: {self.plan.variant!r})")
         if problems:
             raise ValueError("GraphDecoder.with_plan: " + "; ".join(problems))
         view = copy.copy(self)  # shares every buffer and list; only the plan and the per-step fork flag differ
-        view.plan, view._forked = plan, False
+        view.attn = copy.copy(self.attn)
+        view.attn.plan, view.attn._forked = plan, False
         if view._appends_in_projection():
             view.paired_qkv_weights()  # now rather than inside a first step (that may be a capture)
         return view
@@ -232,12 +286,12 @@ class GraphDecoder(AttentionEngine):
         length is then the longest row's."""
         rows = self.row_lengths(length)
         ragged = len(set(rows)) > 1
-        if ragged and not self.selector.per_row_metadata:
-            raise ValueError(f"{type(self.selector).__name__} keeps metadata a row view cannot rebuild "
+        if ragged and not self.attn.selector.per_row_metadata:
+            raise ValueError(f"{type(self.attn.selector).__name__} keeps metadata a row view cannot rebuild "
                              "(per_row_metadata=False): rows of different lengths need per-row metadata")
         q_gen = gen if gen is not None else torch.Generator(device=self.device).manual_seed(0)
         for layer in range(self.num_layers):
-            if not self.sparse[layer]:
+            if not self.attn.sparse[layer]:
                 continue
             self.cache.reset_metadata(layer)
             self.cache.set_length(layer, max(rows))
@@ -246,19 +300,19 @@ class GraphDecoder(AttentionEngine):
             q = q.to(self.device, self.dtype)
             # No prompt queries here: q stands for every prompt position's (InfLLM's window scores).
             if not ragged:
-                self.selector.update_metadata(self.cache, layer, 0, rows[0])
+                self.attn.selector.update_metadata(self.cache, layer, 0, rows[0])
                 every = q.unsqueeze(3).expand(*q.shape[:3], rows[0], self.d)  # [B, Hkv, G, T, D]
-                self.selector.catch_up(q, self.cache, layer, rows[0], queries=every)
+                self.attn.selector.catch_up(q, self.cache, layer, rows[0], queries=every)
                 continue
             for b, n in enumerate(rows):  # each row from its own first n tokens
                 view = self.cache.row(b)
                 view.set_length(layer, n)
-                self.selector.update_metadata(view, layer, 0, n)
+                self.attn.selector.update_metadata(view, layer, 0, n)
                 qb = q[b : b + 1]
-                self.selector.catch_up(qb, view, layer, n, queries=qb.unsqueeze(3).expand(*qb.shape[:3], n, self.d))
-        if self.predictor_state is not None:
-            fresh = self.predictor.init_state(self.num_layers, self.batch, self.hkv, self.max_blocks, self.device)
-            for mine, new in zip(state_tensors(self.predictor_state), state_tensors(fresh), strict=True):
+                self.attn.selector.catch_up(qb, view, layer, n, queries=qb.unsqueeze(3).expand(*qb.shape[:3], n, self.d))
+        if self.attn.predictor_state is not None:
+            fresh = self.attn.predictor.init_state(self.num_layers, self.batch, self.hkv, self.max_blocks, self.device)
+            for mine, new in zip(state_tensors(self.attn.predictor_state), state_tensors(fresh), strict=True):
                 if mine.shape == new.shape:
                     mine.copy_(new)
                 else:  # sized on first use (query_similarity's query store): its empty value is 0
@@ -272,9 +326,9 @@ class GraphDecoder(AttentionEngine):
         self.pos.copy_(torch.tensor(self.row_lengths(length), dtype=torch.int32))
         self.token.copy_(token.view(self.batch, 1))
         for layer in range(self.num_layers):
-            if self.pred_cnt[layer] is not None:
-                self.pred_cnt[layer].zero_()
-        for counter in (self.step_counts, self.mass_recall, self.output_relerr, self.measured):
+            if self.attn.pred_cnt[layer] is not None:
+                self.attn.pred_cnt[layer].zero_()
+        for counter in (self.attn.step_counts, self.attn.mass_recall, self.attn.output_relerr, self.attn.measured):
             counter.zero_()
 
     def prime_predictions(self, length: int | list[int] | Tensor) -> None:
@@ -286,9 +340,9 @@ class GraphDecoder(AttentionEngine):
         bench_hit_rate) gets its serial pass recorded first (prr/runtime/replay.py): the engine
         decodes the steps its cache has room for as serial DSA, rewinds, and the predictor builds
         P of every step from the recorded A (its record: `self.replay`)."""
-        if self.predictor is None or self.predictor_state is None:
+        if self.attn.predictor is None or self.attn.predictor_state is None:
             return
-        if self.predictor.replays_selections:
+        if self.attn.predictor.replays_selections:
             from prr.runtime.replay import record_serial_pass
 
             self.replay = record_serial_pass(self, self.row_lengths(length))
@@ -296,19 +350,19 @@ class GraphDecoder(AttentionEngine):
         num_blocks = torch.tensor([(n + bs) // bs for n in self.row_lengths(length)], dtype=torch.int32,
                                   device=self.device)
         for layer in range(self.num_layers):
-            if self.sparse[layer]:
-                for target, next_step in self.predictor.proposals_after_update(self.predictor_state, layer):
+            if self.attn.sparse[layer]:
+                for target, next_step in self.attn.predictor.proposals_after_update(self.attn.predictor_state, layer):
                     if next_step:
-                        self._propose(target, None, num_blocks)
+                        self.attn._propose(target, None, num_blocks)
 
     def set_previous_selections(self, masks: list[Tensor | None]) -> None:
         """A_{t-1} per layer ([B, Hkv, NB] bool, None for dense layers; e.g. the eager prefill's
         last prompt-tail selections), for the last-step overlap counter."""
         for layer, mask in enumerate(masks):
-            if mask is not None and self.prev_idx[layer] is not None:
-                blocks = BlockSet.from_mask(mask[..., : self.max_blocks].to(self.device), self.topk_capacity)
-                self.prev_idx[layer].copy_(blocks.indices)
-                self.prev_cnt[layer].copy_(blocks.count)
+            if mask is not None and self.attn.prev_idx[layer] is not None:
+                blocks = BlockSet.from_mask(mask[..., : self.max_blocks].to(self.device), self.attn.topk_capacity)
+                self.attn.prev_idx[layer].copy_(blocks.indices)
+                self.attn.prev_cnt[layer].copy_(blocks.count)
 
     def checkpoint(self) -> list[Tensor]:
         """Copies of every tensor a step mutates besides K/V (a step writes K/V only at pos and
@@ -321,12 +375,12 @@ class GraphDecoder(AttentionEngine):
             t.copy_(old)
 
     def _mutable(self) -> list[Tensor]:
-        out = [self.pos, self.token, self.step_counts, self.mass_recall, self.output_relerr, self.measured]
+        out = [self.pos, self.token, self.attn.step_counts, self.attn.mass_recall, self.attn.output_relerr, self.attn.measured]
         for layer in range(self.num_layers):
             out += [t for t in self.cache.metadata[layer].values() if isinstance(t, Tensor)]
-            out += [t for t in (self.pred_idx[layer], self.pred_cnt[layer], self.prev_idx[layer], self.prev_cnt[layer])
+            out += [t for t in (self.attn.pred_idx[layer], self.attn.pred_cnt[layer], self.attn.prev_idx[layer], self.attn.prev_cnt[layer])
                     if t is not None]
-        return out + state_tensors(self.predictor_state)
+        return out + state_tensors(self.attn.predictor_state)
 
     # --- one layer's attention ------------------------------------------------------------
     def step_positions(self) -> tuple[Tensor, Tensor]:
@@ -338,15 +392,15 @@ class GraphDecoder(AttentionEngine):
     def _quest_metadata(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
         """(key_max, key_min) [B, Hkv, NB, D] the append kernels update, or (None, None): dense
         layers and selectors with other metadata (updated by `append_metadata` after the append)."""
-        if self.kernel_metadata and self.sparse[layer]:
-            return self.selector.metadata(self.cache, layer)
+        if self.attn.kernel_metadata and self.attn.sparse[layer]:
+            return self.attn.selector.metadata(self.cache, layer)
         return None, None
 
     def append(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: bool = False) -> Tensor:
         """This step's K/V at pos, and the Quest metadata of its block, in one launch.
         q: [B, Hq, D], k, v: [B, Hkv, D] (post-RoPE, or pre-RoPE with rope: the append kernel
         rotates q and k, one launch fewer) -> q [B, Hq, D] post-RoPE."""
-        q_rot = self._k["cache_append"].append_token(
+        q_rot = self.attn._k["cache_append"].append_token(
             self.keys[layer], self.values[layer], k, v, self.pos, *self._quest_metadata(layer), self.plan.block_size,
             rope=(self.cos, self.sin, q) if rope else None)
         return q_rot if rope else q
@@ -363,15 +417,15 @@ class GraphDecoder(AttentionEngine):
         lengths, num_blocks = positions if positions is not None else self.step_positions()
         if not appended:
             q = self.append(layer, q, k, v, rope)
-        if not self.sparse[layer] or p.variant == "dense":
-            return self.dense_attention(layer, q, lengths, num_blocks)
-        if not self.kernel_metadata:  # the selector's own metadata update (InfLLM, LESS)
-            self.selector.append_metadata(self.cache, layer, self.pos)
-        out, selection = self.sparse_attention(layer, q, lengths, num_blocks)
+        if not self.attn.sparse[layer] or p.variant == "dense":
+            return self.attn.dense_attention(layer, q, lengths, num_blocks)
+        if not self.attn.kernel_metadata:  # the selector's own metadata update (InfLLM, LESS)
+            self.attn.selector.append_metadata(self.cache, layer, self.pos)
+        out, selection = self.attn.sparse_attention(layer, q, lengths, num_blocks)
         if p.measure_dense or p.mode == "shadow":
-            self.measure(layer, q, out, selection, lengths, num_blocks)
+            self.attn.measure(layer, q, out, selection, lengths, num_blocks)
         if p.mode == "shadow":  # the dense output continues the model; the sparse one was measured
-            return self.dense_attention(layer, q, lengths, num_blocks)
+            return self.attn.dense_attention(layer, q, lengths, num_blocks)
         return out
 
     # --- the whole step ---------------------------------------------------------------------
@@ -387,7 +441,7 @@ class GraphDecoder(AttentionEngine):
         if advance:
             self.token.copy_(logits.argmax(-1, keepdim=True))
             self.pos.add_(1)
-        self.join()  # the side stream's last work (next-P writes) belongs to this step
+        self.attn.join()  # the side stream's last work (next-P writes) belongs to this step
         return logits
 
     def _torch_layers(self, positions: tuple[Tensor, Tensor]) -> Tensor:
@@ -405,12 +459,12 @@ class GraphDecoder(AttentionEngine):
         """Every layer with prr.kernels.dense_gemv -> logits [B, V]: the residual stream x [B, H]
         is updated in place by o_proj's and down's epilogues; the norms run inside the next
         projection."""
-        m, B, gemv = self.model, self.batch, self._k["dense_gemv"].dense_gemv
+        m, B, gemv = self.model, self.batch, self.attn._k["dense_gemv"].dense_gemv
         paired = self.paired_qkv_weights() if self._appends_in_projection() else None
         x = m.model.embed_tokens(self.token).view(B, -1)  # [B, H]: a fresh buffer, ours to update
         for i, w in enumerate(self.fused):
             if paired is not None:  # batch 1: projection, RoPE and append in one launch
-                q = self._k["qkv_append"].qkv_rope_append(
+                q = self.attn._k["qkv_append"].qkv_rope_append(
                     x, *paired[i], w.ln1, self.eps, self.keys[i], self.values[i], self.pos, self.cos, self.sin,
                     *self._quest_metadata(i), self.plan.block_size, self.hq, self.hkv)  # [1, Hq, D] post-RoPE
                 out = self.attention(i, q, None, None, positions, appended=True).view(B, self.hq * self.d)
@@ -447,7 +501,7 @@ class GraphDecoder(AttentionEngine):
         if capturing:
             raise RuntimeError("the paired q|k|v weights are (re)built before use: run a step before capturing "
                                "(capture() warms up first), or call paired_qkv_weights()")
-        perm = self._k["qkv_append"].rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device)
+        perm = self.attn._k["qkv_append"].rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device)
         with torch.no_grad():
             if paired["weights"] is None:
                 paired["weights"] = [(w.wqkv[perm], None if w.bqkv is None else w.bqkv[perm]) for w in self.fused]

@@ -16,7 +16,6 @@ from prr.budget.base import StageTiming
 from prr.cache import PagedKVCache
 from prr.predictors.base import NEVER, Predictor
 from prr.runtime.attention_engine import AttentionEngine
-from prr.runtime.static_plan import StaticPlan
 from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
 
@@ -124,8 +123,8 @@ class StageProbe:
     def _engine(self, cache: PagedKVCache, predictor: Predictor | None, timer: StageTimer | None = None
                 ) -> AttentionEngine:
         """The eager runtime's step over the scratch cache (stages one after the other)."""
-        plan = StaticPlan.eager(self.repair_mode, cache.block_size)
-        return AttentionEngine(plan, cache, self.num_heads, self.selector, predictor, self.backend, timer=timer)
+        return AttentionEngine.eager_step(cache, self.num_heads, self.selector, predictor, self.backend,
+                                          self.repair_mode, timer)
 
     @staticmethod
     def _positions(cache: PagedKVCache, context_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -149,3 +149,20 @@ def test_captured_replay_on_a_gpu_hits_the_asked_share(tmp_path, dtype):
     run = run_tiny(tmp_path, "predictor=bench_hit_rate", "predictor.hit_rate=0.5", *gpu, name="replay")
     assert run["generated_token_ids"] == serial["generated_token_ids"]
     assert run["hit_rate"] == 0.5
+
+
+def test_a_forced_token_replaces_the_greedy_one_where_the_table_has_one():
+    """GraphDecoder.forced_tokens (the replay's teacher forcing): a row whose table holds a token at
+    the step's position reads it as the next input; a row holding -1 there reads its greedy token."""
+    from prr.runtime.graph_decode import StaticPlan
+    from tests.test_graph_decode import make
+
+    engine = make(StaticPlan(variant="serial", topk_blocks=6), context=203, batch=2)
+    free = make(StaticPlan(variant="serial", topk_blocks=6), context=203, batch=2)
+    greedy = free.step(advance=True).argmax(-1)  # [B]: what each row would read next
+    engine.forced_tokens = torch.full((2, engine.max_tokens), -1, dtype=torch.long)
+    forced = (int(greedy[0]) + 1) % engine.model.config.vocab_size  # any token but the greedy one
+    engine.forced_tokens[0, 203] = forced
+    engine.step(advance=True)
+    assert engine.token[:, 0].tolist() == [forced, int(greedy[1])]
+    assert engine.pos.tolist() == [204, 204]

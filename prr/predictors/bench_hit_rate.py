@@ -13,32 +13,32 @@ first, then speculates, which times another step than PRR's):
 2. script: the engine rewinds to the prompt's end (checkpoint / restore) and `finish_recording`
    builds P for every step, layer, row and KV head from the recorded A (`swapped_predictions`,
    seeded, deterministic);
-3. replay: the run decodes as PRR. Greedy decoding from the same state follows the same
-   trajectory (exact-mode PRR's output equals serial DSA's), so step t selects the recorded A_t.
-   P is history-only: `update` (side stream, after A) advances the layer's step counter and
-   `propose` copies P of the next step from the script, indexed by that device counter. No host
-   synchronisation, static shapes: it runs inside the captured CUDA-graph step, off the critical
-   path like any history-only predictor's next-step P, at the cost of a few copy launches.
+3. replay: the run decodes as PRR from the same state, each step's input being the recorded
+   pass's next token (teacher forcing: `GraphDecoder.forced_tokens`), so step t selects the
+   recorded A_t. P is history-only: `update` (side stream, after A) advances the layer's step
+   counter and `propose` copies P of the next step from the script, indexed by that device
+   counter. No host synchronisation, static shapes: it runs inside the captured CUDA-graph step,
+   off the critical path like any history-only predictor's next-step P, at the cost of a few copy
+   launches. The run's tokens are therefore the recorded serial pass's by construction: a
+   bench_hit_rate run times PRR, it does not test that PRR decodes serial DSA's tokens (the
+   one-engine tests do).
 
 Hit rate, by construction: with |P| = size per (row, KV head) and |A| selected blocks, P holds
 round(hit_rate·min(|A|, size)) blocks of A (a uniformly random subset) and fills up to `size` with
 blocks of the step's context outside A (as many as there are), the definition of
 `prr.blocks.controlled_predictions` (the stage map's and the profiled budget's). So the run's
 measured hit rate |P ∩ A| / |A| equals the requested fraction per (row, KV head) up to that
-rounding when |P| >= |A|, as long as the run follows the recorded trajectory (the engine's
-counters measure it; a trajectory that left the recorded one shows as a lower rate, and as tokens
-that differ from serial DSA's: bench_engine_runs prints both).
+rounding when |P| >= |A|, as long as the run selects the recorded sets (the engine's counters
+measure the rate it had).
 
-Where the replay holds and where it does not (measured): on the CPU (torch ops, fp32 and bf16,
-3 sparse layers) and on an H200 in fp32 (the tiny model, captured) the rate is exact and the
-tokens are serial DSA's. On the H200 in bf16 at the Llama-3.1-8B shape it is not: exact-mode PRR
-merges the same blocks' attention in another grouping than serial DSA (per-block states of P ∩ A
-⊕ the repair's splits), so its bf16 outputs differ in the last bits, near-tied Quest/InfLLM
-scores and greedy tokens flip, and the run leaves the recorded trajectory after 1-23 of 32 steps:
-measured hit rates 0.12-0.28 for requested 0.5-0.9, 0.76 for 1.0
-(experiments/results/h200/kernels_issue33.md). Making it hold there needs the replayed pass to
-read the recorded tokens (teacher forcing, a token table indexed by the step counter) and a merge
-order that does not depend on P; neither is built.
+Why teacher forcing (measured): without it, on an H200 in bf16 at the Llama-3.1-8B shape,
+exact-mode PRR merges the same blocks' attention in another grouping than serial DSA (per-block
+states of P ∩ A ⊕ the repair's splits), so its bf16 outputs differ in the last bits, greedy tokens
+flip, and the run left the recorded trajectory after 1-23 of 32 steps: measured hit rates
+0.12-0.28 for requested 0.5-0.9, 0.76 for 1.0 (experiments/results/h200/kernels_issue33.md). With
+the recorded tokens as inputs the contexts are the recorded ones; the queries and the decoded
+tokens' keys can still differ in the last bits, which may flip a near-tied selection: the engine's
+counters measure the rate the run had, and bench_engine_runs prints it with its interval.
 
 Refused where it cannot replay: the eager research runtime (no recorded pass; config_check).
 `budget=profiled` times its stage check at `budget.hit_rate`, which must then equal this

@@ -135,6 +135,10 @@ class GraphDecoder:
         self.pos = torch.zeros(batch, dtype=torch.int32, device=device)
         self.compiled = compile
         self.replay: dict | None = None  # a replaying predictor's record of its serial pass (prime_predictions)
+        # [B, max_tokens] int64 or None: the input token that follows each position, -1 where the
+        # step's own greedy token follows. Set only by a replaying predictor's recorded pass
+        # (prr/runtime/replay.py: teacher forcing, so a bf16 run cannot leave the recorded trajectory).
+        self.forced_tokens: Tensor | None = None
         self.model = model
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         cos, sin = rope_cos_sin(torch.arange(self.max_tokens, device=device), model.rope.inv_freq.to(device))
@@ -439,7 +443,11 @@ class GraphDecoder:
         else:
             logits = self._torch_layers(positions)
         if advance:
-            self.token.copy_(logits.argmax(-1, keepdim=True))
+            greedy = logits.argmax(-1, keepdim=True)  # [B, 1]
+            if self.forced_tokens is not None:  # a replayed trajectory: its recorded next token, where it has one
+                forced = self.forced_tokens.gather(1, self.pos.view(-1, 1).long())  # [B, 1]
+                greedy = torch.where(forced >= 0, forced, greedy)
+            self.token.copy_(greedy)
             self.pos.add_(1)
         self.attn.join()  # the side stream's last work (next-P writes) belongs to this step
         return logits

@@ -6,7 +6,11 @@ checkpoint; decode the run's steps as serial DSA with the predictor learning fro
 layer's A (a `learn_in_serial` view, uncaptured), which it records; rewind to the checkpoint
 (position, token, metadata, counters and predictor state; K/V past the prompt is rewritten by
 the run); then the predictor builds P of every step from what it recorded. The run that follows
-decodes the same greedy trajectory from the same state, so its step t selects the recorded A_t.
+starts from the same state and reads, at each step, the recorded pass's next token as its input
+(`GraphDecoder.forced_tokens`, teacher forcing), so it stays on the recorded trajectory even where
+its bf16 output differs from serial DSA's in the last bits and a greedy token would flip: its
+step t selects the recorded A_t, up to near-ties that such bits can flip (the engine's counters
+measure the rate the run had).
 """
 
 from __future__ import annotations
@@ -37,9 +41,18 @@ def record_serial_pass(engine: Any, rows: list[int]) -> dict[str, Any]:
             serial.step(advance=True)
             tokens.append(serial.token.clone())
         engine.restore(start)
+        # teacher forcing: each step of the run reads the recorded pass's next token, so it selects
+        # from the recorded context even where its own bf16 output differs from serial DSA's in the
+        # last bits (exact-mode PRR merges the same blocks in another grouping) and a greedy token flips
+        forced = torch.full((engine.batch, engine.max_tokens), -1, dtype=torch.long, device=engine.device)
+        for s, token in enumerate(tokens):  # token [B, 1]: the input after position rows[b] + s
+            for b, n in enumerate(rows):
+                forced[b, n + s] = token[b, 0]
+        engine.forced_tokens = forced
         # blocks of step s's context per row: rows[b] + s + 1 tokens
         num_blocks = torch.tensor([[(n + s + bs) // bs for n in rows] for s in range(steps)], dtype=torch.int64)
         info = predictor.finish_recording(state, num_blocks, engine.plan.predicted_blocks,
                                           [i for i in range(engine.num_layers) if engine.sparse[i]])
     info["serial_tokens"] = torch.cat(tokens, 1).tolist()  # [B][steps]: the trajectory the run replays
+    info["tokens"] = "forced: each step's input is the recorded serial pass's (teacher forcing)"
     return info

@@ -5,8 +5,8 @@
         [--tasks niah_multikey_2,qa_2] [--steps 64] [--topk 32,64,128] [--device cuda --dtype bfloat16] \
         [--out experiments/results/cpu/locality_long_qwen]
 
-How: per RULER task (task=ruler, `make ruler-data`) and context length, sample 0's prompt is
-prefilled once, dense, with its q/k/v kept (prr.evaluation.Engine.prefill). Every selector
+How: per RULER task (task=ruler, `make ruler-data`) and context length, each of --samples
+prompts (samples 0..n-1) is prefilled once, dense, with its q/k/v kept (prr.evaluation.Engine.prefill). Every selector
 variant (quest with the GQA max and with the sum, infllm, exact) × K (blocks of 16) replays
 that prefill into a fresh cache and decodes --steps tokens through the research runtime
 (DSABackend: the engine's step) in shadow mode: attention stays dense, so every variant sees
@@ -17,9 +17,12 @@ it. All layers are measured (selector.dense_layers=[]). A predictor wrapper asks
 each of its updates, for the P it would speculate at every |P|/K ratio, so one decode gives
 the hit rate of every ratio (its |P| = K hits must equal the run's own: checked).
 
-Writes OUT.csv (task x context x variant x K, pooled), OUT_per_layer.csv, OUT_per_head.csv
-(layer x KV head), OUT_by_context.csv (pooled over tasks) and OUT.json (command, device,
-versions, checks, the weakest layers). Results survive a cut-short run: each finished
+Writes OUT.csv (task x context x variant x K), OUT_per_layer.csv, OUT_per_head.csv (layer x KV
+head), OUT_by_context.csv (over tasks) and OUT.json (command, device, versions, checks, the
+weakest layers). Every rate of a table is the mean over its prompts (a prompt: one task's sample)
+of that prompt's pooled rate (Σ hits / Σ selected over its steps, layers and heads), with a 95%
+percentile-bootstrap interval over prompts (`<rate>_lo`, `<rate>_hi`; `prompts` = n), never over
+steps, which are correlated within a prompt. Results survive a cut-short run: each finished
 (task, context) is written at once.
 """
 
@@ -41,6 +44,7 @@ from prr.blocks import BlockSet
 from prr.budget.fixed import FixedBudget
 from prr.config_check import compose_config
 from prr.evaluation import Engine
+from prr.intervals import bootstrap_mean
 from prr.metrics import layer_step_rows
 from prr.paths import write_json_atomic
 from prr.predictors.base import Predictor
@@ -119,6 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contexts", default="4096", help="RULER context lengths in tokens (prompt = context - answer room)")
     p.add_argument("--tasks", default="niah_multikey_2,qa_2", help="RULER task names (task=ruler task.name=...)")
     p.add_argument("--steps", type=int, default=64, help="decode steps per prompt (no stop at EOS)")
+    p.add_argument("--samples", type=int, default=1, help="prompts per task and context (RULER samples 0..n-1)")
     p.add_argument("--topk", default="32,64,128", help="K in blocks of --block-size")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
     p.add_argument("--block-size", type=int, default=16)
@@ -128,8 +133,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="path stem of the results files (OUT.csv, OUT.json, ...)")
     args = p.parse_args(argv)
     variants = args.variants.split(",")
-    if args.steps < 2 or any(v not in VARIANTS for v in variants):
-        p.error(f"--steps={args.steps} must be >= 2 and --variants={args.variants} of {list(VARIANTS)}")
+    if args.steps < 2 or args.samples < 1 or any(v not in VARIANTS for v in variants):
+        p.error(f"--steps={args.steps} must be >= 2, --samples={args.samples} >= 1 and --variants={args.variants} "
+                f"of {list(VARIANTS)}")
     try:
         for name in args.tasks.split(","):
             task_overrides(f"ruler:{name}")
@@ -181,6 +187,10 @@ def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int,
     return rows, followed, disagree, mismatch
 
 
+RATES = ("last_step_overlap", *(f"ema_hit_x{r}" for r in RATIOS), "mass_recall", "output_relerr")
+PROMPT = ["task", "sample"]  # one prompt: a task's sample
+
+
 def pooled(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     """Σ-pooled rates per group (not means of ratios); mass recall: mean over rows."""
     g = frame.groupby(by, sort=False)
@@ -190,6 +200,22 @@ def pooled(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
                         "mass_recall": g["mass_recall"].mean(), "output_relerr": g["output_relerr"].mean(),
                         "selected_blocks": g["selected_blocks"].mean(), "rows": g.size()})
     return out.reset_index()
+
+
+def over_prompts(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Per group of `by`: each rate's mean over prompts of the prompt's pooled rate, with its 95%
+    bootstrap interval over prompts (`<rate>_lo`, `<rate>_hi`), `prompts` (n) and `rows`.
+    frame: one row per (step, layer, KV head) with the PROMPT columns."""
+    per_prompt = pooled(frame, by + [c for c in PROMPT if c not in by])
+    rows = []
+    for key, group in per_prompt.groupby(by, sort=False):
+        row = dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True))
+        for rate in RATES:
+            interval = bootstrap_mean(group[rate].tolist())
+            row.update({rate: interval.estimate, f"{rate}_lo": interval.low, f"{rate}_hi": interval.high})
+        row.update(selected_blocks=group["selected_blocks"].mean(), prompts=len(group), rows=int(group["rows"].sum()))
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,33 +240,35 @@ def main(argv: list[str] | None = None) -> None:
     finished: list[str] = []  # "task context" done: a run cut short says which it has
     for ctx in contexts:
         for task_name in tasks:
-            task_over = [f"task.name={task_name}", f"task.context_tokens={ctx}", "task.num_samples=1"]
+            task_over = [f"task.name={task_name}", f"task.context_tokens={ctx}", f"task.num_samples={args.samples}"]
             dense = Engine(compose_config(common + task_over + ["selector=dense", "predictor=none"]), model, ctx + args.steps)
             task = instantiate(dense.cfg.task)
-            sample = task.samples(dense.tokenizer)[0]
-            ids = dense.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
-            t0 = time.perf_counter()
-            prefill = dense.prefill(ids)
-            prefill_s = time.perf_counter() - t0
-            tokens: list[int] | None = None
-            for variant in variants:
-                for k in topks:
-                    if k * args.block_size >= ids.shape[1]:
-                        continue  # K covers the context: nothing is left out
-                    t0 = time.perf_counter()
-                    cfg = compose_config(common + task_over + VARIANTS[variant] + [f"selector.topk_blocks={k}"])
-                    rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens)
-                    tokens = tokens or followed
-                    frames.append(pd.DataFrame(rows).assign(model=args.model, task=task_name, context_tokens=ctx,
-                                                            prompt_tokens=ids.shape[1], variant=variant, topk_blocks=k))
-                    checks.append({"task": task_name, "context_tokens": ctx, "variant": variant, "topk_blocks": k,
-                                   "argmax_disagreements": disagree, "probe_hit_mismatches": mismatch,
-                                   "decode_s": round(time.perf_counter() - t0, 1), "prefill_s": round(prefill_s, 1)})
-                    last = pooled(frames[-1], ["variant"]).iloc[0]
-                    print(f"{args.model} {task_name} {ctx} ({ids.shape[1]} prompt tokens) {variant} K={k}: "
-                          f"overlap {last.last_step_overlap:.3f} EMA hit x1 {last['ema_hit_x1.0']:.3f} "
-                          f"x2 {last['ema_hit_x2.0']:.3f} recall {last.mass_recall:.3f} "
-                          f"({checks[-1]['decode_s']}s, {time.perf_counter() - t_start:.0f}s so far)", flush=True)
+            for index, sample in enumerate(task.samples(dense.tokenizer)[: args.samples]):
+                ids = dense.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
+                t0 = time.perf_counter()
+                prefill = dense.prefill(ids)
+                prefill_s = time.perf_counter() - t0
+                tokens: list[int] | None = None  # each prompt's dense trajectory, shared by its variants
+                for variant in variants:
+                    for k in topks:
+                        if k * args.block_size >= ids.shape[1]:
+                            continue  # K covers the context: nothing is left out
+                        t0 = time.perf_counter()
+                        cfg = compose_config(common + task_over + VARIANTS[variant] + [f"selector.topk_blocks={k}"])
+                        rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens)
+                        tokens = tokens or followed
+                        frames.append(pd.DataFrame(rows).assign(
+                            model=args.model, task=task_name, sample=index, context_tokens=ctx,
+                            prompt_tokens=ids.shape[1], variant=variant, topk_blocks=k))
+                        checks.append({"task": task_name, "sample": index, "context_tokens": ctx, "variant": variant,
+                                       "topk_blocks": k, "argmax_disagreements": disagree,
+                                       "probe_hit_mismatches": mismatch, "decode_s": round(time.perf_counter() - t0, 1),
+                                       "prefill_s": round(prefill_s, 1)})
+                        last = pooled(frames[-1], ["variant"]).iloc[0]
+                        print(f"{args.model} {task_name} #{index} {ctx} ({ids.shape[1]} prompt tokens) {variant} K={k}: "
+                              f"overlap {last.last_step_overlap:.3f} EMA hit x1 {last['ema_hit_x1.0']:.3f} "
+                              f"x2 {last['ema_hit_x2.0']:.3f} recall {last.mass_recall:.3f} "
+                              f"({checks[-1]['decode_s']}s, {time.perf_counter() - t_start:.0f}s so far)", flush=True)
             finished.append(f"{task_name} {ctx}")
             if frames:
                 write(out, pd.concat(frames, ignore_index=True), checks, command, args, time.perf_counter() - t_start,
@@ -257,10 +285,12 @@ def main(argv: list[str] | None = None) -> None:
 def write(out: Path, frame: pd.DataFrame, checks: list[dict[str, Any]], command: str, args: argparse.Namespace,
           wall_s: float, progress: dict[str, list[str]]) -> None:
     key = ["model", "context_tokens", "variant", "topk_blocks"]
-    tables = {"": pooled(frame, ["model", "task", "context_tokens", "prompt_tokens", "variant", "topk_blocks"]),
-              "_by_context": pooled(frame, key),
-              "_per_layer": pooled(frame, key + ["layer"]),
-              "_per_head": pooled(frame, key + ["layer", "kv_head"])}
+    tables = {"": over_prompts(frame, ["model", "task", "context_tokens", "variant", "topk_blocks"]),
+              "_by_context": over_prompts(frame, key),
+              "_per_layer": over_prompts(frame, key + ["layer"]),
+              "_per_head": over_prompts(frame, key + ["layer", "kv_head"])}
+    prompt_tokens = frame.groupby(["task", "context_tokens"])["prompt_tokens"].mean().rename("prompt_tokens")
+    tables[""] = tables[""].join(prompt_tokens, on=["task", "context_tokens"])  # mean over the task's prompts
     for suffix, table in tables.items():
         table.assign(command=command).to_csv(f"{out}{suffix}.csv", index=False)
     weakest = {}

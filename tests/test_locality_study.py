@@ -7,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -143,3 +144,25 @@ def test_accuracy_report_rebuilds_the_tables_of_a_cut_short_run(tmp_path):
     table = pd.read_csv(tmp_path / "acc.csv").set_index("selector")
     assert table.loc["dense", "accuracy"] == 1.0 and not (tmp_path / "acc_samples.csv").exists()
     assert table.loc["dense", "accuracy_hi"] == 1.0 and 0.34 < table.loc["dense", "accuracy_lo"] < 0.35  # Wilson, 2/2
+
+
+def test_rates_are_means_over_prompts_with_a_bootstrap_interval_over_prompts():
+    """over_prompts: each prompt (task, sample) pooled over its rows first, then the mean over prompts
+    and its interval; rows of one prompt never count as independent samples."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for task, sample, overlap in (("a", 0, 0.9), ("a", 1, 0.5), ("b", 0, 0.7)):
+        for step in range(4 if sample else 9):  # prompts of different lengths: a pooled-over-rows mean would weigh them
+            row = {"task": task, "sample": sample, "variant": "quest", "layer": step % 2, "selected_blocks": 10,
+                   "overlap_blocks": round(10 * overlap), "mass_recall": overlap, "output_relerr": 1 - overlap}
+            row.update({f"hits_x{r}": int(rng.integers(0, 11)) for r in ls.RATIOS})
+            rows.append(row)
+    frame = pd.DataFrame(rows)
+    table = ls.over_prompts(frame, ["variant"]).iloc[0]
+    assert table["prompts"] == 3 and table["rows"] == len(frame)
+    assert table["last_step_overlap"] == pytest.approx((0.9 + 0.5 + 0.7) / 3)
+    assert 0.5 <= table["last_step_overlap_lo"] < table["last_step_overlap"] < table["last_step_overlap_hi"] <= 0.9
+    by_task = ls.over_prompts(frame, ["task"]).set_index("task")
+    assert by_task.loc["b", "prompts"] == 1  # one prompt: its interval is the value itself, and n says so
+    assert by_task.loc["b", "last_step_overlap_lo"] == by_task.loc["b", "last_step_overlap_hi"] == pytest.approx(0.7)
+    assert list(by_task["prompts"]) == [2, 1]

@@ -511,7 +511,8 @@ def read_locality(*paths: Path) -> pd.DataFrame:
 def locality_vs_context(frame: pd.DataFrame, topk_blocks: int = 64) -> MplFigure:
     """Last-step overlap and EMA hit rate at |P| = K and 2K against context, K = topk_blocks blocks:
     one line per selector variant (colour) and model (solid: the first model, dashed: others).
-    Columns: model, context_tokens, variant, topk_blocks, last_step_overlap, ema_hit_x1.0, ema_hit_x2.0."""
+    Columns: model, context_tokens, variant, topk_blocks, last_step_overlap, ema_hit_x1.0, ema_hit_x2.0;
+    where a table has them, each rate's 95% interval over prompts (<rate>_lo, <rate>_hi) as a band."""
     frame = require(frame, ["model", "context_tokens", "variant", "topk_blocks", *LOCALITY_PANELS], "locality_vs_context")
     frame = frame[frame["topk_blocks"] == topk_blocks]
     fig, axes = new_figure(DOUBLE, ncols=len(LOCALITY_PANELS))
@@ -521,6 +522,9 @@ def locality_vs_context(frame: pd.DataFrame, topk_blocks: int = 64) -> MplFigure
             rows = rows.sort_values("context_tokens")
             ax.plot(rows["context_tokens"], 100 * rows[column], marker=marker(variant), color=method_color(variant),
                     linestyle="-" if model == models[0] else "--", label=f"{method_label(variant)}, {model}")
+            if f"{column}_lo" in rows and rows[f"{column}_lo"].notna().any():  # 95% over prompts (locality_study)
+                ax.fill_between(rows["context_tokens"], 100 * rows[f"{column}_lo"], 100 * rows[f"{column}_hi"],
+                                color=method_color(variant), alpha=0.15, linewidth=0)
         ax.axhline(PAPER_LOCALITY[column], color="#6F6F6F", linestyle=":", linewidth=0.8, label="paper (GLM-4-9B)")
         ax.set_xscale("log", base=2)
         ax.set_title(title, fontsize="small")

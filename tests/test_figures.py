@@ -216,3 +216,19 @@ def test_selector_fidelity_keeps_a_line_visible_under_an_identical_one():
     # the earlier line is wider with bigger markers, so it shows around the one drawn over it
     assert quest.get_linewidth() > less.get_linewidth() and quest.get_markersize() > less.get_markersize()
     assert "LESS: recall = Quest's" in legend_texts(fig)
+
+
+def test_locality_vs_context_draws_each_rates_interval_over_prompts_where_the_table_has_one():
+    from matplotlib.collections import PolyCollection
+    from prr.analysis.figures import LOCALITY_PANELS, locality_vs_context
+
+    rows = [{"model": "m", "context_tokens": c, "variant": "quest_max", "topk_blocks": 64,
+             **{k: v for col in LOCALITY_PANELS for k, v in ((col, 0.8), (f"{col}_lo", 0.7), (f"{col}_hi", 0.9))}}
+            for c in (4096, 8192)]
+    with_bands = locality_vs_context(pd.DataFrame(rows))
+    without = locality_vs_context(pd.DataFrame(rows).drop(columns=[c for c in rows[0] if c.endswith(("_lo", "_hi"))]))
+    bands = [[c for c in ax.collections if isinstance(c, PolyCollection)] for ax in with_bands.axes]
+    assert all(len(b) == 1 for b in bands) and len(bands) == len(LOCALITY_PANELS)
+    (path,) = bands[0][0].get_paths()
+    assert path.vertices[:, 1].min() == pytest.approx(70) and path.vertices[:, 1].max() == pytest.approx(90)
+    assert not any(isinstance(c, PolyCollection) for ax in without.axes for c in ax.collections)

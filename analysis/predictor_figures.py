@@ -45,7 +45,8 @@ def colours(names: list[str]) -> dict[str, str]:
 
 def plot_hit_rate_vs_budget(df: pd.DataFrame) -> Figure:
     """df: one row per (task, predictor, ratio) with `hit_rate` (the study's CSV) -> the figure:
-    hit rate (%) against |P|/K, one line per predictor, one panel per task."""
+    hit rate (%) against |P|/K, one line per predictor, one panel per task; where the table has
+    them, the 95% interval over prompts (hit_rate_lo, hit_rate_hi) as a band."""
     missing = [c for c in NEEDED if c not in df.columns]
     if missing:
         raise ValueError(f"plot_hit_rate_vs_budget needs columns {list(NEEDED)}; missing {missing} "
@@ -67,6 +68,9 @@ def plot_hit_rate_vs_budget(df: pd.DataFrame) -> Figure:
             ax.plot(rows["ratio"], 100 * rows["hit_rate"], marker=style.marker(name) if style else "o",
                     color=colour[name], linestyle=LINESTYLE.get(name, "-."),
                     label=style.method_label(name) if style else name)
+            if "hit_rate_lo" in rows and rows["hit_rate_lo"].notna().any():  # 95% over prompts (--samples)
+                ax.fill_between(rows["ratio"], 100 * rows["hit_rate_lo"], 100 * rows["hit_rate_hi"],
+                                color=colour[name], alpha=0.15, linewidth=0)
         ax.set_title(task)
         ax.set_xlabel("speculation budget |P| / top-K")
         ax.set_xticks(sorted(df["ratio"].unique()))

@@ -44,7 +44,7 @@ from prr.blocks import BlockSet
 from prr.budget.fixed import FixedBudget
 from prr.config_check import compose_config
 from prr.evaluation import Engine
-from prr.intervals import bootstrap_mean
+from prr.intervals import means_over_prompts
 from prr.metrics import layer_step_rows
 from prr.paths import write_json_atomic
 from prr.predictors.base import Predictor
@@ -204,18 +204,12 @@ def pooled(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
 
 def over_prompts(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     """Per group of `by`: each rate's mean over prompts of the prompt's pooled rate, with its 95%
-    bootstrap interval over prompts (`<rate>_lo`, `<rate>_hi`), `prompts` (n) and `rows`.
+    bootstrap interval over prompts (prr.intervals.means_over_prompts), `selected_blocks` and `rows`.
     frame: one row per (step, layer, KV head) with the PROMPT columns."""
     per_prompt = pooled(frame, by + [c for c in PROMPT if c not in by])
-    rows = []
-    for key, group in per_prompt.groupby(by, sort=False):
-        row = dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True))
-        for rate in RATES:
-            interval = bootstrap_mean(group[rate].tolist())
-            row.update({rate: interval.estimate, f"{rate}_lo": interval.low, f"{rate}_hi": interval.high})
-        row.update(selected_blocks=group["selected_blocks"].mean(), prompts=len(group), rows=int(group["rows"].sum()))
-        rows.append(row)
-    return pd.DataFrame(rows)
+    table = means_over_prompts(per_prompt, by, RATES)
+    extra = per_prompt.groupby(by, sort=False).agg(selected_blocks=("selected_blocks", "mean"), rows=("rows", "sum"))
+    return table.join(extra, on=by)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,8 +20,13 @@ ratio and layer: hit rate |P∩A|/|A|, precision |P∩A|/|P|, misses |A\\P| per 
 median wall time of propose and of update per layer-step on this CPU (one thread) and the
 predictor state's bytes.
 
-Writes OUT.csv (task × predictor × ratio), OUT_per_layer.csv, OUT.json (command, date,
-versions, the replay check, rows) and the figure analysis/figures/predictor_hit_rate_vs_budget.{png,pdf}.
+--samples N captures N prompts per generated task (its seed, seed + 1, ...). Every rate of a table
+(hit rate, precision, misses per step) is the mean over prompts of the prompt's pooled rate, with a
+95% bootstrap interval over prompts (<rate>_lo, <rate>_hi; prompts = n; one prompt: no width).
+
+Writes OUT.csv (task × predictor × ratio), OUT_per_layer.csv, OUT_by_predictor.csv (predictor ×
+ratio over every task's prompts), OUT.json (command, date, versions, the replay checks, rows) and
+the figure analysis/figures/predictor_hit_rate_vs_budget.{png,pdf}.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from omegaconf import OmegaConf
 
 from prr.blocks import BlockSet
 from prr.config_check import compose_config, validate
+from prr.intervals import means_over_prompts
 from prr.predictors.base import Predictor
 from prr.run_inputs import DTYPES
 from prr.runtime.eager_run import EagerRuntime, next_token
@@ -125,12 +131,17 @@ class Tracer(Predictor):
         self.inner.update(state, layer, selection)
 
 
-def capture(task: str, steps: int, overrides: list[str]) -> tuple[Trace, dict[str, Any]]:
+def capture(task: str, steps: int, overrides: list[str], sample: int = 0) -> tuple[Trace, dict[str, Any]]:
     """One shadow-mode decode of `task` (a spec of prr.tasks.ruler.task_overrides) under the
-    overrides (model, device, context); -> its trace and a description."""
+    overrides (model, device, context); sample s > 0: the task generated with its seed + s (another
+    prompt; tasks without a seed have one prompt). -> its trace and a description."""
     cfg = compose_config([*task_overrides(task), "runtime.mode=shadow", *PREDICTORS[CAPTURE_PREDICTOR], "budget=fixed",
                        "budget.ratio=1.0", "logger=none", *overrides], check=False)
     OmegaConf.update(cfg, "task.max_new_tokens", steps)
+    if sample:
+        if "seed" not in cfg.task:
+            raise ValueError(f"task {task} has one prompt (no task.seed): --samples > 1 needs generated tasks (ruler_*)")
+        OmegaConf.update(cfg, "task.seed", cfg.task.seed + sample)
     if "stop_at_eos" in cfg.task:
         OmegaConf.update(cfg, "task.stop_at_eos", False)  # a fixed number of steps per task
     validate(cfg)
@@ -157,7 +168,7 @@ def capture(task: str, steps: int, overrides: list[str]) -> tuple[Trace, dict[st
             for r in records:
                 trace.live_hits += int((r.selected & r.predicted).sum())
                 trace.live_selected += int(r.selected.sum())
-    info = {"task": task, "prompt": prompt.description, "prompt_tokens": prompt_len, "decode_steps": len(trace.steps),
+    info = {"task": task, "sample": sample, "prompt": prompt.description, "prompt_tokens": prompt_len, "decode_steps": len(trace.steps),
             "topk_blocks": selector.topk_blocks, "block_size": settings.block_size, "selector": cfg.selector._target_,
             "sparse_layers": len(trace.steps[0]), "num_layers": mc.num_layers, "model": model.name}
     return trace, info
@@ -220,6 +231,18 @@ def aggregate(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     return out.reset_index()
 
 
+RATES = ("hit_rate", "precision", "misses_per_step")
+
+
+def over_prompts(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Per group of `by`: `aggregate`'s rates pooled within each prompt (task, sample), then their
+    mean over prompts with a 95% bootstrap interval over prompts (prr.intervals.means_over_prompts),
+    never over steps (correlated within a prompt); budget_blocks and predicted_blocks: means."""
+    per_prompt = aggregate(frame, by + [c for c in ("task", "sample") if c not in by])
+    sizes = per_prompt.groupby(by, sort=False)[["budget_blocks", "predicted_blocks"]].mean()
+    return sizes.join(means_over_prompts(per_prompt, by, RATES).set_index(by)).reset_index()
+
+
 def versions() -> dict[str, str]:
     import transformers
 
@@ -235,6 +258,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/cpu/predictor_study")
     parser.add_argument("--steps", type=int, default=128, help="decode steps per task")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="prompts per task (generated tasks: seeds seed..seed+n-1; each rate: mean over prompts, 95%% interval)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[1.0, 1.25, 1.5], help="|P| / K")
     parser.add_argument("--tasks", nargs="+", default=None,
                         help=f"task options or ruler:NAME (default: long_text and those of {list(RULER_TASKS)} in conf/task/)")
@@ -256,47 +281,60 @@ def main() -> None:
                 parser.error(str(err))
     if args.context_tokens is not None and not any(t.startswith("ruler:") for t in tasks):
         parser.error(f"--context-tokens={args.context_tokens} applies to ruler:NAME tasks only; tasks are {tasks}")
-    if missing or args.steps < 1 or any(r <= 0 for r in args.ratios):
-        parser.error(f"unknown tasks {missing} (see conf/task/), or --steps={args.steps} < 1, or a ratio <= 0: {args.ratios}")
+    if missing or args.steps < 1 or args.samples < 1 or any(r <= 0 for r in args.ratios):
+        parser.error(f"unknown tasks {missing} (see conf/task/), or --steps={args.steps} < 1, or --samples="
+                     f"{args.samples} < 1, or a ratio <= 0: {args.ratios}")
     torch.set_num_threads(1)  # cost numbers per predictor, not per thread pool; the machine is shared
     overrides = [f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", "runtime.engine=eager",
                  *([f"model={args.model}"] if args.model else [])]
 
-    summary_rows, layer_frames, captures = [], [], []
+    summary_rows, layer_frames, all_frames, captures = [], [], [], []
     notes = []
     for task in tasks:
-        t0 = time.perf_counter()
-        try:
-            task_over = [f"task.context_tokens={args.context_tokens}"] if args.context_tokens and task.startswith("ruler:") else []
-            trace, info = capture(task, args.steps, overrides + task_over)
-        except Exception as err:  # one task's failure (e.g. a config in flux) must not lose the others
-            notes.append(f"task {task} not measured: {type(err).__name__}: {err}")
-            print(notes[-1], flush=True)
-            continue
-        info["capture_s"] = round(time.perf_counter() - t0, 1)
-        print(f"captured {task}: {info}", flush=True)
-        for name in args.predictors:
-            for ratio in args.ratios:
-                predictor = instantiate(compose_config(PREDICTORS[name], check=False).predictor)
-                with torch.inference_mode():  # as in a run (the trace's tensors are inference tensors)
-                    frame, extra = replay(trace, predictor, ratio, info["topk_blocks"])
-                frame = frame.assign(task=task, predictor=name, ratio=ratio)
-                row = aggregate(frame, ["task", "predictor", "ratio"]).iloc[0].to_dict()
-                row.update(propose_us=frame["propose_us"].median(), update_us=frame["update_us"].median(),
-                           misses_per_decode_step=(frame["selected"].sum() - frame["hits"].sum()) / len(trace.steps), **extra)
-                summary_rows.append(row)
-                layer_frames.append(aggregate(frame, ["task", "predictor", "ratio", "layer"]))
-                if name == CAPTURE_PREDICTOR and ratio == 1.0:
-                    info["replay_check"] = {"live_hits": trace.live_hits, "replay_hits": int(frame["hits"].sum()),
-                                            "live_selected": trace.live_selected,
-                                            "replay_selected": int(frame["selected"].sum())}
-                print(f"  {name:18s} x{ratio:<5} hit {row['hit_rate']:.4f} precision {row['precision']:.4f} "
-                      f"misses/step {row['misses_per_step']:.2f} propose {row['propose_us']:.0f} us", flush=True)
-        captures.append(info)
-        check = info.get("replay_check")
-        print(f"replay check ({CAPTURE_PREDICTOR} at |P| = K, live run vs replay): {check}", flush=True)
-        if check and check["live_hits"] != check["replay_hits"]:
-            raise RuntimeError(f"replay of {CAPTURE_PREDICTOR} does not reproduce the live run on {task}: {check}")
+        task_over = [f"task.context_tokens={args.context_tokens}"] if args.context_tokens and task.startswith("ruler:") else []
+        frames: dict[tuple[str, float], list[pd.DataFrame]] = {}  # (predictor, ratio) -> one frame per prompt
+        extras: dict[tuple[str, float], dict[str, Any]] = {}
+        steps = 0
+        for sample in range(args.samples):
+            t0 = time.perf_counter()
+            try:
+                trace, info = capture(task, args.steps, overrides + task_over, sample)
+            except Exception as err:  # one task's failure (e.g. a config in flux) must not lose the others
+                notes.append(f"task {task} sample {sample} not measured: {type(err).__name__}: {err}")
+                print(notes[-1], flush=True)
+                break
+            info["capture_s"] = round(time.perf_counter() - t0, 1)
+            print(f"captured {task} #{sample}: {info}", flush=True)
+            steps += len(trace.steps)
+            for name in args.predictors:
+                for ratio in args.ratios:
+                    predictor = instantiate(compose_config(PREDICTORS[name], check=False).predictor)
+                    with torch.inference_mode():  # as in a run (the trace's tensors are inference tensors)
+                        frame, extra = replay(trace, predictor, ratio, info["topk_blocks"])
+                    frames.setdefault((name, ratio), []).append(frame.assign(task=task, sample=sample, predictor=name,
+                                                                             ratio=ratio))
+                    extras.setdefault((name, ratio), extra)  # state bytes and calibration: the first prompt's
+                    if name == CAPTURE_PREDICTOR and ratio == 1.0:
+                        info["replay_check"] = {"live_hits": trace.live_hits, "replay_hits": int(frame["hits"].sum()),
+                                                "live_selected": trace.live_selected,
+                                                "replay_selected": int(frame["selected"].sum())}
+            captures.append(info)
+            check = info.get("replay_check")
+            print(f"replay check ({CAPTURE_PREDICTOR} at |P| = K, live run vs replay): {check}", flush=True)
+            if check and check["live_hits"] != check["replay_hits"]:
+                raise RuntimeError(f"replay of {CAPTURE_PREDICTOR} does not reproduce the live run on {task}: {check}")
+        for (name, ratio), parts in frames.items():
+            frame = pd.concat(parts, ignore_index=True)
+            all_frames.append(frame)
+            row = over_prompts(frame, ["task", "predictor", "ratio"]).iloc[0].to_dict()
+            row.update(propose_us=frame["propose_us"].median(), update_us=frame["update_us"].median(),
+                       misses_per_decode_step=(frame["selected"].sum() - frame["hits"].sum()) / steps,
+                       **extras[name, ratio])
+            summary_rows.append(row)
+            layer_frames.append(over_prompts(frame, ["task", "predictor", "ratio", "layer"]))
+            print(f"  {task} {name:18s} x{ratio:<5} hit {row['hit_rate']:.4f} [{row['hit_rate_lo']:.4f}, "
+                  f"{row['hit_rate_hi']:.4f}] (n={row['prompts']}) precision {row['precision']:.4f} "
+                  f"misses/step {row['misses_per_step']:.2f} propose {row['propose_us']:.0f} us", flush=True)
 
     if not summary_rows:
         raise SystemExit("no task was measured: " + "; ".join(notes))
@@ -306,6 +344,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.assign(command=command).to_csv(args.out.with_suffix(".csv"), index=False)  # provenance in every row
     per_layer.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_per_layer.csv", index=False)
+    by_predictor = over_prompts(pd.concat(all_frames, ignore_index=True), ["predictor", "ratio"])  # every task's prompts
+    by_predictor.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_by_predictor.csv", index=False)
     if not any(t.startswith(("ruler_", "ruler:")) for t in tasks):
         notes.append("no RULER-style task config existed: real text only")
     record = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

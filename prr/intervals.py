@@ -8,6 +8,8 @@
   prompt are correlated and would make the interval too narrow.
 
 Both return an `Interval` (estimate, low, high, n) whose `str` is the cell prr's tables print.
+`means_over_prompts(per_prompt, by, rates)` applies `bootstrap_mean` to a table's groups: the
+columns a study writes for each rate (`<rate>`, `<rate>_lo`, `<rate>_hi`, `prompts`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
@@ -60,3 +63,18 @@ def bootstrap_mean(values: Sequence[float], resamples: int = 10_000, seed: int =
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return Interval(float(x.mean()), float(low), float(high), int(x.size))
+
+
+def means_over_prompts(per_prompt: pd.DataFrame, by: list[str], rates: Sequence[str]) -> pd.DataFrame:
+    """per_prompt: one row per prompt and group of `by` (each rate already pooled within its prompt)
+    -> one row per group: the `by` columns, each rate's mean over the group's prompts with its 95%
+    bootstrap interval over prompts (`<rate>`, `<rate>_lo`, `<rate>_hi`), and `prompts` (n)."""
+    rows = []
+    for key, group in per_prompt.groupby(by, sort=False):
+        row: dict[str, object] = dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True))
+        for rate in rates:
+            interval = bootstrap_mean(group[rate].tolist())
+            row.update({rate: interval.estimate, f"{rate}_lo": interval.low, f"{rate}_hi": interval.high})
+        row["prompts"] = len(group)
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -232,3 +232,15 @@ def test_locality_vs_context_draws_each_rates_interval_over_prompts_where_the_ta
     (path,) = bands[0][0].get_paths()
     assert path.vertices[:, 1].min() == pytest.approx(70) and path.vertices[:, 1].max() == pytest.approx(90)
     assert not any(isinstance(c, PolyCollection) for ax in without.axes for c in ax.collections)
+
+
+def test_predictor_hit_rate_figure_draws_the_interval_over_prompts_where_the_table_has_one():
+    from matplotlib.collections import PolyCollection
+    from prr.analysis.predictor_figures import plot_hit_rate_vs_budget
+
+    table = pd.DataFrame({"task": "t", "predictor": "ema", "ratio": [1.0, 1.5], "hit_rate": [0.8, 0.9],
+                          "hit_rate_lo": [0.75, 0.85], "hit_rate_hi": [0.85, 0.95]})
+    bands = [c for ax in plot_hit_rate_vs_budget(table).axes for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 1 and bands[0].get_paths()[0].vertices[:, 1].max() == pytest.approx(95)
+    plain = plot_hit_rate_vs_budget(table.drop(columns=["hit_rate_lo", "hit_rate_hi"]))
+    assert not any(isinstance(c, PolyCollection) for ax in plain.axes for c in ax.collections)

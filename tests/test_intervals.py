@@ -42,3 +42,15 @@ def test_bootstrap_of_one_prompt_is_a_point_and_bad_input_is_refused():
         with pytest.raises(ValueError, match="per-prompt values"):
             bootstrap_mean(bad)
     assert str(wilson(1, 2)).endswith("(n=2)")
+
+
+def test_means_over_prompts_gives_each_groups_mean_interval_and_n():
+    import pandas as pd
+
+    from prr.intervals import means_over_prompts
+
+    per_prompt = pd.DataFrame({"variant": ["a", "a", "a", "b"], "rate": [0.2, 0.4, 0.9, 0.5]})
+    table = means_over_prompts(per_prompt, ["variant"], ["rate"]).set_index("variant")
+    assert table.loc["a", "rate"] == pytest.approx(0.5) and table.loc["a", "prompts"] == 3
+    assert 0.2 <= table.loc["a", "rate_lo"] < 0.5 < table.loc["a", "rate_hi"] <= 0.9
+    assert table.loc["b", ["rate", "rate_lo", "rate_hi", "prompts"]].tolist() == [0.5, 0.5, 0.5, 1]

@@ -19,6 +19,8 @@ import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.lines import Line2D
 
+from prr.intervals import score_interval
+
 from .style import (
     DOUBLE,
     RESERVE,
@@ -392,11 +394,20 @@ def selector_fidelity(frame: pd.DataFrame) -> MplFigure:
 
 # --- accuracy -----------------------------------------------------------------------------------------
 def accuracy_table(frame: pd.DataFrame, value: str = "score") -> pd.DataFrame:
-    """Accuracy table: one row per method, one column per task, plus the mean.
-    Columns: task, method, and `value` (a score in [0, 1])."""
+    """Accuracy table: one row per method, one column per task, plus the mean over tasks.
+    Columns: task, method, and `value` (a score in [0, 1]); with `n`, `low` and `high` (one row
+    per cell: its samples and 95% interval, accuracy_frame) each cell reads "score [low, high] n=N"
+    ("score n=N" where no interval is known) and the mean column stays a number."""
     require(frame, ["task", "method", value], "accuracy_table")
     table = frame.pivot_table(index="method", columns="task", values=value, aggfunc="mean", sort=False)
-    table["mean"] = table.mean(axis=1)
+    mean = table.mean(axis=1)
+    if {"n", "low", "high"} <= set(frame.columns):
+        cells = frame.assign(cell=[
+            f"{r[value]:.3f} [{r['low']:.2f}, {r['high']:.2f}] n={int(r['n'])}" if pd.notna(r["low"])
+            else f"{r[value]:.3f} n={int(r['n'])}" for _, r in frame.iterrows()])
+        table = cells.pivot_table(index="method", columns="task", values="cell", aggfunc="first", sort=False)
+        table = table.reindex(mean.index)
+    table["mean"] = mean
     return table
 
 
@@ -416,7 +427,44 @@ def accuracy_frame(frame: pd.DataFrame) -> pd.DataFrame:
     task = frame["task"].astype(str)
     if "context_tokens" in frame.columns:
         task = task + " " + (frame["context_tokens"] // 1024).astype(int).astype(str) + "K"
-    return pd.DataFrame({"task": task, "method": frame.apply(method, axis=1), "score": frame["accuracy"]})
+    out = pd.DataFrame({"task": task, "method": frame.apply(method, axis=1), "score": frame["accuracy"]})
+    if "samples" in frame.columns:  # accuracy_study's CSV: each cell's n and 95% interval
+        out["n"] = frame["samples"].astype(int)
+        out["low"], out["high"] = zip(*[accuracy_interval(r) for _, r in frame.iterrows()], strict=True)
+    return out
+
+
+def accuracy_interval(row: pd.Series) -> tuple[float, float]:
+    """A cell's 95% interval (accuracy_lo, accuracy_hi: accuracy_study's, or read_accuracy's from the
+    per-sample scores), NaN where neither is known."""
+    if pd.notna(row.get("accuracy_lo")) and pd.notna(row.get("accuracy_hi")):
+        return float(row["accuracy_lo"]), float(row["accuracy_hi"])
+    return float("nan"), float("nan")
+
+
+ACCURACY_CELL = ["task", "context_tokens", "selector", "predictor", "budget_tokens"]
+
+
+def read_accuracy(*paths: Path) -> pd.DataFrame:
+    """accuracy_study.py tables, each with its per-sample file (`<name>_samples.csv`, given among
+    paths) where the table predates its interval columns: each cell's accuracy_lo / accuracy_hi from
+    its samples' scores (prr.intervals.score_interval, accuracy_study's rule)."""
+    tables, samples = [], {Path(p).name: Path(p) for p in paths if Path(p).stem.endswith("_samples")}
+    for path in (Path(p) for p in paths if not Path(p).stem.endswith("_samples")):
+        table = pd.read_csv(path)
+        source = samples.get(f"{path.stem}_samples.csv")
+        if source is not None and "accuracy_lo" not in table.columns:
+            scores = pd.read_csv(source)
+            cells = scores.groupby(ACCURACY_CELL, dropna=False)["score"].apply(lambda s: score_interval(s.tolist()))
+            bounds = pd.DataFrame({"accuracy_lo": cells.map(lambda i: i.low), "accuracy_hi": cells.map(lambda i: i.high),
+                                   "interval_n": cells.map(lambda i: i.n)}).reset_index()
+            table = table.merge(bounds, on=ACCURACY_CELL, how="left")
+            if not (table["interval_n"] == table["samples"]).all():
+                raise ValueError(f"{source}: its samples do not match {path}'s counts; regenerate the table with "
+                                 f"accuracy_study.py --report {source}")
+            table = table.drop(columns="interval_n")
+        tables.append(table)
+    return pd.concat(tables, ignore_index=True)
 
 
 def table_markdown(table: pd.DataFrame, digits: int = 3) -> str:
@@ -625,22 +673,27 @@ FIGURES: list[Figure] = [
     Figure("predictor_hit_rate_vs_budget", predictor_study, (f"{CPU}/predictor_study.csv",), pd.read_csv,
            "python experiments/predictor_study.py",
            "Hit rate of every predictor against |P|/K, per task, SmolLM2-135M (replayed shadow-mode decodes)"),
-    Figure("accuracy", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy.csv",), pd.read_csv,
+    Figure("accuracy", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy.csv", f"{CPU}/accuracy_samples.csv"),
+           read_accuracy,
            "python experiments/accuracy_study.py",
            "Accuracy (RULER string match, mean over samples) per task and context; SmolLM2-135M on the CPU"),
-    Figure("accuracy_4k", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy_4k.csv",), pd.read_csv,
+    Figure("accuracy_4k", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy_4k.csv", f"{CPU}/accuracy_4k_samples.csv"),
+           read_accuracy,
            "python experiments/accuracy_study.py --tasks ruler_niah_multikey --contexts 4096 --budgets 256,1024,2048 "
            "--ema-budgets 1024 --out experiments/results/cpu/accuracy_4k",
            "Accuracy at 4K tokens (RULER string match, mean over samples); SmolLM2-135M on the CPU"),
     Figure("accuracy_qwen", lambda f: accuracy_table(accuracy_frame(f)),
-           (f"{CPU}/accuracy_qwen_4096.csv", f"{CPU}/accuracy_qwen_4096_more.csv", "experiments/results/h200/accuracy_qwen.csv"),
-           lambda *paths: pd.concat([pd.read_csv(p) for p in paths], ignore_index=True),
+           (f"{CPU}/accuracy_qwen_4096.csv", f"{CPU}/accuracy_qwen_4096_samples.csv", f"{CPU}/accuracy_qwen_4096_more.csv",
+            f"{CPU}/accuracy_qwen_4096_more_samples.csv", "experiments/results/h200/accuracy_qwen.csv",
+            "experiments/results/h200/accuracy_qwen_samples.csv"),
+           read_accuracy,
            "the commands in docs/results/accuracy.md (accuracy_study.py on the CPU at 4K; "
            "experiments/h200_long_context.sh accuracy on an H200)",
            "Accuracy on RULER's own tasks (string match, mean over samples), Qwen2.5-Coder-0.5B: 4K on the CPU "
            "(fp32), 8K-32K on an H200 (bf16); 2 samples per task and context (fwe, qa_1, niah_multikey_2: 1)"),
-    Figure("accuracy_smollm2_ruler", lambda f: accuracy_table(accuracy_frame(f)), (f"{CPU}/accuracy_smollm2_ruler.csv",),
-           pd.read_csv, "the command in docs/results/accuracy.md (accuracy_study.py --model smollm2-135m --tasks ruler:...)",
+    Figure("accuracy_smollm2_ruler", lambda f: accuracy_table(accuracy_frame(f)),
+           (f"{CPU}/accuracy_smollm2_ruler.csv", f"{CPU}/accuracy_smollm2_ruler_samples.csv"), read_accuracy,
+           "the command in docs/results/accuracy.md (accuracy_study.py --model smollm2-135m --tasks ruler:...)",
            "Accuracy on RULER's own tasks (string match, mean over 2 samples), SmolLM2-135M at 4K and 8K on the CPU"),
     Figure("selector_fidelity", selector_fidelity, (f"{CPU}/selector_fidelity.csv",), pd.read_csv,
            "python experiments/selector_fidelity.py",

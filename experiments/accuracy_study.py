@@ -39,7 +39,7 @@ from hydra.utils import instantiate
 
 from prr.config_check import compose_config
 from prr.evaluation import Engine
-from prr.intervals import bootstrap_mean, wilson
+from prr.intervals import score_interval
 from prr.paths import write_json_atomic
 from prr.run_inputs import DTYPES
 from prr.tasks.ruler import task_overrides
@@ -206,10 +206,7 @@ def summarize(per_sample: pd.DataFrame) -> tuple[pd.DataFrame, list[dict[str, An
                "same_tokens_as_dense": sum(same_dense) / len(group), "identical_to_serial": math.nan,
                "max_serial_relerr": group["max_serial_relerr"].max(), "hit_rate": group["hit_rate"].mean(),
                "decode_s_per_sample": group["decode_s"].mean()}
-        # 95% interval over samples: Wilson for 0/1 scores, else a bootstrap over the samples (prompts)
-        scores = group["score"].astype(float)
-        interval = (wilson(int(scores.sum()), len(scores)) if scores.isin([0.0, 1.0]).all()
-                    else bootstrap_mean(scores.tolist()))
+        interval = score_interval(group["score"].tolist())  # 95% over samples: Wilson for 0/1, else bootstrap
         row.update(accuracy_lo=interval.low, accuracy_hi=interval.high)
         if first.predictor == "ema":
             same = 0

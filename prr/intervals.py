@@ -8,7 +8,8 @@
   prompt are correlated and would make the interval too narrow.
 
 Both return an `Interval` (estimate, low, high, n) whose `str` is the cell prr's tables print.
-`means_over_prompts(per_prompt, by, rates)` applies `bootstrap_mean` to a table's groups: the
+`score_interval(scores)`: an accuracy over samples, Wilson's where every score is 0 or 1, else
+the bootstrap over samples (partial credit). `means_over_prompts(per_prompt, by, rates)` applies `bootstrap_mean` to a table's groups: the
 columns a study writes for each rate (`<rate>`, `<rate>_lo`, `<rate>_hi`, `prompts`).
 """
 
@@ -63,6 +64,15 @@ def bootstrap_mean(values: Sequence[float], resamples: int = 10_000, seed: int =
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return Interval(float(x.mean()), float(low), float(high), int(x.size))
+
+
+def score_interval(scores: Sequence[float]) -> Interval:
+    """Accuracy over samples (one score in [0, 1] each) and its 95% interval: Wilson's for 0/1
+    scores, else the bootstrap over samples (partial credit, e.g. a share of the answers found)."""
+    x = [float(v) for v in scores]
+    if all(v in (0.0, 1.0) for v in x):
+        return wilson(int(sum(x)), len(x))
+    return bootstrap_mean(x)
 
 
 def means_over_prompts(per_prompt: pd.DataFrame, by: list[str], rates: Sequence[str]) -> pd.DataFrame:

@@ -244,3 +244,22 @@ def test_predictor_hit_rate_figure_draws_the_interval_over_prompts_where_the_tab
     assert len(bands) == 1 and bands[0].get_paths()[0].vertices[:, 1].max() == pytest.approx(95)
     plain = plot_hit_rate_vs_budget(table.drop(columns=["hit_rate_lo", "hit_rate_hi"]))
     assert not any(isinstance(c, PolyCollection) for ax in plain.axes for c in ax.collections)
+
+
+def test_accuracy_cells_carry_n_and_the_interval_of_their_samples(tmp_path):
+    """read_accuracy: a table written before accuracy_study kept intervals gets each cell's from its
+    samples file (Wilson for 0/1 scores); accuracy_table prints "score [low, high] n=N"."""
+    cell = {"task": "ruler_niah", "context_tokens": 1024, "selector": "quest", "predictor": "none", "budget_tokens": 256.0}
+    pd.DataFrame([{**cell, "samples": 3, "accuracy": 2 / 3}]).to_csv(tmp_path / "acc.csv", index=False)
+    pd.DataFrame([{**cell, "sample": i, "score": s} for i, s in enumerate([1.0, 0.0, 1.0])]).to_csv(
+        tmp_path / "acc_samples.csv", index=False)
+    frame = figures.read_accuracy(tmp_path / "acc.csv", tmp_path / "acc_samples.csv")
+    from prr.intervals import wilson
+
+    want = wilson(2, 3)
+    assert frame.loc[0, "accuracy_lo"] == pytest.approx(want.low) and frame.loc[0, "accuracy_hi"] == pytest.approx(want.high)
+    table = figures.accuracy_table(figures.accuracy_frame(frame))
+    assert table.loc["quest serial @256", "ruler_niah 1K"] == f"0.667 [{want.low:.2f}, {want.high:.2f}] n=3"
+    pd.DataFrame([{**cell, "sample": 0, "score": 1.0}]).to_csv(tmp_path / "acc_samples.csv", index=False)
+    with pytest.raises(ValueError, match="do not match"):
+        figures.read_accuracy(tmp_path / "acc.csv", tmp_path / "acc_samples.csv")

@@ -54,3 +54,11 @@ def test_means_over_prompts_gives_each_groups_mean_interval_and_n():
     assert table.loc["a", "rate"] == pytest.approx(0.5) and table.loc["a", "prompts"] == 3
     assert 0.2 <= table.loc["a", "rate_lo"] < 0.5 < table.loc["a", "rate_hi"] <= 0.9
     assert table.loc["b", ["rate", "rate_lo", "rate_hi", "prompts"]].tolist() == [0.5, 0.5, 0.5, 1]
+
+
+def test_score_interval_is_wilson_for_0_1_scores_and_a_bootstrap_for_partial_credit():
+    from prr.intervals import score_interval
+
+    assert score_interval([1, 0, 1, 1]) == wilson(3, 4)
+    partial = score_interval([0.5, 1.0, 0.25])
+    assert partial == bootstrap_mean([0.5, 1.0, 0.25]) and partial.n == 3

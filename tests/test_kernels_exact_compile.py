@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent('''
     failed = []
     UNIT = ("stride_qd", "stride_kd", "stride_vd", "stride_ln", "stride_pp", "stride_on", "stride_ic", "stride_ch",
             "stride_Sd", "stride_sm", "stride_om", "stride_Td", "stride_tm", "stride_um", "stride_nd", "stride_mg",
-            "stride_pg", "stride_od", "stride_lg", "stride_wd", "stride_ed", "stride_qlm", "stride_qg")
+            "stride_pg", "stride_od", "stride_lg", "stride_wd", "stride_ed", "stride_qlm", "stride_qg", "stride_pod",
+            "stride_pls", "stride_rd", "stride_xd")
 
     def build(fn, types, constexprs, **options):
         for unit in (False, True):
@@ -55,23 +56,20 @@ SCRIPT = textwrap.dedent('''
                   {"GROUP": group, "GROUP_PAD": pad, "BLOCKS_PER_PART": 32, "PART_CHUNK": 256, "BLOCK_N": 128,
                    "SUM_GROUP": sum_group, "PDL": False})
     for summary in (F, B16):
-        for group, pad, given in ((4, 4, False), (1, 1, True), (8, 8, False)):
-            build(L._less_partial_kernel, {"q_ptr": B16, "qlog_ptr": F, "w_ptr": F, "ids_ptr": I32, "counts_ptr": I32,
-                  "big_ptr": summary, "small_ptr": summary, "offset_ptr": F, "big_tot_ptr": F, "small_tot_ptr": F,
-                  "offset_tot_ptr": F, "num_part_ptr": F, "mass_part_ptr": F, "total_part_ptr": F, "top_ptr": F,
-                  "sqrt_scale": "fp32", "half_log_m": "fp32"},
-                  {"GROUP": group, "GROUP_PAD": pad, "HEAD_DIM": 128, "M_BLOCK": 16, "D_BLOCK": 32, "C_BLOCK": 8,
-                   "LOGITS_GIVEN": given, "PDL": False})
-        for block in (16, 64):
+        for group, pad, given, merge, out in ((4, 16, False, False, F), (1, 16, True, True, B16), (8, 16, False, True, B16)):
+            build(L._less_compensate_kernel, {"q_ptr": B16, "qlog_ptr": F, "w_ptr": F, "ids_ptr": I32,
+                  "counts_ptr": I32, "lengths_ptr": I32, "big_ptr": summary, "small_ptr": summary, "offset_ptr": F,
+                  "big_tot_ptr": F, "small_tot_ptr": F, "offset_tot_ptr": F, "center_ptr": F, "part_out_ptr": F,
+                  "part_lse_ptr": F, "out_ptr": out, "lse_ptr": F, "scale": "fp32", "sqrt_scale": "fp32",
+                  "half_log_m": "fp32", "min_relative_mass": "fp32"},
+                  {"GROUP": group, "GROUP_PAD": pad, "HEAD_DIM": 128, "NUM_FEATURES": 32, "M_BLOCK": 32, "D_BLOCK": 8,
+                   "C_BLOCK": 32, "LOGITS_GIVEN": given, "MERGE": merge, "SPLITS_PAD": 4, "PDL": False})
+        for block, quest in ((16, True), (64, True), (64, False)):
             build(L._less_append_kernel, {"k_ptr": B16, "v_ptr": B16, "positions_ptr": I32, "w_ptr": F, "center_ptr": F,
                   "big_ptr": summary, "small_ptr": summary, "offset_ptr": F, "big_tot_ptr": F, "small_tot_ptr": F,
-                  "offset_tot_ptr": F, "sqrt_scale": "fp32", "half_log_m": "fp32"},
-                  {"HEAD_DIM": 128, "BLOCK_SIZE": block, "M_BLOCK": 16, "PDL": False})
-    for group, pad in ((4, 4), (1, 1)):
-        build(L._less_finish_kernel, {"q_ptr": B16, "center_ptr": F, "counts_ptr": I32, "lengths_ptr": I32,
-              "num_part_ptr": F, "mass_part_ptr": F, "total_part_ptr": F, "top_ptr": F, "out_ptr": F, "lse_ptr": F,
-              "scale": "fp32", "min_relative_mass": "fp32"}, {"GROUP": group, "GROUP_PAD": pad, "HEAD_DIM": 128,
-              "PDL": False})
+                  "offset_tot_ptr": F, "key_max_ptr": B16, "key_min_ptr": B16, "sqrt_scale": "fp32",
+                  "half_log_m": "fp32"},
+                  {"HEAD_DIM": 128, "BLOCK_SIZE": block, "M_BLOCK": 16, "D_BLOCK": 32, "QUEST": quest, "PDL": False})
     print("\\n".join(failed) if failed else "all compiled")
     sys.exit(1 if failed else 0)
 ''')

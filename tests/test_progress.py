@@ -36,12 +36,13 @@ def test_profiling_shows_which_point_of_how_many(tmp_path, monkeypatch, capsys):
     ProfiledBudget(ratios=[0.5, 1.0, 2.0], context_points=3, max_rounds=2).setup(
         FakeProbe(spreads=(3.0, 1.0)), selected_blocks=16, max_blocks=256)
     out, err = capsys.readouterr()
-    # 3 contexts x (1 selection + 3 speculation sizes + the stage check's serial and PRR) = 18 points a round;
+    # 3 contexts x (1 selection + 3 speculation sizes + the stage check's serial and PRR at each of the 3 sizes
+    # that hide) = 24 points a round;
     # the noisy first round is measured again
     first = bar_lines(err, "budget=profiled: timing, round 1 (of at most 2)")
     second = bar_lines(err, "budget=profiled: timing, round 2 (of at most 2)")
-    assert first and "18/18" in first[-1] and "point" in first[-1], err
-    assert second and "18/18" in second[-1], err
+    assert first and "24/24" in first[-1] and "point" in first[-1], err
+    assert second and "24/24" in second[-1], err
     assert "budget=profiled: timing" not in out
 
 

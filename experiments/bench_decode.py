@@ -989,7 +989,9 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     if "select" in parts:
-        from bench_infllm_select import infllm_select_columns  # (a sibling script: experiments/ is sys.path[0])
+        from bench_infllm_select import (
+            infllm_select_columns,  # (a sibling script: experiments/ is sys.path[0])
+        )
 
         device = torch.device("cuda" if on_gpu else "cpu")
         tiny = dict(heads=(8, 2), head_dim=64, num_features=16) if args.tiny else {}

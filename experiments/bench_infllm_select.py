@@ -27,7 +27,6 @@ builds it (1 sink + 4 local + the newest block forced, r = 4, Σ over the layer'
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -178,7 +177,7 @@ def infllm_select_columns(batch: int, context: int, cache_tokens: int, block: in
             sel.append_metadata(cache, i, pos)
             sel.select(qs[i], cache, i, lengths, num_blocks=nb)
 
-        def step_only(i, sel=sel, reset=reset):
+        def step_only(i, sel=sel, reset=reset, window=window):
             reset(i)
             g = group
             infllm_step(qs[i].view(batch, hq, head_dim), cache.keys[i], lengths, sel._repr(cache, i, g),
@@ -188,7 +187,7 @@ def infllm_select_columns(batch: int, context: int, cache_tokens: int, block: in
                         inv_freq=sel._freqs(cache) if sel.scoring == "position_agnostic" else None,
                         layer_sum=not window and not sel.per_head)
 
-        def scores_only(i, sel=sel, block_n=None, num_warps=None):
+        def scores_only(i, sel=sel, block_n=None, num_warps=None, window=window):
             infllm_scores(qs[i].view(batch, hq, head_dim), lengths, nb, sel._finalised(cache, i),
                           sel._repr(cache, i, group), sel._live(cache, i),
                           inv_freq=sel._freqs(cache) if sel.scoring == "position_agnostic" else None,

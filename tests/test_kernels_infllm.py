@@ -301,7 +301,7 @@ def test_triton_path_selects_what_the_torch_path_selects_on_a_gpu(variant):
     within 1e-5 of each other, slots and scores within 1e-5."""
     torch.backends.cuda.matmul.allow_tf32 = False
     gaps_checked = 0
-    for step, want, got, cache, twin, _, _ in decode_both(variant, 4, 40, 1000, kv_heads=8, head_dim=128, block=16,
+    for step, want, got, cache, twin, fast, _ in decode_both(variant, 4, 40, 1000, kv_heads=8, head_dim=128, block=16,
                                                           device="cuda", dtype=torch.bfloat16, topk_blocks=32,
                                                           local_blocks=4, representatives=4):
         finite = torch.isfinite(want.scores)

@@ -376,7 +376,7 @@ class InfLLMSelector(Selector):
     # --- scores ------------------------------------------------------------------------------
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         # q: [B, Hkv, G, D] post-RoPE at position lengths - 1 -> [B, Hkv, G, max_blocks]
-        b, g = q.shape[0], q.shape[2]
+        b = q.shape[0]
         lengths = block_counts(lengths, b, cache.device)
         if self.representatives_from == "window_attention":
             self._add_window_attention(q.unsqueeze(3), (lengths - 1).view(b, 1), cache, layer)

@@ -408,6 +408,7 @@ def test_every_selection_takes_the_steps_block_counts(variant, monkeypatch):
     assert all(nb.dtype == torch.int32 and nb.tolist() == [-(-204 // 16)] for nb in seen)
 
 
+@pytest.mark.slow  # 15 s under the interpreter: make test-full
 def test_head_dim_256_runs_the_triton_engine_like_the_torch_ops():
     """The kernels' SUPPORTED_HEAD_DIMS (the one list backend=triton checks) holds 256: the whole
     PRR step (Quest selection, speculation, fused repair, predictor, counters) and the fused

@@ -253,7 +253,7 @@ def decode_both(variant: str, group: int, steps: int, prompt: int, kv_heads=2, h
         yield step, ref.select(q, cache, 0), fast.select(q, twin, 0), cache, twin, fast, q
 
 
-FAST_DECODES = {("infllm", 3), ("infllm_prr", 3)}  # `make test`; the rest under -m slow (~15 s each here)
+FAST_DECODES = {("infllm", 3)}  # `make test`; the rest under -m slow (~15 s each here)
 
 
 @pytest.mark.parametrize("variant, group", [

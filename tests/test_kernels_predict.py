@@ -145,7 +145,7 @@ def test_cross_layer_rank_equals_the_reference(weight):
     assert torch.equal(rank, want)
 
 
-@pytest.mark.parametrize("batch,heads,n,nb", SIZES_RANK)
+@pytest.mark.parametrize("batch,heads,n,nb", [*SIZES[:2], *(pytest.param(*s, marks=pytest.mark.slow) for s in SIZES[2:])])
 def test_query_similarity_kernels_equal_the_reference(batch, heads, n, nb):
     g = torch.Generator().manual_seed(n)
     cache_size, group, dim, m = 5, 3, 24, 2
@@ -288,7 +288,8 @@ def run_predictor(name: str, backend: str, device: str, batch: int, heads: int, 
     return out, state_tensors(state)
 
 
-@pytest.mark.parametrize("name", sorted(PREDICTORS))
+@pytest.mark.parametrize("name", [n if n != "query_similarity_fill" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(PREDICTORS)])  # (the fill list is opt-in: make test-full)
 @pytest.mark.parametrize("budget", [3, 70])
 def test_predictors_propose_and_learn_alike_on_both_backends(name, budget):
     args = (2, 3, 61, [40, 13], 4, budget)

@@ -45,9 +45,9 @@ def record_serial_pass(engine: Any, rows: list[int]) -> dict[str, Any]:
         # from the recorded context even where its own bf16 output differs from serial DSA's in the
         # last bits (exact-mode PRR merges the same blocks in another grouping) and a greedy token flips
         forced = torch.full((engine.batch, engine.max_tokens), -1, dtype=torch.long, device=engine.device)
-        for s, token in enumerate(tokens):  # token [B, 1]: the input after position rows[b] + s
-            for b, n in enumerate(rows):
-                forced[b, n + s] = token[b, 0]
+        recorded = torch.cat(tokens, 1)  # [B, steps]: row b's token after position rows[b] + s
+        for b, n in enumerate(rows):  # one copy per row (rows may start at different positions)
+            forced[b, n : n + steps] = recorded[b]
         engine.forced_tokens = forced
         # blocks of step s's context per row: rows[b] + s + 1 tokens
         num_blocks = torch.tensor([[(n + s + bs) // bs for n in rows] for s in range(steps)], dtype=torch.int64)

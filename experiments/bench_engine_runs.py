@@ -49,6 +49,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from prr.intervals import median_ratio_interval
+
 SELECTORS = ("dense", "exact", "quest", "infllm", "infllm_prr", "less")
 PREDICTORS = ("none", "last_step", "ema")
 OFF = "runtime.dense_metrics_every=1000000"  # the first step only
@@ -296,18 +298,6 @@ def write(rows: list[dict], args: argparse.Namespace, stage_map: pd.DataFrame | 
     table.drop(columns=["budget_setup", "error", "latencies_ms", "generated_token_ids"],
                errors="ignore").to_csv(args.out + ".csv", index=False)
     return table
-
-
-def median_ratio_interval(runs: list[float], base: list[float], resamples: int = 10_000,
-                          seed: int = 0) -> tuple[float, float, float]:
-    """median(runs) / median(base) and its 95% percentile-bootstrap interval, each run's steps
-    resampled independently (per-token device times of one run are near-independent draws)."""
-    a, b = np.asarray(runs, dtype=np.float64), np.asarray(base, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    ratios = (np.median(a[rng.integers(0, a.size, (resamples, a.size))], 1)
-              / np.median(b[rng.integers(0, b.size, (resamples, b.size))], 1))
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return float(np.median(a) / np.median(b)), float(low), float(high)
 
 
 def with_intervals(table: pd.DataFrame) -> pd.DataFrame:

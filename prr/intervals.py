@@ -88,3 +88,16 @@ def means_over_prompts(per_prompt: pd.DataFrame, by: list[str], rates: Sequence[
         row["prompts"] = len(group)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def median_ratio_interval(runs: list[float], base: list[float], resamples: int = 10_000,
+                          seed: int = 0) -> tuple[float, float, float]:
+    """median(runs) / median(base) and its 95% percentile-bootstrap interval, each run's steps
+    resampled independently (per-token device times of one run are near-independent draws).
+    -> (ratio, low, high)."""
+    a, b = np.asarray(runs, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    ratios = (np.median(a[rng.integers(0, a.size, (resamples, a.size))], 1)
+              / np.median(b[rng.integers(0, b.size, (resamples, b.size))], 1))
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(np.median(a) / np.median(b)), float(low), float(high)

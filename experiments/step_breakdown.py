@@ -225,8 +225,8 @@ def main() -> None:
         pd.DataFrame(kernel_rows).assign(command=command).to_csv(args.out / "step_breakdown_kernels.csv", index=False)
         (args.out / "step_breakdown.json").write_text(json.dumps(
             {"command": command, **environment(), "rows": rows}, indent=1))
-    show = table[[c for c in "selector", "context", "block", "view", "step_us", "over_serial", "over_serial_lo", "over_serial_hi",
-                  "span_us", "busy_us", "idle_us", "main_kernel_us", "side_kernel_us", "launches"] if c in table]]
+    show = table[[c for c in ("selector", "context", "block", "view", "step_us", "over_serial", "over_serial_lo", "over_serial_hi",
+                  "span_us", "busy_us", "idle_us", "main_kernel_us", "side_kernel_us", "launches") if c in table]]
     print(show.to_string(index=False, float_format=lambda x: f"{x:.3f}" if abs(x) < 10 else f"{x:.0f}"))
 
 

@@ -75,14 +75,16 @@ class EagerRuntime:
     """One request (or one run's batch) through the research runtime: a cache of `max_tokens`
     per row, the run's selector / predictor / budget objects, its settings (runtime group) and
     op backend. `changes` override settings for this runtime (the graph engine's prefill, the
-    studies' shadow decodes)."""
+    studies' shadow decodes). cache: an empty PagedKVCache to prefill into instead of a new one
+    (the graph engine's scored requests reuse one cache, and the graphs captured over it)."""
 
     def __init__(self, decoder: Any, settings: Any, selector: Any, predictor: Any, budget: Any, backend: str,
-                 max_tokens: int, dtype: torch.dtype, batch: int | None = None, **changes: Any) -> None:
+                 max_tokens: int, dtype: torch.dtype, batch: int | None = None, cache: PagedKVCache | None = None,
+                 **changes: Any) -> None:
         self.decoder, self.backend_name = decoder, backend
         self.device = torch.device(settings.device)
-        self.cache = kv_cache(decoder, settings.batch_size if batch is None else batch, settings.block_size,
-                              max_tokens, dtype, self.device)
+        self.cache = cache if cache is not None else kv_cache(decoder, settings.batch_size if batch is None else batch,
+                                                              settings.block_size, max_tokens, dtype, self.device)
         options = {"mode": settings.mode, "repair_mode": settings.repair_mode,
                    "calibration_tokens": settings.calibration_tokens,
                    "dense_metrics_every": settings.dense_metrics_every, "check_serial": settings.check_serial,

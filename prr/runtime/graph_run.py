@@ -1,4 +1,5 @@
 """`runtime.engine=graph`: a run.py decode through the CUDA-graph engine (graph_decode.py).
+(Scored tasks' requests on the same engine: graph_requests.py.)
 
 The prompt is prefilled by the research runtime (dense attention over the prompt, as with
 engine=eager); the engine takes the cache, rebuilds the Quest metadata from it and decodes
@@ -83,8 +84,10 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     if getattr(task, "temperature", 0.0) != 0.0:
         out.append(f"{head} decodes greedily (the step writes its argmax token): set task.temperature=0 "
                    f"(got {task.temperature})")
-    if callable(getattr(task, "evaluate", None)):
-        out.append(f"{head} decodes one prompt; scored tasks (accuracy, perplexity, lm_eval) run on runtime.engine=eager")
+    if callable(getattr(task, "evaluate", None)):  # scored tasks: prr/runtime/graph_requests.py
+        from prr.runtime.graph_requests import scoring_problems
+
+        out += scoring_problems(runtime, predictor, budget)
     rows = runtime.row_tokens
     prompt_tokens = getattr(task, "prompt_tokens", None)
     if rows and (prompt_tokens is None or max(rows) > prompt_tokens):
@@ -133,6 +136,23 @@ def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_bl
                       dense_layers=tuple(sorted(selector.dense_layers)))
 
 
+def profiled_plan(plan: StaticPlan, budget: Any, decoder: Any, batch: int, capacity: int, selector: Any,
+                  backend: str, context: int) -> tuple[StaticPlan, dict[str, Any]]:
+    """budget=profiled on the engine: its own stages timed at `context` blocks (GraphProbe) ->
+    (the plan with the |P| the profile gives, serial DSA for |P| = 0; what the budget decided)."""
+    from prr.runtime.graph_budget import GraphProbe
+    from prr.runtime.graph_decode import GraphDecoder
+
+    probe = GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n), batch, capacity,
+                                              selector=selector, backend=backend),
+                       first_size=plan.topk_blocks)
+    info = budget.setup(probe, plan.topk_blocks, -(-capacity // plan.block_size), contexts=[context])
+    probe.release()
+    size = budget.predicted_blocks(0, context, plan.topk_blocks)
+    plan = dataclasses.replace(plan, variant="prr" if size else "serial", predicted_blocks=size)
+    return plan, {**info, "choice": plan.variant, "predicted_blocks": size}
+
+
 def tensor_parallel_group(settings: Any):
     """runtime.tensor_parallel > 1: join torchrun's process group (gloo on a CPU, NCCL on GPUs,
     one GPU per rank: cuda:LOCAL_RANK) -> this rank's TensorParallel; None for one process."""
@@ -158,9 +178,6 @@ class GraphDecode:
     progress_label = "decode (graph)"
 
     def __init__(self, cfg: DictConfig, inputs: Any, tp: Any) -> None:
-        from prr.runtime.graph_budget import GraphProbe
-        from prr.runtime.graph_decode import GraphDecoder
-
         self.cfg, self.inputs, self.tp = cfg, inputs, tp
         r, settings = inputs, inputs.settings
         selector, predictor, budget = r.selector, r.predictor, r.budget
@@ -189,15 +206,9 @@ class GraphDecode:
             # The profile at the first decode step's context (the longest row + 1 tokens): |P| is static
             # for the decode.
             context = (max(row_tokens) + settings.block_size) // settings.block_size
-            probe = GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n),
-                                                      settings.batch_size, capacity, selector=selector,
-                                                      backend=self.ops_backend),
-                               first_size=plan.topk_blocks)
-            self.budget_info.update(budget.setup(probe, plan.topk_blocks, max_blocks, contexts=[context]))
-            probe.release()
-            size = budget.predicted_blocks(0, context, plan.topk_blocks)
-            plan = dataclasses.replace(plan, variant="prr" if size else "serial", predicted_blocks=size)
-            self.budget_info.update(choice=plan.variant, predicted_blocks=size)
+            plan, info = profiled_plan(plan, budget, decoder, settings.batch_size, capacity, selector,
+                                       self.ops_backend, context)
+            self.budget_info.update(info)
         self.plan = plan
         self.adaptive = budget.adapts_online
         # Steps run back to back; the host looks at tokens (EOS) every window of steps, and on a

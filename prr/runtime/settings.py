@@ -23,9 +23,9 @@ class RuntimeSettings:
     calibration_tokens: int = 32  # prefill-tail positions replayed for predictor calibration/warm-up
     dense_metrics_every: int = 1  # compute dense attention for recall/error every N decode steps
     check_serial: bool = False  # also attend A in one piece and record PRR-vs-serial error
-    # eager: the research runtime (per-head records, scored tasks); graph: the CUDA-graph engine
+    # eager: the research runtime (per-head records); graph: the CUDA-graph engine
     # (prr/runtime/graph_decode.py; runtime=cuda's default): the same selector and predictor
-    # objects, per-layer device counters, per-token device time.
+    # objects, per-layer device counters, per-token device time. Both run scored tasks.
     engine: str = "eager"
     # engine=graph only: the decode step's projections. torch: F.linear (cuBLAS) with separate
     # norm / SiLU / residual kernels; fused: prr.kernels.dense_gemv (one Triton launch each, those

@@ -1,0 +1,226 @@
+"""Scored requests on the CUDA-graph engine (`runtime.engine=graph`): the request strategy of
+`prr.evaluation.Engine` beside the eager one (`EagerRequests`), behind the same interface.
+
+One `GraphDecoder` per Engine, built (and on CUDA its step captured) on the first request at
+the Engine's capacity (its longest request), over one paged KV cache that every request reuses:
+captured graphs keep their pointers, so each request resets that state in place.
+
+A request:
+1. prefill as `GraphDecode.prefill` does: the research runtime's dense prefill into the engine's
+   cache (`EagerRuntime(cache=)`), `finish_prefill` calibrating and warming the predictor on
+   the prompt tail; its state is copied into the engine's, then `begin`, `prime_predictions`
+   and `set_previous_selections`;
+2. steps of the captured step. Each writes, at the position of the token it chose, that token,
+   its log-probability, whether it is the argmax and the top-1 minus top-2 logit into small
+   device buffers the host reads once per window (generation: greedy, EOS and stop strings
+   checked per window of steps) or once per request (scoring: the continuation is fed by
+   teacher forcing, `GraphDecoder.forced_tokens`).
+
+Not yet: batches of requests (ragged rows); scored tasks decode one request at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prr.evaluation import Steps
+from prr.runtime.graph_decode import GraphDecoder, state_tensors
+from prr.runtime.graph_run import engine_backend, graph_plan, profiled_plan
+from prr.runtime.run_strategy import topk_label
+
+
+def scoring_problems(settings: Any, predictor: Any, budget: Any) -> list[str]:
+    """Why scored tasks cannot run on runtime.engine=graph with these objects (empty: they can)."""
+    head = "runtime.engine=graph with a scored task"
+    out = []
+    if budget.adapts_online:
+        out.append(f"{head}: budget=adaptive switches variants per window of one decode; use budget=fixed or "
+                   "budget=profiled (or runtime.engine=eager)")
+    if predictor.replays_selections:
+        out.append(f"{head}: predictor={type(predictor).__name__} replays a recorded serial pass (a decode "
+                   "benchmark tool); use another predictor")
+    if settings.row_tokens:
+        out.append(f"{head}: runtime.row_tokens={list(settings.row_tokens)}: requests decode one at a time; "
+                   "leave runtime.row_tokens unset")
+    if settings.tensor_parallel != 1:
+        out.append(f"{head}: runtime.tensor_parallel={settings.tensor_parallel}: not yet; use runtime.tensor_parallel=1")
+    return out
+
+
+class GraphRequests:
+    """Engine's request strategy on the graph engine (see the module docstring)."""
+
+    label = "graph"
+
+    def __init__(self, owner: Any) -> None:
+        """owner: the prr.evaluation.Engine (its cfg, settings, model, budget, ops, max_tokens, dtype)."""
+        from hydra.utils import instantiate
+
+        from prr.runtime.eager_run import kv_cache
+        from prr.runtime.probe import device_name
+
+        self.owner = owner
+        settings, cfg, decoder = owner.settings, owner.cfg, owner.model.decoder
+        self.selector = selector = instantiate(cfg.selector)
+        selector.bind_model(owner.model.config)
+        self.predictor = predictor = instantiate(cfg.predictor)
+        problems = scoring_problems(settings, predictor, owner.budget)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.device = owner.device
+        self.backend = engine_backend(settings.device, owner.ops.name)
+        # The engine's cache, its capacity the longest request: every request prefills into it.
+        self.cache = kv_cache(decoder, 1, settings.block_size, owner.max_tokens, owner.dtype, self.device)
+        max_blocks = self.cache.max_blocks
+        plan = graph_plan(settings, selector, predictor, owner.budget, max_blocks)
+        self.budget_info: dict[str, Any] = {"policy": type(owner.budget).__name__,
+                                            "predicted_blocks": plan.predicted_blocks}
+        if plan.variant == "prr" and owner.budget.profiles and predictor.uses_budget:
+            # |P| is static for the captured step: profiled once, at the longest request's context
+            plan, info = profiled_plan(plan, owner.budget, decoder, 1, self.cache.max_tokens, selector, self.backend,
+                                       max_blocks)
+            self.budget_info.update(info)
+        self.plan = plan
+        self.speculating = plan.variant == "prr"
+        self.selection_backend = selector.set_backend(self.backend)
+        self.topk_blocks = topk_label(selector)
+        self.device_name = device_name(self.device)
+        # Steps between host looks while generating (EOS, stop strings); scoring looks once per request.
+        self.window = 16
+        self.engine: GraphDecoder | None = None
+        self.position = 0  # the position of the token the next step reads
+        # pooled device counters over requests (|A|, |P|, |P ∩ A|, |A_t ∩ A_t-1| per layer)
+        self.totals: Tensor | None = None
+
+    # --- a request ----------------------------------------------------------------------
+    def open(self, total_tokens: int) -> Any:
+        """The research runtime that prefills a request into the engine's cache (emptied in place)."""
+        from prr.runtime.eager_run import EagerRuntime
+
+        o = self.owner
+        with torch.inference_mode():  # (slots the prefill allocated are inference tensors)
+            for layer in range(self.cache.num_layers):
+                self.cache.set_length(layer, 0)
+                self.cache.reset_metadata(layer)
+        return EagerRuntime(o.model.decoder, o.settings, self.selector, self.predictor, o.budget, o.ops.name,
+                            self.cache.max_tokens, o.dtype, cache=self.cache, mode="sparse", dense_metrics_every=1,
+                            check_serial=False)
+
+    def begin(self, eager: Any, length: int) -> None:
+        """After the prefill of `length` tokens into the cache: the engine takes over (built and
+        captured on the first request), its state set for this request in place."""
+        # the prefill ran the selector and predictor on the prefill's ops: back to the engine's
+        self.selector.set_backend(self.backend)
+        self.predictor.set_backend(self.backend)
+        first = self.engine is None
+        if first:
+            self._build()
+        engine = self.engine
+        engine.begin(length, torch.zeros(1, dtype=torch.long))
+        if self.speculating:
+            mine, warmed = state_tensors(engine.predictor_state), state_tensors(eager.backend.predictor_state)
+            if len(mine) != len(warmed) or any(a.shape != b.shape for a, b in zip(mine, warmed, strict=False)):
+                raise ValueError(f"predictor={type(self.predictor).__name__}: the prefill's state "
+                                 f"{[tuple(t.shape) for t in warmed]} does not fit the engine's "
+                                 f"{[tuple(t.shape) for t in mine]}; use runtime.engine=eager")
+            for a, b in zip(mine, warmed, strict=True):
+                a.copy_(b)
+            engine.prime_predictions(length)
+        engine.set_previous_selections(eager.backend.previous)
+        self.forced.fill_(-1)
+        self.position = length
+        if first and self.device.type == "cuda":  # one capture; its warm-up steps advance the state: rewind
+            start = engine.checkpoint()
+            self.replay = engine.capture(self.replay).replay
+            engine.restore(start)
+
+    def _build(self) -> None:
+        """The engine, its step view, the output buffers and the forced-token table, once."""
+        o = self.owner
+        engine = self.engine = GraphDecoder(
+            o.model.decoder, self.plan, 1, self.cache.max_tokens, compile=self.device.type == "cuda",
+            selector=self.selector, predictor=self.predictor if self.speculating else None, cache=self.cache,
+            backend=self.backend)
+        cap = engine.max_tokens + 1
+        # Indexed by the position of the token a step chose ([1, capacity + 1]): the same captured
+        # step serves every request, whatever its prompt length.
+        self.tokens = torch.zeros(1, cap, dtype=torch.long, device=self.device)
+        self.logprobs = torch.zeros(1, cap, dtype=torch.float32, device=self.device)
+        self.greedy = torch.zeros(1, cap, dtype=torch.bool, device=self.device)
+        self.margins = torch.zeros(1, cap, dtype=torch.float32, device=self.device)
+        # [1, max_tokens]: the token that follows each position (-1: the step's greedy token)
+        self.forced = engine.forced_tokens = torch.full((1, engine.max_tokens), -1, dtype=torch.long,
+                                                         device=self.device)
+        view = engine.with_plan(count_hits=True, measure_dense=False)
+
+        def step() -> None:
+            logits = view.step(advance=True).float()  # [1, V]; view.token: the chosen token [1, 1]
+            at = view.pos.long()  # [1]: the chosen token's position
+            top2 = logits.topk(2, -1).values  # [1, 2]
+            self.tokens.index_copy_(1, at, view.token)
+            self.logprobs.index_copy_(1, at, logits.log_softmax(-1).gather(1, view.token))
+            self.greedy.index_copy_(1, at, logits.argmax(-1, keepdim=True) == view.token)
+            self.margins.index_copy_(1, at, top2[:, :1] - top2[:, 1:])
+
+        self.replay = step
+
+    def steps(self, first: int, n: int, forced: list[int] | None) -> Steps:
+        """n steps from the current position: step 0 reads `first`, step i > 0 the token step
+        i - 1 chose: forced[i - 1] (teacher forcing; len(forced) == n) or its greedy token."""
+        engine, p0 = self.engine, self.position
+        if p0 + n > engine.max_tokens:  # (step i writes K/V at p0 + i)
+            raise ValueError(f"{n} steps from position {p0} exceed the engine's {engine.max_tokens} tokens")
+        out = Steps()
+        with torch.inference_mode():  # (the engine was built, and its tensors made, under the prefill's)
+            engine.token.fill_(first)
+            if forced is not None:
+                self.forced[0, p0 : p0 + n] = torch.tensor(forced, dtype=torch.long)
+            if self.device.type == "cuda":
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(n)]
+                for start, stop in events:
+                    start.record()
+                    self.replay()
+                    stop.record()
+                events[-1][1].synchronize()
+                out.wall_s = [start.elapsed_time(stop) * 1e-3 for start, stop in events]  # device time per step
+            else:
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    self.replay()
+                    out.wall_s.append(time.perf_counter() - t0)
+        written = slice(p0 + 1, p0 + 1 + n)
+        out.chosen = self.tokens[0, written].tolist()
+        out.read = [first, *out.chosen[:-1]]
+        out.logprobs = self.logprobs[0, written].tolist()
+        out.greedy = self.greedy[0, written].tolist()
+        out.margins = self.margins[0, written].tolist()
+        out.measure_s = [0.0] * n
+        self.position += n
+        return out
+
+    def end(self) -> None:
+        """A request done: its device counters pooled (read once per request)."""
+        if self.engine is None:
+            return
+        counts = torch.tensor([self.engine.counters()[c] for c in self.engine.COUNTERS], dtype=torch.float64)
+        self.totals = counts if self.totals is None else self.totals + counts
+
+    def results(self) -> dict[str, Any]:
+        """The summary's engine numbers: hit rate and precision (PRR), last-step overlap, pooled
+        over every request's decode steps and sparse layers."""
+        out: dict[str, Any] = {"engine": "graph", "predicted_blocks": self.plan.predicted_blocks}
+        if self.totals is None:
+            return out
+        names, sparse = self.engine.COUNTERS, [i for i, s in enumerate(self.engine.sparse) if s]
+        total = {c: float(self.totals[names.index(c)][sparse].sum()) for c in ("selected", "predicted", "hits",
+                                                                              "overlap")}
+        if self.speculating:
+            out["hit_rate"] = total["hits"] / total["selected"] if total["selected"] else None
+            out["precision"] = total["hits"] / total["predicted"] if total["predicted"] else None
+        out["last_step_overlap"] = total["overlap"] / total["selected"] if total["selected"] else None
+        return out

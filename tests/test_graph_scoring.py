@@ -1,0 +1,129 @@
+"""Scored requests on the graph engine (`runtime.engine=graph`, prr/runtime/graph_requests.py)
+equal the research runtime's (`runtime.engine=eager`) on a tiny random Llama in fp32: the same
+generated tokens (EOS and stop strings cut alike, across windows of steps), log-likelihoods of
+given continuations within 1e-5, one engine reused across requests of different lengths; exact
+PRR (quest + ema) generates serial DSA's tokens; what the graph engine cannot score is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from prr.config_check import ConfigError, compose_config
+from prr.evaluation import Engine
+from prr.model.loading import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model=tiny-random", "logger=none", "task=ruler_niah", "selector=quest", "selector.dense_layers=[0]",
+        "selector.topk_blocks=6", "runtime.block_size=16"]
+PROMPTS = (300, 170)  # tokens: two requests through one engine (the second shorter: state reset in place)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random", dtype="float32", device="cpu")
+
+
+def engines(model, *overrides):
+    """(eager, graph) Engines of one config, sized for the longest request here."""
+    return tuple(Engine(compose_config([*TINY, *overrides, f"runtime.engine={e}"]), model, 340)
+                 for e in ("eager", "graph"))
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def requests(engine: Engine) -> list:
+    """Two generations past a window of 16 steps, and two scored continuations, per prompt."""
+    out = []
+    for i, n in enumerate(PROMPTS):
+        prompt = ids(n, i)
+        gen = engine.generate(prompt, 20)
+        out.append(("generate", gen.token_ids, gen.margins))
+        cont = ids(9, 10 + i)[0].tolist()
+        out.append(("score",) + engine.score(prompt, cont))
+        out.append(("score greedy",) + engine.score(prompt, gen.token_ids[:7]))  # its own greedy tokens: True
+    return out
+
+
+def assert_same(eager: list, graph: list) -> None:
+    for a, b in zip(eager, graph, strict=True):
+        if a[0] == "generate":
+            assert a[1] == b[1]  # identical tokens
+            assert b[2] == pytest.approx(a[2], abs=1e-5)  # top-1 minus top-2 logits
+        else:
+            assert b[1] == pytest.approx(a[1], abs=1e-5) and b[2] == a[2]  # sum, greedy
+            assert b[3] == pytest.approx(a[3], abs=1e-5)  # per-token log-probs
+
+
+@pytest.mark.parametrize("predictor", ["none", "ema"])
+def test_graph_scoring_equals_eager_scoring(model, predictor):
+    """Serial DSA (none) and exact PRR (ema: P speculated, A \\ P repaired): generations and
+    log-likelihoods equal the eager runtime's; PRR's tokens are serial DSA's, its hits counted."""
+    eager, graph = engines(model, f"predictor={predictor}")
+    got = requests(graph)
+    assert_same(requests(eager), got)
+    assert [r[2] for r in got if r[0] == "score greedy"] == [True, True]
+    results = graph.results()
+    assert results["engine"] == "graph" and results["last_step_overlap"] > 0
+    if predictor == "ema":
+        assert results["predicted_blocks"] == 6 and 0 < results["hit_rate"] <= 1
+        serial = Engine(compose_config([*TINY, "predictor=none", "runtime.engine=graph"]), model, 340)
+        assert [r[1] for r in requests(serial) if r[0] == "generate"] == [r[1] for r in got if r[0] == "generate"]
+
+
+def test_graph_engine_stops_at_eos_and_stop_strings_as_the_eager_runtime(model):
+    """EOS and a stop string inside a window of steps: the same tokens kept, the text cut alike;
+    a kept dense prefill replays into the engine's cache; a one-token context is scored."""
+    eager, graph = engines(model, "predictor=none")
+    prompt = ids(300, 3)
+    free = graph.generate(prompt, 20)
+    assert free.token_ids == eager.generate(prompt, 20).token_ids and len(free.token_ids) == 20
+    for engine in (eager, graph):
+        engine.eos_ids = {free.token_ids[5]}
+    first_eos = free.token_ids.index(free.token_ids[5])
+    cut = [e.generate(prompt, 20).token_ids for e in (eager, graph)]
+    assert cut[0] == cut[1] == free.token_ids[: first_eos + 1]
+    for engine in (eager, graph):
+        engine.eos_ids = set()
+    stop = free.text[len(free.text) // 2 :][:2]
+    stopped = [e.generate(prompt, 20, stop=(stop,)) for e in (eager, graph)]
+    assert stopped[0] == stopped[1] and stopped[1].text == free.text[: free.text.index(stop)]
+    replayed = graph.generate(prompt, 20, prefill=graph.prefill(prompt))
+    assert replayed.token_ids == free.token_ids
+    one = [e.score(prompt[:, :1], [5, 7, 11]) for e in (eager, graph)]
+    assert one[1][0] == pytest.approx(one[0][0], abs=1e-5) and one[1][2] == pytest.approx(one[0][2], abs=1e-5)
+
+
+def test_a_scored_run_on_the_graph_engine_scores_like_the_eager_runtime(tmp_path):
+    """run.py task=ruler_niah runtime.engine=graph: the eager run's predictions and accuracy,
+    tokens.jsonl per kept step, the engine's counters in the summary."""
+    over = ["task.context_tokens=400", "task.num_samples=2", "task.max_new_tokens=6", "predictor=last_step"]
+    summaries = {}
+    for engine in ("eager", "graph"):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*TINY, *over, f"runtime.engine={engine}"])
+        from prr.runner import run
+
+        summaries[engine] = run(cfg, tmp_path / engine)
+    eager, graph = summaries["eager"], summaries["graph"]
+    assert graph["accuracy"] == eager["accuracy"] and graph["engine"] == "graph" and 0 < graph["hit_rate"] <= 1
+    rows = {e: [json.loads(x) for x in (tmp_path / e / "records" / "samples.jsonl").read_text().splitlines()]
+            for e in summaries}
+    assert [r["prediction"] for r in rows["graph"]] == [r["prediction"] for r in rows["eager"]]
+    tokens = [json.loads(x) for x in (tmp_path / "graph" / "records" / "tokens.jsonl").read_text().splitlines()]
+    assert graph["decode_steps"] == len(tokens) == eager["decode_steps"] and {t["sample"] for t in tokens} == {0, 1}
+
+
+def test_what_the_graph_engine_cannot_score_is_refused(model):
+    with pytest.raises(ConfigError, match="budget=adaptive switches variants"):
+        compose_config([*TINY, "predictor=ema", "budget=adaptive", "runtime.engine=graph"])
+    graph = Engine(compose_config([*TINY, "predictor=none", "runtime.engine=graph"]), model, 340)
+    graph.collect = True  # the studies' per-head rows: the eager runtime's records
+    with pytest.raises(ValueError, match="runtime.engine=graph does not write; use runtime.engine=eager"):
+        graph.generate(ids(300, 0), 3)

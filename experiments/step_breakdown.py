@@ -96,12 +96,14 @@ def trace(fn, replays: int) -> list[dict]:
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     steps, current = [], None
     for e in kernels:
-        if e["name"].startswith("spin_kernel"):  # torch.cuda._sleep's kernel
+        if "spin_kernel" in e["name"]:  # torch.cuda._sleep's kernel (a namespaced name)
             current = []
             steps.append(current)
             continue
         if current is not None:
             current.append((e["name"], e.get("args", {}).get("stream"), float(e["ts"]), float(e["ts"] + e["dur"])))
+    if not steps:  # what the trace held instead, for the warning
+        print(f"  trace: {len(kernels)} kernels, none a separator; first: {[e['name'][:60] for e in kernels[:3]]}")
     return [s for s in steps if s]
 
 

@@ -4,6 +4,7 @@
     python experiments/accuracy_study.py --contexts 4096 --budgets 256,1024,2048 --samples 20
     python experiments/accuracy_study.py --model qwen2.5-coder-0.5b --tasks ruler:niah_single_1,ruler:vt \
         --contexts 8192,16384 --device cuda --dtype bfloat16      # RULER's own tasks (make ruler-data), a GPU
+    ... --device cuda --dtype bfloat16 --engine graph            # decoded by the CUDA-graph engine
 
 For every task x context length x sample, the prompt is prefilled once (dense, q/k/v kept)
 and every config decodes from a replay of it (a fresh cache, selector metadata and
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
+    p.add_argument("--engine", default="eager", choices=["eager", "graph"],
+                   help="runtime.engine: the research runtime (per-step records: PRR-vs-serial attention error) or "
+                        "the CUDA-graph engine (hit rate from its device counters)")
     p.add_argument("--out", default=None, help="path stem of the results (default: experiments/results/cpu/accuracy)")
     p.add_argument("--report", type=Path, default=None,
                    help="only rebuild OUT.csv/.json from a cut-short run's _samples.csv (no model; --out required)")
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--selectors {bad} not in {SPARSE}, or a budget not a multiple of --block-size {args.block_size}")
     common = [f"model={args.model}", "logger=none", f"runtime.block_size={args.block_size}",
               f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", f"backend={args.backend}",
-              "runtime.dense_metrics_every=1000000"]  # no dense reference per step: accuracy is the point here
+              "runtime.dense_metrics_every=1000000",  # no dense reference per step: accuracy is the point here
+              f"runtime.engine={args.engine}"]
 
     # (name, selector, predictor, budget tokens, overrides)
     runs: list[tuple[str, str, str, int | None, list[str]]] = [("dense", "dense", "none", None, ["selector=dense", "predictor=none"])]
@@ -97,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             k = f"selector.topk_blocks={b // args.block_size}"
             runs.append((f"{sel}-none-{b}", sel, "none", b, [f"selector={sel}", "predictor=none", k]))
             if b in ema_budgets:
+                check = ["runtime.check_serial=true"] if args.engine == "eager" else []  # (eager records only)
                 runs.append((f"{sel}-ema-{b}", sel, "ema", b, [f"selector={sel}", "predictor=ema", k,
-                                                            "runtime.repair_mode=exact", "runtime.check_serial=true"]))
+                                                            "runtime.repair_mode=exact", *check]))
 
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     t_start = time.perf_counter()
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue  # the budget covers the whole context: nothing sparse
                 cfg = compose_config(common + task_over + over)
                 engines[name] = Engine(cfg, model, ctx + 64 + args.max_new_tokens)
-                engines[name].collect = True
+                engines[name].collect = args.engine == "eager"  # per-step rows; the graph engine counts on the device
             task = instantiate(compose_config(common + task_over).task)
             samples = task.samples(engines["dense"].tokenizer)
             for index, sample in enumerate(samples):
@@ -131,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
                     t0 = time.perf_counter()
                     gen = engines[name].generate(ids, args.max_new_tokens, prefill=prefill)
                     steps = pd.DataFrame(engines[name].request_rows)
+                    if args.engine == "graph":
+                        counts = engines[name].runtime.request_counts
+                        steps = pd.DataFrame([{"hits": counts["hits"], "selected_blocks": counts["selected"]}]
+                                             if counts["selected"] else [])  # (no sparse layer: no rows, as eager)
                     rows.append({
                         "task": task_name, "context_tokens": ctx, "sample": index, "prompt_tokens": ids.shape[1],
                         "config": name, "selector": sel, "predictor": pred, "budget_tokens": budget,
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "decoding": "greedy",
         "device": (f"{torch.cuda.get_device_name()} torch {torch.__version__}" if args.device.startswith("cuda") else
                    f"cpu {platform.machine()} torch {torch.__version__}, {torch.get_num_threads()} threads"),
-        "dtype": args.dtype, "backend": args.backend, "wall_s": time.perf_counter() - t_start})
+        "dtype": args.dtype, "backend": args.backend, "engine": args.engine, "wall_s": time.perf_counter() - t_start})
 
 
 def write_results(out: Path, per_sample: pd.DataFrame, command: str, meta: dict[str, Any], samples: bool = True) -> None:

@@ -127,3 +127,21 @@ def test_what_the_graph_engine_cannot_score_is_refused(model):
     graph.collect = True  # the studies' per-head rows: the eager runtime's records
     with pytest.raises(ValueError, match="runtime.engine=graph does not write; use runtime.engine=eager"):
         graph.generate(ids(300, 0), 3)
+
+
+def test_prr_lm_eval_model_on_the_graph_engine_equals_the_eager_one():
+    """prr-lm-eval's model (`--model prr --model_args runtime.engine=graph,...`): the same
+    log-likelihoods, greedy flags and generations as on the research runtime."""
+    from types import SimpleNamespace
+
+    from prr.lm_eval_model import PRRLM
+
+    args = {"selector": "quest", "predictor": "last_step", "selector.dense_layers": "[0]",
+            "selector.topk_blocks": 4, "runtime.block_size": 16, "task.context_tokens": 200}
+    lms = [PRRLM(model="tiny-random", **args, **{"runtime.engine": e}) for e in ("eager", "graph")]
+    assert lms[1].engine.runtime.label == "graph"
+    context = "Sparse attention keeps the blocks that matter; the predictor guesses them early. " * 2
+    scored = [lm.loglikelihood([SimpleNamespace(args=(context, " The magic number is 1234567."))]) for lm in lms]
+    assert scored[1][0][0] == pytest.approx(scored[0][0][0], abs=1e-5) and scored[1][0][1] == scored[0][0][1]
+    until = SimpleNamespace(args=(context, {"max_gen_toks": 20, "until": ["\n"]}))
+    assert lms[1].generate_until([until]) == lms[0].generate_until([until])

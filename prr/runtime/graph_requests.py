@@ -95,6 +95,7 @@ class GraphRequests:
         self.position = 0  # the position of the token the next step reads
         # pooled device counters over requests (|A|, |P|, |P ∩ A|, |A_t ∩ A_t-1| per layer)
         self.totals: Tensor | None = None
+        self.request_counts: dict[str, float] = {}  # the last request's, pooled over sparse layers (_pooled)
 
     # --- a request ----------------------------------------------------------------------
     def open(self, total_tokens: int) -> Any:
@@ -209,6 +210,12 @@ class GraphRequests:
             return
         counts = torch.tensor([self.engine.counters()[c] for c in self.engine.COUNTERS], dtype=torch.float64)
         self.totals = counts if self.totals is None else self.totals + counts
+        self.request_counts = self._pooled(counts)
+
+    def _pooled(self, counts: Tensor) -> dict[str, float]:
+        """|A|, |P|, |P ∩ A| and |A_t ∩ A_t-1| summed over sparse layers, from counters [7, L]."""
+        names, sparse = self.engine.COUNTERS, [i for i, s in enumerate(self.engine.sparse) if s]
+        return {c: float(counts[names.index(c)][sparse].sum()) for c in ("selected", "predicted", "hits", "overlap")}
 
     def results(self) -> dict[str, Any]:
         """The summary's engine numbers: hit rate and precision (PRR), last-step overlap, pooled
@@ -216,9 +223,7 @@ class GraphRequests:
         out: dict[str, Any] = {"engine": "graph", "predicted_blocks": self.plan.predicted_blocks}
         if self.totals is None:
             return out
-        names, sparse = self.engine.COUNTERS, [i for i, s in enumerate(self.engine.sparse) if s]
-        total = {c: float(self.totals[names.index(c)][sparse].sum()) for c in ("selected", "predicted", "hits",
-                                                                              "overlap")}
+        total = self._pooled(self.totals)
         if self.speculating:
             out["hit_rate"] = total["hits"] / total["selected"] if total["selected"] else None
             out["precision"] = total["hits"] / total["predicted"] if total["predicted"] else None

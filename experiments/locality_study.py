@@ -16,6 +16,11 @@ must reproduce its logits' argmax, which is checked), while the selector, the EM
 it. All layers are measured (selector.dense_layers=[]). A predictor wrapper asks EMA, before
 each of its updates, for the P it would speculate at every |P|/K ratio, so one decode gives
 the hit rate of every ratio (its |P| = K hits must equal the run's own: checked).
+--engine graph decodes each variant through the graph engine instead (prr.runtime.study_decode:
+the same replayed prefill and calibration, then engine steps, CUDA-graph replays on a GPU, with
+the device study counters — the same hits per ratio, overlap, mass recall and output error per
+layer and KV head, read once per decode; tests/test_study_counters.py holds them equal to this
+probe's); the trajectory is fed by teacher forcing, and the tables are the same.
 
 Writes OUT.csv (task x context x variant x K), OUT_per_layer.csv, OUT_per_head.csv (layer x KV
 head), OUT_by_context.csv (over tasks) and OUT.json (command, device, versions, checks, the
@@ -130,6 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
+    p.add_argument("--engine", default="eager", choices=["eager", "graph"],
+                   help="decode through the research runtime (per-step records, a ratio probe) or the graph engine "
+                        "(its device study counters, read once per decode; CUDA graphs on a GPU)")
     p.add_argument("--out", required=True, help="path stem of the results files (OUT.csv, OUT.json, ...)")
     args = p.parse_args(argv)
     variants = args.variants.split(",")
@@ -147,29 +155,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int,
-                   tokens: list[int] | None) -> tuple[list[dict[str, Any]], list[int], int, int]:
-    """One shadow-mode decode of `steps` tokens after the replayed prefill under cfg's selector
-    with EMA at |P| = K (cfg's runtime.block_size). tokens: the trajectory to follow (None:
-    greedy, this is the first).
-    -> (rows per step/layer/KV head, the tokens, argmax disagreements with `tokens`, |P|=K hit
-    mismatches between the run's records and the probe)."""
+def variant_runtime(model: Any, prefill: Any, cfg: Any, steps: int, probe: bool) -> EagerRuntime:
+    """The research runtime of one variant (cfg's selector, predictor and budget; shadow mode, exact
+    repair, every step dense-measured) with the kept prefill replayed into its fresh cache and the
+    predictor calibrated and warmed on its tail. probe: the predictor wrapped in a RatioProbe."""
     mc, settings = model.config, instantiate(cfg.runtime)
     selector = instantiate(cfg.selector)
     selector.bind_model(mc)
     backend_name = instantiate(cfg.backend).name
     selector.set_backend(backend_name)
-    probe = RatioProbe(instantiate(cfg.predictor), RATIOS, selector.topk_blocks)
+    predictor = instantiate(cfg.predictor)
+    if probe:
+        predictor = RatioProbe(predictor, RATIOS, selector.topk_blocks)
     prompt_len = prefill.input_ids.shape[1]
-    runtime = EagerRuntime(model.decoder, settings, selector, probe, instantiate(cfg.budget), backend_name,
+    runtime = EagerRuntime(model.decoder, settings, selector, predictor, instantiate(cfg.budget), backend_name,
                            prompt_len + steps, DTYPES[settings.dtype], batch=1, mode="shadow", repair_mode="exact",
                            dense_metrics_every=1, check_serial=False)
+    with torch.inference_mode():
+        runtime.replay_prefill(prefill.qkv)
+        runtime.finish_prefill()
+    return runtime
+
+
+def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int, tokens: list[int] | None,
+                   engine: str = "eager") -> tuple[list[dict[str, Any]], list[int], int, int]:
+    """One shadow-mode decode of `steps` tokens after the replayed prefill under cfg's selector
+    with EMA at |P| = K (cfg's runtime.block_size). tokens: the trajectory to follow (None:
+    greedy, this is the first). engine: "eager" (the research runtime, a RatioProbe around the
+    predictor) or "graph" (the graph engine's study counters, `prr.runtime.study_decode`).
+    -> (rows: eager one per step/layer/KV head, graph one per layer/KV head summed over the steps
+    (`steps`, `measured` columns); the tokens, argmax disagreements with `tokens`, |P|=K hit
+    mismatches between the run's own counts and the probe's or study counters' x1.0)."""
+    if engine == "graph":
+        return decode_variant_graph(model, prefill, cfg, steps, tokens)
+    runtime = variant_runtime(model, prefill, cfg, steps, probe=True)
+    probe = runtime.backend.predictor
+    prompt_len = prefill.input_ids.shape[1]
     rows: list[dict[str, Any]] = []
     followed: list[int] = []
     disagree = mismatch = 0
     with torch.inference_mode():
-        runtime.replay_prefill(prefill.qkv)
-        runtime.finish_prefill()
         logits = prefill.last_logits
         for step in range(steps):
             greedy = int(logits[0].argmax())
@@ -187,18 +212,45 @@ def decode_variant(model: Any, prefill: Any, cfg: Any, steps: int,
     return rows, followed, disagree, mismatch
 
 
+# study counter -> the eager rows' column of the same quantity
+GRAPH_COLUMNS = {"selected": "selected_blocks", "predicted": "predicted_blocks", "overlap": "overlap_blocks"}
+
+
+def decode_variant_graph(model: Any, prefill: Any, cfg: Any, steps: int,
+                         tokens: list[int] | None) -> tuple[list[dict[str, Any]], list[int], int, int]:
+    """`decode_variant` on the graph engine: the same replayed prefill and calibration, then the
+    engine's decode with its study counters at every ratio of RATIOS (read once)."""
+    from prr.runtime.study_decode import graph_study_decode, layer_head_rows
+
+    runtime = variant_runtime(model, prefill, cfg, steps, probe=False)
+    run = graph_study_decode(runtime, prefill.last_logits, steps, RATIOS, tokens)
+    selector = runtime.backend.selector
+    sparse = [i for i in range(model.config.num_layers) if not selector.is_dense_layer(i)]
+    rows = [{GRAPH_COLUMNS.get(k, k): v for k, v in row.items() if not k.startswith("predicted_x")}
+            for row in layer_head_rows(run.counters, sparse)]
+    mismatch = sum(int(row["hits_x1.0"] != row["hits"]) for row in rows)
+    return rows, run.tokens, run.disagreements, mismatch
+
+
 RATES = ("last_step_overlap", *(f"ema_hit_x{r}" for r in RATIOS), "mass_recall", "output_relerr")
 PROMPT = ["task", "sample"]  # one prompt: a task's sample
 
 
 def pooled(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    """Σ-pooled rates per group (not means of ratios); mass recall: mean over rows."""
+    """Σ-pooled rates per group (not means of ratios); mass recall and output error: means over
+    the dense-measured (step, layer, KV head)s; selected_blocks: mean |A| per (step, layer, KV head);
+    rows: how many. frame: one row per (step, layer, KV head) (the eager runtime's), or per
+    (layer, KV head) with each column summed over `steps` steps, `measured` of them dense-measured
+    (the graph engine's study counters)."""
+    if "steps" not in frame:  # one step per row, dense-measured where it has a mass recall
+        frame = frame.assign(steps=1, measured=frame["mass_recall"].notna().astype(int))
     g = frame.groupby(by, sort=False)
-    sel = g["selected_blocks"].sum()
+    sel, steps, measured = g["selected_blocks"].sum(), g["steps"].sum(), g["measured"].sum()
     out = pd.DataFrame({"last_step_overlap": g["overlap_blocks"].sum() / sel,
                         **{f"ema_hit_x{r}": g[f"hits_x{r}"].sum() / sel for r in RATIOS},
-                        "mass_recall": g["mass_recall"].mean(), "output_relerr": g["output_relerr"].mean(),
-                        "selected_blocks": g["selected_blocks"].mean(), "rows": g.size()})
+                        "mass_recall": g["mass_recall"].sum() / measured,
+                        "output_relerr": g["output_relerr"].sum() / measured,
+                        "selected_blocks": sel / steps, "rows": steps})
     return out.reset_index()
 
 
@@ -249,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
                             continue  # K covers the context: nothing is left out
                         t0 = time.perf_counter()
                         cfg = compose_config(common + task_over + VARIANTS[variant] + [f"selector.topk_blocks={k}"])
-                        rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens)
+                        rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens,
+                                                                            args.engine)
                         tokens = tokens or followed
                         frames.append(pd.DataFrame(rows).assign(
                             model=args.model, task=task_name, sample=index, context_tokens=ctx,
@@ -298,7 +351,7 @@ def write(out: Path, frame: pd.DataFrame, checks: list[dict[str, Any]], command:
     write_json_atomic(Path(f"{out}.json"), {
         "command": command, "model": args.model, "device": device, "dtype": args.dtype, "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": round(wall_s, 1),
-        "mode": "shadow (dense trajectory), all layers sparse-measured", "steps": args.steps,
+        "mode": "shadow (dense trajectory), all layers sparse-measured", "engine": args.engine, "steps": args.steps,
         "block_size": args.block_size, "ratios": list(RATIOS), "predictor": "ema (calibrated on the prefill tail)",
         **progress, "checks": checks, "weakest_layers_by_overlap": weakest})
 

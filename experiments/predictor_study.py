@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -131,12 +132,12 @@ class Tracer(Predictor):
         self.inner.update(state, layer, selection)
 
 
-def capture(task: str, steps: int, overrides: list[str], sample: int = 0) -> tuple[Trace, dict[str, Any]]:
-    """One shadow-mode decode of `task` (a spec of prr.tasks.ruler.task_overrides) under the
-    overrides (model, device, context); sample s > 0: the task generated with its seed + s (another
-    prompt; tasks without a seed have one prompt). -> its trace and a description."""
-    cfg = compose_config([*task_overrides(task), "runtime.mode=shadow", *PREDICTORS[CAPTURE_PREDICTOR], "budget=fixed",
-                       "budget.ratio=1.0", "logger=none", *overrides], check=False)
+def task_config(task: str, steps: int, overrides: list[str], sample: int, predictor: str) -> Any:
+    """The composed, validated config of one shadow-mode decode of `task` (a spec of
+    prr.tasks.ruler.task_overrides) with the named predictor of PREDICTORS at |P| = K, under the
+    overrides (model, device, context); sample s > 0: the task generated with its seed + s."""
+    cfg = compose_config([*task_overrides(task), "runtime.mode=shadow", *PREDICTORS[predictor], "budget=fixed",
+                          "budget.ratio=1.0", "logger=none", *overrides], check=False)
     OmegaConf.update(cfg, "task.max_new_tokens", steps)
     if sample:
         if "seed" not in cfg.task:
@@ -145,18 +146,36 @@ def capture(task: str, steps: int, overrides: list[str], sample: int = 0) -> tup
     if "stop_at_eos" in cfg.task:
         OmegaConf.update(cfg, "task.stop_at_eos", False)  # a fixed number of steps per task
     validate(cfg)
-    torch.manual_seed(cfg.seed)
+    return cfg
+
+
+def shadow_runtime(cfg: Any, model: Any, predictor: Predictor) -> tuple[EagerRuntime, Any, Any]:
+    """The research runtime of cfg in shadow mode (every step dense-measured) around `predictor`,
+    with the task's prompt -> (the runtime, the task object, the prompt batch)."""
     settings, task_obj, selector, budget = (instantiate(cfg[g]) for g in ("runtime", "task", "selector", "budget"))
-    model = instantiate(cfg.model).load(settings.dtype, settings.device)
     mc = model.config
     selector.bind_model(mc)
     prompt = task_obj.build(model.tokenizer, mc.vocab_size, settings.batch_size)
-    prompt_len = prompt.input_ids.shape[1]
+    runtime = EagerRuntime(model.decoder, settings, selector, predictor, budget, instantiate(cfg.backend).name,
+                           prompt.input_ids.shape[1] + task_obj.max_new_tokens, DTYPES[settings.dtype], mode="shadow",
+                           dense_metrics_every=1, check_serial=False)
+    return runtime, task_obj, prompt
+
+
+def capture(task: str, steps: int, overrides: list[str], sample: int = 0) -> tuple[Trace, dict[str, Any]]:
+    """One shadow-mode decode of `task` (a spec of prr.tasks.ruler.task_overrides) under the
+    overrides (model, device, context); sample s > 0: the task generated with its seed + s (another
+    prompt; tasks without a seed have one prompt). -> its trace and a description."""
+    cfg = task_config(task, steps, overrides, sample, CAPTURE_PREDICTOR)
+    settings = instantiate(cfg.runtime)
+    model = instantiate(cfg.model).load(settings.dtype, settings.device)
+    mc = model.config
     trace = Trace()
     tracer = Tracer(instantiate(cfg.predictor), trace)
-    runtime = EagerRuntime(model.decoder, settings, selector, tracer, budget, instantiate(cfg.backend).name,
-                           prompt_len + task_obj.max_new_tokens, DTYPES[settings.dtype], mode="shadow",
-                           dense_metrics_every=1, check_serial=False)
+    torch.manual_seed(cfg.seed)  # (before the selector is built: random feature maps draw from it)
+    runtime, task_obj, prompt = shadow_runtime(cfg, model, tracer)
+    selector = runtime.backend.selector
+    prompt_len = prompt.input_ids.shape[1]
     generator = torch.Generator().manual_seed(cfg.seed)
     with torch.inference_mode():
         logits = runtime.prefill(prompt.input_ids)
@@ -172,6 +191,70 @@ def capture(task: str, steps: int, overrides: list[str], sample: int = 0) -> tup
             "topk_blocks": selector.topk_blocks, "block_size": settings.block_size, "selector": cfg.selector._target_,
             "sparse_layers": len(trace.steps[0]), "num_layers": mc.num_layers, "model": model.name}
     return trace, info
+
+
+def graph_capture(task: str, steps: int, overrides: list[str], sample: int, names: list[str],
+                  ratios: list[float]) -> tuple[dict[tuple[str, float], pd.DataFrame], dict[tuple[str, float], dict],
+                                                dict[str, Any]]:
+    """`--engine graph`: per predictor of `names`, one shadow-mode decode of the task's prompt through
+    the graph engine (prr.runtime.study_decode: the research runtime's prefill and calibration,
+    then engine steps with the device study counters at every ratio, read once), the first
+    predictor's greedy tokens fed to the others (teacher forcing; shadow mode: the same dense
+    trajectory). -> ({(predictor, ratio): one row per sparse layer, summed over the steps, in
+    `replay`'s columns (propose_us / update_us: not timed here, NaN)}, {(predictor, ratio): state
+    bytes and calibration}, a description with each predictor's check: the engine's own |P| = K
+    hits equal the study counters' at ratio 1.0)."""
+    from prr.runtime.study_decode import graph_study_decode
+
+    frames, extras, checks = {}, {}, {}
+    tokens: list[int] | None = None
+    model = info = None
+    for name in names:
+        cfg = task_config(task, steps, overrides, sample, name)
+        if model is None:
+            settings = instantiate(cfg.runtime)
+            model = instantiate(cfg.model).load(settings.dtype, settings.device)
+        predictor = instantiate(cfg.predictor)
+        torch.manual_seed(cfg.seed)  # (before the selector is built, as `capture` does)
+        runtime, task_obj, prompt = shadow_runtime(cfg, model, predictor)
+        if task_obj.temperature != 0:
+            raise ValueError(f"--engine graph decodes greedily; task {task} samples (task.temperature="
+                             f"{task_obj.temperature})")
+        with torch.inference_mode():
+            logits = runtime.prefill(prompt.input_ids)  # [1, V]
+            calibration = runtime.finish_prefill()
+        run = graph_study_decode(runtime, logits, task_obj.max_new_tokens, tuple(ratios), tokens)
+        tokens = tokens or run.tokens
+        selector = runtime.backend.selector
+        prompt_len, k, bs = prompt.input_ids.shape[1], selector.topk_blocks, runtime.cache.block_size
+        sparse = [i for i in range(model.config.num_layers) if not selector.is_dense_layer(i)]
+        heads = run.counters["steps"][sparse].sum(-1) * runtime.cache.batch  # [sparse layers]: layer-steps × KV heads
+        blocks = [(prompt_len + t + bs) // bs for t in range(len(run.tokens))]  # each step's context in blocks
+        for ratio in ratios:
+            budget = statistics.fmean(min(round(ratio * min(k, nb)), nb) for nb in blocks)  # FixedBudget's rule
+            frames[name, ratio] = pd.DataFrame({
+                "layer": sparse, "budget_blocks": budget,
+                "hits": run.counters[f"hits_x{ratio}"][sparse].sum(-1).long().tolist(),
+                "selected": run.counters["selected"][sparse].sum(-1).long().tolist(),
+                "predicted": run.counters[f"predicted_x{ratio}"][sparse].sum(-1).long().tolist(),
+                "heads": heads.long().tolist(), "propose_us": float("nan"), "update_us": float("nan")})
+            extras[name, ratio] = {"state_bytes": state_bytes(runtime.backend.predictor_state),
+                                   **{c: v for c, v in calibration.items() if not isinstance(v, list)}}
+        if 1.0 in ratios and predictor.speculates:
+            engine_hits, study_hits = int(run.counters["hits"].sum()), int(run.counters["hits_x1.0"].sum())
+            checks[name] = {"live_hits": engine_hits, "replay_hits": study_hits,
+                            "live_selected": int(run.counters["selected"].sum()), "argmax_disagreements": run.disagreements}
+            if engine_hits != study_hits:
+                raise RuntimeError(f"{name} on {task}: the engine's own |P| = K hits ({engine_hits}) differ from its study "
+                                   f"counters' at ratio 1.0 ({study_hits})")
+        info = info or {"task": task, "sample": sample, "prompt": prompt.description, "prompt_tokens": prompt_len,
+                        "decode_steps": len(run.tokens), "topk_blocks": k, "block_size": bs,
+                        "selector": cfg.selector._target_, "sparse_layers": len(sparse),
+                        "num_layers": model.config.num_layers, "model": model.name, "engine": "graph"}
+    info["engine_checks"] = checks  # per predictor: the engine's own hits at |P| = K against the study's x1.0
+    if CAPTURE_PREDICTOR in checks:
+        info["replay_check"] = checks[CAPTURE_PREDICTOR]
+    return frames, extras, info
 
 
 def state_bytes(state: Any) -> int:
@@ -254,7 +337,7 @@ def versions() -> dict[str, str]:
             "prr_commit": commit}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/cpu/predictor_study")
     parser.add_argument("--steps", type=int, default=128, help="decode steps per task")
@@ -270,7 +353,10 @@ def main() -> None:
     parser.add_argument("--figures", type=Path, default=ROOT / "analysis/figures", help="where the figure goes")
     parser.add_argument("--no-figures", action="store_true", help="no figure (a machine without matplotlib)")
     parser.add_argument("--predictors", nargs="+", default=list(PREDICTORS), choices=list(PREDICTORS))
-    args = parser.parse_args()
+    parser.add_argument("--engine", default="eager", choices=["eager", "graph"],
+                        help="eager: one traced decode per prompt, every predictor replayed on the host (timed); "
+                             "graph: one graph-engine decode per predictor with the device study counters (untimed)")
+    args = parser.parse_args(argv)
     tasks = args.tasks or ["long_text", *(t for t in RULER_TASKS if (ROOT / "conf/task" / f"{t}.yaml").is_file())]
     missing = [t for t in tasks if not t.startswith("ruler:") and not (ROOT / "conf/task" / f"{t}.yaml").is_file()]
     for task in tasks:
@@ -298,11 +384,26 @@ def main() -> None:
         for sample in range(args.samples):
             t0 = time.perf_counter()
             try:
-                trace, info = capture(task, args.steps, overrides + task_over, sample)
+                if args.engine == "graph":
+                    graph = graph_capture(task, args.steps, overrides + task_over, sample, args.predictors,
+                                          args.ratios)
+                else:
+                    trace, info = capture(task, args.steps, overrides + task_over, sample)
             except Exception as err:  # one task's failure (e.g. a config in flux) must not lose the others
                 notes.append(f"task {task} sample {sample} not measured: {type(err).__name__}: {err}")
                 print(notes[-1], flush=True)
                 break
+            if args.engine == "graph":  # every predictor decoded, its counters read: the same frames as replays
+                found, found_extras, info = graph
+                for key, frame in found.items():
+                    frames.setdefault(key, []).append(frame.assign(task=task, sample=sample, predictor=key[0],
+                                                                   ratio=key[1]))
+                    extras.setdefault(key, found_extras[key])
+                info["capture_s"] = round(time.perf_counter() - t0, 1)
+                steps += info["decode_steps"]
+                captures.append(info)
+                print(f"decoded {task} #{sample} on the graph engine: {info}", flush=True)
+                continue
             info["capture_s"] = round(time.perf_counter() - t0, 1)
             print(f"captured {task} #{sample}: {info}", flush=True)
             steps += len(trace.steps)
@@ -338,7 +439,7 @@ def main() -> None:
 
     if not summary_rows:
         raise SystemExit("no task was measured: " + "; ".join(notes))
-    command = "python " + " ".join(sys.argv)
+    command = "python " + " ".join(["experiments/predictor_study.py", *argv] if argv is not None else sys.argv)
     table = pd.DataFrame(summary_rows)
     per_layer = pd.concat(layer_frames, ignore_index=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -351,7 +452,7 @@ def main() -> None:
     record = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": (torch.cuda.get_device_name() if args.device.startswith("cuda") else
                          f"cpu {platform.machine()}, 1 torch thread (shared machine)"), "dtype": args.dtype, **versions(),
-              "mode": "shadow", "capture_predictor": CAPTURE_PREDICTOR, "predictors": {n: PREDICTORS[n] for n in args.predictors},
+              "mode": "shadow", "engine": args.engine, "capture_predictor": CAPTURE_PREDICTOR, "predictors": {n: PREDICTORS[n] for n in args.predictors},
               "ratios": args.ratios, "captures": captures, "notes": notes, "rows": summary_rows}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=float) + "\n")
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))

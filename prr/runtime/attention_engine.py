@@ -114,6 +114,16 @@ class AttentionEngine:
         self.mass_recall = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
         self.output_relerr = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
         self.measured = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
+        # The studies' counters (plan.study_counters), per layer, row and KV head, summed over steps:
+        # [len(study_names), L, B, Hkv] fp64 (counts stay exact up to 2^53). Allocated whatever the
+        # plan (a few KB), so a view of this engine can turn them on.
+        self.study_names = self.STUDY + tuple(f"{name}_x{r}" for r in plan.study_ratios
+                                              for name in ("predicted", "hits"))
+        self.study_counts = torch.zeros(len(self.study_names), self.num_layers, B, H, dtype=torch.float64, device=dev)
+        # |P| each ratio proposes at, static (a host int per captured graph): round(ratio × K), the
+        # fixed budget's |P| once the context holds K blocks; each step truncates it to the row's
+        # budget, min(round(ratio × min(K, blocks)), blocks).
+        self.study_sizes = [round(r * self.selector.topk_blocks) for r in plan.study_ratios]
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._forked = False
         self._next_blocks: tuple[Tensor, Tensor] | None = None  # (this step's lengths, next step's block counts)
@@ -236,6 +246,10 @@ class AttentionEngine:
         self.mass_recall[layer] += recall.sum()
         self.output_relerr[layer] += error.sum()
         self.measured[layer] += recall.numel()
+        if self.plan.study_counters:  # the same, per (row, KV head)
+            self.study_counts[1, layer] += 1
+            self.study_counts[2, layer] += recall
+            self.study_counts[3, layer] += error
 
     def sparse_attention(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor,
                          predicted_blocks: int | None = None, fp32: bool = False) -> tuple[Tensor, Selection]:
@@ -327,6 +341,9 @@ class AttentionEngine:
             self.side.wait_event(planned)
             self._forked = True
             self._shared(selection.blocks.indices, selection.blocks.count, selection.scores)
+        if self.plan.study_counters:  # from the state this step's P came from: before the update
+            with self._side():
+                self._study(layer, q, selection, num_blocks)
         with self._side(), self._stage("predict"):  # learn from A; history-only predictors write next step's P now
             predictor.update(self.predictor_state, layer, selection)
             if not propose_next:
@@ -336,6 +353,36 @@ class AttentionEngine:
                     self._propose(target, q, self._next_step_blocks(lengths))
                 elif same_step:
                     self._propose(target, q, num_blocks)
+
+    def _study(self, layer: int, q: Tensor, selection: Selection, num_blocks: Tensor) -> None:
+        """The study counters' hits of this step (plan.study_counters): for every ratio r of
+        plan.study_ratios, the predictor's proposal by its torch definition, best first
+        (`propose_best_first`, from the state this step's P was proposed from), at the static
+        |P| round(r·K), truncated to the fixed budget's |P| of each row,
+        min(round(r·min(K, blocks)), blocks) — what experiments/locality_study.py's RatioProbe and
+        predictor_study.py's replay propose at that budget (equal sets for every predictor whose
+        proposal is a top-|P| of its rank; SPIN's exploration draws from |P| itself, so there only
+        while the context holds round(r·K) blocks). Adds |P_r| and |P_r ∩ A| per (row, KV head).
+        q [B, Hq, D] (for predictors that `needs_query`), A, num_blocks [B] this step's blocks.
+        Static shapes, no host read: capturable."""
+        predictor, state = self.predictor, self.predictor_state
+        in_a = selection.blocks.mask(self.max_blocks)  # [B, Hkv, NB] bool
+        blocks = num_blocks.to(torch.float64).view(self.batch, 1)  # [B, 1]
+        k = float(self.selector.topk_blocks)
+        query = {"query": self._grouped(q)} if predictor.needs_query else {}
+        current = selection if predictor.needs_current_selection else None
+        first = len(self.STUDY)
+        for i, (ratio, size) in enumerate(zip(self.plan.study_ratios, self.study_sizes, strict=True)):
+            if size <= 0:  # round(r·K) = 0: P is empty at this ratio
+                continue
+            # FixedBudget.predicted_blocks on the device (torch.round: half to even, as Python's round)
+            budget = torch.minimum(torch.round(ratio * blocks.clamp(max=k)), blocks).long()  # [B, 1]
+            ranking = predictor.propose_best_first(state, layer, num_blocks, size, current, **query)  # best first
+            taken = torch.arange(ranking.capacity, device=self.device) < torch.minimum(
+                ranking.count.long(), budget).unsqueeze(-1)  # [B, Hkv, C]: the prefix of |P_r| entries
+            hit = in_a.gather(-1, ranking.indices.long()) & taken  # ids are distinct: one per block
+            self.study_counts[first + 2 * i, layer] += taken.sum(-1)
+            self.study_counts[first + 2 * i + 1, layer] += hit.sum(-1)
 
     def _next_step_blocks(self, lengths: Tensor) -> Tensor:
         """lengths [B] (this step's tokens) -> [B] blocks of the next step's context (lengths + 1
@@ -434,6 +481,8 @@ class AttentionEngine:
         self.last_selection[layer] = (idx, cnt)
         if not self.plan.count_hits:
             return
+        if self.plan.study_counters:
+            self.study_counts[0, layer] += 1  # steps counted, per (row, KV head)
         self._k["step_counters"].step_counters(idx, cnt, self.pred_idx[layer] if speculating else None,
                                                self.pred_cnt[layer] if speculating else None, self.prev_idx[layer],
                                                self.prev_cnt[layer], self.counter_scratch, self.step_counts[layer])
@@ -447,3 +496,21 @@ class AttentionEngine:
         counts = self.step_counts.sum(-1).double().T  # [4, L]
         stacked = torch.cat([counts, torch.stack([self.mass_recall, self.output_relerr, self.measured])]).cpu()
         return dict(zip(self.COUNTERS, stacked.tolist(), strict=True))
+
+    # The study counters' own rows (then predicted_x{r}, hits_x{r} per ratio of plan.study_ratios):
+    # steps counted, dense-measured steps, and the sums of mass recall and output error over them.
+    STUDY = ("steps", "measured", "mass_recall", "output_relerr")
+
+    def study_counters(self, per_row: bool = False) -> dict[str, Tensor]:
+        """The study counters summed since `begin`, in one host read (call once per request or
+        run): name -> [L, Hkv] fp64 CPU tensor summed over rows ([L, B, Hkv] with per_row).
+        Names: the step counters' selected, predicted, hits (the plan's P), overlap
+        (|A_t ∩ A_{t-1}|), then `STUDY` (steps, measured, mass_recall and output_relerr sums over
+        the dense-measured steps) and predicted_x{r}, hits_x{r} for each ratio r of
+        plan.study_ratios (AttentionEngine._study). Dense layers hold zeros."""
+        L, B, H = self.num_layers, self.batch, self.hkv
+        steps = self.step_counts.view(L, 4, B, H).transpose(0, 1).double()  # [4, L, B, Hkv]
+        stacked = torch.cat([steps, self.study_counts]).cpu()
+        if not per_row:
+            stacked = stacked.sum(2)
+        return dict(zip(self.COUNTERS[:4] + self.study_names, stacked.unbind(0), strict=True))

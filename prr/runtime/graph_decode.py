@@ -159,7 +159,7 @@ class GraphDecoder:
 
     # Plan fields that size the engine's buffers or name its objects: equal in every view.
     BUFFER_FIELDS = ("selector", "topk_blocks", "predicted_blocks", "predictor", "ema_alpha", "mode", "block_size",
-                     "sink_blocks", "recent_blocks", "dense_layers", "infllm_representatives")
+                     "sink_blocks", "recent_blocks", "dense_layers", "infllm_representatives", "study_ratios")
 
     # The engine's parts and state that the step's callers (the run driver, budgets, benchmarks)
     # read through the decoder: read-only views of `self.attn`'s, which owns them.
@@ -180,6 +180,9 @@ class GraphDecoder:
 
     def counters(self) -> dict[str, list[float]]:
         return self.attn.counters()
+
+    def study_counters(self, per_row: bool = False) -> dict[str, Tensor]:
+        return self.attn.study_counters(per_row)
 
     def adopt_predictor_state(self, state: object) -> None:
         self.attn.adopt_predictor_state(state)
@@ -203,7 +206,7 @@ class GraphDecoder:
         """This engine running another plan: the same buffers, cache, metadata, selector,
         predictor and state tensors, with `changes` to the step's choices (variant, overlap,
         repair_mode, fuse_merge, fused_repair, *_per_*, projections, fuse_append, count_hits,
-        measure_dense). Each view's step is captured on its own; neither plan ever changes.
+        measure_dense, study_counters). Each view's step is captured on its own; neither plan ever changes.
         variant="prr" needs an engine built for prr (its P buffers)."""
         plan = dataclasses.replace(self.plan, **changes)
         problems = plan.problems()
@@ -332,7 +335,8 @@ class GraphDecoder:
         for layer in range(self.num_layers):
             if self.attn.pred_cnt[layer] is not None:
                 self.attn.pred_cnt[layer].zero_()
-        for counter in (self.attn.step_counts, self.attn.mass_recall, self.attn.output_relerr, self.attn.measured):
+        for counter in (self.attn.step_counts, self.attn.mass_recall, self.attn.output_relerr, self.attn.measured,
+                        self.attn.study_counts):
             counter.zero_()
 
     def prime_predictions(self, length: int | list[int] | Tensor) -> None:
@@ -379,7 +383,8 @@ class GraphDecoder:
             t.copy_(old)
 
     def _mutable(self) -> list[Tensor]:
-        out = [self.pos, self.token, self.attn.step_counts, self.attn.mass_recall, self.attn.output_relerr, self.attn.measured]
+        out = [self.pos, self.token, self.attn.step_counts, self.attn.mass_recall, self.attn.output_relerr, self.attn.measured,
+               self.attn.study_counts]
         for layer in range(self.num_layers):
             out += [t for t in self.cache.metadata[layer].values() if isinstance(t, Tensor)]
             out += [t for t in (self.attn.pred_idx[layer], self.attn.pred_cnt[layer], self.attn.prev_idx[layer], self.attn.prev_cnt[layer])

@@ -85,6 +85,13 @@ class StaticPlan:
     count_hits: bool = False
     # Dense-reference metrics (mass recall, output error) on this step (every step in shadow mode).
     measure_dense: bool = False
+    # The studies' counters (AttentionEngine.study_counters; needs count_hits): per layer, row and KV
+    # head, the hits of the predictor's ranking at every |P| = ratio × K of `study_ratios` (a fixed
+    # budget's |P| at that ratio: what experiments/locality_study.py's RatioProbe counts) and, on
+    # dense-measured steps, mass recall and output error. One to four proposes per sparse layer and
+    # step: off while timing.
+    study_counters: bool = False
+    study_ratios: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0)  # sizes the study buffers (a BUFFER_FIELD)
     # variant "serial" with a predictor (budget=adaptive's serial windows): the predictor still
     # learns from each A on the side stream, as the eager runtime's serial steps do, so PRR
     # windows speculate over a P that has seen every step.
@@ -113,6 +120,11 @@ class StaticPlan:
         if self.fused_repair is True and self.repair_mode != "exact":
             out.append(f"fused_repair=True needs repair_mode='exact' (got {self.repair_mode!r}): it drops the "
                        f"speculated blocks that A lacks")
+        if self.study_counters and not self.count_hits:
+            out.append("study_counters=True needs count_hits=True (|A| and the last-step overlap per KV head are the "
+                       "step counters')")
+        if not self.study_ratios or any(r <= 0 for r in self.study_ratios):
+            out.append(f"study_ratios={self.study_ratios} must be a non-empty tuple of ratios > 0")
         for name in ("speculation_tokens_per_program", "repair_tokens_per_split"):
             tokens = getattr(self, name)
             if tokens is not None and (tokens < self.block_size or tokens % self.block_size):

@@ -1,0 +1,116 @@
+"""The studies' decode on the graph engine (`--engine graph` of experiments/locality_study.py and
+predictor_study.py): one request of a fixed number of steps through `GraphDecoder` with the study
+counters on (`StaticPlan.study_counters`, `AttentionEngine.study_counters`), read back once.
+
+The request starts where the research runtime's prefill left it (`EagerRuntime` after `prefill`
+or `replay_prefill`, and `finish_prefill`): its cache, selector metadata and warmed predictor
+state, its last prompt-tail selections (the first step's A_{t-1}). The engine decodes on as
+`GraphDecode` does (prime P, then steps; on CUDA each step a graph replay), with the host
+choosing per step between the view that measures against dense attention and the one that does
+not (every `dense_metrics_every`-th step; every step in shadow mode), so no step syncs. A given
+trajectory is followed by teacher forcing (`GraphDecoder.forced_tokens`), and the model's argmax
+at each step is kept on the device to count disagreements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prr.runtime.eager_run import EagerRuntime
+from prr.runtime.graph_decode import GraphDecoder
+from prr.runtime.graph_run import engine_backend, graph_plan
+
+
+@dataclass
+class StudyDecode:
+    counters: dict[str, Tensor]  # AttentionEngine.study_counters: name -> [L, Hkv] fp64, summed over steps and rows
+    tokens: list[int]  # the input token of each decode step (the trajectory followed)
+    disagreements: int  # steps whose followed token is not the model's argmax there
+    plan: Any  # the StaticPlan the engine ran (predicted_blocks: the engine's own |P|)
+
+
+def graph_study_decode(runtime: EagerRuntime, last_logits: Tensor, steps: int, ratios: tuple[float, ...],
+                       tokens: list[int] | None = None) -> StudyDecode:
+    """`steps` decode steps of one prompt (batch 1) through the graph engine with the study counters
+    at |P| = ratio × K for each of `ratios`, after `runtime`'s prefill and `finish_prefill`.
+    last_logits: [1, V] the prefill's logits at the last prompt position; tokens: the trajectory to
+    follow (the input token of each step, >= steps of them; None: greedy). The runtime's selector,
+    predictor, budget (fixed |P|: a captured graph's is static), mode, repair mode and
+    dense_metrics_every decide the engine's plan; its cache is decoded into in place."""
+    backend = runtime.backend  # DSABackend: the prefill's state and options
+    selector, predictor, budget = backend.selector, backend.predictor, backend.budget
+    if budget.profiles or budget.adapts_online:
+        raise ValueError(f"the study decode takes a fixed budget (|P| static for the decode); got "
+                         f"{type(budget).__name__}")
+    cache = runtime.cache
+    if cache.batch != 1 or last_logits.shape[0] != 1:
+        raise ValueError(f"the study decode runs one prompt (batch 1); the cache holds {cache.batch} rows")
+    prompt_len = cache.length(0)
+    if prompt_len + steps > cache.max_tokens:
+        raise ValueError(f"{steps} steps after {prompt_len} prompt tokens exceed the cache's {cache.max_tokens}")
+    if tokens is not None and len(tokens) < steps:
+        raise ValueError(f"need a token for each of {steps} steps; got {len(tokens)}")
+    # graph_plan reads the run's mode, repair mode and block size: this runtime's own
+    options = SimpleNamespace(mode=backend.mode, repair_mode=backend.repair_mode, block_size=cache.block_size)
+    plan = dataclasses.replace(graph_plan(options, selector, predictor, budget, cache.max_blocks), count_hits=True,
+                               study_counters=True, study_ratios=tuple(ratios))
+    speculating = plan.variant == "prr"
+    engine = GraphDecoder(runtime.decoder, plan, 1, cache.max_tokens, selector=selector,
+                          predictor=predictor if speculating else None, cache=cache,
+                          backend=engine_backend(str(runtime.device), runtime.backend_name))
+    device = engine.device
+    first = tokens[0] if tokens is not None else int(last_logits[0].argmax())
+    disagreements = int(first != int(last_logits[0].argmax()))
+    engine.begin(prompt_len, torch.tensor([first], device=device))
+    if speculating:
+        engine.adopt_predictor_state(backend.predictor_state)
+        engine.prime_predictions(prompt_len)
+    engine.set_previous_selections(backend.previous)  # A of the last prompt-tail step: the first overlap
+    if tokens is not None:  # step t at position prompt_len + t feeds tokens[t + 1] to the next
+        engine.forced_tokens = torch.full((1, cache.max_tokens), -1, dtype=torch.long, device=device)
+        engine.forced_tokens[0, prompt_len : prompt_len + steps - 1] = torch.tensor(tokens[1:steps], device=device)
+    greedy = torch.zeros(1, steps, dtype=torch.long, device=device)  # [1, steps]: argmax after each step
+
+    def stepper(view: GraphDecoder):
+        def run() -> None:
+            logits = view.step(advance=True)  # [1, V]; pos advanced
+            greedy.index_copy_(1, (view.pos - prompt_len - 1).long(), logits.argmax(-1, keepdim=True))
+        return run
+
+    every = 1 if plan.mode == "shadow" else backend.dense_metrics_every
+    replays = {m: stepper(engine.with_plan(measure_dense=m)) for m in ((True,) if every == 1 else (True, False))}
+    with torch.inference_mode():  # (the prefill's tensors are inference tensors)
+        if device.type == "cuda":  # one graph per view; the warm-up steps advance the state: rewind it
+            start = engine.checkpoint()
+            for m, fn in list(replays.items()):
+                replays[m] = engine.capture(fn).replay
+                engine.restore(start)
+        for step in range(steps):
+            replays[step % every == 0]()
+        counters = engine.study_counters()
+        chosen = greedy[0].tolist()
+    if tokens is None:
+        followed = [first, *chosen[: steps - 1]]
+    else:
+        followed = list(tokens[:steps])
+        disagreements += sum(int(a != b) for a, b in zip(followed[1:], chosen, strict=False))
+    return StudyDecode(counters, followed, disagreements, plan)
+
+
+SUMS = ("mass_recall", "output_relerr")  # the study counters that are float sums; the others count
+
+
+def layer_head_rows(counters: dict[str, Tensor], layers: list[int]) -> list[dict[str, Any]]:
+    """Study counters -> one row per (layer, KV head) of `layers` (the sparse ones), each value
+    the sum over the decode's steps (`steps` and `measured` say over how many): counts as ints,
+    mass recall and output error as floats."""
+    heads = next(iter(counters.values())).shape[-1]
+    return [{"layer": layer, "kv_head": h,
+             **{name: float(v[layer, h]) if name in SUMS else int(v[layer, h]) for name, v in counters.items()}}
+            for layer in layers for h in range(heads)]

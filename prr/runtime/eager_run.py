@@ -108,6 +108,34 @@ class EagerRuntime:
                               last_logits_only=last_logits_only)
         return logits[0] if all_logits else logits[:, -1]
 
+    def prefill_rows(self, prompts: list[Tensor], kept: list[Any] | None = None) -> tuple[list[Tensor | None], list]:
+        """A ragged batch prefilled row by row: prompts[b] [1, T_b] into row b of the cache
+        (`PagedKVCache.row`: its own length and metadata), or kept[b] (a kept dense prefill's
+        q/k/v per layer, `replay_prefill`'s) replayed there; the cache's host length is then the
+        longest row's. -> (logits [1, V] at each row's last position, None for replayed rows;
+        the prefill tails' selections per layer stacked over rows: `finish_prefill`'s history)."""
+        from prr.selectors.base import stack_rows
+
+        kept = kept if kept is not None else [None] * len(prompts)
+        if len(prompts) != self.cache.batch or len(kept) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts ({len(kept)} kept prefills) for a cache of {self.cache.batch} rows")
+        rows, logits = [], []
+        for b, (ids, qkv) in enumerate(zip(prompts, kept, strict=True)):
+            rows.append(self.attention(self.cache.row(b)))
+            if qkv is None:
+                logits.append(self.prefill(ids, rows[-1], last_logits_only=True))  # [1, V]
+            else:
+                for layer, (q, k, v) in enumerate(qkv):
+                    rows[-1].prefill(layer, q, k, v)
+                logits.append(None)
+        layers = self.cache.num_layers
+        for layer in range(layers):
+            self.cache.set_length(layer, max(int(ids.shape[1]) for ids in prompts))
+        history = [None if rows[0].history[layer] is None else
+                   [stack_rows(list(step)) for step in zip(*(r.history[layer] for r in rows), strict=True)]
+                   for layer in range(layers)]
+        return logits, history
+
     def replay_prefill(self, qkv: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         """A kept dense prefill's q/k/v per layer into this runtime (cache, selector metadata and
         the prefill tail's selections rebuilt as a prefill would)."""

@@ -39,7 +39,6 @@ from torch import Tensor
 
 from prr.runtime.graph_decode import StaticPlan
 from prr.runtime.run_strategy import Results, Window
-from prr.selectors.base import stack_rows
 
 log = logging.getLogger("prr")
 
@@ -239,17 +238,9 @@ class GraphDecode:
                 logits = eager.prefill(r.input_ids)  # [B, V]
                 history = None
             else:
-                rows, row_logits = [], []
-                for b, n in enumerate(row_tokens):
-                    rows.append(eager.attention(cache.row(b)))
-                    row_logits.append(eager.prefill(r.input_ids[b : b + 1, prompt_len - n :], rows[-1]))  # [1, V]
+                row_logits, history = eager.prefill_rows([r.input_ids[b : b + 1, prompt_len - n :]
+                                                          for b, n in enumerate(row_tokens)])
                 logits = torch.cat(row_logits)  # [B, V]
-                for layer in range(mc.num_layers):  # the host length: the longest row (rows mask their own)
-                    cache.set_length(layer, max(row_tokens))
-                history = [None if rows[0].history[layer] is None else
-                           [stack_rows(list(step)) for step in zip(*(b.history[layer] for b in rows), strict=True)]
-                           for layer in range(mc.num_layers)]
-                del rows
             calibrate_on = None
             if tp is not None:  # calibration fits every rank's heads (all ranks choose alike, as one process would)
                 own = history if history is not None else eager.backend.history

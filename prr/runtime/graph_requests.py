@@ -21,6 +21,7 @@ Not yet: batches of requests (ragged rows); scored tasks decode one request at a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -142,6 +143,7 @@ class GraphRequests:
     def _build(self) -> None:
         """The engine, its step view, the output buffers and the forced-token table, once."""
         o = self.owner
+        self.plan = dataclasses.replace(self.plan, projections=o.settings.graph_projections())  # (fused GEMVs: GPU, batch 1)
         engine = self.engine = GraphDecoder(
             o.model.decoder, self.plan, 1, self.cache.max_tokens, compile=self.device.type == "cuda",
             selector=self.selector, predictor=self.predictor if self.speculating else None, cache=self.cache,

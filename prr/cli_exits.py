@@ -17,6 +17,15 @@ EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command
 
 
+class ConfigError(ValueError):
+    """Every problem of a refused config, one line each (prr.config_check finds them). Defined
+    here, beside the exit it ends in, so that the tasks that raise it import no validator."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's kill, `kill PID`) turned into an exception so the run is marked
     (prr.runner raises it). Defined here, so that run.py can end any run without importing torch."""

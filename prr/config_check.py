@@ -1,7 +1,12 @@
 """Startup validation: every config group is checked against the class its `_target_`
 names (unknown keys with the closest valid one, wrong types, bad values) and the groups
 against each other and the model (top-K vs context, prompt vs model context), all before
-any weights load. All problems are reported at once."""
+any weights load. All problems are reported at once.
+
+`problems_before_torch` runs the part of these checks that needs no torch (run.py refuses
+what it finds before importing torch, in well under a second); `validate` runs them all. Each
+check is defined once: the torch-free classes of CHECKED_BEFORE_TORCH are the constructors the
+configured classes inherit, and `validate` runs the same cross-checks."""
 
 from __future__ import annotations
 
@@ -16,14 +21,41 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from prr.cli_exits import ConfigError as ConfigError  # callers import it from here too
+
 GROUPS = ("model", "selector", "predictor", "budget", "task", "logger", "runtime", "backend")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
-
-class ConfigError(ValueError):
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+# `_target_` -> the class its options are checked as before torch is imported: the target itself
+# where its module imports no torch, else the torch-free class whose constructor the target
+# inherits unchanged (tests/test_config.py holds both true). The targets not named (the runtime
+# and backend groups, prr/runtime/*; selector=less, whose constructor loads a trained feature map)
+# are checked by `validate` alone, once torch is imported.
+_SELECTOR_OPTIONS = "prr.selectors.options."
+_PREDICTOR_OPTIONS = "prr.predictors.options."
+CHECKED_BEFORE_TORCH = {
+    "prr.model.spec.ModelSpec": "prr.model.spec.ModelSpec",
+    "prr.selectors.dense.DenseSelector": _SELECTOR_OPTIONS + "DenseSelectorOptions",
+    "prr.selectors.exact.ExactSelector": _SELECTOR_OPTIONS + "SelectorOptions",
+    "prr.selectors.quest.QuestSelector": _SELECTOR_OPTIONS + "SelectorOptions",
+    "prr.selectors.infllm.InfLLMSelector": _SELECTOR_OPTIONS + "InfLLMSelectorOptions",
+    "prr.predictors.bench_hit_rate.BenchHitRatePredictor": _PREDICTOR_OPTIONS + "BenchHitRatePredictorOptions",
+    "prr.predictors.cross_layer.CrossLayerPredictor": _PREDICTOR_OPTIONS + "CrossLayerPredictorOptions",
+    "prr.predictors.ema.EmaPredictor": _PREDICTOR_OPTIONS + "EmaPredictorOptions",
+    "prr.predictors.ema_membership.EmaMembershipPredictor": _PREDICTOR_OPTIONS + "EmaMembershipPredictorOptions",
+    "prr.predictors.last_step.LastStepPredictor": _PREDICTOR_OPTIONS + "PredictorOptions",
+    "prr.predictors.none.NoPredictor": _PREDICTOR_OPTIONS + "PredictorOptions",
+    "prr.predictors.oracle.OraclePredictor": _PREDICTOR_OPTIONS + "OraclePredictorOptions",
+    "prr.predictors.query_similarity.QuerySimilarityPredictor": _PREDICTOR_OPTIONS + "QuerySimilarityPredictorOptions",
+    "prr.predictors.spin.SpinPredictor": _PREDICTOR_OPTIONS + "SpinPredictorOptions",
+    **{t: t for t in (
+        "prr.budget.adaptive.AdaptiveBudget", "prr.budget.fixed.FixedBudget", "prr.budget.profiled.ProfiledBudget",
+        "prr.sinks.AutoLogger", "prr.sinks.NoLogger", "prr.sinks.WandbLogger",
+        "prr.tasks.lm_eval_task.LmEvalTask", "prr.tasks.long_text.LongTextTask", "prr.tasks.niah.NeedleTask",
+        "prr.tasks.perplexity.PerplexityTask", "prr.tasks.qa.ClozeQATask", "prr.tasks.ruler.RulerTask",
+        "prr.tasks.variable_tracking.VariableTrackingTask", "prr.tasks.word_extraction.CommonWordsTask",
+        "prr.tasks.word_extraction.FrequentWordsTask")},
+}
 
 
 def resolve_target(path: str) -> Any:
@@ -55,14 +87,16 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     return True  # annotations we do not check (e.g. dicts) pass
 
 
-def check_node(group: str, node: DictConfig) -> list[str]:
-    """Keys and types of one group's node against its `_target_` signature."""
+def check_node(group: str, node: DictConfig, checked_as: str | None = None) -> list[str]:
+    """Keys and types of one group's node against its `_target_` signature (or checked_as's,
+    the torch-free class whose constructor the target inherits: CHECKED_BEFORE_TORCH)."""
     if "_target_" not in node:
         return [f"{group}: no _target_ naming the class to build"]
     try:
-        target = resolve_target(node._target_)
+        target = resolve_target(checked_as or node._target_)
     except (ImportError, AttributeError) as err:
         return [f"{group}._target_={node._target_!r} cannot be imported: {err}"]
+    configured = node._target_.rpartition(".")[2]  # the class messages name
     signature = inspect.signature(target)
     hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
     params = {n: p for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
@@ -75,13 +109,30 @@ def check_node(group: str, node: DictConfig) -> list[str]:
         if key not in params:
             close = [p for p in params if key in p] or difflib.get_close_matches(key, params, n=1, cutoff=0.5)
             hint = f"; did you mean {group}.{close[0]}?" if close else f"; valid keys: {sorted(params)}"
-            problems.append(f"{group}.{key} is not an option of {target.__name__}{hint}")
+            problems.append(f"{group}.{key} is not an option of {configured}{hint}")
         elif not _type_ok(value, hints.get(key, params[key].annotation)):
             problems.append(f"{group}.{key}={value!r} has the wrong type: expected {hints.get(key, params[key].annotation)}")
     for name, p in params.items():
         if p.default is inspect.Parameter.empty and name not in values:
-            problems.append(f"{group}.{name} is required by {target.__name__}")
+            problems.append(f"{group}.{name} is required by {configured}")
     return problems
+
+
+def problems_before_torch(cfg: DictConfig) -> list[str]:
+    """What `validate` would find without importing torch: the keys, types and values of each
+    group CHECKED_BEFORE_TORCH names (built as its torch-free class), then, when the model,
+    selector, predictor, budget and task all are, the model and the cross-checks among them.
+    [] does not mean valid: `validate` checks the rest (runtime, backend, their cross-checks)."""
+    checked = {g: CHECKED_BEFORE_TORCH[cfg[g]._target_] for g in GROUPS
+               if g in cfg and cfg[g].get("_target_") in CHECKED_BEFORE_TORCH}
+    problems = [p for group, checked_as in checked.items() for p in check_node(group, cfg[group], checked_as)]
+    if problems:
+        return problems
+    built, problems = build_groups(cfg, checked)
+    if problems or not {"model", "selector", "predictor", "budget", "task"} <= built.keys():
+        return problems
+    model, problems = describe_model(cfg, built["model"])
+    return problems or model_cross_checks(cfg, built, model)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -94,47 +145,96 @@ def validate(cfg: DictConfig) -> None:
         problems += check_node(group, cfg[group])
     if problems:
         raise ConfigError(problems)
-    from hydra.utils import instantiate
-
-    built: dict[str, Any] = {}
-    for group in GROUPS:
-        try:
-            built[group] = instantiate(cfg[group])
-        except Exception as err:  # constructors raise ValueError with the bad value; Hydra wraps it
-            cause = err.__cause__ or err
-            problems.append(f"{group}: {cause}")
+    built, problems = build_groups(cfg, dict.fromkeys(GROUPS))
     if "runtime" in built:
         problems += built["runtime"].problems()
     if problems:
         raise ConfigError(problems)
-    try:
-        model = built["model"].describe()
-    except (FileNotFoundError, ValueError) as err:
-        raise ConfigError(problems + [f"model.name_or_path={cfg.model.name_or_path!r}: {err}"]) from None
-    problems += cross_checks(built, model)
+    model, problems = describe_model(cfg, built["model"])
+    if problems:
+        raise ConfigError(problems)
+    problems += model_cross_checks(cfg, built, model) + runtime_cross_checks(cfg, built, model)
     if problems:
         raise ConfigError(problems)
 
 
-def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
-    runtime, selector, task = built["runtime"], built["selector"], built["task"]
+def build_groups(cfg: DictConfig, groups: dict[str, str | None]) -> tuple[dict[str, Any], list[str]]:
+    """Each group instantiated as the class `groups` names (None: its `_target_`), and the
+    problems: a constructor's ValueError (which names the bad value) as `<group>: <message>`."""
+    from hydra.utils import instantiate
+
+    built: dict[str, Any] = {}
+    problems = []
+    for group, checked_as in groups.items():
+        node = cfg[group]
+        if checked_as is not None:  # the same values, built as the torch-free class
+            node = {**OmegaConf.to_container(node, resolve=True), "_target_": checked_as}
+        try:
+            built[group] = instantiate(node)
+        except Exception as err:  # constructors raise ValueError with the bad value; Hydra wraps it
+            cause = err.__cause__ or err
+            problems.append(f"{group}: {cause}")
+    return built, problems
+
+
+def describe_model(cfg: DictConfig, spec: Any) -> tuple[Any, list[str]]:
+    """(the model's config, read without loading weights, or None; the problem naming the path)."""
+    try:
+        return spec.describe(), []
+    except (FileNotFoundError, ValueError) as err:
+        return None, [f"model.name_or_path={cfg.model.name_or_path!r}: {err}"]
+
+
+def option_name(cfg: DictConfig, group: str) -> str:
+    """The option a group's `_target_` module is named after (prr.predictors.oracle... -> oracle)."""
+    return str(cfg[group]._target_).rsplit(".", 2)[-2]
+
+
+def model_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> list[str]:
+    """The groups against each other and the model, without the runtime and backend groups (run
+    before torch is imported too: `problems_before_torch`)."""
+    selector, task, predictor, budget = built["selector"], built["task"], built["predictor"], built["budget"]
     problems = []
     prompt = task.prompt_tokens_upper_bound()
     total = prompt + task.max_new_tokens
     if total > model.max_position_embeddings:
         problems.append(f"prompt (up to {prompt} tokens) + task.max_new_tokens={task.max_new_tokens} = {total} exceeds "
                         f"the model's context of {model.max_position_embeddings} tokens")
+    bad_layers = sorted(x for x in selector.dense_layers if not 0 <= x < model.num_layers)
+    if bad_layers:
+        problems.append(f"selector.dense_layers={bad_layers} outside the model's layers 0..{model.num_layers - 1}")
+    if budget.profiles and not bad_layers and set(range(model.num_layers)) <= set(selector.dense_layers):
+        problems.append(f"selector.dense_layers={sorted(selector.dense_layers)} makes every layer of the model "
+                        f"({model.num_layers}) dense: budget=profiled has no selection to time; use budget=fixed or "
+                        "fewer dense_layers")
+    name = option_name(cfg, "predictor")
+    if budget.profiles and not predictor.uses_budget:
+        problems.append(f"predictor={name} sets |P| itself (P = A) and "
+                        "ignores the budget, but budget=profiled would size P from timings (the eager runtime speculated "
+                        "on its |P| = 0: a hit rate of 0); use budget=fixed")
+    declared = predictor.declared_hit_rate
+    if budget.profiles and declared is not None and getattr(budget, "stage_check", False) \
+            and budget.hit_rate != declared:
+        problems.append(f"budget=profiled checks PRR's stage with P holding budget.hit_rate={budget.hit_rate} of A, but "
+                        f"predictor={name} holds {declared}: set budget.hit_rate={declared}")
+    if model.num_heads % model.num_kv_heads:
+        problems.append(f"model has {model.num_heads} query heads, not a multiple of {model.num_kv_heads} KV heads")
+    return problems
+
+
+def runtime_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> list[str]:
+    """The groups against the runtime and backend groups (prr/runtime/*, which import torch)."""
+    runtime, selector, task, predictor = built["runtime"], built["selector"], built["task"], built["predictor"]
+    problems = []
+    prompt = task.prompt_tokens_upper_bound()
     if runtime.block_size > getattr(task, "prompt_tokens", prompt):
         problems.append(f"runtime.block_size={runtime.block_size} exceeds the prompt of "
                         f"{getattr(task, 'prompt_tokens', prompt)} tokens")
     prompt_blocks = getattr(task, "prompt_tokens", prompt) // runtime.block_size
-    from prr.selectors.dense import DenseSelector
-
-    if not isinstance(selector, DenseSelector) and selector.topk_blocks >= prompt_blocks:
+    if not selector.selects_every_block and selector.topk_blocks >= prompt_blocks:
         problems.append(f"selector.topk_blocks={selector.topk_blocks} ({selector.topk_blocks * runtime.block_size} tokens) "
                         f"covers the whole prompt of {prompt_blocks} blocks: nothing is sparse; lower topk_blocks "
                         "or use selector=dense")
-    predictor = built["predictor"]
     if getattr(predictor, "calibrate_on_prefill", False) and runtime.calibration_tokens <= predictor.burn_in_steps + 1:
         problems.append(f"runtime.calibration_tokens={runtime.calibration_tokens} leaves nothing to calibrate on after "
                         f"predictor.burn_in_steps={predictor.burn_in_steps}; raise it above {predictor.burn_in_steps + 1} "
@@ -153,33 +253,13 @@ def cross_checks(built: dict[str, Any], model: Any) -> list[str]:
 
         problems += triton_problems(runtime.device, model.head_dim, runtime.block_size)
         problems += selector.triton_problems() or []
-    bad_layers = sorted(x for x in selector.dense_layers if not 0 <= x < model.num_layers)
-    if bad_layers:
-        problems.append(f"selector.dense_layers={bad_layers} outside the model's layers 0..{model.num_layers - 1}")
-    budget = built["budget"]
-    if budget.profiles and not bad_layers and set(range(model.num_layers)) <= set(selector.dense_layers):
-        problems.append(f"selector.dense_layers={sorted(selector.dense_layers)} makes every layer of the model "
-                        f"({model.num_layers}) dense: budget=profiled has no selection to time; use budget=fixed or "
-                        "fewer dense_layers")
-    if budget.profiles and not predictor.uses_budget:
-        problems.append(f"predictor={type(predictor).__module__.rsplit('.', 1)[-1]} sets |P| itself (P = A) and "
-                        "ignores the budget, but budget=profiled would size P from timings (the eager runtime speculated "
-                        "on its |P| = 0: a hit rate of 0); use budget=fixed")
-    name = type(predictor).__module__.rsplit(".", 1)[-1]
     if predictor.replays_selections and getattr(runtime, "engine", "eager") != "graph":
-        problems.append(f"predictor={name} replays a serial pass recorded before decoding, which only "
-                        f"runtime.engine=graph records (engine is {getattr(runtime, 'engine', 'eager')!r}): add "
-                        "runtime.engine=graph")
-    declared = predictor.declared_hit_rate
-    if budget.profiles and declared is not None and getattr(budget, "stage_check", False) \
-            and budget.hit_rate != declared:
-        problems.append(f"budget=profiled checks PRR's stage with P holding budget.hit_rate={budget.hit_rate} of A, but "
-                        f"predictor={name} holds {declared}: set budget.hit_rate={declared}")
+        problems.append(f"predictor={option_name(cfg, 'predictor')} replays a serial pass recorded before decoding, "
+                        f"which only runtime.engine=graph records (engine is {getattr(runtime, 'engine', 'eager')!r}): "
+                        "add runtime.engine=graph")
     if callable(getattr(task, "evaluate", None)) and runtime.batch_size != 1:  # scored tasks (prr.evaluation)
         problems.append(f"runtime.batch_size={runtime.batch_size}: scored tasks decode one request at a time; "
                         "use runtime.batch_size=1")
-    if model.num_heads % model.num_kv_heads:
-        problems.append(f"model has {model.num_heads} query heads, not a multiple of {model.num_kv_heads} KV heads")
     if getattr(runtime, "engine", "eager") == "graph":
         from prr.runtime.graph_run import graph_problems
 

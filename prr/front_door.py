@@ -3,9 +3,11 @@ refused in one line per problem before any work (prr/cli_exits.py: exit code 2):
 
 1. the command line: flags, group options, keys (prr.override_check: Hydra and OmegaConf only);
 2. paths: the run or sweep dir can be written, PRR_CACHE_DIR is a directory (no torch yet);
-3. `runtime=auto` (the default) becomes runtime=cuda when torch sees a GPU, else runtime=cpu;
-4. values: every job's config validated against its classes and the model (prr.config_check),
-   which imports torch: the only step that does.
+3. values that need no torch: every job's model, selector, predictor, budget, task and logger
+   against their torch-free classes and each other (prr.config_check.problems_before_torch);
+4. `runtime=auto` (the default) becomes runtime=cuda when torch sees a GPU, else runtime=cpu;
+5. values: every job's config validated against its classes and the model (prr.config_check),
+   the runtime and backend groups included; steps 4 and 5 import torch.
 
 Nothing here writes a file. `preflight` returns the command line to hand Hydra and the line
 that says what runtime=auto chose (None when the command chose a runtime itself)."""
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from prr.config_check import ConfigError
+from prr.config_check import ConfigError, problems_before_torch
 from prr.override_check import BadOverride, check_command_line
 from prr.paths import cache_dir_problem
 
@@ -33,6 +35,14 @@ def preflight(argv: list[str], conf_dir: Path, config_name: str = "config") -> t
     problems = path_problems(jobs[0], multirun)
     if problems:
         raise ConfigError(problems)
+    for job in jobs:  # checks 1-3 take well under a second; importing torch alone takes 1-1.5 s on 2 cores
+        problems = problems_before_torch(job)
+        if problems:
+            raise ConfigError(problems)  # the first bad job's, as `validate` below reports them
+    # numpy before torch: torch's C code imports numpy and swallows a Ctrl-C that lands there, leaving
+    # numpy half-imported (a traceback later instead of exit code 130); a Python import lets it through
+    import numpy  # noqa: F401
+
     chosen = None
     if any(OmegaConf.select(job, "hydra.runtime.choices.runtime") == "auto" for job in jobs):
         choice, why = auto_runtime()

@@ -9,10 +9,12 @@ summary and tables printed on stdout stay clean (`python run.py > out.txt` keeps
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:  # annotations only: budget=profiled's options are checked before torch is imported
+    from torch import Tensor
 
 
 def progress_bar(total: int, desc: str, unit: str, **kwargs: Any) -> tqdm:

@@ -128,3 +128,69 @@ def test_graph_projections_auto_means_fused_only_on_a_gpu_at_batch_one():
     assert RuntimeSettings(device="cuda:1", batch_size=8).graph_projections() == "torch"
     assert RuntimeSettings(device="cpu", batch_size=1).graph_projections() == "torch"
     assert RuntimeSettings(device="cuda", batch_size=8, projections="fused").graph_projections() == "fused"
+
+
+# The conf targets whose options only `validate` checks, once torch is imported: the runtime and
+# backend groups (prr/runtime/settings.py and engine_ops.py import torch) and selector=less (its
+# constructor loads a trained feature map with torch). Every other target is checked before.
+CHECKED_AFTER_TORCH_ONLY = {"prr.runtime.settings.RuntimeSettings", "prr.runtime.engine_ops.OpsBackend",
+                            "prr.selectors.less.LessSelector"}
+
+
+def conf_targets():
+    import yaml
+
+    return {yaml.safe_load(p.read_text()).get("_target_") for g in GROUPS for p in (CONF / g).glob("*.yaml")} - {None}
+
+
+def test_every_target_is_checked_before_torch_unless_listed():
+    from prr.config_check import CHECKED_BEFORE_TORCH
+
+    assert conf_targets() - CHECKED_BEFORE_TORCH.keys() == CHECKED_AFTER_TORCH_ONLY
+
+
+@pytest.mark.parametrize("target", sorted(conf_targets() - CHECKED_AFTER_TORCH_ONLY))
+def test_a_target_checked_before_torch_inherits_that_classs_constructor(target):
+    """One definition of each check: the class run.py checks before torch is the target's own
+    constructor, with the capabilities the cross-checks read."""
+    from prr.config_check import CHECKED_BEFORE_TORCH, resolve_target
+
+    built, checked = resolve_target(target), resolve_target(CHECKED_BEFORE_TORCH[target])
+    assert issubclass(built, checked) and built.__init__ is checked.__init__
+    for capability in ("uses_budget", "replays_selections", "declared_hit_rate", "selects_every_block", "profiles"):
+        if hasattr(checked, capability):
+            assert getattr(built, capability) is getattr(checked, capability), capability
+
+
+def test_the_classes_checked_before_torch_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfor heavy in ('torch', 'transformers', 'pandas', 'numpy'): sys.modules[heavy] = None\n"
+            "from prr.config_check import CHECKED_BEFORE_TORCH, resolve_target\n"
+            "for path in sorted(set(CHECKED_BEFORE_TORCH.values())): resolve_target(path)\n"
+            "import prr.model.describe\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=CONF.parent, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["selector.topk_blocks=0"], ["selector=infllm", "selector.scoring=alibi"], ["predictor.alpha=1.5"],
+    ["selector.dense_layers=[7]"], ["task.max_new_tokens=100000"], ["model.name_or_path=/no/such/model"],
+    ["+selector.topk=4"], ["selector.topk_blocks=abc"], ["predictor=oracle", "budget=profiled"],
+    ["budget.ratio=-1"], ["logger=wandb", "logger.project=7"],
+])
+def test_the_checks_before_torch_find_what_validate_finds(overrides):
+    from prr.config_check import problems_before_torch
+
+    composed = cfg(*TINY, *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(composed)
+    assert problems_before_torch(composed) == err.value.problems
+
+
+def test_runtime_values_are_left_to_validate():
+    from prr.config_check import problems_before_torch
+
+    assert problems_before_torch(cfg(*TINY)) == []
+    assert problems_before_torch(cfg(*TINY, "runtime.block_size=24")) == []  # prr/runtime/settings.py's check

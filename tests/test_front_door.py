@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -46,6 +46,8 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     prelude: str | None = None  # python -c code that runs run.py (sys.argv[1:] = args)
     points_at_run: bool = True  # add hydra.run.dir=<the finished run>
+    # refused before torch is imported (the runtime group's checks, prr/runtime/settings.py, import it)
+    before_torch: bool = True
 
 
 REFUSED = [
@@ -53,7 +55,7 @@ REFUSED = [
     Case("key of another group", ["selector.block_size=16"], ["selector.block_size=16", "runtime.block_size"]),
     Case("added key nobody reads", ["+foo=1"], ["+foo=1", "'foo'"]),
     Case("negative top-K", ["selector.topk_blocks=-5"], ["selector.topk_blocks=-5"]),
-    Case("block size not a power of two", ["runtime.block_size=15"], ["runtime.block_size=15"]),
+    Case("block size not a power of two", ["runtime.block_size=15"], ["runtime.block_size=15"], before_torch=False),
     Case("prompt file is a directory", ["task.prompt_file={tmp}"], ["task.prompt_file=", "is a directory"]),
     Case("prompt file missing", ["task.prompt_file={tmp}/no-such.txt"], ["no-such.txt", "does not exist"]),
     Case("run dir under a file", ["hydra.run.dir={tmp}/a-file/run"], ["hydra.run.dir=", "a-file", "is a file"],
@@ -62,9 +64,9 @@ REFUSED = [
          env={"PRR_CACHE_DIR": "{tmp}/a-file"}),
     Case("logger=wandb without wandb", ["logger=wandb"], ["logger=wandb", "make install"], prelude=NO_WANDB),
     Case("runtime=cuda without a GPU or Triton", ["runtime=cuda"], ["runtime.device='cuda'", "make install"],
-         prelude=NO_TRITON),
+         prelude=NO_TRITON, before_torch=False),
     Case("tensor parallel without torchrun or Triton", ["runtime.engine=graph", "runtime.tensor_parallel=2"],
-         ["runtime.tensor_parallel=2", "torchrun --nproc_per_node 2"], prelude=NO_TRITON),
+         ["runtime.tensor_parallel=2", "torchrun --nproc_per_node 2"], prelude=NO_TRITON, before_torch=False),
     Case("graph engine, profiled budget, every layer dense",
          ["model=tiny-random-d64", "runtime.engine=graph", "budget=profiled", "selector.dense_layers=[0,1]"],
          ["selector.dense_layers=[0, 1]", "budget=profiled"]),
@@ -125,6 +127,25 @@ def test_a_bad_value_is_refused_in_one_line_and_the_earlier_run_is_untouched(cas
     for named in case.named:
         assert named in text, (named, text)
     assert sha256_tree(run_dir) == before
+
+
+# `import torch` (and the other heavy packages) raises ImportError: a refusal that needed one would
+# end in a traceback, not in the case's one line
+NOTHING_HEAVY = "import sys; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'pandas', 'numpy'))); "
+BEFORE_TORCH = [c for c in REFUSED if c.before_torch]
+
+
+@pytest.mark.parametrize("case", BEFORE_TORCH, ids=[c.name for c in BEFORE_TORCH])
+def test_a_refusal_is_decided_before_torch_is_imported(case, tmp_path):
+    """Issue 36: every refusal of a bad value under 3 s on an idle 2-core machine; importing
+    torch alone takes 1-1.5 s there, so these refuse before it (tests/test_front_door.py
+    --repeats 5 times them)."""
+    (tmp_path / "a-file").write_text("not a directory\n")
+    prelude = NOTHING_HEAVY + (case.prelude or WITHOUT.format(hide="pass"))
+    argv, env = command(replace(case, prelude=prelude), tmp_path, tmp_path / "run")
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    text = " ".join(refused_lines(done))
+    assert all(named in text for named in case.named), text
 
 
 def test_an_unwritable_run_dir_is_refused_in_one_line(finished):

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prr.budget.base import SpeculationBudget
-from prr.runtime.records import LayerStepRecord
+
+if TYPE_CHECKING:  # annotations only: run.py checks a budget's options before torch is imported
+    from prr.runtime.records import LayerStepRecord
 
 VARIANTS = ("serial", "prr")
 

@@ -1,30 +1,36 @@
 """Models: our Llama-family decoder, its dense reference attention, loading and the zoo.
 
 transformers is imported lazily (only to read configs, convert GGUF and load tokenizers).
+The names below are imported on first use, not with the package: run.py checks a model's
+config (prr.model.spec, prr.model.describe) before torch is imported.
 """
 
-from prr.model.attention import AttentionBackend
-from prr.model.config import SUPPORTED_ARCHS, ModelConfig
-from prr.model.decoder import Decoder
-from prr.model.dense import DenseAttention
-from prr.model.loading import LoadedModel, describe_model, load_model, parse_dtype
-from prr.model.prompt import encode_prompt, truncate_text_to_tokens
-from prr.model.rope import SUPPORTED_ROPE_TYPES
-from prr.model.zoo import ZOO, zoo_names
+from __future__ import annotations
 
-__all__ = [
-    "SUPPORTED_ARCHS",
-    "SUPPORTED_ROPE_TYPES",
-    "ZOO",
-    "AttentionBackend",
-    "Decoder",
-    "DenseAttention",
-    "LoadedModel",
-    "ModelConfig",
-    "describe_model",
-    "encode_prompt",
-    "load_model",
-    "parse_dtype",
-    "truncate_text_to_tokens",
-    "zoo_names",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "AttentionBackend": "prr.model.attention",
+    "SUPPORTED_ARCHS": "prr.model.config",
+    "SUPPORTED_ROPE_TYPES": "prr.model.config",
+    "ModelConfig": "prr.model.config",
+    "Decoder": "prr.model.decoder",
+    "DenseAttention": "prr.model.dense",
+    "describe_model": "prr.model.describe",
+    "LoadedModel": "prr.model.loading",
+    "load_model": "prr.model.loading",
+    "parse_dtype": "prr.model.loading",
+    "encode_prompt": "prr.model.prompt",
+    "truncate_text_to_tokens": "prr.model.prompt",
+    "ZOO": "prr.model.zoo",
+    "zoo_names": "prr.model.zoo",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'prr.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -213,9 +213,9 @@ def prepare(spec: ChunkedWheelGGUFSpec, cache_root: Path, *, refetch: bool = Fal
 
 def _checked(spec: ChunkedWheelGGUFSpec, target: Path) -> Path:
     """target, if its config is the zoo's (what describe_model answers without loading)."""
-    from prr.model.loading import _read_dir_config
+    from prr.model.describe import read_dir_config
 
-    written = _read_dir_config(target)
+    written = read_dir_config(target)
     if written != spec.config:
         raise SourceError(f"{spec.name}: the converted config in {target} differs from the zoo's: {written} vs "
                           f"{spec.config}; reconvert: {spec.refetch_hint}")

@@ -32,15 +32,15 @@ from typing import Any
 
 import torch
 
-from prr.model.config import SUPPORTED_ARCHS, ModelConfig
+from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
+from prr.model.describe import describe_model as describe_model  # callers import it from here too
+from prr.model.describe import gguf_cache_path, hub_snapshot, read_dir_config, resolve
 from prr.model.zoo import (
     CONVERTED_MARKER,
-    ZOO,
     ChunkedWheelGGUFSpec,
     RandomInitSpec,
     WheelGGUFSpec,
-    zoo_names,
 )
 from prr.paths import cache_dir as cache_dir_default
 from prr.progress import progress_bar
@@ -57,16 +57,6 @@ DTYPES = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 log = logging.getLogger("prr")
 _DONE_MARKER = CONVERTED_MARKER  # written last inside a converted cache dir
-_HUB_PATTERNS = [
-    "config.json",
-    "generation_config.json",
-    "model*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-]
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _STALE_TEMP_S = 24 * 3600
 
 
@@ -104,7 +94,7 @@ def load_model(
     """
     torch_dtype = parse_dtype(dtype)
     cache_root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
-    kind, target = _resolve(name_or_path)
+    kind, target = resolve(name_or_path)
     if num_layers is not None and not isinstance(target, RandomInitSpec):
         raise ValueError(f"num_layers overrides only random-init zoo models, not {name_or_path!r}")
 
@@ -129,35 +119,8 @@ def load_model(
             in_conversion_cache=True,
         )
     if kind == "hub":
-        return _load_dir(_hub_snapshot(name_or_path), name_or_path, torch_dtype, device)
+        return _load_dir(hub_snapshot(name_or_path), name_or_path, torch_dtype, device)
     return _load_dir(target, name_or_path, torch_dtype, device)
-
-
-def describe_model(
-    name_or_path: str, cache_dir: str | None = None, *, num_layers: int | None = None
-) -> ModelConfig:
-    """The ModelConfig of a model without loading (or converting) its weights."""
-    cache_root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
-    kind, target = _resolve(name_or_path)
-    if num_layers is not None and not isinstance(target, RandomInitSpec):
-        raise ValueError(f"num_layers overrides only random-init zoo models, not {name_or_path!r}")
-    if isinstance(target, RandomInitSpec):
-        return target.config if num_layers is None else target.config.replace(num_layers=num_layers)
-    if isinstance(target, WheelGGUFSpec):
-        return target.config
-    if isinstance(target, ChunkedWheelGGUFSpec):
-        zoo_weights_dir(target, cache_root)  # opt-in: refused here, before any run, when not fetched
-        return target.config
-    if kind == "gguf":
-        converted = gguf_cache_path(target, cache_root)
-        if (converted / _DONE_MARKER).is_file():
-            return _read_dir_config(converted)
-        from transformers import AutoConfig
-
-        return ModelConfig.from_hf(AutoConfig.from_pretrained(target.parent, gguf_file=target.name))
-    if kind == "hub":
-        return _read_dir_config(_hub_snapshot(name_or_path, weights=False))
-    return _read_dir_config(target)
 
 
 def zoo_weights_dir(spec: WheelGGUFSpec | ChunkedWheelGGUFSpec, cache_root: Path | None = None) -> Path:
@@ -172,75 +135,7 @@ def zoo_weights_dir(spec: WheelGGUFSpec | ChunkedWheelGGUFSpec, cache_root: Path
 # ---- resolution ---------------------------------------------------------------------------
 
 
-def _resolve(name_or_path: str) -> tuple[str, Any]:
-    """-> ("zoo", spec) | ("dir", Path) | ("gguf", Path) | ("hub", repo_id)."""
-    if name_or_path in ZOO:
-        return "zoo", ZOO[name_or_path]
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return "dir", path
-    if path.is_file():
-        if path.suffix == ".gguf":
-            return "gguf", path
-        raise ValueError(
-            f"{name_or_path!r} is a file but not a .gguf; pass a .gguf file or a directory with "
-            "config.json + *.safetensors"
-        )
-    if _HUB_ID.match(name_or_path) and path.suffix != ".gguf":
-        return "hub", name_or_path
-    raise FileNotFoundError(
-        f"model {name_or_path!r} not found: no such file or directory, and not a zoo name "
-        f"({', '.join(zoo_names())}) or a Hugging Face hub id (owner/name)"
-    )
-
-
-def _hub_snapshot(repo_id: str, weights: bool = True) -> Path:
-    """A local snapshot of a hub repo: the HF cache if it holds what we need, else a download."""
-    from huggingface_hub import snapshot_download
-
-    patterns = _HUB_PATTERNS if weights else ["config.json"]
-
-    def complete(path: Path) -> bool:
-        # A cached snapshot may hold only config.json (e.g. after describe_model).
-        return (path / "config.json").is_file() and (not weights or any(path.glob("*.safetensors")))
-
-    try:
-        path = Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
-        if complete(path):
-            return path
-        local_problem = "incomplete"
-    except Exception as error:  # LocalEntryNotFoundError and friends: not cached
-        local_problem = error.__class__.__name__
-    try:
-        path = Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as error:
-        raise FileNotFoundError(
-            f"model {repo_id!r} is not a local path, not a zoo name ({', '.join(zoo_names())}), "
-            f"not in the local Hugging Face cache ({local_problem}) and could not be downloaded "
-            f"({error.__class__.__name__}: {error})"
-        ) from error
-    if not complete(path):
-        raise FileNotFoundError(f"hub repo {repo_id!r} has no config.json + *.safetensors weights")
-    return path
-
-
 # ---- local directories (safetensors) ------------------------------------------------------
-
-
-def _read_dir_config(path: Path) -> ModelConfig:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
-    # Check model_type ourselves first: AutoConfig's own error for unknown types is vaguer.
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type not in SUPPORTED_ARCHS:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} in {config_file}: prr's decoder implements "
-            f"{', '.join(SUPPORTED_ARCHS)}"
-        )
-    from transformers import AutoConfig
-
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -263,7 +158,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 def _load_dir(path: Path, name: str, dtype: torch.dtype, device: str, in_conversion_cache: bool = False) -> LoadedModel:
     """in_conversion_cache: path is prr's own conversion of a GGUF (under the prr cache), which
     a corrupt file's error may tell the user to delete; any other directory is the user's."""
-    config = _read_dir_config(path)
+    config = read_dir_config(path)
     files = _safetensors_files(path)
     decoder = Decoder(config, dtype=dtype, device=device)
     marker = path / _DONE_MARKER  # present in caches prr converted: holds the weights' checksums
@@ -397,14 +292,6 @@ def load_safetensors_into(decoder: Decoder, files: list[Path], checksums: dict[s
 # ---- GGUF -> safetensors cache ------------------------------------------------------------
 
 
-def gguf_cache_path(gguf_path: Path, cache_root: Path) -> Path:
-    """<cache>/models/gguf-<stem>-<hash of name, size, mtime>: a changed file gets a new entry."""
-    stat = gguf_path.stat()
-    digest = hashlib.sha1(f"{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    stem = re.sub(r"[^\w.-]+", "-", gguf_path.stem).lower()
-    return cache_root / "models" / f"gguf-{stem}-{digest}"
-
-
 def ensure_gguf_converted(gguf_path: Path, target: Path, provenance: dict[str, Any] | None = None) -> Path:
     """Convert `gguf_path` into `target` unless a finished conversion is already there.
     provenance: extra fields for prr_source.json (e.g. the GGUF's verified sha256)."""
@@ -463,7 +350,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, extra_provenance: dict[str, Any
         bar.update()
 
         bar.set_postfix_str(steps[4])
-        written = _read_dir_config(out_dir)
+        written = read_dir_config(out_dir)
         if written != config:
             raise RuntimeError(f"converted config differs from the GGUF's: {written} vs {config}")
         stat = gguf_path.stat()

@@ -13,25 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_REQUIRED_KEYS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def validate_rope_scaling(scaling: dict[str, Any] | None) -> None:
-    """Raise ValueError unless `scaling` is None or a supported {"rope_type": ..., params} dict."""
-    if scaling is None:
-        return
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported RoPE scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    missing = [key for key in _REQUIRED_KEYS.get(rope_type, ()) if scaling.get(key) is None]
-    if missing:
-        raise ValueError(f"RoPE scaling {rope_type!r} needs {', '.join(missing)}; got {scaling}")
+from prr.model.config import validate_rope_scaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> Tensor:

@@ -13,7 +13,7 @@ class ModelSpec:
     num_layers: int | None = None  # truncate/override layer count (random-init shapes only)
 
     def describe(self):
-        from prr.model.loading import describe_model
+        from prr.model.describe import describe_model
 
         return describe_model(self.name_or_path, self.cache_dir, num_layers=self.num_layers)
 

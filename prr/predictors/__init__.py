@@ -1,12 +1,28 @@
-from prr.predictors.base import Predictor
-from prr.predictors.cross_layer import CrossLayerPredictor
-from prr.predictors.ema import EmaPredictor
-from prr.predictors.ema_membership import EmaMembershipPredictor
-from prr.predictors.last_step import LastStepPredictor
-from prr.predictors.none import NoPredictor
-from prr.predictors.oracle import OraclePredictor
-from prr.predictors.query_similarity import QuerySimilarityPredictor
-from prr.predictors.spin import SpinPredictor
+"""Predictors: rank the blocks the next decode step will probably select (set P). The classes
+are imported on first use, not with the package, so that prr.predictors.options (their
+constructors) loads without torch: run.py checks predictor values before torch is imported."""
 
-__all__ = ["Predictor", "EmaPredictor", "EmaMembershipPredictor", "LastStepPredictor", "NoPredictor", "OraclePredictor",
-           "SpinPredictor", "QuerySimilarityPredictor", "CrossLayerPredictor"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "Predictor": "prr.predictors.base",
+    "CrossLayerPredictor": "prr.predictors.cross_layer",
+    "EmaPredictor": "prr.predictors.ema",
+    "EmaMembershipPredictor": "prr.predictors.ema_membership",
+    "LastStepPredictor": "prr.predictors.last_step",
+    "NoPredictor": "prr.predictors.none",
+    "OraclePredictor": "prr.predictors.oracle",
+    "QuerySimilarityPredictor": "prr.predictors.query_similarity",
+    "SpinPredictor": "prr.predictors.spin",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'prr.predictors' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -29,15 +29,16 @@ from typing import Any
 from torch import Tensor
 
 from prr.blocks import BlockSet, top_blocks
+from prr.predictors.options import PredictorOptions
 from prr.selectors.base import Selection
 
 NEVER = float("-inf")  # a rank that keeps a block out of P whatever the budget
 
 
-class Predictor(ABC):
+class Predictor(PredictorOptions, ABC):
+    # uses_budget, replays_selections, declared_hit_rate: PredictorOptions' (prr.predictors.options)
     # Capabilities engines dispatch on (never on class names):
     speculates: bool = True  # False: P is always empty (serial DSA)
-    uses_budget: bool = True  # False: |P| is set by the predictor itself (the oracle's P = A)
     # What `propose` reads besides the state, so an engine knows when it may run:
     # - history_only: only state written by past steps' `update`s, so the next step's P
     #   may be computed right after `update`, off the critical path (False for
@@ -48,12 +49,6 @@ class Predictor(ABC):
     history_only: bool = True
     needs_query: bool = False
     needs_current_selection: bool = False
-    # replays_selections: P comes from a serial pass recorded before decoding (the benchmark tool
-    # bench_hit_rate); only the graph engine records one (GraphDecoder.prime_predictions).
-    replays_selections: bool = False
-    # The share of A that P holds when the predictor knows it by construction (bench_hit_rate);
-    # None for real predictors, whose hit rate is measured.
-    declared_hit_rate: float | None = None
     # "torch" (the definition) or "triton" (prr.kernels.predict), chosen by `set_backend`.
     backend: str = "torch"
 

@@ -56,6 +56,7 @@ from torch import Tensor
 
 from prr.blocks import BlockSet
 from prr.predictors.base import NEVER, Predictor
+from prr.predictors.options import BenchHitRatePredictorOptions
 from prr.selectors.base import Selection
 
 log = logging.getLogger("prr")
@@ -81,21 +82,9 @@ class BenchHitRateState:
     script: ReplayScript = field(default_factory=ReplayScript)
 
 
-class BenchHitRatePredictor(Predictor):
+class BenchHitRatePredictor(BenchHitRatePredictorOptions, Predictor):
+    # the constructor (replays_selections, declared_hit_rate too) is BenchHitRatePredictorOptions' (prr.predictors.options: no torch, checked before torch is imported)
     history_only = True  # P of step t + 1 is copied from the script after step t's update
-    replays_selections = True  # the engine records a serial pass before decoding (prr/runtime/replay.py)
-
-    def __init__(self, hit_rate: float = 0.7, seed: int = 0) -> None:
-        if isinstance(hit_rate, bool) or not 0.0 <= float(hit_rate) <= 1.0:
-            raise ValueError(f"predictor.hit_rate={hit_rate!r} must lie in [0, 1] (the share of A that P holds)")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"predictor.seed={seed!r} must be an int >= 0")
-        self.hit_rate, self.seed = float(hit_rate), seed
-        self.record: dict[str, Any] = {}
-
-    @property
-    def declared_hit_rate(self) -> float:
-        return self.hit_rate
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> BenchHitRateState:
         return BenchHitRateState(step=torch.zeros(num_layers, dtype=torch.int64, device=device))

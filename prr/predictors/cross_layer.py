@@ -32,6 +32,7 @@ from torch import Tensor
 from prr.blocks import BlockSet, block_counts, inside_context
 from prr.predictors.base import NEVER, Predictor
 from prr.predictors.ema import EmaPredictor, EmaState, standardise
+from prr.predictors.options import CrossLayerPredictorOptions
 from prr.selectors.base import Selection
 
 
@@ -45,30 +46,10 @@ class CrossLayerState:
     updated_layers: set[int] = field(default_factory=set)
 
 
-class CrossLayerPredictor(Predictor):
+class CrossLayerPredictor(CrossLayerPredictorOptions, Predictor):
+    # the constructor is CrossLayerPredictorOptions' (prr.predictors.options: no torch, checked before torch is imported)
+    temporal_class = EmaPredictor
     history_only = False  # reads the layer below's selection of the same step
-
-    def __init__(
-        self,
-        temporal_weight: float = 0.0,
-        source_stickiness: float = 1.0,
-        alpha: float = 0.8,
-        stickiness: float = 1.0,
-        recency: float = 1.0,
-        recent_blocks: int = 1,
-        calibrate: bool = True,
-        burn_in_steps: int = 4,
-    ) -> None:
-        if not 0.0 <= temporal_weight <= 1.0:
-            raise ValueError(f"predictor.temporal_weight={temporal_weight} must lie in [0, 1] (0: cross-layer only, "
-                             "1: the plain EMA)")
-        if source_stickiness < 0:
-            raise ValueError(f"predictor.source_stickiness={source_stickiness} must be >= 0")
-        self.temporal_weight, self.source_stickiness = temporal_weight, source_stickiness
-        self.temporal = EmaPredictor(alpha=alpha, stickiness=stickiness, recency=recency, recent_blocks=recent_blocks,
-                                     calibrate=calibrate, burn_in_steps=burn_in_steps)
-        # read by prr.config_check (calibration needs enough prefill-tail steps)
-        self.calibrate_on_prefill, self.burn_in_steps = calibrate, burn_in_steps
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> CrossLayerState:
         shape = (num_layers, batch, num_kv_heads, max_blocks)

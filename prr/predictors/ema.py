@@ -16,8 +16,6 @@ one launch (standardise, EMA, last_selected); the torch ops here are the definit
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +28,7 @@ from prr.blocks import BlockSet, block_counts, inside_context
 # whose reference it is (kernels/ import nothing from prr; prr wraps them, as top_k_blocks)
 from prr.kernels.reference_predict import standardise_reference as standardise
 from prr.predictors.base import NEVER, Predictor
+from prr.predictors.options import EmaPredictorOptions
 from prr.selectors.base import Selection
 
 
@@ -49,33 +48,8 @@ def newest_mask(num_blocks: Tensor, recent_blocks: int, max_blocks: int) -> Tens
     return (ids >= nb - recent_blocks) & (ids < nb)
 
 
-class EmaPredictor(Predictor):
-    def __init__(
-        self,
-        alpha: float = 0.8,
-        stickiness: float = 1.0,
-        recency: float = 1.0,
-        recent_blocks: int = 1,
-        calibrate: bool = True,
-        per_layer: bool = False,
-        burn_in_steps: int = 4,
-        alpha_grid: Sequence[float] = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95),
-        stickiness_grid: Sequence[float] = (0.0, 0.5, 1.0, 2.0, 4.0),
-        recency_grid: Sequence[float] = (0.0, 1.0, 4.0),
-    ) -> None:
-        if not 0.0 <= alpha < 1.0 or any(not 0.0 <= a < 1.0 for a in alpha_grid):
-            raise ValueError(f"predictor.alpha={alpha} and alpha_grid={list(alpha_grid)} must lie in [0, 1)")
-        if recent_blocks < 0 or burn_in_steps < 0:
-            raise ValueError(f"predictor.recent_blocks={recent_blocks} and burn_in_steps={burn_in_steps} must be >= 0")
-        if calibrate and not (alpha_grid and stickiness_grid and recency_grid):
-            raise ValueError("predictor.alpha_grid, stickiness_grid and recency_grid must be non-empty when calibrate=true")
-        self.alpha, self.stickiness, self.recency = alpha, stickiness, recency
-        self.recent_blocks = recent_blocks
-        self.calibrate_on_prefill = calibrate
-        self.per_layer = per_layer
-        self.burn_in_steps = burn_in_steps
-        self.grid = list(itertools.product(alpha_grid, stickiness_grid, recency_grid))
-        self._fitted: tuple[Tensor, Tensor, Tensor] | None = None  # per-layer params from calibrate
+class EmaPredictor(EmaPredictorOptions, Predictor):
+    # the constructor is EmaPredictorOptions' (prr.predictors.options: no torch, checked before torch is imported)
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> EmaState:
         shape = (num_layers, batch, num_kv_heads, max_blocks)

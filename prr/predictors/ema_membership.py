@@ -20,14 +20,12 @@ from torch import Tensor
 
 from prr.blocks import block_counts, inside_context
 from prr.predictors.base import NEVER, StateRankPredictor
+from prr.predictors.options import EmaMembershipPredictorOptions
 from prr.selectors.base import Selection
 
 
-class EmaMembershipPredictor(StateRankPredictor):
-    def __init__(self, alpha: float = 0.8) -> None:
-        if not 0.0 <= alpha < 1.0:
-            raise ValueError(f"predictor.alpha={alpha} must lie in [0, 1) (0: P = the last step's A)")
-        self.alpha = alpha
+class EmaMembershipPredictor(EmaMembershipPredictorOptions, StateRankPredictor):
+    # the constructor is EmaMembershipPredictorOptions' (prr.predictors.options: no torch, checked before torch is imported)
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> Any:
         return torch.zeros(num_layers, batch, num_kv_heads, max_blocks, device=device)  # [L, B, Hkv, NB]

@@ -10,11 +10,12 @@ from torch import Tensor
 
 from prr.blocks import BlockSet
 from prr.predictors.base import NEVER, Predictor
+from prr.predictors.options import OraclePredictorOptions
 from prr.selectors.base import Selection
 
 
-class OraclePredictor(Predictor):
-    uses_budget = False  # P = A, whatever |P| the budget asks for
+class OraclePredictor(OraclePredictorOptions, Predictor):
+    # uses_budget = False: OraclePredictorOptions' (P = A, whatever |P| the budget asks for)
     needs_current_selection = True
     history_only = False  # P is this step's selection
 

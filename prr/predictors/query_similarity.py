@@ -53,6 +53,7 @@ from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
 from prr.kernels.reference_predict import fill_reference
 from prr.predictors.base import NEVER, Predictor
 from prr.predictors.ema import newest_mask, standardise
+from prr.predictors.options import QuerySimilarityPredictorOptions
 from prr.selectors.base import Selection
 
 TIE = 1e-3  # |z| stays well below 1/TIE, so scores only order blocks of equal votes
@@ -76,25 +77,10 @@ class QuerySimilarityState:
     fill_valid: Tensor  # [L] bool: fill matches last_z
 
 
-class QuerySimilarityPredictor(Predictor):
+class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
+    # the constructor is QuerySimilarityPredictorOptions' (prr.predictors.options: no torch, checked before torch is imported)
     needs_query = True  # the runtime passes propose(..., query=q)
     history_only = False  # ranks this step's query
-
-    def __init__(self, cache_size: int = 64, neighbours: int = 2, recent_blocks: int = 1, fill_width: int = 0) -> None:
-        """fill_width: blocks in the fill list the update writes for the kernel's propose (0: none).
-        It pays where |P| exceeds the neighbours' union (budget.ratio >= 2 against 32-block
-        selections): propose 30.2 -> 22.3 µs at |P| = 128 on the H200, at about 57 µs per layer on the
-        side stream (kernels_issue33.md); with |P| = |A| the list is never read. The same P either way."""
-        if cache_size < 1:
-            raise ValueError(f"predictor.cache_size={cache_size} must be >= 1 (past queries kept per layer and KV head)")
-        if not 1 <= neighbours <= cache_size:
-            raise ValueError(f"predictor.neighbours={neighbours} must lie in [1, cache_size={cache_size}]")
-        if recent_blocks < 0:
-            raise ValueError(f"predictor.recent_blocks={recent_blocks} must be >= 0")
-        if isinstance(fill_width, bool) or not isinstance(fill_width, int) or fill_width < 0:
-            raise ValueError(f"predictor.fill_width={fill_width!r} must be an int >= 0 (0: no fill list)")
-        self.cache_size, self.neighbours, self.recent_blocks = cache_size, neighbours, recent_blocks
-        self.fill_width = fill_width
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> QuerySimilarityState:
         per_layer = (num_layers, batch, num_kv_heads)

@@ -40,6 +40,7 @@ from torch import Tensor
 from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
 from prr.predictors.base import NEVER, Predictor
 from prr.predictors.ema import standardise
+from prr.predictors.options import SpinPredictorOptions
 from prr.selectors.base import Selection
 
 
@@ -88,26 +89,8 @@ def uniform_draw(seed: int, layer: int, step: Tensor, shape: tuple[int, int, int
     return ((bits >> 8).float() * 2.0**-24).expand(b, h, n)  # 24 bits: exact in fp32, never 1.0
 
 
-class SpinPredictor(Predictor):
-    def __init__(
-        self,
-        alpha_vertical: float = 0.8,
-        alpha_diagonal: float = 0.8,
-        selection_bonus: float = 1.0,
-        explore: float = 0.05,
-        seed: int = 0,
-    ) -> None:
-        for name, a in (("alpha_vertical", alpha_vertical), ("alpha_diagonal", alpha_diagonal)):
-            if not 0.0 <= a < 1.0:
-                raise ValueError(f"predictor.{name}={a} must lie in [0, 1)")
-        if not 0.0 <= explore < 1.0:
-            raise ValueError(f"predictor.explore={explore} must lie in [0, 1) (the share of |P| drawn at random)")
-        if selection_bonus < 0:
-            raise ValueError(f"predictor.selection_bonus={selection_bonus} must be >= 0")
-        self.alpha_vertical, self.alpha_diagonal = alpha_vertical, alpha_diagonal
-        self.selection_bonus = selection_bonus
-        self.explore = explore
-        self.seed = seed
+class SpinPredictor(SpinPredictorOptions, Predictor):
+    # the constructor is SpinPredictorOptions' (prr.predictors.options: no torch, checked before torch is imported)
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> SpinState:
         shape = (num_layers, batch, num_kv_heads, max_blocks)

@@ -1,8 +1,26 @@
-from prr.selectors.base import Selection, Selector
-from prr.selectors.dense import DenseSelector
-from prr.selectors.exact import ExactSelector
-from prr.selectors.infllm import InfLLMSelector
-from prr.selectors.less import LessSelector
-from prr.selectors.quest import QuestSelector
+"""Selectors: which KV blocks a decode step attends (set A). The classes are imported on first
+use, not with the package, so that prr.selectors.options (their constructors) loads without
+torch: run.py checks selector values before torch is imported."""
 
-__all__ = ["Selection", "Selector", "DenseSelector", "ExactSelector", "InfLLMSelector", "LessSelector", "QuestSelector"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "Selection": "prr.selectors.base",
+    "Selector": "prr.selectors.base",
+    "DenseSelector": "prr.selectors.dense",
+    "ExactSelector": "prr.selectors.exact",
+    "InfLLMSelector": "prr.selectors.infllm",
+    "LessSelector": "prr.selectors.less",
+    "QuestSelector": "prr.selectors.quest",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'prr.selectors' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

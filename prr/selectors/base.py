@@ -9,7 +9,6 @@ asks `is_dense_layer`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +18,7 @@ from torch import Tensor
 from prr.attention_state import AttentionState, merge, merge_many
 from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
 from prr.cache import PagedKVCache
-
-GQA_REDUCTIONS = ("max", "sum", "union")
+from prr.selectors.options import SelectorOptions
 
 
 @dataclass(frozen=True)
@@ -37,36 +35,9 @@ def stack_rows(selections: list[Selection]) -> Selection:
                      torch.cat([s.scores for s in selections]))
 
 
-class Selector(ABC):
-    """Subclasses implement `head_scores`, and metadata upkeep if they keep any."""
-
-    def __init__(
-        self,
-        topk_blocks: int,
-        sink_blocks: int = 1,
-        local_blocks: int = 0,
-        force_newest: bool = True,
-        gqa_reduce: str = "max",
-        dense_layers: Sequence[int] = (),
-    ) -> None:
-        if topk_blocks <= 0:
-            raise ValueError(f"selector.topk_blocks={topk_blocks} must be a positive number of blocks")
-        if gqa_reduce not in GQA_REDUCTIONS:
-            raise ValueError(f"selector.gqa_reduce={gqa_reduce!r} is not one of {list(GQA_REDUCTIONS)}")
-        if sink_blocks < 0 or local_blocks < 0:
-            raise ValueError(f"sink_blocks={sink_blocks} and local_blocks={local_blocks} must be >= 0")
-        forced = sink_blocks + local_blocks + int(force_newest)
-        if forced > topk_blocks:
-            raise ValueError(
-                f"selector keeps {forced} blocks always (sink_blocks={sink_blocks} + local_blocks={local_blocks}"
-                f" + force_newest={force_newest}) but topk_blocks={topk_blocks}; raise topk_blocks to >= {forced}"
-            )
-        self.topk_blocks = topk_blocks
-        self.sink_blocks = sink_blocks
-        self.local_blocks = local_blocks
-        self.force_newest = force_newest
-        self.gqa_reduce = gqa_reduce
-        self.dense_layers = frozenset(int(x) for x in dense_layers)
+class Selector(SelectorOptions, ABC):
+    """Subclasses implement `head_scores`, and metadata upkeep if they keep any. The constructor
+    (options and their checks) is SelectorOptions' (prr.selectors.options: no torch)."""
 
     # --- what subclasses provide -------------------------------------------------------
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:  # noqa: B027 - optional hook
@@ -116,9 +87,6 @@ class Selector(ABC):
     # let the engine's append kernels update it (prr.kernels.cache_append, qkv_append); the
     # others get `append_metadata` after the append.
     metadata_in_append_kernel = False
-    # True for `dense`: A is every block of the context, |A| grows with it (no fixed top-K).
-    selects_every_block = False
-
     # --- backends ---------------------------------------------------------------------------
     # Selectors with Triton kernels override `triton_problems` and `select_triton`; the others
     # score with torch ops under every runtime.backend (the run summary says which ran).

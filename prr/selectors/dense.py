@@ -3,22 +3,17 @@ studying dense decoding through the same pipeline."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 from prr.blocks import BlockSet, inside_context
 from prr.cache import PagedKVCache
 from prr.selectors.base import Selection, Selector, token_counts
+from prr.selectors.options import DenseSelectorOptions
 
 
-class DenseSelector(Selector):
-    selects_every_block = True  # |A| grows with the context
-    def __init__(self, gqa_reduce: str = "max", dense_layers: Sequence[int] = ()) -> None:
-        # topk is irrelevant: every block is selected.
-        super().__init__(topk_blocks=1, sink_blocks=0, local_blocks=0, force_newest=False,
-                         gqa_reduce=gqa_reduce, dense_layers=dense_layers)
+class DenseSelector(DenseSelectorOptions, Selector):
+    # the constructor is DenseSelectorOptions' (no torch: run.py checks it before importing torch)
 
     def capacity(self, group_size: int, max_blocks: int) -> int:
         return max_blocks

@@ -85,7 +85,6 @@ experiments/results/h200/kernels_issue33.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -95,6 +94,7 @@ from prr.blocks import BlockSet, block_counts
 from prr.cache import PagedKVCache
 from prr.model.rope import rope_inv_freq
 from prr.selectors.base import Selection, Selector
+from prr.selectors.options import InfLLMSelectorOptions
 
 REPR_SLOT = "infllm_repr"
 LIVE_SLOT = "infllm_live"
@@ -102,8 +102,6 @@ FINALISED = "infllm_finalised"
 WINDOW_SLOT = "infllm_window"
 SCORED = "infllm_scored"
 ARRIVALS = "infllm_arrivals"  # the Triton step kernel's arrival counter per row (zero between launches)
-SCORINGS = ("position_agnostic", "rope")
-REPRESENTATIVES_FROM = ("window_attention", "one_query")
 QUERY_CHUNK = 256  # prefill queries per chunk in catch_up (bounds its gathered keys)
 
 
@@ -117,40 +115,8 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, sign: float = 1.0) ->
     return x * angles.cos() + turned * (sign * angles.sin())
 
 
-class InfLLMSelector(Selector):
-    def __init__(
-        self,
-        topk_blocks: int,
-        sink_blocks: int = 1,
-        local_blocks: int = 4,
-        force_newest: bool = True,
-        gqa_reduce: str = "sum",
-        dense_layers: Sequence[int] = (),
-        representatives: int = 4,
-        per_head: bool = False,
-        scoring: str = "position_agnostic",
-        representatives_from: str = "window_attention",
-    ) -> None:
-        super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers)
-        if isinstance(representatives, bool) or not isinstance(representatives, int) or representatives < 1:
-            raise ValueError(f"selector.representatives={representatives!r} must be a positive integer "
-                             "(tokens per block, at most runtime.block_size)")
-        if not isinstance(per_head, bool):
-            raise ValueError(f"selector.per_head={per_head!r} is not one of [True, False]")
-        if scoring not in SCORINGS:
-            raise ValueError(f"selector.scoring={scoring!r} is not one of {list(SCORINGS)}")
-        if representatives_from not in REPRESENTATIVES_FROM:
-            raise ValueError(f"selector.representatives_from={representatives_from!r} is not one of "
-                             f"{list(REPRESENTATIVES_FROM)}")
-        self.window_blocks = local_blocks + int(force_newest)
-        if representatives_from == "window_attention" and self.window_blocks == 0:
-            raise ValueError("selector.representatives_from=window_attention needs a local window: set "
-                             "selector.local_blocks >= 1 or selector.force_newest=true")
-        self.representatives = representatives
-        self.per_head = per_head
-        self.scoring = scoring
-        self.representatives_from = representatives_from
-        self.inv_freq: Tensor | None = None  # [D/2] fp32: the RoPE the cache's keys carry (bind_model)
+class InfLLMSelector(InfLLMSelectorOptions, Selector):
+    # the constructor is InfLLMSelectorOptions' (no torch: run.py checks it before importing torch)
 
     def bind_model(self, config: Any) -> None:
         """Keep the model's RoPE frequencies (config: head_dim, rope_theta, rope_scaling), which

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+if TYPE_CHECKING:  # annotations only: run.py checks a task's options before torch is imported
+    from torch import Tensor
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from prr.config_check import ConfigError
+from prr.cli_exits import ConfigError
 from prr.tasks.base import PromptBatch, Task
 from prr.tasks.text_sources import python_reference_text, read_prompt_file
 
@@ -55,6 +53,8 @@ class LongTextTask(Task):
         return self.prompt_tokens + CHAT_TEMPLATE_SLACK
 
     def build(self, tokenizer: Any, vocab_size: int, batch_size: int) -> PromptBatch:
+        import torch  # here, not at the top: run.py checks a task's options before torch is imported
+
         if tokenizer is None:
             if self.prompt_file:
                 raise ValueError(f"task.prompt_file={self.prompt_file!r} needs a model with a tokenizer; "

@@ -12,9 +12,7 @@ import math
 import random
 from typing import Any
 
-import torch
-
-from prr.config_check import ConfigError
+from prr.cli_exits import ConfigError
 from prr.tasks.base import PromptBatch, Task
 from prr.tasks.text_sources import python_reference_text, read_prompt_file
 
@@ -55,6 +53,8 @@ class PerplexityTask(Task):
         return [ids[s:s + length] for s in (rng.randrange(len(ids) - length + 1) for _ in range(self.num_samples))]
 
     def evaluate(self, engine: Any) -> dict[str, Any]:
+        import torch  # here, not at the top: run.py checks a task's options before torch is imported
+
         nll, count = 0.0, 0
         for window in self.windows(engine.tokenizer):
             context = torch.tensor([window[: self.context_tokens]])  # [1, T]
@@ -67,6 +67,8 @@ class PerplexityTask(Task):
                 "num_samples": self.num_samples}
 
     def build(self, tokenizer: Any, vocab_size: int, batch_size: int) -> PromptBatch:
+        import torch
+
         from prr.tasks.samples import ByteTokenizer
 
         window = self.windows(tokenizer if tokenizer is not None else ByteTokenizer())[0]

@@ -1,0 +1,94 @@
+"""The selector group's options without torch: each selector's constructor (its keys, their
+types, the checks of their values) and what the config's cross-checks read (top-K, dense
+layers, `selects_every_block`). The selectors of prr.selectors inherit these constructors
+unchanged and add the torch work, so that run.py refuses a bad selector value before torch
+is imported (prr.config_check.CHECKED_BEFORE_TORCH names the pairs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+GQA_REDUCTIONS = ("max", "sum", "union")
+SCORINGS = ("position_agnostic", "rope")  # InfLLM's
+REPRESENTATIVES_FROM = ("window_attention", "one_query")  # InfLLM's
+
+
+class SelectorOptions:
+    """The options every top-K selector takes (quest, exact; the base of the others)."""
+
+    # True for `dense`: A is every block of the context, |A| grows with it (no fixed top-K).
+    selects_every_block = False
+
+    def __init__(
+        self,
+        topk_blocks: int,
+        sink_blocks: int = 1,
+        local_blocks: int = 0,
+        force_newest: bool = True,
+        gqa_reduce: str = "max",
+        dense_layers: Sequence[int] = (),
+    ) -> None:
+        if topk_blocks <= 0:
+            raise ValueError(f"selector.topk_blocks={topk_blocks} must be a positive number of blocks")
+        if gqa_reduce not in GQA_REDUCTIONS:
+            raise ValueError(f"selector.gqa_reduce={gqa_reduce!r} is not one of {list(GQA_REDUCTIONS)}")
+        if sink_blocks < 0 or local_blocks < 0:
+            raise ValueError(f"sink_blocks={sink_blocks} and local_blocks={local_blocks} must be >= 0")
+        forced = sink_blocks + local_blocks + int(force_newest)
+        if forced > topk_blocks:
+            raise ValueError(
+                f"selector keeps {forced} blocks always (sink_blocks={sink_blocks} + local_blocks={local_blocks}"
+                f" + force_newest={force_newest}) but topk_blocks={topk_blocks}; raise topk_blocks to >= {forced}"
+            )
+        self.topk_blocks = topk_blocks
+        self.sink_blocks = sink_blocks
+        self.local_blocks = local_blocks
+        self.force_newest = force_newest
+        self.gqa_reduce = gqa_reduce
+        self.dense_layers = frozenset(int(x) for x in dense_layers)
+
+
+class DenseSelectorOptions(SelectorOptions):
+    selects_every_block = True  # |A| grows with the context
+
+    def __init__(self, gqa_reduce: str = "max", dense_layers: Sequence[int] = ()) -> None:
+        # topk is irrelevant: every block is selected.
+        super().__init__(topk_blocks=1, sink_blocks=0, local_blocks=0, force_newest=False,
+                         gqa_reduce=gqa_reduce, dense_layers=dense_layers)
+
+
+class InfLLMSelectorOptions(SelectorOptions):
+    def __init__(
+        self,
+        topk_blocks: int,
+        sink_blocks: int = 1,
+        local_blocks: int = 4,
+        force_newest: bool = True,
+        gqa_reduce: str = "sum",
+        dense_layers: Sequence[int] = (),
+        representatives: int = 4,
+        per_head: bool = False,
+        scoring: str = "position_agnostic",
+        representatives_from: str = "window_attention",
+    ) -> None:
+        super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers)
+        if isinstance(representatives, bool) or not isinstance(representatives, int) or representatives < 1:
+            raise ValueError(f"selector.representatives={representatives!r} must be a positive integer "
+                             "(tokens per block, at most runtime.block_size)")
+        if not isinstance(per_head, bool):
+            raise ValueError(f"selector.per_head={per_head!r} is not one of [True, False]")
+        if scoring not in SCORINGS:
+            raise ValueError(f"selector.scoring={scoring!r} is not one of {list(SCORINGS)}")
+        if representatives_from not in REPRESENTATIVES_FROM:
+            raise ValueError(f"selector.representatives_from={representatives_from!r} is not one of "
+                             f"{list(REPRESENTATIVES_FROM)}")
+        self.window_blocks = local_blocks + int(force_newest)
+        if representatives_from == "window_attention" and self.window_blocks == 0:
+            raise ValueError("selector.representatives_from=window_attention needs a local window: set "
+                             "selector.local_blocks >= 1 or selector.force_newest=true")
+        self.representatives = representatives
+        self.per_head = per_head
+        self.scoring = scoring
+        self.representatives_from = representatives_from
+        self.inv_freq: Any = None  # [D/2] fp32 tensor: the RoPE the cache's keys carry (InfLLMSelector.bind_model)

@@ -430,12 +430,15 @@ class GraphDecoder:
             return self.attn.dense_attention(layer, q, lengths, num_blocks)
         if not self.attn.kernel_metadata:  # the selector's own metadata update (InfLLM, LESS)
             self.attn.selector.append_metadata(self.cache, layer, self.pos)
-        out, selection = self.attn.sparse_attention(layer, q, lengths, num_blocks)
-        if p.measure_dense or p.mode == "shadow":
+        measured = p.measure_dense or p.mode == "shadow"
+        # The studies measure the sparse output in fp32, before its cast to the model dtype, as the
+        # eager runtime does (in bf16 the cast alone is ~4e-3 of output error).
+        out, selection = self.attn.sparse_attention(layer, q, lengths, num_blocks, fp32=measured and p.study_counters)
+        if measured:
             self.attn.measure(layer, q, out, selection, lengths, num_blocks)
         if p.mode == "shadow":  # the dense output continues the model; the sparse one was measured
             return self.attn.dense_attention(layer, q, lengths, num_blocks)
-        return out
+        return out.to(self.dtype)  # (no launch where it is in the model dtype already)
 
     # --- the whole step ---------------------------------------------------------------------
     @torch.no_grad()

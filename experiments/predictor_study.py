@@ -20,6 +20,15 @@ ratio and layer: hit rate |P∩A|/|A|, precision |P∩A|/|P|, misses |A\\P| per 
 median wall time of propose and of update per layer-step on this CPU (one thread) and the
 predictor state's bytes.
 
+--engine graph decodes each prompt once per predictor through the graph engine instead
+(prr.runtime.study_decode; CUDA-graph replays on a GPU): the same prefill, calibration and
+warm-up, then the engine's device study counters give, per layer, the hits, |A| and |P| of the
+predictor's proposal at every ratio (from the state each step's P came from, exactly what the
+replay proposes: tests/test_study_counters.py), read once per decode; the first predictor's
+greedy tokens are fed to the others. Its check: each engine's own |P| = K hits equal its
+counters' at ratio 1.0. Not timed there (propose_us / update_us are NaN: see
+experiments/bench_predictors.py).
+
 --samples N captures N prompts per generated task (its seed, seed + 1, ...). Every rate of a table
 (hit rate, precision, misses per step) is the mean over prompts of the prompt's pooled rate, with a
 95% bootstrap interval over prompts (<rate>_lo, <rate>_hi; prompts = n; one prompt: no width).

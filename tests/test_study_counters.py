@@ -156,6 +156,13 @@ def test_sampled_steps_and_other_ratios_in_sparse_mode(tiny, predictor, ratios, 
         assert (graph["predicted_x0.5"] == 5 * 6 + 2 * 7).all()
 
 
+def test_a_budget_the_engine_cannot_hold_static_is_refused(tiny):
+    model, prefill, common = tiny
+    cfg = compose_config([*common, "runtime.mode=sparse", "selector=quest", "selector.topk_blocks=6", "budget=adaptive"])
+    with pytest.raises(ValueError, match="fixed budget"):
+        graph_study_decode(sparse_runtime(model, prefill, cfg, 2, 1), prefill.last_logits, 2, (1.0,))
+
+
 # torch ops; the Triton kernels (ema_membership's propose among them) under the interpreter take 16 s
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_study_counters_change_nothing_the_step_does(backend):

@@ -202,7 +202,19 @@ def test_the_captured_engines_study_counters_equal_the_eager_studys_on_a_gpu(var
     """The same equality on a GPU, fp32: the engine's steps are CUDA-graph replays (speculation and
     the study counters on the side stream); both runtimes on the Triton kernels (backend=triton:
     Quest's scores from the same kernel), so near-ties fall alike."""
-    model, prefill, common = prefilled("cuda", "tiny-random-d64", ("backend=triton",))
+    check_on_the_kernels("cuda", variant)
+
+
+@pytest.mark.slow  # 30 s under the interpreter: make test-full
+def test_the_study_counters_equal_the_eager_studys_on_the_kernels():
+    """The GPU test's case on the CPU, both runtimes on the Triton kernels under the interpreter
+    (uncaptured, one stream): Quest's selection kernel, the ema kernels' P beside the study's torch
+    ranking, the attention kernels' mass recall and output error."""
+    check_on_the_kernels("cpu", "quest_max")
+
+
+def check_on_the_kernels(device: str, variant: str) -> None:
+    model, prefill, common = prefilled(device, "tiny-random-d64", ("backend=triton",))
     cfg = compose_config(common + ls.VARIANTS[variant] + ["selector.dense_layers=[]", "selector.topk_blocks=6"])
     rows, tokens, disagree, mismatch = ls.decode_variant(model, prefill, cfg, STEPS, None)
     assert (disagree, mismatch) == (0, 0)

@@ -39,7 +39,7 @@ def load(name: str):
 
 
 ls = load("locality_study")
-PROMPT, STEPS = 203, 7  # 13 blocks of 16 at the first step: K = 6, 2K = 12 fit, 2 × 7.5 does not
+PROMPT, STEPS = 203, 7  # contexts of 13 blocks of 16 (14 from step 5): |P| = 2K = 12 fits at K = 6
 
 
 def prefilled(device: str = "cpu", model_name: str = "tiny-random", extra: tuple[str, ...] = ()) -> tuple[Any, Any, list]:

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from prr.cli_exits import interrupted, refuse  # standard library only
+from prr.cli_exits import interrupted, refuse, refuse_without_teardown  # standard library only
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 STARTED = time.time()  # before Hydra makes the run dir: an empty run dir newer than this is this process's
@@ -57,9 +57,9 @@ if __name__ == "__main__":
             # Hydra would report a bad override in several lines, in a sweep only at the bad job's turn
             sys.argv[1:], chosen = preflight(sys.argv[1:], CONF_DIR)
         except BadOverride as err:
-            refuse(str(err))
+            refuse_without_teardown(str(err))
         except ConfigError as err:
-            refuse(*err.problems)
+            refuse_without_teardown(*err.problems)
         if chosen:
             print(chosen, flush=True)
         hydra_app()

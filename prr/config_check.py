@@ -4,9 +4,11 @@ against each other and the model (top-K vs context, prompt vs model context), al
 any weights load. All problems are reported at once.
 
 `problems_before_torch` runs the part of these checks that needs no torch (run.py refuses
-what it finds before importing torch, in well under a second); `validate` runs them all. Each
-check is defined once: the torch-free classes of CHECKED_BEFORE_TORCH are the constructors the
-configured classes inherit, and `validate` runs the same cross-checks."""
+what it finds before importing torch, in well under a second); `validate` runs them all. So
+run.py reports every problem in two rounds at most: those found before torch, then the runtime
+and backend groups' (prr/runtime/* imports torch). Each check is defined once: the torch-free
+classes of CHECKED_BEFORE_TORCH are the constructors the configured classes inherit, and
+`validate` runs the same cross-checks."""
 
 from __future__ import annotations
 

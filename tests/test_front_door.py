@@ -402,7 +402,8 @@ def time_refusals(repeats: int) -> None:
             times.sort()
             cpu.sort()
             print(f"{case.name:45s} wall min {times[0]:.2f} median {times[len(times) // 2]:.2f} max {times[-1]:.2f} s"
-                  f" | CPU min {cpu[0]:.2f} median {cpu[len(cpu) // 2]:.2f} max {cpu[-1]:.2f} s")
+                  f" | CPU min {cpu[0]:.2f} median {cpu[len(cpu) // 2]:.2f} max {cpu[-1]:.2f} s"
+                  f" | {'before' if case.before_torch else 'after'} torch")
             slowest = max(slowest, (times[-1], case.name))
             slowest_cpu = max(slowest_cpu, (cpu[-1], case.name))
         print(f"slowest wall: {slowest[1]} {slowest[0]:.2f} s; slowest CPU (user + sys): {slowest_cpu[1]} "

@@ -124,7 +124,12 @@ def map_prediction(stage_map: pd.DataFrame, selector: str, context: int, block: 
     """What the stage map predicts for a whole PRR run's per-token ms: serial_token_ms minus
     sparse_layers x (serial stage - PRR stage at hit_rate) µs, from the batch-1 cell of the same
     selector, block and budget at the context nearest `context` (PRR stage linear in the hit rate
-    between the map's rates, clamped to them). NaN where the map has no such cell."""
+    between the map's rates, clamped to them). NaN where the map has no such cell.
+    The serial stage is the map's `serial_fused_merge`: the engine's serial DSA merges one-wave
+    split launches inside the split kernel (StaticPlan.fuse_merge "one_wave", every batch-1 cell
+    of the map), while the map's `serial` adds the merge launch (1.0 µs per layer in the Quest
+    32K block-16 cell; 1.5-4.3 µs per layer in a whole step, experiments/step_breakdown.py's
+    serial_merge_launch view)."""
     cell = stage_map[(stage_map["batch"] == 1) & (stage_map["selector"] == selector)
                      & (stage_map["block"] == block) & (stage_map["topk_tokens"] == topk_tokens)]
     if cell.empty or not math.isfinite(hit_rate):
@@ -132,7 +137,10 @@ def map_prediction(stage_map: pd.DataFrame, selector: str, context: int, block: 
     nearest = cell.loc[(cell["context"] - context).abs().idxmin(), "context"]
     cell = cell[cell["context"] == nearest].sort_values("target_hit_rate")
     prr_us = float(np.interp(hit_rate, cell["target_hit_rate"], cell["prr"]))
-    serial_us = float(cell["serial"].median())  # one serial timing per cell, repeated on each hit-rate row
+    if "serial_fused_merge" not in cell:
+        raise ValueError("the stage map has no serial_fused_merge column (the engine's serial stage): "
+                         "re-run experiments/bench_decode.py --parts stage")
+    serial_us = float(cell["serial_fused_merge"].median())  # one serial timing per cell, on each hit-rate row
     return serial_token_ms - sparse_layers * (serial_us - prr_us) * 1e-3
 
 

@@ -34,14 +34,17 @@ def stage_map() -> pd.DataFrame:
     for context in (32512, 130816):
         for hit, prr in ((0.0, 40.0), (0.9, 30.0), (1.0, 20.0)):
             rows.append({"batch": 1, "selector": "quest", "block": 16, "topk_tokens": 512, "context": context,
-                         "target_hit_rate": hit, "serial": 25.0 + (context > 100000), "prr": prr})
+                         "target_hit_rate": hit, "serial": 27.0, "serial_fused_merge": 25.0 + (context > 100000),
+                         "prr": prr})
     rows.append({"batch": 8, "selector": "quest", "block": 16, "topk_tokens": 512, "context": 32512,
-                 "target_hit_rate": 1.0, "serial": 99.0, "prr": 1.0})  # another batch: never used
+                 "target_hit_rate": 1.0, "serial": 99.0, "serial_fused_merge": 99.0, "prr": 1.0})  # another batch
     return pd.DataFrame(rows)
 
 
 def test_map_prediction_interpolates_the_hit_rate_at_the_nearest_context():
     m = stage_map()
+    # (the serial stage is the engine's: splits merged in the split kernel, serial_fused_merge, not
+    # the map's `serial` with its merge launch)
     # 32K, hit 0.95: PRR stage 25 µs (between 30 at 0.9 and 20 at 1.0) = serial's 25: no change
     assert er.map_prediction(m, "quest", 32000, 16, 512, 0.95, 5.0, 30) == pytest.approx(5.0)
     # 128K (nearest 130816, serial 26 µs), hit 1.0: 30 layers x 6 µs = 0.18 ms saved

@@ -95,13 +95,18 @@ class Steps:
 
 class EagerRequests:
     """Engine's request strategy on the research runtime (`runtime.engine=eager`): a fresh
-    EagerRuntime per request (its own cache, selector and predictor), one step per host look,
-    per-(step, layer, row, KV head) records. (The graph engine's: prr/runtime/graph_requests.py.)"""
+    EagerRuntime per request (its own cache, selector and predictor), one request at a time, one
+    step per host look, per-(step, layer, row, KV head) records. (The graph engine's:
+    prr/runtime/graph_requests.py.)"""
 
     label = "eager"
     window = 1
+    rows = 1  # requests decoded together
 
     def __init__(self, owner: Engine) -> None:
+        if owner.settings.batch_size != 1:
+            raise ValueError(f"runtime.batch_size={owner.settings.batch_size}: the research runtime decodes one "
+                             "request at a time; use runtime.batch_size=1 (or runtime.engine=graph)")
         self.owner = owner
         selector = owner.new_selector()
         self.selection_backend = selector.set_backend(owner.ops.name)
@@ -121,21 +126,20 @@ class EagerRequests:
                                     o.ops.name, total_tokens, o.dtype)
         return self.runtime
 
-    def begin(self, eager: EagerRuntime, length: int) -> None:
-        self.position = length
+    def begin(self, eager: EagerRuntime, lengths: list[int]) -> None:
+        self.position = lengths[0]
 
-    def steps(self, first: int, n: int, forced: list[int] | None) -> Steps:
-        """n steps: step 0 reads `first`, step i > 0 the token step i - 1 chose (forced[i - 1],
-        or its greedy token)."""
-        out, token = Steps(records=[]), first
+    def steps(self, first: list[int], n: int, forced: list[list[int]] | None, step: int = 0) -> list[Steps]:
+        """n steps of the request: step 0 reads first[0], step i > 0 the token step i - 1 chose
+        (forced[0][i - 1], or its greedy token); `step`: the first one's index (records)."""
+        out, token = Steps(records=[]), first[0]
         for i in range(n):
             with torch.inference_mode():
-                logits, records, wall, measure_s = self.runtime.step(torch.tensor([token]), self.position,
-                                                                     self.owner.step + i)
+                logits, records, wall, measure_s = self.runtime.step(torch.tensor([token]), self.position, step + i)
                 row = logits[0].float()  # [V]
                 top2 = row.topk(2).values
                 best = int(row.argmax())
-                chosen = forced[i] if forced is not None else best
+                chosen = forced[0][i] if forced is not None else best
                 out.logprobs.append(float(torch.log_softmax(row, -1)[chosen]))
             out.read.append(token)
             out.chosen.append(chosen)
@@ -146,7 +150,7 @@ class EagerRequests:
             out.records.append(records)
             self.position += 1
             token = chosen
-        return out
+        return [out]
 
     def end(self) -> None:
         self.runtime = None
@@ -158,16 +162,14 @@ class EagerRequests:
 class Engine:
     """Decode requests under one config (model, selector, predictor, budget, runtime, backend):
     the prefill, the greedy / EOS / stop-string loop, scoring and the records, over a request
-    strategy chosen by runtime.engine: `EagerRequests` (the research runtime) or `GraphRequests`
-    (the CUDA-graph engine, prr/runtime/graph_requests.py)."""
+    strategy chosen by runtime.engine: `EagerRequests` (the research runtime, one request at a
+    time) or `GraphRequests` (the CUDA-graph engine, prr/runtime/graph_requests.py: batches of
+    runtime.batch_size requests, ragged rows)."""
 
     def __init__(self, cfg: DictConfig, model: Any, max_tokens: int, run_dir: Path | None = None) -> None:
         """max_tokens: the longest request (prompt + new tokens) this engine will see."""
         self.cfg = cfg
         self.settings = instantiate(cfg.runtime)
-        if self.settings.batch_size != 1:
-            raise ValueError(f"runtime.batch_size={self.settings.batch_size}: scored tasks decode one request at a "
-                             "time; use runtime.batch_size=1")
         self.model = model
         self.tokenizer = model.tokenizer if model.tokenizer is not None else ByteTokenizer()
         mc = model.config
@@ -179,8 +181,7 @@ class Engine:
         self.budget = instantiate(cfg.budget)
         self.max_tokens = min(max_tokens, mc.max_position_embeddings)
         self.eos_ids = set(eos_ids(mc))
-        self.request = -1  # index of the current request: the records' `sample` column
-        self.step = 0  # the current request's next decode step (the records' `step`)
+        self.request = -1  # index of the last request started: the records' `sample` column
         self.run_dir = run_dir
         self.collect = False  # True: keep the current request's step rows in self.request_rows (studies)
         self.request_rows: list[dict[str, Any]] = []
@@ -239,50 +240,68 @@ class Engine:
             logits = self.model.decoder(input_ids.to(self.device), 0, capture, last_logits_only=True)[:, -1]
         return Prefill(input_ids, logits, capture.qkv)
 
-    def _start(self, input_ids: Tensor, new_tokens: int, prefill: Prefill | None, all_logits: bool = False,
-               first_step: int = 0) -> Tensor:
-        """The prompt input_ids [1, T] prefilled into the request strategy's runtime -> logits
-        [1, V] at the last prompt position ([T, V] at every position with all_logits)."""
-        self.request += 1
-        self.request_rows = []
-        self.step = first_step
-        mc = self.model.config
-        total_tokens = input_ids.shape[1] + new_tokens
-        if total_tokens > self.max_tokens:
-            raise ValueError(f"a request of {total_tokens} tokens exceeds this engine's {self.max_tokens} "
-                             f"(model context {mc.max_position_embeddings}); shorten the prompt")
-        runtime = self.runtime.open(total_tokens)
-        with torch.inference_mode():
-            if prefill is None:
-                logits = runtime.prefill(input_ids, all_logits=all_logits, last_logits_only=not all_logits)
+    def _batches(self, prompt_lengths: list[int], new_tokens: list[int]) -> list[list[int]]:
+        """Requests (in order) grouped into batches of at most the strategy's rows whose longest
+        prompt plus most new tokens fit the engine (every row runs the batch's steps)."""
+        out: list[list[int]] = []
+        for i, (t, n) in enumerate(zip(prompt_lengths, new_tokens, strict=True)):
+            if t + n > self.max_tokens:
+                raise ValueError(f"a request of {t + n} tokens exceeds this engine's {self.max_tokens} (model "
+                                 f"context {self.model.config.max_position_embeddings}); shorten the prompt")
+            last = out[-1] if out else None
+            if last is None or len(last) == self.runtime.rows or \
+                    max(t, *(prompt_lengths[j] for j in last)) + max(n, *(new_tokens[j] for j in last)) > self.max_tokens:
+                out.append([i])
             else:
-                if not torch.equal(prefill.input_ids, input_ids):
-                    raise ValueError("the Prefill given was made from other input_ids")
-                runtime.replay_prefill(prefill.qkv)  # same q/k/v: selector metadata and tail rebuilt
-                logits = prefill.last_logits
-            runtime.finish_prefill()
-            self.runtime.begin(runtime, input_ids.shape[1])
+                last.append(i)
+        return out
+
+    def _start(self, prompts: list[Tensor], new_tokens: list[int], prefills: list[Prefill | None]) -> Tensor:
+        """A batch of prompts ([1, T_b] each) prefilled into the request strategy's runtime, row b
+        of its cache each (rows past the batch repeat its last prompt) -> logits [R, V] at each
+        prompt's last position."""
+        self.request += len(prompts)
+        self.requests = list(range(self.request - len(prompts) + 1, self.request + 1))  # the rows' sample indices
+        self.request_rows = []
+        for ids, prefill in zip(prompts, prefills, strict=True):
+            if prefill is not None and not torch.equal(prefill.input_ids, ids):
+                raise ValueError("the Prefill given was made from other input_ids")
+        runtime = self.runtime.open(max(p.shape[1] for p in prompts) + max(new_tokens))
+        rows = self.runtime.rows
+        with torch.inference_mode():
+            if rows == 1:
+                history = None
+                if prefills[0] is None:
+                    logits = runtime.prefill(prompts[0], last_logits_only=True)  # [1, V]
+                else:
+                    runtime.replay_prefill(prefills[0].qkv)  # same q/k/v: selector metadata and tail rebuilt
+                    logits = prefills[0].last_logits
+            else:  # a ragged batch, row by row
+                pad = rows - len(prompts)
+                prompts, prefills = prompts + prompts[-1:] * pad, prefills + prefills[-1:] * pad
+                computed, history = runtime.prefill_rows(prompts, [p.qkv if p is not None else None for p in prefills])
+                logits = torch.cat([c if c is not None else p.last_logits
+                                    for c, p in zip(computed, prefills, strict=True)])[: rows - pad]  # [R, V]
+            runtime.finish_prefill(history)
+            self.runtime.begin(runtime, [p.shape[1] for p in prompts])
         return logits.float()
 
-    def _record(self, steps: Steps, kept: int) -> None:
-        """The first `kept` of these steps into the records (and request_rows when collecting);
-        the request's step count moves past every step that ran."""
-        first = self.step
-        self.step += len(steps.read)
+    def _record(self, steps: Steps, kept: int, sample: int, first_step: int) -> None:
+        """The first `kept` steps of one request into the records (and request_rows when collecting)."""
         if self.records is None and not self.collect:
             return
         if self.collect and steps.records is None:
             raise ValueError(f"collect=True keeps per-head step records, which runtime.engine={self.runtime.label} "
                              "does not write; use runtime.engine=eager")
         rows = [] if steps.records is None else step_rows([r for rs in steps.records[:kept] for r in rs],
-                                                          sample=self.request)
+                                                          sample=sample)
         if self.collect:
             self.request_rows += rows
         if self.records is not None:
             if rows:
                 self.records.steps.write(rows)
-            self.records.tokens.write([token_row(first + i, steps.read[i], steps.wall_s[i], steps.measure_s[i],
-                                                 sample=self.request) for i in range(kept)])
+            self.records.tokens.write([token_row(first_step + i, steps.read[i], steps.wall_s[i], steps.measure_s[i],
+                                                 sample=sample) for i in range(kept)])
 
     # --- requests -----------------------------------------------------------------------
     def _ended(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
@@ -291,59 +310,106 @@ class Engine:
     def generate(self, input_ids: Tensor, max_new_tokens: int, stop: tuple[str, ...] = (),
                  prefill: Prefill | None = None) -> Generation:
         """Greedy decoding of up to max_new_tokens after input_ids [1, T]; stops at EOS or when
-        the text holds a stop string (cut there). The host looks at tokens every window of
-        steps (the graph engine's: 16; steps past the end are not kept)."""
-        logits = self._start(input_ids, max_new_tokens, prefill)[0]  # [V]
-        top2 = logits.topk(2).values
-        tokens, margins = [int(logits.argmax())], [float(top2[0] - top2[1])]
-        ended = self._ended(tokens, stop)
+        the text holds a stop string (cut there)."""
+        return self.generate_batch([input_ids], max_new_tokens, stop, [prefill])[0]
+
+    def generate_batch(self, prompts: list[Tensor], max_new_tokens: int, stop: tuple[str, ...] = (),
+                       prefills: list[Prefill | None] | None = None) -> list[Generation]:
+        """`generate` for each prompt ([1, T_b], lengths may differ), decoded together in batches
+        of the strategy's rows (graph: runtime.batch_size). The host looks at tokens every window
+        of steps (graph: 16); a row's steps past its end are not kept."""
+        prefills = prefills if prefills is not None else [None] * len(prompts)
+        out: list[Generation] = []
+        for batch in self._batches([p.shape[1] for p in prompts], [max_new_tokens] * len(prompts)):
+            out += self._generate_rows([prompts[i] for i in batch], max_new_tokens, stop, [prefills[i] for i in batch])
+        return out
+
+    def _generate_rows(self, prompts: list[Tensor], max_new_tokens: int, stop: tuple[str, ...],
+                       prefills: list[Prefill | None]) -> list[Generation]:
+        logits = self._start(prompts, [max_new_tokens] * len(prompts), prefills)  # [R, V]
+        top2 = logits.topk(2, -1).values
+        tokens = [[int(t)] for t in logits.argmax(-1)]
+        margins = [[float(m)] for m in top2[:, 0] - top2[:, 1]]
+        ended = [self._ended(t, stop) for t in tokens]
+        made = 1  # tokens each row has had (the last one needs no decode step of its own)
         try:
-            while not ended and len(tokens) < max_new_tokens:  # the last token needs no decode step of its own
-                steps = self.runtime.steps(tokens[-1], min(self.runtime.window, max_new_tokens - len(tokens)), None)
-                kept = 0
-                for token, margin in zip(steps.chosen, steps.margins, strict=True):
-                    tokens.append(token)
-                    margins.append(margin)
-                    kept += 1
-                    if self._ended(tokens, stop):
-                        ended = True
-                        break
-                self._record(steps, kept)
+            while not all(ended) and made < max_new_tokens:
+                n = min(self.runtime.window, max_new_tokens - made)
+                for r, steps in enumerate(self.runtime.steps([t[-1] for t in tokens], n, None, made - 1)):
+                    kept = 0
+                    for token, margin in zip(steps.chosen, steps.margins, strict=True):
+                        if ended[r]:
+                            break
+                        tokens[r].append(token)
+                        margins[r].append(margin)
+                        kept += 1
+                        ended[r] = self._ended(tokens[r], stop)
+                    self._record(steps, kept, self.requests[r], made - 1)
+                made += n
         finally:
             self.runtime.end()
-        text = self.decode_text(tokens)
-        for s in stop:
-            if s and s in text:
-                text = text[: text.index(s)]
-        return Generation(tokens, text, margins)
+        out = []
+        for ids, m in zip(tokens, margins, strict=True):
+            text = self.decode_text(ids)
+            for s in stop:
+                if s and s in text:
+                    text = text[: text.index(s)]
+            out.append(Generation(ids, text, m))
+        return out
 
     def score(self, input_ids: Tensor, continuation: list[int], prefill: Prefill | None = None) -> tuple[float, bool, list[float]]:
         """log p(continuation | input_ids [1, T]) with continuation tokens fed one decode step at
         a time (teacher forcing) -> (sum of log-probs, whether greedy decoding yields it,
         per-token log-probs)."""
-        if not continuation:
-            raise ValueError("an empty continuation has no log-likelihood")
-        logprobs, greedy = [], []
-        if input_ids.shape[1] == 1:
-            # The prefill needs 2 tokens: the first continuation token joins it, its log-prob read at position 0.
-            if prefill is not None:
-                raise ValueError("a one-token context is prefilled together with its first continuation token")
-            input_ids = torch.cat([input_ids, torch.tensor([continuation[:1]], dtype=input_ids.dtype)], 1)
-            both = self._start(input_ids, len(continuation) - 1, None, all_logits=True, first_step=1)  # [2, V]
-            logprobs.append(float(torch.log_softmax(both[0], -1)[continuation[0]]))
-            greedy.append(int(both[0].argmax()) == continuation[0])
-            logits, continuation = both[1], continuation[1:]
-        else:
-            logits = self._start(input_ids, len(continuation), prefill)[0]  # [V]
-        try:
+        return self.score_batch([(input_ids, continuation)], [prefill])[0]
+
+    def score_batch(self, requests: list[tuple[Tensor, list[int]]], prefills: list[Prefill | None] | None = None
+                    ) -> list[tuple[float, bool, list[float]]]:
+        """`score` for each (input_ids [1, T_b], continuation) request, scored together in
+        batches of the strategy's rows (graph: runtime.batch_size; ragged rows, each fed its
+        own continuation; the host reads each batch's log-probs once)."""
+        prefills = prefills if prefills is not None else [None] * len(requests)
+        rows = []  # (prompt, tokens its decode steps score, log-prob and greedy flag of a one-token context's first)
+        for (ids, continuation), prefill in zip(requests, prefills, strict=True):
+            if not continuation:
+                raise ValueError("an empty continuation has no log-likelihood")
+            first = None
+            if ids.shape[1] == 1:
+                # The prefill needs 2 tokens: the first continuation token joins it, its log-prob
+                # that of a one-token dense forward (the prompt's first position).
+                if prefill is not None:
+                    raise ValueError("a one-token context is prefilled together with its first continuation token")
+                from prr.model.dense import DenseAttention
+
+                with torch.inference_mode():  # (one token: a decode step at position 0 over an empty cache)
+                    one = self.model.decoder(ids.to(self.device), 0, DenseAttention(self.model.config.num_layers),
+                                             last_logits_only=True)[0, -1].float()  # [V]
+                first = (float(torch.log_softmax(one, -1)[continuation[0]]), int(one.argmax()) == continuation[0])
+                ids, continuation = torch.cat([ids, torch.tensor([continuation[:1]], dtype=ids.dtype)], 1), continuation[1:]
+            rows.append((ids, continuation, first))
+        out = []
+        for batch in self._batches([rows[i][0].shape[1] for i in range(len(rows))], [len(r[1]) for r in rows]):
+            out += self._score_rows([rows[i] for i in batch], [prefills[i] for i in batch])
+        return out
+
+    def _score_rows(self, rows: list, prefills: list[Prefill | None]) -> list[tuple[float, bool, list[float]]]:
+        logits = self._start([r[0] for r in rows], [len(r[1]) for r in rows], prefills)  # [R, V]
+        logprobs = [[] if first is None else [first[0]] for _, _, first in rows]
+        greedy = [[] if first is None else [first[1]] for _, _, first in rows]
+        for r, (_, continuation, _) in enumerate(rows):
             if continuation:
-                logprobs.append(float(torch.log_softmax(logits, -1)[continuation[0]]))
-                greedy.append(int(logits.argmax()) == continuation[0])
-            if len(continuation) > 1:  # step i reads continuation[i]: the log-prob of continuation[i + 1]
-                steps = self.runtime.steps(continuation[0], len(continuation) - 1, continuation[1:])
-                logprobs += steps.logprobs
-                greedy += steps.greedy
-                self._record(steps, len(steps.read))
+                logprobs[r].append(float(torch.log_softmax(logits[r], -1)[continuation[0]]))
+                greedy[r].append(int(logits[r].argmax()) == continuation[0])
+        n = max(len(c) for _, c, _ in rows) - 1  # step i reads continuation[i]: the log-prob of continuation[i + 1]
+        try:
+            if n > 0:  # rows with shorter continuations run greedy steps past theirs, not kept
+                forced = [c[1:] + [-1] * (n - len(c[1:])) for _, c, _ in rows]
+                first = [c[0] if c else ids[0, -1].item() for ids, c, _ in rows]
+                for r, steps in enumerate(self.runtime.steps(first, n, forced)):
+                    kept = max(len(rows[r][1]) - 1, 0)
+                    logprobs[r] += steps.logprobs[:kept]
+                    greedy[r] += steps.greedy[:kept]
+                    self._record(steps, kept, self.requests[r], 0 if rows[r][2] is None else 1)
         finally:
             self.runtime.end()
-        return sum(logprobs), all(greedy), logprobs
+        return [(sum(lp), all(g), lp) for lp, g in zip(logprobs, greedy, strict=True)]

@@ -113,7 +113,8 @@ class EagerRuntime:
         (`PagedKVCache.row`: its own length and metadata), or kept[b] (a kept dense prefill's
         q/k/v per layer, `replay_prefill`'s) replayed there; the cache's host length is then the
         longest row's. -> (logits [1, V] at each row's last position, None for replayed rows;
-        the prefill tails' selections per layer stacked over rows: `finish_prefill`'s history)."""
+        the prefill tails' selections per layer stacked over rows, the shortest tail's number of
+        steps: `finish_prefill`'s history)."""
         from prr.selectors.base import stack_rows
 
         kept = kept if kept is not None else [None] * len(prompts)
@@ -131,9 +132,16 @@ class EagerRuntime:
         layers = self.cache.num_layers
         for layer in range(layers):
             self.cache.set_length(layer, max(int(ids.shape[1]) for ids in prompts))
-        history = [None if rows[0].history[layer] is None else
-                   [stack_rows(list(step)) for step in zip(*(r.history[layer] for r in rows), strict=True)]
-                   for layer in range(layers)]
+        # Rows shorter than the tail (runtime.calibration_tokens) have fewer tail steps: every row's
+        # last `steps` are stacked, aligned at the prompts' ends.
+        history = []
+        for layer in range(layers):
+            if rows[0].history[layer] is None:
+                history.append(None)
+                continue
+            steps = min(len(r.history[layer]) for r in rows)
+            history.append([stack_rows(list(step)) for step in
+                            zip(*(r.history[layer][len(r.history[layer]) - steps :] for r in rows), strict=True)])
         return logits, history
 
     def replay_prefill(self, qkv: list[tuple[Tensor, Tensor, Tensor]]) -> None:

@@ -16,7 +16,9 @@ A request:
    checked per window of steps) or once per request (scoring: the continuation is fed by
    teacher forcing, `GraphDecoder.forced_tokens`).
 
-Not yet: batches of requests (ragged rows); scored tasks decode one request at a time.
+Batches: runtime.batch_size requests decode together, one per row of the cache, each of its
+own length (ragged rows: prefilled row by row, `EagerRuntime.prefill_rows`); the predictor is
+calibrated on every row's prefill tail at once, as a ragged decode run's is.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def scoring_problems(settings: Any, predictor: Any, budget: Any) -> list[str]:
         out.append(f"{head}: predictor={type(predictor).__name__} replays a recorded serial pass (a decode "
                    "benchmark tool); use another predictor")
     if settings.row_tokens:
-        out.append(f"{head}: runtime.row_tokens={list(settings.row_tokens)}: requests decode one at a time; "
-                   "leave runtime.row_tokens unset")
+        out.append(f"{head}: runtime.row_tokens={list(settings.row_tokens)}: each request's prompt sets its "
+                   "row's length; leave runtime.row_tokens unset")
     if settings.tensor_parallel != 1:
         out.append(f"{head}: runtime.tensor_parallel={settings.tensor_parallel}: not yet; use runtime.tensor_parallel=1")
     return out
@@ -73,17 +75,18 @@ class GraphRequests:
         if problems:
             raise ValueError("; ".join(problems))
         self.device = owner.device
+        self.rows = settings.batch_size  # requests decoded together, one per row of the cache
         self.backend = engine_backend(settings.device, owner.ops.name)
         # The engine's cache, its capacity the longest request: every request prefills into it.
-        self.cache = kv_cache(decoder, 1, settings.block_size, owner.max_tokens, owner.dtype, self.device)
+        self.cache = kv_cache(decoder, self.rows, settings.block_size, owner.max_tokens, owner.dtype, self.device)
         max_blocks = self.cache.max_blocks
         plan = graph_plan(settings, selector, predictor, owner.budget, max_blocks)
         self.budget_info: dict[str, Any] = {"policy": type(owner.budget).__name__,
                                             "predicted_blocks": plan.predicted_blocks}
         if plan.variant == "prr" and owner.budget.profiles and predictor.uses_budget:
             # |P| is static for the captured step: profiled once, at the longest request's context
-            plan, info = profiled_plan(plan, owner.budget, decoder, 1, self.cache.max_tokens, selector, self.backend,
-                                       max_blocks)
+            plan, info = profiled_plan(plan, owner.budget, decoder, self.rows, self.cache.max_tokens, selector,
+                                       self.backend, max_blocks)
             self.budget_info.update(info)
         self.plan = plan
         self.speculating = plan.variant == "prr"
@@ -93,7 +96,7 @@ class GraphRequests:
         # Steps between host looks while generating (EOS, stop strings); scoring looks once per request.
         self.window = 16
         self.engine: GraphDecoder | None = None
-        self.position = 0  # the position of the token the next step reads
+        self.positions = [0] * self.rows  # per row: the position of the token the next step reads
         # pooled device counters over requests (|A|, |P|, |P ∩ A|, |A_t ∩ A_t-1| per layer)
         self.totals: Tensor | None = None
         self.request_counts: dict[str, float] = {}  # the last request's, pooled over sparse layers (_pooled)
@@ -112,9 +115,9 @@ class GraphRequests:
                             self.cache.max_tokens, o.dtype, cache=self.cache, mode="sparse", dense_metrics_every=1,
                             check_serial=False)
 
-    def begin(self, eager: Any, length: int) -> None:
-        """After the prefill of `length` tokens into the cache: the engine takes over (built and
-        captured on the first request), its state set for this request in place."""
+    def begin(self, eager: Any, lengths: list[int]) -> None:
+        """After the prefill of lengths[b] tokens into row b of the cache: the engine takes over
+        (built and captured on the first batch), its state set for this batch in place."""
         # the prefill ran the selector and predictor on the prefill's ops: back to the engine's
         self.selector.set_backend(self.backend)
         self.predictor.set_backend(self.backend)
@@ -122,7 +125,7 @@ class GraphRequests:
         if first:
             self._build()
         engine = self.engine
-        engine.begin(length, torch.zeros(1, dtype=torch.long))
+        engine.begin(lengths, torch.zeros(self.rows, dtype=torch.long))
         if self.speculating:
             mine, warmed = state_tensors(engine.predictor_state), state_tensors(eager.backend.predictor_state)
             if len(mine) != len(warmed) or any(a.shape != b.shape for a, b in zip(mine, warmed, strict=False)):
@@ -131,10 +134,10 @@ class GraphRequests:
                                  f"{[tuple(t.shape) for t in mine]}; use runtime.engine=eager")
             for a, b in zip(mine, warmed, strict=True):
                 a.copy_(b)
-            engine.prime_predictions(length)
+            engine.prime_predictions(lengths)
         engine.set_previous_selections(eager.backend.previous)
         self.forced.fill_(-1)
-        self.position = length
+        self.positions = list(lengths)
         if first and self.device.type == "cuda":  # one capture; its warm-up steps advance the state: rewind
             start = engine.checkpoint()
             self.replay = engine.capture(self.replay).replay
@@ -145,43 +148,50 @@ class GraphRequests:
         o = self.owner
         self.plan = dataclasses.replace(self.plan, projections=o.settings.graph_projections())  # (fused GEMVs: GPU, batch 1)
         engine = self.engine = GraphDecoder(
-            o.model.decoder, self.plan, 1, self.cache.max_tokens, compile=self.device.type == "cuda",
+            o.model.decoder, self.plan, self.rows, self.cache.max_tokens, compile=self.device.type == "cuda",
             selector=self.selector, predictor=self.predictor if self.speculating else None, cache=self.cache,
             backend=self.backend)
         cap = engine.max_tokens + 1
-        # Indexed by the position of the token a step chose ([1, capacity + 1]): the same captured
-        # step serves every request, whatever its prompt length.
-        self.tokens = torch.zeros(1, cap, dtype=torch.long, device=self.device)
-        self.logprobs = torch.zeros(1, cap, dtype=torch.float32, device=self.device)
-        self.greedy = torch.zeros(1, cap, dtype=torch.bool, device=self.device)
-        self.margins = torch.zeros(1, cap, dtype=torch.float32, device=self.device)
-        # [1, max_tokens]: the token that follows each position (-1: the step's greedy token)
-        self.forced = engine.forced_tokens = torch.full((1, engine.max_tokens), -1, dtype=torch.long,
+        # Per row, indexed by the position of the token a step chose ([B, capacity + 1]): the same
+        # captured step serves every request, whatever its prompt length.
+        B = self.rows
+        self.tokens = torch.zeros(B, cap, dtype=torch.long, device=self.device)
+        self.logprobs = torch.zeros(B, cap, dtype=torch.float32, device=self.device)
+        self.greedy = torch.zeros(B, cap, dtype=torch.bool, device=self.device)
+        self.margins = torch.zeros(B, cap, dtype=torch.float32, device=self.device)
+        # [B, max_tokens]: the token that follows each position (-1: the step's greedy token)
+        self.forced = engine.forced_tokens = torch.full((B, engine.max_tokens), -1, dtype=torch.long,
                                                          device=self.device)
         view = engine.with_plan(count_hits=True, measure_dense=False)
 
         def step() -> None:
-            logits = view.step(advance=True).float()  # [1, V]; view.token: the chosen token [1, 1]
-            at = view.pos.long()  # [1]: the chosen token's position
-            top2 = logits.topk(2, -1).values  # [1, 2]
-            self.tokens.index_copy_(1, at, view.token)
-            self.logprobs.index_copy_(1, at, logits.log_softmax(-1).gather(1, view.token))
-            self.greedy.index_copy_(1, at, logits.argmax(-1, keepdim=True) == view.token)
-            self.margins.index_copy_(1, at, top2[:, :1] - top2[:, 1:])
+            logits = view.step(advance=True).float()  # [B, V]; view.token: the chosen tokens [B, 1]
+            at = view.pos.long().view(-1, 1)  # [B, 1]: each row's chosen token's position
+            top2 = logits.topk(2, -1).values  # [B, 2]
+            self.tokens.scatter_(1, at, view.token)
+            self.logprobs.scatter_(1, at, logits.log_softmax(-1).gather(1, view.token))
+            self.greedy.scatter_(1, at, logits.argmax(-1, keepdim=True) == view.token)
+            self.margins.scatter_(1, at, top2[:, :1] - top2[:, 1:])
 
         self.replay = step
 
-    def steps(self, first: int, n: int, forced: list[int] | None) -> Steps:
-        """n steps from the current position: step 0 reads `first`, step i > 0 the token step
-        i - 1 chose: forced[i - 1] (teacher forcing; len(forced) == n) or its greedy token."""
-        engine, p0 = self.engine, self.position
-        if p0 + n > engine.max_tokens:  # (step i writes K/V at p0 + i)
-            raise ValueError(f"{n} steps from position {p0} exceed the engine's {engine.max_tokens} tokens")
-        out = Steps()
+    def steps(self, first: list[int], n: int, forced: list[list[int]] | None, step: int = 0) -> list[Steps]:
+        """n steps of the batch from each row's position: step 0 reads first[b], step i > 0 the
+        token step i - 1 chose: forced[b][i - 1] (teacher forcing; -1: greedy) or the greedy
+        token. Rows past len(first) (a short batch's padding) repeat the last row's.
+        -> one Steps per row given."""
+        engine, given = self.engine, len(first)
+        pad = self.rows - given
+        first = first + first[-1:] * pad
+        p0 = self.positions
+        if max(p0) + n > engine.max_tokens:  # (step i writes row b's K/V at p0[b] + i)
+            raise ValueError(f"{n} steps from positions {p0} exceed the engine's {engine.max_tokens} tokens")
+        wall: list[float] = []
         with torch.inference_mode():  # (the engine was built, and its tensors made, under the prefill's)
-            engine.token.fill_(first)
+            engine.token.copy_(torch.tensor(first, dtype=torch.long).view(-1, 1))
             if forced is not None:
-                self.forced[0, p0 : p0 + n] = torch.tensor(forced, dtype=torch.long)
+                for b, row in enumerate(forced + forced[-1:] * pad):
+                    self.forced[b, p0[b] : p0[b] + n] = torch.tensor(row, dtype=torch.long)
             if self.device.type == "cuda":
                 events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                           for _ in range(n)]
@@ -190,21 +200,19 @@ class GraphRequests:
                     self.replay()
                     stop.record()
                 events[-1][1].synchronize()
-                out.wall_s = [start.elapsed_time(stop) * 1e-3 for start, stop in events]  # device time per step
+                wall = [start.elapsed_time(stop) * 1e-3 for start, stop in events]  # device time per step
             else:
                 for _ in range(n):
                     t0 = time.perf_counter()
                     self.replay()
-                    out.wall_s.append(time.perf_counter() - t0)
-        written = slice(p0 + 1, p0 + 1 + n)
-        out.chosen = self.tokens[0, written].tolist()
-        out.read = [first, *out.chosen[:-1]]
-        out.logprobs = self.logprobs[0, written].tolist()
-        out.greedy = self.greedy[0, written].tolist()
-        out.margins = self.margins[0, written].tolist()
-        out.measure_s = [0.0] * n
-        self.position += n
-        return out
+                    wall.append(time.perf_counter() - t0)
+            # each row's n chosen tokens sit at p0[b] + 1 ... p0[b] + n: one gather and one read each
+            at = (torch.tensor(p0)[:, None] + 1 + torch.arange(n)).to(self.device)  # [B, n]
+            chosen, logprobs, greedy, margins = (t.gather(1, at).tolist() for t in (self.tokens, self.logprobs,
+                                                                                       self.greedy, self.margins))
+        self.positions = [p + n for p in p0]
+        return [Steps(read=[first[b], *chosen[b][:-1]], chosen=chosen[b], logprobs=logprobs[b], greedy=greedy[b],
+                      margins=margins[b], wall_s=wall, measure_s=[0.0] * n) for b in range(given)]
 
     def end(self) -> None:
         """A request done: its device counters pooled (read once per request)."""

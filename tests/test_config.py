@@ -162,15 +162,22 @@ def test_a_target_checked_before_torch_inherits_that_classs_constructor(target):
             assert getattr(built, capability) is getattr(checked, capability), capability
 
 
-def test_the_classes_checked_before_torch_import_no_torch():
+def test_every_option_is_checked_before_torch_without_importing_it():
+    """problems_before_torch on each option of the groups it checks, in a process where importing
+    torch (or transformers, pandas, numpy) raises: a check that needed one would raise here."""
     import subprocess
     import sys
 
     code = ("import sys\nfor heavy in ('torch', 'transformers', 'pandas', 'numpy'): sys.modules[heavy] = None\n"
-            "from prr.config_check import CHECKED_BEFORE_TORCH, resolve_target\n"
-            "for path in sorted(set(CHECKED_BEFORE_TORCH.values())): resolve_target(path)\n"
-            "import prr.model.describe\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=CONF.parent, capture_output=True, text=True, timeout=60)
+            "from hydra import compose, initialize_config_dir\n"
+            "from prr.config_check import problems_before_torch\n"
+            f"with initialize_config_dir(config_dir={str(CONF)!r}, version_base='1.3'):\n"
+            "    for line in sys.argv[1:]:\n"
+            "        problems_before_torch(compose('config', overrides=['model=tiny-random', line]))\n")
+    lines = [f"{g}={o}" for g in ("model", "selector", "predictor", "budget", "task", "logger") for o in options(g)
+             if (g, o) not in {("model", "hf"), ("selector", "less")}]  # hf: a path of the user's; less: after torch
+    done = subprocess.run([sys.executable, "-c", code, *lines], cwd=CONF.parent, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -13,7 +13,11 @@ captured on its own and replayed at a fixed position (the ema view decodes for r
 - prr_p=a: PRR with P = the step's own A (a 100% hit rate, no predictor work);
 - prr_p=a_counters, prr_p=a_one_stream (speculation on the main stream);
 - prr_ema, prr_ema_counters: the ema predictor proposing and learning for real (hit rate near 0.2 on
-  random data), counters off and on.
+  random data), counters off and on;
+- with --repair-tokens T1,T2,..: PRR's repair-and-merge tail with T tokens of A per program
+  (StaticPlan.repair_tokens_per_split; default: prr_repair.default_splits), at P = A
+  (prr_p=a_repair{T}) and at P with 90% of A (prr_p=0.9a, prr_p=0.9a_repair{T}): fewer, longer
+  programs against the default's one program per SM.
 Per view: the replay time (median over --replays replays, n and a 95% bootstrap interval of its
 ratio to serial), then one traced replay set (torch.profiler, CUPTI): per step the span from the
 first kernel's start to the last one's end, the time some kernel runs (the union of kernel
@@ -39,6 +43,7 @@ import torch
 from hydra.utils import instantiate
 
 from prr.benchmarking import environment, model_of
+from prr.blocks import controlled_predictions
 from prr.config_check import compose_config
 from prr.intervals import median_ratio_interval
 from prr.runtime.graph_budget import graph_samples_us
@@ -136,7 +141,8 @@ def step_profile(steps: list[list[tuple]]) -> tuple[dict, dict]:
     return summary, {name: (t / n, c / n) for name, (t, c) in names.items()}
 
 
-def cell_rows(model, selector_name: str, context: int, block: int, k: int, replays: int, traced: int):
+def cell_rows(model, selector_name: str, context: int, block: int, k: int, replays: int, traced: int,
+              repair_tokens: tuple[int, ...] = ()):
     capacity = context + 256
     max_blocks = -(-capacity // block)
     settings = SimpleNamespace(repair_mode="exact", mode="sparse", block_size=block)
@@ -189,6 +195,17 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
 
     for name, (view, advance) in views.items():
         measure(name, view, advance)
+    for tokens in repair_tokens:
+        measure(f"prr_p=a_repair{tokens}", eng.with_plan(repair_tokens_per_split=tokens), False)
+    if repair_tokens:  # P holding 90% of A (the rest other blocks): the tail repairs 10% of A
+        gen = torch.Generator().manual_seed(900)
+        num_blocks = (context + block) // block
+        for layer, selection in enumerate(eng.last_selection):
+            if selection is not None:
+                eng.set_predictions(layer, *controlled_predictions(selection, 0.9, num_blocks, gen))
+        measure("prr_p=0.9a", eng, False)
+        for tokens in repair_tokens:
+            measure(f"prr_p=0.9a_repair{tokens}", eng.with_plan(repair_tokens_per_split=tokens), False)
     del eng, views
     torch.cuda.empty_cache()
     # ema decoding for real: its own engine (the predictor proposes and learns inside the step)
@@ -209,9 +226,12 @@ def main() -> None:
     parser.add_argument("--cells", default="quest:32000:16:32", help="selector:context:block:K, comma-separated")
     parser.add_argument("--replays", type=int, default=40, help="timed replays per view")
     parser.add_argument("--traced", type=int, default=5, help="traced replays per view")
+    parser.add_argument("--repair-tokens", default="", help="tokens of A per repair program, comma-separated "
+                        "(views of the repair tail's split plan; multiples of the block size)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/h200"))
     args = parser.parse_args()
     cells = parse_cells(args.cells)
+    repair_tokens = tuple(int(t) for t in args.repair_tokens.split(",") if t)
     if not torch.cuda.is_available():
         raise SystemExit("error: step_breakdown.py times CUDA-graph replays: it needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -219,7 +239,7 @@ def main() -> None:
     model = model_of(32)
     rows, kernel_rows = [], []
     for cell in cells:
-        r, kr = cell_rows(model, *cell, replays=args.replays, traced=args.traced)
+        r, kr = cell_rows(model, *cell, replays=args.replays, traced=args.traced, repair_tokens=repair_tokens)
         rows += r
         kernel_rows += kr
         table = pd.DataFrame(rows).assign(command=command)

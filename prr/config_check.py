@@ -260,8 +260,12 @@ def runtime_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> 
                         f"which only runtime.engine=graph records (engine is {getattr(runtime, 'engine', 'eager')!r}): "
                         "add runtime.engine=graph")
     if callable(getattr(task, "evaluate", None)) and runtime.batch_size != 1:  # scored tasks (prr.evaluation)
-        problems.append(f"runtime.batch_size={runtime.batch_size}: scored tasks decode one request at a time; "
-                        "use runtime.batch_size=1")
+        if getattr(runtime, "engine", "eager") != "graph":
+            problems.append(f"runtime.batch_size={runtime.batch_size}: the research runtime decodes scored tasks one "
+                            "request at a time; use runtime.batch_size=1, or runtime.engine=graph for batches")
+        elif not getattr(task, "batches_requests", False):
+            problems.append(f"runtime.batch_size={runtime.batch_size}: task={option_name(cfg, 'task')} sends one "
+                            "request at a time; use runtime.batch_size=1")
     if getattr(runtime, "engine", "eager") == "graph":
         from prr.runtime.graph_run import graph_problems
 

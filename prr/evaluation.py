@@ -226,9 +226,15 @@ class Engine:
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def log_sample(self, row: dict[str, Any]) -> None:
+    @property
+    def rows(self) -> int:
+        """Requests decoded together (runtime.batch_size on the graph engine; 1 on the eager one)."""
+        return self.runtime.rows
+
+    def log_sample(self, row: dict[str, Any], sample: int | None = None) -> None:
+        """samples.jsonl's row of request `sample` (default: the last one started)."""
         if self.records is not None:
-            self.records.samples.write([{"sample": self.request, **row}])
+            self.records.samples.write([{"sample": self.request if sample is None else sample, **row}])
 
     # --- prefill ------------------------------------------------------------------------
     def prefill(self, input_ids: Tensor) -> Prefill:

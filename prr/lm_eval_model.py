@@ -112,7 +112,8 @@ class PRRLM(LM):
         task.context_tokens + task.max_new_tokens when task.context_tokens is given."""
         super().__init__()
         if str(batch_size) not in ("1", "auto"):
-            raise ValueError(f"batch_size={batch_size}: the prr model decodes one request at a time; use 1")
+            raise ValueError(f"batch_size={batch_size}: the prr model batches requests by runtime.batch_size "
+                             "(runtime.engine=graph); use 1")
         if engine is None:
             # prr's runtime group owns the device (runtime.device in model_args); prr-lm-eval passes
             # DEVICE_FROM_RUNTIME when no --device was given, in place of lm-eval's default cuda:0.
@@ -193,39 +194,56 @@ class PRRLM(LM):
 
     # --- lm-eval's three request types -------------------------------------------------
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        out, cut = [], 0
-        for request in tqdm(requests, desc="prr loglikelihood", disable=disable_tqdm):
+        scored, cut = [], 0  # (context [1, T], continuation ids) per request
+        for request in requests:
             context, continuation = request.args
             if context:
                 whole, ctx = self.tok_encode(context + continuation), self.tok_encode(context)
                 cont = whole[len(ctx):] if whole[: len(ctx)] == ctx else self.tok_encode(continuation)
             else:
                 ctx, cont = [self.prefix_token_id], self.tok_encode(continuation)
-            scored = cont[-(self.max_length - 2):]
-            ids, context_cut = self._context(ctx, self.max_length - len(scored))
-            cut += context_cut or len(scored) < len(cont)
-            logprob, greedy, _ = self.engine.score(ids, scored)
+            kept = cont[-(self.max_length - 2):]
+            ids, context_cut = self._context(ctx, self.max_length - len(kept))
+            cut += context_cut or len(kept) < len(cont)
+            scored.append((ids, kept))
+        out = []
+        for (logprob, greedy, _), request in zip(self._score(scored, "prr loglikelihood", disable_tqdm), requests,
+                                                 strict=True):
             out.append((logprob, greedy))
             self.cache_hook.add_partial("loglikelihood", request.args, (logprob, greedy))
         self._report_truncated("loglikelihood", cut, len(requests))
         return out
 
+    def _score(self, scored: list[tuple[torch.Tensor, list[int]]], desc: str, disable_tqdm: bool) -> list:
+        """engine.score_batch over (context [1, T], continuation) requests, a batch of the engine's
+        rows (runtime.batch_size on the graph engine) at a time."""
+        rows, out = self.engine.rows, []
+        with tqdm(total=len(scored), desc=desc, disable=disable_tqdm) as bar:
+            for start in range(0, len(scored), rows):
+                out += self.engine.score_batch(scored[start : start + rows])
+                bar.update(len(scored[start : start + rows]))
+        return out
+
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        out = []
-        for request in tqdm(requests, desc="prr loglikelihood_rolling", disable=disable_tqdm):
+        scored, owner = [], []  # every request's windows, and the request each belongs to
+        for i, request in enumerate(requests):
             (text,) = request.args
             windows = map(make_disjoint_window, get_rolling_token_windows(
                 self.tok_encode(text), self.prefix_token_id, self.max_length - 1, 1))
-            total = 0.0
             for ctx, pred in windows:  # each window fits max_length: nothing is cut
-                total += self.engine.score(self._context(ctx, self.max_length - len(pred))[0], pred)[0]
-            out.append(total)
-            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
-        return out
+                scored.append((self._context(ctx, self.max_length - len(pred))[0], pred))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logprob, _, _) in zip(owner, self._score(scored, "prr loglikelihood_rolling", disable_tqdm),
+                                      strict=True):
+            totals[i] += logprob
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        out, cut = [], 0
-        for request in tqdm(requests, desc="prr generate_until", disable=disable_tqdm):
+        prepared, cut = [], 0  # (context [1, T], max new tokens, stop strings) per request
+        for request in requests:
             context, kwargs = request.args
             kwargs = dict(kwargs or {})
             if kwargs.pop("do_sample", False) or float(kwargs.pop("temperature", 0.0) or 0.0) > 0:
@@ -236,8 +254,21 @@ class PRRLM(LM):
             # Generation prefills the context alone, which needs 2 tokens: a shorter one gets the prefix token.
             ids, context_cut = self._context(self.tok_encode(context), self.max_length - max_gen, min_tokens=2)
             cut += context_cut
-            text = self.engine.generate(ids, max_gen, stop=tuple(until)).text
-            out.append(text)
+            prepared.append((ids, max_gen, tuple(until)))
+        out: list[str] = []
+        with tqdm(total=len(requests), desc="prr generate_until", disable=disable_tqdm) as bar:
+            start = 0
+            while start < len(prepared):  # consecutive requests of the same settings, up to the engine's rows
+                end = start + 1
+                while end < len(prepared) and end - start < self.engine.rows and \
+                        prepared[end][1:] == prepared[start][1:]:
+                    end += 1
+                _, max_gen, until = prepared[start]
+                out += [g.text for g in self.engine.generate_batch([p[0] for p in prepared[start:end]], max_gen,
+                                                                   stop=until)]
+                bar.update(end - start)
+                start = end
+        for request, text in zip(requests, out, strict=True):
             self.cache_hook.add_partial("generate_until", request.args, text)
         self._report_truncated("generate_until", cut, len(requests))
         return out

@@ -103,26 +103,35 @@ def test_graph_engine_stops_at_eos_and_stop_strings_as_the_eager_runtime(model):
 def test_a_scored_run_on_the_graph_engine_scores_like_the_eager_runtime(tmp_path):
     """run.py task=ruler_niah runtime.engine=graph: the eager run's predictions and accuracy,
     tokens.jsonl per kept step, the engine's counters in the summary."""
-    over = ["task.context_tokens=400", "task.num_samples=2", "task.max_new_tokens=6", "predictor=last_step"]
+    over = ["task.context_tokens=400", "task.num_samples=3", "task.max_new_tokens=6", "predictor=last_step"]
     summaries = {}
-    for engine in ("eager", "graph"):
+    for name, engine in (("eager", ["runtime.engine=eager"]), ("graph", ["runtime.engine=graph"]),
+                         ("batched", ["runtime.engine=graph", "runtime.batch_size=2"])):  # (3 samples: 2 + 1 rows)
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[*TINY, *over, f"runtime.engine={engine}"])
+            cfg = compose(config_name="config", overrides=[*TINY, *over, *engine])
         from prr.runner import run
 
-        summaries[engine] = run(cfg, tmp_path / engine)
-    eager, graph = summaries["eager"], summaries["graph"]
-    assert graph["accuracy"] == eager["accuracy"] and graph["engine"] == "graph" and 0 < graph["hit_rate"] <= 1
+        summaries[name] = run(cfg, tmp_path / name)
+    eager = summaries["eager"]
     rows = {e: [json.loads(x) for x in (tmp_path / e / "records" / "samples.jsonl").read_text().splitlines()]
             for e in summaries}
-    assert [r["prediction"] for r in rows["graph"]] == [r["prediction"] for r in rows["eager"]]
-    tokens = [json.loads(x) for x in (tmp_path / "graph" / "records" / "tokens.jsonl").read_text().splitlines()]
-    assert graph["decode_steps"] == len(tokens) == eager["decode_steps"] and {t["sample"] for t in tokens} == {0, 1}
+    for name in ("graph", "batched"):
+        graph = summaries[name]
+        assert graph["accuracy"] == eager["accuracy"] and graph["engine"] == "graph" and 0 < graph["hit_rate"] <= 1
+        assert [(r["sample"], r["prediction"]) for r in rows[name]] == [(r["sample"], r["prediction"])
+                                                                         for r in rows["eager"]]
+        tokens = [json.loads(x) for x in (tmp_path / name / "records" / "tokens.jsonl").read_text().splitlines()]
+        assert graph["decode_steps"] == len(tokens) == eager["decode_steps"]
+        assert {t["sample"] for t in tokens} == {0, 1, 2}
 
 
 def test_what_the_graph_engine_cannot_score_is_refused(model):
     with pytest.raises(ConfigError, match="budget=adaptive switches variants"):
         compose_config([*TINY, "predictor=ema", "budget=adaptive", "runtime.engine=graph"])
+    with pytest.raises(ConfigError, match="research runtime decodes scored tasks one request at a time"):
+        compose_config([*TINY, "runtime.batch_size=2"])
+    with pytest.raises(ConfigError, match="task=perplexity sends one request at a time"):
+        compose_config([*TINY, "task=perplexity", "runtime.engine=graph", "runtime.batch_size=2"])
     graph = Engine(compose_config([*TINY, "predictor=none", "runtime.engine=graph"]), model, 340)
     graph.collect = True  # the studies' per-head rows: the eager runtime's records
     with pytest.raises(ValueError, match="runtime.engine=graph does not write; use runtime.engine=eager"):
@@ -138,13 +147,20 @@ def test_prr_lm_eval_model_on_the_graph_engine_equals_the_eager_one():
 
     args = {"selector": "quest", "predictor": "last_step", "selector.dense_layers": "[0]",
             "selector.topk_blocks": 4, "runtime.block_size": 16, "task.context_tokens": 200}
-    lms = [PRRLM(model="tiny-random", **args, **{"runtime.engine": e}) for e in ("eager", "graph")]
-    assert lms[1].engine.runtime.label == "graph"
+    lms = [PRRLM(model="tiny-random", **args, **{"runtime.engine": e, "runtime.batch_size": b})
+           for e, b in (("eager", 1), ("graph", 1), ("graph", 2))]  # (the last: batches of 2 ragged requests)
+    assert lms[1].engine.runtime.label == "graph" and lms[2].engine.rows == 2
     context = "Sparse attention keeps the blocks that matter; the predictor guesses them early. " * 2
-    scored = [lm.loglikelihood([SimpleNamespace(args=(context, " The magic number is 1234567."))]) for lm in lms]
-    assert scored[1][0][0] == pytest.approx(scored[0][0][0], abs=1e-5) and scored[1][0][1] == scored[0][0][1]
-    until = SimpleNamespace(args=(context, {"max_gen_toks": 20, "until": ["\n"]}))
-    assert lms[1].generate_until([until]) == lms[0].generate_until([until])
+    requests = [SimpleNamespace(args=(context[:n], " The magic number is 1234567.")) for n in (160, 100, 130)]
+    eager, *graph = [lm.loglikelihood(requests) for lm in lms]
+    for got in graph:
+        assert [g[0] for g in got] == pytest.approx([e[0] for e in eager], abs=1e-5)
+        assert [g[1] for g in got] == [e[1] for e in eager]
+    until = [SimpleNamespace(args=(context[:n], {"max_gen_toks": 20, "until": ["\n"]})) for n in (160, 90, 120)]
+    eager_text = lms[0].generate_until(until)
+    assert lms[1].generate_until(until) == eager_text == lms[2].generate_until(until)
+    text = [SimpleNamespace(args=(context * 2,))]  # several windows of max_length, scored in batches
+    assert lms[2].loglikelihood_rolling(text) == pytest.approx(lms[0].loglikelihood_rolling(text), abs=1e-4)
 
 
 @pytest.mark.parametrize("predictor", ["none", "ema"])
@@ -153,9 +169,8 @@ def test_batches_of_ragged_requests_equal_one_request_at_a_time(model, predictor
     engine's rows (each prefilled into its row; a short last batch padded), generations and
     log-likelihoods equal the eager runtime's, one request at a time."""
     eager = Engine(compose_config([*TINY, f"predictor={predictor}"]), model, 340)
-    # (check=False: validation refuses batch_size > 1 for scored tasks, whose loops send one request at a time)
-    graph = Engine(compose_config([*TINY, f"predictor={predictor}", "runtime.engine=graph", "runtime.batch_size=2"],
-                                  check=False), model, 340)
+    graph = Engine(compose_config([*TINY, f"predictor={predictor}", "runtime.engine=graph", "runtime.batch_size=2"]),
+                   model, 340)
     prompts = [ids(n, i) for i, n in enumerate((300, 170, 240))]
     batched = graph.generate_batch(prompts, 20)
     assert [g.token_ids for g in batched] == [eager.generate(p, 20).token_ids for p in prompts]

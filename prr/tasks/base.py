@@ -22,6 +22,9 @@ class Task(ABC):
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     stop_at_eos: bool = True
+    # A scored task that sends its requests in batches (Engine.generate_batch / score_batch):
+    # runtime.batch_size > 1 decodes them together on runtime.engine=graph.
+    batches_requests: bool = False
 
     @abstractmethod
     def prompt_tokens_upper_bound(self) -> int:

@@ -20,6 +20,8 @@ LOCAL_TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"
 
 
 class LmEvalTask(Task):
+    batches_requests = True  # (prr.lm_eval_model.PRRLM scores lm-eval's request lists in batches)
+
     def __init__(
         self,
         tasks: list[str],

@@ -57,6 +57,8 @@ def count_tokens(tokenizer: Any, text: str) -> int:
 class SampleTask(Task):
     """A task of `num_samples` seeded samples of about `context_tokens` tokens each."""
 
+    batches_requests = True
+
     def __init__(self, context_tokens: int, num_samples: int, max_new_tokens: int, seed: int,
                  chat_template: bool = True) -> None:
         if context_tokens < 64:
@@ -93,14 +95,17 @@ class SampleTask(Task):
     def evaluate(self, engine: Any) -> dict[str, Any]:
         """Generate for every sample through `engine` (prr.evaluation.Engine) and score it.
         -> {"accuracy": mean score, "num_samples": n}; one records/samples.jsonl row each."""
-        scores = []
-        for sample in self.samples(engine.tokenizer):
-            ids = engine.encode_prompt(sample.prompt, self.chat_template, sample.gen_prefix)  # [1, T]
-            generation = engine.generate(ids, self.max_new_tokens)
-            scores.append(self.score(generation.text, sample))
-            engine.log_sample({"prompt_tokens": ids.shape[1], "prediction": generation.text,
-                               "answers": list(sample.answers), "score": scores[-1],
-                               "token_ids": generation.token_ids, "margins": generation.margins})
+        scores, samples = [], self.samples(engine.tokenizer)
+        for start in range(0, len(samples), engine.rows):  # a batch of the engine's rows at a time
+            batch = samples[start : start + engine.rows]
+            prompts = [engine.encode_prompt(s.prompt, self.chat_template, s.gen_prefix) for s in batch]  # [1, T] each
+            first = engine.request + 1  # the batch's requests are the next ones, in order
+            for i, (sample, ids, generation) in enumerate(zip(batch, prompts, engine.generate_batch(
+                    prompts, self.max_new_tokens), strict=True)):
+                scores.append(self.score(generation.text, sample))
+                engine.log_sample({"prompt_tokens": ids.shape[1], "prediction": generation.text,
+                                   "answers": list(sample.answers), "score": scores[-1],
+                                   "token_ids": generation.token_ids, "margins": generation.margins}, sample=first + i)
         return {"accuracy": sum(scores) / len(scores), "num_samples": len(scores)}
 
     def build(self, tokenizer: Any, vocab_size: int, batch_size: int) -> PromptBatch:

@@ -100,7 +100,8 @@ def overrides(args: argparse.Namespace, task: str, engine: str, samples: int) ->
 
 
 class Timed:
-    """The Engine as a task sees it, with each generate / score call timed (synchronised)."""
+    """The Engine as a task sees it, with each generate / score call (a batch call: one per
+    batch of the engine's rows, one request at batch size 1) timed, synchronised."""
 
     def __init__(self, engine: Any) -> None:
         self.engine, self.seconds, self.outputs = engine, [], []
@@ -108,21 +109,27 @@ class Timed:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def _timed(self, fn, *a, **k):
+    def _timed(self, fn, batch: bool, *a, **k):
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
         out = fn(*a, **k)
         sync()
         self.seconds.append(time.perf_counter() - t0)
-        self.outputs.append(out)
+        self.outputs += out if batch else [out]
         return out
 
     def generate(self, *a, **k):
-        return self._timed(self.engine.generate, *a, **k)
+        return self._timed(self.engine.generate, False, *a, **k)
 
     def score(self, *a, **k):
-        return self._timed(self.engine.score, *a, **k)
+        return self._timed(self.engine.score, False, *a, **k)
+
+    def generate_batch(self, *a, **k):
+        return self._timed(self.engine.generate_batch, True, *a, **k)
+
+    def score_batch(self, *a, **k):
+        return self._timed(self.engine.score_batch, True, *a, **k)
 
 
 def t_interval(values: list[float]) -> tuple[float, float, float]:

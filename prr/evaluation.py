@@ -182,6 +182,7 @@ class Engine:
         self.max_tokens = min(max_tokens, mc.max_position_embeddings)
         self.eos_ids = set(eos_ids(mc))
         self.request = -1  # index of the last request started: the records' `sample` column
+        self.requests: list[int] = []  # the current batch's requests, one per row
         self.run_dir = run_dir
         self.collect = False  # True: keep the current request's step rows in self.request_rows (studies)
         self.request_rows: list[dict[str, Any]] = []

@@ -110,7 +110,9 @@ def propose_top(rank: Tensor, k: int, num_blocks: Tensor) -> tuple[Tensor, Tenso
 def _rank_launch(batch: int, heads: int, n: int, device: torch.device, nb: Tensor, mix: int,
                  ema: Tensor | None, last_selected: Tensor | None, stickiness: Tensor | None, recency: Tensor | None,
                  recent_blocks: int, z_source: Tensor | None, selected_source: Tensor | None,
-                 source_stickiness: float, temporal_weight: float) -> Tensor:
+                 source_stickiness: float, temporal_weight: float, rows_per_param: int | None = None) -> Tensor:
+    """rows_per_param: rows sharing one β / γ (and num_blocks [rows_per_param]): B when batch holds
+    one layer (default), the rows of a layer when it holds several (`ema_rank_layers`)."""
     rank = torch.empty(batch, heads, n, dtype=torch.float32, device=device)
     if batch == 0 or heads == 0 or n == 0:
         return rank
@@ -127,7 +129,7 @@ def _rank_launch(batch: int, heads: int, n: int, device: torch.device, nb: Tenso
         z_source if z_source is not None else dummy_f,
         selected_source.view(torch.uint8) if selected_source is not None else dummy_u8,
         rank,
-        n, heads, recent_blocks,
+        n, heads, recent_blocks, rows_per_param or batch,
         float(source_stickiness), float(temporal_weight), float(1 - temporal_weight),
         MIX=mix, TILE=tile, num_warps=_warps(tile), enable_fp_fusion=False, **launch_kwargs(device),
     )
@@ -261,10 +263,72 @@ def ema_update(scores: Tensor, indices: Tensor, count: Tensor, alpha: Tensor, em
     _ema_update_kernel[(heads, batch)](
         scores, indices, count, alpha, ema, sel,
         z_out if write_z else ema, selected_out.view(torch.uint8) if write_z else sel,
-        n, heads, indices.shape[-1],
+        n, heads, indices.shape[-1], batch,
         *_selection_args(scores, indices, count),
         WRITE_Z=write_z, TILE=tile, IDX_TILE=IDX_TILE, num_warps=_warps(tile), **launch_kwargs(dev),
     )
+
+
+# --- several layers in one launch (the graph engine's end-of-step learning) --------------------
+
+
+def _check_layer_params(names_params: tuple[tuple[str, Tensor], ...], layers: int, device: torch.device) -> None:
+    for name, t in names_params:
+        if t.shape != (layers,) or t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"{name} must be [L] = [{layers}] fp32 on {device} (one per layer); got "
+                             f"{t.dtype} {list(t.shape)} on {t.device}")
+
+
+def ema_update_layers(scores: Tensor, indices: Tensor, count: Tensor, alpha: Tensor, ema: Tensor,
+                      last_selected: Tensor) -> None:
+    """`ema_update` of L layers in one launch (each layer's rows with its own α): scores
+    [L, B, Hkv, N] fp32, indices [L, B, Hkv, C], count [L, B, Hkv], alpha [L] fp32; ema
+    [L, B, Hkv, N] fp32 and last_selected bool, contiguous (a layer range of the predictor's
+    state), in place. Equal, layer by layer, to L `ema_update` launches."""
+    layers, batch, heads, n = ema.shape
+    dev = ema.device
+    _check_row_tensor("ema", ema, (layers, batch, heads, n), torch.float32, dev)
+    _check_row_tensor("last_selected", last_selected, (layers, batch, heads, n), torch.bool, dev)
+    _check_layer_params((("alpha", alpha),), layers, dev)
+    for name, t in (("scores", scores), ("indices", indices), ("count", count)):
+        if not t.is_contiguous() or t.shape[:3] != (layers, batch, heads):
+            raise ValueError(f"{name} must be contiguous [L, B, Hkv, ...] = [{layers}, {batch}, {heads}, ...]; got "
+                             f"{list(t.shape)}")
+    flat = layers * batch
+    scores, indices, count = scores.view(flat, heads, n), indices.view(flat, heads, -1), count.view(flat, heads)
+    _check_selection(scores, indices, count, flat, heads, n, dev)
+    if flat == 0 or heads == 0 or n == 0:
+        return
+    tile = _tile(n)
+    sel = last_selected.view(torch.uint8).view(flat, heads, n)
+    _ema_update_kernel[(heads, flat)](
+        scores, indices, count, alpha, ema.view(flat, heads, n), sel, ema, sel,
+        n, heads, indices.shape[-1], batch,
+        *_selection_args(scores, indices, count),
+        WRITE_Z=False, TILE=tile, IDX_TILE=IDX_TILE, num_warps=_warps(tile), **launch_kwargs(dev),
+    )
+
+
+def ema_propose_layers(ema: Tensor, last_selected: Tensor, stickiness: Tensor, recency: Tensor,
+                       num_blocks: int | Tensor, recent_blocks: int, k: int) -> tuple[Tensor, Tensor]:
+    """`ema_propose` of L layers in two launches (the rank of every layer, then one top-k over
+    their rows): ema [L, B, Hkv, N] fp32, last_selected bool, stickiness / recency [L] fp32,
+    num_blocks (host int or [B], the same for every layer) -> (indices [L, B, Hkv, min(k, N)]
+    int32 ascending, counts [L, B, Hkv] int32), equal layer by layer to `ema_propose`."""
+    layers, batch, heads, n = ema.shape
+    dev = ema.device
+    _check_row_tensor("ema", ema, (layers, batch, heads, n), torch.float32, dev)
+    _check_row_tensor("last_selected", last_selected, (layers, batch, heads, n), torch.bool, dev)
+    _check_layer_params((("stickiness", stickiness), ("recency", recency)), layers, dev)
+    if isinstance(recent_blocks, bool) or not isinstance(recent_blocks, int) or recent_blocks < 0:
+        raise ValueError(f"recent_blocks={recent_blocks!r} must be an int >= 0")
+    flat = layers * batch
+    nb = row_counts(num_blocks, batch, dev)  # [B]
+    rank = _rank_launch(flat, heads, n, dev, nb, 0, ema.view(flat, heads, n),
+                        last_selected.view(flat, heads, n), stickiness, recency, min(recent_blocks, n + 1),
+                        None, None, 0.0, 1.0, rows_per_param=batch)
+    idx, cnt = propose_top(rank, k, nb.repeat(layers))
+    return idx.view(layers, batch, heads, -1), cnt.view(layers, batch, heads)
 
 
 def _scatter(mode: int, row: Tensor, scores: Tensor | None, indices: Tensor, count: Tensor, scale: float,

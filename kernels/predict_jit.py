@@ -78,13 +78,14 @@ def _mix32(x):
 def _ema_rank_kernel(
     ema_ptr,  # [B, Hkv, N] fp32 contiguous (MIX != 1)
     sel_ptr,  # [B, Hkv, N] uint8 (bool) last_selected (MIX != 1)
-    stick_ptr,  # [1] fp32 β of the layer
-    rec_ptr,  # [1] fp32 γ of the layer
-    num_blocks_ptr,  # [B] int32/int64 blocks in each row's context at the step proposed
+    stick_ptr,  # [B / rows_per_param] fp32 β: one per layer (a layer's rows share it)
+    rec_ptr,  # [B / rows_per_param] fp32 γ
+    num_blocks_ptr,  # [rows_per_param] int32/int64 blocks in each row's context at the step proposed
     z_ptr,  # [B, Hkv, N] fp32 the source layer's z-scores (MIX != 0)
     zsel_ptr,  # [B, Hkv, N] uint8 the source layer's selection (MIX != 0)
     rank_ptr,  # [B, Hkv, N] fp32 out
     n, num_kv_heads, recent_blocks,
+    rows_per_param,  # rows of one layer: B is layers x rows_per_param when several layers go in one launch
     source_stickiness, temporal_weight, cross_weight,  # fp32: s, w, 1 - w
     MIX: tl.constexpr,  # 0: ema's rank; 1: the cross-layer part alone; 2: (1 - w)·cross + w·ema's rank
     TILE: tl.constexpr,
@@ -93,10 +94,10 @@ def _ema_rank_kernel(
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
-    nb = tl.load(num_blocks_ptr + batch).to(tl.int32)
+    nb = tl.load(num_blocks_ptr + batch % rows_per_param).to(tl.int32)
     row = (batch.to(tl.int64) * num_kv_heads + kv_head) * n
-    stick = tl.load(stick_ptr)
-    rec = tl.load(rec_ptr)
+    stick = tl.load(stick_ptr + batch // rows_per_param)
+    rec = tl.load(rec_ptr + batch // rows_per_param)
     for start in range(0, n, TILE):
         offs = start + tl.arange(0, TILE)
         live = offs < n
@@ -124,12 +125,13 @@ def _ema_update_kernel(
     scores_ptr,  # [B, Hkv, N] fp32 selection scores (-inf outside the context), strided
     idx_ptr,  # [B, Hkv, C] int32/int64 selected block ids (entries >= count: padding), strided
     cnt_ptr,  # [B, Hkv] int32/int64, strided
-    alpha_ptr,  # [1] fp32 α of the layer
+    alpha_ptr,  # [B / rows_per_param] fp32 α: one per layer (a layer's rows share it)
     ema_ptr,  # [B, Hkv, N] fp32 contiguous, updated in place
     sel_ptr,  # [B, Hkv, N] uint8 contiguous: last_selected, rewritten
     z_ptr,  # [B, Hkv, N] fp32 contiguous: z-scores out (WRITE_Z)
     zsel_ptr,  # [B, Hkv, N] uint8 contiguous: the selection's mask out (WRITE_Z)
     n, num_kv_heads, capacity,
+    rows_per_param,  # rows of one layer: B is layers x rows_per_param when several layers go in one launch
     stride_sb, stride_sh, stride_sn,
     stride_ib, stride_ih, stride_ic,
     stride_cb, stride_ch,
@@ -144,7 +146,7 @@ def _ema_update_kernel(
     score_row = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
     row = (batch.to(tl.int64) * num_kv_heads + kv_head) * n
     mean, std, count = _row_stats(scores_ptr, score_row, stride_sn, n, TILE)
-    alpha = tl.load(alpha_ptr)
+    alpha = tl.load(alpha_ptr + batch // rows_per_param)
     for start in range(0, n, TILE):
         offs = start + tl.arange(0, TILE)
         live = offs < n

@@ -70,6 +70,32 @@ def test_ema_rank_and_propose_equal_the_reference(batch, heads, n, nb):
             assert torch.equal(cnt.long(), torch.tensor(nb).clamp(max=k).view(-1, 1).expand(batch, heads))
 
 
+@pytest.mark.parametrize("layers,batch,heads,n,nb", [(3, 1, 1, 27, [27]), (2, 3, 2, 61, [61, 40, 0])])
+def test_ema_learning_of_several_layers_in_one_launch_equals_each_layers_own(layers, batch, heads, n, nb):
+    """The engine's end-of-step learning: ema_update_layers / ema_propose_layers over L layers
+    (each with its own α, β, γ) equal, layer by layer, ema_update / ema_propose."""
+    states = [ref.make_state(batch, heads, n, seed=n + 10 * i) for i in range(layers)]
+    sels = [ref.make_selection(batch, heads, n, nb, topk=7, seed=n + 3 * i) for i in range(layers)]
+    alpha = torch.tensor([0.5, 0.7, 0.9][:layers])
+    stick, rec = torch.tensor([1.5, 0.0, 2.0][:layers]), torch.tensor([4.0, 1.0, 0.5][:layers])
+    ema = torch.stack([st["ema"] for st in states])
+    last = torch.stack([st["last_selected"] for st in states])
+    kp.ema_update_layers(torch.stack([s["scores"] for s in sels]), torch.stack([s["indices"] for s in sels]),
+                         torch.stack([s["count"] for s in sels]), alpha, ema, last)
+    nbt = torch.tensor(nb, dtype=torch.int32)
+    idx, cnt = kp.ema_propose_layers(ema, last, stick, rec, nbt, 1, 5)
+    assert idx.shape == (layers, batch, heads, 5) and cnt.shape == (layers, batch, heads)
+    for i, (st, sel) in enumerate(zip(states, sels, strict=True)):
+        one_ema, one_last = st["ema"].clone(), st["last_selected"].clone()
+        kp.ema_update(sel["scores"], sel["indices"], sel["count"], alpha[i : i + 1], one_ema, one_last)
+        assert torch.equal(ema[i], one_ema) and torch.equal(last[i], one_last), i
+        want_idx, want_cnt = kp.ema_propose(one_ema, one_last, stick[i : i + 1], rec[i : i + 1], nbt, 1, 5)
+        assert torch.equal(idx[i], want_idx) and torch.equal(cnt[i], want_cnt), i
+    with pytest.raises(ValueError, match=r"alpha must be \[L\]"):
+        kp.ema_update_layers(torch.stack([s["scores"] for s in sels]), torch.stack([s["indices"] for s in sels]),
+                             torch.stack([s["count"] for s in sels]), alpha[:1], ema, last)
+
+
 @pytest.mark.parametrize("batch,heads,n,nb", SIZES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_ema_update_equals_the_reference(batch, heads, n, nb, index_dtype):

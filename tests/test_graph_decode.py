@@ -426,3 +426,57 @@ def test_head_dim_256_runs_the_triton_engine_like_the_torch_ops():
     assert hits["torch"] == hits["triton"] and sum(hits["torch"]) > 0
     for a, b in zip(logits["torch"], logits["triton"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def ema_engines(learn_at_once: bool, device: str = DEVICE, dtype=torch.float32, context: int = 131):
+    from prr.predictors import EmaPredictor
+
+    config = dataclasses.replace(CONFIG, num_layers=5)
+    plan = StaticPlan(variant="prr", topk_blocks=4, predicted_blocks=5, dense_layers=(0,),
+                      learn_layers_at_once=learn_at_once)
+    model = Decoder(config, dtype, device).init_random_(seed=3, std=0.05)
+    engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40,
+                          predictor=EmaPredictor(calibrate=False, recent_blocks=1), selector=plan.make_selector())
+    engine.fill_random_context(context, seed=5)
+    engine.prime_predictions(context)
+    return engine
+
+
+def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monkeypatch):
+    """plan.learn_layers_at_once (the default): ema learns from every sparse layer's A in one update
+    and one propose after the last sparse layer; the logits, every layer's P and the counters
+    equal learning after each layer, step by step."""
+    import prr.kernels.predict as kp
+
+    calls = []
+    at_once = kp.ema_update_layers
+    monkeypatch.setattr(kp, "ema_update_layers", lambda *a, **k: calls.append(a[3].numel()) or at_once(*a, **k))
+    each, once = ema_engines(False), ema_engines(True)
+    assert once.attn.predictor.backend == "triton" and once.attn.learn_range == (1, 4)
+    for step in range(3):
+        a = each.with_plan(count_hits=True).step(advance=True)
+        b = once.with_plan(count_hits=True).step(advance=True)
+        assert torch.equal(a, b), step
+        assert torch.equal(each.attn.pred_all, once.attn.pred_all), step
+        assert torch.equal(each.attn.pred_cnt_all, once.attn.pred_cnt_all), step
+    assert calls == [4] * 3  # one launch per step over the 4 sparse layers; none in the other engine
+    assert each.counters() == once.counters()
+    assert int(sum(once.counters()["hits"])) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+def test_gpu_ema_learning_at_once_captured_equals_after_each_layer():
+    engines = [ema_engines(flag, "cuda", torch.bfloat16, context=3001) for flag in (False, True)]
+    outs = []
+    for engine in engines:
+        start = engine.checkpoint()
+        graph = engine.capture(lambda engine=engine: engine.step(advance=True))
+        engine.restore(start)
+        steps = []
+        for _ in range(6):
+            graph.replay()
+            steps.append((engine.graph_output.float().cpu(), engine.attn.pred_all.cpu().clone()))
+        outs.append(steps)
+    for step, ((a, pa), (b, pb)) in enumerate(zip(*outs, strict=True)):
+        assert torch.equal(a, b) and torch.equal(pa, pb), step

@@ -93,6 +93,27 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
         state.ema[layer] = torch.where(torch.isfinite(selection.scores), a * state.ema[layer] + (1 - a) * z, state.ema[layer])
         state.last_selected[layer] = selection.blocks.mask(state.ema.shape[-1])
 
+    def learns_layers_at_once(self) -> bool:
+        # the kernels' layer-range launches; the torch definition learns layer by layer
+        return self.backend == "triton"
+
+    def update_layers(self, state: EmaState, first: int, selections: list[Selection]) -> None:
+        from prr.kernels.predict import ema_update_layers
+
+        span = slice(first, first + len(selections))
+        ema_update_layers(torch.stack([s.scores for s in selections]),
+                          torch.stack([s.blocks.indices for s in selections]),
+                          torch.stack([s.blocks.count for s in selections]), state.alpha[span], state.ema[span],
+                          state.last_selected[span])
+
+    def propose_layers(self, state: EmaState, first: int, layers: int, num_blocks: int | Tensor,
+                       budget_blocks: int) -> tuple[Tensor, Tensor]:
+        from prr.kernels.predict import ema_propose_layers
+
+        span = slice(first, first + layers)
+        return ema_propose_layers(state.ema[span], state.last_selected[span], state.stickiness[span],
+                                  state.recency[span], num_blocks, self.recent_blocks, budget_blocks)
+
     def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
         """Grid search of (α, β, γ) on the prefill tail; see the module docstring."""
         if not self.calibrate_on_prefill:

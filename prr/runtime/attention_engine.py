@@ -91,10 +91,19 @@ class AttentionEngine:
         # The oracle's P is A itself: A's capacity, whatever the plan's |P|.
         oracle = self.predictor is not None and self.predictor.needs_current_selection
         cap = self.topk_capacity if oracle else plan.predicted_blocks
-        self.pred_idx = [torch.zeros(B, H, cap, dtype=torch.int32, device=dev) if prr and s else None
-                         for s in self.sparse]
-        self.pred_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if prr and s else None for s in self.sparse]
+        # P of every layer in one buffer ([L, B, Hkv, cap], [L, B, Hkv]; a layer's P a view of it), so
+        # learning of a range of layers writes all of theirs in one copy (learn_layers_at_once)
+        self.pred_all = torch.zeros(self.num_layers, B, H, cap, dtype=torch.int32, device=dev) if prr else None
+        self.pred_cnt_all = torch.zeros(self.num_layers, B, H, dtype=torch.int32, device=dev) if prr else None
+        self.pred_idx = [self.pred_all[i] if prr and s else None for i, s in enumerate(self.sparse)]
+        self.pred_cnt = [self.pred_cnt_all[i] if prr and s else None for i, s in enumerate(self.sparse)]
         self.predictor_state = None
+        # The sparse layers learned at once (plan.learn_layers_at_once): a contiguous range, the
+        # selections of this step held until its last layer
+        sparse_ids = [i for i, s in enumerate(self.sparse) if s]
+        self.learn_range = (sparse_ids[0], sparse_ids[-1]) if sparse_ids and all(
+            self.sparse[sparse_ids[0] : sparse_ids[-1] + 1]) else None
+        self._learned: list[Selection] = []
         if prr and self.predictor is not None:
             self.predictor_state = self.predictor.init_state(self.num_layers, B, H, NB, dev)
             self.predictor.size_for_query(self.predictor_state, self.group * self.d)
@@ -334,6 +343,10 @@ class AttentionEngine:
         predictors the next step's P of this layer, cross_layer also this step's P of the layer
         above (same_step; num_blocks [B]: this step's blocks), off that layer's critical path."""
         predictor = self.predictor
+        at_once = self._learns_at_once(layer, propose_next)
+        if at_once and layer != self.learn_range[1] and not self.plan.study_counters:
+            self._learned.append(selection)  # learned with the last sparse layer's, at the end of the step
+            return
         if planned is None and self.side is not None and self.plan.overlap:
             planned = torch.cuda.Event()
             planned.record()
@@ -344,6 +357,12 @@ class AttentionEngine:
         if self.plan.study_counters:  # from the state this step's P came from: before the update
             with self._side():
                 self._study(layer, q, selection, num_blocks)
+        if at_once:
+            if layer != self.learn_range[1]:  # (study counters: each layer's read the state before any update)
+                self._learned.append(selection)
+                return
+            self._learn_layers(lengths, [*self._learned, selection])
+            return
         with self._side(), self._stage("predict"):  # learn from A; history-only predictors write next step's P now
             predictor.update(self.predictor_state, layer, selection)
             if not propose_next:
@@ -353,6 +372,34 @@ class AttentionEngine:
                     self._propose(target, q, self._next_step_blocks(lengths))
                 elif same_step:
                     self._propose(target, q, num_blocks)
+
+    def _learns_at_once(self, layer: int, propose_next: bool) -> bool:
+        """Whether this step's learning waits for the last sparse layer and runs every layer's at
+        once (plan.learn_layers_at_once, the graph engine's step, a predictor that can, whose
+        update completes only its own next P, over a contiguous range of sparse layers)."""
+        predictor = self.predictor
+        return (self.plan.learn_layers_at_once and propose_next and not self.sized_per_step
+                and self.learn_range is not None and self.pred_all is not None
+                and predictor.learns_layers_at_once()
+                and predictor.proposals_after_update(self.predictor_state, layer) == [(layer, True)])
+
+    def _learn_layers(self, lengths: Tensor, selections: list[Selection]) -> None:
+        """Every sparse layer's update from this step's A (selections, one per layer of
+        learn_range) and the next step's P of each, in one update and one propose launch, on the
+        side stream once the last layer is repaired (the side stream waits for it in `_learn`)."""
+        first, last = self.learn_range
+        if len(selections) != last - first + 1:
+            raise RuntimeError(f"learning layers {first}..{last} at once got {len(selections)} selections: "
+                               "a step ran some sparse layers without learning")
+        for sel in selections:  # made on the main stream, read on the side stream
+            self._shared(sel.blocks.indices, sel.blocks.count, sel.scores)
+        self._learned = []
+        with self._side(), self._stage("predict"):
+            self.predictor.update_layers(self.predictor_state, first, selections)
+            idx, cnt = self.predictor.propose_layers(self.predictor_state, first, len(selections),
+                                                     self._next_step_blocks(lengths), self.pred_all.shape[-1])
+            self.pred_all[first : last + 1, ..., : idx.shape[-1]].copy_(idx)
+            self.pred_cnt_all[first : last + 1].copy_(cnt)
 
     def _study(self, layer: int, q: Tensor, selection: Selection, num_blocks: Tensor) -> None:
         """The study counters' hits of this step (plan.study_counters): for every ratio r of

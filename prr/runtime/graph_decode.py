@@ -219,7 +219,7 @@ class GraphDecoder:
             raise ValueError("GraphDecoder.with_plan: " + "; ".join(problems))
         view = copy.copy(self)  # shares every buffer and list; only the plan and the per-step fork flag differ
         view.attn = copy.copy(self.attn)
-        view.attn.plan, view.attn._forked = plan, False
+        view.attn.plan, view.attn._forked, view.attn._learned = plan, False, []  # (a step's selections: its own)
         if view._appends_in_projection():
             view.paired_qkv_weights()  # now rather than inside a first step (that may be a capture)
         return view

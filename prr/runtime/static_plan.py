@@ -92,6 +92,13 @@ class StaticPlan:
     # step: off while timing.
     study_counters: bool = False
     study_ratios: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0)  # sizes the study buffers (a BUFFER_FIELD)
+    # A predictor that `learns_layers_at_once` (ema on the kernels) learns from every sparse layer's
+    # A in one update launch and writes the next step's P of every layer in one propose (rank + top-k)
+    # once the step's last sparse layer is repaired, on the side stream beside the LM head, instead
+    # of three launches after each layer beside the next layer's projections (on the H200 those ran
+    # 22 µs a layer of side work and slowed the main stream: experiments/step_breakdown.py). The same
+    # P either way (the next step reads it); False: after each layer.
+    learn_layers_at_once: bool = True
     # variant "serial" with a predictor (budget=adaptive's serial windows): the predictor still
     # learns from each A on the side stream, as the eager runtime's serial steps do, so PRR
     # windows speculate over a P that has seen every step.

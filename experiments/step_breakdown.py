@@ -13,7 +13,8 @@ captured on its own and replayed at a fixed position (the ema view decodes for r
 - prr_p=a: PRR with P = the step's own A (a 100% hit rate, no predictor work);
 - prr_p=a_counters, prr_p=a_one_stream (speculation on the main stream);
 - prr_ema, prr_ema_counters: the ema predictor proposing and learning for real (hit rate near 0.2 on
-  random data), counters off and on;
+  random data), counters off and on; prr_ema_each_layer: ema learning after each sparse layer
+  (StaticPlan.learn_layers_at_once=False) instead of once after the last;
 - with --repair-tokens T1,T2,..: PRR's repair-and-merge tail with T tokens of A per program
   (StaticPlan.repair_tokens_per_split; default: prr_repair.default_splits), at P = A
   (prr_p=a_repair{T}) and at P with 90% of A (prr_p=0.9a, prr_p=0.9a_repair{T}): fewer, longer
@@ -216,6 +217,7 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
     eng.prime_predictions(context)
     measure("prr_ema", eng, True)
     measure("prr_ema_counters", eng.with_plan(count_hits=True), True)
+    measure("prr_ema_each_layer", eng.with_plan(learn_layers_at_once=False), True)
     del eng
     torch.cuda.empty_cache()
     return rows, kernel_rows

@@ -33,7 +33,7 @@ from prr.eos import eos_ids
 from prr.run_inputs import DTYPES
 from prr.run_records import RunRecords, step_rows, token_row
 from prr.runtime.eager_run import EagerRuntime, eager_budget_setup
-from prr.runtime.run_strategy import topk_label
+from prr.runtime.run_strategy import Steps, topk_label
 from prr.tasks.base import Task
 from prr.tasks.samples import ByteTokenizer
 
@@ -74,23 +74,6 @@ class Generation:
     token_ids: list[int]
     text: str
     margins: list[float]  # top-1 minus top-2 logit at each generated token: near-ties explain flips
-
-
-@dataclass
-class Steps:
-    """What n decode steps of one request wrote, per step: the token it read, the token it
-    chose (greedy, or the forced one when scoring), that token's log-probability, whether it is
-    the argmax, the top-1 minus top-2 logit, wall time and untimed measurement work; `records`:
-    the eager runtime's per-(layer, row, KV head) records of each step (None on the graph engine)."""
-
-    read: list[int] = field(default_factory=list)
-    chosen: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    greedy: list[bool] = field(default_factory=list)
-    margins: list[float] = field(default_factory=list)
-    wall_s: list[float] = field(default_factory=list)
-    measure_s: list[float] = field(default_factory=list)
-    records: list[list[Any]] | None = None
 
 
 class EagerRequests:

@@ -30,28 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.evaluation import Steps
 from prr.runtime.graph_decode import GraphDecoder, state_tensors
-from prr.runtime.graph_run import engine_backend, graph_plan, profiled_plan
-from prr.runtime.run_strategy import topk_label
-
-
-def scoring_problems(settings: Any, predictor: Any, budget: Any) -> list[str]:
-    """Why scored tasks cannot run on runtime.engine=graph with these objects (empty: they can)."""
-    head = "runtime.engine=graph with a scored task"
-    out = []
-    if budget.adapts_online:
-        out.append(f"{head}: budget=adaptive switches variants per window of one decode; use budget=fixed or "
-                   "budget=profiled (or runtime.engine=eager)")
-    if predictor.replays_selections:
-        out.append(f"{head}: predictor={type(predictor).__name__} replays a recorded serial pass (a decode "
-                   "benchmark tool); use another predictor")
-    if settings.row_tokens:
-        out.append(f"{head}: runtime.row_tokens={list(settings.row_tokens)}: each request's prompt sets its "
-                   "row's length; leave runtime.row_tokens unset")
-    if settings.tensor_parallel != 1:
-        out.append(f"{head}: runtime.tensor_parallel={settings.tensor_parallel}: not yet; use runtime.tensor_parallel=1")
-    return out
+from prr.runtime.graph_run import engine_backend, graph_plan, profiled_plan, scoring_problems
+from prr.runtime.run_strategy import Steps, topk_label
 
 
 class GraphRequests:

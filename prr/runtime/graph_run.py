@@ -84,7 +84,6 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
         out.append(f"{head} decodes greedily (the step writes its argmax token): set task.temperature=0 "
                    f"(got {task.temperature})")
     if callable(getattr(task, "evaluate", None)):  # scored tasks: prr/runtime/graph_requests.py
-        from prr.runtime.graph_requests import scoring_problems
 
         out += scoring_problems(runtime, predictor, budget)
     rows = runtime.row_tokens
@@ -107,6 +106,24 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
         if runtime.projections == "fused":
             out.append(f"runtime.tensor_parallel={tp} runs the torch projections (the fused GEMVs cannot all-reduce): "
                        "use runtime.projections=torch or auto")
+    return out
+
+
+def scoring_problems(settings: Any, predictor: Any, budget: Any) -> list[str]:
+    """Why scored tasks cannot run on runtime.engine=graph with these objects (empty: they can)."""
+    head = "runtime.engine=graph with a scored task"
+    out = []
+    if budget.adapts_online:
+        out.append(f"{head}: budget=adaptive switches variants per window of one decode; use budget=fixed or "
+                   "budget=profiled (or runtime.engine=eager)")
+    if predictor.replays_selections:
+        out.append(f"{head}: predictor={type(predictor).__name__} replays a recorded serial pass (a decode "
+                   "benchmark tool); use another predictor")
+    if settings.row_tokens:
+        out.append(f"{head}: runtime.row_tokens={list(settings.row_tokens)}: each request's prompt sets its "
+                   "row's length; leave runtime.row_tokens unset")
+    if settings.tensor_parallel != 1:
+        out.append(f"{head}: runtime.tensor_parallel={settings.tensor_parallel}: not yet; use runtime.tensor_parallel=1")
     return out
 
 

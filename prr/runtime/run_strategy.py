@@ -10,7 +10,7 @@ steps between host looks: EOS is checked after each window), and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +37,23 @@ class Results:
     layers: Any
     steps: Any
     layers_csv: Any = None
+
+
+@dataclass
+class Steps:
+    """What n decode steps of one request wrote, per step: the token it read, the token it
+    chose (greedy, or the forced one when scoring), that token's log-probability, whether it is
+    the argmax, the top-1 minus top-2 logit, wall time and untimed measurement work; `records`:
+    the eager runtime's per-(layer, row, KV head) records of each step (None on the graph engine)."""
+
+    read: list[int] = field(default_factory=list)
+    chosen: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    measure_s: list[float] = field(default_factory=list)
+    records: list[list[Any]] | None = None
 
 
 class DecodeStrategy(Protocol):

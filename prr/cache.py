@@ -14,9 +14,7 @@ from collections.abc import Iterator, MutableMapping
 import torch
 from torch import Tensor
 
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
+from prr.runtime.settings import is_power_of_two
 
 
 class PagedKVCache:

@@ -30,13 +30,14 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 # `_target_` -> the class its options are checked as before torch is imported: the target itself
 # where its module imports no torch, else the torch-free class whose constructor the target
-# inherits unchanged (tests/test_config.py holds both true). The targets not named (the runtime
-# and backend groups, prr/runtime/*; selector=less, whose constructor loads a trained feature map)
-# are checked by `validate` alone, once torch is imported.
+# inherits unchanged (tests/test_config.py holds both true). The targets not named (the backend
+# group, prr/runtime/engine_ops.py; selector=less, whose constructor loads a trained feature map)
+# are checked by `validate` alone, once torch is imported, as are the runtime's cross-checks.
 _SELECTOR_OPTIONS = "prr.selectors.options."
 _PREDICTOR_OPTIONS = "prr.predictors.options."
 CHECKED_BEFORE_TORCH = {
     "prr.model.spec.ModelSpec": "prr.model.spec.ModelSpec",
+    "prr.runtime.settings.RuntimeSettings": "prr.runtime.settings.RuntimeSettings",
     "prr.selectors.dense.DenseSelector": _SELECTOR_OPTIONS + "DenseSelectorOptions",
     "prr.selectors.exact.ExactSelector": _SELECTOR_OPTIONS + "SelectorOptions",
     "prr.selectors.quest.QuestSelector": _SELECTOR_OPTIONS + "SelectorOptions",
@@ -131,6 +132,8 @@ def problems_before_torch(cfg: DictConfig) -> list[str]:
     if problems:
         return problems
     built, problems = build_groups(cfg, checked)
+    if "runtime" in built:  # its own values; its cross-checks (device, engine, kernels) need torch
+        problems += built["runtime"].problems()
     if problems or not {"model", "selector", "predictor", "budget", "task"} <= built.keys():
         return problems
     model, problems = describe_model(cfg, built["model"])

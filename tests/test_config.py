@@ -130,11 +130,11 @@ def test_graph_projections_auto_means_fused_only_on_a_gpu_at_batch_one():
     assert RuntimeSettings(device="cuda", batch_size=8, projections="fused").graph_projections() == "fused"
 
 
-# The conf targets whose options only `validate` checks, once torch is imported: the runtime and
-# backend groups (prr/runtime/settings.py and engine_ops.py import torch) and selector=less (its
-# constructor loads a trained feature map with torch). Every other target is checked before.
-CHECKED_AFTER_TORCH_ONLY = {"prr.runtime.settings.RuntimeSettings", "prr.runtime.engine_ops.OpsBackend",
-                            "prr.selectors.less.LessSelector"}
+# The conf targets whose options only `validate` checks, once torch is imported: the backend group
+# (prr/runtime/engine_ops.py imports torch) and selector=less (its constructor loads a trained
+# feature map with torch). Every other target is checked before (the runtime group's values too;
+# its cross-checks with the device and the engine after).
+CHECKED_AFTER_TORCH_ONLY = {"prr.runtime.engine_ops.OpsBackend", "prr.selectors.less.LessSelector"}
 
 
 def conf_targets():
@@ -174,7 +174,8 @@ def test_every_option_is_checked_before_torch_without_importing_it():
             f"with initialize_config_dir(config_dir={str(CONF)!r}, version_base='1.3'):\n"
             "    for line in sys.argv[1:]:\n"
             "        problems_before_torch(compose('config', overrides=['model=tiny-random', line]))\n")
-    lines = [f"{g}={o}" for g in ("model", "selector", "predictor", "budget", "task", "logger") for o in options(g)
+    lines = [f"{g}={o}" for g in ("model", "selector", "predictor", "budget", "task", "logger", "runtime")
+             for o in options(g)
              if (g, o) not in {("model", "hf"), ("selector", "less")}]  # hf: a path of the user's; less: after torch
     done = subprocess.run([sys.executable, "-c", code, *lines], cwd=CONF.parent, capture_output=True, text=True,
                           timeout=120)
@@ -185,7 +186,8 @@ def test_every_option_is_checked_before_torch_without_importing_it():
     ["selector.topk_blocks=0"], ["selector=infllm", "selector.scoring=alibi"], ["predictor.alpha=1.5"],
     ["selector.dense_layers=[7]"], ["task.max_new_tokens=100000"], ["model.name_or_path=/no/such/model"],
     ["+selector.topk=4"], ["selector.topk_blocks=abc"], ["predictor=oracle", "budget=profiled"],
-    ["budget.ratio=-1"], ["logger=wandb", "logger.project=7"],
+    ["budget.ratio=-1"], ["logger=wandb", "logger.project=7"], ["runtime.block_size=24"],
+    ["runtime.engine=fast", "runtime.batch_size=0"],
 ])
 def test_the_checks_before_torch_find_what_validate_finds(overrides):
     from prr.config_check import problems_before_torch
@@ -196,8 +198,9 @@ def test_the_checks_before_torch_find_what_validate_finds(overrides):
     assert problems_before_torch(composed) == err.value.problems
 
 
-def test_runtime_values_are_left_to_validate():
+def test_the_runtimes_cross_checks_are_left_to_validate():
     from prr.config_check import problems_before_torch
 
     assert problems_before_torch(cfg(*TINY)) == []
-    assert problems_before_torch(cfg(*TINY, "runtime.block_size=24")) == []  # prr/runtime/settings.py's check
+    # (needs the engine's Triton limits: prr/runtime/graph_run.py, after torch)
+    assert problems_before_torch(cfg(*TINY, "runtime.engine=graph", "runtime.tensor_parallel=2")) == []

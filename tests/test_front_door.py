@@ -55,7 +55,7 @@ REFUSED = [
     Case("key of another group", ["selector.block_size=16"], ["selector.block_size=16", "runtime.block_size"]),
     Case("added key nobody reads", ["+foo=1"], ["+foo=1", "'foo'"]),
     Case("negative top-K", ["selector.topk_blocks=-5"], ["selector.topk_blocks=-5"]),
-    Case("block size not a power of two", ["runtime.block_size=15"], ["runtime.block_size=15"], before_torch=False),
+    Case("block size not a power of two", ["runtime.block_size=15"], ["runtime.block_size=15"]),
     Case("prompt file is a directory", ["task.prompt_file={tmp}"], ["task.prompt_file=", "is a directory"]),
     Case("prompt file missing", ["task.prompt_file={tmp}/no-such.txt"], ["no-such.txt", "does not exist"]),
     Case("run dir under a file", ["hydra.run.dir={tmp}/a-file/run"], ["hydra.run.dir=", "a-file", "is a file"],

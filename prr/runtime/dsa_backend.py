@@ -30,11 +30,9 @@ from prr.predictors.base import Predictor
 from prr.runtime.attention_engine import AttentionEngine
 from prr.runtime.engine_ops import BACKENDS
 from prr.runtime.records import LayerStepRecord
-from prr.runtime.static_plan import REPAIR_MODES
+from prr.runtime.settings import REPAIR_MODES, RUN_MODES
 from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
-
-RUN_MODES = ("sparse", "shadow")
 
 
 class DSABackend:

@@ -1,15 +1,18 @@
-"""The `runtime` config group: how a run executes (not what it selects or predicts)."""
+"""The `runtime` config group: how a run executes (not what it selects or predicts). No torch
+here: run.py checks these values before importing it (prr.config_check.CHECKED_BEFORE_TORCH)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prr.cache import is_power_of_two
-from prr.runtime.dsa_backend import RUN_MODES
-from prr.runtime.static_plan import REPAIR_MODES
-
+RUN_MODES = ("sparse", "shadow")
+REPAIR_MODES = ("exact", "superset")
 ENGINES = ("eager", "graph")
 PROJECTIONS = ("auto", "torch", "fused")
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
 
 
 @dataclass

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from prr.predictors import EmaMembershipPredictor, LastStepPredictor, Predictor
+from prr.runtime.settings import REPAIR_MODES, RUN_MODES
 from prr.selectors import InfLLMSelector, QuestSelector, Selector
 
 VARIANTS = ("dense", "serial", "prr")
 SELECTORS = ("quest", "infllm")  # the classes StaticPlan can build (any Selector object may be passed)
 # fixed: P set from outside (controlled hit rates); the others name prr.predictors classes
 PREDICTORS = ("ema_membership", "last_step", "fixed")
-REPAIR_MODES = ("exact", "superset")
-MODES = ("sparse", "shadow")
+MODES = RUN_MODES
 FUSE_MERGE = (False, True, "one_wave")
 FUSED_REPAIR = (False, True, "auto")
 PROJECTIONS = ("torch", "fused")

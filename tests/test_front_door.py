@@ -66,7 +66,7 @@ REFUSED = [
     Case("runtime=cuda without a GPU or Triton", ["runtime=cuda"], ["runtime.device='cuda'", "make install"],
          prelude=NO_TRITON, before_torch=False),
     Case("tensor parallel without torchrun or Triton", ["runtime.engine=graph", "runtime.tensor_parallel=2"],
-         ["runtime.tensor_parallel=2", "torchrun --nproc_per_node 2"], prelude=NO_TRITON, before_torch=False),
+         ["runtime.tensor_parallel=2", "torchrun --nproc_per_node 2"], prelude=NO_TRITON),
     Case("graph engine, profiled budget, every layer dense",
          ["model=tiny-random-d64", "runtime.engine=graph", "budget=profiled", "selector.dense_layers=[0,1]"],
          ["selector.dense_layers=[0, 1]", "budget=profiled"]),

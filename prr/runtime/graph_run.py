@@ -84,7 +84,6 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
         out.append(f"{head} decodes greedily (the step writes its argmax token): set task.temperature=0 "
                    f"(got {task.temperature})")
     if callable(getattr(task, "evaluate", None)):  # scored tasks: prr/runtime/graph_requests.py
-
         out += scoring_problems(runtime, predictor, budget)
     rows = runtime.row_tokens
     prompt_tokens = getattr(task, "prompt_tokens", None)
@@ -96,10 +95,6 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
         from prr.model.tensor_parallel import TensorParallel
 
         out += [f"runtime.tensor_parallel={tp}: {p}" for p in TensorParallel(0, tp).problems(model)]
-        world = os.environ.get("WORLD_SIZE")
-        if world != str(tp):
-            out.append(f"runtime.tensor_parallel={tp} needs {tp} processes (this one sees WORLD_SIZE={world}): launch "
-                       f"with `torchrun --nproc_per_node {tp} run.py ...`")
         if budget.profiles or budget.adapts_online:
             out.append(f"runtime.tensor_parallel={tp} with budget={type(budget).__name__}: each rank would decide from "
                        "its own timings; not yet supported (use budget=fixed)")

@@ -3,6 +3,7 @@ here: run.py checks these values before importing it (prr.config_check.CHECKED_B
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 RUN_MODES = ("sparse", "shadow")
@@ -85,6 +86,10 @@ class RuntimeSettings:
         elif self.tensor_parallel > 1 and self.engine != "graph":
             out.append(f"runtime.tensor_parallel={self.tensor_parallel} runs on runtime.engine=graph only (engine is "
                        f"{self.engine!r})")
+        elif self.tensor_parallel > 1 and os.environ.get("WORLD_SIZE") != str(self.tensor_parallel):
+            tp = self.tensor_parallel
+            out.append(f"runtime.tensor_parallel={tp} needs {tp} processes (this one sees WORLD_SIZE="
+                       f"{os.environ.get('WORLD_SIZE')}): launch with `torchrun --nproc_per_node {tp} run.py ...`")
         if self.row_tokens is not None:
             if self.engine != "graph":
                 out.append(f"runtime.row_tokens={self.row_tokens} (a ragged batch) runs on runtime.engine=graph only "

@@ -78,6 +78,8 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+# 8-45 s of Triton compiles for a GPU target: `make test-full` (the H200 runs compile them for real)
+@pytest.mark.slow
 def test_predictor_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -7,8 +7,7 @@ config (prr.model.spec, prr.model.describe) before torch is imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prr.lazy_exports import lazy_getattr
 
 _HOMES = {
     "AttentionBackend": "prr.model.attention",
@@ -29,8 +28,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'prr.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy_getattr(__name__, _HOMES)

@@ -4,8 +4,7 @@ torch: run.py checks selector values before torch is imported."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prr.lazy_exports import lazy_getattr
 
 _HOMES = {
     "Selection": "prr.selectors.base",
@@ -19,8 +18,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'prr.selectors' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy_getattr(__name__, _HOMES)

@@ -138,6 +138,7 @@ def test_what_the_graph_engine_cannot_score_is_refused(model):
         graph.generate(ids(300, 0), 3)
 
 
+@pytest.mark.slow  # 14 s: make test-full (make test keeps the Engine-level equalities)
 def test_prr_lm_eval_model_on_the_graph_engine_equals_the_eager_one():
     """prr-lm-eval's model (`--model prr --model_args runtime.engine=graph,...`): the same
     log-likelihoods, greedy flags and generations as on the research runtime."""

@@ -71,6 +71,7 @@ def user_task_folder(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # 17 s: make test-full (make test keeps the command line's own run)
 def test_lm_eval_command_line_keeps_long_prompts_whole_up_to_the_model_context(tmp_path):
     """tiny-random's context is 4096 tokens (bytes): prompts of ~3800 tokens, longer than the old
     limit of task.context_tokens (2048) + 64, reach the model whole, with prr's own task and a

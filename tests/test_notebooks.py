@@ -27,6 +27,7 @@ def outputs(notebook) -> str:
     return "\n".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
 
 
+@pytest.mark.slow  # 17 s: make test-full (make test keeps tests/test_figures_current.py, the figures' data)
 def test_figures_notebook_regenerates_every_figure_whose_results_exist(tmp_path, monkeypatch):
     from prr.analysis.figures import FIGURES
     from prr.analysis.make_figures import missing_inputs

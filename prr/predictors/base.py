@@ -85,20 +85,15 @@ class Predictor(PredictorOptions, ABC):
         return [(layer, True)] if self.history_only else []
 
     def learns_layers_at_once(self) -> bool:
-        """Whether `update_layers` / `propose_layers` run a range of layers in one launch each,
-        equal layer by layer to `update` then the next step's `propose`: the graph engine then
-        learns once at the end of a step's last sparse layer instead of after each one
-        (StaticPlan.learn_layers_at_once). History-only predictors only."""
+        """Whether this predictor also offers `update_layers(state, first, selections)` (the
+        `update` of layers first, first + 1, ... from their selections, one per layer) and
+        `propose_layers(state, first, layers, num_blocks, budget_blocks) -> (indices [L, B, Hkv, C],
+        counts [L, B, Hkv])` (their next step's P), one launch each, equal layer by layer to
+        `update` then `propose`: the graph engine then learns once after a step's last sparse layer
+        instead of after each one (StaticPlan.learn_layers_at_once). History-only predictors
+        only; the engine calls those two methods only where this returns True (EmaPredictor on
+        the kernels)."""
         return False
-
-    def update_layers(self, state: Any, first: int, selections: list[Selection]) -> None:
-        """`update` of layers first, first + 1, ... from their selections (one per layer)."""
-        raise NotImplementedError(f"{type(self).__name__} learns one layer at a time (learns_layers_at_once() is False)")
-
-    def propose_layers(self, state: Any, first: int, layers: int, num_blocks: int | Tensor,
-                       budget_blocks: int) -> tuple[Tensor, Tensor]:
-        """The next step's P of `layers` layers from `first`: (indices [L, B, Hkv, C], counts [L, B, Hkv])."""
-        raise NotImplementedError(f"{type(self).__name__} learns one layer at a time (learns_layers_at_once() is False)")
 
     def proposed_ahead(self, state: Any, layer: int) -> bool:
         """Whether `layer`'s P is written by `proposals_after_update` of an earlier update (this

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="torch", choices=["torch", "triton"])
     p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "cpu" / "bench_scoring"))
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the timed samples: <out>_<task>_<engine>_profile.txt, the prr functions by "
+                        "cumulative time (with CUDA_LAUNCH_BLOCKING=1 each kernel's time lands on its caller)")
     args = p.parse_args(argv)
     if args.topk_tokens % args.block_size:
         p.error(f"--topk-tokens {args.topk_tokens} is not a multiple of --block-size {args.block_size}")
@@ -103,8 +106,11 @@ class Timed:
     """The Engine as a task sees it, with each generate / score call (a batch call: one per
     batch of the engine's rows, one request at batch size 1) timed, synchronised."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, profile_after: int | None = None) -> None:
+        """profile_after: calls after which each call is cProfiled (self.profile), None: none."""
         self.engine, self.seconds, self.outputs = engine, [], []
+        self.profile_after = profile_after
+        self.profile = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -112,10 +118,18 @@ class Timed:
     def _timed(self, fn, batch: bool, *a, **k):
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
         sync()
+        profiling = self.profile_after is not None and len(self.seconds) >= self.profile_after
+        if profiling:
+            import cProfile
+
+            self.profile = self.profile or cProfile.Profile()
+            self.profile.enable()
         t0 = time.perf_counter()
         out = fn(*a, **k)
         sync()
         self.seconds.append(time.perf_counter() - t0)
+        if profiling:
+            self.profile.disable()
         self.outputs += out if batch else [out]
         return out
 
@@ -155,11 +169,13 @@ def run_task(args, model, task_name: str, engine_name: str, run_dir: Path) -> tu
     engine = Engine(cfg, model, task.prompt_tokens_upper_bound() + getattr(task, "max_new_tokens", 0)
                     + getattr(task, "score_tokens", 0), run_dir)
     engine.eos_ids = set()  # every sample generates --new-tokens tokens: equal work per sample
-    timed = Timed(engine)
+    timed = Timed(engine, args.warmup if args.profile else None)
     try:
         task.evaluate(timed)
     finally:
         engine.close()
+    if timed.profile is not None:
+        write_profile(timed.profile, Path(f"{args.out}_{task_name}_{engine_name}_profile.txt"))
     tokens = read_jsonl(run_dir / "records" / "tokens.jsonl")
     rows = []
     for i, seconds in enumerate(timed.seconds):
@@ -168,6 +184,19 @@ def run_task(args, model, task_name: str, engine_name: str, run_dir: Path) -> tu
                      "seconds": seconds, "decode_s": float(steps["wall_s"].sum()) if len(steps) else 0.0,
                      "decode_steps": len(steps)})
     return rows, timed.outputs
+
+
+def write_profile(profile: Any, path: Path) -> None:
+    """The profiled calls' prr functions by cumulative time, then every function by own time."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats("prr/", 60)
+    stats.sort_stats("tottime").print_stats(30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
 
 
 def same_outputs(a: list, b: list) -> dict[str, Any]:

@@ -112,6 +112,40 @@ def test_prefill_tail_selections_are_causal():
         assert torch.equal(got.scores, want.scores)  # the newest block's bound uses no later key
 
 
+@pytest.mark.parametrize("selector", ["quest", "infllm", "infllm_prr", "less", "exact"])
+def test_a_one_token_prefill_tail_leaves_serial_dsa_as_a_full_tail_does(selector):
+    # The graph engine's serial requests keep a one-token tail where the selector claims
+    # bulk_metadata_equals_stepwise (prr/runtime/graph_requests.py): then A_t-1 and every later
+    # selection and output are unchanged; the others differ here, so the claim is not too modest.
+    from hydra.utils import instantiate
+
+    from prr.config_check import compose_config
+    from prr.model.zoo import ZOO
+
+    config = ZOO["tiny-random"].config
+    g = torch.Generator().manual_seed(11)
+    prompt, steps, hkv, d, bs = 157, 5, config.num_kv_heads, config.head_dim, 8
+    q = torch.randn(1, config.num_heads, prompt + steps, d, generator=g)
+    k, v = (torch.randn(1, hkv, prompt + steps, d, generator=g) for _ in range(2))
+    runs = []
+    for tail in (32, 1):
+        sel = instantiate(compose_config([f"selector={selector}", "selector.topk_blocks=8", "selector.dense_layers=[]"],
+                                         check=False).selector)
+        sel.bind_model(config)
+        cache = PagedKVCache(1, 1, hkv, d, bs, prompt + steps)
+        backend = DSABackend(cache, config.num_heads, sel, NoPredictor(), FixedBudget(), calibration_tokens=tail)
+        backend.prefill(0, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt])
+        backend.finish_prefill()
+        chosen = [backend.history[0][-1].blocks.mask(cache.max_blocks)]
+        outs = [backend.decode(0, q[:, :, t], k[:, :, t], v[:, :, t]) for t in range(prompt, prompt + steps)]
+        chosen += [backend.previous[0].clone()]
+        runs.append((chosen, outs))
+    (want_sets, want_outs), (got_sets, got_outs) = runs
+    same = all(torch.equal(a, b) for a, b in zip(want_sets, got_sets, strict=True)) and \
+        all(torch.equal(a, b) for a, b in zip(want_outs, got_outs, strict=True))
+    assert same == sel.bulk_metadata_equals_stepwise  # the selectors that claim it (the others do differ here)
+
+
 def test_hit_rate_at_k_counts_only_the_top_of_the_ranking_in_union_mode():
     sel = QuestSelector(topk_blocks=4, gqa_reduce="union")
     backend, _, rows = run_backend(EmaPredictor(), selector=sel, ratio=1.0)

@@ -92,9 +92,14 @@ class GraphRequests:
             for layer in range(self.cache.num_layers):
                 self.cache.set_length(layer, 0)
                 self.cache.reset_metadata(layer)
+        # Serial DSA learns nothing from the prefill tail but its last selection (the last-step
+        # overlap's A_t-1); where a bulk metadata update equals the stepwise one, a one-token
+        # tail leaves the same metadata and A_t-1 (tests/test_runtime.py) at 1/32 of the selections.
+        one_token = not self.speculating and self.selector.bulk_metadata_equals_stepwise
+        tail = {"calibration_tokens": 1} if one_token else {}
         return EagerRuntime(o.model.decoder, o.settings, self.selector, self.predictor, o.budget, o.ops.name,
                             self.cache.max_tokens, o.dtype, cache=self.cache, mode="sparse", dense_metrics_every=1,
-                            check_serial=False)
+                            check_serial=False, **tail)
 
     def begin(self, eager: Any, lengths: list[int]) -> None:
         """After the prefill of lengths[b] tokens into row b of the cache: the engine takes over

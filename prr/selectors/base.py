@@ -87,6 +87,11 @@ class Selector(SelectorOptions, ABC):
     # let the engine's append kernels update it (prr.kernels.cache_append, qkv_append); the
     # others get `append_metadata` after the append.
     metadata_in_append_kernel = False
+
+    # True when the prefill's bulk metadata update leaves what token-by-token updates would
+    # (and the last prefill-tail selection with it): a serial request then keeps a one-token
+    # tail (prr/runtime/graph_requests.py). Tested for every selector in tests/test_runtime.py.
+    bulk_metadata_equals_stepwise = False
     # --- backends ---------------------------------------------------------------------------
     # Selectors with Triton kernels override `triton_problems` and `select_triton`; the others
     # score with torch ops under every runtime.backend (the run summary says which ran).

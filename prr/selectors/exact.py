@@ -25,6 +25,8 @@ from prr.selectors.base import Selection, Selector
 
 
 class ExactSelector(Selector):
+    bulk_metadata_equals_stepwise = True  # no metadata: every key scored at each step
+
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         # q: [B, Hkv, G, D] -> attention mass per block [B, Hkv, G, max_blocks]
         _, block_mass = attend_dense(q, cache, layer, lengths, 1.0 / math.sqrt(q.shape[-1]))

@@ -118,6 +118,12 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, sign: float = 1.0) ->
 class InfLLMSelector(InfLLMSelectorOptions, Selector):
     # the constructor is InfLLMSelectorOptions' (no torch: run.py checks it before importing torch)
 
+    @property
+    def bulk_metadata_equals_stepwise(self) -> bool:
+        """The published rule's representatives come from every window query (catch_up has them
+        all); prr's one_query variant takes the query of the step a block leaves the window at."""
+        return self.representatives_from == "window_attention"
+
     def bind_model(self, config: Any) -> None:
         """Keep the model's RoPE frequencies (config: head_dim, rope_theta, rope_scaling), which
         position-agnostic scoring needs to undo the cache keys' rotation."""

@@ -116,6 +116,7 @@ def free_device_memory(device: torch.device) -> int | None:
 
 class LessSelector(QuestSelector):
     metadata_in_append_kernel = False  # its feature summaries are updated by append_metadata
+    bulk_metadata_equals_stepwise = False  # fp32 feature sums: another summation order, other bits
     def __init__(
         self,
         topk_blocks: int,

@@ -29,6 +29,7 @@ KEY_MAX, KEY_MIN = "quest_key_max", "quest_key_min"
 
 class QuestSelector(Selector):
     metadata_in_append_kernel = True
+    bulk_metadata_equals_stepwise = True  # a block's key max / min: the same however it grew
     def metadata(self, cache: PagedKVCache, layer: int) -> tuple[Tensor, Tensor]:
         """(key_max, key_min) [B, Hkv, max_blocks, D] in the cache dtype; ±inf in blocks never
         written. Public: fused kernels that append a token (prr.kernels.qkv_append) update them."""

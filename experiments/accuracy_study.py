@@ -18,8 +18,14 @@ there and the largest PRR-vs-serial attention error of the run (runtime.check_se
 (b) accuracy (RULER string match) of each selector and budget against dense, and the
 fraction of samples whose tokens equal dense's.
 
-Writes <out>.csv (one row per task, context, selector, predictor, budget), <out>_samples.csv
-(one row per sample and config) and <out>.json (command, sizes, timings, the differences).
+Samples run sample-major (sample 0 of every task and context, then sample 1, ...), so a run
+stopped by --time-budget leaves every cell with samples. One Engine per config serves every
+task and context (the graph engine captures its step once).
+
+Writes <out>_samples.csv, the results store (one row per task, context, sample and config, each
+with the command that made it; rewritten after every sample; --resume continues it across
+runs, e.g. separate GPU sessions), <out>.csv (one row per task, context, selector, predictor,
+budget: accuracy with its 95% interval and n) and <out>.json (sizes, timings, the differences).
 """
 
 from __future__ import annotations
@@ -69,12 +75,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="runtime.engine: the research runtime (per-step records: PRR-vs-serial attention error) or "
                         "the CUDA-graph engine (hit rate from its device counters)")
     p.add_argument("--out", default=None, help="path stem of the results (default: experiments/results/cpu/accuracy)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue OUT_samples.csv (the results store): finished (task, context, sample, config) rows "
+                        "are kept and skipped; without it an existing store is refused")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds after which no new sample starts (the tables cover what finished; --resume continues)")
     p.add_argument("--report", type=Path, default=None,
                    help="only rebuild OUT.csv/.json from a cut-short run's _samples.csv (no model; --out required)")
     args = p.parse_args(argv)
     if args.report is not None and args.out is None:
         p.error("--report needs --out (where the rebuilt tables go; never the committed default)")
     args.out = args.out or str(ROOT / "experiments" / "results" / "cpu" / "accuracy")
+    if args.report is None and not args.resume and Path(f"{args.out}_samples.csv").exists():
+        p.error(f"{args.out}_samples.csv exists: pass --resume to continue it (finished samples are kept and "
+                "skipped), or choose another --out")
     return args
 
 
@@ -107,61 +121,96 @@ def main(argv: list[str] | None = None) -> None:
                                                             "runtime.repair_mode=exact", *check]))
 
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
+    store = Path(f"{args.out}_samples.csv")  # the results store: one row per (task, context, sample, config)
+    rows: list[dict[str, Any]] = []
+    if store.exists():  # (parse_args refused it without --resume)
+        rows = pd.read_csv(store, keep_default_na=False, na_values=[""]).to_dict("records")
+    done = {(r["task"], int(r["context_tokens"]), int(r["sample"]), r["config"]) for r in rows}
     t_start = time.perf_counter()
     first = compose_config(common + task_overrides(tasks[0]))
     settings = instantiate(first.runtime)
     model = instantiate(first.model).load(settings.dtype, settings.device)
-    rows: list[dict[str, Any]] = []
-    for task_name in tasks:
-        for ctx in contexts:
-            task_over = [*task_overrides(task_name), f"task.context_tokens={ctx}", f"task.num_samples={args.samples}",
-                         f"task.max_new_tokens={args.max_new_tokens}"]
-            engines = {}
-            for name, _, _, budget, over in runs:
-                if budget is not None and budget >= ctx:
-                    continue  # the budget covers the whole context: nothing sparse
-                cfg = compose_config(common + task_over + over)
-                engines[name] = Engine(cfg, model, ctx + 64 + args.max_new_tokens)
-                engines[name].collect = args.engine == "eager"  # per-step rows; the graph engine counts on the device
-            task = instantiate(compose_config(common + task_over).task)
-            samples = task.samples(engines["dense"].tokenizer)
-            for index, sample in enumerate(samples):
-                base = engines["dense"]
-                ids = base.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
-                t0 = time.perf_counter()
-                prefill = base.prefill(ids)
-                prefill_s = time.perf_counter() - t0
-                for name, sel, pred, budget, _ in runs:
-                    if name not in engines:
-                        continue
-                    t0 = time.perf_counter()
-                    gen = engines[name].generate(ids, args.max_new_tokens, prefill=prefill)
-                    steps = pd.DataFrame(engines[name].request_rows)
-                    if args.engine == "graph":
-                        counts = engines[name].runtime.request_counts
-                        steps = pd.DataFrame([{"hits": counts["hits"], "selected_blocks": counts["selected"]}]
-                                             if counts["selected"] else [])  # (no sparse layer: no rows, as eager)
-                    rows.append({
-                        "task": task_name, "context_tokens": ctx, "sample": index, "prompt_tokens": ids.shape[1],
-                        "config": name, "selector": sel, "predictor": pred, "budget_tokens": budget,
-                        "score": task.score(gen.text, sample), "prediction": gen.text,
-                        "token_ids": json.dumps(gen.token_ids), "margins": json.dumps([round(m, 5) for m in gen.margins]),
-                        "max_serial_relerr": float(steps["serial_relerr"].max()) if "serial_relerr" in steps else None,
-                        "hit_rate": float(steps["hits"].sum() / max(steps["selected_blocks"].sum(), 1)) if len(steps) and pred == "ema" else None,
-                        "decode_s": time.perf_counter() - t0, "prefill_s": prefill_s,
-                    })
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # kept, with its command, if cut short
-                pd.DataFrame(rows).assign(command=command).to_csv(f"{args.out}_samples.csv", index=False)
-                print(f"{task_name} ctx {ctx} sample {index}: prefill {prefill_s:.1f}s, "
-                      f"{len(engines)} configs {sum(r['decode_s'] for r in rows[-len(engines):]):.1f}s "
-                      f"({time.perf_counter() - t_start:.0f}s so far)", flush=True)
-    write_results(Path(args.out), pd.DataFrame(rows), command, {
+    # One Engine per config for every task and context (a graph engine captures its step once, at
+    # the longest request: shorter ones run in the same graphs).
+    capacity = max(contexts) + 64 + args.max_new_tokens
+    engines: dict[str, Engine] = {}
+
+    def engine(name: str, over: list[str]) -> Engine:
+        if name not in engines:
+            engines[name] = Engine(compose_config(common + task_overrides(tasks[0]) + over), model, capacity)
+            engines[name].collect = args.engine == "eager"  # per-step rows; the graph engine counts on the device
+        return engines[name]
+
+    cells = [(task_name, ctx) for ctx in contexts for task_name in tasks]
+    made = {cell: instantiate(compose_config(common + ["selector=dense", *task_overrides(cell[0]), f"task.context_tokens={cell[1]}",
+                                                       f"task.num_samples={args.samples}",
+                                                       f"task.max_new_tokens={args.max_new_tokens}"]).task)
+            for cell in cells}
+    todo = [(index, cell) for index in range(args.samples) for cell in cells  # sample-major: every cell grows
+            if any((*cell, index, name) not in done for name, *_, budget, _ in runs if budget is None or budget < cell[1])]
+    print(f"{len(todo)} samples to run ({len(done)} sample-configs already in {store})", flush=True)
+    for position, (index, (task_name, ctx)) in enumerate(todo):
+        elapsed = time.perf_counter() - t_start
+        if args.time_budget is not None and elapsed > args.time_budget:
+            print(f"time budget {args.time_budget:.0f}s spent after {position} of {len(todo)} samples: stopping; "
+                  f"--resume continues from {store}", flush=True)
+            break
+        task = made[task_name, ctx]
+        base = engine("dense", runs[0][-1])
+        sample = task.make_sample(base.tokenizer, task.rng(index), index)
+        ids = base.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
+        t0 = time.perf_counter()
+        prefill = base.prefill(ids)
+        prefill_s = time.perf_counter() - t0
+        ran = []
+        for name, sel, pred, budget, over in runs:
+            if (budget is not None and budget >= ctx) or (task_name, ctx, index, name) in done:
+                continue  # the budget covers the whole context (nothing sparse), or finished earlier
+            t0 = time.perf_counter()
+            runner = engine(name, over)
+            gen = runner.generate(ids, args.max_new_tokens, prefill=prefill)
+            steps = pd.DataFrame(runner.request_rows)
+            if args.engine == "graph":
+                counts = runner.runtime.request_counts
+                steps = pd.DataFrame([{"hits": counts["hits"], "selected_blocks": counts["selected"]}]
+                                     if counts["selected"] else [])  # (no sparse layer: no rows, as eager)
+            ran.append({
+                "task": task_name, "context_tokens": ctx, "sample": index, "prompt_tokens": ids.shape[1],
+                "config": name, "selector": sel, "predictor": pred, "budget_tokens": budget,
+                "score": task.score(gen.text, sample), "prediction": gen.text,
+                "token_ids": json.dumps(gen.token_ids), "margins": json.dumps([round(m, 5) for m in gen.margins]),
+                "max_serial_relerr": float(steps["serial_relerr"].max()) if "serial_relerr" in steps else None,
+                "hit_rate": float(steps["hits"].sum() / max(steps["selected_blocks"].sum(), 1)) if len(steps) and pred == "ema" else None,
+                "decode_s": time.perf_counter() - t0, "prefill_s": prefill_s, "command": command,
+            })
+        rows += ran
+        store.parent.mkdir(parents=True, exist_ok=True)  # every finished sample kept, each row with its command
+        write_csv_atomic(pd.DataFrame(rows), store)
+        print(f"[{position + 1}/{len(todo)}] {task_name} ctx {ctx} sample {index}: prefill {prefill_s:.2f}s, "
+              f"{len(ran)} configs {sum(r['decode_s'] for r in ran):.1f}s ({time.perf_counter() - t_start:.0f}s so far)",
+              flush=True)
+    if not rows:
+        print("no sample finished: no tables written")
+        return
+    per_sample = pd.DataFrame(rows)
+    finished = per_sample.groupby(["task", "context_tokens"])["sample"].nunique().to_dict()
+    write_results(Path(args.out), per_sample.drop(columns="command", errors="ignore"), command, {
         "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
+        "finished_samples": {f"{t} {c}": int(n) for (t, c), n in finished.items()},
         "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "decoding": "greedy",
         "device": (f"{torch.cuda.get_device_name()} torch {torch.__version__}" if args.device.startswith("cuda") else
                    f"cpu {platform.machine()} torch {torch.__version__}, {torch.get_num_threads()} threads"),
-        "dtype": args.dtype, "backend": args.backend, "engine": args.engine, "wall_s": time.perf_counter() - t_start})
+        "dtype": args.dtype, "backend": args.backend, "engine": args.engine, "wall_s": time.perf_counter() - t_start,
+        "commands_in_store": sorted(set(per_sample["command"].dropna())) if "command" in per_sample else []},
+        samples=False)
+
+
+def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
+    """frame to path through a temp file: a run stopped mid-write leaves the previous store whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    frame.to_csv(tmp, index=False)
+    tmp.replace(path)
 
 
 def write_results(out: Path, per_sample: pd.DataFrame, command: str, meta: dict[str, Any], samples: bool = True) -> None:

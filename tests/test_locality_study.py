@@ -166,3 +166,26 @@ def test_rates_are_means_over_prompts_with_a_bootstrap_interval_over_prompts():
     assert by_task.loc["b", "prompts"] == 1  # one prompt: its interval is the value itself, and n says so
     assert by_task.loc["b", "last_step_overlap_lo"] == by_task.loc["b", "last_step_overlap_hi"] == pytest.approx(0.7)
     assert list(by_task["prompts"]) == [2, 1]
+
+
+def test_accuracy_study_resumes_its_results_store_and_never_overwrites_it(tmp_path):
+    """The samples file is the store: a second run with --resume keeps every finished
+    (task, context, sample, config) row and runs only the missing ones; without --resume an
+    existing store is refused (exit 2) before any work."""
+    acc = load("accuracy_study")
+    out = str(tmp_path / "acc")
+    args = ["--model", "tiny-random", "--tasks", "ruler_niah", "--contexts", "1000", "--budgets", "128",
+            "--ema-budgets", "", "--selectors", "quest", "--max-new-tokens", "3", "--out", out]
+    acc.main([*args, "--samples", "1"])
+    first = pd.read_csv(f"{out}_samples.csv")
+    with pytest.raises(SystemExit) as refused:
+        acc.main([*args, "--samples", "2"])
+    assert refused.value.code == 2
+    acc.main([*args, "--samples", "2", "--resume"])
+    store = pd.read_csv(f"{out}_samples.csv")
+    assert sorted(zip(store["sample"], store["config"], strict=True)) == [
+        (0, "dense"), (0, "quest-none-128"), (1, "dense"), (1, "quest-none-128")]
+    kept = store[store["sample"] == 0].reset_index(drop=True)
+    assert kept.drop(columns="command").equals(first.drop(columns="command"))  # the first run's rows, untouched
+    assert store["command"].nunique() == 2  # each row names the run that made it
+    assert json.loads((tmp_path / "acc.json").read_text())["finished_samples"] == {"ruler_niah 1000": 2}

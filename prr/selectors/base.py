@@ -159,21 +159,44 @@ class Selector(SelectorOptions, ABC):
         num_blocks = (lengths + cache.block_size - 1) // cache.block_size  # [B]
         if self.backend == "triton":
             return self.select_triton(q, cache, layer, lengths, num_blocks)
-        per_head = self.head_scores(q, cache, layer, lengths).float()  # [B, Hkv, G, NB]
-        outside = ~inside_context(num_blocks, cache.max_blocks)  # [B, 1, NB]
+        return self.selection_from(self.head_scores(q, cache, layer, lengths), num_blocks, cache.max_blocks)
+
+    def selection_from(self, per_head: Tensor, num_blocks: Tensor, max_blocks: int) -> Selection:
+        """The torch `select` after scoring: per_head [B, Hkv, G, NB] scores, num_blocks [B] ->
+        GQA-reduced, forced, top-K Selection (shared by `select` and the batched `select_tail`)."""
+        per_head = per_head.float()
+        outside = ~inside_context(num_blocks, max_blocks)  # [B, 1, NB]
         per_head = per_head.masked_fill(outside.unsqueeze(2), float("-inf"))
         reduced = per_head.sum(2) if self.gqa_reduce == "sum" else per_head.amax(2)  # [B, Hkv, NB]
         reduced = reduced.masked_fill(outside, float("-inf"))
-        forced = self.forced_mask(num_blocks, cache.max_blocks, q.device)  # [B, 1, NB]
+        forced = self.forced_mask(num_blocks, max_blocks, per_head.device)  # [B, 1, NB]
         if self.gqa_reduce == "union":
             forced_scores = per_head.masked_fill(forced.unsqueeze(2), float("inf"))
             b, h, g, n = forced_scores.shape
             per_head_sets = top_blocks(forced_scores.reshape(b, h * g, n), self.topk_blocks)
             union = per_head_sets.mask(n).view(b, h, g, n).any(2)
-            blocks = BlockSet.from_mask(union, self.capacity(g, cache.max_blocks))
+            blocks = BlockSet.from_mask(union, self.capacity(g, max_blocks))
         else:
             blocks = top_blocks(reduced.masked_fill(forced, float("inf")), self.topk_blocks)
         return Selection(blocks=ascending(blocks), scores=reduced)
+
+    def select_tail(self, q_tail: Tensor, cache: PagedKVCache, layer: int, start: int,
+                    queries: Tensor | None = None) -> list[Selection]:
+        """The prefill tail's selections: q_tail [B, Hkv, G, T, D] are the queries of positions
+        [start, start + T), whose keys are in the cache; the metadata covers [0, start) on entry
+        and [0, start + T) on return. -> T Selections, the one of position t over tokens <= t, as
+        decode would have made it (metadata grown one token at a time: no future key leaks).
+        queries: the prefill's queries [B, Hkv, G, >= start + 1, D] for `catch_up`.
+        Default: one metadata update and `select` per position; selectors that can fold the T
+        queries into the batch exactly (quest, exact) override it (2T launches -> a few)."""
+        selections = []
+        for i in range(q_tail.shape[3]):
+            t = start + i
+            self.update_metadata(cache, layer, t, t + 1)
+            if i == 0:  # the backlog of bounded per-step metadata work (InfLLM's finalising)
+                self.catch_up(q_tail[:, :, :, 0], cache, layer, t + 1, queries=queries)
+            selections.append(self.select(q_tail[:, :, :, i], cache, layer, length=t + 1))
+        return selections
 
     def select_triton(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor,
                       num_blocks: Tensor) -> Selection:
@@ -194,3 +217,13 @@ def ascending(blocks: BlockSet) -> BlockSet:
     ordered = torch.where(blocks.valid(), blocks.indices, n).sort(-1).values
     ordered = torch.where(ordered == n, 0, ordered)
     return BlockSet(ordered.to(torch.int32), blocks.count.to(torch.int32))
+
+
+def tail_rows(rows: Selection, batch: int) -> list[Selection]:
+    """Selections of a tail folded into the batch (rows ordered (b, t): [B * T, Hkv, ...]) ->
+    the T Selections of its positions, [B, Hkv, ...] each."""
+    t = rows.scores.shape[0] // batch
+    indices = rows.blocks.indices.view(batch, t, *rows.blocks.indices.shape[1:])
+    count = rows.blocks.count.view(batch, t, *rows.blocks.count.shape[1:])
+    scores = rows.scores.view(batch, t, *rows.scores.shape[1:])
+    return [Selection(BlockSet(indices[:, i], count[:, i]), scores[:, i]) for i in range(t)]

@@ -66,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default="256,512", help="top-K budgets in tokens (selector.topk_blocks x block_size)")
     p.add_argument("--ema-budgets", default="256", help="budgets that also run predictor=ema ('' for none)")
     p.add_argument("--selectors", default="quest,infllm,less,exact")
-    p.add_argument("--max-new-tokens", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=lambda v: 0 if v == "task" else int(v), default=10,
+                   help="greedy tokens per sample (EOS ends it sooner); 'task': each task's own (RULER's "
+                        "tokens_to_generate: niah 128, vt 30, cwe 120, fwe 50, qa 32)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     model = instantiate(first.model).load(settings.dtype, settings.device)
     # One Engine per config for every task and context (a graph engine captures its step once, at
     # the longest request: shorter ones run in the same graphs).
-    capacity = max(contexts) + 64 + args.max_new_tokens
+    capacity = max(contexts) + 64 + (args.max_new_tokens or 128)  # (128: RULER's longest tokens_to_generate)
     engines: dict[str, Engine] = {}
 
     def engine(name: str, over: list[str]) -> Engine:
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     cells = [(task_name, ctx) for ctx in contexts for task_name in tasks]
     made = {cell: instantiate(compose_config(common + ["selector=dense", *task_overrides(cell[0]), f"task.context_tokens={cell[1]}",
                                                        f"task.num_samples={args.samples}",
-                                                       f"task.max_new_tokens={args.max_new_tokens}"]).task)
+                                                       f"task.max_new_tokens={args.max_new_tokens or 'null'}"]).task)
             for cell in cells}
     todo = [(index, cell) for index in range(args.samples) for cell in cells  # sample-major: every cell grows
             if any((*cell, index, name) not in done for name, *_, budget, _ in runs if budget is None or budget < cell[1])]
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue  # the budget covers the whole context (nothing sparse), or finished earlier
             t0 = time.perf_counter()
             runner = engine(name, over)
-            gen = runner.generate(ids, args.max_new_tokens, prefill=prefill)
+            gen = runner.generate(ids, task.max_new_tokens, prefill=prefill)
             steps = pd.DataFrame(runner.request_rows)
             if args.engine == "graph":
                 counts = runner.runtime.request_counts
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
         "finished_samples": {f"{t} {c}": int(n) for (t, c), n in finished.items()},
         "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
-        "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "decoding": "greedy",
+        "max_new_tokens": args.max_new_tokens or "each task's own", "block_size": args.block_size, "decoding": "greedy",
         "device": (f"{torch.cuda.get_device_name()} torch {torch.__version__}" if args.device.startswith("cuda") else
                    f"cpu {platform.machine()} torch {torch.__version__}, {torch.get_num_threads()} threads"),
         "dtype": args.dtype, "backend": args.backend, "engine": args.engine, "wall_s": time.perf_counter() - t_start,

@@ -9,13 +9,15 @@
 #   device:    bash experiments/h200_long_context.sh receive        # (carry .xfer) .xfer/* -> $STAGE, sha256 printed
 #   device:    bash experiments/h200_long_context.sh prepare        # assemble + verify + convert (prr.model.fetch)
 #   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT
+#   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv BUDGET_S=400 \
+#                bash experiments/h200_long_context.sh campaign CONTEXTS   # issue 34's matrix, continued
 #              (study output under $OUT; copy it to experiments/results/h200/)
 set -euo pipefail
 PIECES=/tmp/prr_qwen_pieces
 STAGE=/tmp/prr_qwen_stage
 PIECE_BYTES=52000000
 MODEL=qwen2.5-coder-0.5b
-cmd=${1:?usage: split | stage N | receive | prepare | locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT}
+cmd=${1:?usage: split | stage N | receive | prepare | locality CONTEXTS | accuracy CONTEXTS | campaign CONTEXTS | predictors CONTEXT}
 
 device_env() {  # the device has no registry: hydra/omegaconf/antlr4/gguf wheels travel in .whl/
   export PRR_CACHE_DIR=$STAGE/cache TRITON_INTERPRET=0
@@ -77,6 +79,17 @@ case $cmd in
       --contexts "${2:?contexts}" --samples "${SAMPLES:-2}" --budgets "${BUDGETS:-1024,2048}" --ema-budgets "${EMA_BUDGETS-1024}" \
       --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens "${NEW_TOKENS:-16}" \
       --device cuda --dtype bfloat16 --out "$out/accuracy_qwen_${2//,/_}"
+    ;;
+  campaign)  # issue 34's accuracy matrix on the graph engine, resumable: STORE (a committed *_samples.csv) is continued
+    out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
+    device_env
+    stem=$out/accuracy_qwen_matrix
+    if [ -n "${STORE:-}" ]; then cp "$STORE" "${stem}_samples.csv"; fi
+    tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
+    python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "$tasks" \
+      --contexts "${2:?contexts}" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \
+      --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens task --device cuda --dtype bfloat16 \
+      --out "$stem" --resume --time-budget "${BUDGET_S:-400}"
     ;;
   predictors)
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset

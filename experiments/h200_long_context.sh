@@ -83,8 +83,10 @@ case $cmd in
   campaign)  # issue 34's accuracy matrix on the graph engine, resumable: STORE (a committed *_samples.csv) is continued
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
-    stem=$out/accuracy_qwen_matrix
-    if [ -n "${STORE:-}" ]; then cp "$STORE" "${stem}_samples.csv"; fi
+    stem=$STAGE/campaign/accuracy_qwen_matrix  # outside $OUT (emptied per call): back-to-back calls continue it
+    mkdir -p "$STAGE/campaign"
+    if [ -n "${STORE:-}" ] && [ ! -f "${stem}_samples.csv" ]; then cp "$STORE" "${stem}_samples.csv"; fi
+    trap 'cp "$stem"* "$out"/ 2>/dev/null || true' EXIT  # the store and tables come back, also when cut short
     tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
     python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "$tasks" \
       --contexts "${2:?contexts}" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \

@@ -97,17 +97,12 @@ class DSABackend:
             self.selector.update_metadata(self.cache, layer, start, end)
         else:
             # Selections at the last prompt positions (predictor calibration and warm-up), each
-            # made as decode would have: metadata grown one token at a time, so no future key leaks.
+            # made as decode would have: position t sees no key after t (`Selector.select_tail`).
             tail_start = max(1, end - self.calibration_tokens)
             self.selector.update_metadata(self.cache, layer, start, tail_start)
             qg = self._grouped(q)  # [B, Hkv, G, T, D]
-            history = []
-            for t in range(tail_start, end):
-                self.selector.update_metadata(self.cache, layer, t, t + 1)
-                if t == tail_start:  # the backlog of bounded per-step metadata work (InfLLM's finalising)
-                    self.selector.catch_up(qg[:, :, :, t], self.cache, layer, t + 1, queries=qg)
-                history.append(self.selector.select(qg[:, :, :, t], self.cache, layer, length=t + 1))
-            self.history[layer] = history
+            self.history[layer] = self.selector.select_tail(qg[:, :, :, tail_start:end], self.cache, layer,
+                                                            tail_start, queries=qg)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
 
     def finish_prefill(self, history: list[list[Selection] | None] | None = None,

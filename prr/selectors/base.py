@@ -219,11 +219,9 @@ def ascending(blocks: BlockSet) -> BlockSet:
     return BlockSet(ordered.to(torch.int32), blocks.count.to(torch.int32))
 
 
-def tail_rows(rows: Selection, batch: int) -> list[Selection]:
-    """Selections of a tail folded into the batch (rows ordered (b, t): [B * T, Hkv, ...]) ->
-    the T Selections of its positions, [B, Hkv, ...] each."""
-    t = rows.scores.shape[0] // batch
-    indices = rows.blocks.indices.view(batch, t, *rows.blocks.indices.shape[1:])
-    count = rows.blocks.count.view(batch, t, *rows.blocks.count.shape[1:])
-    scores = rows.scores.view(batch, t, *rows.scores.shape[1:])
-    return [Selection(BlockSet(indices[:, i], count[:, i]), scores[:, i]) for i in range(t)]
+def tail_rows(rows: Selection, positions: int) -> list[Selection]:
+    """Selections of a tail folded into the batch, rows ordered (t, b): [T * B, Hkv, ...] ->
+    the T Selections of its positions, [B, Hkv, ...] each (contiguous views: no copies)."""
+    indices, count, scores = (x.unflatten(0, (positions, -1)).unbind(0)
+                              for x in (rows.blocks.indices, rows.blocks.count, rows.scores))
+    return [Selection(BlockSet(*row[:2]), row[2]) for row in zip(indices, count, scores, strict=True)]

@@ -21,7 +21,7 @@ from torch import Tensor
 from prr.block_attention import attend_dense
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
-from prr.selectors.base import Selection, Selector
+from prr.selectors.base import Selection, Selector, tail_rows
 
 
 class ExactSelector(Selector):
@@ -50,3 +50,40 @@ class ExactSelector(Selector):
         indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
                                       recent_blocks=self.local_blocks + int(self.force_newest))
         return Selection(blocks=BlockSet(indices, counts), scores=scores)
+
+    def select_tail(self, q_tail: Tensor, cache: PagedKVCache, layer: int, start: int,
+                    queries: Tensor | None = None) -> list[Selection]:
+        """The base loop's selections with the T positions folded into the batch (rows (t, b)):
+        no metadata, so position t is the full cache's scores masked to tokens <= t."""
+        b, h, g, num, d = q_tail.shape
+        positions = torch.arange(start, start + num, device=q_tail.device)
+        lengths = (positions + 1).repeat_interleave(b)  # [T * B], rows (t, b)
+        num_blocks = (lengths + cache.block_size - 1) // cache.block_size
+        scale = 1.0 / math.sqrt(d)
+        if self.backend == "triton":
+            from prr.kernels.exact import exact_scores
+            from prr.kernels.topk import topk_select
+
+            rows = num_blocks.to(torch.int32)
+            per_position = (positions + 1, (positions // cache.block_size + 1).to(torch.int32))  # [T] lengths, blocks
+            scores = []
+            for row in range(b):  # the kernels take one key row per query row: a stride-0 view per cache row
+                q_rows = q_tail[row].permute(2, 0, 1, 3).reshape(num, h * g, d)  # [T, Hq, D]
+                keys = cache.keys[layer][row : row + 1].expand(num, *cache.keys[layer].shape[1:])
+                scores.append(exact_scores(q_rows, keys, *per_position, cache.block_size, scale,
+                                           self.gqa_reduce))  # [T, Hkv, NB]
+            scores = torch.stack(scores, 1).flatten(0, 1)  # [T * B, Hkv, NB]
+            indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
+                                          recent_blocks=self.local_blocks + int(self.force_newest))
+            return tail_rows(Selection(BlockSet(indices, counts), scores), num)
+        # attend_dense's block mass, batched after the q·K products: those stay one matmul per
+        # position, as `select` makes them (CPU matmuls are not batch-invariant: measured, a
+        # [B, Hkv, G·T, D] product differs in the last bits).
+        k = cache.keys[layer].float().transpose(-1, -2)  # [B, Hkv, D, T_max]
+        logits = torch.stack([q_tail[:, :, :, i].float() @ k for i in range(num)], 3) * scale  # [B, Hkv, G, T, T_max]
+        live = torch.arange(cache.max_tokens, device=q_tail.device) <= positions.unsqueeze(1)  # [T, T_max]
+        logits = logits.masked_fill(~live, float("-inf"))
+        probs = torch.exp(logits - torch.logsumexp(logits, dim=-1, keepdim=True))
+        mass = probs.unflatten(-1, (cache.max_blocks, cache.block_size)).sum(-1)  # [B, Hkv, G, T, NB]
+        per_head = mass.permute(3, 0, 1, 2, 4).flatten(0, 1)  # [T * B, Hkv, G, NB]
+        return tail_rows(self.selection_from(per_head, num_blocks, cache.max_blocks), num)

@@ -22,9 +22,13 @@ from torch import Tensor
 
 from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
-from prr.selectors.base import Selection, Selector
+from prr.selectors.base import Selection, Selector, tail_rows
 
 KEY_MAX, KEY_MIN = "quest_key_max", "quest_key_min"
+# fp32 elements of one torch `select_tail` chunk's [.., T, NB, D] products: cache-sized on a CPU
+# (memory-bound there: one 58 MB product of 32 positions ran 4.7x slower than the loop), large
+# on a GPU (launch-bound: few chunks).
+TAIL_CHUNK_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 25}
 
 
 class QuestSelector(Selector):
@@ -89,7 +93,65 @@ class QuestSelector(Selector):
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         # q: [B, Hkv, G, D] -> upper bounds [B, Hkv, G, max_blocks] (unscaled q·k units)
         key_max, key_min = self.metadata(cache, layer)
-        q = q.float().unsqueeze(3)  # [B, Hkv, G, 1, D]
-        upper = torch.maximum(q * key_max.float().unsqueeze(2), q * key_min.float().unsqueeze(2)).sum(-1)
-        # Blocks never written hold ±inf metadata; the base class masks them out by length.
-        return torch.nan_to_num(upper, nan=float("-inf"))
+        return _bounds(q.float().unsqueeze(3), key_max.float().unsqueeze(2), key_min.float().unsqueeze(2))
+
+    def select_tail(self, q_tail: Tensor, cache: PagedKVCache, layer: int, start: int,
+                    queries: Tensor | None = None) -> list[Selection]:
+        """The base loop's selections with the T positions folded into the batch (rows (t, b)).
+        Position t sees the final metadata of the blocks before its own (complete by then) and,
+        for its own block p = t // S, the max / min of that block's keys <= t: a running max /
+        min over the block (exact in the cache dtype, as the stepwise update). Scored with all
+        blocks' final metadata, then column p replaced by the bound over that partial block."""
+        b, h, g, num, d = q_tail.shape
+        end, s = start + num, cache.block_size
+        self.update_metadata(cache, layer, start, end)  # the final metadata (= stepwise, see the class)
+        key_max, key_min = self.metadata(cache, layer)
+        first, last = start // s, -(-end // s)  # blocks holding tail positions
+        keys = cache.keys[layer][:, :, first * s : last * s].unflatten(2, (last - first, s))  # [B, Hkv, n, S, D]
+        window = slice(start - first * s, end - first * s)
+        run_max = keys.cummax(3).values.flatten(2, 3)[:, :, window]  # [B, Hkv, T, D]: block's max up to t
+        run_min = keys.cummin(3).values.flatten(2, 3)[:, :, window]
+        positions = torch.arange(start, end, device=q_tail.device)
+        own = positions // s  # [T] each position's block
+        num_blocks = (own + 1).repeat_interleave(b)  # [T * B], rows (t, b)
+        if self.backend == "triton":
+            from prr.kernels.quest import quest_score
+            from prr.kernels.topk import topk_select
+
+            rows = num_blocks.to(torch.int32)
+            ones = torch.ones(num, dtype=torch.int32, device=q_tail.device)
+            scores = []
+            for row in range(b):  # the kernels take one metadata row per query row: a stride-0 view per cache row
+                q_rows = q_tail[row].permute(2, 0, 1, 3).reshape(num, h * g, d)  # [T, Hq, D]
+                meta = [m[row : row + 1].expand(num, *m.shape[1:]) for m in (key_max, key_min)]
+                full = quest_score(q_rows, *meta, (own + 1).to(torch.int32), gqa_reduce=self.gqa_reduce)  # [T, Hkv, NB]
+                partial = quest_score(q_rows, run_max[row].transpose(0, 1).unsqueeze(2),
+                                      run_min[row].transpose(0, 1).unsqueeze(2), ones,
+                                      gqa_reduce=self.gqa_reduce)  # [T, Hkv, 1]: own block from keys <= t
+                scores.append(full.scatter_(2, own.view(num, 1, 1).expand(num, h, 1), partial))
+            scores = torch.stack(scores, 1).flatten(0, 1)  # [T * B, Hkv, NB]
+            indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
+                                          recent_blocks=self.local_blocks + int(self.force_newest))
+            return tail_rows(Selection(BlockSet(indices, counts), scores), num)
+        nb = key_max.shape[2]
+        limit = TAIL_CHUNK_ELEMENTS.get(q_tail.device.type, TAIL_CHUNK_ELEMENTS["cpu"])
+        chunk = max(1, limit // max(1, b * h * g * nb * d))  # positions per chunk
+        qf = q_tail.float()
+        per_head = []
+        for lo in range(0, num, chunk):
+            part = slice(lo, min(num, lo + chunk))
+            per_head.append(_bounds(qf[:, :, :, part].unsqueeze(4), key_max.float()[:, :, None, None],
+                                    key_min.float()[:, :, None, None]))  # [B, Hkv, G, t, NB]
+        per_head = torch.cat(per_head, 3) if len(per_head) > 1 else per_head[0]  # [B, Hkv, G, T, NB]
+        partial = _bounds(qf, run_max.float().unsqueeze(2), run_min.float().unsqueeze(2))  # [B, Hkv, G, T]
+        per_head[:, :, :, torch.arange(num, device=q_tail.device), own] = partial
+        per_head = per_head.permute(3, 0, 1, 2, 4).flatten(0, 1)  # [T * B, Hkv, G, NB]
+        return tail_rows(self.selection_from(per_head, num_blocks, cache.max_blocks), num)
+
+
+def _bounds(q: Tensor, key_max: Tensor, key_min: Tensor) -> Tensor:
+    """Quest's bound Σ_i max(q_i M_i, q_i m_i) over the last dim of broadcast fp32 operands (one
+    definition for `select` and `select_tail`: the same ops, so the same fp32 sums)."""
+    upper = torch.maximum(q * key_max, q * key_min).sum(-1)
+    # Blocks never written hold ±inf metadata; the base class masks them out by length.
+    return torch.nan_to_num(upper, nan=float("-inf"))

@@ -1,0 +1,86 @@
+"""The batched prefill tail (`Selector.select_tail` of quest and exact: the T positions folded
+into the batch) equals the base class's loop of one metadata update and `select` per position:
+same blocks, bitwise-equal fp32 scores, on both op backends (triton: CPU interpreter, small),
+at odd sizes (prompt not a multiple of the block, GQA group 1 and 3, batch 1 and 2)."""
+
+import pytest
+import torch
+
+from prr.cache import PagedKVCache
+from prr.selectors import ExactSelector, QuestSelector
+from prr.selectors.base import Selector
+
+SELECTORS = {"quest": QuestSelector, "exact": ExactSelector}
+
+
+def tails(name, gqa_reduce, backend, batch, group, block, prompt, tail, dtype=torch.float32, seed=0):
+    """-> (loop's, batched) Selections of positions [prompt - tail, prompt), and max_blocks."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, d = 2, 16
+    q = torch.randn(batch, hkv, group, prompt, d, generator=g).to(dtype)  # [B, Hkv, G, T, D]
+    k = (torch.randn(batch, hkv, prompt, d, generator=g) * 3).to(dtype)
+    start = prompt - tail
+    out = []
+    for select_tail in (Selector.select_tail, SELECTORS[name].select_tail):
+        sel = SELECTORS[name](topk_blocks=3, gqa_reduce=gqa_reduce, dense_layers=[])
+        assert sel.set_backend(backend) == backend
+        cache = PagedKVCache(1, batch, hkv, d, block, prompt + 5, dtype=dtype)  # spare room past the prompt
+        cache.append(0, k, k)
+        sel.update_metadata(cache, 0, 0, start)
+        out.append(select_tail(sel, q[:, :, :, start:], cache, 0, start, queries=q))
+    return *out, cache.max_blocks
+
+
+def assert_same(loop, batched, max_blocks):
+    assert len(loop) == len(batched)
+    for a, b in zip(loop, batched, strict=True):
+        assert b.scores.dtype == torch.float32 and b.scores.shape == a.scores.shape
+        assert torch.equal(a.blocks.mask(max_blocks), b.blocks.mask(max_blocks))
+        assert torch.equal(a.blocks.count, b.blocks.count)
+        assert torch.equal(a.scores, b.scores)
+
+
+@pytest.mark.parametrize("name", ["quest", "exact"])
+@pytest.mark.parametrize("gqa_reduce", ["max", "sum", "union"])
+@pytest.mark.parametrize("batch,group,block,prompt,tail", [(1, 1, 8, 37, 11), (2, 3, 16, 53, 20),
+                                                           (2, 3, 8, 40, 39)])
+def test_batched_tail_equals_the_loop_torch(name, gqa_reduce, batch, group, block, prompt, tail):
+    # (2, 3, 8, 40, 39): the tail starts at position 1, inside the first block.
+    assert_same(*tails(name, gqa_reduce, "torch", batch, group, block, prompt, tail))
+
+
+@pytest.mark.parametrize("name", ["quest", "exact"])
+@pytest.mark.parametrize("gqa_reduce,batch,group,block,prompt,tail", [("max", 2, 3, 16, 34, 4),
+                                                                      ("sum", 1, 1, 8, 26, 3)])
+def test_batched_tail_equals_the_loop_triton(name, gqa_reduce, batch, group, block, prompt, tail):
+    # Few positions (the interpreter is slow), each tail crossing a block boundary.
+    pytest.importorskip("triton")
+    assert_same(*tails(name, gqa_reduce, "triton", batch, group, block, prompt, tail))
+
+
+@pytest.mark.parametrize("name", ["quest", "exact"])
+def test_batched_tail_equals_the_loop_in_16_bit(name):
+    # Quest's metadata is kept in the cache dtype: the running max / min of bf16 keys is exact too.
+    assert_same(*tails(name, "max", "torch", 2, 3, 8, 45, 13, dtype=torch.bfloat16))
+
+
+def test_quest_tail_metadata_ends_as_the_loops():
+    # select_tail leaves the metadata the loop does (covering the whole prompt).
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 2, 45, 16, generator=g)
+    metas = []
+    for select_tail in (Selector.select_tail, QuestSelector.select_tail):
+        sel, cache = QuestSelector(topk_blocks=3), PagedKVCache(1, 2, 2, 16, 8, 50)
+        cache.append(0, k, k)
+        sel.update_metadata(cache, 0, 0, 30)
+        select_tail(sel, torch.randn(2, 2, 1, 15, 16, generator=g), cache, 0, 30)
+        metas.append(sel.metadata(cache, 0))
+    assert all(torch.equal(a, b) for a, b in zip(*metas, strict=True))
+
+
+def test_quest_tail_in_chunks_of_one_position_equals_the_loop(monkeypatch):
+    # The torch path scores its positions in cache-sized chunks (one position each here).
+    import prr.selectors.quest as quest
+
+    monkeypatch.setattr(quest, "TAIL_CHUNK_ELEMENTS", {"cpu": 1})
+    assert_same(*tails("quest", "sum", "torch", 2, 3, 8, 45, 13))

@@ -251,6 +251,48 @@ def test_window_scores_are_the_window_queries_summed_softmax():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def catch_up_stepwise(sel, q, cache, layer, length, queries):
+    """catch_up as it was (the reference): the prompt's queries add their window probabilities
+    256 at a time through the decode step's `_add_window_attention`, then the backlog finalises."""
+    for start in range(0, length, 256):
+        end = min(start + 256, length)
+        positions = torch.arange(start, end).repeat(cache.batch, 1)  # [B, C]
+        sel._add_window_attention(queries[:, :, :, start:end], positions, cache, layer)
+    rows = torch.full((cache.batch,), length)
+    sel._finalise(q, cache, layer, rows, torch.zeros_like(rows), cache.num_blocks(layer, length))
+
+
+@pytest.mark.parametrize("block_size, group, batch", [(8, 1, 2), (8, 3, 1), (16, 1, 1), (16, 4, 2)])
+def test_catch_up_in_large_chunks_equals_the_stepwise_one(block_size, group, batch, monkeypatch):
+    """catch_up's window work in a few large chunks (sized by PROMPT_KEYS_BYTES) leaves bitwise
+    the metadata, and so the selection, of the old 256-query chunks: prompts not a multiple of the
+    block size, one chunk (the default budget) and chunks of 37 queries."""
+    import prr.selectors.infllm as module
+
+    seed = block_size + 10 * group + 100 * batch
+    length, d, h = 219 + seed % 17, 16, 2
+    queries = torch.randn(batch, h, group, length, d, generator=torch.Generator().manual_seed(seed))
+    q = torch.randn(batch, h, group, d, generator=torch.Generator().manual_seed(seed + 1))
+
+    def after(catch_up):  # -> the metadata and the selection at `length`
+        sel = infllm("published", topk_blocks=6, local_blocks=2, representatives=3, per_head=group > 1)
+        cache = random_cache(sel, length=length, batch=batch, num_kv_heads=h, head_dim=d, block_size=block_size,
+                             seed=seed)
+        catch_up(sel, queries[:, :, :, -1], cache, 0, length, queries)
+        return cache.metadata[0], sel.select(q, cache, 0)
+
+    want, want_a = after(catch_up_stepwise)
+    per_query = 4 * batch * h * (1 + 2 + 1) * block_size * d  # fp32 keys gathered per query (sinks + window)
+    for budget in (module.PROMPT_KEYS_BYTES, 37 * per_query):
+        monkeypatch.setattr(module, "PROMPT_KEYS_BYTES", budget)
+        got, got_a = after(lambda sel, q, cache, layer, n, queries: sel.catch_up(q, cache, layer, n, queries=queries))
+        assert want.keys() == got.keys()
+        for name, slot in want.items():
+            assert torch.equal(slot, got[name]), (budget, name)
+        assert torch.equal(want_a.blocks.indices, got_a.blocks.indices)
+        assert torch.equal(want_a.blocks.count, got_a.blocks.count) and torch.equal(want_a.scores, got_a.scores)
+
+
 @pytest.mark.parametrize("predictor", [LastStepPredictor(), EmaPredictor(), OraclePredictor()],
                          ids=lambda p: type(p).__name__)
 @pytest.mark.parametrize("group", [1, 3])

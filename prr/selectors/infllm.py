@@ -78,7 +78,7 @@ torch path keeps them (bf16 would round the scores differently, and then the sel
 be the torch path's); one_query's are equal over a group, so the score kernel reads one per block
 (a quarter of the bytes at G = 4). `gqa_reduce=union` and head dims other than powers of two in
 [16, 256] have no kernels (`triton_problems` says so before a run). The prefill's backlog
-(`catch_up`) runs in torch ops (eager, once). Measured on the H200:
+(`catch_up`) runs in torch ops (eager, once, in a few large chunks). Measured on the H200:
 experiments/results/h200/kernels_issue33.md.
 """
 
@@ -102,7 +102,7 @@ FINALISED = "infllm_finalised"
 WINDOW_SLOT = "infllm_window"
 SCORED = "infllm_scored"
 ARRIVALS = "infllm_arrivals"  # the Triton step kernel's arrival counter per row (zero between launches)
-QUERY_CHUNK = 256  # prefill queries per chunk in catch_up (bounds its gathered keys)
+PROMPT_KEYS_BYTES = 1 << 29  # catch_up: fp32 keys gathered per chunk of prompt queries (bounds its memory)
 
 
 def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, sign: float = 1.0) -> Tensor:
@@ -294,8 +294,16 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
             if queries.shape[3] < length:
                 raise ValueError(f"catch_up got the queries of {queries.shape[3]} positions for a prefill of {length} "
                                  "tokens: pass one query per prompt position")
-            for start in range(0, length, QUERY_CHUNK):
-                end = min(start + QUERY_CHUNK, length)
+            # Chunks as large as the memory budget allows (10,922 queries at B 1, Hkv 2, D 64 and 6
+            # forced blocks of 16), not 256 queries: a 32K prompt's 128 chunks a layer were ~8,000
+            # small ops, launch-bound on a GPU (now 4 chunks, ~320 ops). The same per-query products,
+            # added by scatter_add_ in query order as with any chunking: on the CPU the window scores
+            # are bitwise the 256-query chunks' (a GPU's scatter_add_ adds in no fixed order anyway).
+            forced = (self.sink_blocks + self.window_blocks) * cache.block_size
+            per_query = 4 * cache.batch * cache.num_kv_heads * forced * cache.head_dim  # bytes of gathered keys
+            chunk = max(PROMPT_KEYS_BYTES // per_query, 1)
+            for start in range(0, length, chunk):
+                end = min(start + chunk, length)
                 positions = torch.arange(start, end, device=cache.device).repeat(cache.batch, 1)  # [B, C]
                 self._add_window_attention(queries[:, :, :, start:end].to(cache.device), positions, cache, layer)
         backlog = cache.num_blocks(layer, length)

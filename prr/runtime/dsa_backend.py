@@ -121,12 +121,34 @@ class DSABackend:
         c = self.cache
         self.predictor_state = self.predictor.init_state(c.num_layers, c.batch, c.num_kv_heads, c.max_blocks, c.device)
         self.engine.adopt_predictor_state(self.predictor_state)
+        for first, layers in self._warm_runs():  # layers' states are independent: a step of a run at once
+            for t in range(len(self.history[first])):
+                self.predictor.update_layers(self.predictor_state, first, [self.history[i][t] for i in layers])
         for layer, selections in enumerate(self.history):
-            for selection in selections or []:
-                self.predictor.update(self.predictor_state, layer, selection)
+            if selections and not self.predictor.learns_layers_at_once():
+                for selection in selections:
+                    self.predictor.update(self.predictor_state, layer, selection)
             if selections:
                 self.previous[layer] = selections[-1].blocks.mask(c.max_blocks)
         return info
+
+    def _warm_runs(self) -> list[tuple[int, range]]:
+        """Where the predictor learns layers at once (EmaPredictor on the kernels: one launch,
+        equal layer by layer to `update`), the runs of consecutive layers whose tails have one
+        length -> (first, layers) each; else none (every layer `update`s step by step: L·T calls,
+        704 at 32K on Qwen-0.5B, down to T per run here)."""
+        if not self.predictor.learns_layers_at_once():
+            return []
+        runs: list[tuple[int, range]] = []
+        for layer, selections in enumerate(self.history):
+            if not selections:
+                continue
+            first, layers = runs[-1] if runs else (-1, range(0))
+            if runs and layers.stop == layer and len(self.history[first]) == len(selections):
+                runs[-1] = (first, range(first, layer + 1))
+            else:
+                runs.append((layer, range(layer, layer + 1)))
+        return runs
 
     # --- decode -------------------------------------------------------------------------
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

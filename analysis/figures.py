@@ -691,6 +691,13 @@ FIGURES: list[Figure] = [
            "experiments/h200_long_context.sh accuracy on an H200)",
            "Accuracy on RULER's own tasks (string match, mean over samples), Qwen2.5-Coder-0.5B: 4K on the CPU "
            "(fp32), 8K-32K on an H200 (bf16); 2 samples per task and context (fwe, qa_1, niah_multikey_2: 1)"),
+    Figure("accuracy_qwen_matrix", lambda f: accuracy_table(accuracy_frame(f)),
+           ("experiments/results/h200/accuracy_qwen_matrix.csv", "experiments/results/h200/accuracy_qwen_matrix_samples.csv"),
+           read_accuracy,
+           "BUDGET_S=420 / 390 SAMPLES=25 bash experiments/h200_long_context.sh campaign 4096 (two device calls, "
+           "docs/results/accuracy.md)",
+           "Accuracy on RULER's 13 tasks at 4K, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): dense, every "
+           "selector at 1,024 and 2,048 tokens, serial and PRR (ema); 13-14 samples per task"),
     Figure("accuracy_smollm2_ruler", lambda f: accuracy_table(accuracy_frame(f)),
            (f"{CPU}/accuracy_smollm2_ruler.csv", f"{CPU}/accuracy_smollm2_ruler_samples.csv"), read_accuracy,
            "the command in docs/results/accuracy.md (accuracy_study.py --model smollm2-135m --tasks ruler:...)",

@@ -47,7 +47,7 @@ from hydra.utils import instantiate
 from prr.config_check import compose_config
 from prr.evaluation import Engine
 from prr.intervals import score_interval
-from prr.paths import write_json_atomic
+from prr.paths import write_json_atomic, write_text_atomic
 from prr.run_inputs import DTYPES
 from prr.tasks.ruler import task_overrides
 
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             })
         rows += ran
         store.parent.mkdir(parents=True, exist_ok=True)  # every finished sample kept, each row with its command
-        write_csv_atomic(pd.DataFrame(rows), store)
+        write_text_atomic(store, pd.DataFrame(rows).to_csv(index=False))  # a stop mid-write keeps the last store
         print(f"[{position + 1}/{len(todo)}] {task_name} ctx {ctx} sample {index}: prefill {prefill_s:.2f}s, "
               f"{len(ran)} configs {sum(r['decode_s'] for r in ran):.1f}s ({time.perf_counter() - t_start:.0f}s so far)",
               flush=True)
@@ -206,13 +206,6 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": args.dtype, "backend": args.backend, "engine": args.engine, "wall_s": time.perf_counter() - t_start,
         "commands_in_store": sorted(set(per_sample["command"].dropna())) if "command" in per_sample else []},
         samples=False)
-
-
-def write_csv_atomic(frame: pd.DataFrame, path: Path) -> None:
-    """frame to path through a temp file: a run stopped mid-write leaves the previous store whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    frame.to_csv(tmp, index=False)
-    tmp.replace(path)
 
 
 def write_results(out: Path, per_sample: pd.DataFrame, command: str, meta: dict[str, Any], samples: bool = True) -> None:

@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                 "decode_s": time.perf_counter() - t0, "prefill_s": prefill_s, "command": command,
             })
         rows += ran
-        store.parent.mkdir(parents=True, exist_ok=True)  # every finished sample kept, each row with its command
-        write_text_atomic(store, pd.DataFrame(rows).to_csv(index=False))  # a stop mid-write keeps the last store
+        # every finished sample kept, each row with its command; a stop mid-write keeps the last store
+        write_text_atomic(store, pd.DataFrame(rows).to_csv(index=False))
         print(f"[{position + 1}/{len(todo)}] {task_name} ctx {ctx} sample {index}: prefill {prefill_s:.2f}s, "
               f"{len(ran)} configs {sum(r['decode_s'] for r in ran):.1f}s ({time.perf_counter() - t_start:.0f}s so far)",
               flush=True)

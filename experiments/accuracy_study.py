@@ -19,7 +19,8 @@ there and the largest PRR-vs-serial attention error of the run (runtime.check_se
 fraction of samples whose tokens equal dense's.
 
 Samples run sample-major (sample 0 of every task and context, then sample 1, ...), so a run
-stopped by --time-budget leaves every cell with samples. One Engine per config serves every
+stopped by --time-budget leaves every cell with samples; with --batch-size R (graph engine)
+R samples of a cell decode together, one per row of the cache. One Engine per config serves every
 task and context (the graph engine captures its step once).
 
 Writes <out>_samples.csv, the results store (one row per task, context, sample and config, each
@@ -76,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="eager", choices=["eager", "graph"],
                    help="runtime.engine: the research runtime (per-step records: PRR-vs-serial attention error) or "
                         "the CUDA-graph engine (hit rate from its device counters)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="graph engine: samples of one task and context decoded together, one per row of the cache "
+                        "(runtime.batch_size; ragged rows). A row's hit rate and time are its batch's, per row")
     p.add_argument("--out", default=None, help="path stem of the results (default: experiments/results/cpu/accuracy)")
     p.add_argument("--resume", action="store_true",
                    help="continue OUT_samples.csv (the results store): finished (task, context, sample, config) rows "
@@ -87,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.report is not None and args.out is None:
         p.error("--report needs --out (where the rebuilt tables go; never the committed default)")
+    if args.batch_size < 1 or (args.batch_size > 1 and args.engine != "graph"):
+        p.error(f"--batch-size {args.batch_size}: must be >= 1, and > 1 needs --engine graph (the research "
+                "runtime decodes one request at a time)")
     args.out = args.out or str(ROOT / "experiments" / "results" / "cpu" / "accuracy")
     if args.report is None and not args.resume and Path(f"{args.out}_samples.csv").exists():
         p.error(f"{args.out}_samples.csv exists: pass --resume to continue it (finished samples are kept and "
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     common = [f"model={args.model}", "logger=none", f"runtime.block_size={args.block_size}",
               f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", f"backend={args.backend}",
               "runtime.dense_metrics_every=1000000",  # no dense reference per step: accuracy is the point here
-              f"runtime.engine={args.engine}"]
+              f"runtime.engine={args.engine}", f"runtime.batch_size={args.batch_size}"]
 
     # (name, selector, predictor, budget tokens, overrides)
     runs: list[tuple[str, str, str, int | None, list[str]]] = [("dense", "dense", "none", None, ["selector=dense", "predictor=none"])]
@@ -148,48 +155,56 @@ def main(argv: list[str] | None = None) -> None:
                                                        f"task.num_samples={args.samples}",
                                                        f"task.max_new_tokens={args.max_new_tokens or 'null'}"]).task)
             for cell in cells}
-    todo = [(index, cell) for index in range(args.samples) for cell in cells  # sample-major: every cell grows
-            if any((*cell, index, name) not in done for name, *_, budget, _ in runs if budget is None or budget < cell[1])]
-    print(f"{len(todo)} samples to run ({len(done)} sample-configs already in {store})", flush=True)
-    for position, (index, (task_name, ctx)) in enumerate(todo):
+    # sample-major in groups of --batch-size samples: every cell grows, a group decodes as one batch
+    size = args.batch_size
+    todo = [(cell, idx) for first_index in range(0, args.samples, size) for cell in cells
+            if (idx := [i for i in range(first_index, min(first_index + size, args.samples)) if any(
+                (*cell, i, name) not in done for name, *_, budget, _ in runs if budget is None or budget < cell[1])])]
+    print(f"{sum(len(idx) for _, idx in todo)} samples to run in {len(todo)} batches ({len(done)} sample-configs "
+          f"already in {store})", flush=True)
+    for position, ((task_name, ctx), indices) in enumerate(todo):
         elapsed = time.perf_counter() - t_start
         if args.time_budget is not None and elapsed > args.time_budget:
-            print(f"time budget {args.time_budget:.0f}s spent after {position} of {len(todo)} samples: stopping; "
+            print(f"time budget {args.time_budget:.0f}s spent after {position} of {len(todo)} batches: stopping; "
                   f"--resume continues from {store}", flush=True)
             break
         task = made[task_name, ctx]
         base = engine("dense", runs[0][-1])
-        sample = task.make_sample(base.tokenizer, task.rng(index), index)
-        ids = base.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
+        samples = [task.make_sample(base.tokenizer, task.rng(index), index) for index in indices]
+        ids = [base.encode_prompt(s.prompt, task.chat_template, s.gen_prefix) for s in samples]  # [1, T_b] each
         t0 = time.perf_counter()
-        prefill = base.prefill(ids)
-        prefill_s = time.perf_counter() - t0
+        prefills = [base.prefill(x) for x in ids]
+        prefill_s = (time.perf_counter() - t0) / len(ids)
         ran = []
         for name, sel, pred, budget, over in runs:
-            if (budget is not None and budget >= ctx) or (task_name, ctx, index, name) in done:
+            need = [j for j, index in enumerate(indices) if (task_name, ctx, index, name) not in done]
+            if (budget is not None and budget >= ctx) or not need:
                 continue  # the budget covers the whole context (nothing sparse), or finished earlier
             t0 = time.perf_counter()
             runner = engine(name, over)
-            gen = runner.generate(ids, task.max_new_tokens, prefill=prefill)
+            gens = runner.generate_batch([ids[j] for j in need], task.max_new_tokens, prefills=[prefills[j] for j in need])
+            decode_s = (time.perf_counter() - t0) / len(need)  # the batch's wall time, per request
             steps = pd.DataFrame(runner.request_rows)
-            if args.engine == "graph":
+            if args.engine == "graph":  # (counters pooled over the batch's rows and steps)
                 counts = runner.runtime.request_counts
                 steps = pd.DataFrame([{"hits": counts["hits"], "selected_blocks": counts["selected"]}]
                                      if counts["selected"] else [])  # (no sparse layer: no rows, as eager)
-            ran.append({
-                "task": task_name, "context_tokens": ctx, "sample": index, "prompt_tokens": ids.shape[1],
-                "config": name, "selector": sel, "predictor": pred, "budget_tokens": budget,
-                "score": task.score(gen.text, sample), "prediction": gen.text,
-                "token_ids": json.dumps(gen.token_ids), "margins": json.dumps([round(m, 5) for m in gen.margins]),
-                "max_serial_relerr": float(steps["serial_relerr"].max()) if "serial_relerr" in steps else None,
-                "hit_rate": float(steps["hits"].sum() / max(steps["selected_blocks"].sum(), 1)) if len(steps) and pred == "ema" else None,
-                "decode_s": time.perf_counter() - t0, "prefill_s": prefill_s, "command": command,
-            })
+            for j, gen in zip(need, gens, strict=True):
+                ran.append({
+                    "task": task_name, "context_tokens": ctx, "sample": indices[j], "prompt_tokens": ids[j].shape[1],
+                    "config": name, "selector": sel, "predictor": pred, "budget_tokens": budget,
+                    "score": task.score(gen.text, samples[j]), "prediction": gen.text,
+                    "token_ids": json.dumps(gen.token_ids), "margins": json.dumps([round(m, 5) for m in gen.margins]),
+                    "max_serial_relerr": float(steps["serial_relerr"].max()) if "serial_relerr" in steps else None,
+                    "hit_rate": float(steps["hits"].sum() / max(steps["selected_blocks"].sum(), 1))
+                    if len(steps) and pred == "ema" else None,
+                    "decode_s": decode_s, "prefill_s": prefill_s, "batch_rows": len(need), "command": command,
+                })
         rows += ran
-        # every finished sample kept, each row with its command; a stop mid-write keeps the last store
+        # every finished batch kept, each row with its command; a stop mid-write keeps the last store
         write_text_atomic(store, pd.DataFrame(rows).to_csv(index=False))
-        print(f"[{position + 1}/{len(todo)}] {task_name} ctx {ctx} sample {index}: prefill {prefill_s:.2f}s, "
-              f"{len(ran)} configs {sum(r['decode_s'] for r in ran):.1f}s ({time.perf_counter() - t_start:.0f}s so far)",
+        print(f"[{position + 1}/{len(todo)}] {task_name} ctx {ctx} samples {indices}: prefill {prefill_s:.2f}s each, "
+              f"{len(ran)} decodes {sum(r['decode_s'] for r in ran):.1f}s ({time.perf_counter() - t_start:.0f}s so far)",
               flush=True)
     if not rows:
         print("no sample finished: no tables written")

@@ -11,6 +11,7 @@
 #   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT
 #   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv BUDGET_S=400 \
 #                bash experiments/h200_long_context.sh campaign CONTEXTS   # issue 34's matrix, continued
+#              (BUDGET_S seconds per context, one process each; BATCH samples decoded together)
 #              (study output under $OUT; copy it to experiments/results/h200/)
 set -euo pipefail
 PIECES=/tmp/prr_qwen_pieces
@@ -88,10 +89,15 @@ case $cmd in
     if [ -n "${STORE:-}" ] && [ ! -f "${stem}_samples.csv" ]; then cp "$STORE" "${stem}_samples.csv"; fi
     trap 'cp "$stem"* "$out"/ 2>/dev/null || true' EXIT  # the store and tables come back, also when cut short
     tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
-    python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "$tasks" \
-      --contexts "${2:?contexts}" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \
-      --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens task --device cuda --dtype bfloat16 \
-      --out "$stem" --resume --time-budget "${BUDGET_S:-400}"
+    # one process per context (each engine sized for its own context), each for BUDGET_S seconds, its
+    # samples BATCH at a time (default: 8, 4 at 32K and above: every config's engine keeps its own cache)
+    for ctx in ${2//,/ }; do
+      batch=${BATCH:-$(( ctx >= 32768 ? 4 : 8 ))}
+      python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "$tasks" \
+        --contexts "$ctx" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \
+        --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens task --device cuda --dtype bfloat16 \
+        --batch-size "$batch" --out "$stem" --resume --time-budget "${BUDGET_S:-400}"
+    done
     ;;
   predictors)
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset

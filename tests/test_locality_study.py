@@ -189,3 +189,22 @@ def test_accuracy_study_resumes_its_results_store_and_never_overwrites_it(tmp_pa
     assert kept.drop(columns="command").equals(first.drop(columns="command"))  # the first run's rows, untouched
     assert store["command"].nunique() == 2  # each row names the run that made it
     assert json.loads((tmp_path / "acc.json").read_text())["finished_samples"] == {"ruler_niah 1000": 2}
+
+
+def test_accuracy_study_decodes_a_batch_of_samples_as_it_decodes_each_alone(tmp_path):
+    """--batch-size 2 (graph engine, one sample per row of the cache, ragged) gives every sample
+    and config the tokens a batch-1 run gives; the research runtime's batch > 1 is refused (exit 2)."""
+    acc = load("accuracy_study")
+    args = ["--model", "tiny-random", "--tasks", "ruler_niah", "--contexts", "700", "--budgets", "128",
+            "--ema-budgets", "128", "--selectors", "quest", "--max-new-tokens", "4", "--samples", "3",
+            "--engine", "graph"]
+    acc.main([*args, "--out", str(tmp_path / "one")])
+    acc.main([*args, "--batch-size", "2", "--out", str(tmp_path / "two")])
+    one, two = (pd.read_csv(tmp_path / f"{n}_samples.csv").set_index(["sample", "config"]).sort_index()
+                for n in ("one", "two"))
+    assert len(one) == 9 and one.index.equals(two.index)
+    assert one["token_ids"].equals(two["token_ids"])
+    assert two["batch_rows"].tolist() == [2, 2, 2, 2, 2, 2, 1, 1, 1]  # samples 0-1 together, sample 2 alone
+    with pytest.raises(SystemExit) as refused:
+        acc.main([*args[:-2], "--batch-size", "2", "--out", str(tmp_path / "eager")])
+    assert refused.value.code == 2

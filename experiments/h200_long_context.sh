@@ -71,7 +71,8 @@ case $cmd in
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
     python3 experiments/locality_study.py --model $MODEL --contexts "${2:?contexts}" --tasks "${TASKS:-niah_multikey_2,qa_2}" \
-      --steps "${STEPS:-64}" --device cuda --dtype bfloat16 --out "$out/locality_long_qwen_${2//,/_}"
+      --steps "${STEPS:-64}" --samples "${SAMPLES:-1}" --engine "${ENGINE:-eager}" --backend "${BACKEND:-torch}" \
+      --device cuda --dtype bfloat16 --out "$out/locality_long_qwen_${2//,/_}"
     ;;
   accuracy)
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
@@ -103,7 +104,8 @@ case $cmd in
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
     python3 experiments/predictor_study.py --model $MODEL --tasks ${TASKS:-ruler:niah_multikey_2 ruler:qa_2} \
-      --context-tokens "${2:?context}" --steps "${STEPS:-128}" --device cuda --dtype bfloat16 --no-figures \
+      --context-tokens "${2:?context}" --steps "${STEPS:-128}" --samples "${SAMPLES:-1}" --engine "${ENGINE:-eager}" \
+      --device cuda --dtype bfloat16 --no-figures \
       --predictors ${PREDICTORS:-last_step ema ema_calibrated spin query_similarity cross_layer_ema ema_membership} \
       --out "$out/predictor_study_qwen_$2"
     ;;

@@ -7,6 +7,7 @@ PRR (quest + ema) generates serial DSA's tokens; what the graph engine cannot sc
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,24 @@ def test_batches_of_ragged_requests_equal_one_request_at_a_time(model, predictor
         assert total == pytest.approx(total_e, abs=1e-5) and greedy == greedy_e
         assert per_token == pytest.approx(per_token_e, abs=1e-5)
     assert got[-1][1] is True  # its own greedy tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("predictor", ["none", "ema"])
+def test_batches_of_ragged_requests_in_cuda_graphs_equal_one_request_at_a_time(predictor):
+    """The batched path on a GPU (Triton kernels, captured steps): runtime.batch_size=2 decodes
+    and scores ragged requests as batch-1 graph engines do, in fp32."""
+    gpu = load_model("tiny-random", dtype="float32", device="cuda")
+    one, two = (Engine(compose_config([*TINY, f"predictor={predictor}", "runtime.engine=graph", "runtime.device=cuda",
+                                       f"runtime.batch_size={b}"]), gpu, 340) for b in (1, 2))
+    prompts = [ids(n, i) for i, n in enumerate((300, 170, 240))]
+    batched = two.generate_batch(prompts, 20)
+    assert [g.token_ids for g in batched] == [one.generate(p, 20).token_ids for p in prompts]
+    requests = [(prompts[0], ids(9, 10)[0].tolist()), (prompts[1], ids(4, 11)[0].tolist()),
+                (prompts[2], batched[2].token_ids[:6])]
+    for (total, greedy, per_token), (total_1, greedy_1, per_token_1) in zip(
+            two.score_batch(requests), [one.score(*r) for r in requests], strict=True):
+        assert total == pytest.approx(total_1, abs=1e-4) and greedy == greedy_1
+        assert per_token == pytest.approx(per_token_1, abs=1e-4)

@@ -3,7 +3,8 @@
 the committed results (the PNG's bytes depend on fonts and matplotlib's version; the table
 does not). One row per thing a reader sees: each axes' title, axis labels and scales, legend
 entries, categorical tick labels, and per artist (line, bar, marker set, image, text) its
-label and its values, rounded to 4 significant digits."""
+label and its values (an error-bar set: x, y and each bar's low and high), rounded to 4
+significant digits."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.collections import Collection
-from matplotlib.container import BarContainer
+from matplotlib.container import BarContainer, ErrorbarContainer
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedFormatter
 
@@ -57,21 +58,37 @@ def axes_rows(i: int, ax: Axes) -> list[tuple[str, str, str, str]]:
     if legend is not None:
         rows.append((name, "legend", " | ".join(t.get_text() for t in legend.get_texts()),
                      legend.get_title().get_text()))
+    errorbars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    parts = {id(a) for c in errorbars for a in (c.lines[0], *c.lines[1], *c.lines[2]) if a is not None}
     for line in ax.get_lines():
-        rows.append((name, "line", line.get_label(), f"x: {numbers(line.get_xdata())}; y: {numbers(line.get_ydata())}"))
+        if id(line) not in parts:  # an error bar's line and caps: its errorbars row below
+            rows.append((name, "line", line.get_label(), f"x: {numbers(line.get_xdata())}; y: {numbers(line.get_ydata())}"))
     for container in ax.containers:
         if isinstance(container, BarContainer):
             bars = container.patches
             rows.append((name, "bars", str(container.get_label()),
                          "; ".join(f"{number(b.get_x())} {number(b.get_y())} {number(b.get_width())} {number(b.get_height())}"
                                    for b in bars)))
+        elif isinstance(container, ErrorbarContainer):
+            rows.append((name, "errorbars", str(container.get_label()), errorbar_values(container)))
     for collection in ax.collections:
-        rows += collection_rows(name, collection)
+        if id(collection) not in parts:
+            rows += collection_rows(name, collection)
     for image in ax.get_images():
         rows.append((name, "image", image.get_label(), numbers(flat(image.get_array()))))
     for text in ax.texts:
         rows.append((name, "text", text.get_text(), numbers(text.get_position())))
     return rows
+
+
+def errorbar_values(container: ErrorbarContainer) -> str:
+    """An error-bar set's points: x, y and each point's vertical bar (low, high), where it has one."""
+    line, _, bar_lines = container.lines
+    text = f"x: {numbers(line.get_xdata())}; y: {numbers(line.get_ydata())}"
+    if container.has_yerr:  # the vertical bars: the last LineCollection (x bars, where drawn, come first)
+        segments = bar_lines[-1].get_segments()
+        text += f"; low: {numbers(min(s[:, 1]) for s in segments)}; high: {numbers(max(s[:, 1]) for s in segments)}"
+    return text
 
 
 def collection_rows(name: str, collection: Collection) -> list[tuple[str, str, str, str]]:

@@ -18,8 +18,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import FixedFormatter, NullLocator
+from matplotlib.transforms import ScaledTranslation
 
-from prr.intervals import score_interval
+from prr.intervals import bootstrap_mean, score_interval
 
 from .style import (
     DOUBLE,
@@ -467,6 +469,100 @@ def read_accuracy(*paths: Path) -> pd.DataFrame:
     return pd.concat(tables, ignore_index=True)
 
 
+ACCURACY_PROMPT = ["task", "context_tokens", "sample"]  # a prompt: one task's sample at one context
+
+
+def complete_prompts(samples: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the prompts that every config of their context scored (a row with no score is no
+    row), so each config's mean at a context averages the same prompts."""
+    samples = samples[samples["score"].notna()]
+    twice = samples.duplicated([*ACCURACY_PROMPT, "config"], keep=False)
+    if twice.any():
+        raise ValueError(f"{int(twice.sum())} rows score the same (task, context, sample, config) twice, e.g. "
+                         f"{samples.loc[twice, [*ACCURACY_PROMPT, 'config']].iloc[0].tolist()}")
+    configs = samples.groupby("context_tokens")["config"].transform("nunique")
+    scored = samples.groupby(ACCURACY_PROMPT)["config"].transform("nunique")
+    return samples[scored == configs]
+
+
+def accuracy_config_label(selector: str, predictor: str) -> str:
+    if selector == "dense":
+        return "dense"
+    return f"{method_label(selector)}, " + ("serial" if predictor == "none" else f"PRR ({method_label(predictor)})")
+
+
+def accuracy_vs_context_points(samples: pd.DataFrame) -> pd.DataFrame:
+    """One row per (context, config): the mean score over the context's complete prompts
+    (complete_prompts) and its 95% percentile-bootstrap interval over prompts
+    (prr.intervals.bootstrap_mean). Columns of samples: accuracy_study's per-sample store (task,
+    context_tokens, sample, config, selector, predictor, budget_tokens, score)."""
+    samples = require(samples, [*ACCURACY_PROMPT, "config", "selector", "predictor", "budget_tokens", "score"],
+                      "accuracy_vs_context")
+    kept = complete_prompts(samples)
+    rows = []
+    for (context, config), cell in kept.groupby(["context_tokens", "config"], sort=False):
+        interval = bootstrap_mean(cell["score"].tolist())
+        first = cell.iloc[0]
+        rows.append({"context_tokens": int(context), "config": config, "selector": first["selector"],
+                     "predictor": first["predictor"], "budget_tokens": first["budget_tokens"],
+                     "label": accuracy_config_label(first["selector"], first["predictor"]),
+                     "mean": interval.estimate, "low": interval.low, "high": interval.high, "n": interval.n})
+    return pd.DataFrame(rows).sort_values(["context_tokens", "config"], ignore_index=True)
+
+
+def context_tick(tokens: int) -> str:
+    return f"{tokens / 1024:.0f}K" if tokens >= 1024 else str(tokens)
+
+
+def accuracy_vs_context(samples: pd.DataFrame) -> MplFigure:
+    """Accuracy pooled over tasks against context, one panel per top-K budget: dense (the
+    reference, in every panel) and, per selector, serial DSA (solid, filled markers) and PRR
+    (dashed, open markers, the selector's colour); each point the mean score over the context's
+    prompts that every config scored, with its 95% bootstrap interval over prompts as an error bar
+    (points of one context dodged sideways), n (prompts) under each context's tick.
+    Columns: those of accuracy_vs_context_points."""
+    points = accuracy_vs_context_points(samples)
+    contexts = sorted(points["context_tokens"].unique())
+    prompts = points.groupby("context_tokens")["n"].max()
+    budgets = sorted(points["budget_tokens"].dropna().unique())
+    selectors = list(dict.fromkeys(samples.loc[samples["selector"] != "dense", "selector"]))  # the store's order
+    order = {s: i for i, s in enumerate(["dense", *selectors])}
+    fig, axes = new_figure((DOUBLE[0], DOUBLE[1] + 0.3), ncols=len(budgets))
+    for ax, budget in zip(axes, budgets, strict=True):
+        panel = points[(points["budget_tokens"] == budget) | (points["selector"] == "dense")]
+        configs = sorted(dict.fromkeys(zip(panel["selector"], panel["predictor"], strict=True)),
+                         key=lambda c: (order[c[0]], c[1] != "none", c[1]))
+        for i, (selector, predictor) in enumerate(configs):
+            rows = panel[(panel["selector"] == selector) & (panel["predictor"] == predictor)].sort_values("context_tokens")
+            serial = predictor == "none"
+            color = method_color(selector)
+            # Each config's points shifted sideways by a few points (display space: the data keep their context).
+            shift = ax.transData + ScaledTranslation((i - (len(configs) - 1) / 2) * 3.5 / 72, 0, fig.dpi_scale_trans)
+            bars = ax.errorbar(rows["context_tokens"], 100 * rows["mean"],
+                               yerr=100 * np.vstack([rows["mean"] - rows["low"], rows["high"] - rows["mean"]]),
+                               transform=shift, color=color, marker=marker(selector), markersize=4,
+                               markerfacecolor=color if serial else "white", linestyle="-" if serial else "--",
+                               elinewidth=0.9, capsize=0, label=rows["label"].iloc[0])
+            if not serial:
+                bars.lines[2][0].set_linestyle("--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts)
+        # A FixedFormatter, not set_xticks(labels=...) (a FuncFormatter there): figure_data records its words.
+        ax.xaxis.set_major_formatter(FixedFormatter([f"{context_tick(c)}\nn={prompts[c]}" for c in contexts]))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(contexts[0] / 1.5, contexts[-1] * 1.5)
+        ax.set_title(f"top-K budget {int(budget):,} tokens", fontsize="small")
+        ax.set_xlabel("context (tokens; n: prompts)")
+    # Limits from the points (autoscaling skips artists drawn through the shifted transform); one range for all panels.
+    low, high = 100 * points["low"].min(), 100 * points["high"].max()
+    pad = max(2.0, 0.08 * (high - low))
+    for ax in axes:
+        ax.set_ylim(max(low - pad, 0.0), min(high + pad, 100.0))
+    axes[0].set_ylabel("accuracy (mean score, %)")
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="x-small")
+    return fig
+
+
 def table_markdown(table: pd.DataFrame, digits: int = 3) -> str:
     """A table as GitHub markdown (no extra dependency)."""
     header = [table.index.name or "", *map(str, table.columns)]
@@ -698,6 +794,14 @@ FIGURES: list[Figure] = [
            "docs/results/accuracy.md)",
            "Accuracy on RULER's 13 tasks at 4K, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): dense, every "
            "selector at 1,024 and 2,048 tokens, serial and PRR (ema); 13-14 samples per task"),
+    Figure("accuracy_qwen_vs_context", accuracy_vs_context, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv",),
+           pd.read_csv,
+           "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (docs/results/accuracy.md)",
+           "Accuracy against context, RULER's 13 tasks pooled, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): "
+           "the mean score over prompts (a prompt: one task's sample at that context) with its 95% percentile-bootstrap "
+           "interval over prompts; only prompts that every config of the context scored count, so every point at a "
+           "context averages the same n prompts (under the tick). Left top-K budget 1,024 tokens, right 2,048: dense "
+           "(the reference, in both), each selector serial (solid, filled) and PRR with EMA (dashed, open)"),
     Figure("accuracy_smollm2_ruler", lambda f: accuracy_table(accuracy_frame(f)),
            (f"{CPU}/accuracy_smollm2_ruler.csv", f"{CPU}/accuracy_smollm2_ruler_samples.csv"), read_accuracy,
            "the command in docs/results/accuracy.md (accuracy_study.py --model smollm2-135m --tasks ruler:...)",

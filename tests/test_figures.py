@@ -263,3 +263,43 @@ def test_accuracy_cells_carry_n_and_the_interval_of_their_samples(tmp_path):
     pd.DataFrame([{**cell, "sample": 0, "score": 1.0}]).to_csv(tmp_path / "acc_samples.csv", index=False)
     with pytest.raises(ValueError, match="do not match"):
         figures.read_accuracy(tmp_path / "acc.csv", tmp_path / "acc_samples.csv")
+
+
+def test_accuracy_vs_context_averages_the_same_complete_prompts_on_every_line():
+    """Two contexts, 8K thin (1-2 samples per task); prompt (b, 8K, 1) lacks one config's row: it
+    counts on no line at 8K (its scores of 1 would lift every mean there), and n says so."""
+    from matplotlib.container import ErrorbarContainer
+    from prr.analysis.figure_data import figure_table
+
+    configs = [("dense", "none", np.nan), *[(s, p, b) for s in ("quest", "infllm") for b in (1024.0, 2048.0)
+                                            for p in ("none", "ema")]]
+    prompts = [("a", 4096, i) for i in range(3)] + [("b", 4096, i) for i in range(3)] + \
+        [("a", 8192, 0), ("b", 8192, 0), ("b", 8192, 1)]
+    rows = [{"task": t, "context_tokens": c, "sample": i, "config": f"{s}-{p}-{b}", "selector": s, "predictor": p,
+             "budget_tokens": b, "score": 1.0 if (t, c, i) == ("b", 8192, 1) else [0.0, 0.5, 1.0][(i + j + (t == "b")) % 3]}
+            for t, c, i in prompts for j, (s, p, b) in enumerate(configs)]
+    store = pd.DataFrame([r for r in rows if not (r["sample"] == 1 and r["context_tokens"] == 8192
+                                                   and r["config"] == "infllm-ema-2048.0")])
+    points = figures.accuracy_vs_context_points(store)
+    assert len(points) == 2 * len(configs)
+    assert ((points["low"] <= points["mean"]) & (points["mean"] <= points["high"])).all()
+    assert points.groupby("context_tokens")["n"].unique().map(list).to_dict() == {4096: [6], 8192: [2]}
+    kept = store[store["context_tokens"] == 8192]
+    kept = kept[kept["sample"] == 0].groupby("config")["score"].mean()  # without the incomplete prompt
+    at_8k = points[points["context_tokens"] == 8192].set_index("config")["mean"]
+    assert at_8k.to_dict() == pytest.approx(kept.to_dict())
+
+    fig = figures.accuracy_vs_context(store)
+    assert fig.axes[0].get_ylabel() == "accuracy (mean score, %)" and fig.axes[1].get_xlabel().startswith("context (")
+    assert [ax.get_title() for ax in fig.axes] == ["top-K budget 1,024 tokens", "top-K budget 2,048 tokens"]
+    for ax in fig.axes:
+        bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+        assert [c.get_label() for c in bars] == ["dense", "Quest, serial", "Quest, PRR (EMA)", "InfLLM, serial",
+                                                 "InfLLM, PRR (EMA)"]  # dense in both panels
+        for c in bars:
+            y = c.lines[0].get_ydata()
+            low, high = (np.array([s[:, 1].min() for s in c.lines[2][-1].get_segments()]),
+                         np.array([s[:, 1].max() for s in c.lines[2][-1].get_segments()]))
+            assert c.lines[0].get_xdata().tolist() == [4096, 8192] and ((low <= y) & (y <= high)).all()
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["4K\nn=6", "8K\nn=2"]
+    assert '"4K\nn=6 | 8K\nn=2"' in figure_table(fig) and "errorbars,dense,x: 4096 8192; y:" in figure_table(fig)

@@ -81,6 +81,7 @@ from prr.kernels import prr_merge, quest
 from prr.benchmarking import (
     BF16,
     HEADROOM,
+    configured,
     copy_bandwidth,
     environment,
     model_of,
@@ -122,10 +123,8 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     """selector: a conf/selector YAML (run.py's object, every layer sparse, top-K = topk_tokens)."""
     k_blocks = topk_tokens // block
     chosen = configured("selector", selector, topk_blocks=k_blocks, dense_layers=[])
-    # (the plan's selector / sink / recent fields name nothing: the configured selector is passed)
-    plan = StaticPlan(variant="prr", topk_blocks=k_blocks, predicted_blocks=k_blocks,
-                      predictor="fixed", block_size=block, dense_layers=(), sink_blocks=1, recent_blocks=1)
-    eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity, selector=chosen)
+    plan = StaticPlan(variant="prr", predicted_blocks=k_blocks, block_size=block)
+    eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity, selector=chosen, predictor=None)  # P from outside
     eng.fill_random_context(context, seed=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
     hq, hkv, d = eng.hq, eng.hkv, eng.d
@@ -286,10 +285,13 @@ def counted_pass(eng: GraphDecoder, steps: int) -> tuple[dict[str, float], dict[
 
 def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector: str, model: Decoder,
                bandwidth: float, steps: int, capacity: int, compile: bool) -> list[dict]:
+    """selector: "quest" or "infllm", conf/selector's at top-K = topk_tokens, layers 0 and 1 dense,
+    the sink block and the newest forced (infllm: no local window)."""
     k_blocks = topk_tokens // block
     cfg = model.config
-    base = StaticPlan(variant="prr", selector=selector, topk_blocks=k_blocks, predicted_blocks=k_blocks,
-                      predictor="fixed", block_size=block, dense_layers=(0, 1))
+    chosen = configured("selector", selector, topk_blocks=k_blocks, dense_layers=[0, 1], local_blocks=0)
+    objects = dict(selector=chosen, predictor=None)  # P set from outside (but for the predictors' rows)
+    base = StaticPlan(variant="prr", predicted_blocks=k_blocks, block_size=block)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not cfg.tie_word_embeddings:  # a step reads one embedding row per batch row, not the table
         emb = model.model.embed_tokens.weight  # [V, H]
@@ -327,7 +329,8 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
                 record(name + suffix, fused, advance=False, hit=hit)
 
     if compile:  # what compiling the dense parts buys: serial DSA without it, graphs on
-        eng = GraphDecoder(model, dataclasses.replace(base, variant="serial"), batch=batch, max_tokens=capacity)
+        eng = GraphDecoder(model, dataclasses.replace(base, variant="serial"), batch=batch, max_tokens=capacity,
+                           **objects)
         eng.fill_random_context(context, seed=1)
         record("serial_uncompiled", eng, advance=False, hit=None)
         del eng
@@ -336,13 +339,13 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     # whole PRR stage at that |P| (90% hit rate) beat serial DSA's; else 0.
     profiled = ProfiledBudget(use_cache=False)
     probe = GraphProbe(lambda n: GraphDecoder(model, dataclasses.replace(base, predicted_blocks=n), batch=batch,
-                                              max_tokens=capacity), first_size=base.topk_blocks, seed=7)
+                                              max_tokens=capacity, **objects), first_size=k_blocks, seed=7)
     context_blocks = (context + block) // block
-    profiled.setup(probe, base.topk_blocks, num_blocks, contexts=[context_blocks])
+    profiled.setup(probe, k_blocks, num_blocks, contexts=[context_blocks])
     probe.release()
-    profiled_size = profiled.predicted_blocks(0, context_blocks, base.topk_blocks)
+    profiled_size = profiled.predicted_blocks(0, context_blocks, k_blocks)
     profiled_row = json.dumps(profiled.setup_info["profile_measurements"][0])
-    eng = GraphDecoder(model, base, batch=batch, max_tokens=capacity, compile=compile)
+    eng = GraphDecoder(model, base, batch=batch, max_tokens=capacity, compile=compile, **objects)
     eng.fill_random_context(context, seed=1)
     for name in ("dense", "serial"):
         view = eng.with_plan(variant=name)
@@ -376,7 +379,7 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     del eng
     if profiled_size not in (0, base.predicted_blocks):  # another |P|: an engine of that size, P at 90% of A
         eng = GraphDecoder(model, dataclasses.replace(base, predicted_blocks=profiled_size), batch=batch,
-                           max_tokens=capacity, compile=compile)
+                           max_tokens=capacity, compile=compile, **objects)
         eng.fill_random_context(context, seed=1)
         eng.with_plan(variant="serial").step(advance=False)
         hgen = torch.Generator().manual_seed(900)
@@ -390,9 +393,9 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     # Real predictors (the engine's prr.predictors objects) decode for real: count the hit rate in
     # one pass, time an identical one from the same state (checkpoint / restore rewinds the
     # position, metadata, P and the predictor state; fill_random_context would keep the state).
-    for predictor in ("ema_membership", "last_step"):
-        plan = dataclasses.replace(base, predictor=predictor)
-        eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity, compile=compile)
+    for predictor in ("ema_membership", "last_step"):  # conf/predictor's (ema_membership: alpha 0.8)
+        eng = GraphDecoder(model, base, batch=batch, max_tokens=capacity, compile=compile, selector=chosen,
+                           predictor=configured("predictor", predictor))
         eng.fill_random_context(context, seed=1)
         first, n = counted_pass(eng, steps)
         later = n["selected"] - first["selected"]
@@ -407,15 +410,6 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
 # --- part 3: every selector × {none, last_step, ema} through the one engine ---------------------
 
 MATRIX_PREDICTORS = ("none", "last_step", "ema")
-
-
-def configured(group: str, name: str, **overrides):
-    """The object conf/<group>/<name>.yaml describes, with `overrides` (hydra instantiate): the
-    same classes and defaults run.py builds."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    return instantiate(OmegaConf.merge(OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml"), overrides))
 
 
 def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, model: Decoder, capacity: int,
@@ -433,7 +427,7 @@ def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, 
     context has nothing to calibrate on)."""
     from types import SimpleNamespace
 
-    from prr.runtime.graph_run import graph_plan
+    from prr.runtime.graph_run import graph_plan, graph_topk
 
     overrides = {"dense_layers": [0, 1]}
     if selector_name != "dense":
@@ -455,7 +449,7 @@ def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, 
         start = eng.checkpoint()
         token_us = time_graph_us(lambda eng=eng: eng.step(advance=True), repeats=steps)
         eng.restore(start)
-        sparse = [i for i in range(model.config.num_layers) if i not in plan.dense_layers]
+        sparse = [i for i in range(model.config.num_layers) if not selector.is_dense_layer(i)]
         gen = torch.Generator(device=eng.device).manual_seed(2)
         hq, hkv, d = eng.hq, eng.hkv, eng.d
         qkv = {i: [torch.randn(1, h, d, generator=gen, device=eng.device).to(model.dtype) for h in (hq, hkv, hkv)]
@@ -470,7 +464,7 @@ def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, 
         later = {k: n[k] - first[k] for k in n}  # steps 2..: step 1 has no A_{t-1} and no P yet
         rows.append(dict(selector=selector_name, predictor=predictor_name, context=context, block=block,
                          topk_tokens=topk_tokens, variant=plan.variant,
-                         topk_blocks=max_blocks if selector.selects_every_block else plan.topk_blocks,
+                         topk_blocks=max_blocks if selector.selects_every_block else graph_topk(selector, max_blocks),
                          predicted_blocks=plan.predicted_blocks, token_us=token_us, stage_us=stage_us,
                          hit_rate=later["hits"] / later["selected"] if predictor.speculates else None,
                          precision=later["hits"] / later["predicted"] if later["predicted"] else None,
@@ -487,7 +481,7 @@ def matrix_rows(selector_name: str, context: int, block: int, topk_tokens: int, 
 
 
 # --- part 4: launch shapes of the PRR stage (stream priorities, speculation programs, repair splits) ---
-# Each walks LAUNCH_LAYERS caches of the 8B shape with P set from outside (predictor="fixed",
+# Each walks LAUNCH_LAYERS caches of the 8B shape with P set from outside (predictor=None,
 # |P| = |A|, no dense layers) and checks every PRR output against serial DSA's (exact mode).
 
 LAUNCH_LAYERS = 4
@@ -508,9 +502,9 @@ def fixed_prediction_engine(model: Decoder, batch: int, context: int, block: int
     """A Quest PRR engine with P set from outside over `context` random tokens, and
     LAUNCH_LAYERS random post-RoPE queries [B, Hq, D]."""
     k_blocks = topk_tokens // block
-    plan = StaticPlan(variant="prr", selector="quest", topk_blocks=k_blocks, predicted_blocks=k_blocks,
-                      predictor="fixed", block_size=block, dense_layers=(), sink_blocks=1, recent_blocks=1)
-    eng = GraphDecoder(model, plan, batch=batch, max_tokens=context + HEADROOM)
+    quest = configured("selector", "quest", topk_blocks=k_blocks, dense_layers=[])
+    plan = StaticPlan(variant="prr", predicted_blocks=k_blocks, block_size=block)
+    eng = GraphDecoder(model, plan, batch=batch, max_tokens=context + HEADROOM, selector=quest, predictor=None)
     eng.fill_random_context(context, seed=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
     qs = [torch.randn(batch, eng.hq, eng.d, generator=gen, device="cuda").to(torch.bfloat16)

@@ -740,7 +740,7 @@ def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, ban
     import torch
     from prr.kernels.quest import quest_score
 
-    from prr.benchmarking import model_of
+    from prr.benchmarking import configured, model_of
     from prr.blocks import controlled_predictions
     from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block
 
@@ -749,9 +749,10 @@ def prr_row(batch: int, context: int, block: int, budget: int, repeats: int, ban
     # The benchmarks' convention: a cache of `context` tokens holding context - HEADROOM, so its
     # block count (the width of the engine's score rows and top-k) stays a power of two.
     tokens = context - HEADROOM
-    eng = GraphDecoder(model_of(layers), StaticPlan(
-        variant="prr", selector="quest", topk_blocks=k, predicted_blocks=k, predictor="fixed", block_size=block,
-        dense_layers=(), sink_blocks=0, recent_blocks=0), batch=batch, max_tokens=context)
+    # conf/selector/quest.yaml's Quest with no forced block (nothing attended but the top-K), every layer sparse
+    quest = configured("selector", "quest", topk_blocks=k, dense_layers=[], sink_blocks=0, force_newest=False)
+    eng = GraphDecoder(model_of(layers), StaticPlan(variant="prr", predicted_blocks=k, block_size=block), batch=batch,
+                       max_tokens=context, selector=quest, predictor=None)  # P set from outside
     eng.fill_random_context(tokens - 1, seed=1)  # this step's token at tokens - 1: `tokens` tokens, full blocks
     lengths, num_blocks = eng.step_positions()
     nb, pool = tokens // block, eng.keys[0].shape[2] // block  # blocks in the context, pages per (row, KV head)

@@ -52,6 +52,7 @@ def main() -> None:
 
     from prr.benchmarking import (
         HEADROOM,
+        configured,
         copy_bandwidth,
         decode_step_bytes,
         environment,
@@ -84,9 +85,9 @@ def main() -> None:
     k_blocks = TOPK_TOKENS // BLOCK
     for capacity in args.contexts:
         context = capacity - HEADROOM
-        plan = StaticPlan(variant="prr", selector="quest", topk_blocks=k_blocks, predicted_blocks=k_blocks,
-                          predictor="fixed", block_size=BLOCK, dense_layers=DENSE_LAYERS, projections="torch")
-        eng = GraphDecoder(shard, plan, batch=1, max_tokens=capacity)
+        quest = configured("selector", "quest", topk_blocks=k_blocks, dense_layers=list(DENSE_LAYERS))
+        plan = StaticPlan(variant="prr", predicted_blocks=k_blocks, block_size=BLOCK, projections="torch")
+        eng = GraphDecoder(shard, plan, batch=1, max_tokens=capacity, selector=quest, predictor=None)  # P set below
         eng.fill_random_context(context, seed=1)
         eng.with_plan(variant="serial").step(advance=False)
         torch.cuda.synchronize()

@@ -34,6 +34,7 @@ import torch
 from prr.benchmarking import (
     BF16,
     HEADROOM,
+    configured,
     copy_bandwidth,
     decode_step_bytes,
     environment,
@@ -90,9 +91,9 @@ def cell_rows(model: Decoder, kind: str, tokens: list[int], bandwidth: float, re
         return [dict(common, variant="skipped", note=f"KV cache {need / 2**30:.0f} GiB does not fit "
                                                      f"({free / 2**30:.0f} GiB free)")]
     k_blocks = TOPK_TOKENS // BLOCK
-    plan = StaticPlan(variant="prr", selector="quest", topk_blocks=k_blocks, predicted_blocks=k_blocks,
-                      predictor="fixed", block_size=BLOCK, dense_layers=DENSE_LAYERS)
-    eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity)
+    quest = configured("selector", "quest", topk_blocks=k_blocks, dense_layers=list(DENSE_LAYERS))
+    plan = StaticPlan(variant="prr", predicted_blocks=k_blocks, block_size=BLOCK)
+    eng = GraphDecoder(model, plan, batch=batch, max_tokens=capacity, selector=quest, predictor=None)  # P set below
     eng.fill_random_context(contexts if kind == "mixed" else contexts[0], seed=1)
     set_controlled_predictions(eng, contexts, torch.Generator().manual_seed(900))
     rows = []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from prr.benchmarking import HEADROOM, model_of, time_graph_us
+from prr.benchmarking import HEADROOM, configured, model_of, time_graph_us
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,11 +50,13 @@ def main() -> None:
 
     model = model_of(32)
     k = args.topk_tokens // args.block
-    plan = StaticPlan(variant=args.variant, selector=args.selector, topk_blocks=k, predicted_blocks=k,
-                      predictor="fixed", block_size=args.block,
+    # conf/selector's, layers 0 and 1 dense, the sink block and the newest forced (infllm: no local window)
+    selector = configured("selector", args.selector, topk_blocks=k, dense_layers=[0, 1], local_blocks=0)
+    plan = StaticPlan(variant=args.variant, predicted_blocks=k, block_size=args.block,
                       fuse_merge={"off": False, "on": True, "one_wave": "one_wave"}[args.fuse_merge],
                       projections=args.projections)
-    eng = GraphDecoder(model, plan, batch=args.batch, max_tokens=args.context, compile=True)
+    eng = GraphDecoder(model, plan, batch=args.batch, max_tokens=args.context, compile=True, selector=selector,
+                       predictor=None)  # prr: P set from outside, below
     eng.fill_random_context(args.context - HEADROOM, seed=1)
     if args.variant == "prr":  # P = last step's A: a 100% hit rate at a fixed position
         eng.with_plan(variant="serial").step(advance=False)

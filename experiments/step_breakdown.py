@@ -150,9 +150,9 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
     selector, none, budget = objects(selector_name, "none", block, k)
     serial_plan = graph_plan(settings, selector, none, budget, max_blocks)
     serial_plan = dataclasses.replace(serial_plan, projections="fused")
-    # P set from outside: the same engine as a "prr" plan with the fixed predictor
-    fixed_plan = dataclasses.replace(serial_plan, variant="prr", predictor="fixed", predicted_blocks=k)
-    eng = GraphDecoder(model, fixed_plan, batch=1, max_tokens=capacity, selector=selector)
+    # P set from outside: the same engine as a "prr" plan with no predictor
+    fixed_plan = dataclasses.replace(serial_plan, variant="prr", predicted_blocks=k)
+    eng = GraphDecoder(model, fixed_plan, batch=1, max_tokens=capacity, selector=selector, predictor=None)
     eng.fill_random_context(context, seed=1)
     eng.with_plan(variant="serial").step(advance=False)
     torch.cuda.synchronize()

@@ -2,7 +2,8 @@
 
 Every script there imports these from here (none imports another script): CUDA-graph timers,
 the device's copy and read bandwidths (the byte floors' denominators), the environment a
-results file records, and the random-weight Llama-3.1-8B-shape model the decode benchmarks use.
+results file records, the random-weight Llama-3.1-8B-shape model the decode benchmarks use, and
+their selector / predictor / budget objects built from conf/ (`configured`, as run.py builds them).
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def model_of(layers: int) -> Decoder:
     """The Llama-3.1-8B shape with `layers` layers and random bf16 weights on the GPU."""
     config = dataclasses.replace(ZOO["llama-3.1-8b-shape"].config, num_layers=layers)
     return Decoder(config, torch.bfloat16, "cuda").init_random_(seed=0)
+
+
+def configured(group: str, name: str, **overrides):
+    """The object conf/<group>/<name>.yaml describes, with `overrides` of its fields, built as
+    run.py builds it (the config composed over conf/, `prr.config_check.compose_config`; hydra
+    instantiate): the benchmarks' selectors, predictors and budgets, e.g.
+    configured("selector", "quest", topk_blocks=128, dense_layers=[0, 1])."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from prr.config_check import compose_config
+
+    cfg = OmegaConf.merge(compose_config([f"{group}={name}"], check=False), {group: overrides})
+    return instantiate(cfg[group])
 
 
 # The kernel benchmarks' decode shape: Llama-3.1-8B's attention (32 query / 8 KV heads, head_dim 128), bf16.

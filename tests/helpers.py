@@ -1,10 +1,13 @@
-"""Shared fixtures-by-function for the pipeline tests: random caches at odd sizes."""
+"""Shared fixtures-by-function for the pipeline tests: random caches at odd sizes, and the
+selector and predictor objects the graph-engine tests decode with."""
 
 from __future__ import annotations
 
 import torch
 
 from prr.cache import PagedKVCache
+from prr.predictors import EmaMembershipPredictor, LastStepPredictor, Predictor
+from prr.selectors import InfLLMSelector, QuestSelector
 from prr.selectors.base import Selector
 
 
@@ -65,3 +68,21 @@ def eager_step(selector: Selector, predictor, cache: PagedKVCache, q: torch.Tens
     out, selection = engine.sparse_attention(layer, q.reshape(b, h * g, d), lengths, num_blocks,
                                              predicted_blocks=predicted_blocks, fp32=True)
     return out.view(b, h, g, d), selection, engine.prediction(layer) if predicted_blocks else None
+
+
+def graph_selector(name: str, topk_blocks: int, dense_layers: tuple[int, ...] = (0, 1)) -> Selector:
+    """The graph-engine tests' selector: Quest (max over the GQA group) or InfLLM (sum, 4
+    representatives per block), top-K `topk_blocks` with the sink block and the newest forced."""
+    common = dict(topk_blocks=topk_blocks, sink_blocks=1, local_blocks=0, force_newest=True, dense_layers=dense_layers)
+    if name == "quest":
+        return QuestSelector(gqa_reduce="max", **common)
+    if name == "infllm":
+        return InfLLMSelector(gqa_reduce="sum", representatives=4, **common)
+    raise ValueError(f"graph_selector: {name!r} is not quest or infllm")
+
+
+def graph_predictor(name: str) -> Predictor | None:
+    """The graph-engine tests' predictor: "ema_membership" (alpha 0.8), "last_step", or "fixed"
+    (None: P set from outside)."""
+    return {"ema_membership": lambda: EmaMembershipPredictor(alpha=0.8), "last_step": LastStepPredictor,
+            "fixed": lambda: None}[name]()

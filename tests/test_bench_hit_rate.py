@@ -157,8 +157,8 @@ def test_a_forced_token_replaces_the_greedy_one_where_the_table_has_one():
     from prr.runtime.graph_decode import StaticPlan
     from tests.test_graph_decode import make
 
-    engine = make(StaticPlan(variant="serial", topk_blocks=6), context=203, batch=2)
-    free = make(StaticPlan(variant="serial", topk_blocks=6), context=203, batch=2)
+    engine = make(StaticPlan(variant="serial"), "quest", 6, context=203, batch=2)
+    free = make(StaticPlan(variant="serial"), "quest", 6, context=203, batch=2)
     greedy = free.step(advance=True).argmax(-1)  # [B]: what each row would read next
     engine.forced_tokens = torch.full((2, engine.max_tokens), -1, dtype=torch.long)
     forced = (int(greedy[0]) + 1) % engine.model.config.vocab_size  # any token but the greedy one

@@ -17,6 +17,7 @@ from prr.blocks import controlled_predictions
 from prr.budget.profiled import ProfiledBudget
 from prr.runtime.graph_budget import GraphProbe
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
+from tests.helpers import graph_selector
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 
@@ -54,13 +55,13 @@ def tiny_model(device: str = "cpu", dtype=torch.float32, head_dim: int = 64, lay
 def test_graph_probe_times_the_engine_and_profiled_runs_over_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
     model = tiny_model()
-    plan = StaticPlan(variant="prr", predictor="fixed", topk_blocks=4, predicted_blocks=4, dense_layers=(0,))
+    plan = StaticPlan(variant="prr", predicted_blocks=4)
     built = []
 
     def build(n):
         built.append(n)
         return GraphDecoder(model, dataclasses.replace(plan, predicted_blocks=n), batch=1, max_tokens=160,
-                            backend="torch")
+                            backend="torch", selector=graph_selector("quest", 4, dense_layers=(0,)), predictor=None)
     probe = GraphProbe(build, first_size=4, repeats=3)
     assert json.loads(probe.shape_key)["timer"] == "cpu_wall_clock"
     for timing in (probe.time_select(6), probe.time_speculate(3, 6), probe.time_stage(6, 0, 0.9)):
@@ -91,9 +92,10 @@ def test_graph_probe_times_the_engine_and_profiled_runs_over_it(tmp_path, monkey
 def test_graph_probe_on_the_gpu_times_graph_replays_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
     model = tiny_model("cuda", torch.bfloat16, head_dim=128, layers=3)
-    plan = StaticPlan(variant="prr", predictor="fixed", topk_blocks=64, predicted_blocks=64)
+    plan = StaticPlan(variant="prr", predicted_blocks=64)
     probe = GraphProbe(lambda n: GraphDecoder(model, dataclasses.replace(plan, predicted_blocks=n), batch=1,
-                                              max_tokens=32768), first_size=64)
+                                              max_tokens=32768, selector=graph_selector("quest", 64), predictor=None),
+                       first_size=64)
     assert json.loads(probe.shape_key)["timer"] == "cuda_graph_replay"
     budget = ProfiledBudget()
     info = budget.setup(probe, selected_blocks=64, max_blocks=2048, contexts=[250, 1875])

@@ -14,6 +14,7 @@ from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
 from prr.model.dense import DenseAttention
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
+from tests.helpers import graph_predictor, graph_selector
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"  # CPU: the kernels run in the interpreter
@@ -25,10 +26,13 @@ CONFIG = ModelConfig(arch="llama", vocab_size=97, hidden_size=128, intermediate_
                      tie_word_embeddings=False, max_position_embeddings=4096)
 
 
-def make(plan: StaticPlan, context: int = 203, device: str = DEVICE, dtype=torch.float32, batch: int = 2,
-         config: ModelConfig = CONFIG) -> GraphDecoder:
+def make(plan: StaticPlan, selector: str, topk_blocks: int, predictor: str = "fixed", context: int = 203,
+         device: str = DEVICE, dtype=torch.float32, batch: int = 2, config: ModelConfig = CONFIG) -> GraphDecoder:
+    """An engine of `plan` over a random model and context, with graph_selector(selector, topk_blocks)
+    and graph_predictor(predictor) (fixed: none, P set from outside)."""
     model = Decoder(config, dtype, device).init_random_(seed=3, std=0.05)
-    engine = GraphDecoder(model, plan, batch=batch, max_tokens=context + 40)
+    engine = GraphDecoder(model, plan, batch=batch, max_tokens=context + 40,
+                          selector=graph_selector(selector, topk_blocks), predictor=graph_predictor(predictor))
     engine.fill_random_context(context, seed=5)
     return engine
 
@@ -38,7 +42,10 @@ def decode(engine: GraphDecoder, steps: int) -> list[torch.Tensor]:
 
 
 def test_dense_variant_equals_sdpa_over_the_cache():
-    engine = make(StaticPlan(variant="dense", dense_layers=()))
+    model = Decoder(CONFIG, torch.float32, DEVICE).init_random_(seed=3, std=0.05)
+    engine = GraphDecoder(model, StaticPlan(variant="dense"), batch=2, max_tokens=243,
+                          selector=graph_selector("quest", 128, dense_layers=()), predictor=None)
+    engine.fill_random_context(203, seed=5)
     pos = int(engine.pos[0])
     # The model's own forward over the engine's cache, with exact SDPA attention.
     want = engine.model(engine.token.clone(), pos, DenseAttention.over(engine.keys, engine.values, pos))[:, 0]
@@ -48,8 +55,8 @@ def test_dense_variant_equals_sdpa_over_the_cache():
 
 
 def test_serial_with_every_block_selected_equals_dense():
-    dense = make(StaticPlan(variant="dense"))
-    serial = make(StaticPlan(variant="serial", topk_blocks=16))  # 203..207 tokens: at most 13 blocks
+    dense = make(StaticPlan(variant="dense"), "quest", 128)
+    serial = make(StaticPlan(variant="serial"), "quest", 16)  # 203..207 tokens: at most 13 blocks
     for a, b in zip(decode(dense, 3), decode(serial, 3), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
@@ -59,10 +66,8 @@ def test_serial_with_every_block_selected_equals_dense():
     pytest.param("quest", "last_step", 6, marks=pytest.mark.slow), pytest.param("infllm", "ema_membership", 5, marks=pytest.mark.slow),
 ])
 def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
-    plan = StaticPlan(variant="serial", selector=selector, topk_blocks=6, sink_blocks=1, recent_blocks=1)
-    serial = decode(make(plan), 4)
-    prr_engine = make(StaticPlan(variant="prr", selector=selector, topk_blocks=6, predictor=predictor,
-                                 predicted_blocks=predicted, count_hits=True))
+    serial = decode(make(StaticPlan(variant="serial"), selector, 6), 4)
+    prr_engine = make(StaticPlan(variant="prr", predicted_blocks=predicted, count_hits=True), selector, 6, predictor)
     for step, (a, b) in enumerate(zip(serial, decode(prr_engine, 4), strict=True)):
         torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
     counts = prr_engine.counters()
@@ -76,11 +81,10 @@ def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
                                                 ("serial", "one_wave")])
 def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     """plan.fuse_merge (splits merged inside the split kernel) decodes what the merge launch does."""
-    kwargs = dict(variant=variant, topk_blocks=12)  # 12 blocks of 16: two splits of 128 tokens
-    reference = make(StaticPlan(fuse_merge=False, **kwargs))
+    reference = make(StaticPlan(variant=variant, fuse_merge=False), "quest", 12)  # 12 blocks of 16: two splits of 128 tokens
     assert not reference.attn._fuse_merge(torch.zeros(2, 2, 12, dtype=torch.int32))
     want = decode(reference, 3)
-    engine = make(StaticPlan(fuse_merge=fuse_merge, **kwargs))
+    engine = make(StaticPlan(variant=variant, fuse_merge=fuse_merge), "quest", 12)
     sparse_idx = torch.zeros(2, 2, 12, dtype=torch.int32)
     assert engine.attn._fuse_merge(sparse_idx)  # 2 rows x 2 splits: one wave, so "one_wave" fuses here too
     for a, b in zip(want, decode(engine, 3), strict=True):
@@ -93,10 +97,10 @@ def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
 def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
     """plan.fused_repair (repair plan, repair and merge in one launch): the same logits as the
     three launches and as serial DSA (exact PRR), the same hits."""
-    kwargs = dict(variant="prr", selector=selector, topk_blocks=6, predictor=predictor,
-                  predicted_blocks=6 if predictor == "last_step" else 8)
-    serial = decode(make(StaticPlan(variant="serial", selector=selector, topk_blocks=6)), 3)
-    engines = [make(StaticPlan(fused_repair=fused, count_hits=True, **kwargs)) for fused in (False, True)]
+    kwargs = dict(variant="prr", predicted_blocks=6 if predictor == "last_step" else 8)
+    serial = decode(make(StaticPlan(variant="serial"), selector, 6), 3)
+    engines = [make(StaticPlan(fused_repair=fused, count_hits=True, **kwargs), selector, 6, predictor)
+               for fused in (False, True)]
     three, fused = (decode(e, 3) for e in engines)
     for step, (a, b, c) in enumerate(zip(serial, three, fused, strict=True)):
         torch.testing.assert_close(c, b, rtol=2e-5, atol=2e-5, msg=f"step {step}")
@@ -104,10 +108,10 @@ def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
     hits = [engine.counters()["hits"] for engine in engines]
     assert hits[0] == hits[1] and sum(hits[1]) > 0
     assert int(engines[1].attn.merge_arrivals.abs().sum()) == 0
-    auto = make(StaticPlan(**kwargs))  # the default, "auto": one launch at these small shapes
+    auto = make(StaticPlan(**kwargs), selector, 6, predictor)  # the default, "auto": one launch at these small shapes
     idx, pred = torch.zeros(2, 2, 6, dtype=torch.int32), auto.pred_idx[-1]  # layer 2: sparse
     assert auto.plan.fused_repair == "auto" and auto.attn._fused_repair(idx, pred)
-    assert not make(StaticPlan(repair_mode="superset", **kwargs)).attn._fused_repair(idx, pred)
+    assert not make(StaticPlan(repair_mode="superset", **kwargs), selector, 6, predictor).attn._fused_repair(idx, pred)
     assert "fused_repair=True needs repair_mode='exact'" in StaticPlan(fused_repair=True,
                                                                      repair_mode="superset").problems()[0]
 
@@ -116,9 +120,9 @@ def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
 def test_speculation_in_fewer_programs_decodes_like_the_default():
     """plan.speculation_tokens_per_program (fewer, longer speculation programs) changes only the
     grid: exact PRR still decodes serial DSA's logits; a value that is not whole blocks is refused."""
-    kwargs = dict(variant="prr", topk_blocks=6, predictor="last_step", predicted_blocks=6)
-    want = decode(make(StaticPlan(variant="serial", topk_blocks=6)), 3)
-    engine = make(StaticPlan(speculation_tokens_per_program=64, **kwargs))  # 4 blocks of 16 per program
+    want = decode(make(StaticPlan(variant="serial"), "quest", 6), 3)
+    engine = make(StaticPlan(variant="prr", predicted_blocks=6, speculation_tokens_per_program=64), "quest", 6,
+                  "last_step")  # 4 blocks of 16 per program
     calls = []
     kernel = engine.attn._k["sparse_decode"]
 
@@ -157,7 +161,7 @@ def test_one_wave_fuses_the_merge_only_where_every_split_has_an_sm():
 
 
 def test_fixed_predictions_set_from_the_true_selection_hit_everything():
-    engine = make(StaticPlan(variant="prr", topk_blocks=5, predicted_blocks=5, predictor="fixed", count_hits=True))
+    engine = make(StaticPlan(variant="prr", predicted_blocks=5, count_hits=True), "quest", 5, "fixed")
     pos = engine.pos.clone()
     engine.step(advance=False)  # learn A at this position (P empty: everything repaired)
     assert sum(engine.counters()["hits"]) == 0
@@ -174,36 +178,45 @@ def test_fixed_predictions_set_from_the_true_selection_hit_everything():
 
 
 def test_superset_repair_keeps_false_positives_and_differs_from_exact():
-    kwargs = dict(variant="prr", topk_blocks=4, predicted_blocks=9, predictor="ema_membership")
-    exact = decode(make(StaticPlan(repair_mode="exact", **kwargs), batch=1), 3)
-    superset = decode(make(StaticPlan(repair_mode="superset", **kwargs), batch=1), 3)
+    kwargs = dict(variant="prr", predicted_blocks=9)
+    exact = decode(make(StaticPlan(repair_mode="exact", **kwargs), "quest", 4, "ema_membership", batch=1), 3)
+    superset = decode(make(StaticPlan(repair_mode="superset", **kwargs), "quest", 4, "ema_membership", batch=1), 3)
     assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(exact, superset, strict=True))
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(variant="sparse"), "variant='sparse'"),
-    (dict(predictor="spin"), "predictor='spin'"),
+    (dict(mode="dense"), "mode='dense'"),
     (dict(variant="prr", predicted_blocks=0), "predicted_blocks=0"),
-    (dict(topk_blocks=1, sink_blocks=1, recent_blocks=1), "topk_blocks=1"),
 ])
 def test_bad_plans_are_refused_before_any_allocation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        make(StaticPlan(**kwargs))
+        make(StaticPlan(**kwargs), "quest", 6)
+
+
+def test_an_engine_without_a_selector_object_is_refused_naming_the_fix():
+    """The plan names no selector or predictor: the engine is given the run's objects, and
+    refuses to start without a selector (no default one built behind the caller's back)."""
+    model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
+    with pytest.raises(ValueError, match=r"needs the run's selector object: pass selector="):
+        GraphDecoder(model, StaticPlan(variant="serial"), batch=1, max_tokens=64, selector=None, predictor=None)
+    with pytest.raises(TypeError, match="selector"):
+        GraphDecoder(model, StaticPlan(variant="serial"), batch=1, max_tokens=64)  # a required argument
 
 
 def test_budgets_larger_than_the_cache_are_refused():
-    with pytest.raises(ValueError, match="exceed"):
-        make(StaticPlan(topk_blocks=400, predicted_blocks=4))
+    with pytest.raises(ValueError, match="selector.topk_blocks=400 exceeds"):
+        make(StaticPlan(predicted_blocks=4), "quest", 400, "ema_membership")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("variant,predictor", [("serial", "ema_membership"), ("prr", "ema_membership"), ("prr", "last_step")])
 def test_cuda_graph_replay_equals_eager(variant, predictor):
-    plan = StaticPlan(variant=variant, topk_blocks=32, predicted_blocks=32, predictor=predictor)
-    eager = make(plan, context=3001, device="cuda", dtype=torch.bfloat16)
+    plan = StaticPlan(variant=variant, predicted_blocks=32)
+    eager = make(plan, "quest", 32, predictor, context=3001, device="cuda", dtype=torch.bfloat16)
     want = decode(eager, 8)
-    graphed = make(plan, context=3001, device="cuda", dtype=torch.bfloat16)
+    graphed = make(plan, "quest", 32, predictor, context=3001, device="cuda", dtype=torch.bfloat16)
     graph = graphed.capture(lambda: graphed.step(advance=True))
     graphed.fill_random_context(3001, seed=5)  # the warm-up steps advanced it: start over
     got = []
@@ -215,7 +228,7 @@ def test_cuda_graph_replay_equals_eager(variant, predictor):
 
 
 def test_fused_projections_share_the_modules_storage():
-    engine = make(StaticPlan(variant="dense"))
+    engine = make(StaticPlan(variant="dense"), "quest", 128)
     layer, fused = engine.model.model.layers[0], engine.fused[0]
     assert layer.self_attn.k_proj.weight.data_ptr() == fused.wqkv[CONFIG.num_heads * CONFIG.head_dim:].data_ptr()
     assert layer.mlp.up_proj.weight.data_ptr() == fused.w_gate_up[CONFIG.intermediate_size:].data_ptr()
@@ -223,8 +236,8 @@ def test_fused_projections_share_the_modules_storage():
 
 @pytest.mark.slow
 def test_compiled_dense_parts_equal_eager():
-    plan = StaticPlan(variant="prr", topk_blocks=6, predicted_blocks=8)
-    want = decode(make(plan), 2)
+    plan = StaticPlan(variant="prr", predicted_blocks=8)
+    want = decode(make(plan, "quest", 6, "ema_membership"), 2)
     got = decode(compiled_engine(plan), 2)
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
@@ -232,7 +245,8 @@ def test_compiled_dense_parts_equal_eager():
 
 def compiled_engine(plan: StaticPlan) -> GraphDecoder:
     model = Decoder(CONFIG, torch.float32, DEVICE).init_random_(seed=3, std=0.05)
-    engine = GraphDecoder(model, plan, batch=2, max_tokens=243, compile=True)
+    engine = GraphDecoder(model, plan, batch=2, max_tokens=243, compile=True, selector=graph_selector("quest", 6),
+                          predictor=graph_predictor("ema_membership"))
     engine.fill_random_context(203, seed=5)
     return engine
 
@@ -241,12 +255,14 @@ def compiled_engine(plan: StaticPlan) -> GraphDecoder:
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 def test_compiled_graph_equals_eager_on_the_gpu():
     # fp32: in bf16 a rounding difference can flip a greedy token, and the runs part ways.
-    plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
+    plan = StaticPlan(variant="prr", predicted_blocks=40)
     model = Decoder(CONFIG, torch.float32, "cuda").init_random_(seed=3, std=0.05)
-    eager = GraphDecoder(model, plan, batch=2, max_tokens=3100)
+    eager = GraphDecoder(model, plan, batch=2, max_tokens=3100, selector=graph_selector("quest", 32),
+                         predictor=graph_predictor("ema_membership"))
     eager.fill_random_context(3001, seed=5)
     want = decode(eager, 6)
-    compiled = GraphDecoder(model, plan, batch=2, max_tokens=3100, compile=True)
+    compiled = GraphDecoder(model, plan, batch=2, max_tokens=3100, compile=True, selector=graph_selector("quest", 32),
+                            predictor=graph_predictor("ema_membership"))
     graph = compiled.capture(lambda: compiled.step(advance=True))
     compiled.fill_random_context(3001, seed=5)
     for step, a in enumerate(want):
@@ -254,9 +270,12 @@ def test_compiled_graph_equals_eager_on_the_gpu():
         torch.testing.assert_close(compiled.graph_output.float().cpu(), a, rtol=1e-3, atol=1e-3, msg=f"step {step}")
 
 
-def fused_projection_engine(plan: StaticPlan, device: str = DEVICE, context: int = 203, batch: int = 2) -> GraphDecoder:
+def fused_projection_engine(plan: StaticPlan, selector: str, topk_blocks: int, predictor: str = "fixed",
+                            device: str = DEVICE, context: int = 203, batch: int = 2) -> GraphDecoder:
+    """make's engine with projections="fused"."""
     model = Decoder(CONFIG, torch.float32, device).init_random_(seed=3, std=0.05)
-    engine = GraphDecoder(model, dataclasses.replace(plan, projections="fused"), batch=batch, max_tokens=context + 40)
+    engine = GraphDecoder(model, dataclasses.replace(plan, projections="fused"), batch=batch, max_tokens=context + 40,
+                          selector=graph_selector(selector, topk_blocks), predictor=graph_predictor(predictor))
     engine.fill_random_context(context, seed=5)
     return engine
 
@@ -268,9 +287,9 @@ def fused_projection_engine(plan: StaticPlan, device: str = DEVICE, context: int
 def test_fused_projections_decode_like_torch_projections(variant):
     """projections="fused" (Triton GEMVs with the norms, SwiGLU and residual adds inside) gives
     the logits of the F.linear path, step after step (fp32: only summation order differs);."""
-    plan = StaticPlan(variant=variant, topk_blocks=6, predicted_blocks=8)
-    want = decode(make(plan), 3)
-    got = decode(fused_projection_engine(plan), 3)
+    plan, objects = StaticPlan(variant=variant, predicted_blocks=8), ("quest", 6, "ema_membership")
+    want = decode(make(plan, *objects), 3)
+    got = decode(fused_projection_engine(plan, *objects), 3)
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
@@ -288,11 +307,11 @@ def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, select
     """Batch 1, projections="fused": the q|k|v GEMV also rotates q and k and appends K/V and the
     Quest metadata (prr.kernels.qkv_append; append_token never launches). It decodes the logits
     of the F.linear path, and leaves the caches and metadata of the two-launch fused path."""
-    plan = StaticPlan(variant=variant, selector=selector, topk_blocks=6, predicted_blocks=8)
-    want = decode(make(plan, batch=1), 3)
-    two = fused_projection_engine(dataclasses.replace(plan, fuse_append=False), batch=1)  # dense_gemv, then append_token(rope=...)
+    plan, objects = StaticPlan(variant=variant, predicted_blocks=8), (selector, 6, "ema_membership")
+    want = decode(make(plan, *objects, batch=1), 3)
+    two = fused_projection_engine(dataclasses.replace(plan, fuse_append=False), *objects, batch=1)  # dense_gemv, then append_token(rope=...)
     two_launches = decode(two, 3)
-    one = make(plan, batch=1).with_plan(projections="fused")  # a view: its paired weights built with it
+    one = make(plan, *objects, batch=1).with_plan(projections="fused")  # a view: its paired weights built with it
     assert one._paired["weights"] is not None  # not inside a first (captured) step
     one.attn._k = {**one.attn._k, "cache_append": _NoAppendLaunch()}
     got = decode(one, 3)
@@ -311,9 +330,9 @@ def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, select
 def test_fused_append_follows_in_place_edits_of_the_model_weights():
     """The paired q|k|v copy is refreshed when the model's q|k|v weights change in place (a
     reload), so the one-launch path keeps decoding what the two-launch path decodes."""
-    plan = StaticPlan(variant="serial", topk_blocks=6)
-    one = fused_projection_engine(plan, batch=1)
-    two = fused_projection_engine(dataclasses.replace(plan, fuse_append=False), batch=1)
+    plan = StaticPlan(variant="serial")
+    one = fused_projection_engine(plan, "quest", 6, batch=1)
+    two = fused_projection_engine(dataclasses.replace(plan, fuse_append=False), "quest", 6, batch=1)
     paired = one.paired_qkv_weights()[0][0]
     with torch.no_grad():
         one.model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # a view into the fused q|k|v weight
@@ -326,25 +345,25 @@ def test_fused_append_follows_in_place_edits_of_the_model_weights():
 def test_unknown_projections_are_refused():
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
     with pytest.raises(ValueError, match="projections='cublas' is not one of"):
-        GraphDecoder(model, StaticPlan(variant="serial", topk_blocks=6, projections="cublas"), batch=1, max_tokens=64)
+        GraphDecoder(model, StaticPlan(variant="serial", projections="cublas"), batch=1, max_tokens=64,
+                     selector=graph_selector("quest", 6), predictor=None)
 
 
 def test_a_view_runs_another_plan_over_the_same_buffers_and_changes_neither_plan():
     """with_plan: serial DSA as a view of a PRR engine decodes what a serial engine decodes,
     advancing the shared position and cache; the engine's own plan is untouched; what sizes the
     buffers cannot change in a view, and a serial engine has no P for a PRR view."""
-    kwargs = dict(topk_blocks=6, predictor="last_step", predicted_blocks=6)
-    want = decode(make(StaticPlan(variant="serial", **kwargs)), 2)
-    engine = make(StaticPlan(variant="prr", **kwargs))
+    want = decode(make(StaticPlan(variant="serial", predicted_blocks=6), "quest", 6), 2)
+    engine = make(StaticPlan(variant="prr", predicted_blocks=6), "quest", 6, "last_step")
     view = engine.with_plan(variant="serial", count_hits=True)
     for a, b in zip(want, decode(view, 2), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
     assert engine.plan.variant == "prr" and not engine.plan.count_hits and view.plan.variant == "serial"
     assert int(engine.pos[0]) == 205 and sum(engine.counters()["selected"]) > 0  # shared state and counters
-    with pytest.raises(ValueError, match=r"\['topk_blocks'\] size the engine's buffers"):
-        engine.with_plan(topk_blocks=8)
+    with pytest.raises(ValueError, match=r"\['predicted_blocks'\] size the engine's buffers"):
+        engine.with_plan(predicted_blocks=8)
     with pytest.raises(ValueError, match="needs an engine built with variant='prr'"):
-        make(StaticPlan(variant="serial", topk_blocks=6)).with_plan(variant="prr")
+        make(StaticPlan(variant="serial"), "quest", 6).with_plan(variant="prr")
     with pytest.raises(ValueError, match="variant='fast' is not one of"):
         engine.with_plan(variant="fast")
 
@@ -352,9 +371,9 @@ def test_a_view_runs_another_plan_over_the_same_buffers_and_changes_neither_plan
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 def test_fused_projections_graph_equals_torch_projections_on_the_gpu():
-    plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
-    want = decode(make(plan, context=3001, device="cuda"), 6)
-    fused = fused_projection_engine(plan, device="cuda", context=3001)
+    plan, objects = StaticPlan(variant="prr", predicted_blocks=40), ("quest", 32, "ema_membership")
+    want = decode(make(plan, *objects, context=3001, device="cuda"), 6)
+    fused = fused_projection_engine(plan, *objects, device="cuda", context=3001)
     graph = fused.capture(lambda: fused.step(advance=True))
     fused.fill_random_context(3001, seed=5)
     for step, a in enumerate(want):
@@ -366,9 +385,9 @@ def test_fused_projections_graph_equals_torch_projections_on_the_gpu():
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 def test_fused_append_graph_at_batch_one_equals_torch_projections_on_the_gpu():
     """Batch 1, fused projections with the append in the q|k|v projection, captured in a graph."""
-    plan = StaticPlan(variant="prr", topk_blocks=32, predicted_blocks=40)
-    want = decode(make(plan, context=3001, device="cuda", batch=1), 6)
-    fused = fused_projection_engine(plan, device="cuda", context=3001, batch=1)
+    plan, objects = StaticPlan(variant="prr", predicted_blocks=40), ("quest", 32, "ema_membership")
+    want = decode(make(plan, *objects, context=3001, device="cuda", batch=1), 6)
+    fused = fused_projection_engine(plan, *objects, device="cuda", context=3001, batch=1)
     fused.attn._k = {**fused.attn._k, "cache_append": _NoAppendLaunch()}
     graph = fused.capture(lambda: fused.step(advance=True))
     fused.fill_random_context(3001, seed=5)
@@ -386,8 +405,8 @@ def test_weights_fused_by_a_first_forward_in_inference_mode_are_ordinary_tensors
         model(torch.zeros(1, 5, dtype=torch.long), 0, DenseAttention(CONFIG.num_layers))
     layer = model._prr_fused_layers[0]
     assert not layer.wqkv.is_inference() and not model.model.layers[0].self_attn.q_proj.weight.is_inference()
-    engine = GraphDecoder(model, StaticPlan(variant="serial", topk_blocks=6, projections="fused"), batch=1,
-                          max_tokens=160)  # builds the paired q|k|v copy now
+    engine = GraphDecoder(model, StaticPlan(variant="serial", projections="fused"), batch=1, max_tokens=160,
+                          selector=graph_selector("quest", 6), predictor=None)  # builds the paired q|k|v copy now
     assert engine.paired_qkv_weights()[0][0].shape == layer.wqkv.shape
 
 
@@ -395,8 +414,7 @@ def test_weights_fused_by_a_first_forward_in_inference_mode_are_ordinary_tensors
 def test_every_selection_takes_the_steps_block_counts(variant, monkeypatch):
     """Each layer's selection gets the step's int32 block counts (step_positions), so the Triton
     path derives nothing per layer: the counts of 203 tokens + this one in blocks of 16."""
-    engine = make(StaticPlan(variant=variant, topk_blocks=4, predictor="last_step", predicted_blocks=3,
-                             sink_blocks=1, recent_blocks=1), batch=1)
+    engine = make(StaticPlan(variant=variant, predicted_blocks=3), "quest", 4, "last_step", batch=1)
     seen, select = [], engine.selector.select
 
     def recording(q, cache, layer, length=None, num_blocks=None):
@@ -417,9 +435,10 @@ def test_head_dim_256_runs_the_triton_engine_like_the_torch_ops():
     logits, hits = {}, {}
     for backend in ("torch", "triton"):
         model = Decoder(config, torch.float32, DEVICE).init_random_(seed=3, std=0.05)
-        plan = StaticPlan(variant="prr", topk_blocks=6, predicted_blocks=6, predictor="last_step", count_hits=True,
+        plan = StaticPlan(variant="prr", predicted_blocks=6, count_hits=True,
                           projections="fused" if backend == "triton" else "torch")
-        engine = GraphDecoder(model, plan, batch=1, max_tokens=240, backend=backend)
+        engine = GraphDecoder(model, plan, batch=1, max_tokens=240, backend=backend, selector=graph_selector("quest", 6),
+                              predictor=graph_predictor("last_step"))
         engine.fill_random_context(150, seed=5)
         logits[backend] = decode(engine, 3)
         hits[backend] = engine.counters()["hits"]
@@ -432,11 +451,11 @@ def ema_engines(learn_at_once: bool, device: str = DEVICE, dtype=torch.float32, 
     from prr.predictors import EmaPredictor
 
     config = dataclasses.replace(CONFIG, num_layers=4)
-    plan = StaticPlan(variant="prr", topk_blocks=4, predicted_blocks=5, dense_layers=(0,),
-                      learn_layers_at_once=learn_at_once)
+    plan = StaticPlan(variant="prr", predicted_blocks=5, learn_layers_at_once=learn_at_once)
     model = Decoder(config, dtype, device).init_random_(seed=3, std=0.05)
     engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40,
-                          predictor=EmaPredictor(calibrate=False, recent_blocks=1), selector=plan.make_selector())
+                          predictor=EmaPredictor(calibrate=False, recent_blocks=1),
+                          selector=graph_selector("quest", 4, dense_layers=(0,)))
     engine.fill_random_context(context, seed=5)
     engine.prime_predictions(context)
     return engine

@@ -214,7 +214,7 @@ def test_graph_engine_bf16_selects_what_the_eager_runtime_selects():
         eager = {rec.layer: rec.selected for rec in records}  # [B, Hkv, NB] bool
         cache, _, first = prefilled()
         plan = graph_plan(r.settings, r.selector, r.predictor, r.budget, -(-(prompt_len + 8) // 16))
-        engine = GraphDecoder(r.model.decoder, plan, 1, prompt_len + 8, selector=r.selector)
+        engine = GraphDecoder(r.model.decoder, plan, 1, prompt_len + 8, selector=r.selector, predictor=None)
         engine.fill_from_cache(cache.keys, cache.values, prompt_len, first)
         engine.step(advance=True)
     for layer, selection in enumerate(engine.last_selection):

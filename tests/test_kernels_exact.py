@@ -260,12 +260,11 @@ def test_exact_ragged_batch_on_the_triton_backend():
     from prr.runtime.graph_decode import StaticPlan
     from tests.test_ragged_batch import CONFIG64, LENGTHS, decode
 
-    plan = StaticPlan(variant="prr", selector="quest", topk_blocks=3, predicted_blocks=2, block_size=16,
-                      dense_layers=(0,), predictor="ema_membership", count_hits=True)
+    plan = StaticPlan(variant="prr", predicted_blocks=2, block_size=16, count_hits=True)
 
     def run(rows):
-        return decode(plan, rows, ExactSelector(topk_blocks=3, sink_blocks=1, dense_layers=(0,)), backend="triton",
-                      config=CONFIG64)
+        return decode(plan, rows, lambda: ExactSelector(topk_blocks=3, sink_blocks=1, dense_layers=(0,)),
+                      "ema_membership", backend="triton", config=CONFIG64)
 
     batch_tokens, batch_steps = run([0, 1, 2])
     for b in range(len(LENGTHS)):

@@ -14,6 +14,7 @@ from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
 from prr.selectors import LessSelector, QuestSelector
+from tests.helpers import graph_predictor, graph_selector
 
 CONFIG = ModelConfig(arch="llama", vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
@@ -41,12 +42,15 @@ def context(seed: int = 7, config: ModelConfig = CONFIG):
     return keys, values, tokens, query
 
 
-def decode(plan: StaticPlan, rows: list[int], selector=None, backend: str = "torch", config: ModelConfig = CONFIG):
-    """Greedy decode of the rows `rows` of `context()` in one batch -> (tokens [B, STEPS],
+def decode(plan: StaticPlan, rows: list[int], selector_of, predictor: str = "fixed", backend: str = "torch",
+           config: ModelConfig = CONFIG):
+    """Greedy decode of the rows `rows` of `context()` in one batch, by an engine with the
+    selector selector_of() and graph_predictor(predictor) -> (tokens [B, STEPS],
     [metadata after start_at, per step and sparse layer (A indices [B, Hkv, K], counts [B, Hkv],
     next P's indices [B, Hkv, |P|], counts [B, Hkv] or None, None)..., metadata at the end])."""
     model = Decoder(config, torch.float32, "cpu").init_random_(seed=3, std=0.3)
-    engine = GraphDecoder(model, plan, batch=len(rows), max_tokens=MAX_TOKENS, backend=backend, selector=selector)
+    engine = GraphDecoder(model, plan, batch=len(rows), max_tokens=MAX_TOKENS, backend=backend, selector=selector_of(),
+                          predictor=graph_predictor(predictor))
     keys, values, tokens, query = context(config=config)
     lengths = [LENGTHS[b] for b in rows]
     engine.fill_from_cache([k[rows] for k in keys], [v[rows] for v in values], lengths if len(rows) > 1 else lengths[0],
@@ -106,11 +110,11 @@ def less() -> LessSelector:
 @pytest.mark.parametrize("selector,variant,predictor", PLANS + [("less", "serial", None),
                                                                 ("less", "prr", "ema_membership")])
 def test_ragged_batch_decodes_what_each_row_decodes_alone(selector, variant, predictor):
-    plan = StaticPlan(variant=variant, selector="quest" if selector == "less" else selector, topk_blocks=4,
-                      predicted_blocks=3, block_size=8, sink_blocks=1, recent_blocks=1, dense_layers=(0,),
-                      predictor=predictor or "ema_membership", count_hits=True)
-    chosen = less if selector == "less" else lambda: None
-    check_rows(decode(plan, [0, 1, 2], chosen()), [decode(plan, [b], chosen()) for b in range(len(LENGTHS))])
+    plan = StaticPlan(variant=variant, predicted_blocks=3, block_size=8, count_hits=True)
+    chosen = less if selector == "less" else lambda: graph_selector(selector, 4, dense_layers=(0,))
+    predictor = predictor or "fixed"  # (serial: no predictor)
+    check_rows(decode(plan, [0, 1, 2], chosen, predictor),
+               [decode(plan, [b], chosen, predictor) for b in range(len(LENGTHS))])
 
 
 CONFIG64 = ModelConfig(arch="llama", vocab_size=61, hidden_size=128, intermediate_size=96, num_layers=2, num_heads=4,
@@ -122,16 +126,17 @@ CONFIG64 = ModelConfig(arch="llama", vocab_size=61, hidden_size=128, intermediat
 @pytest.mark.parametrize("variant", ["serial", "prr"])
 def test_ragged_batch_on_the_triton_backend(variant):
     """The Triton kernels (Quest scoring, top-K, append, attention) take per-row lengths too."""
-    plan = StaticPlan(variant=variant, topk_blocks=3, predicted_blocks=2, block_size=16, dense_layers=(0,),
-                      predictor="ema_membership", count_hits=True)
-    check_rows(decode(plan, [0, 1, 2], backend="triton", config=CONFIG64),
-               [decode(plan, [b], backend="triton", config=CONFIG64) for b in range(len(LENGTHS))])
+    plan = StaticPlan(variant=variant, predicted_blocks=2, block_size=16, count_hits=True)
+    objects = (lambda: graph_selector("quest", 3, dense_layers=(0,)), "ema_membership")
+    check_rows(decode(plan, [0, 1, 2], *objects, backend="triton", config=CONFIG64),
+               [decode(plan, [b], *objects, backend="triton", config=CONFIG64) for b in range(len(LENGTHS))])
 
 
 def test_row_lengths_are_checked_and_the_int_form_still_works():
-    plan = StaticPlan(variant="serial", topk_blocks=4, block_size=8, dense_layers=(0,))
+    plan = StaticPlan(variant="serial", block_size=8)
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.3)
-    engine = GraphDecoder(model, plan, batch=3, max_tokens=MAX_TOKENS, backend="torch")
+    engine = GraphDecoder(model, plan, batch=3, max_tokens=MAX_TOKENS, backend="torch",
+                          selector=graph_selector("quest", 4, dense_layers=(0,)), predictor=None)
     keys, values, tokens, _ = context()
     with pytest.raises(ValueError, match="one context length per row"):
         engine.fill_from_cache(keys, values, [37, 90], tokens)
@@ -148,10 +153,11 @@ class RowBlindQuest(QuestSelector):
 
 
 def test_a_selector_without_per_row_metadata_refuses_ragged_rows():
-    plan = StaticPlan(variant="serial", topk_blocks=4, block_size=8, dense_layers=(0,))
+    plan = StaticPlan(variant="serial", block_size=8)
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.3)
     selector = RowBlindQuest(topk_blocks=4, dense_layers=(0,))
-    engine = GraphDecoder(model, plan, batch=3, max_tokens=MAX_TOKENS, backend="torch", selector=selector)
+    engine = GraphDecoder(model, plan, batch=3, max_tokens=MAX_TOKENS, backend="torch", selector=selector,
+                          predictor=None)
     keys, values, tokens, _ = context()
     with pytest.raises(ValueError, match="RowBlindQuest.*per-row metadata"):
         engine.fill_from_cache(keys, values, LENGTHS, tokens)
@@ -159,9 +165,10 @@ def test_a_selector_without_per_row_metadata_refuses_ragged_rows():
 
 
 def test_fill_random_context_takes_one_length_per_row():
-    plan = StaticPlan(variant="serial", topk_blocks=4, block_size=8, dense_layers=(0,))
+    plan = StaticPlan(variant="serial", block_size=8)
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.3)
-    engine = GraphDecoder(model, plan, batch=3, max_tokens=MAX_TOKENS, backend="torch")
+    engine = GraphDecoder(model, plan, batch=3, max_tokens=MAX_TOKENS, backend="torch",
+                          selector=graph_selector("quest", 4, dense_layers=(0,)), predictor=None)
     engine.fill_random_context(LENGTHS, seed=1)
     assert engine.pos.tolist() == LENGTHS and engine.cache.length(1) == max(LENGTHS)
     for b, n in enumerate(LENGTHS):
@@ -196,9 +203,12 @@ GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 
 def decode_captured(plan: StaticPlan, rows: list[int]) -> tuple[Tensor, list[Tensor]]:
     """As `decode`, on CUDA with the Triton kernels, the step captured in one CUDA graph and
-    replayed -> (tokens [B, STEPS], per step the A indices of every sparse layer [B, Hkv, K])."""
+    replayed -> (tokens [B, STEPS], per step the A indices of every sparse layer [B, Hkv, K]);
+    Quest at top-K 3 (layer 0 dense), ema_membership."""
     model = Decoder(CONFIG64, torch.float32, "cuda").init_random_(seed=3, std=0.3)
-    engine = GraphDecoder(model, plan, batch=len(rows), max_tokens=MAX_TOKENS, backend="triton")
+    engine = GraphDecoder(model, plan, batch=len(rows), max_tokens=MAX_TOKENS, backend="triton",
+                          selector=graph_selector("quest", 3, dense_layers=(0,)),
+                          predictor=graph_predictor("ema_membership"))
     keys, values, tokens, query = context(config=CONFIG64)
     lengths = [LENGTHS[b] for b in rows]
 
@@ -223,8 +233,7 @@ def decode_captured(plan: StaticPlan, rows: list[int]) -> tuple[Tensor, list[Ten
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("variant", ["serial", "prr"])
 def test_ragged_batch_replayed_in_a_cuda_graph_decodes_each_row_as_alone(variant):
-    plan = StaticPlan(variant=variant, topk_blocks=3, predicted_blocks=2, block_size=16, dense_layers=(0,),
-                      predictor="ema_membership")
+    plan = StaticPlan(variant=variant, predicted_blocks=2, block_size=16)
     batch_tokens, batch_sel = decode_captured(plan, [0, 1, 2])
     for b in range(len(LENGTHS)):
         alone_tokens, alone_sel = decode_captured(plan, [b])

@@ -172,14 +172,16 @@ def test_study_counters_change_nothing_the_step_does(backend):
     blocks hits (on triton: the ema_membership kernel's set)."""
     from prr.model.decoder import Decoder
     from prr.runtime.graph_decode import GraphDecoder
+    from tests.helpers import graph_predictor, graph_selector
     from tests.test_graph_decode import CONFIG, decode
 
     logits, engines = {}, {}
     for on in (False, True):
-        plan = StaticPlan(variant="prr", topk_blocks=6, predictor="ema_membership", predicted_blocks=8,
-                          dense_layers=(0,), count_hits=True, study_counters=on)
+        plan = StaticPlan(variant="prr", predicted_blocks=8, count_hits=True, study_counters=on)
         model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
-        engine = engines[on] = GraphDecoder(model, plan, batch=2, max_tokens=243, backend=backend)
+        engine = engines[on] = GraphDecoder(model, plan, batch=2, max_tokens=243, backend=backend,
+                                            selector=graph_selector("quest", 6, dense_layers=(0,)),
+                                            predictor=graph_predictor("ema_membership"))
         engine.fill_random_context(203, seed=5)
         engine.prime_predictions(203)  # the first step's P, as a run's
         logits[on] = decode(engine, 4)

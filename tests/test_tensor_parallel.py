@@ -17,6 +17,7 @@ from prr.model.decoder import Decoder
 from prr.model.dense import DenseAttention
 from prr.model.tensor_parallel import TensorParallel, shard_config, shard_decoder
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
+from tests.helpers import graph_predictor, graph_selector
 
 # 4 KV heads (2 per rank), GQA 2, 3 layers (layer 0 dense), FFN 96 (48 per rank)
 CONFIG = ModelConfig(arch="llama", vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=8,
@@ -24,15 +25,19 @@ CONFIG = ModelConfig(arch="llama", vocab_size=61, hidden_size=64, intermediate_s
                      tie_word_embeddings=False, max_position_embeddings=512, attention_bias=True,
                      attention_out_bias=True, mlp_bias=True)
 LENGTH, STEPS, MAX_TOKENS, WORLD = 90, 12, 128, 2
-PLANS = {"serial": dict(variant="serial"), "prr": dict(variant="prr", predictor="ema_membership")}
+PREDICTORS = {"serial": "fixed", "prr": "ema_membership"}  # (serial: none)
 
 
 def plan_of(name: str) -> StaticPlan:
-    return StaticPlan(topk_blocks=4, predicted_blocks=3, block_size=8, sink_blocks=1, recent_blocks=1,
-                      dense_layers=(0,), count_hits=True, projections="torch", **PLANS[name])
+    return StaticPlan(variant=name, predicted_blocks=3, block_size=8, count_hits=True, projections="torch")
 
 
-def decode(model: Decoder, plan: StaticPlan, heads: slice) -> dict:
+def objects_of(name: str) -> dict:
+    """The engine's selector and predictor for plan_of(name): Quest top-K 4, layer 0 dense."""
+    return dict(selector=graph_selector("quest", 4, dense_layers=(0,)), predictor=graph_predictor(PREDICTORS[name]))
+
+
+def decode(model: Decoder, plan_name: str, heads: slice) -> dict:
     """Greedy decode of a random context's KV heads `heads` -> tokens [STEPS], A indices per step
     and sparse layer [1, Hkv, K], and the device counters summed over steps."""
     gen = torch.Generator().manual_seed(11)
@@ -44,7 +49,8 @@ def decode(model: Decoder, plan: StaticPlan, heads: slice) -> dict:
         keys.append(k[:, heads].contiguous())
         values.append(v[:, heads].contiguous())
     token = torch.randint(0, CONFIG.vocab_size, (1,), generator=gen)
-    engine = GraphDecoder(model, plan, batch=1, max_tokens=MAX_TOKENS, backend="torch")
+    engine = GraphDecoder(model, plan_of(plan_name), batch=1, max_tokens=MAX_TOKENS, backend="torch",
+                          **objects_of(plan_name))
     engine.fill_from_cache(keys, values, LENGTH, token)
     tokens, selections = [], []
     for _ in range(STEPS):
@@ -71,7 +77,7 @@ def rank_main(rank: int, store: str, plan_name: str, out: str) -> None:
         tp = TensorParallel(rank, WORLD)
         per_rank = CONFIG.num_kv_heads // WORLD
         shard = shard_decoder(full_model(), tp)
-        result = decode(shard, plan_of(plan_name), slice(rank * per_rank, (rank + 1) * per_rank))
+        result = decode(shard, plan_name, slice(rank * per_rank, (rank + 1) * per_rank))
         with torch.no_grad():  # the eager forward (the research runtime's prefill) all-reduces too
             result["prefill_logits"] = shard(prompt(), 0, DenseAttention(CONFIG.num_layers))
         torch.save(result, Path(out) / f"rank{rank}.pt")
@@ -81,7 +87,7 @@ def rank_main(rank: int, store: str, plan_name: str, out: str) -> None:
 
 @pytest.mark.parametrize("plan_name", ["serial", "prr"])
 def test_two_ranks_over_gloo_decode_what_one_process_decodes(tmp_path, plan_name):
-    alone = decode(full_model(), plan_of(plan_name), slice(None))
+    alone = decode(full_model(), plan_name, slice(None))
     ctx = multiprocessing.get_context("spawn")
     ranks = [ctx.Process(target=rank_main, args=(r, str(tmp_path / "store"), plan_name, str(tmp_path)))
              for r in range(WORLD)]
@@ -148,7 +154,7 @@ def test_one_rank_over_nccl_captures_the_all_reduce_in_a_cuda_graph(tmp_path):
         out = []
         for shard in (model, shard_decoder(model, tp)):
             engine = GraphDecoder(shard, dataclasses.replace(plan_of("prr"), block_size=16), batch=1,
-                                  max_tokens=MAX_TOKENS)
+                                  max_tokens=MAX_TOKENS, **objects_of("prr"))
             engine.fill_random_context(LENGTH, seed=5)
             graph = engine.capture(lambda e=engine: e.step(advance=True))
             engine.fill_random_context(LENGTH, seed=5)  # the capture's warm-up steps advanced it

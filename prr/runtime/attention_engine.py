@@ -36,15 +36,20 @@ from prr.runtime.static_plan import StaticPlan
 from prr.runtime.timing import StageTimer
 from prr.selectors import Selection, Selector
 
+MISSING_SELECTOR = ("{owner} needs the run's selector object: pass selector= (a prr.selectors object, e.g. "
+                    "QuestSelector(topk_blocks=...); benchmarks build conf/'s with "
+                    "prr.benchmarking.configured('selector', 'quest', topk_blocks=...))")
+
 
 class AttentionEngine:
     """Static buffers and the decode attention of every layer of `cache` for `num_heads` query heads."""
 
-    def __init__(self, plan: StaticPlan, cache: PagedKVCache, num_heads: int, selector: Selector | None = None,
-                 predictor: Predictor | None = None, backend: str = "triton", timer: StageTimer | None = None,
+    def __init__(self, plan: StaticPlan, cache: PagedKVCache, num_heads: int, *, selector: Selector,
+                 predictor: Predictor | None, backend: str = "triton", timer: StageTimer | None = None,
                  sized_per_step: bool = False) -> None:
-        """selector / predictor: the run's prr.selectors / prr.predictors objects (default: built
-        from `plan`, `StaticPlan.make_selector` / `make_predictor`).
+        """selector / predictor (required): the run's prr.selectors / prr.predictors objects (the
+        plan names neither); predictor=None: P set from outside (`set_predictions`), or none needed
+        (serial, dense).
         backend: "triton" (prr.kernels; CUDA, or the CPU under TRITON_INTERPRET=1) or "torch"
         (static-shape torch ops, any device); the selector selects and the predictor proposes and
         learns on the same backend where they have kernels.
@@ -57,6 +62,8 @@ class AttentionEngine:
 
         if plan.problems():
             raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
+        if selector is None:
+            raise ValueError(MISSING_SELECTOR.format(owner="AttentionEngine"))
         if num_heads % cache.num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={cache.num_kv_heads}")
         if cache.block_size != plan.block_size:
@@ -65,8 +72,7 @@ class AttentionEngine:
         self.backend, self.timer, self.sized_per_step = backend, timer, sized_per_step
         self.plan, self.cache, self.batch = plan, cache, cache.batch
         self.device, self.dtype = cache.keys[0].device, cache.dtype
-        self.selector = selector if selector is not None else plan.make_selector()
-        self.predictor = predictor if predictor is not None else plan.make_predictor()
+        self.selector, self.predictor = selector, predictor
         self.max_tokens, self.max_blocks = cache.max_tokens, cache.max_blocks
         self.num_layers, self.hkv, self.d = cache.num_layers, cache.num_kv_heads, cache.head_dim
         self.hq, self.group = num_heads, num_heads // cache.num_kv_heads
@@ -143,18 +149,19 @@ class AttentionEngine:
                    backend: str, repair_mode: str, timer: StageTimer | None) -> AttentionEngine:
         """The research runtime's step (DSABackend, StageProbe): stages one after the other
         (`StaticPlan.eager`), each timed by `timer`, |P| sized per step by the caller."""
-        return cls(StaticPlan.eager(repair_mode, cache.block_size), cache, num_heads, selector, predictor, backend,
-                   timer=timer, sized_per_step=True)
+        return cls(StaticPlan.eager(repair_mode, cache.block_size), cache, num_heads, selector=selector,
+                   predictor=predictor, backend=backend, timer=timer, sized_per_step=True)
 
     def adopt_predictor_state(self, state: object) -> None:
         """Decode on from a predictor state warmed elsewhere (the eager prefill's, same class)."""
         if self.predictor is None:
-            raise ValueError("this engine has no predictor (variant != 'prr' or predictor='fixed')")
+            raise ValueError("this engine has no predictor (built with predictor=None: P set from outside)")
         self.predictor_state = state
         self.predictor.size_for_query(state, self.group * self.d)
 
     def set_predictions(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
-        """For predictor=fixed: P of `layer` ([B, Hkv, |P|] int32, [B, Hkv] int32)."""
+        """For an engine without a predictor (predictor=None: P set from outside): P of `layer`
+        ([B, Hkv, |P|] int32, [B, Hkv] int32)."""
         self.pred_idx[layer].copy_(idx)
         self.pred_cnt[layer].copy_(cnt)
 

@@ -24,9 +24,9 @@ The per-layer attention (select, speculate, repair, merge, learn) is `AttentionE
 (`attn`: it owns the P buffers, the predictor state and the counters; the decoder reads the
 parts its callers need through read-only views) and adds the model's forward, RoPE and the
 cache append around it, and the capture. Selection and prediction are
-the run's own selector and predictor objects (prr.selectors, prr.predictors).
-`StaticPlan.selector` / `predictor` only name which of those classes to build when the
-caller passes none (benchmarks). Predictors that rank from history alone (`history_only`)
+the run's own selector and predictor objects (prr.selectors, prr.predictors), which every
+caller passes (benchmarks build them from conf/: `prr.benchmarking.configured`); the plan
+holds only shapes and launch choices. Predictors that rank from history alone (`history_only`)
 write next step's P right after learning, on the side stream; cross_layer writes a layer's P
 right after the layer below it learned (same step; `Predictor.proposals_after_update`); the
 others (query_similarity, oracle) propose at the start of the layer, on the side stream before
@@ -47,15 +47,13 @@ from prr.model.decoder import Decoder
 from prr.model.layer_math import final_norm, fuse_layer_weights, post_attention, pre_attention
 from prr.model.rope import rope_cos_sin
 from prr.predictors import Predictor
-from prr.runtime.attention_engine import AttentionEngine
+from prr.runtime.attention_engine import MISSING_SELECTOR, AttentionEngine
 from prr.runtime.static_plan import (  # noqa: F401  (the plan's names, re-exported for callers)
     FUSE_MERGE,
     FUSED_REPAIR,
     MODES,
-    PREDICTORS,
     PROJECTIONS,
     REPAIR_MODES,
-    SELECTORS,
     VARIANTS,
     StaticPlan,
     metadata_bytes_per_block,
@@ -73,18 +71,18 @@ class GraphDecoder:
     """Static buffers and the decode step of `model` for `batch` rows of up to `max_tokens`:
     the model's forward around `AttentionEngine`'s attention, capturable as one CUDA graph."""
 
-    def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False,
-                 selector: Selector | None = None, predictor: Predictor | None = None,
-                 cache: PagedKVCache | None = None, backend: str = "triton") -> None:
+    def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False, *,
+                 selector: Selector, predictor: Predictor | None, cache: PagedKVCache | None = None,
+                 backend: str = "triton") -> None:
         """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
         the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
         (RoPE runs in the cache-append kernel, or at batch 1 with plan.projections="fused" in the
         q|k|v projection's.)
         The plan never changes: another variant or launch choice over the same buffers is
         another engine view, `with_plan(**changes)`, captured on its own.
-        selector / predictor: the run's prr.selectors / prr.predictors objects (default: built
-        from `plan`, `StaticPlan.make_selector` / `make_predictor`); the plan's topk / sink /
-        recent / dense-layer fields then describe nothing (the selector's own settings rule).
+        selector / predictor (required): the run's prr.selectors / prr.predictors objects; their
+        own settings (top-K, forced blocks, dense layers, ...) rule. predictor=None: no predictor,
+        P set from outside (`set_predictions`; and what a serial or dense engine passes).
         cache: a prefilled PagedKVCache to decode from (its K/V and the selector's metadata,
         e.g. after the eager prefill); default: a new empty one of max_tokens.
         backend: "triton" (prr.kernels; CUDA, or the CPU under TRITON_INTERPRET=1 for tests) or
@@ -99,6 +97,8 @@ class GraphDecoder:
                              "'torch' (runtime.projections=torch) and compile=False")
         if plan.problems():
             raise ValueError("invalid StaticPlan: " + "; ".join(plan.problems()))
+        if selector is None:
+            raise ValueError(MISSING_SELECTOR.format(owner="GraphDecoder"))
         c = model.config
         if c.num_heads % c.num_kv_heads:
             raise ValueError(f"num_heads={c.num_heads} is not a multiple of num_kv_heads={c.num_kv_heads}")
@@ -116,9 +116,8 @@ class GraphDecoder:
             problems.append(f"cache dtype/device {cache.dtype}/{cache.device} differ from the model's {dtype}/{device}")
         if problems:
             raise ValueError("; ".join(problems))
-        chosen = selector if selector is not None else plan.make_selector()
-        chosen.bind_model(c)  # (InfLLM: the RoPE its scoring undoes)
-        budgets = {"topk_blocks": chosen.topk_blocks if plan.variant != "dense" else 0,
+        selector.bind_model(c)  # (InfLLM: the RoPE its scoring undoes)
+        budgets = {"selector.topk_blocks": selector.topk_blocks if plan.variant != "dense" else 0,
                    "predicted_blocks": plan.predicted_blocks if plan.variant == "prr" else 0}
         for name, blocks in budgets.items():
             if blocks > cache.max_blocks:
@@ -126,7 +125,7 @@ class GraphDecoder:
                                  f"(block_size={bs}): lower it or raise max_tokens")
         # The attention of every layer (selection, speculation, repair, merge, the predictor, P and the
         # counters) is the engine's; this object adds the model's forward around it, and the capture.
-        self.attn = AttentionEngine(plan, cache, c.num_heads, chosen, predictor, backend)
+        self.attn = AttentionEngine(plan, cache, c.num_heads, selector=selector, predictor=predictor, backend=backend)
         self.cache, self.keys, self.values = cache, cache.keys, cache.values  # [B, Hkv, T_max, D] per layer
         self.batch, self.num_layers, self.max_tokens, self.max_blocks = batch, c.num_layers, cache.max_tokens, cache.max_blocks
         self.hq, self.hkv, self.group, self.d = c.num_heads, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
@@ -157,9 +156,8 @@ class GraphDecoder:
         if self._appends_in_projection():
             self.paired_qkv_weights()  # now rather than inside a first step (that may be a capture)
 
-    # Plan fields that size the engine's buffers or name its objects: equal in every view.
-    BUFFER_FIELDS = ("selector", "topk_blocks", "predicted_blocks", "predictor", "ema_alpha", "mode", "block_size",
-                     "sink_blocks", "recent_blocks", "dense_layers", "infllm_representatives", "study_ratios")
+    # Plan fields that size the engine's buffers: equal in every view.
+    BUFFER_FIELDS = ("predicted_blocks", "mode", "block_size", "study_ratios")
 
     # The engine's parts and state that the step's callers (the run driver, budgets, benchmarks)
     # read through the decoder: read-only views of `self.attn`'s, which owns them.
@@ -212,7 +210,7 @@ class GraphDecoder:
         problems = plan.problems()
         fixed = sorted(set(changes) & set(self.BUFFER_FIELDS))
         if fixed:
-            problems.append(f"{fixed} size the engine's buffers or name its objects: build another GraphDecoder")
+            problems.append(f"{fixed} size the engine's buffers: build another GraphDecoder")
         if plan.variant == "prr" and self.attn.scratch is None:
             problems.append(f"variant='prr' needs an engine built with variant='prr' (this one: {self.plan.variant!r})")
         if problems:

@@ -128,11 +128,18 @@ def engine_backend(device: str, backend: str) -> str:
     return "triton" if str(device).startswith("cuda") or backend == "triton" else "torch"
 
 
+def graph_topk(selector: Any, max_blocks: int) -> int:
+    """The run's top-K on the engine, in blocks: the selector's, at most the cache's `max_blocks`
+    (what the budgets size |P| from and the summary records)."""
+    return min(selector.topk_blocks, max_blocks)
+
+
 def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_blocks: int) -> StaticPlan:
     """The engine's plan for this run's objects: serial DSA for a predictor that never
     speculates, else PRR with a static |P| (every block for `dense`; the budget's size; |A|
-    for budget=profiled, which then chooses serial or PRR; the oracle's P is sized by the engine)."""
-    k = min(selector.topk_blocks, max_blocks)
+    for budget=profiled, which then chooses serial or PRR; the oracle's P is sized by the engine).
+    The objects themselves go to the engine (GraphDecoder's selector= / predictor=)."""
+    k = graph_topk(selector, max_blocks)
     if not predictor.speculates:
         size = 0
     elif selector.selects_every_block:
@@ -141,10 +148,8 @@ def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_bl
         size = k
     else:
         size = min(budget.static_blocks(k), max_blocks)
-    return StaticPlan(variant="prr" if predictor.speculates else "serial", topk_blocks=k, predicted_blocks=size,
-                      predictor="fixed", repair_mode=settings.repair_mode, mode=settings.mode,
-                      block_size=settings.block_size, sink_blocks=0, recent_blocks=0,
-                      dense_layers=tuple(sorted(selector.dense_layers)))
+    return StaticPlan(variant="prr" if predictor.speculates else "serial", predicted_blocks=size,
+                      repair_mode=settings.repair_mode, mode=settings.mode, block_size=settings.block_size)
 
 
 def profiled_plan(plan: StaticPlan, budget: Any, decoder: Any, batch: int, capacity: int, selector: Any,
@@ -154,12 +159,14 @@ def profiled_plan(plan: StaticPlan, budget: Any, decoder: Any, batch: int, capac
     from prr.runtime.graph_budget import GraphProbe
     from prr.runtime.graph_decode import GraphDecoder
 
+    max_blocks = -(-capacity // plan.block_size)
+    k = graph_topk(selector, max_blocks)
     probe = GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n), batch, capacity,
-                                              selector=selector, backend=backend),
-                       first_size=plan.topk_blocks)
-    info = budget.setup(probe, plan.topk_blocks, -(-capacity // plan.block_size), contexts=[context])
+                                              selector=selector, predictor=None, backend=backend),
+                       first_size=k)
+    info = budget.setup(probe, k, max_blocks, contexts=[context])
     probe.release()
-    size = budget.predicted_blocks(0, context, plan.topk_blocks)
+    size = budget.predicted_blocks(0, context, k)
     plan = dataclasses.replace(plan, variant="prr" if size else "serial", predicted_blocks=size)
     return plan, {**info, "choice": plan.variant, "predicted_blocks": size}
 
@@ -279,7 +286,7 @@ class GraphDecode:
         log.info("prompt: %s (%d tokens); engine=graph, %s", r.prompt.description, prompt_len, plan)
 
         if self.adaptive:
-            self.budget_info.update(budget.setup(None, plan.topk_blocks, self.max_blocks))
+            self.budget_info.update(budget.setup(None, graph_topk(selector, self.max_blocks), self.max_blocks))
             log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of %d steps, by "
                      "measured time and PRR's hit rate (min_hit=%s)", plan.predicted_blocks, budget.window_steps,
                      budget.min_hit)
@@ -397,7 +404,7 @@ class GraphDecode:
                  "variant": "adaptive" if self.adaptive else plan.variant},  # adaptive: per step in tokens.jsonl
             device=device_name(r.device), prompt_tokens=self.prompt_len,
             rows={"row_tokens": self.row_tokens},  # tokens of the prompt each row holds (a ragged batch's differ)
-            block_size=plan.block_size, topk_blocks=plan.topk_blocks,
+            block_size=plan.block_size, topk_blocks=graph_topk(r.selector, self.max_blocks),
             sizes={"predicted_blocks": plan.predicted_blocks}, timing={"prefill_s": self.prefill_s},
             budget_setup=self.budget_info,
             results={

@@ -1,6 +1,11 @@
-"""The graph engine's plan: the static choices (shapes, options, launch variants) an engine
-is built for and a step runs. Immutable: another choice is another engine view
-(`GraphDecoder.with_plan`), captured on its own."""
+"""The graph engine's plan: the static shapes and launch choices (variant, |P|, block size,
+streams, fused launches, counters) an engine is built for and a step runs. Immutable: another
+choice is another engine view (`GraphDecoder.with_plan`), captured on its own.
+
+What selects and what predicts are no part of it: the engine is given the run's selector and
+predictor objects (prr.selectors, prr.predictors; run.py builds them from conf/, benchmarks
+through `prr.benchmarking.configured`), whose own settings (top-K, forced blocks, dense layers,
+GQA reduction, EMA rate) rule."""
 
 from __future__ import annotations
 
@@ -8,14 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from prr.predictors import EmaMembershipPredictor, LastStepPredictor, Predictor
 from prr.runtime.settings import REPAIR_MODES, RUN_MODES
-from prr.selectors import InfLLMSelector, QuestSelector, Selector
 
 VARIANTS = ("dense", "serial", "prr")
-SELECTORS = ("quest", "infllm")  # the classes StaticPlan can build (any Selector object may be passed)
-# fixed: P set from outside (controlled hit rates); the others name prr.predictors classes
-PREDICTORS = ("ema_membership", "last_step", "fixed")
 MODES = RUN_MODES
 FUSE_MERGE = (False, True, "one_wave")
 FUSED_REPAIR = (False, True, "auto")
@@ -24,12 +24,13 @@ PROJECTIONS = ("torch", "fused")
 
 def metadata_dtype(selector: str, cache_dtype: torch.dtype) -> torch.dtype:
     """Quest's max / min of keys stored in the cache dtype are exact in it; InfLLM's
-    representative is a mean, kept in fp32."""
+    representative is a mean, kept in fp32 (selector: "quest" or "infllm")."""
     return cache_dtype if selector == "quest" else torch.float32
 
 
 def metadata_bytes_per_block(selector: str, cache_dtype: torch.dtype, head_dim: int) -> int:
-    """Bytes the selection reads per (row, KV head, block): the byte floor's metadata share."""
+    """Bytes the selection reads per (row, KV head, block): the byte floor's metadata share
+    (selector: "quest" or "infllm", the benchmarks' byte-floor arithmetic)."""
     per_vector = head_dim * metadata_dtype(selector, cache_dtype).itemsize
     return 2 * per_vector if selector == "quest" else per_vector
 
@@ -37,21 +38,15 @@ def metadata_bytes_per_block(selector: str, cache_dtype: torch.dtype, head_dim: 
 @dataclass(frozen=True)
 class StaticPlan:
     variant: str = "prr"
-    selector: str = "quest"
-    topk_blocks: int = 128  # |A| capacity per KV head, forced blocks included
-    predicted_blocks: int = 128  # |P| (prr only)
-    predictor: str = "ema_membership"
-    ema_alpha: float = 0.8  # ema_membership: state <- alpha * state + (1 - alpha) * [b in A]
+    # |P| per (row, KV head): the P buffers' size (prr only; the oracle's P is sized by |A|, the
+    # selector's capacity). |A|'s capacity is the selector's (`Selector.capacity`, its topk_blocks).
+    predicted_blocks: int = 128
     repair_mode: str = "exact"
     # sparse: the selection decides what is attended; shadow: dense attention continues the
     # model while selection, prediction and speculation run beside it and are measured.
     mode: str = "sparse"
     block_size: int = 16
-    sink_blocks: int = 1
-    recent_blocks: int = 1
-    dense_layers: tuple[int, ...] = (0, 1)
     overlap: bool = True  # speculation on a second CUDA stream (False: one after the other)
-    infllm_representatives: int = 4
     # Serial and dense attention merge their splits inside the split kernel (sparse_decode
     # fuse_merge; main stream only): one launch fewer per layer. True: every such attention
     # (+34 µs per token on the H200 at 128K, batch 1: the dense layers' 128-split rows);
@@ -106,20 +101,14 @@ class StaticPlan:
 
     def problems(self) -> list[str]:
         out = []
-        for name, value, allowed in (("variant", self.variant, VARIANTS), ("selector", self.selector, SELECTORS),
-                                     ("predictor", self.predictor, PREDICTORS),
-                                     ("repair_mode", self.repair_mode, REPAIR_MODES), ("mode", self.mode, MODES)):
+        for name, value, allowed in (("variant", self.variant, VARIANTS), ("repair_mode", self.repair_mode, REPAIR_MODES),
+                                     ("mode", self.mode, MODES)):
             if value not in allowed:
                 out.append(f"{name}={value!r} is not one of {list(allowed)}")
         if self.projections not in PROJECTIONS:
             out.append(f"projections={self.projections!r} is not one of {list(PROJECTIONS)}")
-        if self.topk_blocks < self.sink_blocks + self.recent_blocks or self.topk_blocks < 1:
-            out.append(f"topk_blocks={self.topk_blocks} must be >= sink_blocks + recent_blocks "
-                       f"({self.sink_blocks} + {self.recent_blocks}) and >= 1")
         if self.variant == "prr" and self.predicted_blocks < 1:
             out.append(f"predicted_blocks={self.predicted_blocks} must be >= 1 for variant=prr (use variant=serial for |P| = 0)")
-        if not 0.0 <= self.ema_alpha < 1.0:
-            out.append(f"ema_alpha={self.ema_alpha} must lie in [0, 1)")
         if self.fuse_merge not in FUSE_MERGE:
             out.append(f"fuse_merge={self.fuse_merge!r} is not one of {list(FUSE_MERGE)}")
         if self.fused_repair not in FUSED_REPAIR:
@@ -142,24 +131,7 @@ class StaticPlan:
     @classmethod
     def eager(cls, repair_mode: str, block_size: int) -> StaticPlan:
         """The plan of the eager runtime's step (DSABackend, StageProbe): stages one after the
-        other (no side stream, no fused tail or merge), so each stage has its own timer; the
-        predictor is the caller's and |P| is sized per step (`sparse_attention(predicted_blocks=)`)."""
-        return cls(variant="serial", predictor="fixed", repair_mode=repair_mode, block_size=block_size, overlap=False,
+        other (no side stream, no fused tail or merge), so each stage has its own timer; |P| is
+        sized per step (`sparse_attention(predicted_blocks=)`)."""
+        return cls(variant="serial", repair_mode=repair_mode, block_size=block_size, overlap=False,
                    fused_repair=False, fuse_merge=False)
-
-    def make_selector(self) -> Selector:
-        """The prr.selectors object this plan names (callers with any other selector pass their own)."""
-        recent = self.recent_blocks
-        common = dict(topk_blocks=self.topk_blocks, sink_blocks=self.sink_blocks, local_blocks=max(recent - 1, 0),
-                      force_newest=recent > 0, dense_layers=self.dense_layers)
-        if self.selector == "quest":
-            return QuestSelector(gqa_reduce="max", **common)
-        return InfLLMSelector(gqa_reduce="sum", representatives=self.infllm_representatives, **common)
-
-    def make_predictor(self) -> Predictor | None:
-        """The prr.predictors object this plan names; None for predictor="fixed" (P set from outside)."""
-        if self.predictor == "last_step":
-            return LastStepPredictor()
-        if self.predictor == "ema_membership":
-            return EmaMembershipPredictor(alpha=self.ema_alpha)
-        return None

@@ -9,6 +9,7 @@ both walk it; to add a figure, write one function and add one Figure(...) entry.
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedFormatter, NullLocator
 from matplotlib.transforms import ScaledTranslation
 
-from prr.intervals import bootstrap_mean, score_interval
+from prr.intervals import Interval, bootstrap_mean, score_interval, wilson
 
 from .style import (
     DOUBLE,
@@ -563,6 +564,114 @@ def accuracy_vs_context(samples: pd.DataFrame) -> MplFigure:
     return fig
 
 
+def paired_median_ratio(runs: list[float], base: list[float], resamples: int = 10_000, seed: int = 0):
+    """median(runs) / median(base), runs[i] and base[i] one prompt's two measurements, and its 95%
+    percentile-bootstrap interval resampling *prompts* (pairs kept together; prr.intervals'
+    median_ratio_interval resamples two runs' steps independently) -> Interval (n: prompts)."""
+    a, b = np.asarray(runs, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"paired_median_ratio needs two equal-length non-empty lists, got {a.shape} and {b.shape}")
+    picks = np.random.default_rng(seed).integers(0, a.size, size=(resamples, a.size))  # [resamples, prompts]
+    ratios = np.median(a[picks], 1) / np.median(b[picks], 1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return Interval(float(np.median(a) / np.median(b)), float(low), float(high), int(a.size))
+
+
+def _cell(interval: Interval | None, digits: int = 3) -> str:
+    if interval is None:
+        return "–"
+    return f"{interval.estimate:.{digits}f} [{interval.low:.{digits}f}, {interval.high:.{digits}f}]"
+
+
+def _identity_cell(same: int, n: int) -> str:
+    interval = wilson(same, n)
+    return (f"{same:,} / {n:,} = {100 * interval.estimate:.1f}% "
+            f"[{100 * interval.low:.1f}, {100 * interval.high:.1f}]")
+
+
+POOLED_COLUMNS = ["config", "prompts n", "accuracy, serial / PRR", "= dense, serial / PRR", "PRR = serial tokens",
+                  "PRR / serial time", "hit (PRR)"]
+
+
+def accuracy_pooled(samples: pd.DataFrame) -> pd.DataFrame:
+    """RULER's tasks pooled, per context (the index): a dense row, one row per (selector, top-K
+    budget) pairing serial DSA (predictor none) with PRR (any other predictor), and an "all sparse"
+    row pooling PRR = serial tokens over the context's pairs. Only the prompts every config of the
+    context scored count (complete_prompts). Cells: accuracy (mean score over prompts, 95% bootstrap
+    over prompts: accuracy_vs_context_points); "= dense": decodes whose token_ids equal dense's for
+    the same prompt; PRR = serial tokens: k / n with Wilson's 95% interval; PRR / serial time: ratio of
+    the median decode_s over the prompts whose two decodes ran with the same batch_rows (missing: 1),
+    95% bootstrap over prompts (paired_median_ratio), n given where prompts were dropped; hit: PRR's
+    hit_rate, mean over prompts with its 95% bootstrap. Columns of samples: accuracy_study's store
+    (task, context_tokens, sample, config, selector, predictor, budget_tokens, score, token_ids,
+    decode_s, hit_rate, optionally batch_rows)."""
+    samples = require(samples, [*ACCURACY_PROMPT, "config", "selector", "predictor", "budget_tokens", "score",
+                                "token_ids", "decode_s", "hit_rate"], "accuracy_pooled")
+    accuracies = {(int(p.context_tokens), p.config): Interval(p.mean, p.low, p.high, int(p.n))
+                  for p in accuracy_vs_context_points(samples).itertuples()}
+    kept = complete_prompts(samples).copy()
+    kept["tokens"] = kept["token_ids"].map(lambda s: tuple(json.loads(s)))
+    kept["batch_rows"] = kept["batch_rows"].fillna(1).astype(int) if "batch_rows" in kept else 1
+    selectors = list(dict.fromkeys(samples.loc[samples["selector"] != "dense", "selector"]))  # the store's order
+    rows: list[dict[str, object]] = []
+    for context, at in kept.groupby("context_tokens", sort=True):
+        context = int(context)
+        by_config = {c: g.set_index(["task", "sample"]).sort_index() for c, g in at.groupby("config")}
+        n = at.groupby(["task", "sample"]).ngroups
+        dense = next((g for g in by_config.values() if g["selector"].iloc[0] == "dense"), None)
+
+        def equals(frame: pd.DataFrame | None, other: pd.DataFrame | None) -> int | None:
+            if frame is None or other is None:
+                return None
+            return int((frame["tokens"] == other["tokens"]).sum())  # same prompts, same order (sorted index)
+
+        if dense is not None:
+            rows.append({"context": context_tick(context), "config": "dense", "prompts n": n,
+                         "accuracy, serial / PRR": _cell(accuracies[context, dense["config"].iloc[0]]),
+                         "= dense, serial / PRR": f"{n:,} / {n:,}"})
+        same_total = pairs_total = 0
+        sparse = at[at["selector"] != "dense"]
+        budgets = sorted(sparse["budget_tokens"].unique())
+        for selector in sorted(sparse["selector"].unique(), key=selectors.index):
+            for budget in budgets:
+                cell = sparse[(sparse["selector"] == selector) & (sparse["budget_tokens"] == budget)]
+                if cell.empty:
+                    continue
+                serial_configs = cell.loc[cell["predictor"] == "none", "config"].unique()
+                prr_configs = cell.loc[cell["predictor"] != "none", "config"].unique()
+                if len(serial_configs) > 1 or len(prr_configs) > 1:
+                    raise ValueError(f"{context_tick(context)} {selector} {int(budget)}: more than one serial or PRR "
+                                     f"config ({[*serial_configs, *prr_configs]}); accuracy_pooled pairs one of each")
+                serial = by_config[serial_configs[0]] if len(serial_configs) else None
+                prr = by_config[prr_configs[0]] if len(prr_configs) else None
+                eq = [equals(f, dense) for f in (serial, prr)]
+                row = {"context": context_tick(context), "config": f"{selector} {int(budget):,}", "prompts n": n,
+                       "accuracy, serial / PRR": " / ".join(_cell(None if f is None else accuracies[context, f["config"].iloc[0]])
+                                                            for f in (serial, prr)),
+                       "= dense, serial / PRR": " / ".join("–" if k is None else f"{k:,}" for k in eq)}
+                if serial is not None and prr is not None:
+                    same = equals(prr, serial)
+                    same_total, pairs_total = same_total + same, pairs_total + n
+                    row["PRR = serial tokens"] = _identity_cell(same, n)
+                    matched = prr["batch_rows"] == serial["batch_rows"]
+                    if matched.any():
+                        ratio = paired_median_ratio(prr.loc[matched, "decode_s"].tolist(),
+                                                    serial.loc[matched, "decode_s"].tolist())
+                        row["PRR / serial time"] = _cell(ratio, 2) + ("" if ratio.n == n else f" (n={ratio.n})")
+                if prr is not None:
+                    hits = prr["hit_rate"].dropna()
+                    if len(hits):
+                        hit = bootstrap_mean(hits.tolist())
+                        row["hit (PRR)"] = _cell(hit) + ("" if hit.n == n else f" (n={hit.n})")
+                rows.append(row)
+        if pairs_total:
+            rows.append({"context": context_tick(context), "config": "all sparse", "prompts n": n,
+                         "PRR = serial tokens": _identity_cell(same_total, pairs_total)})
+    table = pd.DataFrame(rows, columns=["context", *POOLED_COLUMNS]).fillna("").set_index("context")
+    table["prompts n"] = table["prompts n"].map(lambda v: f"{int(v):,}" if v != "" else "")
+    return table
+
+
 def table_markdown(table: pd.DataFrame, digits: int = 3) -> str:
     """A table as GitHub markdown (no extra dependency)."""
     header = [table.index.name or "", *map(str, table.columns)]
@@ -802,6 +911,20 @@ FIGURES: list[Figure] = [
            "interval over prompts; only prompts that every config of the context scored count, so every point at a "
            "context averages the same n prompts (under the tick). Left top-K budget 1,024 tokens, right 2,048: dense "
            "(the reference, in both), each selector serial (solid, filled) and PRR with EMA (dashed, open)"),
+    Figure("accuracy_qwen_pooled", accuracy_pooled, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv",),
+           pd.read_csv,
+           "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (docs/results/accuracy.md)",
+           "Accuracy matrix pooled over RULER's 13 tasks, per context, Qwen2.5-Coder-0.5B on an H200 (bf16, graph "
+           "engine). A prompt is one task's sample at that context; only prompts that every config of the context "
+           "scored count (prompts n). config: dense, or a selector at a top-K budget (tokens), serial DSA "
+           "(predictor none) against PRR (EMA, |P| = K). accuracy, serial / PRR: the mean score over the prompts with "
+           "its 95% percentile bootstrap over prompts (10,000 resamples, seed 0). = dense, serial / PRR: decodes whose "
+           "tokens equal dense's for the same prompt. PRR = serial tokens: PRR decodes whose tokens equal serial's, "
+           "k / n with Wilson's 95% interval; the last row of a context pools every sparse config. PRR / serial time: "
+           "median wall time per request (decode_s: prefill replay and decode) of PRR over serial's, on the same "
+           "prompts, with a 95% bootstrap that resamples prompts (pairs kept) and recomputes the ratio of medians; a "
+           "prompt whose two decodes ran with different batch_rows (samples decoded together) is left out of the "
+           "ratio (n then given). hit (PRR): PRR's EMA hit rate, mean over prompts with its 95% bootstrap"),
     Figure("accuracy_smollm2_ruler", lambda f: accuracy_table(accuracy_frame(f)),
            (f"{CPU}/accuracy_smollm2_ruler.csv", f"{CPU}/accuracy_smollm2_ruler_samples.csv"), read_accuracy,
            "the command in docs/results/accuracy.md (accuracy_study.py --model smollm2-135m --tasks ruler:...)",

@@ -303,3 +303,33 @@ def test_accuracy_vs_context_averages_the_same_complete_prompts_on_every_line():
             assert c.lines[0].get_xdata().tolist() == [4096, 8192] and ((low <= y) & (y <= high)).all()
         assert [t.get_text() for t in ax.get_xticklabels()] == ["4K\nn=6", "8K\nn=2"]
     assert '"4K\nn=6 | 8K\nn=2"' in figure_table(fig) and "errorbars,dense,x: 4096 8192; y:" in figure_table(fig)
+
+
+def test_accuracy_pooled_counts_complete_prompts_tokens_and_same_batch_times():
+    """Prompt (b, 1) lacks PRR's row: it counts nowhere (its tokens equal dense's and serial's). Of the
+    other three, serial = dense on 2, PRR = dense on 2, PRR = serial on 1 (hand count); (b, 0)'s PRR
+    decode ran 2 rows to serial's 1: it is left out of the time ratio, median(2, 3) / median(1, 1) = 2.5 on
+    n = 2 (with it: median(2, 3, 100) / 1 = 3)."""
+    configs = {"dense": ("dense", "none", np.nan), "quest-none-1024": ("quest", "none", 1024.0),
+               "quest-ema-1024": ("quest", "ema", 1024.0)}
+    tokens = {"dense": {("a", 0): [1, 2], ("a", 1): [1, 2], ("b", 0): [1, 2], ("b", 1): [1, 2]},
+              "quest-none-1024": {("a", 0): [1, 2], ("a", 1): [1, 3], ("b", 0): [1, 2], ("b", 1): [1, 2]},
+              "quest-ema-1024": {("a", 0): [1, 2], ("a", 1): [1, 2], ("b", 0): [9]}}
+    decode_s = {"quest-ema-1024": {("a", 0): 2.0, ("a", 1): 3.0, ("b", 0): 100.0}}
+    rows = [{"task": t, "context_tokens": 4096, "sample": i, "config": c, "selector": s, "predictor": p,
+             "budget_tokens": b, "score": float(tokens[c][(t, i)] == [1, 2]), "token_ids": str(tokens[c][(t, i)]),
+             "decode_s": decode_s.get(c, {}).get((t, i), 1.0), "hit_rate": {"a": 0.75, "b": 0.9}[t] if p == "ema" else np.nan,
+             "batch_rows": 2.0 if (c, t, i) == ("quest-ema-1024", "b", 0) else np.nan}
+            for c, (s, p, b) in configs.items() for (t, i) in tokens[c]]
+    table = figures.accuracy_pooled(pd.DataFrame(rows))
+    assert table.index.tolist() == ["4K"] * 3 and table["config"].tolist() == ["dense", "quest 1,024", "all sparse"]
+    dense, quest, pooled = (table.iloc[i] for i in range(3))
+    assert dense["prompts n"] == quest["prompts n"] == "3" and dense["= dense, serial / PRR"] == "3 / 3"
+    assert dense["accuracy, serial / PRR"].startswith("1.000 ")
+    assert quest["accuracy, serial / PRR"].startswith("0.667 [") and " / 0.667 [" in quest["accuracy, serial / PRR"]
+    assert quest["= dense, serial / PRR"] == "2 / 2"
+    assert quest["PRR = serial tokens"].startswith("1 / 3 = 33.3% [") and pooled["PRR = serial tokens"] == quest["PRR = serial tokens"]
+    assert quest["PRR / serial time"].startswith("2.50 [") and quest["PRR / serial time"].endswith(" (n=2)")
+    assert quest["hit (PRR)"].startswith("0.800 [") and pooled["PRR / serial time"] == ""
+    ratio = figures.paired_median_ratio([2.0, 3.0], [1.0, 1.0])
+    assert (ratio.estimate, ratio.n) == (2.5, 2) and ratio.low <= 2.5 <= ratio.high

@@ -79,7 +79,10 @@ be the torch path's); one_query's are equal over a group, so the score kernel re
 (a quarter of the bytes at G = 4). `gqa_reduce=union` and head dims other than powers of two in
 [16, 256] have no kernels (`triton_problems` says so before a run). The prefill's backlog
 (`catch_up`) runs in torch ops (eager, once, in a few large chunks). Measured on the H200:
-experiments/results/h200/kernels_issue33.md.
+experiments/results/h200/kernels_issue33.md. The prefill tail's selections (`select_tail`) are the
+base class's loop batched, bitwise: the final metadata only changes where a block leaves the
+window, so the positions are scored as rows of one batch (under triton the step kernel still runs
+per position, one_query's only where a block leaves).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ from torch import Tensor
 from prr.blocks import BlockSet, block_counts
 from prr.cache import PagedKVCache
 from prr.model.rope import rope_inv_freq
-from prr.selectors.base import Selection, Selector
+from prr.selectors.base import Selection, Selector, tail_rows
 from prr.selectors.options import InfLLMSelectorOptions
 
 REPR_SLOT = "infllm_repr"
@@ -103,6 +106,23 @@ WINDOW_SLOT = "infllm_window"
 SCORED = "infllm_scored"
 ARRIVALS = "infllm_arrivals"  # the Triton step kernel's arrival counter per row (zero between launches)
 PROMPT_KEYS_BYTES = 1 << 29  # catch_up: fp32 keys gathered per chunk of prompt queries (bounds its memory)
+# fp32 elements per chunk of select_tail's positions (each one's copy of the live means): cache-sized
+# on a CPU, large on a GPU (launch-bound: few chunks).
+TAIL_CHUNK_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 25}
+
+
+def block_means(keys: Tensor, positions: Tensor, end: Tensor) -> Tensor:
+    """keys [B, Hkv, n, S, D] fp32 at positions [B, 1, n, S] -> the mean of each one's keys at
+    positions < end (broadcast against positions) [B, Hkv, n, D]: a live block's key (one definition
+    for `update_metadata` and `select_tail`: the same ops, so the same fp32 sums)."""
+    live = (positions < end).unsqueeze(-1)  # [B, 1, n, S, 1]
+    return (keys * live).sum(3) / live.sum(3).clamp(min=1)
+
+
+def by_rows(product, count: int, rows: int) -> Tensor:
+    """product(i) of rows [i, i + rows) for i = 0, rows, ... < count, concatenated along dim 0."""
+    parts = [product(i) for i in range(0, count, rows)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, sign: float = 1.0) -> Tensor:
@@ -187,8 +207,7 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
         blocks = (first.view(b, 1) + torch.arange(count, device=cache.device)).clamp(max=cache.max_blocks - 1)  # [B, n]
         keys, positions = self._block_keys(cache, layer, blocks)  # [B, Hkv, n, S, D], [B, 1, n, S]
-        live = (positions < end.view(b, 1, 1, 1)).unsqueeze(-1)  # [B, 1, n, S, 1]
-        mean = (keys * live).sum(3) / live.sum(3).clamp(min=1)  # [B, Hkv, n, D]
+        mean = block_means(keys, positions, end.view(b, 1, 1, 1))  # [B, Hkv, n, D]
         self._live(cache, layer).scatter_(2, blocks.view(b, 1, count, 1).expand(b, h, count, d), mean)
 
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
@@ -243,6 +262,31 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         self._window(cache, layer, g).scatter_add_(2, index, add)
         scored.copy_(torch.maximum(scored, positions.amax(1) + 1))
 
+    def _add_window_queries(self, queries: Tensor, first: int, cache: PagedKVCache, layer: int) -> None:
+        """`_add_window_attention` of queries [B, Hkv, G, C, D] (post-RoPE) at positions first + [0, C),
+        in position order, in chunks as large as the memory budget allows (10,922 queries at B 1,
+        Hkv 2, D 64 and 6 forced blocks of 16), not 256 queries: a 32K prompt's 128 chunks a layer
+        were ~8,000 small ops, launch-bound on a GPU (now 4 chunks, ~320 ops). The same per-query
+        products, added by scatter_add_ in query order as with any chunking: on the CPU the window
+        scores are bitwise the 256-query chunks' and the one-query calls' of the decode step (a GPU's
+        scatter_add_ adds in no fixed order anyway)."""
+        forced = (self.sink_blocks + self.window_blocks) * cache.block_size
+        per_query = 4 * cache.batch * cache.num_kv_heads * forced * cache.head_dim  # bytes of gathered keys
+        chunk = max(PROMPT_KEYS_BYTES // per_query, 1)
+        count = queries.shape[3]
+        for lo in range(0, count, chunk):
+            hi = min(lo + chunk, count)
+            positions = torch.arange(first + lo, first + hi, device=cache.device).repeat(cache.batch, 1)  # [B, C]
+            self._add_window_attention(queries[:, :, :, lo:hi].to(cache.device), positions, cache, layer)
+
+    def _out_of_window(self, lengths: int | Tensor, block_size: int) -> int | Tensor:
+        """Full blocks that have left the local window at `lengths` tokens (a host int or a tensor):
+        the blocks [0, n) that `_finalise` makes final by then."""
+        num_blocks = (lengths + block_size - 1) // block_size
+        if isinstance(lengths, Tensor):
+            return torch.minimum(lengths // block_size, num_blocks - self.window_blocks)
+        return min(lengths // block_size, num_blocks - self.window_blocks)
+
     def _finalise(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor, first: Tensor, count: int) -> None:
         """Blocks first + [0, count) (first: [B] int64) of each row that have left the local
         window by `lengths` [B] and are not final yet get their representatives: from the summed
@@ -251,9 +295,7 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         token); `catch_up` passes the prefill's backlog (all blocks from 0)."""
         s, b, h, d = cache.block_size, cache.batch, cache.num_kv_heads, cache.head_dim
         g = q.shape[2]
-        lengths = block_counts(lengths, b, cache.device)
-        num_blocks = (lengths + s - 1) // s
-        target = torch.minimum(lengths // s, num_blocks - self.window_blocks)  # [B] full blocks out of the window
+        target = self._out_of_window(block_counts(lengths, b, cache.device), s)  # [B]
         done = self._finalised(cache, layer)
         blocks = first.view(b, 1) + torch.arange(count, device=cache.device)  # [B, n] candidates, distinct
         todo = (blocks >= done.view(b, 1)) & (blocks < target.view(b, 1))
@@ -294,22 +336,119 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
             if queries.shape[3] < length:
                 raise ValueError(f"catch_up got the queries of {queries.shape[3]} positions for a prefill of {length} "
                                  "tokens: pass one query per prompt position")
-            # Chunks as large as the memory budget allows (10,922 queries at B 1, Hkv 2, D 64 and 6
-            # forced blocks of 16), not 256 queries: a 32K prompt's 128 chunks a layer were ~8,000
-            # small ops, launch-bound on a GPU (now 4 chunks, ~320 ops). The same per-query products,
-            # added by scatter_add_ in query order as with any chunking: on the CPU the window scores
-            # are bitwise the 256-query chunks' (a GPU's scatter_add_ adds in no fixed order anyway).
-            forced = (self.sink_blocks + self.window_blocks) * cache.block_size
-            per_query = 4 * cache.batch * cache.num_kv_heads * forced * cache.head_dim  # bytes of gathered keys
-            chunk = max(PROMPT_KEYS_BYTES // per_query, 1)
-            for start in range(0, length, chunk):
-                end = min(start + chunk, length)
-                positions = torch.arange(start, end, device=cache.device).repeat(cache.batch, 1)  # [B, C]
-                self._add_window_attention(queries[:, :, :, start:end].to(cache.device), positions, cache, layer)
+            self._add_window_queries(queries[:, :, :, :length], 0, cache, layer)
         backlog = cache.num_blocks(layer, length)
         if backlog:
             rows = torch.full((cache.batch,), length, device=cache.device)
             self._finalise(q, cache, layer, rows, torch.zeros_like(rows), backlog)
+
+    # --- the prefill tail --------------------------------------------------------------------
+    def select_tail(self, q_tail: Tensor, cache: PagedKVCache, layer: int, start: int,
+                    queries: Tensor | None = None) -> list[Selection]:
+        """The base class's loop batched: its selections and the metadata it leaves, bitwise on the
+        CPU (tests/test_selectors_tail_infllm.py) and, measured, on the H200 under both backends but
+        for the window sums (a GPU's scatter_add_ adds in no fixed order: two loops differ there too;
+        their selections did not). Position `start` is the loop's own step (its update,
+        catch_up's backlog, its selection); after it, a row's final blocks at position t are
+        max(finalised then, `_out_of_window(t + 1)`): the loop finalises one block per step from
+        there. For the other positions t in (start, start + T):
+        - live means: each position's block from its keys <= t in one pass (`_tail_live`);
+        - window work (window_attention): every query's probabilities added in one pass, in position
+          order (`_add_window_queries`). A block that has left the window is in no later query's
+          window, so its sums are complete before it is finalised, whatever comes after;
+        - finalising: the loop's `_finalise` at each position where a block leaves the window
+          (about T / S of them; one_query takes that position's query);
+        - scores: every position as a row of one batch (`_scores`: its products still one per
+          position), against the representatives as the tail leaves them (a block's are written
+          once, when it becomes final, and read only by positions it is final at) and its own live
+          means (`_live_at`). Backend triton: the step kernel runs per position as in the loop (its window adds are its
+        own sums in the loop's order; one_query's step only finalises: only where a block leaves),
+        then the scores and the top-K of every position at once."""
+        num = q_tail.shape[3]
+        if num <= 1 or self.is_dense_layer(layer):  # (a dense layer skips catch_up, which the schedule assumes)
+            return Selector.select_tail(self, q_tail, cache, layer, start, queries=queries)
+        selections = Selector.select_tail(self, q_tail[:, :, :, :1], cache, layer, start, queries=queries)
+        begin, end, s = start + 1, start + num, cache.block_size
+        q_rest = q_tail[:, :, :, 1:]  # [B, Hkv, G, T - 1, D]
+        lengths = torch.arange(begin + 1, end + 1, device=cache.device)  # [T - 1] tokens at each position
+        finalised = torch.maximum(self._finalised(cache, layer).view(1, -1),
+                                  self._out_of_window(lengths, s).view(-1, 1))  # [T - 1, B], before it moves
+        leaving = [t for t in range(begin, end) if self._out_of_window(t + 1, s) > self._out_of_window(t, s)]
+        means, own = self._tail_live(cache, layer, begin, end)
+        if self.backend == "triton":
+            return selections + self._tail_triton(q_rest, cache, layer, begin, finalised, means, own, leaving)
+        if self.representatives_from == "window_attention":
+            self._add_window_queries(q_rest, begin, cache, layer)
+        for t in leaving:
+            self._finalise(q_rest[:, :, :, t - begin], cache, layer, t + 1, self._finalised(cache, layer), 1)
+        b, h, g, n, d = q_rest.shape
+        repr_keys, live = self._repr(cache, layer, g), self._live(cache, layer)
+        rows = lengths.repeat_interleave(b)  # [(T - 1) * B] tokens, rows (t, b)
+        per_head = []
+        for lo, hi in self._tail_chunks(n, b * h * cache.max_blocks * d, cache.device):
+            query = q_rest[:, :, :, lo:hi].permute(3, 0, 1, 2, 4).flatten(0, 1)  # [c * B, Hkv, G, D]
+            lives = self._live_at(live, means[:, :, lo:hi], own[lo:hi]).flatten(0, 1)  # [c * B, Hkv, NB, D]
+            per_head.append(self._scores(query, cache, rows[lo * b : hi * b], repr_keys, lives,
+                                         finalised[lo:hi].flatten()))
+        per_head = torch.cat(per_head)  # [(T - 1) * B, Hkv, G, NB]
+        return selections + tail_rows(self.selection_from(per_head, (rows + s - 1) // s, cache.max_blocks), n)
+
+    def _tail_live(self, cache: PagedKVCache, layer: int, begin: int, end: int) -> tuple[Tensor, Tensor]:
+        """Positions [begin, end): each one's block's live mean over its keys <= it, as that
+        position's `update_metadata` leaves it -> (means [B, Hkv, T, D], those blocks [T]). The slot
+        gets each block's mean at its last position: what the loop's updates leave."""
+        s, b = cache.block_size, cache.batch
+        positions = torch.arange(begin, end, device=cache.device)
+        own = positions // s  # [T]
+        blocks = torch.arange(begin // s, (end - 1) // s + 1, device=cache.device)  # [n] the tail's blocks
+        keys, token_positions = self._block_keys(cache, layer, blocks.expand(b, -1))  # [B, Hkv, n, S, D], [B, 1, n, S]
+        at = own - begin // s  # [T] each position's block among them
+        means = block_means(keys[:, :, at], token_positions[:, :, at], (positions + 1).view(1, 1, -1, 1))
+        ends = [i for i, t in enumerate(range(begin, end)) if (t + 1) % s == 0 or t == end - 1]  # a block's last
+        ends = torch.tensor(ends, device=cache.device)
+        self._live(cache, layer).index_copy_(2, own[ends], means[:, :, ends])
+        return means, own
+
+    @staticmethod
+    def _live_at(live: Tensor, means: Tensor, own: Tensor) -> Tensor:
+        """The live means positions score against: the slot live [B, Hkv, NB, D] as the tail leaves
+        it, with each position's own block (own [c]) its mean so far (means [B, Hkv, c, D]) ->
+        [c, B, Hkv, NB, D]. Later blocks' columns hold the tail's means: outside the position's
+        context, their scores are masked."""
+        column = torch.arange(live.shape[2], device=live.device).view(-1, 1) == own.view(-1, 1, 1, 1, 1)  # [c, 1, 1, NB, 1]
+        return torch.where(column, means.permute(2, 0, 1, 3).unsqueeze(3), live)
+
+    @staticmethod
+    def _tail_chunks(count: int, per_position: int, device: torch.device) -> list[tuple[int, int]]:
+        """[lo, hi) chunks of `count` positions, each with at most TAIL_CHUNK_ELEMENTS of the
+        device's (per_position elements a position) and at least one position."""
+        limit = TAIL_CHUNK_ELEMENTS.get(device.type, TAIL_CHUNK_ELEMENTS["cpu"])
+        chunk = max(1, limit // max(1, per_position))
+        return [(lo, min(count, lo + chunk)) for lo in range(0, count, chunk)]
+
+    def _tail_triton(self, q_rest: Tensor, cache: PagedKVCache, layer: int, begin: int, finalised: Tensor,
+                     means: Tensor, own: Tensor, leaving: list[int]) -> list[Selection]:
+        """`select_tail` under backend triton after its first position: q_rest [B, Hkv, G, T, D] at
+        positions begin + [0, T), finalised [T, B] and (means, own) of `_tail_live`."""
+        b, h, g, n, d = q_rest.shape
+        s = cache.block_size
+        per_row = torch.arange(begin + 1, begin + n + 1, device=cache.device).view(-1, 1).expand(n, b).contiguous()
+        # per_row: [T, B] int64 tokens, as `select` passes them to the kernels
+        steps = range(begin, begin + n) if self.representatives_from == "window_attention" else leaving
+        for t in steps:
+            self._step_triton(q_rest[:, :, :, t - begin].reshape(b, h * g, d), cache, layer, per_row[t - begin])
+        blocks = ((per_row + s - 1) // s).to(torch.int32)  # [T, B]
+        repr_keys, live = self._repr(cache, layer, g), self._live(cache, layer)
+        scores = torch.empty(n, b, h, cache.max_blocks, device=cache.device)
+        for lo, hi in self._tail_chunks(n, h * cache.max_blocks * d, cache.device):
+            for row in range(b):  # the kernel takes one slot row per query row: a stride-0 view per cache row
+                q3 = q_rest[row, :, :, lo:hi].permute(2, 0, 1, 3).reshape(hi - lo, h * g, d)  # [c, Hq, D]
+                lives = self._live_at(live[row : row + 1], means[row : row + 1, :, lo:hi], own[lo:hi])[:, 0]
+                scores[lo:hi, row] = self._scores_triton(
+                    q3, cache, per_row[lo:hi, row].contiguous(), blocks[lo:hi, row].contiguous(),
+                    finalised[lo:hi, row].contiguous(), repr_keys[row : row + 1].expand(hi - lo, *repr_keys.shape[1:]),
+                    lives)
+        return tail_rows(self._top_triton(scores.flatten(0, 1), blocks.flatten()), n)
 
     # --- backends ----------------------------------------------------------------------------
     def triton_problems(self) -> list[str]:
@@ -329,26 +468,48 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         """`head_scores` + the base class's reduce / force / top-K in three launches (the token's
         live mean is `append_metadata`'s): prr.kernels.infllm's step (window work + finalising)
         and scores, then topk_select. Static shapes, no host synchronisation."""
-        from prr.kernels.infllm import infllm_scores, infllm_step
-        from prr.kernels.topk import topk_select
-
         if cache.block_size & (cache.block_size - 1):
             raise ValueError(f"block_size={cache.block_size}: the Triton InfLLM kernels take a power of two")
         b, h, g, d = q.shape
         q3 = q.reshape(b, h * g, d)
-        keys = cache.keys[layer]
-        freqs = self._freqs(cache) if self.scoring == "position_agnostic" else None
+        self._step_triton(q3, cache, layer, lengths)
+        rows = num_blocks.to(torch.int32)
+        scores = self._scores_triton(q3, cache, lengths, rows, self._finalised(cache, layer),
+                                     self._repr(cache, layer, g), self._live(cache, layer))
+        return self._top_triton(scores, rows)
+
+    def _step_triton(self, q3: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> None:
+        """prr.kernels.infllm's step kernel (the window work and the finalising of at most one
+        block, in place) for the queries q3 [B, Hq, D] at positions lengths - 1 ([B])."""
+        from prr.kernels.infllm import infllm_step
+
+        g = q3.shape[1] // cache.num_kv_heads
         from_window = self.representatives_from == "window_attention"
-        repr_keys, finalised = self._repr(cache, layer, g), self._finalised(cache, layer)
-        infllm_step(q3, keys, lengths, repr_keys, finalised, self._arrivals(cache, layer), cache.block_size,
-                    self.sink_blocks, self.window_blocks, self.representatives,
+        infllm_step(q3, cache.keys[layer], lengths, self._repr(cache, layer, g), self._finalised(cache, layer),
+                    self._arrivals(cache, layer), cache.block_size, self.sink_blocks, self.window_blocks,
+                    self.representatives,
                     window=self._window(cache, layer, g) if from_window else None,
                     scored=self._scored(cache, layer) if from_window else None,
-                    inv_freq=freqs, layer_sum=not from_window and not self.per_head)
-        rows = num_blocks.to(torch.int32)
-        scores = infllm_scores(q3, lengths, rows, finalised, repr_keys, self._live(cache, layer), inv_freq=freqs,
-                               fixed_position=max(self.window_blocks * cache.block_size - 1, 0),
-                               layer_sum=not self.per_head, gqa_reduce=self.gqa_reduce, shared_repr=not from_window)
+                    inv_freq=self._freqs(cache) if self.scoring == "position_agnostic" else None,
+                    layer_sum=not from_window and not self.per_head)
+
+    def _scores_triton(self, q3: Tensor, cache: PagedKVCache, lengths: Tensor, rows: Tensor, finalised: Tensor,
+                       repr_keys: Tensor, live: Tensor) -> Tensor:
+        """prr.kernels.infllm's score kernel on rows that need not be the cache's (`select_tail`
+        folds positions into them): q3 [N, Hq, D] at positions lengths - 1, rows [N] int32 blocks,
+        finalised [N] int64, repr_keys [N, Hkv, NB, G, D], live [N, Hkv, NB, D] -> [N, Hkv, NB]."""
+        from prr.kernels.infllm import infllm_scores
+
+        return infllm_scores(q3, lengths, rows, finalised, repr_keys, live,
+                             inv_freq=self._freqs(cache) if self.scoring == "position_agnostic" else None,
+                             fixed_position=max(self.window_blocks * cache.block_size - 1, 0),
+                             layer_sum=not self.per_head, gqa_reduce=self.gqa_reduce,
+                             shared_repr=self.representatives_from != "window_attention")
+
+    def _top_triton(self, scores: Tensor, rows: Tensor) -> Selection:
+        """scores [N, Hkv, NB], rows [N] int32 blocks -> the forced, top-K Selection (topk_select)."""
+        from prr.kernels.topk import topk_select
+
         indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
                                       recent_blocks=self.local_blocks + int(self.force_newest))
         return Selection(blocks=BlockSet(indices, counts), scores=scores)
@@ -368,16 +529,29 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         lengths [B] -> [B, Hkv, G, max_blocks], final blocks against their representatives, the
         others against their live mean (what prr.kernels.infllm.infllm_scores computes, reduced)."""
         b, g = q.shape[0], q.shape[2]
-        lengths = block_counts(lengths, b, cache.device)
+        return self._scores(q, cache, block_counts(lengths, b, cache.device), self._repr(cache, layer, g),
+                            self._live(cache, layer), self._finalised(cache, layer))
+
+    def _scores(self, q: Tensor, cache: PagedKVCache, lengths: Tensor, repr_keys: Tensor, live: Tensor,
+                finalised: Tensor) -> Tensor:
+        """`block_scores` of rows that need not be the cache's (`select_tail` folds positions into
+        them, rows (t, b)): q [N, Hkv, G, D] at positions lengths - 1 ([N] int64), N a multiple of
+        the cache's B, against the slot's repr_keys [B, Hkv, NB, G, D] and live [N, Hkv, NB, D] of
+        their own, blocks below finalised [N] final -> [N, Hkv, G, NB]. The products are made B rows
+        at a time, contiguous, as `select` makes them: matmuls are not batch-invariant (the CPU's
+        round a [G·T, D] product or a strided operand differently, cuBLAS a larger batch: measured
+        on the H200), so each keeps the loop's own shape and layout."""
+        n, b = q.shape[0], repr_keys.shape[0]
         query = q.float()
         if self.scoring == "position_agnostic":  # InfLLM's fixed angle: the window's length less one
             freqs = self._freqs(cache)
             fixed = max(self.window_blocks * cache.block_size - 1, 0)
-            query = rotate(rotate(query, (lengths - 1).view(b, 1, 1), freqs, sign=-1.0),
-                           torch.full((b, 1, 1), fixed, device=cache.device), freqs)
-        final = torch.einsum("bhgd,bhngd->bhgn", query, self._repr(cache, layer, g))  # [B, Hkv, G, NB]
-        live = query @ self._live(cache, layer).transpose(-1, -2)  # [B, Hkv, G, NB]
-        is_final = torch.arange(cache.max_blocks, device=cache.device) < self._finalised(cache, layer).view(b, 1, 1, 1)
+            query = rotate(rotate(query, (lengths - 1).view(n, 1, 1), freqs, sign=-1.0),
+                           torch.full((n, 1, 1), fixed, device=cache.device), freqs)
+        query, live_keys = query.contiguous(), live.contiguous()
+        final = by_rows(lambda i: torch.einsum("bhgd,bhngd->bhgn", query[i : i + b], repr_keys), n, b)  # [N, Hkv, G, NB]
+        live = by_rows(lambda i: query[i : i + b] @ live_keys[i : i + b].transpose(-1, -2), n, b)  # [N, Hkv, G, NB]
+        is_final = torch.arange(cache.max_blocks, device=cache.device) < finalised.view(n, 1, 1, 1)
         scores = torch.where(is_final, final, live)
         if not self.per_head:
             scores = scores.sum((1, 2), keepdim=True).expand_as(scores)  # Σ over every head of the layer

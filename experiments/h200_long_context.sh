@@ -16,7 +16,7 @@
 set -euo pipefail
 PIECES=/tmp/prr_qwen_pieces
 STAGE=/tmp/prr_qwen_stage
-PIECE_BYTES=52000000
+PIECE_BYTES=44000000  # + the tracked tree (18 MB in Dec 2026) stays under the 64 MiB a call carries
 MODEL=qwen2.5-coder-0.5b
 cmd=${1:?usage: split | stage N | receive | prepare | locality CONTEXTS | accuracy CONTEXTS | campaign CONTEXTS | predictors CONTEXT}
 

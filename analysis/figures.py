@@ -899,10 +899,10 @@ FIGURES: list[Figure] = [
     Figure("accuracy_qwen_matrix", lambda f: accuracy_table(accuracy_frame(f)),
            ("experiments/results/h200/accuracy_qwen_matrix.csv", "experiments/results/h200/accuracy_qwen_matrix_samples.csv"),
            read_accuracy,
-           "BUDGET_S=420 / 390 SAMPLES=25 bash experiments/h200_long_context.sh campaign 4096 (two device calls, "
+           "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (five device calls, the commands in "
            "docs/results/accuracy.md)",
-           "Accuracy on RULER's 13 tasks at 4K, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): dense, every "
-           "selector at 1,024 and 2,048 tokens, serial and PRR (ema); 13-14 samples per task"),
+           "Accuracy on RULER's 13 tasks at 4K-32K, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): dense, every "
+           "selector at 1,024 and 2,048 tokens, serial and PRR (ema); 13-16 samples per task at 4K, 3-4 at 8K-32K"),
     Figure("accuracy_qwen_vs_context", accuracy_vs_context, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv",),
            pd.read_csv,
            "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (docs/results/accuracy.md)",

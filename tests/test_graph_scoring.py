@@ -194,8 +194,8 @@ def test_batches_of_ragged_requests_equal_one_request_at_a_time(model, predictor
 def test_batches_of_ragged_requests_in_cuda_graphs_equal_one_request_at_a_time(predictor):
     """The batched path on a GPU (Triton kernels, captured steps): runtime.batch_size=2 decodes
     and scores ragged requests as batch-1 graph engines do, in fp32."""
-    gpu = load_model("tiny-random", dtype="float32", device="cuda")
-    one, two = (Engine(compose_config([*TINY, f"predictor={predictor}", "runtime.engine=graph", "runtime.device=cuda",
+    gpu = load_model("tiny-random-d64", dtype="float32", device="cuda")  # (the Triton kernels' head dims)
+    one, two = (Engine(compose_config(["model=tiny-random-d64", *TINY[1:], f"predictor={predictor}", "runtime.engine=graph", "runtime.device=cuda",
                                        f"runtime.batch_size={b}"]), gpu, 340) for b in (1, 2))
     prompts = [ids(n, i) for i, n in enumerate((300, 170, 240))]
     batched = two.generate_batch(prompts, 20)

@@ -16,7 +16,6 @@
 set -euo pipefail
 PIECES=/tmp/prr_qwen_pieces
 STAGE=/tmp/prr_qwen_stage
-PIECE_BYTES=44000000  # + the tracked tree (18 MB in Dec 2026) stays under the 64 MiB a call carries
 MODEL=qwen2.5-coder-0.5b
 cmd=${1:?usage: split | stage N | receive | prepare | locality CONTEXTS | accuracy CONTEXTS | campaign CONTEXTS | predictors CONTEXT}
 
@@ -36,7 +35,12 @@ case $cmd in
     src=$(python3 -c "from prr.model.zoo import ZOO; from prr.paths import cache_dir; print(ZOO['$MODEL'].gguf_path(cache_dir()))")
     [ -f "$src" ] || { echo "no assembled GGUF at $src: run make model-qwen first" >&2; exit 2; }
     rm -rf "$PIECES" && mkdir -p "$PIECES"
-    split -b $PIECE_BYTES -d -a 2 "$src" "$PIECES/part"
+    # a piece + the tracked tree (it grows with committed results) + 4 MB of slack: under the 64 MiB a call carries
+    tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    piece=$(( 64 * 1024 * 1024 - tracked - 4000000 ))
+    [ "$piece" -gt 8000000 ] || { echo "the tracked tree ($tracked bytes) leaves no room for pieces" >&2; exit 2; }
+    echo "pieces of $piece bytes (tracked tree: $tracked bytes)"
+    split -b "$piece" -d -a 2 "$src" "$PIECES/part"
     (cd "$PIECES" && sha256sum part* > SHA256SUMS && ls | wc -l)
     ;;
   stage)

@@ -593,6 +593,17 @@ POOLED_COLUMNS = ["config", "prompts n", "accuracy, serial / PRR", "= dense, ser
                   "PRR / serial time", "hit (PRR)"]
 
 
+def captured_rows(samples: pd.DataFrame) -> pd.Series:
+    """Rows whose decode_s includes building its config's engine (on a GPU, capturing its graphs):
+    the store's includes_capture where written, else each (command, config)'s first row in store
+    order (a process's first batch of that config; stores before the column) -> bool Series."""
+    derived = ~samples.duplicated(["command", "config"]) if "command" in samples else pd.Series(False, samples.index)
+    if "includes_capture" not in samples:
+        return derived
+    written = samples["includes_capture"]
+    return written.where(written.notna(), derived).astype(bool)
+
+
 def accuracy_pooled(samples: pd.DataFrame) -> pd.DataFrame:
     """RULER's tasks pooled, per context (the index): a dense row, one row per (selector, top-K
     budget) pairing serial DSA (predictor none) with PRR (any other predictor), and an "all sparse"
@@ -600,18 +611,20 @@ def accuracy_pooled(samples: pd.DataFrame) -> pd.DataFrame:
     context scored count (complete_prompts). Cells: accuracy (mean score over prompts, 95% bootstrap
     over prompts: accuracy_vs_context_points); "= dense": decodes whose token_ids equal dense's for
     the same prompt; PRR = serial tokens: k / n with Wilson's 95% interval; PRR / serial time: ratio of
-    the median decode_s over the prompts whose two decodes ran with the same batch_rows (missing: 1),
-    95% bootstrap over prompts (paired_median_ratio), n given where prompts were dropped; hit: PRR's
-    hit_rate, mean over prompts with its 95% bootstrap. Columns of samples: accuracy_study's store
-    (task, context_tokens, sample, config, selector, predictor, budget_tokens, score, token_ids,
-    decode_s, hit_rate, optionally batch_rows)."""
+    the median decode_s over the prompts whose two decodes each ran alone (batch_rows 1; missing: 1)
+    and built no engine (captured_rows), 95% bootstrap over prompts (paired_median_ratio), n given
+    where prompts were dropped; hit: PRR's hit_rate of the decodes that ran alone (a batch's PRR is
+    calibrated on the batch's prefill tails), mean over prompts with its 95% bootstrap. Columns of
+    samples: accuracy_study's store (task, context_tokens, sample, config, selector, predictor,
+    budget_tokens, score, token_ids, decode_s, hit_rate, optionally batch_rows, includes_capture,
+    command)."""
     samples = require(samples, [*ACCURACY_PROMPT, "config", "selector", "predictor", "budget_tokens", "score",
                                 "token_ids", "decode_s", "hit_rate"], "accuracy_pooled")
     accuracies = {(int(p.context_tokens), p.config): Interval(p.mean, p.low, p.high, int(p.n))
                   for p in accuracy_vs_context_points(samples).itertuples()}
-    kept = complete_prompts(samples).copy()
+    kept = complete_prompts(samples.assign(captured=captured_rows(samples))).copy()
     kept["tokens"] = kept["token_ids"].map(lambda s: tuple(json.loads(s)))
-    kept["batch_rows"] = kept["batch_rows"].fillna(1).astype(int) if "batch_rows" in kept else 1
+    kept["alone"] = kept["batch_rows"].fillna(1).astype(int).eq(1) if "batch_rows" in kept else True
     selectors = list(dict.fromkeys(samples.loc[samples["selector"] != "dense", "selector"]))  # the store's order
     rows: list[dict[str, object]] = []
     for context, at in kept.groupby("context_tokens", sort=True):
@@ -653,13 +666,13 @@ def accuracy_pooled(samples: pd.DataFrame) -> pd.DataFrame:
                     same = equals(prr, serial)
                     same_total, pairs_total = same_total + same, pairs_total + n
                     row["PRR = serial tokens"] = _identity_cell(same, n)
-                    matched = prr["batch_rows"] == serial["batch_rows"]
+                    matched = prr["alone"] & serial["alone"] & ~prr["captured"] & ~serial["captured"]
                     if matched.any():
                         ratio = paired_median_ratio(prr.loc[matched, "decode_s"].tolist(),
                                                     serial.loc[matched, "decode_s"].tolist())
                         row["PRR / serial time"] = _cell(ratio, 2) + ("" if ratio.n == n else f" (n={ratio.n})")
                 if prr is not None:
-                    hits = prr["hit_rate"].dropna()
+                    hits = prr.loc[prr["alone"], "hit_rate"].dropna()
                     if len(hits):
                         hit = bootstrap_mean(hits.tolist())
                         row["hit (PRR)"] = _cell(hit) + ("" if hit.n == n else f" (n={hit.n})")
@@ -922,9 +935,10 @@ FIGURES: list[Figure] = [
            "tokens equal dense's for the same prompt. PRR = serial tokens: PRR decodes whose tokens equal serial's, "
            "k / n with Wilson's 95% interval; the last row of a context pools every sparse config. PRR / serial time: "
            "median wall time per request (decode_s: prefill replay and decode) of PRR over serial's, on the same "
-           "prompts, with a 95% bootstrap that resamples prompts (pairs kept) and recomputes the ratio of medians; a "
-           "prompt whose two decodes ran with different batch_rows (samples decoded together) is left out of the "
-           "ratio (n then given). hit (PRR): PRR's EMA hit rate, mean over prompts with its 95% bootstrap"),
+           "prompts, with a 95% bootstrap that resamples prompts (pairs kept) and recomputes the ratio of medians; only "
+           "prompts whose two decodes each ran alone (batch_rows 1) and built no engine (a config's first batch in a "
+           "process builds and captures it) count (n given where fewer). hit (PRR): PRR's EMA hit rate of the decodes "
+           "that ran alone (a batch's PRR is calibrated on the batch), mean over prompts with its 95% bootstrap"),
     Figure("accuracy_smollm2_ruler", lambda f: accuracy_table(accuracy_frame(f)),
            (f"{CPU}/accuracy_smollm2_ruler.csv", f"{CPU}/accuracy_smollm2_ruler_samples.csv"), read_accuracy,
            "the command in docs/results/accuracy.md (accuracy_study.py --model smollm2-135m --tasks ruler:...)",

@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="greedy tokens per sample (EOS ends it sooner); 'task': each task's own (RULER's "
                         "tokens_to_generate: niah 128, vt 30, cwe 120, fwe 50, qa 32)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dense-layers", default=None,
+                   help="layers every sparse config attends densely, comma-separated ('' for none; default: each "
+                        "selector's conf, layers 0-1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
@@ -118,15 +121,16 @@ def main(argv: list[str] | None = None) -> None:
               "runtime.dense_metrics_every=1000000",  # no dense reference per step: accuracy is the point here
               f"runtime.engine={args.engine}", f"runtime.batch_size={args.batch_size}"]
 
+    dense = [] if args.dense_layers is None else [f"selector.dense_layers=[{args.dense_layers}]"]
     # (name, selector, predictor, budget tokens, overrides)
     runs: list[tuple[str, str, str, int | None, list[str]]] = [("dense", "dense", "none", None, ["selector=dense", "predictor=none"])]
     for sel in selectors:
         for b in budgets:
             k = f"selector.topk_blocks={b // args.block_size}"
-            runs.append((f"{sel}-none-{b}", sel, "none", b, [f"selector={sel}", "predictor=none", k]))
+            runs.append((f"{sel}-none-{b}", sel, "none", b, [f"selector={sel}", "predictor=none", k, *dense]))
             if b in ema_budgets:
                 check = ["runtime.check_serial=true"] if args.engine == "eager" else []  # (eager records only)
-                runs.append((f"{sel}-ema-{b}", sel, "ema", b, [f"selector={sel}", "predictor=ema", k,
+                runs.append((f"{sel}-ema-{b}", sel, "ema", b, [f"selector={sel}", "predictor=ema", k, *dense,
                                                             "runtime.repair_mode=exact", *check]))
 
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     # the longest request: shorter ones run in the same graphs).
     capacity = max(contexts) + 64 + (args.max_new_tokens or 128)  # (128: RULER's longest tokens_to_generate)
     engines: dict[str, Engine] = {}
+    decoded: set[str] = set()  # configs whose engine has decoded a batch in this process
 
     def engine(name: str, over: list[str]) -> Engine:
         if name not in engines:
@@ -180,16 +185,18 @@ def main(argv: list[str] | None = None) -> None:
             need = [j for j, index in enumerate(indices) if (task_name, ctx, index, name) not in done]
             if (budget is not None and budget >= ctx) or not need:
                 continue  # the budget covers the whole context (nothing sparse), or finished earlier
+            captures = name not in decoded  # its engine's first batch builds (on a GPU, captures) its step: timed too
+            decoded.add(name)
             t0 = time.perf_counter()
             runner = engine(name, over)
             gens = runner.generate_batch([ids[j] for j in need], task.max_new_tokens, prefills=[prefills[j] for j in need])
             decode_s = (time.perf_counter() - t0) / len(need)  # the batch's wall time, per request
-            steps = pd.DataFrame(runner.request_rows)
-            if args.engine == "graph":  # (counters pooled over the batch's rows and steps)
-                counts = runner.runtime.request_counts
-                steps = pd.DataFrame([{"hits": counts["hits"], "selected_blocks": counts["selected"]}]
-                                     if counts["selected"] else [])  # (no sparse layer: no rows, as eager)
-            for j, gen in zip(need, gens, strict=True):
+            for row, (j, gen) in enumerate(zip(need, gens, strict=True)):
+                steps = pd.DataFrame(runner.request_rows)
+                if args.engine == "graph":  # the row's own device counters (its steps past its EOS included)
+                    counts = runner.runtime.row_counts[row]
+                    steps = pd.DataFrame([{"hits": counts["hits"], "selected_blocks": counts["selected"]}]
+                                         if counts["selected"] else [])  # (no sparse layer: no rows, as eager)
                 ran.append({
                     "task": task_name, "context_tokens": ctx, "sample": indices[j], "prompt_tokens": ids[j].shape[1],
                     "config": name, "selector": sel, "predictor": pred, "budget_tokens": budget,
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
                     "max_serial_relerr": float(steps["serial_relerr"].max()) if "serial_relerr" in steps else None,
                     "hit_rate": float(steps["hits"].sum() / max(steps["selected_blocks"].sum(), 1))
                     if len(steps) and pred == "ema" else None,
-                    "decode_s": decode_s, "prefill_s": prefill_s, "batch_rows": len(need), "command": command,
+                    "decode_s": decode_s, "prefill_s": prefill_s, "batch_rows": len(need),
+                    "includes_capture": captures, "command": command,
                 })
         rows += ran
         # every finished batch kept, each row with its command; a stop mid-write keeps the last store

@@ -5,13 +5,14 @@
 # The device keeps /tmp between back-to-back calls, so the pieces wait in $STAGE.
 #
 #   here:      bash experiments/h200_long_context.sh split          # pieces into /tmp/prr_qwen_pieces
-#   here:      bash experiments/h200_long_context.sh stage N        # piece N (+ RULER data, wheels with the last) into .xfer/
+#   here:      bash experiments/h200_long_context.sh stage N        # piece N into .xfer/ (then `receive` there)
+#   here:      bash experiments/h200_long_context.sh stage data     # RULER's data and the Python wheels, a call of their own
 #   device:    bash experiments/h200_long_context.sh receive        # (carry .xfer) .xfer/* -> $STAGE, sha256 printed
 #   device:    bash experiments/h200_long_context.sh prepare        # assemble + verify + convert (prr.model.fetch)
 #   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT
 #   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv BUDGET_S=400 \
 #                bash experiments/h200_long_context.sh campaign CONTEXTS   # issue 34's matrix, continued
-#              (BUDGET_S seconds per context, one process each; BATCH samples decoded together)
+#              (one process for every context, BUDGET_S seconds; BATCH samples decoded together)
 #              (study output under $OUT; copy it to experiments/results/h200/)
 set -euo pipefail
 PIECES=/tmp/prr_qwen_pieces
@@ -35,30 +36,31 @@ case $cmd in
     src=$(python3 -c "from prr.model.zoo import ZOO; from prr.paths import cache_dir; print(ZOO['$MODEL'].gguf_path(cache_dir()))")
     [ -f "$src" ] || { echo "no assembled GGUF at $src: run make model-qwen first" >&2; exit 2; }
     rm -rf "$PIECES" && mkdir -p "$PIECES"
-    # a piece + the tracked tree (it grows with committed results) + 4 MB of slack: under the 64 MiB a call carries
-    tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-    piece=$(( 64 * 1024 * 1024 - tracked - 4000000 ))
-    [ "$piece" -gt 8000000 ] || { echo "the tracked tree ($tracked bytes) leaves no room for pieces" >&2; exit 2; }
-    echo "pieces of $piece bytes (tracked tree: $tracked bytes)"
+    # a call carries the working tree (tracked and untracked-not-ignored files: it grows with committed
+    # results) + a piece under 64 MiB, 4 MB to spare (RULER's data and the wheels travel alone: `stage data`)
+    tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1 || true)
+    [[ "$tree" =~ ^[0-9]+$ ]] || { echo "could not size the working tree (du said: '$tree')" >&2; exit 2; }
+    piece=$(( 64 * 1024 * 1024 - tree - 4000000 ))
+    [ "$piece" -gt 8000000 ] || { echo "the working tree ($tree bytes) leaves no room for pieces" >&2; exit 2; }
+    echo "pieces of $piece bytes (working tree $tree bytes)"
     split -b "$piece" -d -a 2 "$src" "$PIECES/part"
     (cd "$PIECES" && sha256sum part* > SHA256SUMS && ls | wc -l)
     ;;
   stage)
-    n=$(printf %02d "${2:?piece number}")
     rm -rf .xfer && mkdir -p .xfer
-    cp "$PIECES/part$n" "$PIECES/SHA256SUMS" .xfer/
-    last=$(ls "$PIECES"/part* | tail -1)
-    if [ "$PIECES/part$n" = "$last" ]; then  # RULER's data wheels and the device's Python wheels ride with the last piece
+    if [ "${2:?piece number or data}" = data ]; then  # RULER's data wheels and the device's Python wheels
       ruler=$(python3 -c "from prr.tasks.ruler_data import data_dir; print(data_dir())")
       mkdir -p .xfer/ruler .xfer/whl && cp "$ruler"/*.whl .xfer/ruler/ && cp .whl/*.whl .xfer/whl/
+    else
+      cp "$PIECES/part$(printf %02d "$2")" "$PIECES/SHA256SUMS" .xfer/
     fi
     du -sh .xfer
     ;;
   receive)
     mkdir -p "$STAGE/pieces" "$STAGE/cache/ruler" "$STAGE/whl"
-    cp .xfer/part* .xfer/SHA256SUMS "$STAGE/pieces/"
-    [ -d .xfer/ruler ] && cp .xfer/ruler/*.whl "$STAGE/cache/ruler/" && cp .xfer/whl/*.whl "$STAGE/whl/"
-    (cd "$STAGE/pieces" && sha256sum -c --ignore-missing SHA256SUMS && ls)
+    if [ -d .xfer/ruler ]; then cp .xfer/ruler/*.whl "$STAGE/cache/ruler/" && cp .xfer/whl/*.whl "$STAGE/whl/"; fi
+    if [ -f .xfer/SHA256SUMS ]; then cp .xfer/part* .xfer/SHA256SUMS "$STAGE/pieces/"; fi
+    (cd "$STAGE/pieces" && if [ -f SHA256SUMS ]; then sha256sum -c --ignore-missing SHA256SUMS; fi && ls; ls "$STAGE/whl")
     ;;
   prepare)
     (cd "$STAGE/pieces" && sha256sum -c SHA256SUMS)  # every piece present and intact
@@ -93,16 +95,15 @@ case $cmd in
     mkdir -p "$STAGE/campaign"
     if [ -n "${STORE:-}" ] && [ ! -f "${stem}_samples.csv" ]; then cp "$STORE" "${stem}_samples.csv"; fi
     trap 'cp "$stem"* "$out"/ 2>/dev/null || true' EXIT  # the store and tables come back, also when cut short
+    contexts=${2:?contexts}
     tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
-    # one process per context (each engine sized for its own context), each for BUDGET_S seconds, its
-    # samples BATCH at a time (default: 8, 4 at 32K and above: every config's engine keeps its own cache)
-    for ctx in ${2//,/ }; do
-      batch=${BATCH:-$(( ctx >= 32768 ? 4 : 8 ))}
-      python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "$tasks" \
-        --contexts "$ctx" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \
-        --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens task --device cuda --dtype bfloat16 \
-        --batch-size "$batch" --out "$stem" --resume --time-budget "${BUDGET_S:-400}"
-    done
+    # One process for every context: each config's engine is built and captured once. BATCH samples
+    # decode together (default 1: 8 saved 1.3x at 4K, docs/results/accuracy.md). BUDGET_S: no new sample
+    # after it; keep it ~100 s under the call's limit (a killed call returns no store: the trap needs an exit).
+    python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "$tasks" \
+      --contexts "$contexts" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \
+      --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens task --device cuda --dtype bfloat16 \
+      --batch-size "${BATCH:-1}" --out "$stem" --resume --time-budget "${BUDGET_S:-400}"
     ;;
   predictors)
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset

@@ -309,7 +309,8 @@ def test_accuracy_pooled_counts_complete_prompts_tokens_and_same_batch_times():
     """Prompt (b, 1) lacks PRR's row: it counts nowhere (its tokens equal dense's and serial's). Of the
     other three, serial = dense on 2, PRR = dense on 2, PRR = serial on 1 (hand count); (b, 0)'s PRR
     decode ran 2 rows to serial's 1: it is left out of the time ratio, median(2, 3) / median(1, 1) = 2.5 on
-    n = 2 (with it: median(2, 3, 100) / 1 = 3)."""
+    n = 2 (with it: median(2, 3, 100) / 1 = 3), and out of the hit rate (0.75, not 0.8). A row that
+    built its engine (includes_capture) leaves the ratio too."""
     configs = {"dense": ("dense", "none", np.nan), "quest-none-1024": ("quest", "none", 1024.0),
                "quest-ema-1024": ("quest", "ema", 1024.0)}
     tokens = {"dense": {("a", 0): [1, 2], ("a", 1): [1, 2], ("b", 0): [1, 2], ("b", 1): [1, 2]},
@@ -330,6 +331,12 @@ def test_accuracy_pooled_counts_complete_prompts_tokens_and_same_batch_times():
     assert quest["= dense, serial / PRR"] == "2 / 2"
     assert quest["PRR = serial tokens"].startswith("1 / 3 = 33.3% [") and pooled["PRR = serial tokens"] == quest["PRR = serial tokens"]
     assert quest["PRR / serial time"].startswith("2.50 [") and quest["PRR / serial time"].endswith(" (n=2)")
-    assert quest["hit (PRR)"].startswith("0.800 [") and pooled["PRR / serial time"] == ""
+    assert quest["hit (PRR)"].startswith("0.750 [") and quest["hit (PRR)"].endswith(" (n=2)")
+    assert pooled["PRR / serial time"] == ""
+    captured = pd.DataFrame(rows).assign(includes_capture=[c == "quest-none-1024" and (t, i) == ("a", 1)
+                                                           for c, (t, i) in ((r["config"], (r["task"], r["sample"])) for r in rows)])
+    assert figures.accuracy_pooled(captured).iloc[1]["PRR / serial time"].startswith("2.00 [")  # only (a, 0) left: 2 / 1
+    store_order = pd.DataFrame({"command": ["x", "x", "y", "x"], "config": ["q", "q", "q", "d"]})
+    assert figures.captured_rows(store_order).tolist() == [True, False, True, True]  # (no column: first per command)
     ratio = figures.paired_median_ratio([2.0, 3.0], [1.0, 1.0])
     assert (ratio.estimate, ratio.n) == (2.5, 2) and ratio.low <= 2.5 <= ratio.high

@@ -193,17 +193,26 @@ def test_accuracy_study_resumes_its_results_store_and_never_overwrites_it(tmp_pa
 
 def test_accuracy_study_decodes_a_batch_of_samples_as_it_decodes_each_alone(tmp_path):
     """--batch-size 2 (graph engine, one sample per row of the cache, ragged) gives every sample
-    and config the tokens a batch-1 run gives; the research runtime's batch > 1 is refused (exit 2)."""
+    and config the tokens a batch-1 run gives; each row's hit rate is its own device counters'
+    (a sample alone in its batch, beside a padding row, has batch 1's); the research runtime's
+    batch > 1 is refused (exit 2)."""
     acc = load("accuracy_study")
-    args = ["--model", "tiny-random", "--tasks", "ruler_niah", "--contexts", "700", "--budgets", "128",
-            "--ema-budgets", "128", "--selectors", "quest", "--max-new-tokens", "4", "--samples", "3",
-            "--engine", "graph"]
+    args = ["--model", "tiny-random", "--tasks", "ruler_niah", "--contexts", "700", "--budgets", "64",
+            "--ema-budgets", "64", "--selectors", "quest", "--dense-layers", "0", "--max-new-tokens", "6",
+            "--samples", "3", "--engine", "graph"]
     acc.main([*args, "--out", str(tmp_path / "one")])
     acc.main([*args, "--batch-size", "2", "--out", str(tmp_path / "two")])
     one, two = (pd.read_csv(tmp_path / f"{n}_samples.csv").set_index(["sample", "config"]).sort_index()
                 for n in ("one", "two"))
     assert len(one) == 9 and one.index.equals(two.index)
     assert one["token_ids"].equals(two["token_ids"])
+    prr = one["predictor"] == "ema"
+    assert one.loc[prr, "hit_rate"].notna().all()  # (layer 1 is sparse: PRR speculated and was counted)
+    assert two.loc[prr, "hit_rate"].notna().all()
+    # sample 2 ran alone (its batch padded with a copy): its own counters, not the padding's. Samples 0
+    # and 1 shared a batch, whose PRR is calibrated on both tails: their rates may differ from batch 1's.
+    assert one.loc[(2, "quest-ema-64"), "hit_rate"] == two.loc[(2, "quest-ema-64"), "hit_rate"]
+    assert one["includes_capture"].tolist() == [True] * 3 + [False] * 6  # each config's first batch builds it
     assert two["batch_rows"].tolist() == [2, 2, 2, 2, 2, 2, 1, 1, 1]  # samples 0-1 together, sample 2 alone
     with pytest.raises(SystemExit) as refused:
         acc.main([*args[:-2], "--batch-size", "2", "--out", str(tmp_path / "eager")])

@@ -80,7 +80,10 @@ class GraphRequests:
         self.positions = [0] * self.rows  # per row: the position of the token the next step reads
         # pooled device counters over requests (|A|, |P|, |P ∩ A|, |A_t ∩ A_t-1| per layer)
         self.totals: Tensor | None = None
-        self.request_counts: dict[str, float] = {}  # the last request's, pooled over sparse layers (_pooled)
+        self.request_counts: dict[str, float] = {}  # the last batch's, pooled over sparse layers and rows (_pooled)
+        # the last batch's per row (padding rows too), pooled over sparse layers and KV heads; a row's
+        # steps past its own end (while the batch's other rows decode on) are counted
+        self.row_counts: list[dict[str, float]] = []
 
     # --- a request ----------------------------------------------------------------------
     def open(self, total_tokens: int) -> Any:
@@ -207,6 +210,10 @@ class GraphRequests:
         counts = torch.tensor([self.engine.counters()[c] for c in self.engine.COUNTERS], dtype=torch.float64)
         self.totals = counts if self.totals is None else self.totals + counts
         self.request_counts = self._pooled(counts)
+        sparse = torch.tensor(self.engine.sparse, dtype=torch.bool)
+        rows = self.engine.study_counters(per_row=True)  # name -> [L, B, Hkv]
+        per_row = {c: rows[c][sparse].sum((0, 2)).tolist() for c in ("selected", "predicted", "hits", "overlap")}
+        self.row_counts = [{c: per_row[c][b] for c in per_row} for b in range(self.rows)]
 
     def _pooled(self, counts: Tensor) -> dict[str, float]:
         """|A|, |P|, |P ∩ A| and |A_t ∩ A_t-1| summed over sparse layers, from counters [7, L]."""

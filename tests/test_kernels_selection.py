@@ -297,8 +297,8 @@ def test_topk_select_matches_top_blocks(kind, n, num_blocks, k, sink, recent, ra
     [
         ("randn", 1500, [1500, 1500], 40, 1, 1),  # candidates kept: the filtered path
         ("randn", 1100, [1100, 300], 64, 0, 2),  # a context far shorter than the row (strided groups)
-        ("randn", 1100, [40, 1100], 64, 1, 1),  # fewer blocks than groups: every valid block passes
-        ("ties", 1024, [1024, 900], 16, 1, 1),  # three values: too many candidates, the full row
+        pytest.param("randn", 1100, [40, 1100], 64, 1, 1, marks=pytest.mark.slow),  # fewer blocks than groups: every valid block passes
+        pytest.param("ties", 1024, [1024, 900], 16, 1, 1, marks=pytest.mark.slow),  # three values: too many candidates, the full row
         ("extremes", 1030, [1030, 1030], 33, 2, 0),  # k not a power of two; ±inf, ±0, denormals
     ],
 )
@@ -434,7 +434,7 @@ def test_topk_radix_skips_common_leading_bits_candidate_rows(k, sink, recent, ra
         assert (cnt == 0).any() and (cnt == 1).any()  # a row without valid keys, one with one
 
 
-@pytest.mark.parametrize("n,radix_bits", [(201, 1), (201, 2), (77, 2)])
+@pytest.mark.parametrize("n,radix_bits", [(201, 1), pytest.param(201, 2, marks=pytest.mark.slow), (77, 2)])
 def test_topk_radix_skips_common_leading_bits_full_rows(n, radix_bits):
     """The same pass skipping on the full-row 1- and 2-bit passes (rows under 1024 blocks)."""
     scores = bit_range_scores(n, seed=n + radix_bits)

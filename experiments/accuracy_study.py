@@ -160,11 +160,14 @@ def main(argv: list[str] | None = None) -> None:
                                                        f"task.num_samples={args.samples}",
                                                        f"task.max_new_tokens={args.max_new_tokens or 'null'}"]).task)
             for cell in cells}
-    # sample-major in groups of --batch-size samples: every cell grows, a group decodes as one batch
+    # sample-major in groups of --batch-size samples: every cell grows, a group decodes as one batch.
+    # A cell's groups are cut from its samples still missing, so a resumed store gives full batches.
     size = args.batch_size
-    todo = [(cell, idx) for first_index in range(0, args.samples, size) for cell in cells
-            if (idx := [i for i in range(first_index, min(first_index + size, args.samples)) if any(
-                (*cell, i, name) not in done for name, *_, budget, _ in runs if budget is None or budget < cell[1])])]
+    missing = {cell: [i for i in range(args.samples) if any(
+        (*cell, i, name) not in done for name, *_, budget, _ in runs if budget is None or budget < cell[1])]
+        for cell in cells}
+    todo = [(cell, missing[cell][start:start + size]) for start in range(0, args.samples, size) for cell in cells
+            if missing[cell][start:start + size]]
     print(f"{sum(len(idx) for _, idx in todo)} samples to run in {len(todo)} batches ({len(done)} sample-configs "
           f"already in {store})", flush=True)
     for position, ((task_name, ctx), indices) in enumerate(todo):

@@ -201,7 +201,9 @@ def test_accuracy_study_decodes_a_batch_of_samples_as_it_decodes_each_alone(tmp_
             "--ema-budgets", "64", "--selectors", "quest", "--dense-layers", "0", "--max-new-tokens", "6",
             "--samples", "3", "--engine", "graph"]
     acc.main([*args, "--out", str(tmp_path / "one")])
-    acc.main([*args, "--batch-size", "2", "--out", str(tmp_path / "two")])
+    # sample 0 alone (beside a padding row), then resumed: the missing samples 1-2 form one full batch
+    acc.main([*args[:-4], "--samples", "1", "--engine", "graph", "--batch-size", "2", "--out", str(tmp_path / "two")])
+    acc.main([*args, "--batch-size", "2", "--resume", "--out", str(tmp_path / "two")])
     one, two = (pd.read_csv(tmp_path / f"{n}_samples.csv").set_index(["sample", "config"]).sort_index()
                 for n in ("one", "two"))
     assert len(one) == 9 and one.index.equals(two.index)
@@ -209,11 +211,11 @@ def test_accuracy_study_decodes_a_batch_of_samples_as_it_decodes_each_alone(tmp_
     prr = one["predictor"] == "ema"
     assert one.loc[prr, "hit_rate"].notna().all()  # (layer 1 is sparse: PRR speculated and was counted)
     assert two.loc[prr, "hit_rate"].notna().all()
-    # sample 2 ran alone (its batch padded with a copy): its own counters, not the padding's. Samples 0
-    # and 1 shared a batch, whose PRR is calibrated on both tails: their rates may differ from batch 1's.
-    assert one.loc[(2, "quest-ema-64"), "hit_rate"] == two.loc[(2, "quest-ema-64"), "hit_rate"]
+    # sample 0 ran alone (its batch padded with a copy): its own counters, not the padding's. Samples 1
+    # and 2 shared a batch, whose PRR is calibrated on both tails: their rates may differ from batch 1's.
+    assert one.loc[(0, "quest-ema-64"), "hit_rate"] == two.loc[(0, "quest-ema-64"), "hit_rate"]
     assert one["includes_capture"].tolist() == [True] * 3 + [False] * 6  # each config's first batch builds it
-    assert two["batch_rows"].tolist() == [2, 2, 2, 2, 2, 2, 1, 1, 1]  # samples 0-1 together, sample 2 alone
+    assert two["batch_rows"].tolist() == [1, 1, 1, 2, 2, 2, 2, 2, 2]  # sample 0 alone, then 1-2 together
     with pytest.raises(SystemExit) as refused:
         acc.main([*args[:-2], "--batch-size", "2", "--out", str(tmp_path / "eager")])
     assert refused.value.code == 2

@@ -9,11 +9,14 @@ fused projections run.py picks at batch 1 on a GPU). Views of one engine over on
 captured on its own and replayed at a fixed position (the ema view decodes for real, rewound):
 - serial: serial DSA as run.py runs it (merge in the split kernel where one wave: fuse_merge one_wave);
 - serial_merge_launch: serial with the merge as its own launch (what the stage map's `serial` times);
-- serial_counters: serial with the device counters run.py's views keep on (count_hits);
+- serial_counters: serial with the device counters run.py's views keep on (count_hits), every
+  layer counted in one launch at the step's end on the side stream (StaticPlan.count_at_step_end);
+  serial_counters_each_layer: one counters launch per layer on the main stream (count_at_step_end=False);
 - prr_p=a: PRR with P = the step's own A (a 100% hit rate, no predictor work);
 - prr_p=a_counters, prr_p=a_one_stream (speculation on the main stream);
 - prr_ema, prr_ema_counters: the ema predictor proposing and learning for real (hit rate near 0.2 on
-  random data), counters off and on; prr_ema_each_layer: ema learning after each sparse layer
+  random data), counters off and on; prr_ema_counters_each_layer: counters per layer on the main
+  stream; prr_ema_each_layer: ema learning after each sparse layer
   (StaticPlan.learn_layers_at_once=False) instead of once after the last;
 - with --repair-tokens T1,T2,..: PRR's repair-and-merge tail with T tokens of A per program
   (StaticPlan.repair_tokens_per_split; default: prr_repair.default_splits), at P = A
@@ -162,6 +165,8 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
     views = {"serial": (eng.with_plan(variant="serial"), False),
              "serial_merge_launch": (eng.with_plan(variant="serial", fuse_merge=False), False),
              "serial_counters": (eng.with_plan(variant="serial", count_hits=True), False),
+             "serial_counters_each_layer": (eng.with_plan(variant="serial", count_hits=True, count_at_step_end=False),
+                                            False),
              "prr_p=a": (eng, False),
              "prr_p=a_counters": (eng.with_plan(count_hits=True), False),
              "prr_p=a_one_stream": (eng.with_plan(overlap=False), False)}
@@ -217,6 +222,7 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
     eng.prime_predictions(context)
     measure("prr_ema", eng, True)
     measure("prr_ema_counters", eng.with_plan(count_hits=True), True)
+    measure("prr_ema_counters_each_layer", eng.with_plan(count_hits=True, count_at_step_end=False), True)
     measure("prr_ema_each_layer", eng.with_plan(learn_layers_at_once=False), True)
     del eng
     torch.cuda.empty_cache()

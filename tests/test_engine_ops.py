@@ -74,6 +74,15 @@ def test_repair_plan_and_counters_torch_equal_the_kernels(batch, heads, max_bloc
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][2], outs[1][2])
     valid = torch.arange(sel_cap) < na.unsqueeze(-1)
     assert torch.equal(outs[0][1][valid], outs[1][1][valid])  # A_t is the next step's A_{t-1}
+    layers = []  # the same over two layers in one call ([L, ...]: the engine's end-of-step count)
+    for ops in (step_counters, engine_ops):
+        out = torch.zeros(2, 4, batch * heads, dtype=torch.int64)
+        prev_i, prev_n = torch.stack([prev, a]), torch.stack([nprev, na])
+        ops.step_counters_layers(torch.stack([a, a]), torch.stack([na, na]), torch.stack([p, p]),
+                                 torch.stack([npred, npred]), prev_i, prev_n,
+                                 ops.layer_counter_scratch(2, batch, heads, max_blocks, "cpu"), out)
+        layers.append(out)
+    assert torch.equal(layers[0], layers[1]) and torch.equal(layers[0][0], outs[0][0])
 
 
 @pytest.mark.parametrize("fp", ["exact_three", "exact_fused"])

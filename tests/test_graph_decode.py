@@ -447,11 +447,11 @@ def test_head_dim_256_runs_the_triton_engine_like_the_torch_ops():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def ema_engines(learn_at_once: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99):
+def ema_engines(learn_at_once: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99, **plan_changes):
     from prr.predictors import EmaPredictor
 
     config = dataclasses.replace(CONFIG, num_layers=4)
-    plan = StaticPlan(variant="prr", predicted_blocks=5, learn_layers_at_once=learn_at_once)
+    plan = StaticPlan(variant="prr", predicted_blocks=5, learn_layers_at_once=learn_at_once, **plan_changes)
     model = Decoder(config, dtype, device).init_random_(seed=3, std=0.05)
     engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40,
                           predictor=EmaPredictor(calibrate=False, recent_blocks=1),
@@ -464,12 +464,17 @@ def ema_engines(learn_at_once: bool, device: str = DEVICE, dtype=torch.float32, 
 def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monkeypatch):
     """plan.learn_layers_at_once (the default): ema learns from every sparse layer's A in one update
     and one propose after the last sparse layer; the logits, every layer's P and the counters
-    equal learning after each layer, step by step."""
+    equal learning after each layer, step by step. (Also PRR's plan.count_at_step_end: `once`
+    counts every layer in one launch before that update, which learns from the count's copy of
+    A; `each`, whose P changes after each layer, counts per layer.)"""
     import prr.kernels.predict as kp
+    import prr.kernels.step_counters as ks
 
-    calls = []
-    at_once = kp.ema_update_layers
-    monkeypatch.setattr(kp, "ema_update_layers", lambda *a, **k: calls.append(a[3].numel()) or at_once(*a, **k))
+    calls, learned, counted = [], [], []
+    at_once, count_layers = kp.ema_update_layers, ks.step_counters_layers
+    monkeypatch.setattr(kp, "ema_update_layers",
+                        lambda *a, **k: calls.append(a[3].numel()) or learned.append(a[1]) or at_once(*a, **k))
+    monkeypatch.setattr(ks, "step_counters_layers", lambda *a, **k: counted.append(a[0]) or count_layers(*a, **k))
     each, once = ema_engines(False), ema_engines(True)
     assert once.attn.predictor.backend == "triton" and once.attn.learn_range == (1, 3)
     for step in range(2):
@@ -478,9 +483,76 @@ def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monke
         assert torch.equal(a, b), step
         assert torch.equal(each.attn.pred_all, once.attn.pred_all), step
         assert torch.equal(each.attn.pred_cnt_all, once.attn.pred_cnt_all), step
+        assert torch.equal(each.attn.step_counts, once.attn.step_counts), step
+        assert torch.equal(each.attn.prev_all, once.attn.prev_all), step
+        assert torch.equal(each.attn.prev_cnt_all, once.attn.prev_cnt_all), step
     assert calls == [3] * 2  # one launch per step over the 3 sparse layers; none in the other engine
+    assert [a.shape[0] for a in counted] == [3] * 2 and all(x is y for x, y in zip(learned, counted, strict=True))
     assert each.counters() == once.counters()
     assert int(sum(once.counters()["hits"])) > 0
+
+
+def counting_engines(variant: str, at_end: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99):
+    """An engine of 3 sparse layers (1..3) with count_hits and plan.count_at_step_end=at_end:
+    serial (no predictor) or PRR with ema learning every layer at once."""
+    if variant == "prr":
+        return ema_engines(True, device, dtype, context, count_hits=True, count_at_step_end=at_end)
+    model = Decoder(dataclasses.replace(CONFIG, num_layers=4), dtype, device).init_random_(seed=3, std=0.05)
+    engine = GraphDecoder(model, StaticPlan(variant="serial", count_hits=True, count_at_step_end=at_end), batch=2,
+                          max_tokens=context + 40, predictor=None,
+                          selector=graph_selector("quest", 4, dense_layers=(0,)))
+    engine.fill_random_context(context, seed=5)
+    return engine
+
+
+# PRR's count at the step's end is in make test through the test above (`once` against `each`)
+@pytest.mark.parametrize("variant", ["serial", pytest.param("prr", marks=pytest.mark.slow)])
+def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, variant):
+    """plan.count_at_step_end (the default): the counters of every sparse layer in one launch after
+    the last one (serial; PRR with ema learning at once, whose update reuses the count's stacked
+    A) equal one launch per layer after its selection: logits, counters and A_{t-1}, step by step."""
+    import prr.kernels.predict as kp
+    import prr.kernels.step_counters as ks
+
+    counted, learned = [], []
+    count_layers, update_layers = ks.step_counters_layers, kp.ema_update_layers
+    monkeypatch.setattr(ks, "step_counters_layers", lambda *a, **k: counted.append(a[0]) or count_layers(*a, **k))
+    monkeypatch.setattr(kp, "ema_update_layers", lambda *a, **k: learned.append(a[1]) or update_layers(*a, **k))
+    each, end = counting_engines(variant, False), counting_engines(variant, True)
+    for step in range(2):
+        a, b = each.step(advance=True), end.step(advance=True)
+        assert torch.equal(a, b), step
+        assert torch.equal(each.attn.step_counts, end.attn.step_counts), step
+        assert torch.equal(each.attn.prev_all, end.attn.prev_all) and torch.equal(each.attn.prev_cnt_all,
+                                                                                 end.attn.prev_cnt_all), step
+    assert [a.shape[0] for a in counted] == [3, 3]  # one launch per step over the 3 sparse layers, in `end` only
+    if variant == "prr":  # ema learned from the count's copy of A in `end` (each step's second update)
+        assert len(learned) == 4 and learned[1] is counted[0] and learned[3] is counted[1]
+    counts = end.counters()
+    assert sum(counts["overlap"]) > 0 and (variant == "serial" or sum(counts["hits"]) > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("variant", ["serial", "prr"])
+def test_gpu_counters_at_step_end_captured_equal_counting_after_each_layer(variant):
+    """count_at_step_end in captured graphs (the count on the side stream, joined at the step's
+    end): logits, counters and A_{t-1} equal per-layer counting on the main stream, replay by replay."""
+    outs = []
+    for at_end in (False, True):
+        engine = counting_engines(variant, at_end, "cuda", torch.bfloat16, context=3001)
+        start = engine.checkpoint()
+        graph = engine.capture(lambda engine=engine: engine.step(advance=True))
+        engine.restore(start)
+        steps = []
+        for _ in range(6):
+            graph.replay()
+            steps.append([engine.graph_output.float().cpu(), engine.attn.step_counts.cpu().clone(),
+                          engine.attn.prev_all.cpu().clone(), engine.attn.prev_cnt_all.cpu().clone()])
+        outs.append(steps)
+    for step, (a, b) in enumerate(zip(*outs, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), step
+    assert int(outs[1][-1][1][:, 3].sum()) > 0  # A_t overlapped A_{t-1} somewhere
 
 
 @pytest.mark.gpu

@@ -85,8 +85,9 @@ class Predictor(PredictorOptions, ABC):
         return [(layer, True)] if self.history_only else []
 
     def learns_layers_at_once(self) -> bool:
-        """Whether this predictor also offers `update_layers(state, first, selections)` (the
-        `update` of layers first, first + 1, ... from their selections, one per layer) and
+        """Whether this predictor also offers `update_layers(state, first, selections, blocks=None)`
+        (the `update` of layers first, first + 1, ... from their selections, one per layer;
+        blocks: their A stacked [L, B, Hkv, C] when the caller has that copy already) and
         `propose_layers(state, first, layers, num_blocks, budget_blocks) -> (indices [L, B, Hkv, C],
         counts [L, B, Hkv])` (their next step's P), one launch each, equal layer by layer to
         `update` then `propose`: the graph engine then learns once after a step's last sparse layer

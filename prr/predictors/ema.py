@@ -97,14 +97,16 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
         # the kernels' layer-range launches; the torch definition learns layer by layer
         return self.backend == "triton"
 
-    def update_layers(self, state: EmaState, first: int, selections: list[Selection]) -> None:
+    def update_layers(self, state: EmaState, first: int, selections: list[Selection],
+                      blocks: BlockSet | None = None) -> None:
         from prr.kernels.predict import ema_update_layers
 
         span = slice(first, first + len(selections))
-        ema_update_layers(torch.stack([s.scores for s in selections]),
-                          torch.stack([s.blocks.indices for s in selections]),
-                          torch.stack([s.blocks.count for s in selections]), state.alpha[span], state.ema[span],
-                          state.last_selected[span])
+        if blocks is None:  # (given: the engine's stacked copy of these selections' A)
+            blocks = BlockSet(torch.stack([s.blocks.indices for s in selections]),
+                              torch.stack([s.blocks.count for s in selections]))
+        ema_update_layers(torch.stack([s.scores for s in selections]), blocks.indices, blocks.count,
+                          state.alpha[span], state.ema[span], state.last_selected[span])
 
     def propose_layers(self, state: EmaState, first: int, layers: int, num_blocks: int | Tensor,
                        budget_blocks: int) -> tuple[Tensor, Tensor]:

@@ -120,10 +120,22 @@ class AttentionEngine:
         # Device counters (plan.count_hits), per layer, summed over steps, rows and KV heads.
         # [L, 4, B * Hkv] int64: |A|, |P|, |P ∩ A|, |A_t ∩ A_{t-1}| (prr.kernels.step_counters)
         self.step_counts = torch.zeros(self.num_layers, 4, B * H, dtype=torch.int64, device=dev)
-        self.counter_scratch = self._k["step_counters"].counter_scratch(B, H, NB, dev)
+        # A_{t-1} of every layer in one buffer ([L, B, Hkv, K], [L, B, Hkv]; a layer's a view of it),
+        # so one launch counts a range of layers (plan.count_at_step_end)
         kcap = self.topk_capacity
-        self.prev_idx = [torch.zeros(B, H, kcap, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
-        self.prev_cnt = [torch.zeros(B, H, dtype=torch.int32, device=dev) if s else None for s in self.sparse]
+        self.prev_all = torch.zeros(self.num_layers, B, H, kcap, dtype=torch.int32, device=dev)
+        self.prev_cnt_all = torch.zeros(self.num_layers, B, H, dtype=torch.int32, device=dev)
+        self.prev_idx = [self.prev_all[i] if s else None for i, s in enumerate(self.sparse)]
+        self.prev_cnt = [self.prev_cnt_all[i] if s else None for i, s in enumerate(self.sparse)]
+        # The counters' membership scratch: one per layer of learn_range for the end-of-step launch
+        # (its layers run concurrently), the first also the per-layer launch's ([2, B * Hkv, NB]).
+        counted = self.learn_range[1] - self.learn_range[0] + 1 if self.learn_range is not None else 1
+        self.layer_counter_scratch = self._k["step_counters"].layer_counter_scratch(counted, B, H, NB, dev)
+        self.counter_scratch = self.layer_counter_scratch[0]
+        self._counted: list[tuple[BlockSet, bool]] = []  # this step's (A, speculating) held for the end-of-step count
+        # (the held A's indices, the same stacked [L, B, Hkv, K]): the count's copy, which this
+        # step's learning at once reuses
+        self._stacked: tuple[list[Tensor], BlockSet] | None = None
         # Dense-reference metrics of sampled steps (plan.measure_dense; every step in shadow
         # mode): sums over measured (row, KV head)s, per layer.
         self.mass_recall = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
@@ -401,8 +413,12 @@ class AttentionEngine:
         for sel in selections:  # made on the main stream, read on the side stream
             self._shared(sel.blocks.indices, sel.blocks.count, sel.scores)
         self._learned = []
+        # A as this step's end-of-step count stacked it (on the side stream, before): no second copy
+        stacked, self._stacked = self._stacked, None
+        held = stacked is not None and len(stacked[0]) == len(selections) and all(
+            a is s.blocks.indices for a, s in zip(stacked[0], selections, strict=True))
         with self._side(), self._stage("predict"):
-            self.predictor.update_layers(self.predictor_state, first, selections)
+            self.predictor.update_layers(self.predictor_state, first, selections, blocks=stacked[1] if held else None)
             idx, cnt = self.predictor.propose_layers(self.predictor_state, first, len(selections),
                                                      self._next_step_blocks(lengths), self.pred_all.shape[-1])
             self.pred_all[first : last + 1, ..., : idx.shape[-1]].copy_(idx)
@@ -530,16 +546,59 @@ class AttentionEngine:
 
     def _note(self, layer: int, selection: Selection, speculating: bool) -> None:
         """Keep A for callers (benchmarks) and, with count_hits, add this step's |A|, |P|,
-        |P ∩ A| and |A_t ∩ A_{t-1}| to the layer's device counters (one launch; any repair mode)."""
+        |P ∩ A| and |A_t ∩ A_{t-1}| to the layer's device counters (one launch; any repair mode),
+        or hold A for the count of every layer at the step's end (`_counts_at_end`)."""
         idx, cnt = selection.blocks.indices, selection.blocks.count
         self.last_selection[layer] = (idx, cnt)
         if not self.plan.count_hits:
             return
         if self.plan.study_counters:
             self.study_counts[0, layer] += 1  # steps counted, per (row, KV head)
+        if self._counts_at_end(layer, speculating):
+            self._counted.append((selection.blocks, speculating))
+            if layer == self.learn_range[1]:
+                self._count_layers()
+            return
         self._k["step_counters"].step_counters(idx, cnt, self.pred_idx[layer] if speculating else None,
                                                self.pred_cnt[layer] if speculating else None, self.prev_idx[layer],
                                                self.prev_cnt[layer], self.counter_scratch, self.step_counts[layer])
+
+    def _counts_at_end(self, layer: int, speculating: bool) -> bool:
+        """Whether this step's counters wait for the last sparse layer and count every layer in
+        one launch on the side stream (plan.count_at_step_end, the graph engine's step over a
+        contiguous range of sparse layers). Exact only where each layer's P stays what the layer
+        speculated over until then: no P counted (serial), P set from outside (no predictor), or
+        P rewritten only by the learning at once, which the side stream runs after the count."""
+        if not self.plan.count_at_step_end or self.sized_per_step or self.learn_range is None:
+            return False
+        return not speculating or self.predictor is None or self._learns_at_once(layer, propose_next=True)
+
+    def _count_layers(self) -> None:
+        """The counters of every layer of learn_range from this step's A (held by `_note`) in one
+        launch, on the side stream once the last layer's A is selected, beside the LM head (the
+        step's `join` orders it before the next step reads the counters or A_{t-1}). The held A
+        are stacked there, one copy, which this step's learning at once reuses."""
+        first, last = self.learn_range
+        held, self._counted = self._counted, []
+        if len(held) != last - first + 1 or len({spec for _, spec in held}) != 1:
+            raise RuntimeError(f"counting layers {first}..{last} at once got {len(held)} selections "
+                               f"(speculating: {[spec for _, spec in held]}): a step ran some sparse layers "
+                               "without holding A, or mixed serial and PRR layers")
+        blocks, speculating = [b for b, _ in held], held[0][1]
+        if self.side is not None and self.plan.overlap:
+            selected = torch.cuda.Event()
+            selected.record()
+            self.side.wait_event(selected)
+            self._forked = True
+            self._shared(*(t for b in blocks for t in (b.indices, b.count)))  # made on main, read on the side
+        span = slice(first, last + 1)
+        with self._side():
+            stacked = BlockSet(torch.stack([b.indices for b in blocks]), torch.stack([b.count for b in blocks]))
+            self._k["step_counters"].step_counters_layers(
+                stacked.indices, stacked.count, self.pred_all[span] if speculating else None,
+                self.pred_cnt_all[span] if speculating else None, self.prev_all[span], self.prev_cnt_all[span],
+                self.layer_counter_scratch, self.step_counts[span])
+        self._stacked = ([b.indices for b in blocks], stacked)
 
     COUNTERS = ("selected", "predicted", "hits", "overlap", "mass_recall", "output_relerr", "measured")
 

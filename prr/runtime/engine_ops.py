@@ -180,6 +180,20 @@ def step_counters(sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pre
     prev_cnt.copy_(sel_cnt)
 
 
+def layer_counter_scratch(layers: int, batch: int, num_kv_heads: int, max_blocks: int,
+                          device: torch.device | str) -> Tensor:
+    """As the kernel's ([L, 2, B * Hkv, NB]); here it only carries NB (its last dim)."""
+    return torch.zeros(layers, 2, batch * num_kv_heads, max_blocks, dtype=torch.int8, device=device)
+
+
+def step_counters_layers(sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pred_cnt: Tensor | None,
+                         prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor, out: Tensor) -> None:
+    """`step_counters` of each layer of the [L, ...] arguments (out [L, 4, B * Hkv])."""
+    for i in range(sel_idx.shape[0]):
+        step_counters(sel_idx[i], sel_cnt[i], None if pred_idx is None else pred_idx[i],
+                      None if pred_cnt is None else pred_cnt[i], prev_idx[i], prev_cnt[i], scratch[i], out[i])
+
+
 def _never(*args: Any, **kwargs: Any) -> bool:
     return False
 
@@ -190,7 +204,9 @@ TORCH = {
     "prr_merge": SimpleNamespace(repair_scratch=repair_scratch, repair_plan=repair_plan,
                                  merge_speculation=merge_speculation),
     "prr_repair": SimpleNamespace(repair_and_merge=repair_and_merge, fused_tail_pays=_never),
-    "step_counters": SimpleNamespace(counter_scratch=counter_scratch, step_counters=step_counters),
+    "step_counters": SimpleNamespace(counter_scratch=counter_scratch, step_counters=step_counters,
+                                     layer_counter_scratch=layer_counter_scratch,
+                                     step_counters_layers=step_counters_layers),
 }
 
 

@@ -84,8 +84,8 @@ class GraphProbe:
         engine = self.engine(first_size)
         c, plan = engine.model.config, engine.plan
         choices = {k: v for k, v in dataclasses.asdict(plan).items()
-                   if k not in ("variant", "predicted_blocks", "count_hits", "measure_dense", "study_counters",
-                                "study_ratios")}  # (measurement flags: a stored profile's key stays as it was)
+                   if k not in ("variant", "predicted_blocks", "count_hits", "count_at_step_end", "measure_dense",
+                                "study_counters", "study_ratios")}  # (measurement flags: a stored profile's key stays as it was)
         self.device_name = device_name(engine.device)
         self.shape_key = json.dumps({"engine": "graph", "timer": stage_timer(engine.device), "layers": c.num_layers,
                                      "heads": [c.num_heads, c.num_kv_heads, c.head_dim], "dtype": str(engine.dtype),

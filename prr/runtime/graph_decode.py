@@ -13,6 +13,8 @@ Per sparse layer (variant "prr"):
     main stream:  metadata update -> select A  ---------------> repair_plan -> repair A\\P -> merge
     side stream:          speculate over P (q ready) ------------^
                           predictor update + rank P for the next step (after A; off the critical path)
+    after the last sparse layer, side stream: every layer's counters in one launch (count_hits,
+                          plan.count_at_step_end), then ema's learning of every layer (learn_layers_at_once)
 
 "serial" is select -> attend A (no predictor), "dense" attends every block. The predictor
 learns on the side stream and writes next step's P there, so prediction costs the critical
@@ -204,7 +206,7 @@ class GraphDecoder:
         """This engine running another plan: the same buffers, cache, metadata, selector,
         predictor and state tensors, with `changes` to the step's choices (variant, overlap,
         repair_mode, fuse_merge, fused_repair, *_per_*, projections, fuse_append, count_hits,
-        measure_dense, study_counters). Each view's step is captured on its own; neither plan ever changes.
+        count_at_step_end, measure_dense, study_counters). Each view's step is captured on its own; neither plan ever changes.
         variant="prr" needs an engine built for prr (its P buffers)."""
         plan = dataclasses.replace(self.plan, **changes)
         problems = plan.problems()
@@ -218,6 +220,7 @@ class GraphDecoder:
         view = copy.copy(self)  # shares every buffer and list; only the plan and the per-step fork flag differ
         view.attn = copy.copy(self.attn)
         view.attn.plan, view.attn._forked, view.attn._learned = plan, False, []  # (a step's selections: its own)
+        view.attn._counted, view.attn._stacked = [], None
         if view._appends_in_projection():
             view.paired_qkv_weights()  # now rather than inside a first step (that may be a capture)
         return view

@@ -94,6 +94,13 @@ class StaticPlan:
     # 22 µs a layer of side work and slowed the main stream: experiments/step_breakdown.py). The same
     # P either way (the next step reads it); False: after each layer.
     learn_layers_at_once: bool = True
+    # count_hits' counters of every sparse layer in one launch (kernels/step_counters_layers) once the
+    # step's last sparse layer is selected, on the side stream beside the LM head, from each layer's
+    # A held until then, instead of one launch per layer on the main stream right after its selection
+    # (3.4 µs a layer on the H200: 176 µs of a 4.7 ms token). Where P could change before the step's
+    # end (a predictor that proposes after each layer's learning) the counters stay per layer
+    # (AttentionEngine._counts_at_end). The same counters either way; False: after each layer.
+    count_at_step_end: bool = True
     # variant "serial" with a predictor (budget=adaptive's serial windows): the predictor still
     # learns from each A on the side stream, as the eager runtime's serial steps do, so PRR
     # windows speculate over a P that has seen every step.

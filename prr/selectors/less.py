@@ -84,6 +84,10 @@ LESS adds no merge launch to a serial layer; `compensation` (the state alone) is
 every backend (`triton_problems()` is None). The decode token's metadata update (`append_metadata`:
 the feature summaries and Quest's key max / min) is `less_append`'s one launch under backend triton
 (random features; a trained map's key branch keeps the torch ops); the prefill's is torch ops.
+In the graph engine's step (StaticPlan.side_summaries, backend triton) it is split: Quest's key max /
+min in the cache append kernel, as for Quest, and the summaries alone (`append_summaries`:
+less_append without Quest's part) on the side stream beside selection and the attention over A,
+joined before the compensation, their only reader (`summaries_apart`: scores=quest, compensate).
 """
 
 from __future__ import annotations
@@ -275,22 +279,47 @@ class LessSelector(QuestSelector):
     def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
         if self.is_dense_layer(layer):
             return
-        if self.backend == "triton" and self.trained is None and cache.block_size >= 16 and cache.head_dim >= 16:
-            from prr.kernels.less import less_append
-
-            slots = cache.metadata[layer]  # one launch: the feature summaries and Quest's key max / min
-            less_append(cache.keys[layer], cache.values[layer], positions, cache.block_size,
-                        self._features(cache, layer), slots["less_center"], slots["less_S"], slots["less_s"],
-                        slots["less_c"], slots["less_S_tot"], slots["less_s_tot"], slots["less_c_tot"],
-                        1.0 / math.sqrt(cache.head_dim), *self.metadata(cache, layer))
+        if self._append_kernel(cache):  # one launch: the feature summaries and Quest's key max / min
+            self._less_append(cache, layer, positions, *self.metadata(cache, layer))
             return
         super().append_metadata(cache, layer, positions)  # Quest's key max/min
+        self.append_summaries(cache, layer, positions)
+
+    def summaries_apart(self) -> bool:
+        """`Selector.summaries_apart`: with Quest's scores selection reads Quest's key max / min only,
+        and only the compensation reads the feature summaries (scores=features ranks by them)."""
+        return self.scores == "quest" and self.compensates
+
+    def append_summaries(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
+        """`Selector.append_summaries`: the decode token's feature summaries alone (its block's S_b,
+        s_b, c_b and the totals), positions [B]; Quest's key max / min are left to the append kernel.
+        `append_metadata` = Quest's update + this (the same values: the kernel's Quest part is exact)."""
+        if self.is_dense_layer(layer):
+            return
+        if self._append_kernel(cache):
+            self._less_append(cache, layer, positions)
+            return
         b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
         positions = positions.long()
         index = positions.view(b, 1, 1, 1).expand(b, h, 1, d)
         self._add_to_totals(cache, layer, torch.gather(cache.keys[layer], 2, index),
                             torch.gather(cache.values[layer], 2, index))
         self._summarise(cache, layer, positions // cache.block_size, 1, positions + 1)
+
+    def _append_kernel(self, cache: PagedKVCache) -> bool:
+        """Whether the decode token's summaries are `less_append`'s launch (backend triton, random
+        features, the kernel's tl.dot shapes); else torch ops."""
+        return self.backend == "triton" and self.trained is None and cache.block_size >= 16 and cache.head_dim >= 16
+
+    def _less_append(self, cache: PagedKVCache, layer: int, positions: Tensor, key_max: Tensor | None = None,
+                     key_min: Tensor | None = None) -> None:
+        """prr.kernels.less.less_append on the layer's slots (with Quest's key max / min when given)."""
+        from prr.kernels.less import less_append
+
+        slots = cache.metadata[layer]
+        less_append(cache.keys[layer], cache.values[layer], positions, cache.block_size, self._features(cache, layer),
+                    slots["less_center"], slots["less_S"], slots["less_s"], slots["less_c"], slots["less_S_tot"],
+                    slots["less_s_tot"], slots["less_c_tot"], 1.0 / math.sqrt(cache.head_dim), key_max, key_min)
 
     def _add_to_totals(self, cache: PagedKVCache, layer: int, keys: Tensor, values: Tensor) -> None:
         """Running totals S_tot, s_tot (offset c_tot) += the tokens keys, values [B, Hkv, T, D]."""

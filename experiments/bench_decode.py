@@ -49,7 +49,8 @@ Part `select` (issue 33: each selector's selection as the engine calls it, throu
 batch 1, the 8B shape, 32K and 128K, blocks 16 and 64, top-K 32 and 128 blocks, over --stage-layers
 caches: Quest (score + top-k), exact (q·K pass + mass pass + top-k; its score launches alone), LESS
 (Quest's selection + the compensation, m = 32, bf16 summaries: conf/selector/less.yaml's; the
-compensation alone; the decode token's metadata update with Quest's: less_append), beside the attention
+compensation alone; the decode token's metadata update with Quest's: less_append, incremental, and
+less_append_reread, the block re-read it replaced), beside the attention
 over A and dense SDPA, and a whole serial layer as the graph engine runs it (quest_layer: select + the
 attention over A in the model dtype; less_layer: less_append + select + the attention's split partials
 + the one-launch compensation and merge, all on one stream, as the engine ran it before
@@ -752,6 +753,14 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
         sel = less.select(qs[i], cache, i, lengths, num_blocks=nb)
         less.compensated(qs[i], cache, i, sel, lengths, *less_attend(i, sel), dtype)
 
+    def less_append_reread(i):
+        from prr.kernels.less import less_append
+
+        s = cache.metadata[i]
+        less_append(cache.keys[i], cache.values[i], lengths - 1, block, s["less_w"], s["less_center"], s["less_S"],
+                    s["less_s"], s["less_c"], s["less_S_tot"], s["less_s_tot"], s["less_c_tot"], scale,
+                    *less.metadata(cache, i))
+
     # AttentionEngine's serial LESS layer with plan.side_summaries: the summaries on the side stream
     # (forked after the append), selection and the attention over A on the main one, an event joined
     # before the compensation, their only reader. (The CPU: one stream, program order.)
@@ -795,6 +804,10 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
         "less_append": every_layer(lambda i: less.append_metadata(cache, i, lengths - 1)),
         # its summaries alone (what the side stream runs with side_summaries)
         "less_append_summaries": every_layer(lambda i: less.append_summaries(cache, i, lengths - 1)),
+        # less_append's block re-read (the pre-incremental kernel, the reference; with Quest's max / min):
+        # less_append is incremental now (O(m·D) per token; re-applied at one position its sums grow,
+        # its time does not)
+        "less_append_reread": every_layer(less_append_reread),
         "attend_A": every_layer(attend),
         "dense_sdpa": every_layer(dense),
     }
@@ -1083,7 +1096,7 @@ def main() -> None:
         cols = ["context", "block", "topk_blocks", "quest_select", "exact_select", "exact_scores", "exact_scores_best",
                 "exact_best_tiling",
                 "less_select_compensate", "less_compensation", "less_compensate_merge", "less_append",
-                "less_append_summaries", "quest_layer", "less_layer", "less_layer_extra", "less_layer_side",
+                "less_append_summaries", "less_append_reread", "quest_layer", "less_layer", "less_layer_extra", "less_layer_side",
                 "less_layer_side_extra", "attend_A", "dense_sdpa", "exact_over_quest",
                 "less_over_quest", "exact_serial_over_dense", "exact_sets_equal", "less_lse_max_abs_err",
                 "less_merged_rel_err", "less_state_mib_per_layer", "kv_mib_per_layer",

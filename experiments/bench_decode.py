@@ -49,10 +49,16 @@ Part `select` (issue 33: each selector's selection as the engine calls it, throu
 batch 1, the 8B shape, 32K and 128K, blocks 16 and 64, top-K 32 and 128 blocks, over --stage-layers
 caches: Quest (score + top-k), exact (q·K pass + mass pass + top-k; its score launches alone), LESS
 (Quest's selection + the compensation, m = 32, bf16 summaries: conf/selector/less.yaml's; the
-compensation alone; the decode token's metadata update with Quest's: less_append), beside the attention
+compensation alone; the decode token's metadata update with Quest's: less_append, incremental, and
+less_append_reread, the block re-read it replaced), beside the attention
 over A and dense SDPA, and a whole serial layer as the graph engine runs it (quest_layer: select + the
 attention over A in the model dtype; less_layer: less_append + select + the attention's split partials
-+ the one-launch compensation and merge; less_layer_extra = their difference, what LESS adds), per
++ the one-launch compensation and merge, all on one stream, as the engine ran it before
+StaticPlan.side_summaries and runs it with side_summaries=False; less_layer_extra = their difference, what
+LESS adds; less_layer_side: the engine's order with side_summaries (the default): Quest's max / min
+in the cache append kernel, as for Quest (untimed in both), the summaries alone (less_append_summaries:
+less_append without Quest's max / min) on a side stream beside select + the attention's split partials,
+joined by an event before the compensation and merge; less_layer_side_extra = less_layer_side − quest_layer), per
 layer, with byte floors, exact's sets and LESS's state and merged output checked against each
 selector's torch path, and LESS's state memory beside the KV cache's; InfLLM and infllm_prr beside Quest
 (experiments/bench_infllm_select.py's columns: the live mean + select, their kernels alone, the score
@@ -747,6 +753,35 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
         sel = less.select(qs[i], cache, i, lengths, num_blocks=nb)
         less.compensated(qs[i], cache, i, sel, lengths, *less_attend(i, sel), dtype)
 
+    def less_append_reread(i):
+        from prr.kernels.less import less_append
+
+        s = cache.metadata[i]
+        less_append(cache.keys[i], cache.values[i], lengths - 1, block, s["less_w"], s["less_center"], s["less_S"],
+                    s["less_s"], s["less_c"], s["less_S_tot"], s["less_s_tot"], s["less_c_tot"], scale,
+                    *less.metadata(cache, i))
+
+    # AttentionEngine's serial LESS layer with plan.side_summaries: the summaries on the side stream
+    # (forked after the append), selection and the attention over A on the main one, an event joined
+    # before the compensation, their only reader. (The CPU: one stream, program order.)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def less_layer_side(i):
+        if side is None:
+            less.append_summaries(cache, i, lengths - 1)
+        else:
+            main = torch.cuda.current_stream(device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                less.append_summaries(cache, i, lengths - 1)
+            summarised = torch.cuda.Event()
+            summarised.record(side)
+        sel = less.select(qs[i], cache, i, lengths, num_blocks=nb)
+        partials = less_attend(i, sel)
+        if side is not None:
+            main.wait_event(summarised)
+        less.compensated(qs[i], cache, i, sel, lengths, *partials, dtype)
+
     parts = [less_attend(i, a_sets[i]) for i in range(layers)]  # A's split partials
 
     def dense(i):
@@ -764,8 +799,15 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
                                                                         dtype)),
         "quest_layer": every_layer(quest_layer),
         "less_layer": every_layer(less_layer),
+        "less_layer_side": every_layer(less_layer_side),
         # the decode token's metadata update (Quest's max / min + less_append), re-applied at one position
         "less_append": every_layer(lambda i: less.append_metadata(cache, i, lengths - 1)),
+        # its summaries alone (what the side stream runs with side_summaries)
+        "less_append_summaries": every_layer(lambda i: less.append_summaries(cache, i, lengths - 1)),
+        # less_append's block re-read (the pre-incremental kernel, the reference; with Quest's max / min):
+        # less_append is incremental now (O(m·D) per token; re-applied at one position its sums grow,
+        # its time does not)
+        "less_append_reread": every_layer(less_append_reread),
         "attend_A": every_layer(attend),
         "dense_sdpa": every_layer(dense),
     }
@@ -813,6 +855,8 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
     row["less_over_quest"] = row["less_select_compensate"] / row["quest_select"]
     row["less_layer_extra"] = row["less_layer"] - row["quest_layer"]  # µs LESS adds to a serial layer
     row["less_layer_over_quest"] = row["less_layer"] / row["quest_layer"]
+    row["less_layer_side_extra"] = row["less_layer_side"] - row["quest_layer"]  # the same with side_summaries
+    row["less_layer_side_over_quest"] = row["less_layer_side"] / row["quest_layer"]
     row["exact_serial_over_dense"] = (row["exact_select"] + row["attend_A"]) / row["dense_sdpa"]
     row["quest_serial_over_dense"] = (row["quest_select"] + row["attend_A"]) / row["dense_sdpa"]
     elt = torch.empty((), dtype=dtype).element_size()
@@ -1004,7 +1048,8 @@ def main() -> None:
             r = rows[0]
             print(f"select ctx={ctx} bs={bs} K={k}: quest {r['quest_select']:.1f} exact {r['exact_select']:.1f} "
                   f"less {r['less_select_compensate']:.1f} (compensation {r['less_compensation']:.1f}; layer "
-                  f"{r['less_layer']:.1f} vs Quest's {r['quest_layer']:.1f}) "
+                  f"{r['less_layer']:.1f}, summaries beside {r['less_layer_side']:.1f}, vs Quest's "
+                  f"{r['quest_layer']:.1f}) "
                   f"attend A {r['attend_A']:.1f} dense {r['dense_sdpa']:.1f} µs/layer", flush=True)
             print(f"  infllm {r['infllm_select']:.1f} ({r['infllm_over_quest']:.2f}x Quest's "
                   f"{r['quest_select_beside_infllm']:.1f}) infllm_prr {r['infllm_prr_select']:.1f} "
@@ -1050,8 +1095,9 @@ def main() -> None:
         df.to_csv(args.out.parent / (args.out.name + "_select.csv"), index=False)
         cols = ["context", "block", "topk_blocks", "quest_select", "exact_select", "exact_scores", "exact_scores_best",
                 "exact_best_tiling",
-                "less_select_compensate", "less_compensation", "less_compensate_merge", "less_append", "quest_layer",
-                "less_layer", "less_layer_extra", "attend_A", "dense_sdpa", "exact_over_quest",
+                "less_select_compensate", "less_compensation", "less_compensate_merge", "less_append",
+                "less_append_summaries", "less_append_reread", "quest_layer", "less_layer", "less_layer_extra", "less_layer_side",
+                "less_layer_side_extra", "attend_A", "dense_sdpa", "exact_over_quest",
                 "less_over_quest", "exact_serial_over_dense", "exact_sets_equal", "less_lse_max_abs_err",
                 "less_merged_rel_err", "less_state_mib_per_layer", "kv_mib_per_layer",
                 "quest_select_beside_infllm", "infllm_select", "infllm_prr_select", "infllm_over_quest",

@@ -18,7 +18,7 @@ import torch
 import triton
 from torch import Tensor
 
-from .less_jit import _less_append_kernel, _less_compensate_kernel
+from .less_jit import _less_append_incremental_kernel, _less_append_kernel, _less_compensate_kernel
 from .pdl import launch_kwargs
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -238,6 +238,8 @@ def less_append(
     key_max: Tensor | None = None,
     key_min: Tensor | None = None,
     *,
+    big_open: Tensor | None = None,
+    small_open: Tensor | None = None,
     m_block: int = 16,
     d_block: int = 32,
     num_warps: int = 4,
@@ -249,6 +251,10 @@ def less_append(
     summaries as in less_compensation. key_max, key_min [B, Hkv, NB_max, D] (optional, together):
     Quest's metadata, its block's running max / min taking the token as prr.kernels.quest.quest_update
     does. Positions outside the cache write nothing (not checked on the host: no sync). One launch.
+    big_open [B, Hkv, m, D], small_open [B, Hkv, m] fp32 (optional, together): incremental, O(m·D)
+    per token whatever the block size: the block's summaries take the token as the totals do (from
+    these open-block sums of its earlier tokens, fp32, updated in place; S_b, s_b their rounding to the
+    summary dtype, once), equal to the re-read within fp32 rounding; without them the block is re-read.
     Tuning: m_block features per program, d_block columns of K / V per step (both >= 16)."""
     if keys.dim() != 4 or values.shape != keys.shape or keys.dtype not in FLOAT_DTYPES or values.dtype != keys.dtype:
         raise ValueError(f"keys and values must be one float dtype and shape [B, Hkv, T_max, D]; got "
@@ -288,6 +294,22 @@ def less_append(
     if batch == 0 or num_kv_heads == 0 or num_features == 0:
         return
     meta = key_max if quest else big_tot  # (unused without QUEST)
+    if (big_open is None) != (small_open is None):
+        raise ValueError("give big_open and small_open together (the open block's fp32 sums) or neither")
+    if big_open is not None:
+        _check("big_open", big_open, (batch, num_kv_heads, num_features, head_dim), (torch.float32,), dev)
+        _check("small_open", small_open, (batch, num_kv_heads, num_features), (torch.float32,), dev)
+        _less_append_incremental_kernel[(triton.cdiv(num_features, m_block), num_kv_heads, batch)](
+            keys, values, positions, w, center, big, small, offset, big_open, small_open, big_tot, small_tot,
+            offset_tot, meta, key_min if quest else big_tot,
+            num_features, max_blocks, math.sqrt(scale), 0.5 * math.log(num_features),
+            *keys.stride(), *values.stride(), *w.stride(), *center.stride(), *big.stride(), *small.stride(),
+            *offset.stride(), *big_open.stride(), *small_open.stride(), *big_tot.stride(), *small_tot.stride(),
+            *offset_tot.stride(), *(key_max.stride() if quest else (0, 0, 0, 0)),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, M_BLOCK=m_block, D_BLOCK=d_block, QUEST=quest,
+            num_warps=num_warps, **launch_kwargs(dev),
+        )
+        return
     _less_append_kernel[(triton.cdiv(num_features, m_block), num_kv_heads, batch)](
         keys, values, positions, w, center, big, small, offset, big_tot, small_tot, offset_tot,
         meta, key_min if quest else big_tot,

@@ -288,3 +288,115 @@ def _less_append_kernel(
             big_tot = tl.load(tot_row + offs_d[None, :] * stride_Td, mask=live_m[:, None], other=0.0)
             tl.store(tot_row + offs_d[None, :] * stride_Td, big_tot * keep[:, None] + add[:, None] * new_value[None, :],
                      mask=live_m[:, None])
+
+
+@triton.jit
+def _less_append_incremental_kernel(
+    k_ptr,  # [B, Hkv, T_max, D] the layer's key cache (the token at positions[b] already written)
+    v_ptr,  # [B, Hkv, T_max, D] value cache
+    positions_ptr,  # [B] int32/int64: the appended token of each row
+    w_ptr,  # [Hkv, m, D] fp32 random-feature directions
+    center_ptr,  # [B, Hkv, D] fp32 key centre
+    big_ptr,  # [B, Hkv, NB_max, m, D] S_b (fp32 or bf16), block positions[b] // BLOCK_SIZE written
+    small_ptr,  # [B, Hkv, NB_max, m] s_b, written likewise
+    offset_ptr,  # [B, Hkv, NB_max, m] fp32 c_b, read and written (the open block's running max)
+    big_open_ptr,  # [B, Hkv, m, D] fp32: the open block's S_b unrounded, read and written
+    small_open_ptr,  # [B, Hkv, m] fp32: its s_b unrounded
+    big_tot_ptr,  # [B, Hkv, m, D] fp32 S_tot, updated in place
+    small_tot_ptr,  # [B, Hkv, m] fp32 s_tot
+    offset_tot_ptr,  # [B, Hkv, m] fp32 c_tot
+    key_max_ptr, key_min_ptr,  # QUEST: [B, Hkv, NB_max, D] Quest's metadata, updated in place
+    num_features, max_blocks, sqrt_scale, half_log_m,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_wh, stride_wm, stride_wd,
+    stride_eb, stride_eh, stride_ed,
+    stride_Sb, stride_Sh, stride_Sn, stride_Sm, stride_Sd,
+    stride_sb, stride_sh, stride_sn, stride_sm,
+    stride_ob, stride_oh, stride_on, stride_om,
+    stride_Pb, stride_Ph, stride_Pm, stride_Pd,
+    stride_pb, stride_ph, stride_pm,
+    stride_Tb, stride_Th, stride_Tm, stride_Td,
+    stride_tb, stride_th, stride_tm,
+    stride_ub, stride_uh, stride_um,
+    stride_xb, stride_xh, stride_xn, stride_xd,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    M_BLOCK: tl.constexpr,  # features per program
+    D_BLOCK: tl.constexpr,  # columns of w / V per step
+    QUEST: tl.constexpr,  # also Quest's key max / min of the block (feature chunk 0's programs)
+    PDL: tl.constexpr,
+):
+    """One decode token per row, O(m·D) whatever the block size: its block's summaries take the
+    token as the totals do (rescaled to the running max c_b, then the token added; the first token
+    of a block starts them afresh), accumulated in fp32 in the open-block slots and stored rounded
+    to the summary dtype, so bf16 summaries round once, as the re-read (`_less_append_kernel`) does.
+    Needs the open-block slots to hold the block's tokens before this one (update_metadata writes
+    them; every decode append goes through here or the torch path, which writes them too)."""
+    pdl_prologue(PDL)
+    # grid: (cdiv(m, M_BLOCK), Hkv, B)
+    chunk = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    position = tl.load(positions_ptr + batch).to(tl.int64)
+    block = position // BLOCK_SIZE
+    k_row = k_ptr + batch * stride_kb + kv_head * stride_kh + position * stride_kt
+    if QUEST:
+        if chunk == 0:
+            offs_k = tl.arange(0, HEAD_DIM)
+            # (a scalar condition as a lane limit: the CPU interpreter mishandles scalar & tensor masks)
+            limit = tl.where(position >= 0, tl.where(block < max_blocks, HEAD_DIM, 0), 0)
+            k_new = tl.load(k_row + offs_k * stride_kd, mask=offs_k < limit, other=0.0).to(tl.float32)
+            _quest_update_one(key_max_ptr, key_min_ptr, k_new, position, batch * stride_xb + kv_head * stride_xh,
+                              max_blocks, HEAD_DIM, stride_xn, stride_xd, BLOCK_SIZE, HEAD_DIM)
+    if block < max_blocks:  # positions outside the cache write nothing
+        offs_m = chunk * M_BLOCK + tl.arange(0, M_BLOCK)
+        live_m = offs_m < num_features
+        center_row = center_ptr + batch * stride_eb + kv_head * stride_eh
+        w_row = w_ptr + kv_head * stride_wh
+        logits = tl.zeros([M_BLOCK], tl.float32)
+        half_sq = tl.zeros([D_BLOCK], tl.float32)
+        for d0 in tl.static_range(0, HEAD_DIM, D_BLOCK):
+            offs_d = d0 + tl.arange(0, D_BLOCK)
+            key = tl.load(k_row + offs_d * stride_kd).to(tl.float32)
+            x = (key - tl.load(center_row + offs_d * stride_ed)) * sqrt_scale  # [D_BLOCK]
+            w = tl.load(w_row + offs_m[:, None] * stride_wm + offs_d[None, :] * stride_wd, mask=live_m[:, None],
+                        other=0.0)  # [M_BLOCK, D_BLOCK]
+            logits += tl.sum(w * x[None, :], axis=1)
+            half_sq += 0.5 * x * x
+        new = logits - tl.sum(half_sq, axis=0) - half_log_m  # [M_BLOCK]: log φ of the token
+        first = (position % BLOCK_SIZE) == 0  # a block starts from its first token: stale contents ignored
+        at = batch * stride_ob + kv_head * stride_oh + block * stride_on + offs_m * stride_om
+        c_old = tl.load(offset_ptr + at, mask=live_m, other=0.0)
+        c_new = tl.where(first, new, tl.maximum(c_old, new))
+        keep = tl.where(first, 0.0, tl.exp(c_old - c_new))
+        add = tl.exp(new - c_new)
+        open_at = small_open_ptr + batch * stride_pb + kv_head * stride_ph + offs_m * stride_pm
+        s_old = tl.load(open_at, mask=live_m, other=0.0)
+        s_new = tl.where(first, add, s_old * keep + add)
+        tl.store(open_at, s_new, mask=live_m)
+        tl.store(offset_ptr + at, c_new, mask=live_m)
+        tl.store(small_ptr + batch * stride_sb + kv_head * stride_sh + block * stride_sn + offs_m * stride_sm,
+                 s_new.to(small_ptr.dtype.element_ty), mask=live_m)
+        # The totals take it too, at their own running max.
+        tot = batch * stride_ub + kv_head * stride_uh + offs_m * stride_um
+        t_old = tl.load(offset_tot_ptr + tot, mask=live_m, other=0.0)
+        t_new = tl.maximum(t_old, new)
+        t_keep = tl.exp(t_old - t_new)  # 0 while the totals are empty (t_old = -inf)
+        t_add = tl.exp(new - t_new)
+        small_tot_at = small_tot_ptr + batch * stride_tb + kv_head * stride_th + offs_m * stride_tm
+        tl.store(small_tot_at, tl.load(small_tot_at, mask=live_m, other=0.0) * t_keep + t_add, mask=live_m)
+        tl.store(offset_tot_ptr + tot, t_new, mask=live_m)
+        v_row = v_ptr + batch * stride_vb + kv_head * stride_vh + position * stride_vt
+        big_row = big_ptr + batch * stride_Sb + kv_head * stride_Sh + block * stride_Sn + offs_m[:, None] * stride_Sm
+        open_row = big_open_ptr + batch * stride_Pb + kv_head * stride_Ph + offs_m[:, None] * stride_Pm
+        tot_row = big_tot_ptr + batch * stride_Tb + kv_head * stride_Th + offs_m[:, None] * stride_Tm
+        for d0 in tl.static_range(0, HEAD_DIM, D_BLOCK):
+            offs_d = d0 + tl.arange(0, D_BLOCK)
+            value = tl.load(v_row + offs_d * stride_vd).to(tl.float32)[None, :]  # [1, D_BLOCK]
+            big_old = tl.load(open_row + offs_d[None, :] * stride_Pd, mask=live_m[:, None], other=0.0)
+            big_new = tl.where(first, 0.0, big_old * keep[:, None]) + add[:, None] * value  # [M_BLOCK, D_BLOCK]
+            tl.store(open_row + offs_d[None, :] * stride_Pd, big_new, mask=live_m[:, None])
+            tl.store(big_row + offs_d[None, :] * stride_Sd, big_new.to(big_ptr.dtype.element_ty), mask=live_m[:, None])
+            big_tot = tl.load(tot_row + offs_d[None, :] * stride_Td, mask=live_m[:, None], other=0.0)
+            tl.store(tot_row + offs_d[None, :] * stride_Td, big_tot * t_keep[:, None] + t_add[:, None] * value,
+                     mask=live_m[:, None])

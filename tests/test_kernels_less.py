@@ -317,10 +317,92 @@ def test_less_append_matches_reference(group_heads, block_size, num_features, su
                 1e-5 if summary_dtype == "float32" else 1e-2)
 
 
+def check_incremental_append(batch: int, hkv: int, d: int, block_size: int, num_features: int, summary_dtype: str,
+                             prefills: tuple[int, ...], steps: int, device: str) -> float:
+    """`steps` decode tokens per row (ragged prefills, crossing block boundaries) through less_append's
+    incremental mode (with the open block's slots) against the fp64 re-read reference after every
+    token: the stored state within 1e-5 (fp32 summaries; bf16: the same value rounded once, within a
+    bf16 ulp: 1e-2), and the open block's fp32 sums within 1e-5 of the reference's fp32 summaries of
+    the block (so bf16 storage rounds once, never accumulates). -> the largest fp32 error seen."""
+    from prr.kernels.less import less_append
+    from prr.kernels.reference_less import less_append_reference
+
+    sel = LessSelector(topk_blocks=4, num_features=num_features, summary_dtype=summary_dtype, seed=2)
+    gen = torch.Generator().manual_seed(block_size + num_features)
+    tokens = max(prefills) + steps
+    cache = PagedKVCache(1, batch, hkv, d, block_size, tokens + block_size, device=device)
+    cache.append(0, (torch.randn(batch, hkv, max(prefills), d, generator=gen) * 2).to(device),
+                 torch.randn(batch, hkv, max(prefills), d, generator=gen).to(device))
+    for row, length in enumerate(prefills):
+        sel.update_metadata(cache.row(row), 0, 0, length)
+    slots, scale = cache.metadata[0], d ** -0.5
+    want = {n: slots[n].cpu().clone() for n in STATE}
+    want32 = {n: want[n].float() for n in ("less_S", "less_s")}  # the reference's block sums before rounding
+    worst = 0.0
+    for step in range(steps):
+        positions = torch.tensor([n + step for n in prefills], dtype=torch.int32)
+        for b, p in enumerate(positions.tolist()):
+            cache.keys[0][b, :, p] = (torch.randn(hkv, d, generator=gen) * 2).to(device)
+            cache.values[0][b, :, p] = torch.randn(hkv, d, generator=gen).to(device)
+        args = (cache.keys[0], cache.values[0], positions.to(device), block_size, slots["less_w"], slots["less_center"])
+        less_append(*args, *(slots[n] for n in STATE), scale, big_open=slots["less_S_open"],
+                    small_open=slots["less_s_open"])
+        cpu = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+        ref = less_append_reference(*cpu, *(want[n] for n in STATE), scale)
+        ref32 = less_append_reference(*cpu, want32["less_S"], want32["less_s"], *(want[n] for n in STATE[2:]), scale)
+        want = {n: ref[k] for n, k in zip(STATE, ("big", "small", "offset", "big_tot", "small_tot", "offset_tot"),
+                                          strict=True)}
+        want32 = {"less_S": ref32["big"], "less_s": ref32["small"]}
+        check_slots({n: slots[n].cpu() for n in STATE}, want, 1e-5 if summary_dtype == "float32" else 1e-2)
+        rows = torch.arange(batch)
+        blocks = positions.long() // block_size
+        for name, open_name in (("less_S", "less_S_open"), ("less_s", "less_s_open")):
+            err = rel_err(slots[open_name].cpu(), want32[name][rows, :, blocks])
+            assert err < 1e-5, (step, name, err)
+            worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.parametrize("block_size,num_features,summary_dtype,hkv,prefills,steps", [
+    (16, 32, "float32", 3, (150, 61), 20), (16, 32, "bfloat16", 1, (77, 32), 18), (64, 32, "bfloat16", 3, (120, 64), 10),
+    (64, 17, "float32", 1, (191, 1), 3)])
+def test_less_append_incremental_matches_the_reread(block_size, num_features, summary_dtype, hkv, prefills, steps):
+    """The incremental summary update (O(m·D) per token) equals the fp64 re-read of the block within
+    fp32 rounding at odd sizes (odd KV head counts and m, a row starting a block, ragged rows)."""
+    assert check_incremental_append(2, hkv, 64, block_size, num_features, summary_dtype, prefills, steps, "cpu") < 1e-5
+
+
+def test_less_append_open_slots_come_together():
+    from prr.kernels.less import less_append
+
+    sel = LessSelector(topk_blocks=4, num_features=16)
+    cache = PagedKVCache(1, 1, 1, 64, 16, 64)
+    cache.append(0, torch.randn(1, 1, 20, 64), torch.randn(1, 1, 20, 64))
+    sel.update_metadata(cache, 0, 0, 20)
+    s = cache.metadata[0]
+    args = (cache.keys[0], cache.values[0], torch.tensor([19]), 16, s["less_w"], s["less_center"],
+            *(s[n] for n in STATE), 0.125)
+    with pytest.raises(ValueError, match="big_open and small_open together"):
+        less_append(*args, big_open=s["less_S_open"])
+    with pytest.raises(ValueError, match="small_open"):
+        less_append(*args, big_open=s["less_S_open"], small_open=s["less_s_open"][..., :3])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size,summary_dtype", [(16, "bfloat16"), (64, "bfloat16"), (64, "float32")])
+def test_gpu_less_append_incremental_matches_the_reread(block_size, summary_dtype):
+    """The 8B shape's KV heads and head (8, 128), m = 32, 4K-token ragged prefills, 2 blocks of steps."""
+    check_incremental_append(2, 8, 128, block_size, 32, summary_dtype, (4000, 3 * block_size - 1), 2 * block_size + 3,
+                             "cuda")
+
+
 @pytest.mark.parametrize("summary_dtype", ["float32", "bfloat16"])
 def test_less_selector_appends_alike_on_both_backends(summary_dtype):
-    """20 decode tokens (crossing block boundaries, ragged rows) through append_metadata on both
-    backends: the same LESS state (bf16 storage: within a bf16 ulp)."""
+    """20 decode tokens (crossing block boundaries, ragged rows: prefills of 120 and 97 tokens) through
+    append_metadata on both backends: the same LESS state (bf16 storage: within a bf16 ulp). The
+    kernel's summaries are incremental (from the open block's fp32 sums), the torch path's re-read
+    the block: fp32 rounding apart."""
     kw = dict(topk_blocks=4, num_features=24, summary_dtype=summary_dtype, seed=1)
     torch_sel, triton_sel = LessSelector(**kw), LessSelector(**kw)
     triton_sel.set_backend("triton")
@@ -329,7 +411,8 @@ def test_less_selector_appends_alike_on_both_backends(summary_dtype):
         gen = torch.Generator().manual_seed(5)
         cache = PagedKVCache(1, 2, 2, 64, 16, 160)
         cache.append(0, torch.randn(2, 2, 120, 64, generator=gen) * 2, torch.randn(2, 2, 120, 64, generator=gen))
-        sel.update_metadata(cache, 0, 0, 120)
+        for row, length in enumerate((120, 97)):  # each row's prefill ends where its decode starts
+            sel.update_metadata(cache.row(row), 0, 0, length)
         caches.append(cache)
     gen = torch.Generator().manual_seed(6)
     for step in range(20):

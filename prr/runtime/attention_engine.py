@@ -280,14 +280,17 @@ class AttentionEngine:
             self.study_counts[3, layer] += error
 
     def sparse_attention(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor,
-                         predicted_blocks: int | None = None, fp32: bool = False) -> tuple[Tensor, Selection]:
+                         predicted_blocks: int | None = None, fp32: bool = False,
+                         summarise: Tensor | None = None) -> tuple[Tensor, Selection]:
         """The DSA step of a sparse layer (serial or PRR): q [B, Hq, D] post-RoPE, this step's
         token in the cache and its metadata; lengths, num_blocks [B] int32 -> (out [B, Hq, D] in
         the model dtype, fp32 with fp32=True; A).
         predicted_blocks: an engine `sized_per_step` (the eager runtime) takes its |P| for this
         step here: P is proposed now at that size (0: a serial step, the predictor still learns).
         The graph engine's step gives none: the plan's variant, P from the buffers (written by the
-        previous step or from outside)."""
+        previous step or from outside).
+        summarise: positions [B] of this step's token whose summaries (`summaries_beside`) this step
+        updates, beside selection and attention (serial) or the repair (PRR); None: already done."""
         p = self.plan
         compensates = self.selector.compensates
         eager = self.sized_per_step
@@ -296,6 +299,7 @@ class AttentionEngine:
                              f"the graph engine's takes none (sized_per_step={eager}, got {predicted_blocks})")
         predictor = self.predictor
         if predicted_blocks == 0 or (not eager and p.variant == "serial"):
+            summarised = self._summarise_beside(layer, summarise)
             with self._stage("select"):
                 selection = self.select(layer, q, lengths, num_blocks)
             self._note(layer, selection, speculating=False)
@@ -307,7 +311,7 @@ class AttentionEngine:
                     return self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0], selection
                 # the split partials: the selector's compensation merges them with its state (LESS: one launch)
                 out, lse = self.attend(layer, q, idx, cnt, lengths, merge_splits=False)
-            return self._compensated(layer, q, out, lse, selection, lengths, fp32), selection
+            return self._compensated(layer, q, out, lse, selection, lengths, fp32, summarised), selection
 
         if eager:
             self._size_predictions(layer, predicted_blocks)
@@ -331,6 +335,8 @@ class AttentionEngine:
                                                               propose=predictor is not None and not ahead)
         spec_out, spec_lse = spec
         self._shared(q, lengths, spec_out, spec_lse)
+        # After the speculation's join, so the summaries do not delay it: beside the repair.
+        summarised = self._summarise_beside(layer, summarise)
         out, lse, keep = self._repair(layer, q, selection, lengths, spec_out, spec_lse, fp32=compensates or fp32)
         # P may be overwritten (next step's prediction) once the repair has read it.
         self._note(layer, selection, speculating=True)  # (its counters read P: before the side stream may rewrite it)
@@ -338,7 +344,7 @@ class AttentionEngine:
         if planned is not None:
             planned.record()
         if compensates:
-            out = self._compensated(layer, q, out, lse, selection, lengths, fp32)
+            out = self._compensated(layer, q, out, lse, selection, lengths, fp32, summarised)
         if predictor is None:  # P is set from outside: nothing to learn
             return out, selection
         self._learn(layer, q, selection, lengths, num_blocks, planned, propose_next=not eager)
@@ -464,11 +470,37 @@ class AttentionEngine:
             self._next_blocks = (lengths, (lengths + bs).div(bs, rounding_mode="floor"))
         return self._next_blocks[1]
 
+    def summaries_beside(self) -> bool:
+        """Whether this step updates the decode token's summaries apart (plan.side_summaries, the
+        graph engine's step, backend triton: the append kernels take Quest's key max / min) and, with
+        a side stream, beside selection and attention (`_summarise_beside`)."""
+        return (self.plan.side_summaries and not self.sized_per_step and self.backend == "triton"
+                and self.selector.summaries_apart())
+
+    def _summarise_beside(self, layer: int, positions: Tensor | None) -> torch.cuda.Event | None:
+        """The selector's summaries of this step's token (positions [B], in the cache: the append is
+        queued before) on the side stream; -> the event the compensation waits for (None: nothing
+        queued, or one stream, where program order is the order)."""
+        if positions is None:
+            return None
+        self._fork()  # the side stream waits for the append (and whatever main queued before)
+        with self._side():
+            self.selector.append_summaries(self.cache, layer, positions)
+        if self.side is None or not self.plan.overlap:
+            return None
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return done
+
     def _compensated(self, layer: int, q: Tensor, out: Tensor, lse: Tensor, selection: Selection,
-                     lengths: Tensor, fp32: bool = False) -> Tensor:
+                     lengths: Tensor, fp32: bool = False, summarised: torch.cuda.Event | None = None) -> Tensor:
         """out [B, Hq, D] fp32, lse [B, Hq] of the attended blocks (or their split partials
         [B, Hq, S, D], [B, Hq, S]) ⊕ the selector's estimate of the others (LESS,
-        `Selector.compensated`) -> [B, Hq, D] in the model dtype (fp32 with fp32=True)."""
+        `Selector.compensated`) -> [B, Hq, D] in the model dtype (fp32 with fp32=True).
+        summarised: the side stream's summary update of this step (`_summarise_beside`), which
+        the compensation reads: waited for first."""
+        if summarised is not None:
+            torch.cuda.current_stream(self.device).wait_event(summarised)
         with self._stage("merge"):
             return self.selector.compensated(self._grouped(q), self.cache, layer, selection, lengths, out, lse,
                                              torch.float32 if fp32 else self.dtype)

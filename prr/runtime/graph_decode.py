@@ -401,8 +401,9 @@ class GraphDecoder:
 
     def _quest_metadata(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
         """(key_max, key_min) [B, Hkv, NB, D] the append kernels update, or (None, None): dense
-        layers and selectors with other metadata (updated by `append_metadata` after the append)."""
-        if self.attn.kernel_metadata and self.attn.sparse[layer]:
+        layers and selectors with other metadata (updated by `append_metadata` after the append).
+        LESS's summaries apart (`AttentionEngine.summaries_beside`): its Quest key max / min here too."""
+        if (self.attn.kernel_metadata or self.attn.summaries_beside()) and self.attn.sparse[layer]:
             return self.attn.selector.metadata(self.cache, layer)
         return None, None
 
@@ -429,12 +430,14 @@ class GraphDecoder:
             q = self.append(layer, q, k, v, rope)
         if not self.attn.sparse[layer] or p.variant == "dense":
             return self.attn.dense_attention(layer, q, lengths, num_blocks)
-        if not self.attn.kernel_metadata:  # the selector's own metadata update (InfLLM, LESS)
+        beside = self.attn.summaries_beside()  # LESS's summaries: the engine's, beside selection
+        if not self.attn.kernel_metadata and not beside:  # the selector's own metadata update (InfLLM, LESS)
             self.attn.selector.append_metadata(self.cache, layer, self.pos)
         measured = p.measure_dense or p.mode == "shadow"
         # The studies measure the sparse output in fp32, before its cast to the model dtype, as the
         # eager runtime does (in bf16 the cast alone is ~4e-3 of output error).
-        out, selection = self.attn.sparse_attention(layer, q, lengths, num_blocks, fp32=measured and p.study_counters)
+        out, selection = self.attn.sparse_attention(layer, q, lengths, num_blocks, fp32=measured and p.study_counters,
+                                                    summarise=self.pos if beside else None)
         if measured:
             self.attn.measure(layer, q, out, selection, lengths, num_blocks)
         if p.mode == "shadow":  # the dense output continues the model; the sparse one was measured

@@ -105,6 +105,14 @@ class StaticPlan:
     # learns from each A on the side stream, as the eager runtime's serial steps do, so PRR
     # windows speculate over a P that has seen every step.
     learn_in_serial: bool = False
+    # Selectors whose decode-token summaries only their compensation reads (`summaries_apart`:
+    # LESS with Quest's scores), backend triton: Quest's key max / min ride in the cache append
+    # kernel (as Quest's do) and the summaries (LESS's less_append without them) run on the side
+    # stream beside selection and the attention over A (serial) or beside the repair (PRR), joined
+    # by an event before the compensation, their only reader: less_append leaves the critical path
+    # (issue 33: 15 µs of LESS's 29 µs per layer over Quest at block 64). The same values either
+    # way; False: one less_append launch (summaries and Quest's) before selection.
+    side_summaries: bool = True
 
     def problems(self) -> list[str]:
         out = []

@@ -49,6 +49,18 @@ class Selector(SelectorOptions, ABC):
         block. Static shapes, no host synchronisation (runs inside the captured step); the
         same metadata `update_metadata` builds."""
 
+    def summaries_apart(self) -> bool:
+        """Whether the decode token's metadata splits into Quest's key max / min (`metadata`, all
+        that selection reads: the engine's append kernels update it) and summaries that only the
+        compensation reads (`append_summaries`: LESS's). The graph engine then updates the summaries
+        on its side stream beside selection and attention, joined before the compensation
+        (StaticPlan.side_summaries)."""
+        return False
+
+    def append_summaries(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
+        """`append_metadata` less Quest's key max / min (selectors whose `summaries_apart`)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no summaries apart (summaries_apart() is False)")
+
     @abstractmethod
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         """q: [B, Hkv, G, D], lengths [B] int64 tokens per row -> block scores per query head

@@ -84,6 +84,16 @@ LESS adds no merge launch to a serial layer; `compensation` (the state alone) is
 every backend (`triton_problems()` is None). The decode token's metadata update (`append_metadata`:
 the feature summaries and Quest's key max / min) is `less_append`'s one launch under backend triton
 (random features; a trained map's key branch keeps the torch ops); the prefill's is torch ops.
+That launch is incremental, O(m·D) per token whatever the block size: the token's block takes it
+as the totals do, from the open block's unrounded fp32 sums (`less_S_open` [B, Hkv, m, D],
+`less_s_open` [B, Hkv, m], written by `update_metadata` and by every decode append), so bf16
+summaries are rounded once, as when re-read; the torch path re-reads the block (the reference;
+equal within fp32 rounding, tests/test_kernels_less.py). Appends must come in order, one per
+position (as the running totals already need).
+In the graph engine's step (StaticPlan.side_summaries, backend triton) it is split: Quest's key max /
+min in the cache append kernel, as for Quest, and the summaries alone (`append_summaries`:
+less_append without Quest's part) on the side stream beside selection and the attention over A,
+joined before the compensation, their only reader (`summaries_apart`: scores=quest, compensate).
 """
 
 from __future__ import annotations
@@ -224,17 +234,19 @@ class LessSelector(QuestSelector):
         for lo in range(start // s, -(-end // s), SUMMARY_CHUNK_BLOCKS):  # host range (the prefill): chunks
             first = torch.full((cache.batch,), lo, dtype=torch.int64, device=cache.device)
             count = min(SUMMARY_CHUNK_BLOCKS, -(-end // s) - lo)
-            self._summarise(cache, layer, first, count, torch.full_like(first, end))
+            # the last chunk ends with the block of token end - 1: the open block the decode continues
+            self._summarise(cache, layer, first, count, torch.full_like(first, end), lo + count == -(-end // s))
 
     # --- memory --------------------------------------------------------------------------------
     def state_bytes(self, batch: int, num_kv_heads: int, head_dim: int, max_blocks: int,
                     cache_dtype: torch.dtype) -> int:
         """Bytes of one sparse layer's metadata: per block and KV head Quest's key max / min (2·D
         in the cache dtype), S_b and s_b (m·(D+1) in summary_dtype) and the offsets c_b (m fp32);
-        per row and KV head the totals and the centre (m·(D+2) + D fp32)."""
+        per row and KV head the totals and the centre (m·(D+2) + D fp32) and the open block's
+        unrounded S_b, s_b (m·(D+1) fp32)."""
         m, d = self.num_features, head_dim
         per_block = 2 * d * cache_dtype.itemsize + m * (d + 1) * self.summary_dtype.itemsize + m * 4
-        return batch * num_kv_heads * (max_blocks * per_block + (m * (d + 2) + d) * 4)
+        return batch * num_kv_heads * (max_blocks * per_block + (m * (d + 2) + d + m * (d + 1)) * 4)
 
     def memory_report(self, cache: PagedKVCache) -> dict[str, float | int]:
         """LESS's metadata over the cache's sparse layers beside its KV cache, GiB."""
@@ -275,22 +287,49 @@ class LessSelector(QuestSelector):
     def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
         if self.is_dense_layer(layer):
             return
-        if self.backend == "triton" and self.trained is None and cache.block_size >= 16 and cache.head_dim >= 16:
-            from prr.kernels.less import less_append
-
-            slots = cache.metadata[layer]  # one launch: the feature summaries and Quest's key max / min
-            less_append(cache.keys[layer], cache.values[layer], positions, cache.block_size,
-                        self._features(cache, layer), slots["less_center"], slots["less_S"], slots["less_s"],
-                        slots["less_c"], slots["less_S_tot"], slots["less_s_tot"], slots["less_c_tot"],
-                        1.0 / math.sqrt(cache.head_dim), *self.metadata(cache, layer))
+        if self._append_kernel(cache):  # one launch: the feature summaries and Quest's key max / min
+            self._less_append(cache, layer, positions, *self.metadata(cache, layer))
             return
         super().append_metadata(cache, layer, positions)  # Quest's key max/min
+        self.append_summaries(cache, layer, positions)
+
+    def summaries_apart(self) -> bool:
+        """`Selector.summaries_apart`: with Quest's scores selection reads Quest's key max / min only,
+        and only the compensation reads the feature summaries (scores=features ranks by them)."""
+        return self.scores == "quest" and self.compensates
+
+    def append_summaries(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
+        """`Selector.append_summaries`: the decode token's feature summaries alone (its block's S_b,
+        s_b, c_b and the totals), positions [B]; Quest's key max / min are left to the append kernel.
+        `append_metadata` = Quest's update + this (the same values: the kernel's Quest part is exact)."""
+        if self.is_dense_layer(layer):
+            return
+        if self._append_kernel(cache):
+            self._less_append(cache, layer, positions)
+            return
         b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
         positions = positions.long()
         index = positions.view(b, 1, 1, 1).expand(b, h, 1, d)
         self._add_to_totals(cache, layer, torch.gather(cache.keys[layer], 2, index),
                             torch.gather(cache.values[layer], 2, index))
-        self._summarise(cache, layer, positions // cache.block_size, 1, positions + 1)
+        self._summarise(cache, layer, positions // cache.block_size, 1, positions + 1, True)
+
+    def _append_kernel(self, cache: PagedKVCache) -> bool:
+        """Whether the decode token's summaries are `less_append`'s launch (backend triton, random
+        features, the kernel's tl.dot shapes); else torch ops."""
+        return self.backend == "triton" and self.trained is None and cache.block_size >= 16 and cache.head_dim >= 16
+
+    def _less_append(self, cache: PagedKVCache, layer: int, positions: Tensor, key_max: Tensor | None = None,
+                     key_min: Tensor | None = None) -> None:
+        """prr.kernels.less.less_append on the layer's slots (with Quest's key max / min when given)."""
+        from prr.kernels.less import less_append
+
+        slots = cache.metadata[layer]
+        # Incremental (O(m·D), whatever the block size) from the open block's fp32 sums.
+        less_append(cache.keys[layer], cache.values[layer], positions, cache.block_size, self._features(cache, layer),
+                    slots["less_center"], slots["less_S"], slots["less_s"], slots["less_c"], slots["less_S_tot"],
+                    slots["less_s_tot"], slots["less_c_tot"], 1.0 / math.sqrt(cache.head_dim), key_max, key_min,
+                    big_open=slots["less_S_open"], small_open=slots["less_s_open"])
 
     def _add_to_totals(self, cache: PagedKVCache, layer: int, keys: Tensor, values: Tensor) -> None:
         """Running totals S_tot, s_tot (offset c_tot) += the tokens keys, values [B, Hkv, T, D]."""
@@ -306,9 +345,12 @@ class LessSelector(QuestSelector):
         slots["less_s_tot"].copy_(slots["less_s_tot"] * keep + weights.sum(2))
         slots["less_c_tot"].copy_(c_new)
 
-    def _summarise(self, cache: PagedKVCache, layer: int, first: Tensor, count: int, end: Tensor) -> None:
+    def _summarise(self, cache: PagedKVCache, layer: int, first: Tensor, count: int, end: Tensor,
+                   open_last: bool = False) -> None:
         """Per-block summaries of blocks first + [0, count) (first: [B]) recomputed from their
-        live tokens (positions < end [B]). Static shapes."""
+        live tokens (positions < end [B]); open_last: the last block's fp32 sums also into the
+        open-block slots (`less_S_open` [B, Hkv, m, D], `less_s_open` [B, Hkv, m]), which the
+        incremental less_append continues from. Static shapes."""
         b, h, d, m, s = cache.batch, cache.num_kv_heads, cache.head_dim, self.num_features, cache.block_size
         slots = cache.metadata[layer]
         big_s = cache.metadata_slot(layer, "less_S", (m, d), self.summary_dtype)
@@ -326,10 +368,20 @@ class LessSelector(QuestSelector):
         c_block = logits.amax(3)  # [B, Hkv, n, m]; finite: a touched block has a live token
         weights = torch.exp(logits - c_block.unsqueeze(3))  # [B, Hkv, n, S, m]; 0 past `end`
         index = blocks.view(b, 1, count, 1)
-        big_s.scatter_(2, index.view(b, 1, count, 1, 1).expand(b, h, count, m, d),
-                       (weights.transpose(-1, -2) @ values).to(big_s.dtype))
-        small_s.scatter_(2, index.expand(b, h, count, m), weights.sum(3).to(small_s.dtype))
+        big, small = weights.transpose(-1, -2) @ values, weights.sum(3)  # [B, Hkv, n, m, D], [B, Hkv, n, m] fp32
+        big_s.scatter_(2, index.view(b, 1, count, 1, 1).expand(b, h, count, m, d), big.to(big_s.dtype))
+        small_s.scatter_(2, index.expand(b, h, count, m), small.to(small_s.dtype))
         offset.scatter_(2, index.expand(b, h, count, m), c_block)
+        if open_last:
+            big_open, small_open = self._open_slots(cache, layer)
+            big_open.copy_(big[:, :, -1])
+            small_open.copy_(small[:, :, -1])
+
+    def _open_slots(self, cache: PagedKVCache, layer: int) -> tuple[Tensor, Tensor]:
+        """The open block's (the newest token's) summaries unrounded: [B, Hkv, m, D], [B, Hkv, m] fp32."""
+        b, h, m, d = cache.batch, cache.num_kv_heads, self.num_features, cache.head_dim
+        return (cache.state_slot(layer, "less_S_open", (b, h, m, d), torch.float32),
+                cache.state_slot(layer, "less_s_open", (b, h, m), torch.float32))
 
     # --- selection scores ------------------------------------------------------------------------
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:

@@ -116,10 +116,12 @@ def test_query_similarity_memory_is_bounded_by_cache_size():
     for step in range(12):
         p.propose(st, 1, N, 4, query=torch.randn(1, 3, 2, 8, generator=g))
         p.update(st, 1, selection([step % N, 7], nb=N, heads=3))
-        sizes.append((st.keys.numel(), st.sets.numel()))
-    assert len(set(sizes)) == 1 and st.keys.shape[3] == 5 and st.filled[1] == 5
+        sizes.append((st.keys.numel(), st.set_ids.numel(), st.set_count.numel()))
+    # id lists of the selections' capacity (2), not max_blocks: C + 1 slots (the last: A_{t-1})
+    assert len(set(sizes)) == 1 and st.keys.shape[3] == 5 and st.filled[1] == 5 and st.set_ids.shape[3:] == (6, 2)
     # the oldest pairs were overwritten: the 12th selection (block 11) is cached, the 1st (block 0) is not
-    assert st.sets[1, 0, 0, :, 11].any() and not st.sets[1, 0, 0, :, 0].any()
+    cached = BlockSet(st.set_ids[1, 0, 0, :5], st.set_count[1, 0, 0, :5]).mask(N)  # [C, N]
+    assert cached[:, 11].any() and not cached[:, 0].any()
 
 
 def test_query_similarity_refuses_to_guess_without_the_query():

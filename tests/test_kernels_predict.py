@@ -177,13 +177,13 @@ QS_TIE = 1e-3
 
 
 def qsim_inputs(batch: int, heads: int, n: int, cache_size: int, width: int, seed: int, group: int = 3,
-                dim: int = 8) -> dict[str, torch.Tensor]:
+                dim: int = 8, full: bool = False) -> dict[str, torch.Tensor]:
     """A random ring buffer as query_similarity keeps it: unit keys [B, Hkv, C, G·D]; C + 1 id
-    lists of up to `width` distinct ids ascending (slot C: A_{t-1}, also as last_selected);
-    last_z [B, Hkv, N]; a query [B, Hkv, G, D]."""
+    lists of up to `width` (full: exactly) distinct ids ascending (slot C: A_{t-1}, also as
+    last_selected); last_z [B, Hkv, N]; a query [B, Hkv, G, D]."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.nn.functional.normalize(torch.randn(batch, heads, cache_size, group * dim, generator=g), dim=-1)
-    wanted = torch.randint(0, width + 1, (batch, heads, cache_size + 1), generator=g)
+    wanted = torch.randint(width if full else 0, width + 1, (batch, heads, cache_size + 1), generator=g)
     order = torch.rand(batch, heads, cache_size + 1, n, generator=g).argsort(-1)
     mask = order < wanted.unsqueeze(-1)  # each list: `wanted` random blocks
     set_ids, set_count = ref.selection_lists_reference(mask, width)
@@ -204,12 +204,15 @@ def assert_same_p(got: torch.Tensor, rank: torch.Tensor, k: int, tol: float = TO
 
 def qsim_propose(inp, filled, nb, m, recent, k, fill=None, fill_valid=True):
     b, h, _, gd = inp["keys"].shape
-    pending, flag = torch.zeros(b, h, gd), torch.zeros(1, dtype=torch.bool)
+    dev = inp["keys"].device
+    pending, flag = torch.zeros(b, h, gd, device=dev), torch.zeros(1, dtype=torch.bool, device=dev)
     idx, cnt = kp.query_similarity_propose(
-        inp["query"], inp["keys"], inp["set_ids"], inp["set_count"], inp["last"], inp["last_z"], torch.tensor([filled]),
-        nb, pending, flag, m, recent, QS_TIE, k, fill=fill, fill_valid=torch.tensor([fill_valid]))
+        inp["query"], inp["keys"], inp["set_ids"], inp["set_count"], inp["last"], inp["last_z"],
+        torch.tensor([filled], device=dev), nb, pending, flag, m, recent, QS_TIE, k, fill=fill,
+        fill_valid=torch.tensor([fill_valid], device=dev))
     n = inp["last_z"].shape[-1]
-    assert (idx[..., 1:] >= idx[..., :-1]).logical_or(torch.arange(1, idx.shape[-1]) >= cnt.unsqueeze(-1)).all()
+    ascending = (idx[..., 1:] >= idx[..., :-1]).logical_or(torch.arange(1, idx.shape[-1], device=dev) >= cnt.unsqueeze(-1))
+    assert ascending.all()
     assert bool(flag) and (pending.norm(dim=-1) - 1).abs().max() <= TOL  # the query, normalised, left for update
     return as_set(idx, cnt, n)
 
@@ -451,6 +454,38 @@ def test_gpu_predictors_alike_on_both_backends(name):
             assert (got[finite] - want[finite]).abs().max() <= TOL
         else:
             assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_query_similarity_propose_at_the_8b_shape():
+    """8 KV heads, 8,192 blocks (8,000 in the context), selections of 32 ids, a full ring buffer
+    of 64, 2 neighbours: |P| = 32 from the candidates, 128 through a fill list of 256 and through
+    the whole row (no fill); P equals the reference's up to the rounding of the cosines; the
+    candidates' propose captured in a CUDA graph replays it."""
+    dev, n, cache_size = "cuda", 8192, 64
+    inp = {k: v.to(dev) for k, v in qsim_inputs(1, 8, n, cache_size, 32, seed=7, group=4, dim=128, full=True).items()}
+    nb = torch.tensor([8000], dtype=torch.int32, device=dev)
+    want, _ = ref.query_similarity_rank_reference(inp["query"], inp["keys"], inp["set_ids"], inp["set_count"],
+                                                  inp["last"], inp["last_z"], cache_size, nb, 2, 1, QS_TIE)
+    assert ((want >= 0.5).sum(-1) >= 32).all() and ((want >= 0.5).sum(-1) < 128).all()  # each path as named
+    fill = ref.fill_reference(inp["last_z"], QS_TIE, 256)
+    for k, f in ((32, None), (128, fill), (128, None)):
+        assert_same_p(qsim_propose(inp, cache_size, nb, 2, 1, k, f), want, k)
+    pending, flag = torch.zeros(1, 8, 512, device=dev), torch.zeros(1, dtype=torch.bool, device=dev)
+    filled = torch.tensor([cache_size], device=dev)
+
+    def propose():
+        return kp.query_similarity_propose(inp["query"], inp["keys"], inp["set_ids"], inp["set_count"], inp["last"],
+                                           inp["last_z"], filled, nb, pending, flag, 2, 1, QS_TIE, 32)
+
+    eager = propose()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx, cnt = propose()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(idx, eager[0]) and torch.equal(cnt, eager[1])
 
 
 @pytest.mark.gpu

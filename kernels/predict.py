@@ -506,8 +506,12 @@ def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_c
         n, heads, query_size, cache_size, width, recent, k, k, fill_width, float(2 * neighbours + 1), float(tie),
         NEIGHBOURS=neighbours, C_BLOCK=max(16, triton.next_power_of_2(cache_size)),
         Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), M_ROWS=m_rows, K_BLOCK=k_block,
-        J_TILE=min(lanes, 32), BLOCK=block, HAS_FILL=has_fill, FILL_BLOCK=max(16, triton.next_power_of_2(max(fill_width, 1))),
-        RADIX_BITS=2, PAD_BLOCK=PAD_BLOCK, num_warps=4, enable_fp_fusion=False, **launch_kwargs(dev),
+        J_TILE=min(lanes, 32), BLOCK=block, HAS_FILL=has_fill,
+        FILL_BLOCK=max(16, triton.next_power_of_2(max(fill_width, 1))),
+        # 4 warps for the lists' small tiles; where P must come from the whole row (more than the
+        # candidates can hold, no fill list) the row's width, as the row kernels take it
+        RADIX_BITS=2, PAD_BLOCK=PAD_BLOCK, enable_fp_fusion=False, **launch_kwargs(dev),
+        num_warps=max(4, min(8, block // 256)) if k > neighbours * width + recent and not has_fill else 4,
     )
     return indices, counts
 

@@ -12,9 +12,11 @@ references: `prr.kernels.reference_predict`.
   draw, and its vertical / diagonal EMAs.
 - `_qsim_rank_kernel`, `_qsim_propose_kernel`, `_qsim_update_kernel`, `_qsim_counters_kernel`:
   query_similarity's rank (normalise the query, cosine against the ring buffer, the best
-  neighbours' votes, the recent window, the last z-scores), its propose in one launch (that rank
-  and its top-k: among the voted blocks when they hold it, topk_jit's `_select_row`), its update (ring-buffer slot, last z and selection; the
-  counters in a one-program launch after it).
+  neighbours' votes added at their listed ids, the recent window, the last z-scores), its
+  propose in one launch on the neighbours' id lists (their merged candidates' top-k, or every
+  candidate and the fill list's first others; the whole row with topk_jit's `_select_row` only
+  where neither holds P), its update (ring-buffer slot, last z, the selection as mask and id
+  list; the counters in a one-program launch after it).
 
 Writes of one program that its own threads read back are separated by `tl.debug_barrier()`
 (a CTA barrier: the program's global writes before it are visible to its threads after it).

@@ -217,10 +217,11 @@ def qsim_propose(inp, filled, nb, m, recent, k, fill=None, fill_valid=True):
     return as_set(idx, cnt, n)
 
 
-def test_query_similarity_rank_and_update_equal_the_reference():
+def test_query_similarity_rank_and_update_equal_the_reference(monkeypatch):
     """The rank from the id lists (O(N + neighbours·K)) before any pair is cached, with unfilled
-    neighbours, and full; the update writes the selection's list (duplicates and ids past N
-    dropped, ascending) into slot C and, paired, slot `cursor`."""
+    neighbours, and full, and P from it (rank + top-k: lists too wide for the one launch); the
+    update writes the selection's list (a repeated id once, ascending) into slot C and, paired,
+    slot `cursor`."""
     batch, heads, n, cache_size, width, m = 2, 3, 45, 4, 6, 3
     inp = qsim_inputs(batch, heads, n, cache_size, width, seed=1)
     nb = torch.tensor([45, 17], dtype=torch.int32)
@@ -233,6 +234,9 @@ def test_query_similarity_rank_and_update_equal_the_reference():
         finite = torch.isfinite(want)
         assert torch.equal(finite, torch.isfinite(rank)) and (rank[finite] - want[finite]).abs().max() <= TOL
         assert (pending - q).abs().max() <= TOL and bool(flag)
+        with monkeypatch.context() as patch:
+            patch.setattr(kp, "MAX_LANES", 8)  # 4 rows of 8 lanes: rank + topk_select
+            assert_same_p(qsim_propose(inp, filled, nb, m, 2, 9), want, 9)
     sel = ref.make_selection(batch, heads, n, [45, 17], topk=width, seed=3)
     sel["indices"][0, 0, 1] = sel["indices"][0, 0, 0]  # a repeated id: listed once
     for paired in (False, True):

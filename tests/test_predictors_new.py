@@ -124,6 +124,26 @@ def test_query_similarity_memory_is_bounded_by_cache_size():
     assert cached[:, 11].any() and not cached[:, 0].any()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_query_similarity_lists_widen_for_a_larger_selection(backend):
+    """The id lists are sized by the first selection's capacity and widened, the pairs kept, where a
+    larger one comes later (eagerly)."""
+    g = torch.Generator().manual_seed(2)
+    q1, q2 = torch.randn(1, 1, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
+    p = QuerySimilarityPredictor(cache_size=4, neighbours=1, recent_blocks=0)
+    assert p.set_backend(backend) == backend
+    st = p.init_state(1, 1, 1, N, "cpu")
+    assert st.set_ids.shape[-1] == 0  # sized by the first update
+    p.propose(st, 0, N, 2, query=q1)
+    p.update(st, 0, selection([2, 9]))
+    assert st.set_ids.shape[-1] == 2
+    p.propose(st, 0, N, 2, query=q2)
+    p.update(st, 0, selection([4, 5, 6, 7]))
+    assert st.set_ids.shape[-1] == 4
+    assert sorted(members(p.propose(st, 0, N, 2, query=q1))) == [2, 9]
+    assert sorted(members(p.propose(st, 0, N, 4, query=q2))) == [4, 5, 6, 7]
+
+
 def test_query_similarity_refuses_to_guess_without_the_query():
     p = QuerySimilarityPredictor()
     st = p.init_state(1, 1, 1, N, "cpu")

@@ -137,7 +137,8 @@ class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
             return BlockSet(*query_similarity_propose(
                 query, state.keys[layer], state.set_ids[layer], state.set_count[layer], state.last_selected[layer],
                 state.last_z[layer], state.filled[one], num_blocks, state.pending[layer], state.has_pending[one],
-                self.neighbours, self.recent_blocks, TIE, max(budget_blocks, 0), fill=state.fill[layer], fill_valid=state.fill_valid[one]))
+                self.neighbours, self.recent_blocks, TIE, max(budget_blocks, 0), fill=state.fill[layer],
+                fill_valid=state.fill_valid[one]))
         q = F.normalize(query.float().flatten(2), dim=-1)  # [B, Hkv, G·D]
         self.size_for_query(state, q.shape[-1])
         state.pending[layer] = q

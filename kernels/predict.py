@@ -475,7 +475,7 @@ def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_c
         raise ValueError(f"k={k!r} must be an int >= 0 (blocks to propose)")
     recent = min(recent_blocks, n + 1)
     m_rows = triton.next_power_of_2(neighbours + 1)
-    k_block = triton.next_power_of_2(max(width, recent, 1))
+    k_block = max(16, triton.next_power_of_2(max(width, recent)))  # (tiles of 16 at least, as the others here)
     one_launch = (triton.next_power_of_2(max(n, 1)) <= MAX_ROW_BLOCK and abs(tie) * max(n - 1, 0) ** 0.5 < 0.5
                   and m_rows * k_block <= MAX_LANES)
     if not one_launch or k == 0 or batch == 0 or heads == 0 or n == 0:

@@ -461,7 +461,7 @@ def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_c
     int32). One launch (`_qsim_propose_kernel`) that works on the neighbours' id lists, the recent
     window and the fill list (O(neighbours·K + fill width), no pass over the N blocks) where they
     hold P: rows of up to MAX_ROW_BLOCK blocks, (neighbours + 1 rounded up to a power of two) ×
-    max(W, recent_blocks) (rounded likewise) <= MAX_LANES, and tie < 0.5 / sqrt(N - 1) (the voted
+    max(W, recent_blocks, 16) (rounded likewise) <= MAX_LANES, and tie < 0.5 / sqrt(N - 1) (the voted
     blocks then outrank the others); where they do not (fewer than k candidates and no valid, long
     enough fill) the same launch takes the whole row's top-k. Else rank + topk_select.
     fill: [B, Hkv, W_fill] int32, the W_fill best blocks of tie·last_z best first

@@ -3,6 +3,7 @@ torch path, at the 8B shape (8 KV heads, batch 1).
 
     python experiments/bench_predictors.py [--out DIR] [--contexts 32768,131072] [--blocks 16,64]
         [--budgets 32,128] [--predictors ema,last_step,spin,ema_membership,...] [--layers 32]
+        [--qs-fill-width W]
     TRITON_INTERPRET=1 python experiments/bench_predictors.py --device cpu --quick   # the machinery, on a CPU
 
 For each context × block size, every predictor (as conf/predictor/<name>.yaml builds it; ema
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--topk", type=int, default=32, help="blocks in each selection A the predictors learn from")
     ap.add_argument("--predictors", default="ema,last_step,spin,ema_membership,cross_layer,query_similarity")
     ap.add_argument("--layers", type=int, default=32, help="sparse layers (distinct states) per replay")
+    ap.add_argument("--qs-fill-width", type=int, default=None,
+                    help="query_similarity's fill_width (default: conf/predictor's, 0): > 0 times its propose where "
+                         "|P| exceeds the candidates with the rest of P from the fill list, not the whole row")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check): 1024 tokens, block 16, |P| 4, 2 layers")
     args = ap.parse_args(argv)
@@ -158,7 +162,8 @@ def bench_predictor(name: str, sels, warm, lengths, nb_next, query, capacity: in
     from prr.blocks import BlockSet
 
     layers, max_blocks = args.layers, capacity // block
-    p = configured(name, **OVERRIDES.get(name, {}))
+    fill = {"fill_width": args.qs_fill_width} if name == "query_similarity" and args.qs_fill_width is not None else {}
+    p = configured(name, **OVERRIDES.get(name, {}), **fill)
     backends = ["torch"] + (["triton"] if p.triton_problems() == [] else [])
     state = p.init_state(layers, 1, KV_HEADS, max_blocks, device)
     p.size_for_query(state, query.shape[-2] * query.shape[-1])

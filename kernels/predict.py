@@ -393,86 +393,95 @@ def spin_update(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor
 
 # --- query_similarity ---------------------------------------------------------------------
 
+MAX_LANES = 1024  # merged-list lanes (M_ROWS · K_BLOCK) of the one-launch propose; more: rank + top-k
 
-def query_similarity_rank(query: Tensor, keys: Tensor, sets: Tensor, last_selected: Tensor, last_z: Tensor,
-                          filled: Tensor, num_blocks: int | Tensor, pending: Tensor, has_pending: Tensor,
+
+def _qsim_check(query: Tensor, keys: Tensor, set_ids: Tensor, set_count: Tensor, last_selected: Tensor,
+                last_z: Tensor, filled: Tensor, pending: Tensor, has_pending: Tensor, neighbours: int) -> None:
+    """The checks of query_similarity_rank and _propose (shapes, dtypes, devices)."""
+    batch, heads, cache_size, query_size = keys.shape
+    n, width = last_z.shape[-1], set_ids.shape[-1]
+    dev = keys.device
+    if query.shape[:2] != (batch, heads) or query[0, 0].numel() != query_size or query.device != dev:
+        raise ValueError(f"query must be [B, Hkv, G, D] with [B, Hkv] = {[batch, heads]} and G·D = {query_size} on "
+                         f"{dev}; got {list(query.shape)} on {query.device}")
+    _check_row_tensor("keys", keys, (batch, heads, cache_size, query_size), torch.float32, dev)
+    _check_row_tensor("set_ids", set_ids, (batch, heads, cache_size + 1, width), torch.int32, dev)
+    _check_row_tensor("set_count", set_count, (batch, heads, cache_size + 1), torch.int32, dev)
+    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
+    _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
+    _check_row_tensor("pending", pending, (batch, heads, query_size), torch.float32, dev)
+    for name, t, dtype in (("filled", filled, torch.int64), ("has_pending", has_pending, torch.bool)):
+        if t.numel() != 1 or t.dtype != dtype or t.device != dev:
+            raise ValueError(f"{name} must be one {dtype} on {dev} (the layer's counter)")
+    if not 1 <= neighbours <= cache_size:
+        raise ValueError(f"neighbours={neighbours} must lie in [1, cache_size={cache_size}]")
+    if width > n:
+        raise ValueError(f"set_ids holds lists of W = {width} ids, more than the N = {n} blocks")
+
+
+def query_similarity_rank(query: Tensor, keys: Tensor, set_ids: Tensor, set_count: Tensor, last_selected: Tensor,
+                          last_z: Tensor, filled: Tensor, num_blocks: int | Tensor, pending: Tensor, has_pending: Tensor,
                           neighbours: int, recent_blocks: int, tie: float) -> Tensor:
     """One launch: pending <- query / max(‖query‖, 1e-12) (per row and KV head), has_pending <- True,
     -> rank [B, Hkv, N] fp32 = Σ over the `neighbours` cached queries most similar to it (cosine;
     unfilled slots never vote) of (1.5 + s/2)·1[b in their selection] (A_{t-1} instead while no
     pair is cached) + (2·neighbours + 1)·1[among the recent_blocks newest] + tie·last_z, -inf at
     or past num_blocks. query [B, Hkv, G, D] (any float dtype), keys [B, Hkv, C, G·D] fp32,
-    sets [B, Hkv, C, N] bool, last_selected [B, Hkv, N] bool, last_z [B, Hkv, N] fp32, filled [1]
-    int64, pending [B, Hkv, G·D] fp32, has_pending [1] bool."""
+    set_ids [B, Hkv, C + 1, W] int32 (slot j < C: the selection cached with query j, its distinct
+    ids ascending, then padding; slot C: A_{t-1}) with set_count [B, Hkv, C + 1] int32,
+    last_selected [B, Hkv, N] bool, last_z [B, Hkv, N] fp32, filled [1] int64, pending
+    [B, Hkv, G·D] fp32, has_pending [1] bool."""
+    _qsim_check(query, keys, set_ids, set_count, last_selected, last_z, filled, pending, has_pending, neighbours)
     batch, heads, cache_size, query_size = keys.shape
-    n = sets.shape[-1]
+    n, width = last_z.shape[-1], set_ids.shape[-1]
     dev = keys.device
-    if query.shape[:2] != (batch, heads) or query[0, 0].numel() != query_size or query.device != dev:
-        raise ValueError(f"query must be [B, Hkv, G, D] with [B, Hkv] = {[batch, heads]} and G·D = {query_size} on "
-                         f"{dev}; got {list(query.shape)} on {query.device}")
-    _check_row_tensor("keys", keys, (batch, heads, cache_size, query_size), torch.float32, dev)
-    _check_row_tensor("sets", sets, (batch, heads, cache_size, n), torch.bool, dev)
-    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
-    _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
-    _check_row_tensor("pending", pending, (batch, heads, query_size), torch.float32, dev)
-    for name, t, dtype in (("filled", filled, torch.int64), ("has_pending", has_pending, torch.bool)):
-        if t.numel() != 1 or t.dtype != dtype or t.device != dev:
-            raise ValueError(f"{name} must be one {dtype} on {dev} (the layer's counter)")
-    if not 1 <= neighbours <= cache_size:
-        raise ValueError(f"neighbours={neighbours} must lie in [1, cache_size={cache_size}]")
     nb = row_counts(num_blocks, batch, dev)
     rank = torch.empty(batch, heads, n, dtype=torch.float32, device=dev)
     if batch == 0 or heads == 0 or n == 0:
         return rank
     tile = _tile(n)
     _qsim_rank_kernel[(heads, batch)](
-        query.contiguous(), keys, sets.view(torch.uint8), last_selected.view(torch.uint8), last_z, filled, nb, pending,
+        query.contiguous(), keys, set_ids, set_count, last_selected.view(torch.uint8), last_z, filled, nb, pending,
         has_pending.view(torch.uint8), rank,
-        n, heads, query_size, cache_size, min(recent_blocks, n + 1), float(2 * neighbours + 1), float(tie),
+        n, heads, query_size, cache_size, width, min(recent_blocks, n + 1), float(2 * neighbours + 1), float(tie),
         NEIGHBOURS=neighbours, C_BLOCK=max(16, triton.next_power_of_2(cache_size)),
-        Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), TILE=tile, num_warps=_warps(tile),
-        enable_fp_fusion=False, **launch_kwargs(dev),
+        M_ROWS=triton.next_power_of_2(neighbours), Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)),
+        TILE=tile, IDX_TILE=IDX_TILE, num_warps=_warps(tile), enable_fp_fusion=False, **launch_kwargs(dev),
     )
     return rank
 
 
-def query_similarity_propose(query: Tensor, keys: Tensor, sets: Tensor, last_selected: Tensor, last_z: Tensor,
-                             filled: Tensor, num_blocks: int | Tensor, pending: Tensor, has_pending: Tensor,
-                             neighbours: int, recent_blocks: int, tie: float, k: int, fill: Tensor | None = None,
-                             fill_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_count: Tensor, last_selected: Tensor,
+                             last_z: Tensor, filled: Tensor, num_blocks: int | Tensor, pending: Tensor,
+                             has_pending: Tensor, neighbours: int, recent_blocks: int, tie: float, k: int,
+                             fill: Tensor | None = None, fill_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """query_similarity's P: the top-k blocks of `query_similarity_rank` (which it writes to
     pending / has_pending alike) -> (indices [B, Hkv, min(k, N)] int32 ascending, counts [B, Hkv]
-    int32). One launch for rows of up to MAX_ROW_BLOCK blocks with tie < 0.5 / sqrt(N - 1) (the
-    voted blocks then outrank the others: where at least k got a vote the top k are counted among
-    them; where fewer did, every voted block and the best others by tie·z, found through `fill`;
-    else the whole row's top-k, in registers); rank + topk_select beyond.
-    fill: [B, Hkv, W] int32, the W best blocks of tie·last_z best first (`fill_reference`), with
-    fill_valid [1] bool (False: not written for this last_z yet); None: no fill (the whole row
-    where fewer than k got a vote)."""
+    int32). One launch (`_qsim_propose_kernel`) that works on the neighbours' id lists, the recent
+    window and the fill list (O(neighbours·K + fill width), no pass over the N blocks) where they
+    hold P: rows of up to MAX_ROW_BLOCK blocks, (neighbours + 1 rounded up to a power of two) ×
+    max(W, recent_blocks, 16) (rounded likewise) <= MAX_LANES, and tie < 0.5 / sqrt(N - 1) (the voted
+    blocks then outrank the others); where they do not (fewer than k candidates and no valid, long
+    enough fill) the same launch takes the whole row's top-k. Else rank + topk_select.
+    fill: [B, Hkv, W_fill] int32, the W_fill best blocks of tie·last_z best first
+    (`fill_reference`), with fill_valid [1] bool (False: not written for this last_z yet); None:
+    no fill."""
+    _qsim_check(query, keys, set_ids, set_count, last_selected, last_z, filled, pending, has_pending, neighbours)
     batch, heads, cache_size, query_size = keys.shape
-    n = sets.shape[-1]
+    n, width = last_z.shape[-1], set_ids.shape[-1]
     dev = keys.device
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"k={k!r} must be an int >= 0 (blocks to propose)")
-    one_launch = triton.next_power_of_2(max(n, 1)) <= MAX_ROW_BLOCK and abs(tie) * max(n - 1, 0) ** 0.5 < 0.5
+    recent = min(recent_blocks, n + 1)
+    m_rows = triton.next_power_of_2(neighbours + 1)
+    k_block = max(16, triton.next_power_of_2(max(width, recent)))  # (tiles of 16 at least, as the others here)
+    one_launch = (triton.next_power_of_2(max(n, 1)) <= MAX_ROW_BLOCK and abs(tie) * max(n - 1, 0) ** 0.5 < 0.5
+                  and m_rows * k_block <= MAX_LANES)
     if not one_launch or k == 0 or batch == 0 or heads == 0 or n == 0:
-        rank = query_similarity_rank(query, keys, sets, last_selected, last_z, filled, num_blocks, pending, has_pending,
-                                     neighbours, recent_blocks, tie)
+        rank = query_similarity_rank(query, keys, set_ids, set_count, last_selected, last_z, filled, num_blocks,
+                                     pending, has_pending, neighbours, recent_blocks, tie)
         return propose_top(rank, k, row_counts(num_blocks, batch, dev))
-    # the rank's checks (shapes, dtypes, devices), without its launch
-    if query.shape[:2] != (batch, heads) or query[0, 0].numel() != query_size or query.device != dev:
-        raise ValueError(f"query must be [B, Hkv, G, D] with [B, Hkv] = {[batch, heads]} and G·D = {query_size} on "
-                         f"{dev}; got {list(query.shape)} on {query.device}")
-    _check_row_tensor("keys", keys, (batch, heads, cache_size, query_size), torch.float32, dev)
-    _check_row_tensor("sets", sets, (batch, heads, cache_size, n), torch.bool, dev)
-    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
-    _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
-    _check_row_tensor("pending", pending, (batch, heads, query_size), torch.float32, dev)
-    for name, t, dtype in (("filled", filled, torch.int64), ("has_pending", has_pending, torch.bool)):
-        if t.numel() != 1 or t.dtype != dtype or t.device != dev:
-            raise ValueError(f"{name} must be one {dtype} on {dev} (the layer's counter)")
-    if not 1 <= neighbours <= cache_size:
-        raise ValueError(f"neighbours={neighbours} must lie in [1, cache_size={cache_size}]")
     has_fill = fill is not None and fill.shape[-1] > 0
     if has_fill:
         if fill_valid is None or fill_valid.numel() != 1 or fill_valid.dtype != torch.bool or fill_valid.device != dev:
@@ -484,39 +493,50 @@ def query_similarity_propose(query: Tensor, keys: Tensor, sets: Tensor, last_sel
     nb = row_counts(num_blocks, batch, dev)
     k = min(k, n)
     block = triton.next_power_of_2(n)
-    cap = min(block, max(16, triton.next_power_of_2(neighbours * max(k, 64) + recent_blocks)))
-    width = fill.shape[-1] if has_fill else 0
+    fill_width = fill.shape[-1] if has_fill else 0
+    lanes = m_rows * k_block
     indices = torch.empty(batch, heads, k, dtype=torch.int32, device=dev)
     counts = torch.empty(batch, heads, dtype=torch.int32, device=dev)
-    scratch = torch.empty(2, batch * heads, cap, dtype=torch.int32, device=dev)
+    scratch = torch.empty(2, batch * heads, lanes, dtype=torch.int32, device=dev)
+    scratch_row = torch.empty(batch * heads, n, dtype=torch.int32, device=dev)
     _qsim_propose_kernel[(heads, batch)](
-        query.contiguous(), keys, sets.view(torch.uint8), last_selected.view(torch.uint8), last_z, filled, nb, pending,
-        has_pending.view(torch.uint8), fill if has_fill else indices, fill_valid.view(torch.uint8) if has_fill else counts,
-        indices, counts, scratch[0], scratch[1],
-        n, heads, query_size, cache_size, min(recent_blocks, n + 1), k, k, width, float(2 * neighbours + 1), float(tie),
+        query.contiguous(), keys, set_ids, set_count, last_z, filled, nb, pending, has_pending.view(torch.uint8),
+        fill if has_fill else indices, fill_valid.view(torch.uint8) if has_fill else counts,
+        indices, counts, scratch[0], scratch[1], scratch_row,
+        n, heads, query_size, cache_size, width, recent, k, k, fill_width, float(2 * neighbours + 1), float(tie),
         NEIGHBOURS=neighbours, C_BLOCK=max(16, triton.next_power_of_2(cache_size)),
-        Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), BLOCK=block, CAP=cap, J_TILE=min(cap, 64),
-        HAS_FILL=has_fill, FILL_BLOCK=max(16, triton.next_power_of_2(max(width, 1))), RADIX_BITS=2,
-        PAD_BLOCK=PAD_BLOCK, num_warps=max(4, min(8, block // 256)), enable_fp_fusion=False, **launch_kwargs(dev),
+        Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), M_ROWS=m_rows, K_BLOCK=k_block,
+        J_TILE=min(lanes, 32), BLOCK=block, HAS_FILL=has_fill,
+        FILL_BLOCK=max(16, triton.next_power_of_2(max(fill_width, 1))),
+        # 4 warps for the lists' small tiles; where P must come from the whole row (more than the
+        # candidates can hold, no fill list) the row's width, as the row kernels take it
+        RADIX_BITS=2, PAD_BLOCK=PAD_BLOCK, enable_fp_fusion=False, **launch_kwargs(dev),
+        num_warps=max(4, min(8, block // 256)) if k > neighbours * width + recent and not has_fill else 4,
     )
     return indices, counts
 
 
-def query_similarity_update(scores: Tensor, indices: Tensor, count: Tensor, keys: Tensor, sets: Tensor,
-                            pending: Tensor, has_pending: Tensor, cursor: Tensor, filled: Tensor,
+def query_similarity_update(scores: Tensor, indices: Tensor, count: Tensor, keys: Tensor, set_ids: Tensor,
+                            set_count: Tensor, pending: Tensor, has_pending: Tensor, cursor: Tensor, filled: Tensor,
                             last_selected: Tensor, last_z: Tensor) -> None:
     """Two launches: last_z <- the scores standardised over the finite entries, last_selected <-
-    the selection's mask, and where a propose left a query (has_pending) the ring-buffer slot
-    `cursor` <- (pending, the mask); then cursor <- (cursor + 1) mod C, filled <- min(filled + 1,
+    the selection's mask, slot C of set_ids / set_count <- its list (distinct in-range ids
+    ascending, padding 0), and where a propose left a query (has_pending) the ring-buffer slot
+    `cursor` <- (pending, the list); then cursor <- (cursor + 1) mod C, filled <- min(filled + 1,
     C), has_pending <- False where it was set. keys [B, Hkv, C, G·D] (G·D = 0: no query yet, no
-    pairing), the rest as query_similarity_rank's."""
+    pairing), set_ids [B, Hkv, C + 1, W] with W >= min(the selection's capacity, N), the rest as
+    query_similarity_rank's."""
     batch, heads, cache_size, query_size = keys.shape
-    n = last_z.shape[-1]
+    n, width = last_z.shape[-1], set_ids.shape[-1]
     dev = last_z.device
     _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
     _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
-    _check_row_tensor("sets", sets, (batch, heads, cache_size, n), torch.bool, dev)
+    _check_row_tensor("set_ids", set_ids, (batch, heads, cache_size + 1, width), torch.int32, dev)
+    _check_row_tensor("set_count", set_count, (batch, heads, cache_size + 1), torch.int32, dev)
     _check_selection(scores, indices, count, batch, heads, n, dev)
+    if min(indices.shape[-1], n) > width:
+        raise ValueError(f"a selection of capacity {indices.shape[-1]} may hold more ids than the W = {width} of "
+                         "set_ids (size the lists for the selector's capacity)")
     pair = query_size > 0
     if pair:
         _check_row_tensor("keys", keys, (batch, heads, cache_size, query_size), torch.float32, dev)
@@ -531,9 +551,9 @@ def query_similarity_update(scores: Tensor, indices: Tensor, count: Tensor, keys
     pdl = launch_kwargs(dev)
     flag = has_pending.view(torch.uint8)
     _qsim_update_kernel[(heads, batch)](
-        scores, indices, count, keys if pair else last_z, sets.view(torch.uint8), pending if pair else last_z, flag,
+        scores, indices, count, keys if pair else last_z, set_ids, set_count, pending if pair else last_z, flag,
         cursor, last_selected.view(torch.uint8), last_z,
-        n, heads, indices.shape[-1], query_size, cache_size,
+        n, heads, indices.shape[-1], query_size, cache_size, width,
         *_selection_args(scores, indices, count),
         PAIR=pair, TILE=tile, IDX_TILE=IDX_TILE, Q_TILE=max(16, min(triton.next_power_of_2(max(query_size, 1)), 128)),
         num_warps=_warps(tile), **pdl,

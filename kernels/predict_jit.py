@@ -12,9 +12,11 @@ references: `prr.kernels.reference_predict`.
   draw, and its vertical / diagonal EMAs.
 - `_qsim_rank_kernel`, `_qsim_propose_kernel`, `_qsim_update_kernel`, `_qsim_counters_kernel`:
   query_similarity's rank (normalise the query, cosine against the ring buffer, the best
-  neighbours' votes, the recent window, the last z-scores), its propose in one launch (that rank
-  and its top-k: among the voted blocks when they hold it, topk_jit's `_select_row`), its update (ring-buffer slot, last z and selection; the
-  counters in a one-program launch after it).
+  neighbours' votes added at their listed ids, the recent window, the last z-scores), its
+  propose in one launch on the neighbours' id lists (their merged candidates' top-k, or every
+  candidate and the fill list's first others; the whole row with topk_jit's `_select_row` only
+  where neither holds P), its update (ring-buffer slot, last z, the selection as mask and id
+  list; the counters in a one-program launch after it).
 
 Writes of one program that its own threads read back are separated by `tl.debug_barrier()`
 (a CTA barrier: the program's global writes before it are visible to its threads after it).
@@ -346,38 +348,73 @@ def _qsim_similarity(query_ptr, keys_ptr, pending_ptr, has_pending_ptr, filled, 
 
 
 @triton.jit
-def _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, offs, n, nb, cache_size, recent_blocks,
-                recent_bonus, tie, NEIGHBOURS: tl.constexpr, C_BLOCK: tl.constexpr):
-    """-> (score, voted) of blocks `offs` of one row: the neighbours' votes (most similar first,
-    ties to the lower slot; A_{t-1} while nothing is cached) + the recent bonus + tie·last z, and
-    whether the block got a vote or is recent (score >= 1 - |tie·z|)."""
-    live = offs < n
-    inside = offs < nb
-    row = bh * n
+def _qsim_neighbours(similarity, filled, cache_size, NEIGHBOURS: tl.constexpr, C_BLOCK: tl.constexpr,
+                     M_ROWS: tl.constexpr):
+    """-> (slot [M_ROWS] int32, weight [M_ROWS] fp32): row j < NEIGHBOURS the j-th most similar
+    cached pair (ties to the lower slot) and its vote 1.5 + s/2 (0 for an unfilled slot: it does
+    not vote); while nothing is cached, row 0 is slot C (A_{t-1}) with weight 1. Other rows 0."""
     slots = tl.arange(0, C_BLOCK)
-    votes = tl.zeros(offs.shape, dtype=tl.float32)
+    rows = tl.arange(0, M_ROWS)
+    slot = tl.zeros([M_ROWS], dtype=tl.int32)
+    weight = tl.zeros([M_ROWS], dtype=tl.float32)
     remaining = similarity
-    for _neighbour in tl.static_range(NEIGHBOURS):
+    for j in tl.static_range(NEIGHBOURS):
         best = tl.max(remaining, axis=0)
         which = tl.min(tl.where(remaining == best, slots, C_BLOCK), axis=0)
         remaining = tl.where(slots == which, float("-inf"), remaining)
-        weight = tl.where(best > float("-inf"), 1.5 + best / 2, 0.0)
-        which = tl.minimum(which, cache_size - 1)
-        member = tl.load(sets_ptr + (bh * cache_size + which) * n + offs, mask=live, other=0).to(tl.float32)
-        votes += weight * member
-    last = tl.load(last_sel_ptr + row + offs, mask=live, other=0).to(tl.float32)
-    votes = tl.where(filled > 0, votes, last)
-    recent = (offs >= nb - recent_blocks) & inside
-    z = tl.load(last_z_ptr + row + offs, mask=live, other=0.0)
-    score = votes + recent_bonus * recent.to(tl.float32) + tie * z
-    return tl.where(inside, score, float("-inf")), (votes > 0) | recent
+        slot = tl.where(rows == j, tl.minimum(which, cache_size - 1), slot)
+        weight = tl.where(rows == j, tl.where(best > float("-inf"), 1.5 + best / 2, 0.0), weight)
+    empty = filled == 0
+    slot = tl.where(empty, tl.where(rows == 0, cache_size, 0), slot)
+    weight = tl.where(empty, tl.where(rows == 0, 1.0, 0.0), weight)
+    return slot, weight
+
+
+@triton.jit
+def _qsim_rank_row(rank_ptr, row, set_ids_ptr, set_cnt_ptr, last_sel_ptr, last_z_ptr, slot, weight, filled, bh, n, nb,
+                   width, cache_size, recent_blocks, recent_bonus, tie, NEIGHBOURS: tl.constexpr, M_ROWS: tl.constexpr,
+                   TILE: tl.constexpr, IDX_TILE: tl.constexpr):
+    """The rank of one row (O(N + neighbours·K)) into rank[row : row + n]: the votes are summed in
+    the row itself (zeros, then each neighbour's weight added at its ids, neighbour by neighbour:
+    torch's order), then + the recent bonus + tie·last z, -inf at or past nb."""
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        tl.store(rank_ptr + row + offs, tl.zeros([TILE], dtype=tl.float32), mask=offs < n)
+    tl.debug_barrier()
+    rows = tl.arange(0, M_ROWS)
+    lists = bh * (cache_size + 1) + slot  # [M_ROWS] the neighbours' lists
+    for j in tl.static_range(NEIGHBOURS):
+        list_j = tl.sum(tl.where(rows == j, lists, 0), axis=0)
+        w_j = tl.sum(tl.where(rows == j, weight, 0.0), axis=0)
+        # unfilled slots do not vote; while nothing is cached A_{t-1} comes from last_selected below
+        cnt = tl.where((w_j > 0) & (filled > 0), tl.load(set_cnt_ptr + list_j), 0)
+        for start in range(0, width, IDX_TILE):
+            c = start + tl.arange(0, IDX_TILE)
+            valid = c < cnt
+            ids = tl.load(set_ids_ptr + list_j * width + c, mask=valid, other=0)
+            valid = valid & (ids < n)
+            v = tl.load(rank_ptr + row + ids, mask=valid, other=0.0, cache_modifier=".cg")
+            tl.store(rank_ptr + row + ids, v + w_j, mask=valid)
+        tl.debug_barrier()  # one neighbour's votes land before the next one's are added
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        live = offs < n
+        inside = offs < nb
+        votes = tl.load(rank_ptr + row + offs, mask=live, other=0.0, cache_modifier=".cg")
+        last = tl.load(last_sel_ptr + row + offs, mask=live, other=0).to(tl.float32)
+        votes = tl.where(filled > 0, votes, last)
+        recent = (offs >= nb - recent_blocks) & inside
+        z = tl.load(last_z_ptr + row + offs, mask=live, other=0.0)
+        score = votes + recent_bonus * recent.to(tl.float32) + tie * z
+        tl.store(rank_ptr + row + offs, tl.where(inside, score, float("-inf")), mask=live)
 
 
 @triton.jit
 def _qsim_rank_kernel(
     query_ptr,  # [B, Hkv, GD] fp32/bf16/fp16 this step's query (G query heads of D), contiguous
     keys_ptr,  # [B, Hkv, C, GD] fp32 contiguous: the ring buffer's normalised past queries
-    sets_ptr,  # [B, Hkv, C, N] uint8 (bool) contiguous: their selections
+    set_ids_ptr,  # [B, Hkv, C + 1, W] int32 contiguous: their selections as ascending id lists (slot C: A_{t-1})
+    set_cnt_ptr,  # [B, Hkv, C + 1] int32: the lists' lengths
     last_sel_ptr,  # [B, Hkv, N] uint8 (bool): A_{t-1}
     last_z_ptr,  # [B, Hkv, N] fp32: z-scores of step t-1
     filled_ptr,  # [1] int64 pairs cached
@@ -385,12 +422,14 @@ def _qsim_rank_kernel(
     pending_ptr,  # [B, Hkv, GD] fp32 out: the normalised query
     has_pending_ptr,  # [1] uint8 (bool) out: set
     rank_ptr,  # [B, Hkv, N] fp32 out
-    n, num_kv_heads, query_size, cache_size, recent_blocks,
+    n, num_kv_heads, query_size, cache_size, width, recent_blocks,
     recent_bonus, tie,  # fp32: 2·neighbours + 1, TIE
     NEIGHBOURS: tl.constexpr,
     C_BLOCK: tl.constexpr,  # next power of two >= cache_size
+    M_ROWS: tl.constexpr,  # next power of two >= NEIGHBOURS
     Q_TILE: tl.constexpr,  # query values per loop iteration
     TILE: tl.constexpr,
+    IDX_TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -401,11 +440,9 @@ def _qsim_rank_kernel(
     similarity = _qsim_similarity(query_ptr, keys_ptr, pending_ptr, has_pending_ptr, filled, bh, kv_head, batch,
                                   query_size, cache_size, C_BLOCK, Q_TILE)
     nb = tl.load(num_blocks_ptr + batch).to(tl.int32)
-    for start in range(0, n, TILE):
-        offs = start + tl.arange(0, TILE)
-        score, voted = _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, offs, n, nb, cache_size,
-                                   recent_blocks, recent_bonus, tie, NEIGHBOURS, C_BLOCK)
-        tl.store(rank_ptr + bh * n + offs, score, mask=offs < n)
+    slot, weight = _qsim_neighbours(similarity, filled, cache_size, NEIGHBOURS, C_BLOCK, M_ROWS)
+    _qsim_rank_row(rank_ptr, bh * n, set_ids_ptr, set_cnt_ptr, last_sel_ptr, last_z_ptr, slot, weight, filled, bh, n, nb,
+                   width, cache_size, recent_blocks, recent_bonus, tie, NEIGHBOURS, M_ROWS, TILE, IDX_TILE)
 
 
 @triton.jit
@@ -417,65 +454,42 @@ def _order_key(score):
 
 
 @triton.jit
-def _rank_select(scratch_keys_ptr, scratch_ids_ptr, scratch, n_cand, k, k_out, out_row, count_index, idx_out_ptr,
-                 count_out_ptr, CAP: tl.constexpr, J_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr):
-    """Top-k of the n_cand (<= CAP) keys at scratch (uint32 as int32, their block ids beside, in
-    ascending block order) by counting: candidate i is taken iff fewer than k candidates come
-    before it in (key descending, block id ascending) order, the top_k_blocks order. One
-    reduction per J_TILE candidates, no digit passes; written in ascending block order."""
-    lane = tl.arange(0, CAP)
-    live = lane < n_cand
-    ki = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0, cache_modifier=".cg").to(tl.uint32,
-                                                                                                  bitcast=True)
-    ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0, cache_modifier=".cg")
-    before = tl.zeros([CAP], dtype=tl.int32)
-    for start in range(0, n_cand, J_TILE):
-        j = start + tl.arange(0, J_TILE)
-        kj = tl.load(scratch_keys_ptr + scratch + j, mask=j < n_cand, other=0, cache_modifier=".cg").to(
-            tl.uint32, bitcast=True)
-        # lanes hold ascending block ids: a lower lane is a lower id
-        better = (kj[None, :] > ki[:, None]) | ((kj[None, :] == ki[:, None]) & (j[None, :] < lane[:, None]))
-        before += tl.sum((better & (j[None, :] < n_cand)).to(tl.int32), axis=1)
-    take = live & (before < k)
-    position = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(idx_out_ptr + out_row + position, ids, mask=take & (position < k_out))
-    _pad_and_count(idx_out_ptr, count_out_ptr, out_row, count_index, tl.minimum(n_cand, k), k_out, PAD_BLOCK)
-
-
-@triton.jit
 def _qsim_propose_kernel(
-    query_ptr, keys_ptr, sets_ptr, last_sel_ptr, last_z_ptr, filled_ptr, num_blocks_ptr, pending_ptr, has_pending_ptr,
-    # (as _qsim_rank_kernel's)
-    fill_ptr,  # [B, Hkv, W] int32: the W best blocks by tie·last_z, best first (ties to the lower id) (HAS_FILL)
+    query_ptr, keys_ptr, set_ids_ptr, set_cnt_ptr, last_z_ptr, filled_ptr, num_blocks_ptr, pending_ptr,
+    has_pending_ptr,  # (as _qsim_rank_kernel's)
+    fill_ptr,  # [B, Hkv, W_fill] int32: the W_fill best blocks by tie·last_z, best first (ties to the lower id) (HAS_FILL)
     fill_valid_ptr,  # [1] uint8: fill is up to date with last_z (HAS_FILL)
     idx_out_ptr,  # [B, Hkv, K_out] int32: P in ascending block order, then padding 0
     count_out_ptr,  # [B, Hkv] int32
-    scratch_keys_ptr,  # [B * Hkv, CAP] int32 workspace
-    scratch_ids_ptr,  # [B * Hkv, CAP] int32 workspace
-    n, num_kv_heads, query_size, cache_size, recent_blocks, k, k_out, fill_width,
+    scratch_keys_ptr,  # [B * Hkv, LANES] int32 workspace: the candidates' keys, compacted
+    scratch_ids_ptr,  # [B * Hkv, LANES] int32 workspace: their ids
+    scratch_row_ptr,  # [B * Hkv, N] int32 workspace: the whole row's keys (only where the lists do not hold P)
+    n, num_kv_heads, query_size, cache_size, width, recent_blocks, k, k_out, fill_width,
     recent_bonus, tie,
     NEIGHBOURS: tl.constexpr,
     C_BLOCK: tl.constexpr,
     Q_TILE: tl.constexpr,
-    BLOCK: tl.constexpr,  # next power of two >= N: the whole row in registers
-    CAP: tl.constexpr,  # voted blocks selected among (a power of two)
-    J_TILE: tl.constexpr,  # candidates compared per step of the counting top-k
+    M_ROWS: tl.constexpr,  # next power of two >= NEIGHBOURS + 1: the neighbours' lists and the recent window
+    K_BLOCK: tl.constexpr,  # next power of two >= max(W, recent_blocks): one list
+    J_TILE: tl.constexpr,  # entries compared per step of the pairwise counts
+    BLOCK: tl.constexpr,  # next power of two >= N: the whole row in registers (only where the lists do not hold P)
     HAS_FILL: tl.constexpr,
     FILL_BLOCK: tl.constexpr,  # next power of two >= fill_width
     RADIX_BITS: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """query_similarity's propose in one launch: the rank of `_qsim_rank_kernel`, then its top-k.
-    Voted or recent blocks (candidates) score >= 1 - |tie·z| and the others exactly tie·z (< 0.5
+    """query_similarity's propose in one launch from the id lists: O(C·G·D) for the similarities,
+    O(neighbours·LANES·K) to merge the neighbours' lists (LANES = M_ROWS·K_BLOCK), O(n_c²) to rank
+    the n_c candidates, O(fill_width·(LANES + fill_width)) for the fill, no pass over the N blocks
+    where the lists and the fill hold P. Candidates (blocks in a voting neighbour's list or the
+    recent window, inside the context) score >= 1 - |tie·z| and the others exactly tie·z (< 0.5
     for rows under 250000 blocks: |z| <= sqrt(N - 1)), so
-    - where at least k blocks are candidates (at most CAP) the top k are among them: counted
-      among those, compacted in block order (`_rank_select`);
-    - where fewer are, P is every candidate and the best k - n_candidates others by tie·z, whose
-      order does not depend on the query: `fill` (written by the update, off the critical path)
-      lists the row's W best by tie·z, best first; the (k - n_candidates)-th non-candidate inside
-      the context in it is the threshold, the others above it are taken from the row;
-    - else (more than CAP candidates, or fill too short) the top-k of the whole row."""
+    - where at least k blocks are candidates the top k are counted among them;
+    - where fewer are, P is every candidate and the best k - n_c others by tie·z, whose order does
+      not depend on the query: the first k - n_c non-candidates inside the context in `fill` (the
+      update's list of the row's best by tie·z, best first, written off the critical path);
+    - else (no valid fill, or too short) the top-k of the whole row (O(N), in registers)."""
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
@@ -484,50 +498,114 @@ def _qsim_propose_kernel(
     similarity = _qsim_similarity(query_ptr, keys_ptr, pending_ptr, has_pending_ptr, filled, bh, kv_head, batch,
                                   query_size, cache_size, C_BLOCK, Q_TILE)
     nb = tl.minimum(tl.load(num_blocks_ptr + batch).to(tl.int32), n)
-    offs = tl.arange(0, BLOCK)
-    score, voted = _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, offs, n, nb, cache_size,
-                               recent_blocks, recent_bonus, tie, NEIGHBOURS, C_BLOCK)
-    # order-preserving uint32 keys; blocks outside the context invalid (0)
-    valid = offs < nb
-    keys = tl.where(valid, _order_key(score), 0)
-    candidate = valid & voted
-    n_candidates = tl.sum(candidate.to(tl.int32), axis=0)
+    slot, weight = _qsim_neighbours(similarity, filled, cache_size, NEIGHBOURS, C_BLOCK, M_ROWS)
+    # lanes [M_ROWS, K_BLOCK]: row j < NEIGHBOURS the j-th neighbour's list, row NEIGHBOURS the recent window
+    rows = tl.arange(0, M_ROWS)
+    cols = tl.arange(0, K_BLOCK)
+    lists = bh * (cache_size + 1) + slot  # [M_ROWS]
+    cnt = tl.load(set_cnt_ptr + lists, mask=(rows < NEIGHBOURS) & (weight > 0), other=0)  # unfilled slots: no lanes
+    in_list = cols[None, :] < cnt[:, None]
+    ids2 = tl.load(set_ids_ptr + lists[:, None] * width + cols[None, :], mask=in_list, other=0)
+    window = rows[:, None] == NEIGHBOURS
+    ids2 = tl.where(window, nb - recent_blocks + cols[None, :], ids2)
+    live2 = (in_list | (window & (cols[None, :] < recent_blocks))) & (ids2 >= 0) & (ids2 < nb)
+    LANES: tl.constexpr = M_ROWS * K_BLOCK
+    ids = tl.reshape(ids2, [LANES])
+    live = tl.reshape(live2, [LANES])
+    lane_row = tl.reshape(tl.broadcast_to(rows[:, None], [M_ROWS, K_BLOCK]), [LANES])
+    # votes of each lane's block, neighbour by neighbour (torch's order of the sum); a lane is its
+    # block's first when no earlier row lists the block (the lists hold distinct ids)
+    votes = tl.zeros([LANES], dtype=tl.float32)
+    repeated = tl.zeros([LANES], dtype=tl.int32)
+    for j in tl.static_range(NEIGHBOURS):
+        list_j = tl.sum(tl.where(rows == j, lists, 0), axis=0)
+        cnt_j = tl.sum(tl.where(rows == j, cnt, 0), axis=0)
+        w_j = tl.sum(tl.where(rows == j, weight, 0.0), axis=0)
+        member = tl.zeros([LANES], dtype=tl.int32)
+        for start in range(0, cnt_j, J_TILE):
+            c = start + tl.arange(0, J_TILE)
+            other = tl.load(set_ids_ptr + list_j * width + c, mask=c < cnt_j, other=-1)
+            member = tl.maximum(member, tl.max((ids[:, None] == other[None, :]).to(tl.int32), axis=1))
+        votes = tl.where(member != 0, votes + w_j, votes)
+        repeated = tl.maximum(repeated, tl.where(lane_row > j, member, 0))
+    candidate = live & (repeated == 0)  # every live lane is voted (weight > 0) or recent
+    recent = ids >= nb - recent_blocks
+    z = tl.load(last_z_ptr + bh * n + ids, mask=candidate, other=0.0)
+    score = votes + recent_bonus * recent.to(tl.float32) + tie * z
+    keys = tl.where(candidate, _order_key(score), 0)
+    n_cand = tl.sum(candidate.to(tl.int32), axis=0)
+    scratch = bh * LANES
+    slot_c = tl.cumsum(candidate.to(tl.int32), axis=0) - 1
+    tl.store(scratch_keys_ptr + scratch + slot_c, keys.to(tl.int32, bitcast=True), mask=candidate)
+    tl.store(scratch_ids_ptr + scratch + slot_c, ids, mask=candidate)
+    tl.debug_barrier()  # the program's own stores, read back by other threads
+    # before: candidates ahead in (key descending, id ascending), the top_k_blocks order; counted
+    # only where more than k are candidates (else every one is taken)
+    before = tl.zeros([LANES], dtype=tl.int32)
+    for start in range(0, tl.where(n_cand > k, n_cand, 0), J_TILE):
+        c = start + tl.arange(0, J_TILE)
+        kc = tl.load(scratch_keys_ptr + scratch + c, mask=c < n_cand, other=0, cache_modifier=".cg").to(
+            tl.uint32, bitcast=True)
+        ic = tl.load(scratch_ids_ptr + scratch + c, mask=c < n_cand, other=0, cache_modifier=".cg")
+        ahead = (kc[None, :] > keys[:, None]) | ((kc[None, :] == keys[:, None]) & (ic[None, :] < ids[:, None]))
+        before += tl.sum((ahead & (c[None, :] < n_cand)).to(tl.int32), axis=1)
+    taken = candidate & (before < k)
+    # the last taken candidate (key, id): the others taken are ahead of it (none: every candidate)
+    last = candidate & (before == k - 1)
+    t_key = tl.max(tl.where(last, keys, 0), axis=0)
+    t_id = tl.max(tl.where(last, ids, -1), axis=0)
+    done = n_cand >= k
     out_row = bh * k_out
-    done = (n_candidates >= k) & (n_candidates <= CAP)
-    if done:
-        slot = tl.cumsum(candidate.to(tl.int32), axis=0) - 1
-        scratch = bh * CAP
-        tl.store(scratch_keys_ptr + scratch + slot, keys.to(tl.int32, bitcast=True), mask=candidate)
-        tl.store(scratch_ids_ptr + scratch + slot, offs, mask=candidate)
-        tl.debug_barrier()  # the program's own stores, read back by other threads
-        _rank_select(scratch_keys_ptr, scratch_ids_ptr, scratch, n_candidates, k, k_out, out_row, bh, idx_out_ptr,
-                     count_out_ptr, CAP, J_TILE, PAD_BLOCK)
     if HAS_FILL:
-        if (n_candidates < k) & (tl.load(fill_valid_ptr) != 0):
-            lanes = tl.arange(0, FILL_BLOCK)
-            listed = lanes < fill_width
-            fid = tl.load(fill_ptr + bh * fill_width + lanes, mask=listed, other=0)
-            f_score, f_voted = _qsim_score(similarity, sets_ptr, last_sel_ptr, last_z_ptr, filled, bh, fid, n, nb,
-                                           cache_size, recent_blocks, recent_bonus, tie, NEIGHBOURS, C_BLOCK)
-            other = listed & (fid < nb) & (f_voted == 0)  # non-candidates inside the context, best first
-            need = k - n_candidates
-            rank = tl.cumsum(other.to(tl.int32), axis=0)
-            enough = tl.sum(other.to(tl.int32), axis=0) >= need
-            at = other & (rank == need)
-            t_key = tl.max(tl.where(at, _order_key(f_score), 0), axis=0)
-            t_id = tl.max(tl.where(at, fid, -1), axis=0)
-            picked = valid & (voted == 0) & ((keys > t_key) | ((keys == t_key) & (offs <= t_id)))
-            # exactly `need` others above the threshold in this row's own keys (a list ordered by
-            # other roundings of tie·z would give another count): else the whole row
-            enough = enough & (tl.sum(picked.to(tl.int32), axis=0) == need)
-            if enough:
-                take = candidate | picked
-                position = tl.cumsum(take.to(tl.int32), axis=0) - 1
-                tl.store(idx_out_ptr + out_row + position, offs, mask=take & (position < k_out))
-                _pad_and_count(idx_out_ptr, count_out_ptr, out_row, bh, k, k_out, PAD_BLOCK)
-            done = done | enough
-    if done == 0:
-        _select_row(keys, valid, offs, k, k_out, out_row, bh, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
+        lanes_f = tl.arange(0, FILL_BLOCK)
+        listed = lanes_f < fill_width
+        fid = tl.load(fill_ptr + bh * fill_width + lanes_f, mask=listed, other=0)
+        listed_cand = tl.zeros([FILL_BLOCK], dtype=tl.int32)
+        for start in range(0, tl.where(n_cand < k, n_cand, 0), J_TILE):
+            c = start + tl.arange(0, J_TILE)
+            ic = tl.load(scratch_ids_ptr + scratch + c, mask=c < n_cand, other=-1, cache_modifier=".cg")
+            listed_cand = tl.maximum(listed_cand, tl.max((fid[:, None] == ic[None, :]).to(tl.int32), axis=1))
+        usable = listed & (fid < nb) & (listed_cand == 0)  # non-candidates inside the context, best first
+        need = k - n_cand
+        enough = (n_cand < k) & (tl.load(fill_valid_ptr) != 0) & (tl.sum(usable.to(tl.int32), axis=0) >= need)
+        # (need times 0 or 1: the interpreter does not broadcast a scalar bool into a block mask)
+        picked = usable & (tl.cumsum(usable.to(tl.int32), axis=0) <= need * enough.to(tl.int32))
+        done = done | enough
+    if done:
+        # positions in ascending block order: P members with a lower id
+        below = tl.zeros([LANES], dtype=tl.int32)
+        if HAS_FILL:
+            below_f = tl.zeros([FILL_BLOCK], dtype=tl.int32)
+        for start in range(0, n_cand, J_TILE):
+            c = start + tl.arange(0, J_TILE)
+            kc = tl.load(scratch_keys_ptr + scratch + c, mask=c < n_cand, other=0, cache_modifier=".cg").to(
+                tl.uint32, bitcast=True)
+            ic = tl.load(scratch_ids_ptr + scratch + c, mask=c < n_cand, other=0, cache_modifier=".cg")
+            in_p = (c < n_cand) & ((kc > t_key) | ((kc == t_key) & (ic <= t_id)))
+            below += tl.sum((in_p[None, :] & (ic[None, :] < ids[:, None])).to(tl.int32), axis=1)
+            if HAS_FILL:
+                below_f += tl.sum((in_p[None, :] & (ic[None, :] < fid[:, None])).to(tl.int32), axis=1)
+        if HAS_FILL:
+            below += tl.sum((picked[None, :] & (fid[None, :] < ids[:, None])).to(tl.int32), axis=1)
+            below_f += tl.sum((picked[None, :] & (fid[None, :] < fid[:, None])).to(tl.int32), axis=1)
+            tl.store(idx_out_ptr + out_row + below_f, fid, mask=picked)
+        tl.store(idx_out_ptr + out_row + below, ids, mask=taken)
+        _pad_and_count(idx_out_ptr, count_out_ptr, out_row, bh, k, k_out, PAD_BLOCK)
+    else:
+        # the whole row: tie·z as the rank sums it for a block without votes (0 + 0 + tie·z), the
+        # candidates' keys written over theirs, then the row's top-k
+        offs = tl.arange(0, BLOCK)
+        inside = offs < nb
+        z_row = tl.load(last_z_ptr + bh * n + offs, mask=offs < n, other=0.0)
+        zero = tl.zeros([BLOCK], dtype=tl.float32)
+        row_keys = tl.where(inside, _order_key(zero + recent_bonus * zero + tie * z_row), 0)
+        tl.store(scratch_row_ptr + bh * n + offs, row_keys.to(tl.int32, bitcast=True), mask=offs < n)
+        tl.debug_barrier()
+        tl.store(scratch_row_ptr + bh * n + ids, keys.to(tl.int32, bitcast=True), mask=candidate)
+        tl.debug_barrier()
+        row_keys = tl.load(scratch_row_ptr + bh * n + offs, mask=offs < n, other=0, cache_modifier=".cg").to(
+            tl.uint32, bitcast=True)
+        _select_row(row_keys, inside, offs, k, k_out, out_row, bh, idx_out_ptr, count_out_ptr, RADIX_BITS, PAD_BLOCK)
 
 
 @triton.jit
@@ -536,13 +614,14 @@ def _qsim_update_kernel(
     idx_ptr,  # [B, Hkv, C_A] int32/int64, strided
     cnt_ptr,  # [B, Hkv] int32/int64, strided
     keys_ptr,  # [B, Hkv, C, GD] fp32 contiguous (PAIR)
-    sets_ptr,  # [B, Hkv, C, N] uint8 contiguous (PAIR)
+    set_ids_ptr,  # [B, Hkv, C + 1, W] int32 contiguous: slot C <- this selection's list; slot cursor too where paired
+    set_cnt_ptr,  # [B, Hkv, C + 1] int32
     pending_ptr,  # [B, Hkv, GD] fp32 (PAIR)
     has_pending_ptr,  # [1] uint8 (PAIR)
     cursor_ptr,  # [1] int64 (PAIR)
     last_sel_ptr,  # [B, Hkv, N] uint8 out
     last_z_ptr,  # [B, Hkv, N] fp32 out
-    n, num_kv_heads, capacity, query_size, cache_size,
+    n, num_kv_heads, capacity, query_size, cache_size, width,
     stride_sb, stride_sh, stride_sn,
     stride_ib, stride_ih, stride_ic,
     stride_cb, stride_ch,
@@ -552,9 +631,10 @@ def _qsim_update_kernel(
     Q_TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """last_z, last_selected <- this selection; where a propose left a query, slot `cursor` of the
-    ring buffer <- (that query, this selection). The counters move in `_qsim_counters_kernel`
-    (after every program here has read them)."""
+    """last_z, last_selected <- this selection, and its list (distinct in-range ids, ascending,
+    from the mask: O(N), off the critical path) into slot C; where a propose left a query, slot
+    `cursor` of the ring buffer <- (that query, the list). The counters move in
+    `_qsim_counters_kernel` (after every program here has read them)."""
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
@@ -562,8 +642,8 @@ def _qsim_update_kernel(
     score_row = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
     row = bh * n
     mean, std, count = _row_stats(scores_ptr, score_row, stride_sn, n, TILE)
-    # pair: 1 where a propose left a query to pair (a multiplier of loop bounds: the interpreter
-    # does not broadcast a scalar bool into a block mask)
+    # pair: 1 where a propose left a query to pair (a multiplier of loop bounds and masks: the
+    # interpreter does not broadcast a scalar bool into a block mask)
     pair = tl.zeros([], dtype=tl.int32)
     slot = tl.zeros([], dtype=tl.int64)
     if PAIR:
@@ -574,7 +654,6 @@ def _qsim_update_kernel(
             live = offs < query_size * pair
             x = tl.load(pending_ptr + bh * query_size + offs, mask=live, other=0.0)
             tl.store(keys_ptr + (bh * cache_size + slot) * query_size + offs, x, mask=live)
-    slot_row = (bh * cache_size + slot) * n
     for start in range(0, n, TILE):
         offs = start + tl.arange(0, TILE)
         live = offs < n
@@ -582,8 +661,6 @@ def _qsim_update_kernel(
         z, finite = _zscore(s.to(tl.float32), mean, std)
         tl.store(last_z_ptr + row + offs, z, mask=live)
         tl.store(last_sel_ptr + row + offs, tl.zeros([TILE], dtype=tl.uint8), mask=live)
-        if PAIR:
-            tl.store(sets_ptr + slot_row + offs, tl.zeros([TILE], dtype=tl.uint8), mask=offs < n * pair)
     tl.debug_barrier()  # the zeros land before the selected blocks' ones
     chosen = tl.load(cnt_ptr + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch).to(tl.int32)
     idx_row = batch.to(tl.int64) * stride_ib + kv_head.to(tl.int64) * stride_ih
@@ -593,8 +670,30 @@ def _qsim_update_kernel(
         ids = tl.load(idx_ptr + idx_row + j.to(tl.int64) * stride_ic, mask=valid, other=0).to(tl.int32)
         valid = valid & (ids >= 0) & (ids < n)
         tl.store(last_sel_ptr + row + ids, tl.full([IDX_TILE], 1, tl.uint8), mask=valid)
+    tl.debug_barrier()  # the mask is complete before it is compacted
+    last_list = (bh * (cache_size + 1) + cache_size) * width
+    pair_list = (bh * (cache_size + 1) + slot) * width
+    total = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, TILE):
+        offs = start + tl.arange(0, TILE)
+        member = tl.load(last_sel_ptr + row + offs, mask=offs < n, other=0, cache_modifier=".cg").to(tl.int32)
+        position = total + tl.cumsum(member, axis=0) - 1
+        listed = (member != 0) & (position < width)  # the launcher keeps the selection's capacity <= width
+        tl.store(set_ids_ptr + last_list + position, offs, mask=listed)
         if PAIR:
-            tl.store(sets_ptr + slot_row + ids, tl.full([IDX_TILE], 1, tl.uint8), mask=valid & (j < chosen * pair))
+            tl.store(set_ids_ptr + pair_list + position, offs, mask=listed & (position < width * pair))
+        total += tl.sum(member, axis=0)
+    total = tl.minimum(total, width)
+    for start in range(0, width, IDX_TILE):
+        j = start + tl.arange(0, IDX_TILE)
+        pad = (j >= total) & (j < width)
+        tl.store(set_ids_ptr + last_list + j, tl.zeros([IDX_TILE], dtype=tl.int32), mask=pad)
+        if PAIR:
+            tl.store(set_ids_ptr + pair_list + j, tl.zeros([IDX_TILE], dtype=tl.int32), mask=pad & (j < width * pair))
+    tl.store(set_cnt_ptr + bh * (cache_size + 1) + cache_size, total)
+    if PAIR:
+        pair_cnt = set_cnt_ptr + bh * (cache_size + 1) + slot
+        tl.store(pair_cnt, tl.where(pair != 0, total, tl.load(pair_cnt)))
 
 
 @triton.jit

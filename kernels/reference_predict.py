@@ -184,20 +184,42 @@ def spin_propose_reference(rank: Tensor, draw: Tensor, budget_blocks: int, explo
 # --- query_similarity ---------------------------------------------------------------------
 
 
-def query_similarity_rank_reference(query: Tensor, keys: Tensor, sets: Tensor, last_selected: Tensor, last_z: Tensor,
-                                    filled: int, num_blocks: Tensor, neighbours: int, recent_blocks: int, tie: float
-                                    ) -> tuple[Tensor, Tensor]:
-    """query [B, Hkv, G, D], keys [B, Hkv, C, G·D] fp32 unit rows, sets [B, Hkv, C, N] bool,
-    last_selected [B, Hkv, N] bool, last_z [B, Hkv, N], filled: cached pairs -> (rank [B, Hkv, N]:
-    Σ over the `neighbours` most similar cached queries (cosine) of (1.5 + s/2)·1[b in their set],
-    A_{t-1} while none is cached, + (2·neighbours + 1)·1[recent] + tie·last_z, -inf outside;
-    the normalised query [B, Hkv, G·D])."""
+def selection_lists_reference(mask: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """mask [..., N] bool -> (ids [..., width] int32: the members in ascending order, then padding 0;
+    count [...] int32): how query_similarity stores a selection (the caller keeps count <= width)."""
+    n = mask.shape[-1]
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :width]  # members first, ascending
+    count = mask.sum(-1)
+    valid = torch.arange(order.shape[-1], device=mask.device) < count.unsqueeze(-1)
+    ids = torch.where(valid, order, torch.zeros_like(order)).to(torch.int32)
+    if order.shape[-1] < width:  # width > N
+        ids = torch.cat([ids, ids.new_zeros(*ids.shape[:-1], width - n)], dim=-1)
+    return ids, count.to(torch.int32)
+
+
+def selection_masks_reference(ids: Tensor, count: Tensor, max_blocks: int) -> Tensor:
+    """ids [..., W], count [...] (selection_lists_reference's) -> [..., max_blocks] bool."""
+    valid = torch.arange(ids.shape[-1], device=ids.device) < count.unsqueeze(-1)
+    out = torch.zeros(*ids.shape[:-1], max_blocks + 1, dtype=torch.bool, device=ids.device)
+    return out.scatter_(-1, torch.where(valid, ids.long(), max_blocks), True)[..., :max_blocks]
+
+
+def query_similarity_rank_reference(query: Tensor, keys: Tensor, set_ids: Tensor, set_count: Tensor,
+                                    last_selected: Tensor, last_z: Tensor, filled: int, num_blocks: Tensor,
+                                    neighbours: int, recent_blocks: int, tie: float) -> tuple[Tensor, Tensor]:
+    """query [B, Hkv, G, D], keys [B, Hkv, C, G·D] fp32 unit rows, set_ids [B, Hkv, C + 1, W] int32
+    with set_count [B, Hkv, C + 1] (slot j < C: the selection cached with query j, ascending ids;
+    slot C: A_{t-1}, not read here), last_selected [B, Hkv, N] bool, last_z [B, Hkv, N], filled:
+    cached pairs -> (rank [B, Hkv, N]: Σ over the `neighbours` most similar cached queries (cosine)
+    of (1.5 + s/2)·1[b in their set], A_{t-1} while none is cached, + (2·neighbours + 1)·1[recent]
+    + tie·last_z, -inf outside; the normalised query [B, Hkv, G·D])."""
     q = torch.nn.functional.normalize(query.float().flatten(2), dim=-1)
-    cache_size, n = keys.shape[2], sets.shape[-1]
+    cache_size, n = keys.shape[2], last_z.shape[-1]
     similarity = torch.einsum("bhcd,bhd->bhc", keys, q)
     cached = torch.arange(cache_size, device=q.device) < filled
     best, which = similarity.masked_fill(~cached, NEVER).topk(neighbours, dim=-1)
-    chosen = torch.gather(sets, 2, which.unsqueeze(-1).expand(-1, -1, -1, n))
+    ids = torch.gather(set_ids, 2, which.unsqueeze(-1).expand(-1, -1, -1, set_ids.shape[-1]))
+    chosen = selection_masks_reference(ids, torch.gather(set_count, 2, which), n)  # [B, Hkv, m, N]
     weight = torch.where(best > NEVER, 1.5 + best / 2, 0.0)
     votes = (weight.unsqueeze(-1) * chosen).sum(2) if filled > 0 else last_selected.float()
     score = votes + (2 * neighbours + 1) * newest_reference(num_blocks, recent_blocks, n) + tie * last_z
@@ -211,17 +233,22 @@ def fill_reference(last_z: Tensor, tie: float, width: int) -> Tensor:
     return top_k_blocks(tie * last_z.float(), width)[0].to(torch.int32)
 
 
-def query_similarity_update_reference(keys: Tensor, sets: Tensor, pending: Tensor, paired: bool, cursor: int,
-                                      scores: Tensor, indices: Tensor, count: Tensor
-                                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (keys, sets with slot `cursor` <- (pending, the selection's mask) when paired; last_selected;
-    last_z = the scores standardised)."""
-    chosen = membership_reference(indices, count, sets.shape[-1])
-    keys, sets = keys.clone(), sets.clone()
+def query_similarity_update_reference(keys: Tensor, set_ids: Tensor, set_count: Tensor, pending: Tensor, paired: bool,
+                                      cursor: int, scores: Tensor, indices: Tensor, count: Tensor
+                                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (keys, set_ids, set_count with slot `cursor` <- (pending, the selection's list) when
+    paired and slot C <- the selection's list; last_selected; last_z = the scores standardised).
+    A list: the selection's distinct in-range ids, ascending, padding 0 (selection_lists_reference)."""
+    n = scores.shape[-1]
+    chosen = membership_reference(indices, count, n)
+    ids, cnt = selection_lists_reference(chosen, set_ids.shape[-1])
+    keys, set_ids, set_count = keys.clone(), set_ids.clone(), set_count.clone()
+    slots = [set_ids.shape[2] - 1] + ([cursor] if paired else [])
+    for slot in slots:
+        set_ids[:, :, slot], set_count[:, :, slot] = ids, cnt
     if paired:
         keys[:, :, cursor] = pending
-        sets[:, :, cursor] = chosen
-    return keys, sets, chosen, standardise_reference(scores)
+    return keys, set_ids, set_count, chosen, standardise_reference(scores)
 
 
 # --- seeded input generators -------------------------------------------------------------

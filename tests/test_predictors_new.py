@@ -116,10 +116,32 @@ def test_query_similarity_memory_is_bounded_by_cache_size():
     for step in range(12):
         p.propose(st, 1, N, 4, query=torch.randn(1, 3, 2, 8, generator=g))
         p.update(st, 1, selection([step % N, 7], nb=N, heads=3))
-        sizes.append((st.keys.numel(), st.sets.numel()))
-    assert len(set(sizes)) == 1 and st.keys.shape[3] == 5 and st.filled[1] == 5
+        sizes.append((st.keys.numel(), st.set_ids.numel(), st.set_count.numel()))
+    # id lists of the selections' capacity (2), not max_blocks: C + 1 slots (the last: A_{t-1})
+    assert len(set(sizes)) == 1 and st.keys.shape[3] == 5 and st.filled[1] == 5 and st.set_ids.shape[3:] == (6, 2)
     # the oldest pairs were overwritten: the 12th selection (block 11) is cached, the 1st (block 0) is not
-    assert st.sets[1, 0, 0, :, 11].any() and not st.sets[1, 0, 0, :, 0].any()
+    cached = BlockSet(st.set_ids[1, 0, 0, :5], st.set_count[1, 0, 0, :5]).mask(N)  # [C, N]
+    assert cached[:, 11].any() and not cached[:, 0].any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_query_similarity_lists_widen_for_a_larger_selection(backend):
+    """The id lists are sized by the first selection's capacity and widened, the pairs kept, where a
+    larger one comes later (eagerly)."""
+    g = torch.Generator().manual_seed(2)
+    q1, q2 = torch.randn(1, 1, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
+    p = QuerySimilarityPredictor(cache_size=4, neighbours=1, recent_blocks=0)
+    assert p.set_backend(backend) == backend
+    st = p.init_state(1, 1, 1, N, "cpu")
+    assert st.set_ids.shape[-1] == 0  # sized by the first update
+    p.propose(st, 0, N, 2, query=q1)
+    p.update(st, 0, selection([2, 9]))
+    assert st.set_ids.shape[-1] == 2
+    p.propose(st, 0, N, 2, query=q2)
+    p.update(st, 0, selection([4, 5, 6, 7]))
+    assert st.set_ids.shape[-1] == 4
+    assert sorted(members(p.propose(st, 0, N, 2, query=q1))) == [2, 9]
+    assert sorted(members(p.propose(st, 0, N, 4, query=q2))) == [4, 5, 6, 7]
 
 
 def test_query_similarity_refuses_to_guess_without_the_query():

@@ -16,7 +16,10 @@ At step t, with the current query q_t (known before selection runs):
 so P is the union of the neighbours' selections and the recent window when |P| covers it,
 the best-voted part of it otherwise. Before any pair is cached (the prefill tail reaches
 predictors as selections without queries) the last selection stands in for the neighbours.
-Memory is bounded: cache_size × (G·D fp32 + max_blocks bool) per layer and KV head.
+Selections are kept as id lists (each its distinct block ids ascending, padded, with a count),
+W = min(the selections' capacity K, max_blocks) ids each, sized at the first update: memory is
+cache_size × (G·D fp32 + W int32) per layer and KV head (+ one list for A_{t−1}, and
+last_selected / last_z over max_blocks).
 
 Static shapes (one definition, eager or captured in a CUDA graph): the ring buffer's
 `cursor` and `filled` are device counters; rank scores all `cache_size` slots and masks the
@@ -27,17 +30,30 @@ writes the pair into slot `cursor` only where the flag is up, then lowers it. Se
 that arrive without a propose (the prefill tail) therefore pair with nothing, and no Python
 value changes from step to step. The query size G·D is not an argument of `init_state`:
 `keys` and `pending` are sized by the first propose (an eager warm-up call before any
-capture) and never re-allocated.
+capture) and never re-allocated; the id lists likewise by the first update (an eager call
+before any capture; widened, eagerly only, if a selection of larger capacity comes).
 
-On backend triton (prr.kernels.predict): propose = one launch (normalise, similarities, the
-neighbours' votes, the rank and its top-k: counted among the voted blocks when they hold it;
-where fewer than |P| got a vote, every voted block and the best others by TIE·last_z, read from
-`fill`, a list the update writes off the critical path since it does not depend on the query,
-when fill_width > 0; else the whole row's top-k);
-update = one launch (ring-buffer slot, last selection and z-scores) + a one-program launch moving
-the counters + the fill list (the top-k kernel and a sort of its W entries). The cosine similarities
-are summed in another order than torch's einsum, so votes can differ in the last bit: P is the
-same set unless two blocks' ranks lie within that (tested on random inputs).
+On backend triton (prr.kernels.predict): propose = one launch on the critical path that works
+on the lists, not over the max_blocks blocks: normalise, the C cosine similarities (C·G·D),
+the neighbours' m lists and the recent window merged (distinct ids and their summed votes:
+m × (m + 1 rounded up to a power of two) × K comparisons), z_{t−1} gathered for those ids only,
+then P: where at least |P| blocks are candidates (voted or recent) their top |P| (n_c² comparisons,
+n_c <= m·K + recent_blocks); where fewer are, every candidate and the first |P| − n_c others of
+`fill` (a list of the best blocks by TIE·z_{t−1} that the update writes off the critical path since
+it does not depend on the query; fill_width × (n_c + fill_width) comparisons). Only where fewer
+than |P| are candidates and no fill list holds the rest (fill_width = 0, too short, not yet
+written) does it rank the whole row (O(max_blocks), the same launch). Expected work per (row,
+KV head) at the 8B shape (K = 32, m = 2, recent_blocks = 1, 8,192 blocks): 4 × 32 = 128 lanes (two
+lists and the window, rows rounded up to a power of two), 2 × 128 × 32 comparisons to merge them,
+at most 65² to rank them, where the kernel before scanned the 8,192 blocks several times; at |P| =
+128 > 65 candidates P needs the fill list (fill_width >= |P| is enough unless blocks outside the
+context, z = 0, rank among its first entries), else the row is ranked as before. No timing here:
+the H200 numbers come from experiments/bench_predictors.py.
+update = one launch (ring-buffer slot, last selection as mask and list, z-scores: O(max_blocks),
+off the critical path) + a one-program launch moving the counters + the fill list (the top-k
+kernel and a sort of its W entries). The cosine similarities are summed in another order than
+torch's einsum, so votes can differ in the last bit: P is the same set unless two blocks' ranks
+lie within that (tested on random inputs).
 """
 
 from __future__ import annotations
@@ -62,7 +78,11 @@ TIE = 1e-3  # |z| stays well below 1/TIE, so scores only order blocks of equal v
 @dataclass
 class QuerySimilarityState:
     keys: Tensor  # [L, B, Hkv, C, G·D] fp32 normalised past queries (C = cache_size); G·D = 0 until the first propose
-    sets: Tensor  # [L, B, Hkv, C, max_blocks] bool: the selection each past query got
+    # [L, B, Hkv, C + 1, W] int32: slot j < C the selection query j got, slot C A_{t−1}, each as its
+    # distinct block ids ascending, then padding 0 (W = min(the selections' capacity, max_blocks);
+    # 0 until the first update), with set_count [L, B, Hkv, C + 1] int32 the ids each holds
+    set_ids: Tensor
+    set_count: Tensor
     filled: Tensor  # [L] int64 pairs cached per layer (<= C)
     cursor: Tensor  # [L] int64 ring-buffer slot the next pair goes to
     pending: Tensor  # [L, B, Hkv, G·D] fp32 this step's normalised query, written by propose, paired in update
@@ -87,7 +107,8 @@ class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
         counter = torch.zeros(num_layers, dtype=torch.int64, device=device)
         return QuerySimilarityState(
             keys=torch.zeros(*per_layer, self.cache_size, 0, device=device),
-            sets=torch.zeros(*per_layer, self.cache_size, max_blocks, dtype=torch.bool, device=device),
+            set_ids=torch.zeros(*per_layer, self.cache_size + 1, 0, dtype=torch.int32, device=device),
+            set_count=torch.zeros(*per_layer, self.cache_size + 1, dtype=torch.int32, device=device),
             filled=counter, cursor=counter.clone(),
             pending=torch.zeros(*per_layer, 0, device=device),
             has_pending=torch.zeros(num_layers, dtype=torch.bool, device=device),
@@ -114,9 +135,10 @@ class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
             self.size_for_query(state, query[0, 0].numel())
             one = slice(layer, layer + 1)
             return BlockSet(*query_similarity_propose(
-                query, state.keys[layer], state.sets[layer], state.last_selected[layer], state.last_z[layer],
-                state.filled[one], num_blocks, state.pending[layer], state.has_pending[one], self.neighbours,
-                self.recent_blocks, TIE, max(budget_blocks, 0), fill=state.fill[layer], fill_valid=state.fill_valid[one]))
+                query, state.keys[layer], state.set_ids[layer], state.set_count[layer], state.last_selected[layer],
+                state.last_z[layer], state.filled[one], num_blocks, state.pending[layer], state.has_pending[one],
+                self.neighbours, self.recent_blocks, TIE, max(budget_blocks, 0), fill=state.fill[layer],
+                fill_valid=state.fill_valid[one]))
         q = F.normalize(query.float().flatten(2), dim=-1)  # [B, Hkv, G·D]
         self.size_for_query(state, q.shape[-1])
         state.pending[layer] = q
@@ -133,18 +155,35 @@ class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
         state.keys = state.keys.new_zeros(*state.keys.shape[:-1], query_size)
         state.pending = state.pending.new_zeros(*state.pending.shape[:-1], query_size)
 
+    def size_for_selection(self, state: QuerySimilarityState, capacity: int) -> None:
+        """Widen the id lists to hold selections of `capacity` ids (W = min(capacity, max_blocks)):
+        at the first update, an eager call before any capture (the lists are empty until then), or
+        eagerly later where a selection of larger capacity comes (the lists kept, padded)."""
+        width = min(capacity, state.last_z.shape[-1])
+        old = state.set_ids.shape[-1]
+        if width <= old:
+            return
+        if state.set_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"query_similarity's id lists hold {old} ids, a selection of capacity {capacity} came "
+                               "during a CUDA-graph capture: run an update with such a selection eagerly before")
+        wider = state.set_ids.new_zeros(*state.set_ids.shape[:-1], width)
+        wider[..., :old] = state.set_ids
+        state.set_ids = wider
+
     def rank(self, state: QuerySimilarityState, layer: int, num_blocks: int | Tensor) -> Tensor:
         """-> [B, Hkv, max_blocks] for the query given to the last propose of this layer."""
         if state.pending.shape[-1] == 0:
             raise ValueError("query_similarity ranks the query of the last propose(..., query=q); none was given for "
                              f"layer {layer} yet")
         q = state.pending[layer]  # [B, Hkv, G·D]
-        max_blocks = state.sets.shape[-1]
+        max_blocks = state.last_z.shape[-1]
         filled = state.filled[layer]  # 0-dim device tensor
         similarity = torch.einsum("bhcd,bhd->bhc", state.keys[layer], q)  # [B, Hkv, C]
         cached = torch.arange(self.cache_size, device=q.device) < filled  # [C]
         best, which = similarity.masked_fill(~cached, NEVER).topk(self.neighbours, dim=-1)  # [B, Hkv, m]
-        sets = torch.gather(state.sets[layer], 2, which.unsqueeze(-1).expand(-1, -1, -1, max_blocks))  # [B, Hkv, m, N]
+        width = state.set_ids.shape[-1]
+        ids = torch.gather(state.set_ids[layer], 2, which.unsqueeze(-1).expand(-1, -1, -1, width))  # [B, Hkv, m, W]
+        sets = BlockSet(ids, torch.gather(state.set_count[layer], 2, which)).mask(max_blocks)  # [B, Hkv, m, N]
         weight = torch.where(best > NEVER, 1.5 + best / 2, 0.0)  # unfilled slots picked when filled < m do not vote
         votes = (weight.unsqueeze(-1) * sets).sum(2)  # [B, Hkv, N]
         votes = torch.where(filled > 0, votes, state.last_selected[layer].float())  # no pair cached yet: A_{t−1} stands in
@@ -157,20 +196,29 @@ class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
         if self.backend == "triton":
             from prr.kernels.predict import query_similarity_update
 
+            self.size_for_selection(state, selection.blocks.capacity)
             one = slice(layer, layer + 1)
             query_similarity_update(selection.scores, selection.blocks.indices, selection.blocks.count, state.keys[layer],
-                                    state.sets[layer], state.pending[layer], state.has_pending[one], state.cursor[one],
-                                    state.filled[one], state.last_selected[layer], state.last_z[layer])
+                                    state.set_ids[layer], state.set_count[layer], state.pending[layer],
+                                    state.has_pending[one], state.cursor[one], state.filled[one],
+                                    state.last_selected[layer], state.last_z[layer])
             self._write_fill(state, layer)
             return
-        chosen = selection.blocks.mask(state.sets.shape[-1])  # [B, Hkv, N]
+        chosen = selection.blocks.mask(state.last_z.shape[-1])  # [B, Hkv, N]
+        self.size_for_selection(state, selection.blocks.capacity)
+        # the selection as its list (distinct ids ascending; reference_predict.selection_lists_reference)
+        listed = BlockSet.from_mask(chosen, state.set_ids.shape[-1])
+        ids, count = listed.indices.to(torch.int32), listed.count.to(torch.int32)  # [B, Hkv, W], [B, Hkv]
+        set_ids, set_count = state.set_ids[layer], state.set_count[layer]  # [B, Hkv, C + 1, W], [B, Hkv, C + 1] views
+        set_ids[:, :, self.cache_size], set_count[:, :, self.cache_size] = ids, count  # slot C: A_{t−1}
         if state.pending.shape[-1] != 0:  # structural: false only before the first propose of the run
             # Pair this step's query with its selection where propose left one; else rewrite the slot as it was.
             paired = state.has_pending[layer]  # 0-dim bool
             slot = state.cursor[layer : layer + 1]  # [1] int64
-            keys, sets = state.keys[layer], state.sets[layer]  # [B, Hkv, C, G·D], [B, Hkv, C, N] views
+            keys = state.keys[layer]  # [B, Hkv, C, G·D] view
             keys.index_copy_(2, slot, torch.where(paired, state.pending[layer].unsqueeze(2), keys.index_select(2, slot)))
-            sets.index_copy_(2, slot, torch.where(paired, chosen.unsqueeze(2), sets.index_select(2, slot)))
+            set_ids.index_copy_(2, slot, torch.where(paired, ids.unsqueeze(2), set_ids.index_select(2, slot)))
+            set_count.index_copy_(2, slot, torch.where(paired, count.unsqueeze(2), set_count.index_select(2, slot)))
             step = paired.long()
             state.cursor[layer] = (state.cursor[layer] + step) % self.cache_size
             state.filled[layer] = (state.filled[layer] + step).clamp(max=self.cache_size)

@@ -164,11 +164,11 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
             eng.set_predictions(layer, *selection)  # P = A: every block of A predicted
     views = {"serial": (eng.with_plan(variant="serial"), False),
              "serial_merge_launch": (eng.with_plan(variant="serial", fuse_merge=False), False),
-             "serial_counters": (eng.with_plan(variant="serial", count_hits=True), False),
+             "serial_counters": (eng.with_plan(variant="serial", count_hits=True, count_at_step_end=True), False),
              "serial_counters_each_layer": (eng.with_plan(variant="serial", count_hits=True, count_at_step_end=False),
                                             False),
              "prr_p=a": (eng, False),
-             "prr_p=a_counters": (eng.with_plan(count_hits=True), False),
+             "prr_p=a_counters": (eng.with_plan(count_hits=True, count_at_step_end=True), False),
              "prr_p=a_one_stream": (eng.with_plan(overlap=False), False)}
     rows, kernel_rows, base = [], [], None
 
@@ -221,7 +221,7 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
     eng.fill_random_context(context, seed=1)
     eng.prime_predictions(context)
     measure("prr_ema", eng, True)
-    measure("prr_ema_counters", eng.with_plan(count_hits=True), True)
+    measure("prr_ema_counters", eng.with_plan(count_hits=True, count_at_step_end=True), True)
     measure("prr_ema_counters_each_layer", eng.with_plan(count_hits=True, count_at_step_end=False), True)
     measure("prr_ema_each_layer", eng.with_plan(learn_layers_at_once=False), True)
     del eng

@@ -475,7 +475,7 @@ def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monke
     monkeypatch.setattr(kp, "ema_update_layers",
                         lambda *a, **k: calls.append(a[3].numel()) or learned.append(a[1]) or at_once(*a, **k))
     monkeypatch.setattr(ks, "step_counters_layers", lambda *a, **k: counted.append(a[0]) or count_layers(*a, **k))
-    each, once = ema_engines(False), ema_engines(True)
+    each, once = ema_engines(False), ema_engines(True, count_at_step_end=True)
     assert once.attn.predictor.backend == "triton" and once.attn.learn_range == (1, 3)
     for step in range(2):
         a = each.with_plan(count_hits=True).step(advance=True)
@@ -508,7 +508,7 @@ def counting_engines(variant: str, at_end: bool, device: str = DEVICE, dtype=tor
 # PRR's count at the step's end is in make test through the test above (`once` against `each`)
 @pytest.mark.parametrize("variant", ["serial", pytest.param("prr", marks=pytest.mark.slow)])
 def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, variant):
-    """plan.count_at_step_end (the default): the counters of every sparse layer in one launch after
+    """plan.count_at_step_end (off by default until checked on a GPU): the counters of every sparse layer in one launch after
     the last one (serial; PRR with ema learning at once, whose update reuses the count's stacked
     A) equal one launch per layer after its selection: logits, counters and A_{t-1}, step by step."""
     import prr.kernels.predict as kp

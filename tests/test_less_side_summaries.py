@@ -71,7 +71,7 @@ def test_side_summaries_decode_like_one_less_append(variant, predictor, block_si
     launch = kl.less_append
     monkeypatch.setattr(kl, "less_append", lambda *a, **k: calls.append(len(a) > 13 and a[13] is not None)
                         or launch(*a, **k))
-    plan = StaticPlan(variant=variant, predicted_blocks=2, count_hits=True)
+    plan = StaticPlan(variant=variant, predicted_blocks=2, count_hits=True, side_summaries=True)
     context = 2 * block_size - 2 if block_size == 64 else 94  # crosses a block boundary at step 2
     one = less_engine(dataclasses.replace(plan, side_summaries=False), predictor, context=context,
                       block_size=block_size, summary_dtype=summary_dtype)
@@ -90,7 +90,7 @@ def test_side_summaries_decode_like_one_less_append(variant, predictor, block_si
 def test_side_summaries_only_where_exact():
     """Not split where selection reads the summaries (scores=features), without a compensation, on
     the torch backend (its append takes no metadata), in the eager runtime, or with the flag off."""
-    plan = StaticPlan(variant="serial")
+    plan = StaticPlan(variant="serial", side_summaries=True)
     engine = less_engine(plan, "none")
     assert engine.attn.summaries_beside()
     assert not engine.with_plan(side_summaries=False).attn.summaries_beside()

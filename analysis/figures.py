@@ -22,7 +22,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedFormatter, NullLocator
 from matplotlib.transforms import ScaledTranslation
 
-from prr.intervals import Interval, bootstrap_mean, score_interval, wilson
+from prr.intervals import Interval, bootstrap_mean, bootstrap_mean_of_groups, score_interval, wilson
 
 from .style import (
     DOUBLE,
@@ -493,16 +493,18 @@ def accuracy_config_label(selector: str, predictor: str) -> str:
 
 
 def accuracy_vs_context_points(samples: pd.DataFrame) -> pd.DataFrame:
-    """One row per (context, config): the mean score over the context's complete prompts
-    (complete_prompts) and its 95% percentile-bootstrap interval over prompts
-    (prr.intervals.bootstrap_mean). Columns of samples: accuracy_study's per-sample store (task,
-    context_tokens, sample, config, selector, predictor, budget_tokens, score)."""
+    """One row per (context, config): the mean over tasks of each task's mean score on the context's
+    complete prompts (complete_prompts; tasks weighted equally, so a context whose tasks have unequal
+    numbers of prompts is not tilted towards the fuller ones) and its 95% percentile bootstrap
+    resampling prompts within each task (prr.intervals.bootstrap_mean_of_groups); n = prompts.
+    Columns of samples: accuracy_study's per-sample store (task, context_tokens, sample, config,
+    selector, predictor, budget_tokens, score)."""
     samples = require(samples, [*ACCURACY_PROMPT, "config", "selector", "predictor", "budget_tokens", "score"],
                       "accuracy_vs_context")
     kept = complete_prompts(samples)
     rows = []
     for (context, config), cell in kept.groupby(["context_tokens", "config"], sort=False):
-        interval = bootstrap_mean(cell["score"].tolist())
+        interval = bootstrap_mean_of_groups([g.tolist() for _, g in cell.groupby("task")["score"]])
         first = cell.iloc[0]
         rows.append({"context_tokens": int(context), "config": config, "selector": first["selector"],
                      "predictor": first["predictor"], "budget_tokens": first["budget_tokens"],
@@ -518,8 +520,9 @@ def context_tick(tokens: int) -> str:
 def accuracy_vs_context(samples: pd.DataFrame) -> MplFigure:
     """Accuracy pooled over tasks against context, one panel per top-K budget: dense (the
     reference, in every panel) and, per selector, serial DSA (solid, filled markers) and PRR
-    (dashed, open markers, the selector's colour); each point the mean score over the context's
-    prompts that every config scored, with its 95% bootstrap interval over prompts as an error bar
+    (dashed, open markers, the selector's colour); each point the mean over tasks of each task's mean
+    score on the context's prompts that every config scored, with its 95% bootstrap interval
+    (prompts resampled within each task) as an error bar
     (points of one context dodged sideways), n (prompts) under each context's tick.
     Columns: those of accuracy_vs_context_points."""
     points = accuracy_vs_context_points(samples)
@@ -608,8 +611,8 @@ def accuracy_pooled(samples: pd.DataFrame) -> pd.DataFrame:
     """RULER's tasks pooled, per context (the index): a dense row, one row per (selector, top-K
     budget) pairing serial DSA (predictor none) with PRR (any other predictor), and an "all sparse"
     row pooling PRR = serial tokens over the context's pairs. Only the prompts every config of the
-    context scored count (complete_prompts). Cells: accuracy (mean score over prompts, 95% bootstrap
-    over prompts: accuracy_vs_context_points); "= dense": decodes whose token_ids equal dense's for
+    context scored count (complete_prompts). Cells: accuracy (mean over tasks of each task's mean
+    score, 95% bootstrap resampling prompts within each task: accuracy_vs_context_points); "= dense": decodes whose token_ids equal dense's for
     the same prompt; PRR = serial tokens: k / n with Wilson's 95% interval; PRR / serial time: ratio of
     the median decode_s over the prompts whose two decodes each ran alone (batch_rows 1; missing: 1)
     and built no engine (captured_rows), 95% bootstrap over prompts (paired_median_ratio), n given
@@ -912,16 +915,16 @@ FIGURES: list[Figure] = [
     Figure("accuracy_qwen_matrix", lambda f: accuracy_table(accuracy_frame(f)),
            ("experiments/results/h200/accuracy_qwen_matrix.csv", "experiments/results/h200/accuracy_qwen_matrix_samples.csv"),
            read_accuracy,
-           "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (five device calls, the commands in "
+           "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (device calls, the commands in "
            "docs/results/accuracy.md)",
            "Accuracy on RULER's 13 tasks at 4K-32K, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): dense, every "
-           "selector at 1,024 and 2,048 tokens, serial and PRR (ema); 13-16 samples per task at 4K, 3-4 at 8K-32K"),
+           "selector at 1,024 and 2,048 tokens, serial and PRR (ema); n samples per task and context in each cell"),
     Figure("accuracy_qwen_vs_context", accuracy_vs_context, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv",),
            pd.read_csv,
            "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (docs/results/accuracy.md)",
            "Accuracy against context, RULER's 13 tasks pooled, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): "
-           "the mean score over prompts (a prompt: one task's sample at that context) with its 95% percentile-bootstrap "
-           "interval over prompts; only prompts that every config of the context scored count, so every point at a "
+           "the mean over tasks of each task's mean score (tasks weighted equally; a prompt: one task's sample at that "
+           "context) with its 95% percentile-bootstrap interval resampling prompts within each task; only prompts that every config of the context scored count, so every point at a "
            "context averages the same n prompts (under the tick). Left top-K budget 1,024 tokens, right 2,048: dense "
            "(the reference, in both), each selector serial (solid, filled) and PRR with EMA (dashed, open)"),
     Figure("accuracy_qwen_pooled", accuracy_pooled, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv",),
@@ -930,8 +933,9 @@ FIGURES: list[Figure] = [
            "Accuracy matrix pooled over RULER's 13 tasks, per context, Qwen2.5-Coder-0.5B on an H200 (bf16, graph "
            "engine). A prompt is one task's sample at that context; only prompts that every config of the context "
            "scored count (prompts n). config: dense, or a selector at a top-K budget (tokens), serial DSA "
-           "(predictor none) against PRR (EMA, |P| = K). accuracy, serial / PRR: the mean score over the prompts with "
-           "its 95% percentile bootstrap over prompts (10,000 resamples, seed 0). = dense, serial / PRR: decodes whose "
+           "(predictor none) against PRR (EMA, |P| = K). accuracy, serial / PRR: the mean over tasks of each task's mean "
+           "score (tasks weighted equally, whatever their prompts) with its 95% percentile bootstrap resampling prompts "
+           "within each task (10,000 resamples, seed 0). = dense, serial / PRR: decodes whose "
            "tokens equal dense's for the same prompt. PRR = serial tokens: PRR decodes whose tokens equal serial's, "
            "k / n with Wilson's 95% interval; the last row of a context pools every sparse config. PRR / serial time: "
            "median wall time per request (decode_s: prefill replay and decode) of PRR over serial's, on the same "

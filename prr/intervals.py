@@ -66,6 +66,22 @@ def bootstrap_mean(values: Sequence[float], resamples: int = 10_000, seed: int =
     return Interval(float(x.mean()), float(low), float(high), int(x.size))
 
 
+def bootstrap_mean_of_groups(groups: Sequence[Sequence[float]], resamples: int = 10_000, seed: int = 0,
+                             level: float = 0.95) -> Interval:
+    """The mean over groups of each group's mean (groups weighted equally whatever their sizes, e.g.
+    RULER's tasks pooled when some tasks have more prompts than others) and its percentile bootstrap
+    resampling the values within each group (stratified: every resample keeps each group's size).
+    groups: [n_groups][n_g] per-prompt values; n = the values in all groups."""
+    arrays = [np.asarray(g, dtype=np.float64) for g in groups]
+    if not arrays or any(a.ndim != 1 or a.size == 0 or not np.isfinite(a).all() for a in arrays):
+        raise ValueError(f"bootstrap_mean_of_groups needs non-empty 1-D groups of finite values, got {groups!r}")
+    rng = np.random.default_rng(seed)
+    means = np.mean([a[rng.integers(0, a.size, size=(resamples, a.size))].mean(1) for a in arrays], axis=0)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return Interval(float(np.mean([a.mean() for a in arrays])), float(low), float(high), int(sum(a.size for a in arrays)))
+
+
 def score_interval(scores: Sequence[float]) -> Interval:
     """Accuracy over samples (one score in [0, 1] each) and its 95% interval: Wilson's for 0/1
     scores, else the bootstrap over samples (partial credit, e.g. a share of the answers found)."""

@@ -327,7 +327,8 @@ def test_accuracy_pooled_counts_complete_prompts_tokens_and_same_batch_times():
     dense, quest, pooled = (table.iloc[i] for i in range(3))
     assert dense["prompts n"] == quest["prompts n"] == "3" and dense["= dense, serial / PRR"] == "3 / 3"
     assert dense["accuracy, serial / PRR"].startswith("1.000 ")
-    assert quest["accuracy, serial / PRR"].startswith("0.667 [") and " / 0.667 [" in quest["accuracy, serial / PRR"]
+    # tasks weighted equally: serial (a: 1, 0; b: 1) = (0.5 + 1) / 2, PRR (a: 1, 1; b: 0) = (1 + 0) / 2
+    assert quest["accuracy, serial / PRR"].startswith("0.750 [") and " / 0.500 [" in quest["accuracy, serial / PRR"]
     assert quest["= dense, serial / PRR"] == "2 / 2"
     assert quest["PRR = serial tokens"].startswith("1 / 3 = 33.3% [") and pooled["PRR = serial tokens"] == quest["PRR = serial tokens"]
     assert quest["PRR / serial time"].startswith("2.50 [") and quest["PRR / serial time"].endswith(" (n=2)")

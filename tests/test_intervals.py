@@ -62,3 +62,24 @@ def test_score_interval_is_wilson_for_0_1_scores_and_a_bootstrap_for_partial_cre
     assert score_interval([1, 0, 1, 1]) == wilson(3, 4)
     partial = score_interval([0.5, 1.0, 0.25])
     assert partial == bootstrap_mean([0.5, 1.0, 0.25]) and partial.n == 3
+
+
+def test_mean_of_groups_weighs_groups_equally_and_resamples_within_each():
+    """Tasks pooled with unequal prompts: the estimate is the mean of the group means (not of all
+    values), a group of one constant value adds no spread, and equal groups give bootstrap_mean's
+    estimate; bad groups are refused."""
+    from prr.intervals import bootstrap_mean, bootstrap_mean_of_groups
+
+    rng = np.random.default_rng(7)
+    big, small = rng.random(41).tolist(), [1.0, 1.0, 1.0]
+    pooled = bootstrap_mean_of_groups([big, small])
+    assert pooled.estimate == pytest.approx((np.mean(big) + 1.0) / 2) and pooled.n == 44
+    assert pooled.estimate != pytest.approx(np.mean(big + small))
+    alone = bootstrap_mean(big)  # the constant group halves the spread of the big one's mean
+    assert (pooled.high - pooled.low) == pytest.approx((alone.high - alone.low) / 2, rel=0.1)
+    assert pooled.low <= pooled.estimate <= pooled.high
+    even = [rng.random(9).tolist() for _ in range(3)]
+    assert bootstrap_mean_of_groups(even).estimate == pytest.approx(bootstrap_mean(sum(even, [])).estimate)
+    for bad in ([], [[]], [[0.5, float("nan")]]):
+        with pytest.raises(ValueError, match="bootstrap_mean_of_groups"):
+            bootstrap_mean_of_groups(bad)

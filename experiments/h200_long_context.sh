@@ -98,7 +98,7 @@ case $cmd in
     contexts=${2:?contexts}
     tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
     # One process for every context: each config's engine is built and captured once. BATCH samples
-    # decode together (default 1: 8 saved 1.3x at 4K, docs/results/accuracy.md). BUDGET_S: no new sample
+    # decode together (default 1; 8: about 1.3 s per prompt for the 17 configs against 2.5-4.5 s, docs/results/accuracy.md). BUDGET_S: no new sample
     # after it; keep it ~100 s under the call's limit (a killed call returns no store: the trap needs an exit).
     python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "$tasks" \
       --contexts "$contexts" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \

@@ -207,7 +207,8 @@ class GraphRequests:
         """A request done: its device counters pooled (read once per request)."""
         if self.engine is None:
             return
-        counts = torch.tensor([self.engine.counters()[c] for c in self.engine.COUNTERS], dtype=torch.float64)
+        read = self.engine.counters()  # one host read (it was one per counter name)
+        counts = torch.tensor([read[c] for c in self.engine.COUNTERS], dtype=torch.float64)
         self.totals = counts if self.totals is None else self.totals + counts
         self.request_counts = self._pooled(counts)
         sparse = torch.tensor(self.engine.sparse, dtype=torch.bool)

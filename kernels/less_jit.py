@@ -373,10 +373,6 @@ def _less_append_incremental_kernel(
         open_at = small_open_ptr + batch * stride_pb + kv_head * stride_ph + offs_m * stride_pm
         s_old = tl.load(open_at, mask=live_m, other=0.0)
         s_new = tl.where(first, add, s_old * keep + add)
-        tl.store(open_at, s_new, mask=live_m)
-        tl.store(offset_ptr + at, c_new, mask=live_m)
-        tl.store(small_ptr + batch * stride_sb + kv_head * stride_sh + block * stride_sn + offs_m * stride_sm,
-                 s_new.to(small_ptr.dtype.element_ty), mask=live_m)
         # The totals take it too, at their own running max.
         tot = batch * stride_ub + kv_head * stride_uh + offs_m * stride_um
         t_old = tl.load(offset_tot_ptr + tot, mask=live_m, other=0.0)
@@ -384,7 +380,16 @@ def _less_append_incremental_kernel(
         t_keep = tl.exp(t_old - t_new)  # 0 while the totals are empty (t_old = -inf)
         t_add = tl.exp(new - t_new)
         small_tot_at = small_tot_ptr + batch * stride_tb + kv_head * stride_th + offs_m * stride_tm
-        tl.store(small_tot_at, tl.load(small_tot_at, mask=live_m, other=0.0) * t_keep + t_add, mask=live_m)
+        s_tot_old = tl.load(small_tot_at, mask=live_m, other=0.0)
+        # [M_BLOCK] vectors are replicated across the program's threads (16 features, 128 threads) and
+        # keep / add / t_keep / t_add feed every thread's [M_BLOCK, D_BLOCK] stores below: every
+        # replica reads the old c_b, s_b, c_tot, s_tot before any thread overwrites them.
+        tl.debug_barrier()
+        tl.store(open_at, s_new, mask=live_m)
+        tl.store(offset_ptr + at, c_new, mask=live_m)
+        tl.store(small_ptr + batch * stride_sb + kv_head * stride_sh + block * stride_sn + offs_m * stride_sm,
+                 s_new.to(small_ptr.dtype.element_ty), mask=live_m)
+        tl.store(small_tot_at, s_tot_old * t_keep + t_add, mask=live_m)
         tl.store(offset_tot_ptr + tot, t_new, mask=live_m)
         v_row = v_ptr + batch * stride_vb + kv_head * stride_vh + position * stride_vt
         big_row = big_ptr + batch * stride_Sb + kv_head * stride_Sh + block * stride_Sn + offs_m[:, None] * stride_Sm

@@ -60,7 +60,8 @@ def check_equal(a: dict, b: dict, where: str) -> None:
 
 
 @pytest.mark.parametrize("variant,predictor,block_size,summary_dtype", [
-    ("serial", "none", 16, "float32"), ("prr", "ema", 16, "bfloat16"), ("serial", "none", 64, "bfloat16")])
+    pytest.param("serial", "none", 16, "float32", marks=pytest.mark.slow),  # make test keeps block 64 (the issue's)
+    pytest.param("prr", "ema", 16, "bfloat16", marks=pytest.mark.slow), ("serial", "none", 64, "bfloat16")])
 def test_side_summaries_decode_like_one_less_append(variant, predictor, block_size, summary_dtype, monkeypatch):
     """The split leaves every value as it was (the append kernel's Quest max / min are exact; the
     summaries are less_append's without them), step by step across a block boundary; the split

@@ -55,7 +55,7 @@ over A and dense SDPA, and a whole serial layer as the graph engine runs it (que
 attention over A in the model dtype; less_layer: less_append + select + the attention's split partials
 + the one-launch compensation and merge, all on one stream, as the engine ran it before
 StaticPlan.side_summaries and runs it with side_summaries=False; less_layer_extra = their difference, what
-LESS adds; less_layer_side: the engine's order with side_summaries (off by default until checked on a GPU): Quest's max / min
+LESS adds; less_layer_side: the engine's order with side_summaries (the default): Quest's max / min
 in the cache append kernel, as for Quest (untimed in both), the summaries alone (less_append_summaries:
 less_append without Quest's max / min) on a side stream beside select + the attention's split partials,
 joined by an event before the compensation and merge; less_layer_side_extra = less_layer_side − quest_layer), per

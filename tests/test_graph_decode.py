@@ -509,7 +509,7 @@ def counting_engines(variant: str, at_end: bool, device: str = DEVICE, dtype=tor
 @pytest.mark.parametrize("variant", [pytest.param("serial", marks=pytest.mark.slow),
                                      pytest.param("prr", marks=pytest.mark.slow)])
 def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, variant):
-    """plan.count_at_step_end (off by default until checked on a GPU): the counters of every sparse layer in one launch after
+    """plan.count_at_step_end (on by default): the counters of every sparse layer in one launch after
     the last one (serial; PRR with ema learning at once, whose update reuses the count's stacked
     A) equal one launch per layer after its selection: logits, counters and A_{t-1}, step by step."""
     import prr.kernels.predict as kp

@@ -100,8 +100,9 @@ class StaticPlan:
     # (3.4 µs a layer on the H200: 176 µs of a 4.7 ms token). Where P could change before the step's
     # end (a predictor that proposes after each layer's learning) the counters stay per layer
     # (AttentionEngine._counts_at_end). The same counters either way; False: after each layer.
-    # Off by default until its two-stream order is checked on a GPU (CPU tests only, so far).
-    count_at_step_end: bool = False
+    # Checked on the H200 (GPU twins in tests/test_graph_decode.py): 4.69 against 4.80 ms a token,
+    # Quest serial at 32K (experiments/results/h200/step_breakdown_counters_1a15dde.csv).
+    count_at_step_end: bool = True
     # variant "serial" with a predictor (budget=adaptive's serial windows): the predictor still
     # learns from each A on the side stream, as the eager runtime's serial steps do, so PRR
     # windows speculate over a P that has seen every step.
@@ -113,8 +114,9 @@ class StaticPlan:
     # by an event before the compensation, their only reader: less_append leaves the critical path
     # (issue 33: 15 µs of LESS's 29 µs per layer over Quest at block 64). The same values either
     # way; False: one less_append launch (summaries and Quest's) before selection.
-    # Off by default until its two-stream order is checked on a GPU (CPU tests only, so far).
-    side_summaries: bool = False
+    # Checked on the H200 (tests/test_less_side_summaries.py's GPU twins): LESS's layer 33.3 against
+    # 40.7 µs at 32K, block 16 (experiments/results/h200/bench_decode_less_side_1a15dde.csv).
+    side_summaries: bool = True
 
     def problems(self) -> list[str]:
         out = []

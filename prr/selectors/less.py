@@ -90,8 +90,8 @@ as the totals do, from the open block's unrounded fp32 sums (`less_S_open` [B, H
 summaries are rounded once, as when re-read; the torch path re-reads the block (the reference;
 equal within fp32 rounding, tests/test_kernels_less.py). Appends must come in order, one per
 position (as the running totals already need).
-In the graph engine's step with StaticPlan.side_summaries (off by default until its two-stream
-order is checked on a GPU; backend triton) it is split: Quest's key max /
+In the graph engine's step with StaticPlan.side_summaries (on by default,
+backend triton) it is split: Quest's key max /
 min in the cache append kernel, as for Quest, and the summaries alone (`append_summaries`:
 less_append without Quest's part) on the side stream beside selection and the attention over A,
 joined before the compensation, their only reader (`summaries_apart`: scores=quest, compensate).

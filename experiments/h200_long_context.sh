@@ -13,7 +13,8 @@
 #   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv BUDGET_S=400 \
 #                bash experiments/h200_long_context.sh campaign CONTEXTS   # issue 34's matrix, continued
 #              (one process for every context, BUDGET_S seconds; BATCH samples decoded together)
-#              (study output under $OUT; copy it to experiments/results/h200/)
+#              (study output under $OUT, the campaign's store as .csv.gz and locality's files as one
+#              .tgz: the device returns at most 8 files of 16 MiB; unpack into experiments/results/h200/)
 set -euo pipefail
 PIECES=/tmp/prr_qwen_pieces
 STAGE=/tmp/prr_qwen_stage
@@ -73,12 +74,18 @@ case $cmd in
     python3 -m prr.model.fetch $MODEL  # verifies size + sha256 of the whole GGUF, then converts once
     python3 -c "from prr.tasks.ruler_data import verify_all; verify_all()"
     ;;
-  locality)  # the committed runs: 16384 as is; 8192 and 32768 with TASKS=niah_multikey_2 STEPS=32
+  locality)  # the committed runs: 16384 as is; 8192 and 32768 with TASKS=niah_multikey_2 STEPS=32;
+    # issue 34's 20 prompts: VARIANTS=quest_max TOPK=64 ENGINE=graph BACKEND=triton SAMPLES=10 (64-81 s a context)
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
+    name=locality_long_qwen_${2//,/_}
+    rm -rf "${STAGE:?}/locality/$name" && mkdir -p "$STAGE/locality/$name"
+    # its five files per context come back as one tar (the device returns at most 8 files)
+    trap 'tar czf "$out/$name.tgz" -C "$STAGE/locality/$name" . 2>/dev/null || true' EXIT
     python3 experiments/locality_study.py --model $MODEL --contexts "${2:?contexts}" --tasks "${TASKS:-niah_multikey_2,qa_2}" \
       --steps "${STEPS:-64}" --samples "${SAMPLES:-1}" --engine "${ENGINE:-eager}" --backend "${BACKEND:-torch}" \
-      --device cuda --dtype bfloat16 --out "$out/locality_long_qwen_${2//,/_}"
+      ${VARIANTS:+--variants "$VARIANTS"} ${TOPK:+--topk "$TOPK"} \
+      --device cuda --dtype bfloat16 --out "$STAGE/locality/$name/$name"
     ;;
   accuracy)
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
@@ -94,7 +101,9 @@ case $cmd in
     stem=$STAGE/campaign/accuracy_qwen_matrix  # outside $OUT (emptied per call): back-to-back calls continue it
     mkdir -p "$STAGE/campaign"
     if [ -n "${STORE:-}" ] && [ ! -f "${stem}_samples.csv" ]; then cp "$STORE" "${stem}_samples.csv"; fi
-    trap 'cp "$stem"* "$out"/ 2>/dev/null || true' EXIT  # the store and tables come back, also when cut short
+    # the store and tables come back, also when cut short; the device returns at most 8 files of 16 MiB
+    # each, and the store outgrew that: it comes back gzipped (here: gunzip -c ... > $STORE)
+    trap 'gzip -c "${stem}_samples.csv" > "$out/$(basename "$stem")_samples.csv.gz" 2>/dev/null; cp "$stem".csv "$stem".json "$out"/ 2>/dev/null || true' EXIT
     contexts=${2:?contexts}
     tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
     # One process for every context: each config's engine is built and captured once. BATCH samples

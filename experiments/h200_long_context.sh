@@ -103,7 +103,7 @@ case $cmd in
     if [ -n "${STORE:-}" ] && [ ! -f "${stem}_samples.csv" ]; then cp "$STORE" "${stem}_samples.csv"; fi
     # the store and tables come back, also when cut short; the device returns at most 8 files of 16 MiB
     # each, and the store outgrew that: it comes back gzipped (here: gunzip -c ... > $STORE)
-    trap 'gzip -c "${stem}_samples.csv" > "$out/$(basename "$stem")_samples.csv.gz" 2>/dev/null; cp "$stem".csv "$stem".json "$out"/ 2>/dev/null || true' EXIT
+    trap '[ -f "${stem}_samples.csv" ] && gzip -c "${stem}_samples.csv" > "$out/$(basename "$stem")_samples.csv.gz"; cp "$stem".csv "$stem".json "$out"/ 2>/dev/null || true' EXIT
     contexts=${2:?contexts}
     tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
     # One process for every context: each config's engine is built and captured once. BATCH samples

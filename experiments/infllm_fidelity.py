@@ -90,7 +90,7 @@ def replay(model, qkv, variant: str, topk: int, tail: int, block_size: int, laye
     backend, max_blocks = runtime.backend, runtime.cache.max_blocks
     with torch.inference_mode():
         for layer in layers:  # (layers are independent: the others are not needed)
-            backend.prefill(layer, *qkv[layer])
+            backend.absorb_prefill(layer, *qkv[layer])
     return selector, {layer: [(s.blocks.mask(max_blocks), s.scores) for s in backend.history[layer]]
                       for layer in layers}
 

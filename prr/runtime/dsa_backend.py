@@ -90,6 +90,14 @@ class DSABackend:
     # --- prefill ------------------------------------------------------------------------
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: [B, Hq, T, D], k, v: [B, Hkv, T, D] -> [B, Hq, T, D] (dense, causal)."""
+        self.absorb_prefill(layer, q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+
+    def absorb_prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> None:
+        """`prefill` without its output: k, v into the cache, the selector's metadata and the
+        prefill tail's selections. A kept prefill replayed into another config needs only this
+        (its output is known): the causal attention over T prompt tokens, O(T²) per layer, was
+        most of a 32K replay (issue 34's campaign: about 0.1 s per row and config on the H200)."""
         start, end = self.cache.append(layer, k, v)
         if start != 0:
             raise ValueError(f"prefill of layer {layer} must start an empty cache (it holds {start} tokens)")
@@ -103,7 +111,6 @@ class DSABackend:
             qg = self._grouped(q)  # [B, Hkv, G, T, D]
             self.history[layer] = self.selector.select_tail(qg[:, :, :, tail_start:end], self.cache, layer,
                                                             tail_start, queries=qg)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
 
     def finish_prefill(self, history: list[list[Selection] | None] | None = None,
                        calibrate_on: list[list[Selection] | None] | None = None) -> dict[str, Any]:

@@ -127,7 +127,7 @@ class EagerRuntime:
                 logits.append(self.prefill(ids, rows[-1], last_logits_only=True))  # [1, V]
             else:
                 for layer, (q, k, v) in enumerate(qkv):
-                    rows[-1].prefill(layer, q, k, v)
+                    rows[-1].absorb_prefill(layer, q, k, v)
                 logits.append(None)
         layers = self.cache.num_layers
         for layer in range(layers):
@@ -148,7 +148,7 @@ class EagerRuntime:
         """A kept dense prefill's q/k/v per layer into this runtime (cache, selector metadata and
         the prefill tail's selections rebuilt as a prefill would)."""
         for layer, (q, k, v) in enumerate(qkv):
-            self.backend.prefill(layer, q, k, v)
+            self.backend.absorb_prefill(layer, q, k, v)
 
     def finish_prefill(self, history: Any = None, calibrate_on: Any = None) -> dict[str, Any]:
         """Calibrate and warm the predictor on the prefill tail (DSABackend.finish_prefill)."""

@@ -89,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "are kept and skipped; without it an existing store is refused")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds after which no new sample starts (the tables cover what finished; --resume continues)")
-    p.add_argument("--report", type=Path, default=None,
-                   help="only rebuild OUT.csv/.json from a cut-short run's _samples.csv (no model; --out required)")
+    p.add_argument("--report", type=Path, nargs="+", default=None,
+                   help="only rebuild OUT.csv/.json from a cut-short run's _samples.csv (no model; --out required); "
+                        "several stores (parallel runs over disjoint cells) are merged into OUT_samples.csv first")
     args = p.parse_args(argv)
     if args.report is not None and args.out is None:
         p.error("--report needs --out (where the rebuilt tables go; never the committed default)")
@@ -255,9 +256,21 @@ def write_results(out: Path, per_sample: pd.DataFrame, command: str, meta: dict[
     print(f"PRR exact vs serial DSA: {len(differences)} differing samples; wrote {out}.csv, {out}.json")
 
 
-def report(samples_csv: Path, out: Path, argv: list[str] | None) -> None:
-    """Tables of a run cut short, from the per-sample file it kept (one row per finished sample and config)."""
-    per_sample = pd.read_csv(samples_csv)
+def report(stores: list[Path], out: Path, argv: list[str] | None) -> None:
+    """Tables of a run cut short, from the per-sample file it kept (one row per finished sample and config).
+    Several stores are merged first into <out>_samples.csv, every row with its own command; a
+    (task, context, sample, config) in more than one keeps its first store's row."""
+    if len(stores) == 1:
+        samples_csv = stores[0]
+        per_sample = pd.read_csv(samples_csv)
+    else:
+        parts = [pd.read_csv(path, keep_default_na=False, na_values=[""]) for path in stores]
+        per_sample = pd.concat(parts, ignore_index=True).drop_duplicates(["task", "context_tokens", "sample", "config"])
+        samples_csv = Path(f"{out}_samples.csv")
+        write_text_atomic(samples_csv, per_sample.to_csv(index=False))
+        print(f"merged {' + '.join(str(len(part)) for part in parts)} rows of {len(stores)} stores into "
+              f"{len(per_sample)} in {samples_csv}")
+        per_sample = pd.read_csv(samples_csv)
     missing = sorted({"task", "context_tokens", "sample", "config", "selector", "predictor", "budget_tokens", "score",
                       "token_ids", "margins", "max_serial_relerr", "hit_rate", "decode_s"} - set(per_sample.columns))
     if missing:

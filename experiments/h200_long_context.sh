@@ -12,8 +12,7 @@
 #   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT
 #   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv BUDGET_S=400 \
 #                bash experiments/h200_long_context.sh campaign CONTEXTS   # issue 34's matrix, continued
-#              (one process for every context, BUDGET_S seconds; BATCH samples decoded together;
-#               WORKERS processes share the GPU, the tasks dealt among them)
+#              (one process for every context, BUDGET_S seconds; BATCH samples decoded together)
 #              (study output under $OUT, the campaign's store as .csv.gz and locality's files as one
 #              .tgz: the device returns at most 8 files of 16 MiB; unpack into experiments/results/h200/)
 set -euo pipefail
@@ -104,44 +103,21 @@ case $cmd in
     if [ -n "${STORE:-}" ] && [ ! -f "${stem}_samples.csv" ]; then cp "$STORE" "${stem}_samples.csv"; fi
     # the store and tables come back, also when cut short; the device returns at most 8 files of 16 MiB
     # each, and the store outgrew that: it comes back gzipped (here: gunzip -c ... > $STORE)
-    trap '[ -f "${stem}_samples.csv" ] && gzip -c "${stem}_samples.csv" > "$out/$(basename "$stem")_samples.csv.gz"; cp "$stem".csv "$stem".json "$out"/ 2>/dev/null || true' EXIT
+    # The GPU's memory and use are logged every 20 s into $OUT/gpu_use.log (stopped at exit).
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv -l 20 > "$out/gpu_use.log" 2>&1 &
+    smi=$!
+    trap 'kill "$smi" 2>/dev/null; [ -f "${stem}_samples.csv" ] && gzip -c "${stem}_samples.csv" > "$out/$(basename "$stem")_samples.csv.gz"; cp "$stem".csv "$stem".json "$out"/ 2>/dev/null || true' EXIT
     contexts=${2:?contexts}
     tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
     # One process for every context: each config's engine is built and captured once. BATCH samples
     # decode together (default 1; 8: about 1.3 s per prompt for the 17 configs against 2.5-4.5 s, docs/results/accuracy.md). BUDGET_S: no new sample
     # after it; keep it ~100 s under the call's limit (a killed call returns no store: the trap needs an exit).
-    # WORKERS > 1: that many processes share the GPU (a batch of 8 leaves it mostly idle), the tasks dealt
-    # round-robin, each with its own store (${stem}_wN, kept for the next call) and log under $OUT; at the
-    # end the stores are merged into ${stem}_samples.csv and the tables rebuilt from it.
-    workers=${WORKERS:-1}
-    IFS=, read -ra all <<< "$tasks"
-    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv -l 20 > "$out/gpu_use.log" 2>&1 &
-    smi=$!
-    pids=()
-    for ((w = 0; w < workers; w++)); do
-      mine=$(for ((i = w; i < ${#all[@]}; i += workers)); do printf '%s,' "${all[i]}"; done)
-      [ -n "$mine" ] || continue
-      wstem=$stem log=/dev/stdout
-      if [ "$workers" -gt 1 ]; then
-        wstem=${stem}_w$w log=$out/campaign_w$w.log
-        if [ -f "${stem}_samples.csv" ] && [ ! -f "${wstem}_samples.csv" ]; then cp "${stem}_samples.csv" "${wstem}_samples.csv"; fi
-      fi
-      python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "${mine%,}" \
-        --contexts "$contexts" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \
-        --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens task --device cuda --dtype bfloat16 \
-        --batch-size "${BATCH:-1}" --out "$wstem" --resume --time-budget "${BUDGET_S:-400}" > "$log" 2>&1 &
-      pids+=($!)
-    done
-    rc=0
-    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
-    kill "$smi" 2>/dev/null || true
-    if [ "$workers" -gt 1 ]; then
-      stores=("$stem"_w*_samples.csv)
-      [ -f "${stem}_samples.csv" ] && stores=("${stem}_samples.csv" "${stores[@]}")
-      python3 experiments/accuracy_study.py --report "${stores[@]}" --out "$stem" > "$out/campaign_merge.log" 2>&1
-      head -1 "$out/campaign_merge.log"; tail -1 "$out/campaign_merge.log"
-    fi
-    exit $rc
+    # One process only: at 32K and batch 8 it reaches 141 GB of the H200's memory (17 captured engines and
+    # the kept prefills), and two processes ran out of memory even at batch 6 (issue34/campaign_workers2_*).
+    python3 experiments/accuracy_study.py --model $MODEL --engine graph --backend triton --tasks "$tasks" \
+      --contexts "$contexts" --samples "${SAMPLES:-25}" --budgets 1024,2048 --ema-budgets 1024,2048 \
+      --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens task --device cuda --dtype bfloat16 \
+      --batch-size "${BATCH:-1}" --out "$stem" --resume --time-budget "${BUDGET_S:-400}"
     ;;
   predictors)
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset

@@ -30,6 +30,12 @@ device_env() {  # the device has no registry: hydra/omegaconf/antlr4/gguf wheels
   fi
   export PYTHONPATH=$STAGE/site:$PWD
 }
+tree_bytes() {  # what a device call carries of the working tree (tracked and untracked-not-ignored files)
+  local n
+  n=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1 || true)
+  [[ "$n" =~ ^[0-9]+$ ]] || { echo "could not size the working tree (du said: '$n')" >&2; exit 2; }
+  echo "$n"
+}
 out_dir() { echo "${OUT:?set OUT to the folder the study writes into (the device sets it)}"; }
 
 case $cmd in
@@ -39,8 +45,7 @@ case $cmd in
     rm -rf "$PIECES" && mkdir -p "$PIECES"
     # a call carries the working tree (tracked and untracked-not-ignored files: it grows with committed
     # results) + a piece under 64 MiB, 4 MB to spare (RULER's data and the wheels travel alone: `stage data`)
-    tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1 || true)
-    [[ "$tree" =~ ^[0-9]+$ ]] || { echo "could not size the working tree (du said: '$tree')" >&2; exit 2; }
+    tree=$(tree_bytes)
     piece=$(( 64 * 1024 * 1024 - tree - 4000000 ))
     [ "$piece" -gt 8000000 ] || { echo "the working tree ($tree bytes) leaves no room for pieces" >&2; exit 2; }
     echo "pieces of $piece bytes (working tree $tree bytes)"
@@ -56,6 +61,13 @@ case $cmd in
       cp "$PIECES/part$(printf %02d "$2")" "$PIECES/SHA256SUMS" .xfer/
     fi
     du -sh .xfer
+    total=$(( $(tree_bytes) + $(du -sb .xfer | cut -f1) ))
+    if [ "$total" -gt $(( 64 * 1024 * 1024 )) ]; then  # the device would refuse the call
+      echo "the working tree and .xfer come to $total bytes, over the 64 MiB a call carries: the tree grew since" \
+        "split (the campaign's store?); move experiments/results/h200/accuracy_qwen_matrix* out of the tree for the" \
+        "piece calls (git checkout restores them), or run split again" >&2
+      exit 2
+    fi
     ;;
   receive)
     mkdir -p "$STAGE/pieces" "$STAGE/cache/ruler" "$STAGE/whl"

@@ -448,14 +448,19 @@ def accuracy_interval(row: pd.Series) -> tuple[float, float]:
 ACCURACY_CELL = ["task", "context_tokens", "selector", "predictor", "budget_tokens"]
 
 
+def csv_stem(path: Path | str) -> str:
+    """A results file's name without .csv or .csv.gz (large stores are committed gzipped)."""
+    return Path(path).name.removesuffix(".gz").removesuffix(".csv")
+
+
 def read_accuracy(*paths: Path) -> pd.DataFrame:
-    """accuracy_study.py tables, each with its per-sample file (`<name>_samples.csv`, given among
+    """accuracy_study.py tables, each with its per-sample file (`<name>_samples.csv[.gz]`, given among
     paths) where the table predates its interval columns: each cell's accuracy_lo / accuracy_hi from
     its samples' scores (prr.intervals.score_interval, accuracy_study's rule)."""
-    tables, samples = [], {Path(p).name: Path(p) for p in paths if Path(p).stem.endswith("_samples")}
-    for path in (Path(p) for p in paths if not Path(p).stem.endswith("_samples")):
+    tables, samples = [], {csv_stem(p): Path(p) for p in paths if csv_stem(p).endswith("_samples")}
+    for path in (Path(p) for p in paths if not csv_stem(p).endswith("_samples")):
         table = pd.read_csv(path)
-        source = samples.get(f"{path.stem}_samples.csv")
+        source = samples.get(f"{csv_stem(path)}_samples")
         if source is not None and "accuracy_lo" not in table.columns:
             scores = pd.read_csv(source)
             cells = scores.groupby(ACCURACY_CELL, dropna=False)["score"].apply(lambda s: score_interval(s.tolist()))
@@ -913,13 +918,13 @@ FIGURES: list[Figure] = [
            "Accuracy on RULER's own tasks (string match, mean over samples), Qwen2.5-Coder-0.5B: 4K on the CPU "
            "(fp32), 8K-32K on an H200 (bf16); 2 samples per task and context (fwe, qa_1, niah_multikey_2: 1)"),
     Figure("accuracy_qwen_matrix", lambda f: accuracy_table(accuracy_frame(f)),
-           ("experiments/results/h200/accuracy_qwen_matrix.csv", "experiments/results/h200/accuracy_qwen_matrix_samples.csv"),
+           ("experiments/results/h200/accuracy_qwen_matrix.csv", "experiments/results/h200/accuracy_qwen_matrix_samples.csv.gz"),
            read_accuracy,
            "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (device calls, the commands in "
            "docs/results/accuracy.md)",
            "Accuracy on RULER's 13 tasks at 4K-32K, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): dense, every "
            "selector at 1,024 and 2,048 tokens, serial and PRR (ema); n samples per task and context in each cell"),
-    Figure("accuracy_qwen_vs_context", accuracy_vs_context, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv",),
+    Figure("accuracy_qwen_vs_context", accuracy_vs_context, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv.gz",),
            pd.read_csv,
            "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (docs/results/accuracy.md)",
            "Accuracy against context, RULER's 13 tasks pooled, Qwen2.5-Coder-0.5B on an H200 (bf16, graph engine): "
@@ -927,7 +932,7 @@ FIGURES: list[Figure] = [
            "context) with its 95% percentile-bootstrap interval resampling prompts within each task; only prompts that every config of the context scored count, so every point at a "
            "context averages the same n prompts (under the tick). Left top-K budget 1,024 tokens, right 2,048: dense "
            "(the reference, in both), each selector serial (solid, filled) and PRR with EMA (dashed, open)"),
-    Figure("accuracy_qwen_pooled", accuracy_pooled, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv",),
+    Figure("accuracy_qwen_pooled", accuracy_pooled, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv.gz",),
            pd.read_csv,
            "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (docs/results/accuracy.md)",
            "Accuracy matrix pooled over RULER's 13 tasks, per context, Qwen2.5-Coder-0.5B on an H200 (bf16, graph "

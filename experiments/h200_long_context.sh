@@ -10,7 +10,7 @@
 #   device:    bash experiments/h200_long_context.sh receive        # (carry .xfer) .xfer/* -> $STAGE, sha256 printed
 #   device:    bash experiments/h200_long_context.sh prepare        # assemble + verify + convert (prr.model.fetch)
 #   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT
-#   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv BUDGET_S=400 \
+#   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv.gz BUDGET_S=400 \
 #                bash experiments/h200_long_context.sh campaign CONTEXTS   # issue 34's matrix, continued
 #              (one process for every context, BUDGET_S seconds; BATCH samples decoded together)
 #              (study output under $OUT, the campaign's store as .csv.gz and locality's files as one
@@ -64,8 +64,8 @@ case $cmd in
     total=$(( $(tree_bytes) + $(du -sb .xfer | cut -f1) ))
     if [ "$total" -gt $(( 64 * 1024 * 1024 )) ]; then  # the device would refuse the call
       echo "the working tree and .xfer come to $total bytes, over the 64 MiB a call carries: the tree grew since" \
-        "split (the campaign's store?); move experiments/results/h200/accuracy_qwen_matrix* out of the tree for the" \
-        "piece calls (git checkout restores them), or run split again" >&2
+        "split; run split again (pieces sized for today's tree), or move large results files out of the tree for" \
+        "the piece calls (git checkout restores them)" >&2
       exit 2
     fi
     ;;
@@ -107,18 +107,20 @@ case $cmd in
       --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens "${NEW_TOKENS:-16}" \
       --device cuda --dtype bfloat16 --out "$out/accuracy_qwen_${2//,/_}"
     ;;
-  campaign)  # issue 34's accuracy matrix on the graph engine, resumable: STORE (a committed *_samples.csv) is continued
+  campaign)  # issue 34's accuracy matrix on the graph engine, resumable: STORE (a committed *_samples.csv[.gz]) is continued
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
     stem=$STAGE/campaign/accuracy_qwen_matrix  # outside $OUT (emptied per call): back-to-back calls continue it
     mkdir -p "$STAGE/campaign"
-    if [ -n "${STORE:-}" ] && [ ! -f "${stem}_samples.csv" ]; then cp "$STORE" "${stem}_samples.csv"; fi
+    if [ -n "${STORE:-}" ] && [ ! -f "${stem}_samples.csv" ]; then  # (a committed store is gzipped: it outgrew 16 MiB)
+      case $STORE in *.gz) gunzip -c "$STORE" > "${stem}_samples.csv" ;; *) cp "$STORE" "${stem}_samples.csv" ;; esac
+    fi
     # the store and tables come back, also when cut short; the device returns at most 8 files of 16 MiB
-    # each, and the store outgrew that: it comes back gzipped (here: gunzip -c ... > $STORE)
+    # each, and the store outgrew that: it comes back gzipped (here: copy it over the committed .csv.gz)
     # The GPU's memory and use are logged every 20 s into $OUT/gpu_use.log (stopped at exit).
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv -l 20 > "$out/gpu_use.log" 2>&1 &
     smi=$!
-    trap 'kill "$smi" 2>/dev/null; [ -f "${stem}_samples.csv" ] && gzip -c "${stem}_samples.csv" > "$out/$(basename "$stem")_samples.csv.gz"; cp "$stem".csv "$stem".json "$out"/ 2>/dev/null || true' EXIT
+    trap 'kill "$smi" 2>/dev/null; [ -f "${stem}_samples.csv" ] && gzip -n -c "${stem}_samples.csv" > "$out/$(basename "$stem")_samples.csv.gz"; cp "$stem".csv "$stem".json "$out"/ 2>/dev/null || true' EXIT
     contexts=${2:?contexts}
     tasks=${TASKS:-$(python3 -c "from prr.tasks.ruler import TASKS; print(','.join('ruler:' + t for t in TASKS))")}
     # One process for every context: each config's engine is built and captured once. BATCH samples

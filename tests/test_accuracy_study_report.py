@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
-STORE = ROOT / "experiments" / "results" / "h200" / "accuracy_qwen_matrix_samples.csv"
+STORE = ROOT / "experiments" / "results" / "h200" / "accuracy_qwen_matrix_samples.csv.gz"
 KEY = ["task", "context_tokens", "sample", "config"]
 
 

@@ -9,7 +9,9 @@
 #   here:      bash experiments/h200_long_context.sh stage data     # RULER's data and the Python wheels, a call of their own
 #   device:    bash experiments/h200_long_context.sh receive        # (carry .xfer) .xfer/* -> $STAGE, sha256 printed
 #   device:    bash experiments/h200_long_context.sh prepare        # assemble + verify + convert (prr.model.fetch)
-#   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS | predictors CONTEXT
+#   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS
+#   device:    STORE=experiments/results/h200/issue34/predictor_study_qwen_16384 BUDGET_S=400 \
+#                bash experiments/h200_long_context.sh predictors CONTEXT   # the predictor study, continued
 #   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv.gz BUDGET_S=400 \
 #                bash experiments/h200_long_context.sh campaign CONTEXTS   # issue 34's matrix, continued
 #              (one process for every context, BUDGET_S seconds; BATCH samples decoded together)
@@ -133,14 +135,24 @@ case $cmd in
       --selectors "${SELECTORS:-quest,infllm,less,exact}" --max-new-tokens task --device cuda --dtype bfloat16 \
       --batch-size "${BATCH:-1}" --out "$stem" --resume --time-budget "${BUDGET_S:-400}"
     ;;
-  predictors)
+  predictors)  # issue 34's predictor study over 20 prompts (10 per task) on the graph engine, resumable like the campaign:
+    # the store lives in $STAGE (back-to-back calls continue it); STORE=<a committed run's stem> seeds it
+    # (its _store.csv.gz and _store.json); every call returns the store and the tables (also when cut short)
     out=$(out_dir)  # an assignment: set -e stops here when OUT is unset
     device_env
+    name=predictor_study_qwen_${2:?context}
+    stem=$STAGE/predictors/$name
+    mkdir -p "$STAGE/predictors"
+    if [ -n "${STORE:-}" ] && [ ! -f "${stem}_store.json" ]; then
+      cp "${STORE}_store.csv.gz" "${stem}_store.csv.gz" && cp "${STORE}_store.json" "${stem}_store.json"
+    fi
+    trap 'cp "$stem".csv "$stem".json "${stem}"_*.csv "${stem}"_store.* "$out"/ 2>/dev/null || true' EXIT
+    # BUDGET_S: no new prompt after it; keep it ~100 s under the call's limit (the trap needs an exit)
     python3 experiments/predictor_study.py --model $MODEL --tasks ${TASKS:-ruler:niah_multikey_2 ruler:qa_2} \
-      --context-tokens "${2:?context}" --steps "${STEPS:-128}" --samples "${SAMPLES:-1}" --engine "${ENGINE:-eager}" \
+      --context-tokens "$2" --steps "${STEPS:-64}" --samples "${SAMPLES:-10}" --engine "${ENGINE:-graph}" \
       --device cuda --dtype bfloat16 --no-figures \
       --predictors ${PREDICTORS:-last_step ema ema_calibrated spin query_similarity cross_layer_ema ema_membership} \
-      --out "$out/predictor_study_qwen_$2"
+      --out "$stem" --resume --time-budget "${BUDGET_S:-400}"
     ;;
   *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac

@@ -33,9 +33,16 @@ experiments/bench_predictors.py).
 (hit rate, precision, misses per step) is the mean over prompts of the prompt's pooled rate, with a
 95% bootstrap interval over prompts (<rate>_lo, <rate>_hi; prompts = n; one prompt: no width).
 
+Every prompt's rows go into a results store as soon as it is measured (OUT_store.csv.gz, with
+OUT_store.json: the run's config and each prompt's description and checks), so a run cut short
+loses nothing: --resume continues it (its prompts skipped; another config is refused), and
+--time-budget S starts no prompt after S seconds. Prompts run sample by sample across the tasks,
+so a cut run leaves every task with prompts. The model is loaded once; with --engine graph each
+prompt is prefilled once (dense, q/k/v kept) and replayed into each predictor's runtime.
+
 Writes OUT.csv (task × predictor × ratio), OUT_per_layer.csv, OUT_by_predictor.csv (predictor ×
 ratio over every task's prompts), OUT.json (command, date, versions, the replay checks, rows) and
-the figure analysis/figures/predictor_hit_rate_vs_budget.{png,pdf}.
+the figure analysis/figures/predictor_hit_rate_vs_budget.{png,pdf}, all from the store.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import json
 import platform
 import statistics
@@ -158,26 +166,38 @@ def task_config(task: str, steps: int, overrides: list[str], sample: int, predic
     return cfg
 
 
-def shadow_runtime(cfg: Any, model: Any, predictor: Predictor) -> tuple[EagerRuntime, Any, Any]:
+def shadow_runtime(cfg: Any, model: Any, predictor: Predictor, prompt: Any = None) -> tuple[EagerRuntime, Any, Any]:
     """The research runtime of cfg in shadow mode (every step dense-measured) around `predictor`,
-    with the task's prompt -> (the runtime, the task object, the prompt batch)."""
+    with the task's prompt (built here unless given: it does not depend on the predictor)
+    -> (the runtime, the task object, the prompt batch)."""
     settings, task_obj, selector, budget = (instantiate(cfg[g]) for g in ("runtime", "task", "selector", "budget"))
     mc = model.config
     selector.bind_model(mc)
-    prompt = task_obj.build(model.tokenizer, mc.vocab_size, settings.batch_size)
+    if prompt is None:
+        prompt = task_obj.build(model.tokenizer, mc.vocab_size, settings.batch_size)
     runtime = EagerRuntime(model.decoder, settings, selector, predictor, budget, instantiate(cfg.backend).name,
                            prompt.input_ids.shape[1] + task_obj.max_new_tokens, DTYPES[settings.dtype], mode="shadow",
                            dense_metrics_every=1, check_serial=False)
     return runtime, task_obj, prompt
 
 
-def capture(task: str, steps: int, overrides: list[str], sample: int = 0) -> tuple[Trace, dict[str, Any]]:
+def load_model(overrides: list[str]) -> Any:
+    """The model of the overrides (model, device, dtype), loaded once per run: every prompt and
+    predictor decodes through it."""
+    cfg = compose_config(["logger=none", *overrides], check=False)
+    settings = instantiate(cfg.runtime)
+    return instantiate(cfg.model).load(settings.dtype, settings.device)
+
+
+def capture(task: str, steps: int, overrides: list[str], sample: int = 0,
+            model: Any = None) -> tuple[Trace, dict[str, Any]]:
     """One shadow-mode decode of `task` (a spec of prr.tasks.ruler.task_overrides) under the
     overrides (model, device, context); sample s > 0: the task generated with its seed + s (another
-    prompt; tasks without a seed have one prompt). -> its trace and a description."""
+    prompt; tasks without a seed have one prompt). model: the overrides' model, loaded (None: load
+    it here). -> its trace and a description."""
     cfg = task_config(task, steps, overrides, sample, CAPTURE_PREDICTOR)
     settings = instantiate(cfg.runtime)
-    model = instantiate(cfg.model).load(settings.dtype, settings.device)
+    model = model if model is not None else instantiate(cfg.model).load(settings.dtype, settings.device)
     mc = model.config
     trace = Trace()
     tracer = Tracer(instantiate(cfg.predictor), trace)
@@ -203,21 +223,24 @@ def capture(task: str, steps: int, overrides: list[str], sample: int = 0) -> tup
 
 
 def graph_capture(task: str, steps: int, overrides: list[str], sample: int, names: list[str],
-                  ratios: list[float]) -> tuple[dict[tuple[str, float], pd.DataFrame], dict[tuple[str, float], dict],
-                                                dict[str, Any]]:
-    """`--engine graph`: per predictor of `names`, one shadow-mode decode of the task's prompt through
-    the graph engine (prr.runtime.study_decode: the research runtime's prefill and calibration,
-    then engine steps with the device study counters at every ratio, read once), the first
+                  ratios: list[float], model: Any = None) -> tuple[dict[tuple[str, float], pd.DataFrame],
+                                                                  dict[tuple[str, float], dict], dict[str, Any]]:
+    """`--engine graph`: the task's prompt built and prefilled once (dense, q/k/v kept:
+    prr.evaluation.kept_prefill), then per predictor of `names` one shadow-mode decode through
+    the graph engine (prr.runtime.study_decode: the kept prefill replayed into the research
+    runtime and calibrated there, then engine steps with the device study counters at every
+    ratio, read once), the first
     predictor's greedy tokens fed to the others (teacher forcing; shadow mode: the same dense
     trajectory). -> ({(predictor, ratio): one row per sparse layer, summed over the steps, in
     `replay`'s columns (propose_us / update_us: not timed here, NaN)}, {(predictor, ratio): state
     bytes and calibration}, a description with each predictor's check: the engine's own |P| = K
     hits equal the study counters' at ratio 1.0)."""
+    from prr.evaluation import kept_prefill
     from prr.runtime.study_decode import graph_study_decode
 
     frames, extras, checks = {}, {}, {}
     tokens: list[int] | None = None
-    model = info = None
+    info = prompt = prefill = None
     for name in names:
         cfg = task_config(task, steps, overrides, sample, name)
         if model is None:
@@ -225,14 +248,16 @@ def graph_capture(task: str, steps: int, overrides: list[str], sample: int, name
             model = instantiate(cfg.model).load(settings.dtype, settings.device)
         predictor = instantiate(cfg.predictor)
         torch.manual_seed(cfg.seed)  # (before the selector is built, as `capture` does)
-        runtime, task_obj, prompt = shadow_runtime(cfg, model, predictor)
+        runtime, task_obj, prompt = shadow_runtime(cfg, model, predictor, prompt)
         if task_obj.temperature != 0:
             raise ValueError(f"--engine graph decodes greedily; task {task} samples (task.temperature="
                              f"{task_obj.temperature})")
+        if prefill is None:  # one dense prefill per prompt; each predictor's runtime replays it
+            prefill = kept_prefill(model, prompt.input_ids, runtime.device)
         with torch.inference_mode():
-            logits = runtime.prefill(prompt.input_ids)  # [1, V]
+            runtime.replay_prefill(prefill.qkv)
             calibration = runtime.finish_prefill()
-        run = graph_study_decode(runtime, logits, task_obj.max_new_tokens, tuple(ratios), tokens)
+        run = graph_study_decode(runtime, prefill.last_logits, task_obj.max_new_tokens, tuple(ratios), tokens)
         tokens = tokens or run.tokens
         selector = runtime.backend.selector
         prompt_len, k, bs = prompt.input_ids.shape[1], selector.topk_blocks, runtime.cache.block_size
@@ -335,6 +360,101 @@ def over_prompts(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     return sizes.join(means_over_prompts(per_prompt, by, RATES).set_index(by)).reset_index()
 
 
+def measure_prompt(args: argparse.Namespace, task: str, sample: int, overrides: list[str], model: Any
+                   ) -> tuple[dict[tuple[str, float], pd.DataFrame], dict[tuple[str, float], dict], dict[str, Any]]:
+    """One prompt (task's sample) through every predictor of args at every ratio -> ({(predictor,
+    ratio): its rows (graph: one per sparse layer, summed over the steps; eager: one per step and
+    sparse layer)}, {(predictor, ratio): state bytes and calibration}, the prompt's description with
+    its checks). Raises when the eager replay of CAPTURE_PREDICTOR does not reproduce the live run."""
+    if args.engine == "graph":  # every predictor decoded, its counters read: the same frames as replays
+        return graph_capture(task, args.steps, overrides, sample, args.predictors, args.ratios, model)
+    trace, info = capture(task, args.steps, overrides, sample, model)
+    frames, extras = {}, {}
+    for name in args.predictors:
+        for ratio in args.ratios:
+            predictor = instantiate(compose_config(PREDICTORS[name], check=False).predictor)
+            with torch.inference_mode():  # as in a run (the trace's tensors are inference tensors)
+                frames[name, ratio], extras[name, ratio] = replay(trace, predictor, ratio, info["topk_blocks"])
+            if name == CAPTURE_PREDICTOR and ratio == 1.0:
+                info["replay_check"] = {"live_hits": trace.live_hits, "replay_hits": int(frames[name, ratio]["hits"].sum()),
+                                        "live_selected": trace.live_selected,
+                                        "replay_selected": int(frames[name, ratio]["selected"].sum())}
+    check = info.get("replay_check")
+    print(f"replay check ({CAPTURE_PREDICTOR} at |P| = K, live run vs replay): {check}", flush=True)
+    if check and check["live_hits"] != check["replay_hits"]:
+        raise RuntimeError(f"replay of {CAPTURE_PREDICTOR} does not reproduce the live run on {task}: {check}")
+    return frames, extras, info
+
+
+class PromptStore:
+    """The study's results store, so that a run cut short (a device call's limit, --time-budget)
+    loses nothing and --resume continues it: OUT_store.csv.gz holds every measured prompt's rows
+    (appended, one gzip member per prompt), OUT_store.json the run's config and each prompt's
+    description (rewritten after the rows: a prompt counts as done only once both are written)."""
+
+    def __init__(self, out: Path, config: dict[str, Any]) -> None:
+        self.frames_path = out.parent / f"{out.name}_store.csv.gz"
+        self.meta_path = out.parent / f"{out.name}_store.json"
+        self.config = config
+        self.meta: dict[str, Any] = {"config": config, "prompts": []}
+
+    def open(self, resume: bool) -> None:
+        """Start a new store, or (resume) continue the existing one of the same config. Raises
+        ValueError for an existing store without resume, or one of another config."""
+        exists = self.meta_path.exists() or self.frames_path.exists()
+        if exists and not resume:
+            raise ValueError(f"{self.frames_path} exists: pass --resume to continue it (its prompts are kept and "
+                             "skipped), or choose another --out")
+        if not exists:
+            self.frames_path.parent.mkdir(parents=True, exist_ok=True)
+            return
+        if not self.meta_path.exists():  # rows without their descriptions: a run killed mid-first-prompt
+            self.frames_path.unlink()
+            return
+        meta = json.loads(self.meta_path.read_text())
+        differ = {k: (meta["config"].get(k), v) for k, v in self.config.items() if meta["config"].get(k) != v}
+        if differ:
+            raise ValueError(f"--resume: {self.meta_path} was made with another config "
+                             f"({', '.join(f'{k}: stored {a!r}, now {b!r}' for k, (a, b) in differ.items())}); "
+                             "pass the same options, or choose another --out")
+        self.meta = meta
+        if self.frames_path.exists():  # drop the rows of a prompt whose description was never written
+            kept = self.frames().to_csv(index=False)
+            with gzip.open(self.frames_path, "wt") as f:
+                f.write(kept)
+
+    @property
+    def done(self) -> set[tuple[str, int]]:
+        return {(p["task"], p["sample"]) for p in self.meta["prompts"]}
+
+    def add(self, task: str, sample: int, frames: dict[tuple[str, float], pd.DataFrame],
+            extras: dict[tuple[str, float], dict], info: dict[str, Any], command: str) -> None:
+        """One prompt's rows and description, each row with the command that made it."""
+        rows = pd.concat([f.assign(task=task, sample=sample, predictor=k[0], ratio=k[1]) for k, f in frames.items()],
+                         ignore_index=True).assign(command=command)
+        header = not self.frames_path.exists()
+        with gzip.open(self.frames_path, "at") as f:
+            rows.to_csv(f, index=False, header=header)
+        info = {**info, "task": task, "sample": sample, "extras": {f"{k[0]}|{k[1]}": v for k, v in extras.items()}}
+        self.meta["prompts"].append(info)
+        tmp = self.meta_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.meta, indent=1, default=float) + "\n")
+        tmp.replace(self.meta_path)
+
+    def frames(self) -> pd.DataFrame:
+        """Every done prompt's rows (empty without any)."""
+        if not self.frames_path.exists():
+            return pd.DataFrame(columns=["task", "sample", "predictor", "ratio"])
+        rows = pd.read_csv(self.frames_path)
+        done = pd.MultiIndex.from_tuples(sorted(self.done), names=["task", "sample"]) if self.done else None
+        if done is None:
+            return rows.iloc[0:0]
+        return rows[pd.MultiIndex.from_frame(rows[["task", "sample"]]).isin(done)].reset_index(drop=True)
+
+    def prompts(self) -> list[dict[str, Any]]:
+        return list(self.meta["prompts"])
+
+
 def versions() -> dict[str, str]:
     import transformers
 
@@ -365,6 +485,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", default="eager", choices=["eager", "graph"],
                         help="eager: one traced decode per prompt, every predictor replayed on the host (timed); "
                              "graph: one graph-engine decode per predictor with the device study counters (untimed)")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override of every decode's config, repeatable (e.g. --set selector.topk_blocks=64)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue OUT_store.csv.gz (the per-prompt results store): its prompts are kept and skipped; "
+                             "without it an existing store is refused")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds after which no new prompt starts (the tables cover what finished; --resume continues)")
     args = parser.parse_args(argv)
     tasks = args.tasks or ["long_text", *(t for t in RULER_TASKS if (ROOT / "conf/task" / f"{t}.yaml").is_file())]
     missing = [t for t in tasks if not t.startswith("ruler:") and not (ROOT / "conf/task" / f"{t}.yaml").is_file()]
@@ -381,80 +508,70 @@ def main(argv: list[str] | None = None) -> None:
                      f"{args.samples} < 1, or a ratio <= 0: {args.ratios}")
     torch.set_num_threads(1)  # cost numbers per predictor, not per thread pool; the machine is shared
     overrides = [f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", "runtime.engine=eager",
-                 *([f"model={args.model}"] if args.model else [])]
+                 *([f"model={args.model}"] if args.model else []), *args.extra]
+    def task_extra(task: str) -> list[str]:
+        return [f"task.context_tokens={args.context_tokens}"] if args.context_tokens and task.startswith("ruler:") else []
 
-    summary_rows, layer_frames, all_frames, captures = [], [], [], []
-    notes = []
-    for task in tasks:
-        task_over = [f"task.context_tokens={args.context_tokens}"] if args.context_tokens and task.startswith("ruler:") else []
-        frames: dict[tuple[str, float], list[pd.DataFrame]] = {}  # (predictor, ratio) -> one frame per prompt
-        extras: dict[tuple[str, float], dict[str, Any]] = {}
-        steps = 0
-        for sample in range(args.samples):
-            t0 = time.perf_counter()
-            try:
-                if args.engine == "graph":
-                    graph = graph_capture(task, args.steps, overrides + task_over, sample, args.predictors,
-                                          args.ratios)
-                else:
-                    trace, info = capture(task, args.steps, overrides + task_over, sample)
-            except Exception as err:  # one task's failure (e.g. a config in flux) must not lose the others
-                notes.append(f"task {task} sample {sample} not measured: {type(err).__name__}: {err}")
-                print(notes[-1], flush=True)
-                break
-            if args.engine == "graph":  # every predictor decoded, its counters read: the same frames as replays
-                found, found_extras, info = graph
-                for key, frame in found.items():
-                    frames.setdefault(key, []).append(frame.assign(task=task, sample=sample, predictor=key[0],
-                                                                   ratio=key[1]))
-                    extras.setdefault(key, found_extras[key])
-                info["capture_s"] = round(time.perf_counter() - t0, 1)
-                steps += info["decode_steps"]
-                captures.append(info)
-                print(f"decoded {task} #{sample} on the graph engine: {info}", flush=True)
-                continue
-            info["capture_s"] = round(time.perf_counter() - t0, 1)
-            print(f"captured {task} #{sample}: {info}", flush=True)
-            steps += len(trace.steps)
-            for name in args.predictors:
-                for ratio in args.ratios:
-                    predictor = instantiate(compose_config(PREDICTORS[name], check=False).predictor)
-                    with torch.inference_mode():  # as in a run (the trace's tensors are inference tensors)
-                        frame, extra = replay(trace, predictor, ratio, info["topk_blocks"])
-                    frames.setdefault((name, ratio), []).append(frame.assign(task=task, sample=sample, predictor=name,
-                                                                             ratio=ratio))
-                    extras.setdefault((name, ratio), extra)  # state bytes and calibration: the first prompt's
-                    if name == CAPTURE_PREDICTOR and ratio == 1.0:
-                        info["replay_check"] = {"live_hits": trace.live_hits, "replay_hits": int(frame["hits"].sum()),
-                                                "live_selected": trace.live_selected,
-                                                "replay_selected": int(frame["selected"].sum())}
-            captures.append(info)
-            check = info.get("replay_check")
-            print(f"replay check ({CAPTURE_PREDICTOR} at |P| = K, live run vs replay): {check}", flush=True)
-            if check and check["live_hits"] != check["replay_hits"]:
-                raise RuntimeError(f"replay of {CAPTURE_PREDICTOR} does not reproduce the live run on {task}: {check}")
-        for (name, ratio), parts in frames.items():
-            frame = pd.concat(parts, ignore_index=True)
-            all_frames.append(frame)
-            row = over_prompts(frame, ["task", "predictor", "ratio"]).iloc[0].to_dict()
-            row.update(propose_us=frame["propose_us"].median(), update_us=frame["update_us"].median(),
-                       misses_per_decode_step=(frame["selected"].sum() - frame["hits"].sum()) / steps,
-                       **extras[name, ratio])
-            summary_rows.append(row)
-            layer_frames.append(over_prompts(frame, ["task", "predictor", "ratio", "layer"]))
-            print(f"  {task} {name:18s} x{ratio:<5} hit {row['hit_rate']:.4f} [{row['hit_rate_lo']:.4f}, "
-                  f"{row['hit_rate_hi']:.4f}] (n={row['prompts']}) precision {row['precision']:.4f} "
-                  f"misses/step {row['misses_per_step']:.2f} propose {row['propose_us']:.0f} us", flush=True)
+    for task in tasks:  # a bad --set (or model, or a prompt too long for it) is one line before any work
+        try:
+            task_config(task, args.steps, overrides + task_extra(task), 0, args.predictors[0])
+        except Exception as err:  # ConfigError, or Hydra's own for an unknown key or option
+            parser.error(f"task {task} with --set {args.extra}: {err}")
 
+    store = PromptStore(args.out, {"model": args.model, "context_tokens": args.context_tokens, "steps": args.steps,
+                                   "device": torch.device(args.device).type, "dtype": args.dtype, "engine": args.engine,
+                                   "predictors": args.predictors, "ratios": args.ratios, "set": args.extra})
+    try:
+        store.open(args.resume)
+    except ValueError as err:  # an existing store without --resume, or one of another config
+        parser.error(str(err))
+    command = "python " + " ".join(["experiments/predictor_study.py", *argv] if argv is not None else sys.argv)
+    model = load_model(overrides)
+    start, notes, failed = time.perf_counter(), [], set()
+    # prompt-major: a run stopped by --time-budget leaves every task with prompts
+    todo = [(task, sample) for sample in range(args.samples) for task in tasks if (task, sample) not in store.done]
+    print(f"{len(todo)} prompts to measure ({len(store.done)} already in {store.frames_path})", flush=True)
+    for position, (task, sample) in enumerate(todo):
+        if task in failed:
+            continue
+        if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
+            print(f"time budget {args.time_budget:.0f}s spent after {position} of {len(todo)} prompts: stopping; "
+                  f"--resume continues from {store.frames_path}", flush=True)
+            break
+        t0 = time.perf_counter()
+        try:
+            found, found_extras, info = measure_prompt(args, task, sample, overrides + task_extra(task), model)
+        except Exception as err:  # one task's failure (e.g. a config in flux) must not lose the others
+            notes.append(f"task {task} sample {sample} not measured: {type(err).__name__}: {err}")
+            print(notes[-1], flush=True)
+            failed.add(task)
+            continue
+        info["capture_s"] = round(time.perf_counter() - t0, 1)
+        print(f"measured {task} #{sample} ({args.engine}): {info}", flush=True)
+        store.add(task, sample, found, found_extras, info, command)
+
+    frames, captures = store.frames(), store.prompts()
+    summary_rows, layer_frames = [], []
+    for (task, name, ratio), frame in frames.groupby(["task", "predictor", "ratio"], sort=False):
+        first = next(c for c in captures if c["task"] == task)  # state bytes and calibration: the first prompt's
+        steps = sum(c["decode_steps"] for c in captures if c["task"] == task)
+        row = over_prompts(frame, ["task", "predictor", "ratio"]).iloc[0].to_dict()
+        row.update(propose_us=frame["propose_us"].median(), update_us=frame["update_us"].median(),
+                   misses_per_decode_step=(frame["selected"].sum() - frame["hits"].sum()) / steps,
+                   **first["extras"][f"{name}|{ratio}"])
+        summary_rows.append(row)
+        layer_frames.append(over_prompts(frame, ["task", "predictor", "ratio", "layer"]))
+        print(f"  {task} {name:18s} x{ratio:<5} hit {row['hit_rate']:.4f} [{row['hit_rate_lo']:.4f}, "
+              f"{row['hit_rate_hi']:.4f}] (n={row['prompts']}) precision {row['precision']:.4f} "
+              f"misses/step {row['misses_per_step']:.2f} propose {row['propose_us']:.0f} us", flush=True)
     if not summary_rows:
         raise SystemExit("no task was measured: " + "; ".join(notes))
-    command = "python " + " ".join(["experiments/predictor_study.py", *argv] if argv is not None else sys.argv)
     table = pd.DataFrame(summary_rows)
     per_layer = pd.concat(layer_frames, ignore_index=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.assign(command=command).to_csv(args.out.with_suffix(".csv"), index=False)  # provenance in every row
     per_layer.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_per_layer.csv", index=False)
-    by_predictor = over_prompts(pd.concat(all_frames, ignore_index=True), ["predictor", "ratio"])  # every task's prompts
+    by_predictor = over_prompts(frames, ["predictor", "ratio"])  # every task's prompts
     by_predictor.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_by_predictor.csv", index=False)
     if not any(t.startswith(("ruler_", "ruler:")) for t in tasks):
         notes.append("no RULER-style task config existed: real text only")

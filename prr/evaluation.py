@@ -69,6 +69,17 @@ class CapturingAttention:
         raise RuntimeError("CapturingAttention only prefills")
 
 
+def kept_prefill(model: Any, input_ids: Tensor, device: torch.device | str) -> Prefill:
+    """Dense prefill of input_ids [1, T] (T >= 2) through model's decoder on `device`, q/k/v kept
+    for replay into any config (EagerRuntime.replay_prefill, prefill_rows)."""
+    if input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
+        raise ValueError(f"prefill needs input_ids [1, T >= 2], got {tuple(input_ids.shape)}")
+    capture = CapturingAttention(1.0 / model.config.head_dim ** 0.5)
+    with torch.inference_mode():
+        logits = model.decoder(input_ids.to(device), 0, capture, last_logits_only=True)[:, -1]
+    return Prefill(input_ids, logits, capture.qkv)
+
+
 @dataclass
 class Generation:
     token_ids: list[int]
@@ -223,12 +234,7 @@ class Engine:
     # --- prefill ------------------------------------------------------------------------
     def prefill(self, input_ids: Tensor) -> Prefill:
         """Dense prefill of input_ids [1, T] (T >= 2), q/k/v kept for replay into any config."""
-        if input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
-            raise ValueError(f"prefill needs input_ids [1, T >= 2], got {tuple(input_ids.shape)}")
-        capture = CapturingAttention(1.0 / self.model.config.head_dim ** 0.5)
-        with torch.inference_mode():
-            logits = self.model.decoder(input_ids.to(self.device), 0, capture, last_logits_only=True)[:, -1]
-        return Prefill(input_ids, logits, capture.qkv)
+        return kept_prefill(self.model, input_ids, self.device)
 
     def _batches(self, prompt_lengths: list[int], new_tokens: list[int]) -> list[list[int]]:
         """Requests (in order) grouped into batches of at most the strategy's rows whose longest

@@ -423,6 +423,29 @@ class PromptStore:
             with gzip.open(self.frames_path, "wt") as f:
                 f.write(kept)
 
+    def merge(self, stem: Path) -> None:
+        """Fold another run's store (the same config, none of this store's prompts) into this one."""
+        other = PromptStore(stem, self.config)
+        if not other.meta_path.exists():
+            raise ValueError(f"--merge {stem}: no {other.meta_path}")
+        other.open(resume=True)  # (refuses another config, naming the difference)
+        overlap = other.done & self.done
+        if overlap:
+            raise ValueError(f"--merge {stem}: prompts {sorted(overlap)} are in both stores")
+        rows = other.frames()
+        header = not self.frames_path.exists()
+        if not header:  # appended under this store's header, in its column order
+            rows = rows[pd.read_csv(self.frames_path, nrows=0).columns]
+        with gzip.open(self.frames_path, "at") as f:
+            rows.to_csv(f, index=False, header=header)
+        self.meta["prompts"] += other.prompts()
+        self._write_meta()
+
+    def _write_meta(self) -> None:
+        tmp = self.meta_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.meta, indent=1, default=float) + "\n")
+        tmp.replace(self.meta_path)
+
     @property
     def done(self) -> set[tuple[str, int]]:
         return {(p["task"], p["sample"]) for p in self.meta["prompts"]}
@@ -437,9 +460,7 @@ class PromptStore:
             rows.to_csv(f, index=False, header=header)
         info = {**info, "task": task, "sample": sample, "extras": {f"{k[0]}|{k[1]}": v for k, v in extras.items()}}
         self.meta["prompts"].append(info)
-        tmp = self.meta_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.meta, indent=1, default=float) + "\n")
-        tmp.replace(self.meta_path)
+        self._write_meta()
 
     def frames(self) -> pd.DataFrame:
         """Every done prompt's rows (empty without any)."""
@@ -490,6 +511,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue OUT_store.csv.gz (the per-prompt results store): its prompts are kept and skipped; "
                              "without it an existing store is refused")
+    parser.add_argument("--merge", type=Path, nargs="+", default=[], metavar="STEM",
+                        help="first fold these runs' stores (STEM_store.csv.gz/.json: the same config, other prompts, "
+                             "e.g. parallel runs over different tasks) into OUT's; with --time-budget 0 only the tables "
+                             "are rebuilt")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which no new prompt starts (the tables cover what finished; --resume continues)")
     args = parser.parse_args(argv)
@@ -522,11 +547,13 @@ def main(argv: list[str] | None = None) -> None:
                                    "device": torch.device(args.device).type, "dtype": args.dtype, "engine": args.engine,
                                    "predictors": args.predictors, "ratios": args.ratios, "set": args.extra})
     try:
-        store.open(args.resume)
-    except ValueError as err:  # an existing store without --resume, or one of another config
+        store.open(args.resume or bool(args.merge))
+        for stem in args.merge:
+            store.merge(stem)
+    except ValueError as err:  # an existing store without --resume, one of another config, overlapping prompts
         parser.error(str(err))
     command = "python " + " ".join(["experiments/predictor_study.py", *argv] if argv is not None else sys.argv)
-    model = load_model(overrides)
+    model = None  # loaded for the first prompt measured (none: the tables are rebuilt from the store)
     start, notes, failed = time.perf_counter(), [], set()
     # prompt-major: a run stopped by --time-budget leaves every task with prompts
     todo = [(task, sample) for sample in range(args.samples) for task in tasks if (task, sample) not in store.done]
@@ -539,6 +566,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"--resume continues from {store.frames_path}", flush=True)
             break
         t0 = time.perf_counter()
+        model = model if model is not None else load_model(overrides)
         try:
             found, found_extras, info = measure_prompt(args, task, sample, overrides + task_extra(task), model)
         except Exception as err:  # one task's failure (e.g. a config in flux) must not lose the others

@@ -80,3 +80,20 @@ def test_rows_of_an_undescribed_prompt_are_dropped_on_resume(tmp_path):
     assert again.done == {("t", 0)}
     assert again.frames()["sample"].tolist() == [0, 0]
     assert pd.read_csv(again.frames_path)["sample"].tolist() == [0, 0]  # rewritten without them
+
+
+def test_parallel_runs_merged_equal_one_run(tmp_path):
+    """Two runs over one task each, merged with --merge and --time-budget 0 (no prompt measured),
+    give the tables of one run over both tasks; a merge of overlapping prompts is refused."""
+    one_task = [a for a in ARGS if a not in ("ruler_niah", "ruler_vt")]
+    at = one_task.index("--tasks") + 1
+    for task in ("ruler_niah", "ruler_vt"):
+        ps.main([*one_task[:at], task, *one_task[at:], "--samples", "2", "--out", str(tmp_path / task)])
+    ps.main([*ARGS, "--samples", "2", "--out", str(tmp_path / "both")])
+    ps.main([*ARGS, "--samples", "2", "--time-budget", "0", "--out", str(tmp_path / "merged"),
+             "--merge", str(tmp_path / "ruler_niah"), str(tmp_path / "ruler_vt")])
+    pd.testing.assert_frame_equal(table(tmp_path / "merged"), table(tmp_path / "both"))
+    with pytest.raises(SystemExit) as exit_:
+        ps.main([*ARGS, "--samples", "2", "--time-budget", "0", "--out", str(tmp_path / "merged"),
+                 "--merge", str(tmp_path / "ruler_vt")])
+    assert exit_.value.code == 2

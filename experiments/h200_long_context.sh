@@ -10,7 +10,7 @@
 #   device:    bash experiments/h200_long_context.sh receive        # (carry .xfer) .xfer/* -> $STAGE, sha256 printed
 #   device:    bash experiments/h200_long_context.sh prepare        # assemble + verify + convert (prr.model.fetch)
 #   device:    bash experiments/h200_long_context.sh locality CONTEXTS | accuracy CONTEXTS
-#   device:    STORE=experiments/results/h200/issue34/predictor_study_qwen_16384 BUDGET_S=400 \
+#   device:    [STORE=<a committed run's stem>] BUDGET_S=400 \
 #                bash experiments/h200_long_context.sh predictors CONTEXT   # the predictor study, continued
 #   device:    STORE=experiments/results/h200/accuracy_qwen_matrix_samples.csv.gz BUDGET_S=400 \
 #                bash experiments/h200_long_context.sh campaign CONTEXTS   # issue 34's matrix, continued

@@ -181,10 +181,10 @@ def shadow_runtime(cfg: Any, model: Any, predictor: Predictor, prompt: Any = Non
     return runtime, task_obj, prompt
 
 
-def load_model(overrides: list[str]) -> Any:
-    """The model of the overrides (model, device, dtype), loaded once per run: every prompt and
-    predictor decodes through it."""
-    cfg = compose_config(["logger=none", *overrides], check=False)
+def load_model(overrides: list[str] | Any) -> Any:
+    """The model of the overrides (model, device, dtype) or of a composed config, loaded once per
+    run: every prompt and predictor decodes through it."""
+    cfg = compose_config(["logger=none", *overrides], check=False) if isinstance(overrides, list) else overrides
     settings = instantiate(cfg.runtime)
     return instantiate(cfg.model).load(settings.dtype, settings.device)
 
@@ -197,7 +197,7 @@ def capture(task: str, steps: int, overrides: list[str], sample: int = 0,
     it here). -> its trace and a description."""
     cfg = task_config(task, steps, overrides, sample, CAPTURE_PREDICTOR)
     settings = instantiate(cfg.runtime)
-    model = model if model is not None else instantiate(cfg.model).load(settings.dtype, settings.device)
+    model = model if model is not None else load_model(cfg)
     mc = model.config
     trace = Trace()
     tracer = Tracer(instantiate(cfg.predictor), trace)
@@ -243,9 +243,7 @@ def graph_capture(task: str, steps: int, overrides: list[str], sample: int, name
     info = prompt = prefill = None
     for name in names:
         cfg = task_config(task, steps, overrides, sample, name)
-        if model is None:
-            settings = instantiate(cfg.runtime)
-            model = instantiate(cfg.model).load(settings.dtype, settings.device)
+        model = model if model is not None else load_model(cfg)
         predictor = instantiate(cfg.predictor)
         torch.manual_seed(cfg.seed)  # (before the selector is built, as `capture` does)
         runtime, task_obj, prompt = shadow_runtime(cfg, model, predictor, prompt)
@@ -411,24 +409,30 @@ class PromptStore:
         if not self.meta_path.exists():  # rows without their descriptions: a run killed mid-first-prompt
             self.frames_path.unlink()
             return
+        self._read_meta("--resume")
+        if self.frames_path.exists():  # drop the rows of a prompt whose description was never written
+            rows = pd.read_csv(self.frames_path)
+            kept = self._described(rows)
+            if len(kept) < len(rows):
+                with gzip.open(self.frames_path, "wt") as f:
+                    kept.to_csv(f, index=False)
+
+    def _read_meta(self, what: str) -> None:
+        """Load the stored descriptions; ValueError when the store was made with another config."""
         meta = json.loads(self.meta_path.read_text())
         differ = {k: (meta["config"].get(k), v) for k, v in self.config.items() if meta["config"].get(k) != v}
         if differ:
-            raise ValueError(f"--resume: {self.meta_path} was made with another config "
+            raise ValueError(f"{what}: {self.meta_path} was made with another config "
                              f"({', '.join(f'{k}: stored {a!r}, now {b!r}' for k, (a, b) in differ.items())}); "
                              "pass the same options, or choose another --out")
         self.meta = meta
-        if self.frames_path.exists():  # drop the rows of a prompt whose description was never written
-            kept = self.frames().to_csv(index=False)
-            with gzip.open(self.frames_path, "wt") as f:
-                f.write(kept)
 
     def merge(self, stem: Path) -> None:
         """Fold another run's store (the same config, none of this store's prompts) into this one."""
         other = PromptStore(stem, self.config)
         if not other.meta_path.exists():
             raise ValueError(f"--merge {stem}: no {other.meta_path}")
-        other.open(resume=True)  # (refuses another config, naming the difference)
+        other._read_meta(f"--merge {stem}")  # read only: nothing is written into the other run's files
         overlap = other.done & self.done
         if overlap:
             raise ValueError(f"--merge {stem}: prompts {sorted(overlap)} are in both stores")
@@ -466,10 +470,13 @@ class PromptStore:
         """Every done prompt's rows (empty without any)."""
         if not self.frames_path.exists():
             return pd.DataFrame(columns=["task", "sample", "predictor", "ratio"])
-        rows = pd.read_csv(self.frames_path)
-        done = pd.MultiIndex.from_tuples(sorted(self.done), names=["task", "sample"]) if self.done else None
-        if done is None:
+        return self._described(pd.read_csv(self.frames_path))
+
+    def _described(self, rows: pd.DataFrame) -> pd.DataFrame:
+        """The rows of prompts whose description was written (the done ones)."""
+        if not self.done:
             return rows.iloc[0:0]
+        done = pd.MultiIndex.from_tuples(sorted(self.done), names=["task", "sample"])
         return rows[pd.MultiIndex.from_frame(rows[["task", "sample"]]).isin(done)].reset_index(drop=True)
 
     def prompts(self) -> list[dict[str, Any]]:

@@ -90,9 +90,11 @@ def test_parallel_runs_merged_equal_one_run(tmp_path):
     for task in ("ruler_niah", "ruler_vt"):
         ps.main([*one_task[:at], task, *one_task[at:], "--samples", "2", "--out", str(tmp_path / task)])
     ps.main([*ARGS, "--samples", "2", "--out", str(tmp_path / "both")])
+    sources = {p: p.read_bytes() for p in tmp_path.glob("ruler_*_store.*")}
     ps.main([*ARGS, "--samples", "2", "--time-budget", "0", "--out", str(tmp_path / "merged"),
              "--merge", str(tmp_path / "ruler_niah"), str(tmp_path / "ruler_vt")])
     pd.testing.assert_frame_equal(table(tmp_path / "merged"), table(tmp_path / "both"))
+    assert len(sources) == 4 and all(p.read_bytes() == b for p, b in sources.items())  # the merged runs untouched
     with pytest.raises(SystemExit) as exit_:
         ps.main([*ARGS, "--samples", "2", "--time-budget", "0", "--out", str(tmp_path / "merged"),
                  "--merge", str(tmp_path / "ruler_vt")])

@@ -572,6 +572,60 @@ def accuracy_vs_context(samples: pd.DataFrame) -> MplFigure:
     return fig
 
 
+PREDICTOR_STUDY_INPUTS = tuple(f"experiments/results/{where}/issue34/predictor_study_qwen_{stem}_by_predictor.csv"
+                               for where, stem in (("cpu", "4096_20prompts"), ("cpu", "8192_20prompts"),
+                                                   ("cpu", "16384_20prompts"), ("h200", "32768_20prompts")))
+
+
+def read_predictor_study(*paths: Path) -> pd.DataFrame:
+    """predictor_study.py's _by_predictor tables, one per context -> one frame with context_tokens
+    (from the command each row carries: --context-tokens N)."""
+    frames = []
+    for path in paths:
+        frame = pd.read_csv(path)
+        words = shlex.split(frame["command"].iloc[0])
+        frame["context_tokens"] = int(words[words.index("--context-tokens") + 1])
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def predictor_hit_rate_vs_context(frame: pd.DataFrame, ratio: float = 1.0) -> MplFigure:
+    """Hit rate |P∩A|/|A| at |P| = ratio·K against context, one line per predictor measured at every
+    context, each point the
+    mean over prompts with its 95% bootstrap interval over prompts as an error bar; n (prompts)
+    under each context's tick. Columns: context_tokens, predictor, ratio, hit_rate, hit_rate_lo,
+    hit_rate_hi, prompts."""
+    frame = require(frame, ["context_tokens", "predictor", "ratio", "hit_rate", "hit_rate_lo", "hit_rate_hi", "prompts"],
+                    "predictor_hit_rate_vs_context")
+    frame = frame[np.isclose(frame["ratio"], ratio)]
+    contexts = sorted(frame["context_tokens"].unique())
+    # Only the predictors measured at every context: a line with a gap would compare other prompts.
+    everywhere = frame.groupby("predictor")["context_tokens"].nunique() == len(contexts)
+    frame = frame[frame["predictor"].map(everywhere)]
+    prompts = frame.groupby("context_tokens")["prompts"].max()
+    fig, axes = new_figure(SINGLE)
+    ax = axes[0]
+    names = list(dict.fromkeys(frame["predictor"]))
+    for i, name in enumerate(names):
+        rows = frame[frame["predictor"] == name].sort_values("context_tokens")
+        shift = ax.transData + ScaledTranslation((i - (len(names) - 1) / 2) * 2.5 / 72, 0, fig.dpi_scale_trans)
+        ax.errorbar(rows["context_tokens"], 100 * rows["hit_rate"],
+                    yerr=100 * np.vstack([rows["hit_rate"] - rows["hit_rate_lo"], rows["hit_rate_hi"] - rows["hit_rate"]]),
+                    transform=shift, color=method_color(name), marker=marker(name), markersize=3.5,
+                    elinewidth=0.9, capsize=0, label=method_label(name))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts)
+    ax.xaxis.set_major_formatter(FixedFormatter([f"{context_tick(c)}\nn={prompts[c]}" for c in contexts]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlim(contexts[0] / 1.5, contexts[-1] * 1.5)
+    low, high = 100 * frame["hit_rate_lo"].min(), 100 * frame["hit_rate_hi"].max()
+    ax.set_ylim(max(low - 3.0, 0.0), min(high + 3.0, 100.0))
+    ax.set_xlabel("context (tokens; n: prompts)")
+    ax.set_ylabel(f"hit rate at |P| = {ratio:g}·K (%)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="x-small")
+    return fig
+
+
 def paired_median_ratio(runs: list[float], base: list[float], resamples: int = 10_000, seed: int = 0):
     """median(runs) / median(base), runs[i] and base[i] one prompt's two measurements, and its 95%
     percentile-bootstrap interval resampling *prompts* (pairs kept together; prr.intervals'
@@ -932,6 +986,12 @@ FIGURES: list[Figure] = [
            "context) with its 95% percentile-bootstrap interval resampling prompts within each task; only prompts that every config of the context scored count, so every point at a "
            "context averages the same n prompts (under the tick). Left top-K budget 1,024 tokens, right 2,048: dense "
            "(the reference, in both), each selector serial (solid, filled) and PRR with EMA (dashed, open)"),
+    Figure("predictor_hit_rate_vs_context", predictor_hit_rate_vs_context, PREDICTOR_STUDY_INPUTS, read_predictor_study,
+           "python experiments/predictor_study.py ... --context-tokens N (CPU, 4K-16K) and bash experiments/h200_long_context.sh "
+           "predictors 32768 (H200); the commands in docs/results/accuracy.md",
+           "Predictor hit rate |P∩A|/|A| at |P| = K against context, Qwen2.5-Coder-0.5B, RULER niah_multikey_2 and qa_2 "
+           "(10 prompts each), Quest top-32 blocks of 16, 64 shadow steps: mean over prompts with its 95% bootstrap "
+           "over prompts; 4K-16K on the CPU (eager, fp32), 32K on an H200 (graph engine, bf16)"),
     Figure("accuracy_qwen_pooled", accuracy_pooled, ("experiments/results/h200/accuracy_qwen_matrix_samples.csv.gz",),
            pd.read_csv,
            "bash experiments/h200_long_context.sh campaign 4096,8192,16384,32768 (docs/results/accuracy.md)",

@@ -14,6 +14,9 @@ captured on its own and replayed at a fixed position (the ema view decodes for r
   serial_counters_each_layer: one counters launch per layer on the main stream (count_at_step_end=False);
 - prr_p=a: PRR with P = the step's own A (a 100% hit rate, no predictor work);
 - prr_p=a_counters, prr_p=a_one_stream (speculation on the main stream);
+- where the selector speculates inside its selection launch (exact on the kernels,
+  StaticPlan.speculate_in_selection, the default): prr_p=a_speculation_beside and
+  prr_ema_counters_speculation_beside, the speculation kernel on the side stream instead;
 - prr_ema, prr_ema_counters: the ema predictor proposing and learning for real (hit rate near 0.2 on
   random data), counters off and on; prr_ema_counters_each_layer: counters per layer on the main
   stream; prr_ema_each_layer: ema learning after each sparse layer
@@ -170,6 +173,8 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
              "prr_p=a": (eng, False),
              "prr_p=a_counters": (eng.with_plan(count_hits=True, count_at_step_end=True), False),
              "prr_p=a_one_stream": (eng.with_plan(overlap=False), False)}
+    if selector.speculates_in_selection():  # exact: P's states in its q·K launch (the default) or beside it
+        views["prr_p=a_speculation_beside"] = (eng.with_plan(speculate_in_selection=False), False)
     rows, kernel_rows, base = [], [], None
 
     def measure(name: str, view: GraphDecoder, advance: bool, **extra) -> None:
@@ -224,6 +229,9 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
     measure("prr_ema_counters", eng.with_plan(count_hits=True, count_at_step_end=True), True)
     measure("prr_ema_counters_each_layer", eng.with_plan(count_hits=True, count_at_step_end=False), True)
     measure("prr_ema_each_layer", eng.with_plan(learn_layers_at_once=False), True)
+    if selector.speculates_in_selection():
+        measure("prr_ema_counters_speculation_beside",
+                eng.with_plan(count_hits=True, count_at_step_end=True, speculate_in_selection=False), True)
     del eng
     torch.cuda.empty_cache()
     return rows, kernel_rows

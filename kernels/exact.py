@@ -15,8 +15,9 @@ import torch
 import triton
 from torch import Tensor
 
-from .exact_jit import _exact_block_lse_kernel, _exact_block_mass_kernel
+from .exact_jit import _exact_block_lse_kernel, _exact_block_mass_kernel, _exact_lse_speculate_kernel
 from .pdl import launch_kwargs
+from .sparse_decode import PerBlockLaunch
 
 GQA_REDUCTIONS = ("max", "sum")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -58,6 +59,7 @@ def exact_block_lse(
     tiles: int | None = None,
     num_warps: int | None = None,
     native_dot: bool | None = None,
+    speculation: PerBlockLaunch | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The q·K pass of exact selection.
 
@@ -72,6 +74,10 @@ def exact_block_lse(
     Tuning: tile_blocks (blocks per tl.dot, a power of two), tiles (tiles per program),
     num_warps, native_dot (16-bit tensor-core operands; default where q and keys share an fp16 /
     bf16 dtype, except bf16 under the interpreter).
+    speculation: sparse_decode(q, keys, values, P, ..., per_block=True, plan_only=True) over the
+    same q and keys: PRR's per-block states over P are computed in this launch (its first
+    programs) and written into speculation.out / speculation.lse, bit for bit what
+    sparse_decode(per_block=True) writes; its native_dot must be this pass's.
     """
     if q.dim() != 3 or keys.dim() != 4:
         raise ValueError(f"q must be [B, Hq, D] and keys [B, Hkv, T_max, D]; got {tuple(q.shape)}, {tuple(keys.shape)}")
@@ -111,16 +117,40 @@ def exact_block_lse(
     part_lse = torch.empty(batch, num_kv_heads, group, parts, dtype=torch.float32, device=q.device)
     if batch == 0 or num_kv_heads == 0 or max_blocks == 0:
         return block_lse, part_lse
-    _exact_block_lse_kernel[(parts, num_kv_heads, batch)](
-        q, keys, lengths, num_blocks, block_lse, part_lse,
-        scale * LOG2E, max_blocks,
-        *q.stride(), *keys.stride(), *block_lse.stride(), *part_lse.stride(),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE_BLOCKS=tile_blocks, TILES=tiles, NATIVE_DOT=native_dot,
-        INPUT_PRECISION="ieee" if fp32_data else "tf32",
-        num_warps=num_warps or 4, **launch_kwargs(q.device),
-    )
+    args = (q, keys, lengths, num_blocks, block_lse, part_lse, scale * LOG2E, max_blocks,
+            *q.stride(), *keys.stride(), *block_lse.stride(), *part_lse.stride())
+    constexprs = {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_DIM": head_dim,
+                  "BLOCK_SIZE": block_size, "NATIVE_DOT": native_dot, "INPUT_PRECISION": "ieee" if fp32_data else "tf32"}
+    launch = {"num_warps": num_warps or 4, **launch_kwargs(q.device)}
+    if speculation is None or speculation.chunks == 0:
+        _exact_block_lse_kernel[(parts, num_kv_heads, batch)](*args, **constexprs, TILE_BLOCKS=tile_blocks,
+                                                               TILES=tiles, **launch)
+        return block_lse, part_lse
+    spec = _speculation_arguments(speculation, q, keys, lengths, scale, constexprs)
+    _exact_lse_speculate_kernel[(speculation.chunks + parts, num_kv_heads, batch)](
+        *args, speculation.chunks, *spec, **constexprs, TILE_BLOCKS=tile_blocks, TILES=tiles,
+        SUB_TILE=speculation.constexprs["SUB_TILE"], PRECISE_PV=speculation.constexprs["PRECISE_PV"], **launch)
     return block_lse, part_lse
+
+
+def _speculation_arguments(plan: PerBlockLaunch, q: Tensor, keys: Tensor, lengths: Tensor, scale: float,
+                           constexprs: dict) -> tuple:
+    """The per-block launch's arguments that the q·K pass does not already pass (values, P's ids
+    and counts, the outputs, their strides), after checking that it runs over the same q, keys,
+    lengths, scale and dot settings (one set of those serves both parts of the launch)."""
+    (pq, pk, values, ids, counts, plengths, out, lse, qk_scale, _hkv, capacity, entries, *strides) = plan.args
+    def same(a: Tensor, b: Tensor) -> bool:  # the same memory seen the same way (views may be new objects)
+        return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+    if not (same(pq, q) and same(pk, keys) and same(plengths, lengths)):
+        raise ValueError("speculation must be planned over the same q, keys and lengths as the q·K pass")
+    if abs(qk_scale - scale * LOG2E) > 1e-12 * abs(qk_scale):
+        raise ValueError(f"speculation's scale ({qk_scale / LOG2E}) differs from the q·K pass's ({scale})")
+    differ = {k: (plan.constexprs[k], v) for k, v in constexprs.items() if plan.constexprs[k] != v}
+    if differ:
+        raise ValueError(f"speculation's launch settings differ from the q·K pass's (theirs, ours): {differ}")
+    q_and_k = 3 + 4  # q's and keys' strides, passed once by the q·K pass
+    return (values, ids, counts, out, lse, capacity, entries, *strides[q_and_k:])
 
 
 def exact_block_mass(
@@ -177,11 +207,13 @@ def exact_scores(
     tiles: int | None = None,
     num_warps: int | None = None,
     block_n: int = 128,
+    speculation: PerBlockLaunch | None = None,
 ) -> Tensor:
     """exact_block_lse then exact_block_mass: q [B, Hq, D], keys [B, Hkv, T_max, D], lengths and
     num_blocks [B] -> scores [B, Hkv, NB_max] fp32, what prr's `ExactSelector` ranks (the
     softmax over each row's whole context summed per block, reduced over the group), -inf past
-    each row's context. Tuning arguments as in the two launchers."""
+    each row's context. Tuning arguments and speculation (P's per-block states in the q·K
+    pass's launch) as in the two launchers."""
     if gqa_reduce not in GQA_REDUCTIONS:
         raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {list(GQA_REDUCTIONS)} (the kernel reduces inside)")
     _check_power_of_two("block_size", block_size)
@@ -189,5 +221,5 @@ def exact_scores(
     tile_blocks = default_tile if tile_blocks is None else tile_blocks
     tiles = default_tiles if tiles is None else tiles
     block_lse, part_lse = exact_block_lse(q, keys, lengths, num_blocks, block_size, scale, tile_blocks=tile_blocks,
-                                          tiles=tiles, num_warps=num_warps)
+                                          tiles=tiles, num_warps=num_warps, speculation=speculation)
     return exact_block_mass(block_lse, part_lse, num_blocks, tile_blocks * tiles, gqa_reduce, block_n=block_n)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_prologue
+from .sparse_decode_jit import per_block_program
 
 
 @triton.jit
@@ -48,9 +49,98 @@ def _exact_block_lse_kernel(
 ):
     pdl_prologue(PDL)
     # grid: (P = cdiv(NB_max, TILES * TILE_BLOCKS), Hkv, B)
-    part = tl.program_id(0)
+    _exact_lse_program(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                       q_ptr, k_ptr, lengths_ptr, num_blocks_ptr, block_lse_ptr, part_lse_ptr, qk_scale, max_blocks,
+                       stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                       stride_lb, stride_lh, stride_lg, stride_ln, stride_pb, stride_ph, stride_pg, stride_pp,
+                       GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE_BLOCKS, TILES, NATIVE_DOT, INPUT_PRECISION)
+
+
+@triton.jit
+def _exact_lse_speculate_kernel(
+    q_ptr,  # [B, Hq, D] fp16/bf16/fp32 (Hq = Hkv * GROUP)
+    k_ptr,  # [B, Hkv, T_max, D] the layer's key cache (T_max = NB_max * BLOCK_SIZE)
+    lengths_ptr,  # [B] int32/int64 tokens of each row's context
+    num_blocks_ptr,  # [B] int32/int64 blocks of each row's context (cdiv(length, BLOCK_SIZE))
+    block_lse_ptr,  # [B, Hkv, GROUP, NB_max] fp32 out: lse of each block's live tokens (natural log)
+    part_lse_ptr,  # [B, Hkv, GROUP, P] fp32 out: lse of each program's run of blocks
+    qk_scale,  # scale * log2(e)
+    max_blocks,  # NB_max
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_lb, stride_lh, stride_lg, stride_ln,
+    stride_pb, stride_ph, stride_pg, stride_pp,
+    spec_chunks,  # programs per (row, KV head) of P's speculation: grid dim 0 = spec_chunks + P runs
+    v_ptr, ids_ptr, counts_ptr, spec_out_ptr, spec_lse_ptr, spec_capacity, spec_entries,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ib, stride_ih, stride_ic,
+    stride_cb, stride_ch,
+    stride_len,
+    stride_ob, stride_oh, stride_oc, stride_od,
+    stride_sb, stride_sh, stride_sc,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # rows of the dot's q tile: a power of two >= GROUP (>= 16 on a GPU)
+    HEAD_DIM: tl.constexpr,  # D, a power of two
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block, a power of two
+    TILE_BLOCKS: tl.constexpr,  # blocks per tile (one tl.dot of TILE_BLOCKS * BLOCK_SIZE keys)
+    TILES: tl.constexpr,  # tiles per program: a program's run is TILES * TILE_BLOCKS blocks
+    NATIVE_DOT: tl.constexpr,  # q and K in their 16-bit type for tl.dot; else fp32 operands
+    INPUT_PRECISION: tl.constexpr,  # of the fp32 dot: "ieee" (fp32 data) or "tf32" (16-bit data: exact)
+    SUB_TILE: tl.constexpr,  # per_block_program's sub-tile of a block
+    PRECISE_PV: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The q·K pass and PRR's speculation over P in one launch: programs [0, spec_chunks) of each
+    (KV head, row) run sparse_decode's `per_block_program` (P's per-block states, written as
+    sparse_decode(per_block=True) writes them), the rest the q·K pass's runs. One launch, so
+    the speculation does not contend from a second stream with a pass that fills the GPU."""
+    pdl_prologue(PDL)
+    # grid: (spec_chunks + P, Hkv, B)
+    pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
+    if pid < spec_chunks:
+        per_block_program(pid, batch * tl.num_programs(1) + kv_head,
+                          q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, spec_out_ptr, spec_lse_ptr,
+                          qk_scale, tl.num_programs(1), spec_capacity, spec_entries,
+                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                          stride_vb, stride_vh, stride_vt, stride_vd, stride_ib, stride_ih, stride_ic,
+                          stride_cb, stride_ch, stride_len, stride_ob, stride_oh, stride_oc, stride_od,
+                          stride_sb, stride_sh, stride_sc,
+                          GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, SUB_TILE, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
+    else:
+        _exact_lse_program(pid - spec_chunks, kv_head, batch,
+                           q_ptr, k_ptr, lengths_ptr, num_blocks_ptr, block_lse_ptr, part_lse_ptr, qk_scale, max_blocks,
+                       stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                       stride_lb, stride_lh, stride_lg, stride_ln, stride_pb, stride_ph, stride_pg, stride_pp,
+                       GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE_BLOCKS, TILES, NATIVE_DOT, INPUT_PRECISION)
+
+
+@triton.jit
+def _exact_lse_program(
+    part, kv_head, batch,  # this program's run of blocks, KV head and batch row
+    q_ptr,  # [B, Hq, D] fp16/bf16/fp32 (Hq = Hkv * GROUP)
+    k_ptr,  # [B, Hkv, T_max, D] the layer's key cache (T_max = NB_max * BLOCK_SIZE)
+    lengths_ptr,  # [B] int32/int64 tokens of each row's context
+    num_blocks_ptr,  # [B] int32/int64 blocks of each row's context (cdiv(length, BLOCK_SIZE))
+    block_lse_ptr,  # [B, Hkv, GROUP, NB_max] fp32 out: lse of each block's live tokens (natural log)
+    part_lse_ptr,  # [B, Hkv, GROUP, P] fp32 out: lse of each program's run of blocks
+    qk_scale,  # scale * log2(e)
+    max_blocks,  # NB_max
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_lb, stride_lh, stride_lg, stride_ln,
+    stride_pb, stride_ph, stride_pg, stride_pp,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # rows of the dot's q tile: a power of two >= GROUP (>= 16 on a GPU)
+    HEAD_DIM: tl.constexpr,  # D, a power of two
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block, a power of two
+    TILE_BLOCKS: tl.constexpr,  # blocks per tile (one tl.dot of TILE_BLOCKS * BLOCK_SIZE keys)
+    TILES: tl.constexpr,  # tiles per program: a program's run is TILES * TILE_BLOCKS blocks
+    NATIVE_DOT: tl.constexpr,  # q and K in their 16-bit type for tl.dot; else fp32 operands
+    INPUT_PRECISION: tl.constexpr,  # of the fp32 dot: "ieee" (fp32 data) or "tf32" (16-bit data: exact)
+):
+    """One run of TILES * TILE_BLOCKS blocks of the q·K pass (see the module docstring)."""
     TILE_TOKENS: tl.constexpr = TILE_BLOCKS * BLOCK_SIZE
     num_blocks = tl.minimum(tl.load(num_blocks_ptr + batch).to(tl.int32), max_blocks)
     # Tokens counted: below the row's length and inside its num_blocks blocks (the caller's counts rule).

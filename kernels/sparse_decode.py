@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -120,7 +121,8 @@ def sparse_decode(
     precise_pv: bool = True,
     num_warps: int = 4,
     num_stages: int | None = None,
-) -> tuple[Tensor, Tensor]:
+    plan_only: bool = False,
+) -> tuple[Tensor, Tensor] | PerBlockLaunch:
     """Decode attention over the KV blocks listed per (batch row, KV head).
 
     q:            [B, Hq, D] fp16 / bf16 / fp32 (any strides); query head h uses KV head
@@ -156,6 +158,10 @@ def sparse_decode(
     took 0.95-0.99x the serial stage time at batch 1 with 2K budgets, 1.01-1.06x at 8K and at
     batch 8, and a decode token 34 µs longer at 128K (profile_decode_*_fusemerge.csv).
 
+    plan_only=True (per_block=True only): nothing runs; returns the launch (PerBlockLaunch: the
+    outputs it would fill, its programs per row and its arguments) for a caller that runs
+    `per_block_program` inside its own launch (prr.kernels.exact: P's speculation in exact
+    selection's q·K pass).
     Tuning (keyword-only; defaults are chosen from static shapes and the SM count):
     tokens_per_split (per_block=False: tokens of block list per program; per_block=True:
     tokens per program), tile_tokens (tokens per K/V tile, a power of two >= 16),
@@ -217,6 +223,8 @@ def sparse_decode(
     if out_dtype != torch.float32 and (per_block or not merge_splits):
         raise ValueError(f"out_dtype={out_dtype} applies to the merged output only: partial states "
                          f"(per_block=True or merge_splits=False) stay fp32 for merging")
+    if plan_only and not per_block:
+        raise ValueError("plan_only=True describes the per-block launch: it takes per_block=True")
     if fuse_merge and (per_block or not merge_splits):
         raise ValueError(f"fuse_merge=True merges the splits into one state: it takes per_block=False and "
                          f"merge_splits=True (got per_block={per_block}, merge_splits={merge_splits})")
@@ -250,20 +258,17 @@ def sparse_decode(
     if per_block:
         out = torch.empty(batch, num_q_heads, capacity, head_dim, dtype=torch.float32, device=device)
         lse = torch.empty(batch, num_q_heads, capacity, dtype=torch.float32, device=device)
-        if capacity == 0:
-            return out, lse
-        entries = per_block_entries(capacity, rows, block_size, device, tokens_per_split)
-        grid = (-(-capacity // entries), rows)
-        sparse_decode_per_block_kernel[grid](
-            q, k_cache, v_cache, ids, block_counts, lengths, out, lse,
-            qk_scale, num_kv_heads, capacity, entries,
-            *common,
-            *out.stride(), *lse.stride(),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, SUB_TILE=min(block_size, tile_tokens),
-            NATIVE_DOT=bool(native_dot), INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
-            **launch,
-        )  # fmt: skip
+        entries = per_block_entries(capacity, rows, block_size, device, tokens_per_split) if capacity else 1
+        plan = PerBlockLaunch(
+            out, lse, -(-capacity // entries),
+            (q, k_cache, v_cache, ids, block_counts, lengths, out, lse, qk_scale, num_kv_heads, capacity, entries,
+             *common, *out.stride(), *lse.stride()),
+            {"GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
+             "SUB_TILE": min(block_size, tile_tokens), "NATIVE_DOT": bool(native_dot),
+             "INPUT_PRECISION": input_precision, "PRECISE_PV": bool(precise_pv)})
+        if plan_only or capacity == 0:
+            return plan if plan_only else (out, lse)
+        sparse_decode_per_block_kernel[(plan.chunks, rows)](*plan.args, **plan.constexprs, **launch)
         return out, lse
 
     tile_tokens, entries, num_splits = _split_plan(capacity, rows, block_size, head_dim, k_cache.element_size(),
@@ -306,6 +311,19 @@ def sparse_decode(
     if num_splits == 1 or not merge_splits:
         return out, lse
     return merge_partials(out, lse, out_dtype=out_dtype)
+
+
+@dataclass(frozen=True)
+class PerBlockLaunch:
+    """sparse_decode(per_block=True)'s launch, not run: out [B, Hq, C, D] and lse [B, Hq, C] (fp32,
+    unfilled), chunks (programs per (row, KV head) row: grid (chunks, B * Hkv)), and the
+    arguments of `per_block_program` after (chunk, row): positional args, then constexprs."""
+
+    out: Tensor
+    lse: Tensor
+    chunks: int
+    args: tuple
+    constexprs: dict
 
 
 def arrival_counters(arrivals: Tensor | None, rows: int, device: torch.device) -> Tensor:

@@ -280,15 +280,34 @@ def sparse_decode_per_block_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """One attention state per list entry, for one (batch, kv head)'s query group.
-
-    grid = (ceil(C / entries_per_program), B * Hkv). Program p writes entries
-    [p * entries_per_program, ...) ∩ [0, C) of out [B, Hq, C, D] and lse [B, Hq, C]:
-    padding entries (>= count) and blocks with no live token get lse = -inf, out = 0.
-    A block is walked in SUB_TILE-token sub-tiles (SUB_TILE divides BLOCK_SIZE).
-    """
+    grid = (ceil(C / entries_per_program), B * Hkv): program (p, row) runs `per_block_program`."""
     pdl_prologue(PDL)
-    chunk = tl.program_id(0)
-    row = tl.program_id(1)
+    per_block_program(tl.program_id(0), tl.program_id(1),
+                      q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, out_ptr, lse_ptr, qk_scale, num_kv_heads, capacity, entries_per_program, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, stride_vb, stride_vh, stride_vt, stride_vd, stride_ib, stride_ih, stride_ic, stride_cb, stride_ch, stride_len, stride_ob, stride_oh, stride_oc, stride_od, stride_lb, stride_lh, stride_lc, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, SUB_TILE, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
+
+
+@triton.jit
+def per_block_program(
+    chunk, row,  # entries [chunk * entries_per_program, ...) of row (batch, kv head) = divmod(row, num_kv_heads)
+    q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, out_ptr, lse_ptr,
+    qk_scale, num_kv_heads, capacity, entries_per_program,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ib, stride_ih, stride_ic,
+    stride_cb, stride_ch,
+    stride_len,
+    stride_ob, stride_oh, stride_oc, stride_od,
+    stride_lb, stride_lh, stride_lc,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SUB_TILE: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
+):
+    """Writes entries [chunk * entries_per_program, ...) ∩ [0, C) of out [B, Hq, C, D] and
+    lse [B, Hq, C] for one (batch, kv head)'s query group: padding entries (>= count) and
+    blocks with no live token get lse = -inf, out = 0. A block is walked in SUB_TILE-token
+    sub-tiles (SUB_TILE divides BLOCK_SIZE). Also run inside exact selection's q·K launch
+    (kernels/exact_jit.py: P's speculation in the same launch)."""
     batch = (row // num_kv_heads).to(tl.int64)
     kv_head = (row % num_kv_heads).to(tl.int64)
 

@@ -50,6 +50,12 @@ SCRIPT = textwrap.dedent('''
                   "block_lse_ptr": F, "part_lse_ptr": F, "qk_scale": "fp32"},
                   {"GROUP": group, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_SIZE": block, "TILE_BLOCKS": tile_blocks,
                    "TILES": 4, "NATIVE_DOT": native, "INPUT_PRECISION": precision, "PDL": False})
+        # with P's speculation in the same launch (StaticPlan.speculate_in_selection)
+        build(E._exact_lse_speculate_kernel, {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "lengths_ptr": I32,
+              "num_blocks_ptr": I32, "block_lse_ptr": F, "part_lse_ptr": F, "ids_ptr": I32, "counts_ptr": I32,
+              "spec_out_ptr": F, "spec_lse_ptr": F, "qk_scale": "fp32"},
+              {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "TILE_BLOCKS": 8, "TILES": 4,
+               "NATIVE_DOT": native, "INPUT_PRECISION": precision, "SUB_TILE": 16, "PRECISE_PV": native, "PDL": False})
     for group, pad in ((4, 4), (1, 1), (3, 4)):
         for sum_group in (False, True):
             build(E._exact_block_mass_kernel, {"block_lse_ptr": F, "part_lse_ptr": F, "num_blocks_ptr": I32, "out_ptr": F},

@@ -521,13 +521,21 @@ class AttentionEngine:
         main one, joined after. P was written ahead (by the previous step for history-only
         predictors, by the layer below's learning for cross_layer, or from outside with predictor
         None), or is proposed first on the side stream (propose; default: predictors that are not
-        history-only, e.g. query_similarity, which needs this step's query).
+        history-only, e.g. query_similarity, which needs this step's query). Where the selection's
+        launch can attend over P itself (`_speculates_in_selection`: exact) and P was written ahead,
+        both run there, on the main stream.
         q: [B, Hq, D] post-RoPE; lengths, num_blocks: [B] int32 (step_positions).
         -> ((spec_out, spec_lse): exact mode [B, Hq, |P|, D], [B, Hq, |P|] per-block states,
             superset [B, Hq, D], [B, Hq]; the Selection A)."""
-        self._fork()
         if propose is None:
             propose = self.predictor is not None and not self.predictor.history_only
+        if not propose and self._speculates_in_selection():  # one launch on the main stream
+            with self._stage("select"):
+                selection, spec = self.selector.select_speculating(
+                    self._grouped(q), self.cache, layer, lengths, num_blocks, self.pred_idx[layer],
+                    self.pred_cnt[layer], self.scale, self.plan.speculation_tokens_per_program)
+            return spec, selection
+        self._fork()
         with self._side():
             if propose:
                 with self._stage("predict"):
@@ -539,6 +547,12 @@ class AttentionEngine:
             selection = self.select(layer, q, lengths, num_blocks)
         self.join()  # the speculation is done (the side stream's queue up to here)
         return spec, selection
+
+    def _speculates_in_selection(self) -> bool:
+        """Whether P's per-block states come from the selection's own launch (plan.speculate_in_selection,
+        exact mode, a selector that can: exact on the kernels) instead of the side stream."""
+        return (self.plan.speculate_in_selection and self.plan.repair_mode == "exact" and self.backend == "triton"
+                and self.selector.speculates_in_selection())
 
     def _repair(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, spec_out: Tensor,
                 spec_lse: Tensor, fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:

@@ -117,6 +117,13 @@ class StaticPlan:
     # Checked on the H200 (tests/test_less_side_summaries.py's GPU twins): LESS's layer 33.3 against
     # 40.7 µs at 32K, block 16 (experiments/results/h200/bench_decode_less_side_1a15dde.csv).
     side_summaries: bool = True
+    # Selectors whose selection launch can also attend over P (`speculates_in_selection`: exact on
+    # the kernels) compute PRR's per-block states over P there, on the main stream, instead of in a
+    # speculation kernel on the side stream beside selection: exact's q·K pass fills the GPU, and on
+    # the H200 the speculation beside it slowed it by 8.3 µs a layer (249 µs a token at 32K, block 16,
+    # K 32; PRR at P = A 1.076x serial: experiments/results/h200/step_breakdown_exact_b763547.csv).
+    # The same states bit for bit (tests/test_exact_speculation.py); False: beside selection.
+    speculate_in_selection: bool = True
 
     def problems(self) -> list[str]:
         out = []

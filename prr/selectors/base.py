@@ -216,6 +216,21 @@ class Selector(SelectorOptions, ABC):
         [B] blocks (int32 or int64). Selectors with kernels override it."""
         raise NotImplementedError(f"{type(self).__name__} has no Triton selection (triton_problems() is None)")
 
+    def speculates_in_selection(self) -> bool:
+        """Whether `select_speculating` runs: this selector's kernels can compute PRR's per-block
+        states over P inside selection's own launch (exact: its q·K pass fills the GPU, so a
+        speculation on a second stream beside it only slows it down)."""
+        return False
+
+    def select_speculating(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor, num_blocks: Tensor,
+                           pred_idx: Tensor, pred_cnt: Tensor, scale: float,
+                           tokens_per_program: int | None) -> tuple[Selection, tuple[Tensor, Tensor]]:
+        """`select_triton` and the attention over P in the same launch: q [B, Hkv, G, D], P =
+        pred_idx [B, Hkv, C] with counts pred_cnt [B, Hkv] -> (A, (out [B, Hq, C, D], lse [B, Hq, C])
+        fp32 per-block states, what sparse_decode(per_block=True, tokens_per_split=tokens_per_program)
+        gives). Selectors whose `speculates_in_selection` is True override it."""
+        raise NotImplementedError(f"{type(self).__name__} does not speculate inside its selection")
+
 
 def token_counts(cache: PagedKVCache, layer: int, length: int | Tensor | None, batch: int,
                  device: torch.device) -> Tensor:

@@ -39,17 +39,34 @@ class ExactSelector(Selector):
         return []
 
     def select_triton(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor,
-                      num_blocks: Tensor) -> Selection:
+                      num_blocks: Tensor, speculation=None) -> Selection:
+        """speculation: a sparse_decode(per_block=True, plan_only=True) launch over q (as [B, Hq, D]),
+        run in the q·K pass's launch (`select_speculating`)."""
         from prr.kernels.exact import exact_scores
         from prr.kernels.topk import topk_select
 
         b, h, g, d = q.shape
         rows = num_blocks.to(torch.int32)  # [B]
         scores = exact_scores(q.reshape(b, h * g, d), cache.keys[layer], lengths, rows, cache.block_size,
-                              1.0 / math.sqrt(d), self.gqa_reduce)  # [B, Hkv, NB]
+                              1.0 / math.sqrt(d), self.gqa_reduce, speculation=speculation)  # [B, Hkv, NB]
         indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
                                       recent_blocks=self.local_blocks + int(self.force_newest))
         return Selection(blocks=BlockSet(indices, counts), scores=scores)
+
+    def speculates_in_selection(self) -> bool:
+        return self.backend == "triton"
+
+    def select_speculating(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor, num_blocks: Tensor,
+                           pred_idx: Tensor, pred_cnt: Tensor, scale: float,
+                           tokens_per_program: int | None) -> tuple[Selection, tuple[Tensor, Tensor]]:
+        from prr.kernels.sparse_decode import sparse_decode
+
+        b, h, g, d = q.shape
+        flat = q.reshape(b, h * g, d)  # [B, Hq, D]: the view the q·K pass reads
+        launch = sparse_decode(flat, cache.keys[layer], cache.values[layer], pred_idx, pred_cnt, lengths,
+                               cache.block_size, scale, per_block=True, tokens_per_split=tokens_per_program,
+                               plan_only=True)
+        return self.select_triton(q, cache, layer, lengths, num_blocks, speculation=launch), (launch.out, launch.lse)
 
     def select_tail(self, q_tail: Tensor, cache: PagedKVCache, layer: int, start: int,
                     queries: Tensor | None = None) -> list[Selection]:

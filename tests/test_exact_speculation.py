@@ -1,0 +1,127 @@
+"""PRR's speculation inside exact selection's q·K launch (StaticPlan.speculate_in_selection):
+the fused launch writes the same per-block states over P as sparse_decode(per_block=True) and
+the same block lse as the q·K pass alone, bit for bit; the engine decodes the same logits with
+it as without it and as serial DSA (exact mode). CPU: kernels under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from prr.kernels.exact import exact_block_lse
+from prr.kernels.sparse_decode import sparse_decode
+
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan
+from prr.selectors.exact import ExactSelector
+from tests.helpers import graph_predictor
+from tests.test_graph_decode import CONFIG, decode
+
+GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def random_case(seed: int, dtype: torch.dtype, batch: int = 2, kv_heads: int = 3, group: int = 3, dim: int = 64,
+                block: int = 16, blocks: int = 13, capacity: int = 5):
+    """Fresh random q [B, Hq, D], K/V [B, Hkv, T, D], ragged lengths, P with padding and an empty row."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = block * blocks
+    q, k, v = (torch.randn(shape, generator=g).to(dtype).to(DEVICE) for shape in
+               ((batch, kv_heads * group, dim), (batch, kv_heads, tokens, dim), (batch, kv_heads, tokens, dim)))
+    lengths = torch.tensor([tokens - 5] + [int(torch.randint(capacity * block + 1, tokens, (1,), generator=g))] * (batch - 1),
+                           dtype=torch.int32, device=DEVICE)
+    num_blocks = ((lengths + block - 1) // block).int()
+    ids = torch.stack([torch.stack([torch.randperm(int(num_blocks[b]), generator=g)[:capacity] for _ in range(kv_heads)])
+                       for b in range(batch)]).int().to(DEVICE)
+    counts = torch.randint(0, capacity + 1, (batch, kv_heads), generator=g).int().to(DEVICE)
+    counts[0, 0] = 0  # an empty P
+    counts[-1, -1] = capacity
+    return q, k, v, lengths, num_blocks, ids, counts, block, 1.0 / math.sqrt(dim)
+
+
+@pytest.mark.parametrize("dtype,seed,tokens_per_program", [(torch.float32, 0, None), (torch.float16, 1, 32),
+                                                           (torch.float32, 2, 16)])
+def test_the_fused_launch_writes_what_the_two_launches_write(dtype, seed, tokens_per_program):
+    q, k, v, lengths, num_blocks, ids, counts, block, scale = random_case(seed, dtype)
+    want_lse, want_parts = exact_block_lse(q, k, lengths, num_blocks, block, scale)
+    want_out, want_spec_lse = sparse_decode(q, k, v, ids, counts, lengths, block, scale, per_block=True,
+                                            tokens_per_split=tokens_per_program)
+    launch = sparse_decode(q, k, v, ids, counts, lengths, block, scale, per_block=True,
+                           tokens_per_split=tokens_per_program, plan_only=True)
+    got_lse, got_parts = exact_block_lse(q, k, lengths, num_blocks, block, scale, speculation=launch)
+    assert torch.equal(launch.out, want_out) and torch.equal(launch.lse, want_spec_lse)
+    assert torch.isinf(launch.lse[0, :3]).all()  # row 0, KV head 0: P empty
+    for b in range(q.shape[0]):  # the q·K pass writes blocks < num_blocks and runs that start there
+        n = int(num_blocks[b])
+        assert torch.equal(got_lse[b, ..., :n], want_lse[b, ..., :n])
+        assert torch.equal(got_parts[b, ..., :1], want_parts[b, ..., :1])
+
+
+def test_a_speculation_planned_over_other_inputs_is_refused():
+    q, k, v, lengths, num_blocks, ids, counts, block, scale = random_case(3, torch.float32)
+    launch = sparse_decode(q.clone(), k, v, ids, counts, lengths, block, scale, per_block=True, plan_only=True)
+    with pytest.raises(ValueError, match="same q, keys and lengths"):
+        exact_block_lse(q, k, lengths, num_blocks, block, scale, speculation=launch)
+    launch = sparse_decode(q, k, v, ids, counts, lengths, block, 0.5 * scale, per_block=True, plan_only=True)
+    with pytest.raises(ValueError, match="scale"):
+        exact_block_lse(q, k, lengths, num_blocks, block, scale, speculation=launch)
+    with pytest.raises(ValueError, match="plan_only=True describes the per-block launch"):
+        sparse_decode(q, k, v, ids, counts, lengths, block, scale, plan_only=True)
+
+
+def exact_engine(plan: StaticPlan, predictor: str = "fixed", context: int = 203) -> GraphDecoder:
+    from prr.model.decoder import Decoder
+
+    model = Decoder(CONFIG, torch.float32, DEVICE).init_random_(seed=3, std=0.05)
+    selector = ExactSelector(topk_blocks=6, sink_blocks=1, local_blocks=0, force_newest=True, dense_layers=(0, 1),
+                             gqa_reduce="max")
+    engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40, selector=selector,
+                          predictor=graph_predictor(predictor))
+    engine.fill_random_context(context, seed=5)
+    return engine
+
+
+def test_exact_prr_speculating_in_selection_decodes_serial_dsa_and_the_side_streams_logits(monkeypatch):
+    """The defining property: P's states from the selection's launch change nothing but where they
+    are computed. Exact PRR with them equals serial DSA and PRR with the separate speculation
+    kernel, step for step, with the same hits; the per-block sparse_decode kernel never runs."""
+    serial = decode(exact_engine(StaticPlan(variant="serial")), 4)
+    plans = {inside: StaticPlan(variant="prr", predicted_blocks=6, count_hits=True, speculate_in_selection=inside)
+             for inside in (False, True)}
+    engines = {inside: exact_engine(plan, "last_step") for inside, plan in plans.items()}
+    assert engines[True].attn._speculates_in_selection() and not engines[False].attn._speculates_in_selection()
+    per_block_calls = []
+    kernel = engines[True].attn._k["sparse_decode"]
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def sparse_decode(self, *args, **kw):
+            per_block_calls.append(kw.get("per_block", False))
+            return kernel.sparse_decode(*args, **kw)
+
+    engines[True].attn._k["sparse_decode"] = Spy()
+    side, inside = (decode(engines[x], 4) for x in (False, True))
+    for step, (a, b, c) in enumerate(zip(serial, side, inside, strict=True)):
+        torch.testing.assert_close(c, b, rtol=2e-5, atol=2e-5, msg=f"step {step}")
+        torch.testing.assert_close(c, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
+    assert per_block_calls and not any(per_block_calls)  # the engine's attend never speculated on its own
+    hits = [engines[x].counters()["hits"] for x in (False, True)]
+    assert hits[0] == hits[1] and sum(hits[1]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("block,capacity", [(16, 32), (64, 32)])
+def test_gpu_the_fused_launch_at_the_8b_shape_writes_what_the_two_launches_write(block, capacity):
+    q, k, v, lengths, num_blocks, ids, counts, block, scale = random_case(
+        7, torch.bfloat16, batch=1, kv_heads=8, group=4, dim=128, block=block, blocks=4099 // block, capacity=capacity)
+    want_lse, _ = exact_block_lse(q, k, lengths, num_blocks, block, scale)
+    want = sparse_decode(q, k, v, ids, counts, lengths, block, scale, per_block=True)
+    launch = sparse_decode(q, k, v, ids, counts, lengths, block, scale, per_block=True, plan_only=True)
+    got_lse, _ = exact_block_lse(q, k, lengths, num_blocks, block, scale, speculation=launch)
+    n = int(num_blocks[0])
+    assert torch.equal(launch.out, want[0]) and torch.equal(launch.lse, want[1])
+    assert torch.equal(got_lse[..., :n], want_lse[..., :n])

@@ -121,7 +121,7 @@ class StaticPlan:
     # the kernels) compute PRR's per-block states over P there, on the main stream, instead of in a
     # speculation kernel on the side stream beside selection: exact's q·K pass fills the GPU, and on
     # the H200 the speculation beside it slowed it by 8.3 µs a layer (249 µs a token at 32K, block 16,
-    # K 32; PRR at P = A 1.076x serial: experiments/results/h200/step_breakdown_exact_b763547.csv).
+    # K 32; PRR at P = A 1.076x serial: experiments/results/h200/step_breakdown_exact_quest_b763547.csv).
     # The same states bit for bit (tests/test_exact_speculation.py); False: beside selection.
     speculate_in_selection: bool = True
 

@@ -57,7 +57,7 @@ RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E
 
 METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)", "infllm": "InfLLM",
                  "quest": "Quest", "less": "LESS", "exact": "exact top-K", "dense": "dense", "oracle": "oracle",
-                 "spin": "SPIN", "query_similarity": "query similarity", "cross_layer": "cross-layer",
+                 "spin": "SPIN", "query_similarity": "query similarity", "cross_layer": "cross-layer", "cross_layer_ema": "cross-layer + EMA",
                  "ema_calibrated": "EMA (per-layer cal.)", "ema_fixed": "EMA (fixed)",
                  "profiled": "profiled budget (hit 0.90)", "ema_membership": "EMA of membership",
                  "less-trained": "LESS (trained map)"}

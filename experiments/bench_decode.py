@@ -210,7 +210,9 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         t["stage_repair"] = per_layer(repair_stage)
         t["stage_merge"] = per_layer(merge_stage)
 
-        def overlap_stage():  # PRR's step up to the join: append, then select ∥ speculate; no repair, no merge
+        # PRR's step up to the join: append, then select ∥ speculate (exact on the kernels: one launch,
+        # StaticPlan.speculate_in_selection, as the engine runs it; stage_speculate times the separate kernel)
+        def overlap_stage():
             positions = eng.step_positions()
             for i in range(layers):
                 q = eng.append(i, qs[i], ks[i], vs[i])

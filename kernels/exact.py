@@ -115,7 +115,13 @@ def exact_block_lse(
     parts = triton.cdiv(max_blocks, tile_blocks * tiles)
     block_lse = torch.empty(batch, num_kv_heads, group, max_blocks, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_kv_heads, group, parts, dtype=torch.float32, device=q.device)
+    if speculation is not None and num_warps not in (None, 4):
+        raise ValueError(f"num_warps={num_warps}: with a speculation the launch runs sparse_decode's per-block "
+                         "programs, whose states are sparse_decode's at its 4 warps; leave num_warps unset")
     if batch == 0 or num_kv_heads == 0 or max_blocks == 0:
+        if speculation is not None:  # no keys: every state empty, as sparse_decode writes them
+            speculation.out.zero_()
+            speculation.lse.fill_(float("-inf"))
         return block_lse, part_lse
     args = (q, keys, lengths, num_blocks, block_lse, part_lse, scale * LOG2E, max_blocks,
             *q.stride(), *keys.stride(), *block_lse.stride(), *part_lse.stride())

@@ -10,6 +10,8 @@ log-sum-exp. Two launches:
    lse of its whole run (a partial of lse_g);
 2. `_exact_block_mass_kernel`: per tile of blocks, lse_g from the run partials, each block's
    mass, reduced over the group (max or sum) -> the scores the top-k takes.
+With a PRR speculation (`_exact_lse_speculate_kernel`), launch 1 also runs sparse_decode's
+`per_block_program` over P as its first programs (one launch instead of a second kernel beside it).
 Inside, scores are in log2 units (scaled by log2 e) so the softmax uses exp2; stored lse values
 are natural logs (prr's convention). Heads g < GROUP of KV head h are query heads h·GROUP + g.
 """
@@ -111,9 +113,9 @@ def _exact_lse_speculate_kernel(
     else:
         _exact_lse_program(pid - spec_chunks, kv_head, batch,
                            q_ptr, k_ptr, lengths_ptr, num_blocks_ptr, block_lse_ptr, part_lse_ptr, qk_scale, max_blocks,
-                       stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
-                       stride_lb, stride_lh, stride_lg, stride_ln, stride_pb, stride_ph, stride_pg, stride_pp,
-                       GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE_BLOCKS, TILES, NATIVE_DOT, INPUT_PRECISION)
+                           stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                           stride_lb, stride_lh, stride_lg, stride_ln, stride_pb, stride_ph, stride_pg, stride_pp,
+                           GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE_BLOCKS, TILES, NATIVE_DOT, INPUT_PRECISION)
 
 
 @triton.jit

@@ -225,6 +225,9 @@ def sparse_decode(
                          f"(per_block=True or merge_splits=False) stay fp32 for merging")
     if plan_only and not per_block:
         raise ValueError("plan_only=True describes the per-block launch: it takes per_block=True")
+    if plan_only and (num_warps != 4 or num_stages is not None):
+        raise ValueError(f"plan_only=True: the caller's launch sets the warps and stages (got num_warps={num_warps}, "
+                         f"num_stages={num_stages}); leave them at their defaults")
     if fuse_merge and (per_block or not merge_splits):
         raise ValueError(f"fuse_merge=True merges the splits into one state: it takes per_block=False and "
                          f"merge_splits=True (got per_block={per_block}, merge_splits={merge_splits})")
@@ -241,6 +244,9 @@ def sparse_decode(
     rows = batch * num_kv_heads
     if batch == 0:
         shape = (0, num_q_heads, capacity) if per_block else (0, num_q_heads)
+        if plan_only:  # nothing to run: empty states
+            return PerBlockLaunch(torch.zeros(*shape, head_dim, device=device), torch.zeros(shape, device=device), 0,
+                                  (), {})
         return (torch.zeros(*shape, head_dim, dtype=out_dtype, device=device), torch.zeros(shape, device=device))
     ids = block_ids if capacity > 0 else block_counts  # never dereferenced when C = 0
     launch = {"num_warps": num_warps, **launch_kwargs(device)}

@@ -283,7 +283,13 @@ def sparse_decode_per_block_kernel(
     grid = (ceil(C / entries_per_program), B * Hkv): program (p, row) runs `per_block_program`."""
     pdl_prologue(PDL)
     per_block_program(tl.program_id(0), tl.program_id(1),
-                      q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, out_ptr, lse_ptr, qk_scale, num_kv_heads, capacity, entries_per_program, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, stride_vb, stride_vh, stride_vt, stride_vd, stride_ib, stride_ih, stride_ic, stride_cb, stride_ch, stride_len, stride_ob, stride_oh, stride_oc, stride_od, stride_lb, stride_lh, stride_lc, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, SUB_TILE, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
+                      q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, out_ptr, lse_ptr,
+                      qk_scale, num_kv_heads, capacity, entries_per_program,
+                      stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                      stride_vb, stride_vh, stride_vt, stride_vd, stride_ib, stride_ih, stride_ic,
+                      stride_cb, stride_ch, stride_len, stride_ob, stride_oh, stride_oc, stride_od,
+                      stride_lb, stride_lh, stride_lc,
+                      GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, SUB_TILE, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
 
 
 @triton.jit

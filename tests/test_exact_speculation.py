@@ -70,14 +70,20 @@ def test_a_speculation_planned_over_other_inputs_is_refused():
         sparse_decode(q, k, v, ids, counts, lengths, block, scale, plan_only=True)
 
 
-def exact_engine(plan: StaticPlan, predictor: str = "fixed", context: int = 203) -> GraphDecoder:
-    from prr.model.decoder import Decoder
+def exact_engine(plan: StaticPlan, predictor: str = "fixed", context: int = 203, dtype=torch.float32,
+                 layers: int = 3) -> GraphDecoder:
+    """An engine of `plan` with exact top-6 over a random model; predictor: graph_predictor's names
+    or "cross_layer" (this step's P of a layer written by the layer below's learning)."""
+    import dataclasses
 
-    model = Decoder(CONFIG, torch.float32, DEVICE).init_random_(seed=3, std=0.05)
+    from prr.model.decoder import Decoder
+    from prr.predictors.cross_layer import CrossLayerPredictor
+
+    model = Decoder(dataclasses.replace(CONFIG, num_layers=layers), dtype, DEVICE).init_random_(seed=3, std=0.05)
     selector = ExactSelector(topk_blocks=6, sink_blocks=1, local_blocks=0, force_newest=True, dense_layers=(0, 1),
                              gqa_reduce="max")
-    engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40, selector=selector,
-                          predictor=graph_predictor(predictor))
+    chosen = CrossLayerPredictor(temporal_weight=0.5) if predictor == "cross_layer" else graph_predictor(predictor)
+    engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40, selector=selector, predictor=chosen)
     engine.fill_random_context(context, seed=5)
     return engine
 
@@ -125,3 +131,64 @@ def test_gpu_the_fused_launch_at_the_8b_shape_writes_what_the_two_launches_write
     n = int(num_blocks[0])
     assert torch.equal(launch.out, want[0]) and torch.equal(launch.lse, want[1])
     assert torch.equal(got_lse[..., :n], want_lse[..., :n])
+
+
+def test_cross_layer_p_written_this_step_is_speculated_inside_selection_like_beside_it():
+    """cross_layer writes a layer's P during the same step (the layer below's learning, on the side
+    stream on a GPU): the fused path waits for it and decodes what the side-stream path decodes."""
+    plans = {inside: StaticPlan(variant="prr", predicted_blocks=6, count_hits=True, speculate_in_selection=inside)
+             for inside in (False, True)}
+    engines = {inside: exact_engine(plan, "cross_layer", layers=4) for inside, plan in plans.items()}
+    assert engines[True].attn._speculates_in_selection()
+    fused_layers = []
+    selector = engines[True].attn.selector
+    original = selector.select_speculating
+
+    def counted(q, cache, layer, *args, **kwargs):
+        fused_layers.append(layer)
+        return original(q, cache, layer, *args, **kwargs)
+
+    selector.select_speculating = counted
+    side, inside = (decode(engines[x], 3) for x in (False, True))
+    assert 3 in fused_layers  # layer 3's P came from layer 2's learning this step, read inside its selection
+    for step, (a, b) in enumerate(zip(side, inside, strict=True)):
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
+    assert engines[False].counters()["hits"] == engines[True].counters()["hits"]
+
+
+def test_empty_inputs_give_empty_states_and_other_launch_settings_are_refused():
+    q, k, v, lengths, num_blocks, ids, counts, block, scale = random_case(4, torch.float32)
+    none = sparse_decode(q[:0], k[:0], v[:0], ids[:0], counts[:0], lengths[:0], block, scale, per_block=True,
+                         plan_only=True)
+    assert none.chunks == 0 and none.out.shape == (0, q.shape[1], ids.shape[-1], q.shape[-1])
+    no_keys = k[:, :, :0]  # T_max = 0: nothing to attend, every state empty
+    launch = sparse_decode(q, no_keys, v[:, :, :0], ids, counts, lengths.clamp(max=0), block, scale,
+                           per_block=True, plan_only=True)
+    launch.lse.fill_(123.0)
+    exact_block_lse(q, no_keys, lengths.clamp(max=0), num_blocks.clamp(max=0), block, scale, speculation=launch)
+    assert torch.isinf(launch.lse).all() and not launch.out.any()
+    with pytest.raises(ValueError, match="num_warps"):
+        sparse_decode(q, k, v, ids, counts, lengths, block, scale, per_block=True, plan_only=True, num_warps=8)
+    launch = sparse_decode(q, k, v, ids, counts, lengths, block, scale, per_block=True, plan_only=True)
+    with pytest.raises(ValueError, match="num_warps"):
+        exact_block_lse(q, k, lengths, num_blocks, block, scale, speculation=launch, num_warps=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("predictor", ["cross_layer", "last_step"])
+def test_gpu_captured_exact_prr_speculating_in_selection_equals_beside_it(predictor):
+    """On two streams, captured: the fused path (P read on the main stream, after the side stream's
+    writes where cross_layer makes them this step) decodes what the side-stream path decodes."""
+    got = {}
+    for inside in (False, True):
+        plan = StaticPlan(variant="prr", predicted_blocks=6, count_hits=True, speculate_in_selection=inside)
+        engine = exact_engine(plan, predictor, context=1501, dtype=torch.bfloat16, layers=6)
+        graph = engine.capture(lambda engine=engine: engine.step(advance=True))
+        engine.fill_random_context(1501, seed=5)  # the warm-up steps advanced it: start over
+        got[inside] = []
+        for _ in range(6):
+            graph.replay()
+            got[inside].append(engine.graph_output.float().cpu())
+    for step, (a, b) in enumerate(zip(got[False], got[True], strict=True)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}")

@@ -344,7 +344,8 @@ def test_accuracy_pooled_counts_complete_prompts_tokens_and_same_batch_times():
 
 
 def test_predictor_hit_rate_vs_context_draws_interval_and_n_and_only_predictors_measured_everywhere(tmp_path):
-    rows = [{"predictor": p, "ratio": r, "hit_rate": 0.6 + 0.01 * i, "hit_rate_lo": 0.55, "hit_rate_hi": 0.7,
+    rows = [{"predictor": p, "ratio": r, "hit_rate": 0.6 + 0.01 * i + (r - 1), "hit_rate_lo": 0.55 + (r - 1),
+             "hit_rate_hi": 0.7 + (r - 1),
              "prompts": 20 - i, "command": f"python experiments/predictor_study.py --context-tokens {c} --steps 64"}
             for i, c in enumerate((4096, 32768)) for p in ("ema", "last_step") for r in (1.0, 1.5)]
     rows.append({**rows[0], "predictor": "spin"})  # measured at 4K only: no line
@@ -358,8 +359,9 @@ def test_predictor_hit_rate_vs_context_draws_interval_and_n_and_only_predictors_
     (ax,) = fig.axes
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [style.method_label("ema"), style.method_label("last_step")]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["4K\nn=20", "32K\nn=19"]
-    segments = [c for c in ax.collections if c.get_segments()]  # one error bar per point: 55-70 %
-    assert len(segments) == 2 and all(np.allclose(s[:, 1], [55, 70]) for c in segments for s in c.get_segments())
+    segments = [c for c in ax.collections if c.get_segments()]  # one error bar per point, |P| = K only: 55-70 %
+    assert len(segments) == 2 and all(len(c.get_segments()) == 2 for c in segments)
+    assert all(np.allclose(s[:, 1], [55, 70]) for c in segments for s in c.get_segments())
     assert_labelled(fig)
     with pytest.raises(KeyError, match="prompts"):
         figures.predictor_hit_rate_vs_context(frame.drop(columns=["prompts"]))

@@ -8,7 +8,8 @@ kernels, or torch ops on any device).
 
 Two callers run this same step:
 - the graph engine (`GraphDecoder`, which holds one and adds the model's forward) captures it in a
-  CUDA graph: speculation on a second stream beside selection, P written on that stream right
+  CUDA graph: speculation on a second stream beside selection (exact on the kernels: inside
+  selection's own launch, `speculate_in_selection`), P written on that stream right
   after the learning that completes it (history-only predictors: the layer's next P; cross_layer:
   the layer above's P of this step), |P| fixed by the plan;
 - the research runtime (`DSABackend`) runs it eagerly (`AttentionEngine.eager_step`: built
@@ -530,6 +531,8 @@ class AttentionEngine:
         if propose is None:
             propose = self.predictor is not None and not self.predictor.history_only
         if not propose and self._speculates_in_selection():  # one launch on the main stream
+            if self.predictor is not None and not self.predictor.history_only:
+                self.join()  # P was written this step on the side stream (cross_layer: the layer below's learning)
             with self._stage("select"):
                 selection, spec = self.selector.select_speculating(
                     self._grouped(q), self.cache, layer, lengths, num_blocks, self.pred_idx[layer],

@@ -118,7 +118,9 @@ class StaticPlan:
     # 40.7 µs at 32K, block 16 (experiments/results/h200/bench_decode_less_side_1a15dde.csv).
     side_summaries: bool = True
     # Selectors whose selection launch can also attend over P (`speculates_in_selection`: exact on
-    # the kernels) compute PRR's per-block states over P there, on the main stream, instead of in a
+    # the kernels), in exact mode with P written ahead (not proposed inside the layer: history-only
+    # predictors, cross_layer, or P set from outside), compute PRR's per-block states over P there,
+    # on the main stream, instead of in a
     # speculation kernel on the side stream beside selection: exact's q·K pass fills the GPU, and on
     # the H200 the speculation beside it slowed it by 8.3 µs a layer (249 µs a token at 32K, block 16,
     # K 32; PRR at P = A 1.076x serial: experiments/results/h200/step_breakdown_exact_quest_b763547.csv).
@@ -158,6 +160,7 @@ class StaticPlan:
     def eager(cls, repair_mode: str, block_size: int) -> StaticPlan:
         """The plan of the eager runtime's step (DSABackend, StageProbe): stages one after the
         other (no side stream, no fused tail or merge), so each stage has its own timer; |P| is
-        sized per step (`sparse_attention(predicted_blocks=)`)."""
+        sized per step (`sparse_attention(predicted_blocks=)`); the speculation is never folded into
+        selection's launch (speculate_in_selection=False)."""
         return cls(variant="serial", repair_mode=repair_mode, block_size=block_size, overlap=False,
-                   fused_repair=False, fuse_merge=False)
+                   fused_repair=False, fuse_merge=False, speculate_in_selection=False)

@@ -508,6 +508,7 @@ def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_c
         Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), M_ROWS=m_rows, K_BLOCK=k_block,
         J_TILE=min(lanes, 32), BLOCK=block, HAS_FILL=has_fill,
         FILL_BLOCK=max(16, triton.next_power_of_2(max(fill_width, 1))),
+        OUT_BLOCK=max(16, triton.next_power_of_2(max(min(k, lanes + fill_width), 1))),
         # 4 warps for the lists' small tiles; where P must come from the whole row (more than the
         # candidates can hold, no fill list) the row's width, as the row kernels take it
         RADIX_BITS=2, PAD_BLOCK=PAD_BLOCK, enable_fp_fusion=False, **launch_kwargs(dev),

@@ -54,22 +54,23 @@ SCRIPT = textwrap.dedent('''
     build(J._spin_update_kernel, {"scores_ptr": F, "idx_ptr": I32, "cnt_ptr": I32, "vertical_ptr": F, "diagonal_ptr": F,
           "member_ptr": U8, "updates_ptr": I64, "alpha_vertical": "fp32", "alpha_diagonal": "fp32",
           "selection_bonus": "fp32"}, {"TILE": 4096, "IDX_TILE": 128, "PDL": False})
-    build(J._qsim_rank_kernel, {"query_ptr": "*bf16", "keys_ptr": F, "sets_ptr": U8, "last_sel_ptr": U8, "last_z_ptr": F,
-          "filled_ptr": I64, "num_blocks_ptr": I32, "pending_ptr": F, "has_pending_ptr": U8, "rank_ptr": F,
-          "recent_bonus": "fp32", "tie": "fp32"},
-          {"NEIGHBOURS": 2, "C_BLOCK": 64, "Q_TILE": 128, "TILE": 4096, "PDL": False}, enable_fp_fusion=False)
-    for block, cap, fill in ((8192, 256, True), (8192, 256, False), (64, 64, True)):
-        build(J._qsim_propose_kernel, {"query_ptr": "*bf16", "keys_ptr": F, "sets_ptr": U8, "last_sel_ptr": U8,
-              "last_z_ptr": F, "filled_ptr": I64, "num_blocks_ptr": I32, "pending_ptr": F, "has_pending_ptr": U8,
-              "fill_ptr": I32, "fill_valid_ptr": U8,
-              "idx_out_ptr": I32, "count_out_ptr": I32, "scratch_keys_ptr": I32, "scratch_ids_ptr": I32,
-              "recent_bonus": "fp32", "tie": "fp32"},
-              {"NEIGHBOURS": 2, "C_BLOCK": 64, "Q_TILE": 128, "BLOCK": block, "CAP": cap, "J_TILE": min(cap, 64),
-               "HAS_FILL": fill, "FILL_BLOCK": 256, "RADIX_BITS": 2, "PAD_BLOCK": 256, "PDL": False},
-              enable_fp_fusion=False)
+    lists = {"query_ptr": "*bf16", "keys_ptr": F, "set_ids_ptr": I32, "set_cnt_ptr": I32, "last_sel_ptr": U8,
+             "last_z_ptr": F, "filled_ptr": I64, "num_blocks_ptr": I32, "pending_ptr": F, "has_pending_ptr": U8,
+             "recent_bonus": "fp32", "tie": "fp32"}
+    build(J._qsim_rank_kernel, {**lists, "rank_ptr": F},
+          {"NEIGHBOURS": 2, "C_BLOCK": 64, "M_ROWS": 2, "Q_TILE": 128, "TILE": 4096, "IDX_TILE": 128, "PDL": False},
+          enable_fp_fusion=False)
+    # the 8B shape's K = 32 lists at |P| = 32 and 128, with and without the fill list; a short row
+    for block, k_block, fill, out in ((8192, 32, True, 128), (8192, 32, False, 16), (64, 16, True, 64)):
+        build(J._qsim_propose_kernel, {**lists, "fill_ptr": I32, "fill_valid_ptr": U8, "idx_out_ptr": I32,
+              "count_out_ptr": I32, "scratch_keys_ptr": I32, "scratch_ids_ptr": I32, "scratch_row_ptr": I32},
+              {"NEIGHBOURS": 2, "C_BLOCK": 64, "Q_TILE": 128, "M_ROWS": 4, "K_BLOCK": k_block, "J_TILE": 32,
+               "BLOCK": block, "HAS_FILL": fill, "FILL_BLOCK": 256, "OUT_BLOCK": out, "RADIX_BITS": 2,
+               "PAD_BLOCK": 256, "PDL": False}, enable_fp_fusion=False)
     for pair in (False, True):
-        build(J._qsim_update_kernel, {"scores_ptr": F, "idx_ptr": I32, "cnt_ptr": I32, "keys_ptr": F, "sets_ptr": U8,
-              "pending_ptr": F, "has_pending_ptr": U8, "cursor_ptr": I64, "last_sel_ptr": U8, "last_z_ptr": F},
+        build(J._qsim_update_kernel, {"scores_ptr": F, "idx_ptr": I32, "cnt_ptr": I32, "keys_ptr": F,
+              "set_ids_ptr": I32, "set_cnt_ptr": I32, "pending_ptr": F, "has_pending_ptr": U8, "cursor_ptr": I64,
+              "last_sel_ptr": U8, "last_z_ptr": F},
               {"PAIR": pair, "TILE": 4096, "IDX_TILE": 128, "Q_TILE": 128, "PDL": False})
     build(J._qsim_counters_kernel, {"has_pending_ptr": U8, "cursor_ptr": I64, "filled_ptr": I64}, {})
     build(J._qsim_counters_kernel, {"has_pending_ptr": U8, "cursor_ptr": I64, "filled_ptr": I64}, {"cache_size": 1})

@@ -40,7 +40,7 @@ m × (m + 1 rounded up to a power of two) × K comparisons), z_{t−1} gathered 
 then P: where at least |P| blocks are candidates (voted or recent) their top |P| (n_c² comparisons,
 n_c <= m·K + recent_blocks); where fewer are, every candidate and the first |P| − n_c others of
 `fill` (a list of the best blocks by TIE·z_{t−1} that the update writes off the critical path since
-it does not depend on the query; fill_width × (n_c + fill_width) comparisons). Only where fewer
+it does not depend on the query; fill_width × n_c comparisons, then one sort of the |P| ids). Only where fewer
 than |P| are candidates and no fill list holds the rest (fill_width = 0, too short, not yet
 written) does it rank the whole row (O(max_blocks), the same launch). Expected work per (row,
 KV head) at the 8B shape (K = 32, m = 2, recent_blocks = 1, 8,192 blocks): 4 × 32 = 128 lanes (two

@@ -23,6 +23,7 @@ from .predict_jit import (
     _ema_rank_kernel,
     _ema_update_kernel,
     _qsim_counters_kernel,
+    _qsim_fill_kernel,
     _qsim_propose_kernel,
     _qsim_rank_kernel,
     _qsim_update_kernel,
@@ -561,3 +562,37 @@ def query_similarity_update(scores: Tensor, indices: Tensor, count: Tensor, keys
     )
     if pair:
         _qsim_counters_kernel[(1,)](flag, cursor, filled, cache_size, num_warps=1)
+
+
+def fill_in_one_launch(n: int) -> bool:
+    """Whether `query_similarity_fill` takes rows of n blocks (it holds a row in registers)."""
+    return triton.next_power_of_2(max(n, 1)) <= MAX_ROW_BLOCK
+
+
+def query_similarity_fill(last_z: Tensor, tie: float, fill: Tensor, fill_valid: Tensor) -> None:
+    """One launch: fill [B, Hkv, W] int32 <- the W blocks of largest tie·last_z (fp32, as the rank
+    adds it), best first, ties to the lower id (reference_predict.fill_reference; fewer valid
+    blocks: those, then padding 0), fill_valid [1] bool <- True. last_z [B, Hkv, N] fp32, W <= N."""
+    batch, heads, n = last_z.shape
+    dev = last_z.device
+    _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
+    if fill.dim() != 3 or fill.shape[:2] != (batch, heads) or fill.shape[-1] > n:
+        raise ValueError(f"fill must be [B, Hkv, W] with [B, Hkv] = {[batch, heads]} and W <= N = {n}; got "
+                         f"{list(fill.shape)}")
+    _check_row_tensor("fill", fill, tuple(fill.shape), torch.int32, dev)
+    if fill_valid.numel() != 1 or fill_valid.dtype != torch.bool or fill_valid.device != dev:
+        raise ValueError(f"fill_valid must be one bool on {dev} (the layer's flag)")
+    width = fill.shape[-1]
+    if batch == 0 or heads == 0 or width == 0:
+        fill_valid.fill_(True)
+        return
+    block = triton.next_power_of_2(n)
+    if not fill_in_one_launch(n):
+        raise ValueError(f"query_similarity_fill holds a row in registers: N = {n} blocks is over {MAX_ROW_BLOCK} "
+                         "(fill_in_one_launch); rank with topk_select instead")
+    counts = torch.empty(batch * heads, dtype=torch.int32, device=dev)
+    _qsim_fill_kernel[(heads, batch)](
+        last_z, fill, counts, fill_valid.view(torch.uint8), n, heads, width, float(tie),
+        BLOCK=block, FILL_BLOCK=max(16, triton.next_power_of_2(width)), RADIX_BITS=2, PAD_BLOCK=PAD_BLOCK,
+        num_warps=max(4, min(8, block // 256)), enable_fp_fusion=False, **launch_kwargs(dev),
+    )

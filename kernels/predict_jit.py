@@ -711,3 +711,44 @@ def _qsim_counters_kernel(has_pending_ptr, cursor_ptr, filled_ptr, cache_size):
     tl.store(cursor_ptr, (tl.load(cursor_ptr) + step) % cache_size)
     tl.store(filled_ptr, tl.minimum(tl.load(filled_ptr) + step, cache_size))
     tl.store(has_pending_ptr, tl.zeros([], dtype=tl.uint8))
+
+
+@triton.jit
+def _qsim_fill_kernel(
+    last_z_ptr,  # [B, Hkv, N] fp32: z-scores of step t-1
+    fill_ptr,  # [B, Hkv, W] int32 out: the W blocks of largest tie·last_z, best first, ties to the lower id
+    count_ptr,  # [B * Hkv] int32 workspace: the selection's counts
+    fill_valid_ptr,  # [1] uint8 out: set (the list matches last_z)
+    n, num_kv_heads, width,
+    tie,  # fp32: TIE
+    BLOCK: tl.constexpr,  # next power of two >= N: the row in registers
+    FILL_BLOCK: tl.constexpr,  # next power of two >= W
+    RADIX_BITS: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """query_similarity's fill list in one launch (it was a top-k, two gathers and a torch sort):
+    the row's top-W set by tie·last_z (`_select_row`, the top-k kernels' radix select), then its
+    W ids ordered best first by one tl.sort of (key descending, id ascending) packed in 64 bits."""
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    bh = batch.to(tl.int64) * num_kv_heads + kv_head
+    offs = tl.arange(0, BLOCK)
+    ranked = tie * tl.load(last_z_ptr + bh * n + offs, mask=offs < n, other=0.0)  # fp32, as torch's tie * last_z
+    valid = (offs < n) & (ranked > float("-inf")) & (ranked == ranked)
+    keys = tl.where(valid, _order_key(ranked), 0)
+    out_row = bh * width
+    _select_row(keys, valid, offs, width, width, out_row, bh, fill_ptr, count_ptr, RADIX_BITS, PAD_BLOCK)
+    tl.debug_barrier()  # the program's own stores, read back by other threads
+    lanes = tl.arange(0, FILL_BLOCK)
+    held = lanes < tl.load(count_ptr + bh, cache_modifier=".cg")
+    ids = tl.load(fill_ptr + out_row + lanes, mask=held, other=0, cache_modifier=".cg")
+    key = _order_key(tie * tl.load(last_z_ptr + bh * n + ids, mask=held, other=0.0)).to(tl.uint64)
+    packed = ((0xFFFFFFFF - key) << 32) | ids.to(tl.uint64)  # ascending: best key first, then the lower id
+    packed = tl.where(held, packed, packed | (0xFFFFFFFF << 32))  # (unused lanes last)
+    ordered = tl.sort(packed)
+    tl.debug_barrier()  # every thread has read the set before any writes the order
+    tl.store(fill_ptr + out_row + lanes, (ordered & 0xFFFFFFFF).to(tl.int32), mask=held)
+    if (kv_head == 0) & (batch == 0):
+        tl.store(fill_valid_ptr, 1)

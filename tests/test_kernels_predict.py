@@ -304,6 +304,22 @@ def test_query_similarity_propose_breaks_ties_to_the_lower_block():
 
 
 # (with the fill list: 7 s under the interpreter, make test-full)
+@pytest.mark.parametrize("batch,heads,n,width,quantised", [(2, 3, 61, 7, False), (1, 2, 113, 113, True),
+                                                            (2, 1, 1000, 256, True), (1, 1, 27, 1, False)])
+def test_query_similarity_fill_in_one_launch_equals_the_reference(batch, heads, n, width, quantised):
+    """The fill list's kernel: fill_reference's blocks in its order (best first, ties to the lower
+    id: quantised z-scores tie everywhere), the flag set; a list longer than the row is refused."""
+    g = torch.Generator().manual_seed(n + width)
+    z = (torch.randint(-3, 4, (batch, heads, n), generator=g).float() / 2 if quantised
+         else torch.randn(batch, heads, n, generator=g))
+    fill = torch.full((batch, heads, width), -1, dtype=torch.int32)
+    valid = torch.zeros(1, dtype=torch.bool)
+    kp.query_similarity_fill(z, QS_TIE, fill, valid)
+    assert torch.equal(fill, ref.fill_reference(z, QS_TIE, width)) and bool(valid)
+    with pytest.raises(ValueError, match="W <= N"):
+        kp.query_similarity_fill(z, QS_TIE, torch.zeros(batch, heads, n + 1, dtype=torch.int32), valid)
+
+
 @pytest.mark.parametrize("budget,fill_width", [(4, 0), pytest.param(20, 40, marks=pytest.mark.slow)])
 def test_query_similarity_predictor_alike_on_both_backends_at_odd_sizes(budget, fill_width):
     """The predictor end to end, torch (the definition) against the kernels: a prefill tail of

@@ -67,6 +67,10 @@ SCRIPT = textwrap.dedent('''
               {"NEIGHBOURS": 2, "C_BLOCK": 64, "Q_TILE": 128, "M_ROWS": 4, "K_BLOCK": k_block, "J_TILE": 32,
                "BLOCK": block, "HAS_FILL": fill, "FILL_BLOCK": 256, "OUT_BLOCK": out, "RADIX_BITS": 2,
                "PAD_BLOCK": 256, "PDL": False}, enable_fp_fusion=False)
+    for block, fill_block in ((8192, 256), (64, 16)):
+        build(J._qsim_fill_kernel, {"last_z_ptr": F, "fill_ptr": I32, "count_ptr": I32, "fill_valid_ptr": U8,
+              "tie": "fp32"}, {"BLOCK": block, "FILL_BLOCK": fill_block, "RADIX_BITS": 2, "PAD_BLOCK": 256,
+                               "PDL": False}, enable_fp_fusion=False)
     for pair in (False, True):
         build(J._qsim_update_kernel, {"scores_ptr": F, "idx_ptr": I32, "cnt_ptr": I32, "keys_ptr": F,
               "set_ids_ptr": I32, "set_cnt_ptr": I32, "pending_ptr": F, "has_pending_ptr": U8, "cursor_ptr": I64,

@@ -229,10 +229,17 @@ class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
 
     def _write_fill(self, state: QuerySimilarityState, layer: int) -> None:
         """fill <- the W best blocks of TIE·last_z, best first, ties to the lower id
-        (reference_predict.fill_reference; on triton the top-k kernel's set ordered by a sort of W)."""
+        (reference_predict.fill_reference; on triton one launch, `query_similarity_fill`, for rows
+        the kernels hold in registers, else the top-k kernel's set ordered by a sort of W)."""
         width = state.fill.shape[-1]
         if width == 0:
             return
+        if self.backend == "triton":
+            from prr.kernels.predict import fill_in_one_launch, query_similarity_fill
+
+            if fill_in_one_launch(state.last_z.shape[-1]):
+                query_similarity_fill(state.last_z[layer], TIE, state.fill[layer], state.fill_valid[layer])
+                return
         ranked = TIE * state.last_z[layer]  # [B, Hkv, N] fp32, as the rank adds it
         if self.backend == "triton":
             from prr.kernels.predict import propose_top

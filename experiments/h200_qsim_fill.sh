@@ -5,7 +5,7 @@
 #     the fill list ordered by one sort; the fill list in one launch) against the torch path;
 #  2. query_similarity's propose and update at 128K, block 16, |P| = 32 and 128, without the fill
 #     list and with it at widths 128 and 256 (bench_predictors.py: P equal to the torch path's).
-# Everything lands in $OUT (at most 8 files come back).
+# Everything lands in $OUT: 8 files, the most that come back (log.txt, gpu_tests.txt, 3 x csv + json).
 #   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... bash experiments/h200_qsim_fill.sh
 set -u
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
@@ -23,7 +23,7 @@ tail -3 "$OUT/gpu_tests.txt" | tee -a "$LOG"
 for width in 0 128 256; do
   say "query_similarity, fill width $width"
   timeout ${BENCH_S:-60} python3 experiments/bench_predictors.py --predictors query_similarity --contexts 131072 \
-    --blocks 16 --budgets 32,128 --qs-fill-width $width --out "$OUT/qsim_fill$width" > "$OUT/qsim_fill$width.log" 2>&1
-  tail -3 "$OUT/qsim_fill$width.log" | tee -a "$LOG"
+    --blocks 16 --budgets 32,128 --qs-fill-width $width --out "$OUT/qsim_fill$width" > /tmp/qsim_fill$width.log 2>&1
+  tail -3 /tmp/qsim_fill$width.log | tee -a "$LOG"
 done
 say "done"

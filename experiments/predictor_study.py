@@ -41,7 +41,7 @@ so a cut run leaves every task with prompts. The model is loaded once; with --en
 prompt is prefilled once (dense, q/k/v kept) and replayed into each predictor's runtime.
 
 Writes OUT.csv (task × predictor × ratio), OUT_per_layer.csv, OUT_by_predictor.csv (predictor ×
-ratio over every task's prompts), OUT.json (command, date, versions, the replay checks, rows) and
+ratio over every task's prompts), OUT_per_prompt.csv (each prompt's rates), OUT.json (command, date, versions, the replay checks, rows) and
 the figure analysis/figures/predictor_hit_rate_vs_budget.{png,pdf}, all from the store.
 """
 
@@ -608,6 +608,10 @@ def main(argv: list[str] | None = None) -> None:
     per_layer.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_per_layer.csv", index=False)
     by_predictor = over_prompts(frames, ["predictor", "ratio"])  # every task's prompts
     by_predictor.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_by_predictor.csv", index=False)
+    # each prompt's pooled rates: what the intervals resample, and what paired comparisons between
+    # predictors need (the store holds them too, but the eager store is too large to commit)
+    per_prompt = aggregate(frames, ["task", "sample", "predictor", "ratio"])
+    per_prompt.assign(command=command).to_csv(args.out.parent / f"{args.out.name}_per_prompt.csv", index=False)
     if not any(t.startswith(("ruler_", "ruler:")) for t in tasks):
         notes.append("no RULER-style task config existed: real text only")
     record = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

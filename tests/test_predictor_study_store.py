@@ -42,6 +42,13 @@ def test_a_resumed_run_equals_one_run(tmp_path, capsys):
     whole, resumed = table(tmp_path / "whole"), table(tmp_path / "cut")
     assert set(whole["prompts"]) == {2}
     pd.testing.assert_frame_equal(resumed, whole)
+    # the per-prompt table: one row per prompt, predictor and ratio, whose mean is the summary's
+    prompts = pd.read_csv(tmp_path / "cut_per_prompt.csv")
+    by_predictor = pd.read_csv(tmp_path / "cut_by_predictor.csv")
+    assert len(prompts) == 4 * len(by_predictor)
+    means = prompts.groupby(["predictor", "ratio"])["hit_rate"].mean()
+    for row in by_predictor.itertuples():
+        assert means[row.predictor, row.ratio] == pytest.approx(row.hit_rate, abs=1e-12)
     stored = pd.read_csv(tmp_path / "cut_store.csv.gz")
     assert sorted(set(zip(stored["task"], stored["sample"], strict=True))) == [
         ("ruler_niah", 0), ("ruler_niah", 1), ("ruler_vt", 0), ("ruler_vt", 1)]

@@ -192,3 +192,23 @@ def test_gpu_captured_exact_prr_speculating_in_selection_equals_beside_it(predic
             got[inside].append(engine.graph_output.float().cpu())
     for step, (a, b) in enumerate(zip(got[False], got[True], strict=True)):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}")
+
+
+def test_exact_override_equals_the_base_definition_of_select_speculating():
+    """Selector.select_speculating (selection, then sparse_decode's per-block states: two launches)
+    is the definition; exact's one-launch override gives the same A, scores and states bit for bit."""
+    from prr.selectors.base import Selector
+
+    engine = exact_engine(StaticPlan(variant="prr", predicted_blocks=6), "last_step")
+    decode(engine, 2)
+    attn, layer = engine.attn, 2
+    lengths, num_blocks = engine.step_positions()
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(attn.batch, attn.hkv, attn.group, attn.d, generator=g).to(DEVICE)
+    args = (q, attn.cache, layer, lengths, num_blocks, attn.pred_idx[layer], attn.pred_cnt[layer], attn.scale, None)
+    want_a, want_states = Selector.select_speculating(attn.selector, *args)
+    got_a, got_states = attn.selector.select_speculating(*args)
+    assert torch.equal(got_a.blocks.indices, want_a.blocks.indices) and torch.equal(got_a.blocks.count, want_a.blocks.count)
+    assert torch.equal(got_a.scores, want_a.scores)
+    assert all(torch.equal(a, b) for a, b in zip(got_states, want_states, strict=True))
+    assert int(attn.pred_cnt[layer].sum()) > 0  # P was not empty

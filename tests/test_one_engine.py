@@ -45,6 +45,8 @@ CASES = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none")
 # both engines here, 30 s under the interpreter, in `make test-full`.)
 MORE_CASES = [c for c in [(s, "ema") for s in SELECTORS] + [("quest", p) for p in PREDICTORS] if c not in CASES]
 MORE_CASES.append(("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"))
+# exact on the kernels: the graph engine speculates inside the q·K launch, the eager runtime beside it
+MORE_CASES.append(("exact", "ema", "backend=triton"))
 assert {c[0] for c in CASES} == set(SELECTORS) and {c[1] for c in CASES} == set(PREDICTORS)
 
 

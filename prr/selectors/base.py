@@ -217,9 +217,10 @@ class Selector(SelectorOptions, ABC):
         raise NotImplementedError(f"{type(self).__name__} has no Triton selection (triton_problems() is None)")
 
     def speculates_in_selection(self) -> bool:
-        """Whether `select_speculating` runs: this selector's kernels can compute PRR's per-block
-        states over P inside selection's own launch (exact: its q·K pass fills the GPU, so a
-        speculation on a second stream beside it only slows it down)."""
+        """Whether the engine calls `select_speculating` instead of speculating on its side stream:
+        this selector's kernels compute PRR's per-block states over P inside selection's own launch
+        (exact: its q·K pass fills the GPU, so a speculation on a second stream beside it only slows
+        it down)."""
         return False
 
     def select_speculating(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor, num_blocks: Tensor,
@@ -228,8 +229,16 @@ class Selector(SelectorOptions, ABC):
         """`select_triton` and the attention over P in the same launch: q [B, Hkv, G, D], P =
         pred_idx [B, Hkv, C] with counts pred_cnt [B, Hkv] -> (A, (out [B, Hq, C, D], lse [B, Hq, C])
         fp32 per-block states, what sparse_decode(per_block=True, tokens_per_split=tokens_per_program)
-        gives). Selectors whose `speculates_in_selection` is True override it."""
-        raise NotImplementedError(f"{type(self).__name__} does not speculate inside its selection")
+        gives). Here the definition, two launches one after the other on the current stream (the
+        Triton kernels: backend triton); selectors whose `speculates_in_selection` is True override
+        it with one launch that gives the same A and the same states bit for bit."""
+        from prr.kernels.sparse_decode import sparse_decode
+
+        b, h, g, d = q.shape
+        selection = self.select(q, cache, layer, lengths, num_blocks=num_blocks)
+        states = sparse_decode(q.reshape(b, h * g, d), cache.keys[layer], cache.values[layer], pred_idx, pred_cnt,
+                               lengths, cache.block_size, scale, per_block=True, tokens_per_split=tokens_per_program)
+        return selection, states
 
 
 def token_counts(cache: PagedKVCache, layer: int, length: int | Tensor | None, batch: int,

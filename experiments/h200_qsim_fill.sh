@@ -6,7 +6,7 @@
 #  2. query_similarity's propose and update at 128K, block 16, |P| = 32 and 128, without the fill
 #     list and with it at widths 128 and 256 (bench_predictors.py: P equal to the torch path's).
 # Everything lands in $OUT: 8 files, the most that come back (log.txt, gpu_tests.txt, 3 x csv + json).
-#   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... bash experiments/h200_qsim_fill.sh
+#   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... [WIDTHS="0 128"] bash experiments/h200_qsim_fill.sh
 set -u
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
@@ -20,7 +20,7 @@ timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/te
   tests/test_kernels_predict.py -k "speculat or query_similarity or qsim or fill" > "$OUT/gpu_tests.txt" 2>&1
 tail -3 "$OUT/gpu_tests.txt" | tee -a "$LOG"
 
-for width in 0 128 256; do
+for width in ${WIDTHS:-0 128 256}; do
   say "query_similarity, fill width $width"
   timeout ${BENCH_S:-60} python3 experiments/bench_predictors.py --predictors query_similarity --contexts 131072 \
     --blocks 16 --budgets 32,128 --qs-fill-width $width --out "$OUT/qsim_fill$width" > /tmp/qsim_fill$width.log 2>&1

@@ -26,6 +26,7 @@ from .predict_jit import (
     _qsim_fill_kernel,
     _qsim_propose_kernel,
     _qsim_rank_kernel,
+    _qsim_similarity_kernel,
     _qsim_update_kernel,
     _scatter_selected_kernel,
     _spin_rank_kernel,
@@ -394,7 +395,9 @@ def spin_update(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor
 
 # --- query_similarity ---------------------------------------------------------------------
 
-MAX_LANES = 1024  # merged-list lanes (M_ROWS · K_BLOCK) of the one-launch propose; more: rank + top-k
+MAX_LANES = 1024  # merged-list lanes (M_ROWS · K_BLOCK) of the lists' propose; more: rank + top-k
+SIMILARITY_VALUES = 2048  # fp32 keys one program of the cosines' launch reads (SLOTS · Q_CHUNK; H200: 4 slots of
+# 512 in 2.4 µs, 8 in 3.2, 16 in 4.6)
 
 
 def _qsim_check(query: Tensor, keys: Tensor, set_ids: Tensor, set_count: Tensor, last_selected: Tensor,
@@ -459,12 +462,14 @@ def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_c
                              fill: Tensor | None = None, fill_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """query_similarity's P: the top-k blocks of `query_similarity_rank` (which it writes to
     pending / has_pending alike) -> (indices [B, Hkv, min(k, N)] int32 ascending, counts [B, Hkv]
-    int32). One launch (`_qsim_propose_kernel`) that works on the neighbours' id lists, the recent
-    window and the fill list (O(neighbours·K + fill width), no pass over the N blocks) where they
+    int32). Two launches: the cosines (`_qsim_similarity_kernel`, C / SLOTS programs a KV head),
+    then `_qsim_propose_kernel`, which works on the neighbours' id lists, the recent window and the
+    fill list in registers (O(neighbours·K + fill width), no pass over the N blocks) where they
     hold P: rows of up to MAX_ROW_BLOCK blocks, (neighbours + 1 rounded up to a power of two) ×
-    max(W, recent_blocks, 16) (rounded likewise) <= MAX_LANES, and tie < 0.5 / sqrt(N - 1) (the voted
-    blocks then outrank the others); where they do not (fewer than k candidates and no valid, long
-    enough fill) the same launch takes the whole row's top-k. Else rank + topk_select.
+    max(W, recent_blocks, W_fill / that, 16) (rounded likewise) <= MAX_LANES, and tie < 0.5 /
+    sqrt(N - 1) (the voted blocks then outrank the others); where they do not (fewer than k
+    candidates and no valid, long enough fill) the same launch takes the whole row's top-k. Else
+    rank + topk_select.
     fill: [B, Hkv, W_fill] int32, the W_fill best blocks of tie·last_z best first
     (`fill_reference`), with fill_valid [1] bool (False: not written for this last_z yet); None:
     no fill."""
@@ -476,10 +481,12 @@ def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_c
         raise ValueError(f"k={k!r} must be an int >= 0 (blocks to propose)")
     recent = min(recent_blocks, n + 1)
     m_rows = triton.next_power_of_2(neighbours + 1)
-    k_block = max(16, triton.next_power_of_2(max(width, recent)))  # (tiles of 16 at least, as the others here)
-    one_launch = (triton.next_power_of_2(max(n, 1)) <= MAX_ROW_BLOCK and abs(tie) * max(n - 1, 0) ** 0.5 < 0.5
+    fill_lanes = triton.next_power_of_2(fill.shape[-1]) if fill is not None and fill.shape[-1] > 0 else 0
+    # one list per row of lanes (tiles of 16 at least, as the others here), and lanes enough for the fill list
+    k_block = max(16, triton.next_power_of_2(max(width, recent)), fill_lanes // m_rows)
+    from_lists = (triton.next_power_of_2(max(n, 1)) <= MAX_ROW_BLOCK and abs(tie) * max(n - 1, 0) ** 0.5 < 0.5
                   and m_rows * k_block <= MAX_LANES)
-    if not one_launch or k == 0 or batch == 0 or heads == 0 or n == 0:
+    if not from_lists or k == 0 or batch == 0 or heads == 0 or n == 0:
         rank = query_similarity_rank(query, keys, set_ids, set_count, last_selected, last_z, filled, num_blocks,
                                      pending, has_pending, neighbours, recent_blocks, tie)
         return propose_top(rank, k, row_counts(num_blocks, batch, dev))
@@ -495,24 +502,26 @@ def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_c
     k = min(k, n)
     block = triton.next_power_of_2(n)
     fill_width = fill.shape[-1] if has_fill else 0
-    lanes = m_rows * k_block
     indices = torch.empty(batch, heads, k, dtype=torch.int32, device=dev)
     counts = torch.empty(batch, heads, dtype=torch.int32, device=dev)
-    scratch = torch.empty(2, batch * heads, lanes, dtype=torch.int32, device=dev)
+    similarity = torch.empty(batch, heads, cache_size, dtype=torch.float32, device=dev)
     scratch_row = torch.empty(batch * heads, n, dtype=torch.int32, device=dev)
+    q_chunk = min(triton.next_power_of_2(max(query_size, 1)), SIMILARITY_VALUES)
+    slots = max(1, min(SIMILARITY_VALUES // q_chunk, triton.next_power_of_2(cache_size)))
+    _qsim_similarity_kernel[(heads, batch, triton.cdiv(cache_size, slots))](
+        query.contiguous(), keys, pending, has_pending.view(torch.uint8), similarity, heads, query_size, cache_size,
+        SLOTS=slots, Q_CHUNK=q_chunk, num_warps=4,
+    )
     _qsim_propose_kernel[(heads, batch)](
-        query.contiguous(), keys, set_ids, set_count, last_z, filled, nb, pending, has_pending.view(torch.uint8),
+        similarity, set_ids, set_count, last_z, filled, nb,
         fill if has_fill else indices, fill_valid.view(torch.uint8) if has_fill else counts,
-        indices, counts, scratch[0], scratch[1], scratch_row,
-        n, heads, query_size, cache_size, width, recent, k, k, fill_width, float(2 * neighbours + 1), float(tie),
-        NEIGHBOURS=neighbours, C_BLOCK=max(16, triton.next_power_of_2(cache_size)),
-        Q_TILE=max(16, min(triton.next_power_of_2(query_size), 128)), M_ROWS=m_rows, K_BLOCK=k_block,
-        J_TILE=min(lanes, 32), BLOCK=block, HAS_FILL=has_fill,
-        FILL_BLOCK=max(16, triton.next_power_of_2(max(fill_width, 1))),
-        OUT_BLOCK=max(16, triton.next_power_of_2(max(min(k, lanes + fill_width), 1))),
+        indices, counts, scratch_row,
+        n, heads, cache_size, width, recent, k, k, fill_width, float(2 * neighbours + 1), float(tie),
+        NEIGHBOURS=neighbours, C_BLOCK=max(16, triton.next_power_of_2(cache_size)), M_ROWS=m_rows, K_BLOCK=k_block,
+        BLOCK=block, HAS_FILL=has_fill, RADIX_BITS=2, PAD_BLOCK=PAD_BLOCK, enable_fp_fusion=False,
+        **launch_kwargs(dev),
         # 4 warps for the lists' small tiles; where P must come from the whole row (more than the
         # candidates can hold, no fill list) the row's width, as the row kernels take it
-        RADIX_BITS=2, PAD_BLOCK=PAD_BLOCK, enable_fp_fusion=False, **launch_kwargs(dev),
         num_warps=max(4, min(8, block // 256)) if k > neighbours * width + recent and not has_fill else 4,
     )
     return indices, counts

@@ -454,51 +454,93 @@ def _order_key(score):
 
 
 @triton.jit
+def _qsim_similarity_kernel(
+    query_ptr,  # [B, Hkv, G·D] contiguous, any float dtype
+    keys_ptr,  # [B, Hkv, C, G·D] fp32 contiguous: the cached normalised queries
+    pending_ptr,  # [B, Hkv, G·D] fp32 out: the query normalised (written by the slot group 0 programs)
+    has_pending_ptr,  # [1] uint8 out: set
+    similarity_ptr,  # [B, Hkv, C] fp32 out: cosine of the query with every slot (filled or not)
+    num_kv_heads, query_size, cache_size,
+    SLOTS: tl.constexpr,  # slots per program (a power of two)
+    Q_CHUNK: tl.constexpr,  # query values per loop iteration (a power of two)
+):
+    """The first of query_similarity's two propose launches: one program per (KV head, batch row,
+    group of SLOTS slots), so the C·G·D fp32 keys (128 KB a KV head at C = 64, G·D = 512) are read
+    by C / SLOTS programs at once instead of one (on the H200: 2.4 µs with 4 slots a program, where
+    one program a KV head took 6-19 µs). The dot products use the raw query, divided by its norm at
+    the end."""
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    group = tl.program_id(2)
+    bh = batch.to(tl.int64) * num_kv_heads + kv_head
+    q_row = bh * query_size
+    slots = group * SLOTS + tl.arange(0, SLOTS)
+    key_rows = (bh * cache_size + slots.to(tl.int64)) * query_size
+    squares = tl.zeros([], dtype=tl.float32)
+    dots = tl.zeros([SLOTS], dtype=tl.float32)
+    for start in range(0, query_size, Q_CHUNK):
+        offs = start + tl.arange(0, Q_CHUNK)
+        live = offs < query_size
+        x = tl.load(query_ptr + q_row + offs, mask=live, other=0.0).to(tl.float32)
+        k = tl.load(keys_ptr + key_rows[:, None] + offs[None, :], mask=(slots[:, None] < cache_size) & live[None, :],
+                    other=0.0)
+        squares += tl.sum(x * x, axis=0)
+        dots += tl.sum(k * x[None, :], axis=1)
+    norm = tl.maximum(tl.sqrt_rn(squares), 1e-12)
+    tl.store(similarity_ptr + bh * cache_size + slots, tl.div_rn(dots, norm), mask=slots < cache_size)
+    if group == 0:
+        for start in range(0, query_size, Q_CHUNK):
+            offs = start + tl.arange(0, Q_CHUNK)
+            live = offs < query_size
+            x = tl.load(query_ptr + q_row + offs, mask=live, other=0.0).to(tl.float32)
+            tl.store(pending_ptr + q_row + offs, tl.div_rn(x, norm), mask=live)
+        if (kv_head == 0) & (batch == 0):
+            tl.store(has_pending_ptr, tl.full([], 1, tl.uint8))
+
+
+@triton.jit
 def _qsim_propose_kernel(
-    query_ptr, keys_ptr, set_ids_ptr, set_cnt_ptr, last_z_ptr, filled_ptr, num_blocks_ptr, pending_ptr,
-    has_pending_ptr,  # (as _qsim_rank_kernel's)
+    similarity_ptr,  # [B, Hkv, C] fp32: `_qsim_similarity_kernel`'s cosines
+    set_ids_ptr, set_cnt_ptr, last_z_ptr, filled_ptr, num_blocks_ptr,  # (as _qsim_rank_kernel's)
     fill_ptr,  # [B, Hkv, W_fill] int32: the W_fill best blocks by tie·last_z, best first (ties to the lower id) (HAS_FILL)
     fill_valid_ptr,  # [1] uint8: fill is up to date with last_z (HAS_FILL)
     idx_out_ptr,  # [B, Hkv, K_out] int32: P in ascending block order, then padding 0
     count_out_ptr,  # [B, Hkv] int32
-    scratch_keys_ptr,  # [B * Hkv, LANES] int32 workspace: the candidates' keys, compacted
-    scratch_ids_ptr,  # [B * Hkv, LANES] int32 workspace: their ids
     scratch_row_ptr,  # [B * Hkv, N] int32 workspace: the whole row's keys (only where the lists do not hold P)
-    n, num_kv_heads, query_size, cache_size, width, recent_blocks, k, k_out, fill_width,
+    n, num_kv_heads, cache_size, width, recent_blocks, k, k_out, fill_width,
     recent_bonus, tie,
     NEIGHBOURS: tl.constexpr,
     C_BLOCK: tl.constexpr,
-    Q_TILE: tl.constexpr,
     M_ROWS: tl.constexpr,  # next power of two >= NEIGHBOURS + 1: the neighbours' lists and the recent window
-    K_BLOCK: tl.constexpr,  # next power of two >= max(W, recent_blocks): one list
-    J_TILE: tl.constexpr,  # entries compared per step of the pairwise counts
+    K_BLOCK: tl.constexpr,  # next power of two >= max(W, recent_blocks, W_fill / M_ROWS): one list
     BLOCK: tl.constexpr,  # next power of two >= N: the whole row in registers (only where the lists do not hold P)
     HAS_FILL: tl.constexpr,
-    FILL_BLOCK: tl.constexpr,  # next power of two >= fill_width
-    OUT_BLOCK: tl.constexpr,  # next power of two >= min(k, LANES + FILL_BLOCK) (HAS_FILL: P's ids sorted at once)
     RADIX_BITS: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """query_similarity's propose in one launch from the id lists: O(C·G·D) for the similarities,
-    O(neighbours·LANES·K) to merge the neighbours' lists (LANES = M_ROWS·K_BLOCK), O(n_c²) to rank
-    the n_c candidates, O(fill_width·n_c) for the fill and one sort of P's ids, no pass over the N blocks
-    where the lists and the fill hold P. Candidates (blocks in a voting neighbour's list or the
-    recent window, inside the context) score >= 1 - |tie·z| and the others exactly tie·z (< 0.5
-    for rows under 250000 blocks: |z| <= sqrt(N - 1)), so
-    - where at least k blocks are candidates the top k are counted among them;
+    """query_similarity's propose from the id lists (the second launch, after the cosines): the
+    lists and the fill list in registers, no pass over the N blocks where they hold P. Candidates
+    (blocks in a voting neighbour's list or the recent window, inside the context) score
+    >= 1 - |tie·z| and the others exactly tie·z (< 0.5 for rows under 250000 blocks: |z| <=
+    sqrt(N - 1)), so
+    - where at least k blocks are candidates the top k among them (one sort of (key, id) packed
+      in 64 bits over the LANES = M_ROWS·K_BLOCK lanes);
     - where fewer are, P is every candidate and the best k - n_c others by tie·z, whose order does
       not depend on the query: the first k - n_c non-candidates inside the context in `fill` (the
       update's list of the row's best by tie·z, best first, written off the critical path);
-    - else (no valid fill, or too short) the top-k of the whole row (O(N), in registers)."""
+    - else (no valid fill, or too short) the top-k of the whole row (O(N), in registers).
+    P's ids are put in ascending order by one more sort. Everything stays in registers: the
+    neighbours' memberships are compared lane against list, not re-read from memory."""
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
     bh = batch.to(tl.int64) * num_kv_heads + kv_head
     filled = tl.load(filled_ptr)
-    similarity = _qsim_similarity(query_ptr, keys_ptr, pending_ptr, has_pending_ptr, filled, bh, kv_head, batch,
-                                  query_size, cache_size, C_BLOCK, Q_TILE)
     nb = tl.minimum(tl.load(num_blocks_ptr + batch).to(tl.int32), n)
+    c_slots = tl.arange(0, C_BLOCK)
+    similarity = tl.load(similarity_ptr + bh * cache_size + c_slots, mask=c_slots < cache_size, other=float("-inf"))
+    similarity = tl.where(c_slots.to(tl.int64) < filled, similarity, float("-inf"))
     slot, weight = _qsim_neighbours(similarity, filled, cache_size, NEIGHBOURS, C_BLOCK, M_ROWS)
     # lanes [M_ROWS, K_BLOCK]: row j < NEIGHBOURS the j-th neighbour's list, row NEIGHBOURS the recent window
     rows = tl.arange(0, M_ROWS)
@@ -507,10 +549,12 @@ def _qsim_propose_kernel(
     cnt = tl.load(set_cnt_ptr + lists, mask=(rows < NEIGHBOURS) & (weight > 0), other=0)  # unfilled slots: no lanes
     in_list = cols[None, :] < cnt[:, None]
     ids2 = tl.load(set_ids_ptr + lists[:, None] * width + cols[None, :], mask=in_list, other=0)
+    listed2 = tl.where(in_list, ids2, -1)  # the lists alone, -1 elsewhere (never a live block)
     window = rows[:, None] == NEIGHBOURS
     ids2 = tl.where(window, nb - recent_blocks + cols[None, :], ids2)
     live2 = (in_list | (window & (cols[None, :] < recent_blocks))) & (ids2 >= 0) & (ids2 < nb)
     LANES: tl.constexpr = M_ROWS * K_BLOCK
+    lane = tl.arange(0, LANES)
     ids = tl.reshape(ids2, [LANES])
     live = tl.reshape(live2, [LANES])
     lane_row = tl.reshape(tl.broadcast_to(rows[:, None], [M_ROWS, K_BLOCK]), [LANES])
@@ -519,14 +563,9 @@ def _qsim_propose_kernel(
     votes = tl.zeros([LANES], dtype=tl.float32)
     repeated = tl.zeros([LANES], dtype=tl.int32)
     for j in tl.static_range(NEIGHBOURS):
-        list_j = tl.sum(tl.where(rows == j, lists, 0), axis=0)
-        cnt_j = tl.sum(tl.where(rows == j, cnt, 0), axis=0)
+        list_j = tl.max(tl.where(rows[:, None] == j, listed2, -1), axis=0)  # [K_BLOCK]
         w_j = tl.sum(tl.where(rows == j, weight, 0.0), axis=0)
-        member = tl.zeros([LANES], dtype=tl.int32)
-        for start in range(0, cnt_j, J_TILE):
-            c = start + tl.arange(0, J_TILE)
-            other = tl.load(set_ids_ptr + list_j * width + c, mask=c < cnt_j, other=-1)
-            member = tl.maximum(member, tl.max((ids[:, None] == other[None, :]).to(tl.int32), axis=1))
+        member = tl.max((ids[:, None] == list_j[None, :]).to(tl.int32), axis=1)
         votes = tl.where(member != 0, votes + w_j, votes)
         repeated = tl.maximum(repeated, tl.where(lane_row > j, member, 0))
     candidate = live & (repeated == 0)  # every live lane is voted (weight > 0) or recent
@@ -535,68 +574,45 @@ def _qsim_propose_kernel(
     score = votes + recent_bonus * recent.to(tl.float32) + tie * z
     keys = tl.where(candidate, _order_key(score), 0)
     n_cand = tl.sum(candidate.to(tl.int32), axis=0)
-    scratch = bh * LANES
-    slot_c = tl.cumsum(candidate.to(tl.int32), axis=0) - 1
-    tl.store(scratch_keys_ptr + scratch + slot_c, keys.to(tl.int32, bitcast=True), mask=candidate)
-    tl.store(scratch_ids_ptr + scratch + slot_c, ids, mask=candidate)
-    tl.debug_barrier()  # the program's own stores, read back by other threads
-    # before: candidates ahead in (key descending, id ascending), the top_k_blocks order; counted
-    # only where more than k are candidates (else every one is taken)
-    before = tl.zeros([LANES], dtype=tl.int32)
-    for start in range(0, tl.where(n_cand > k, n_cand, 0), J_TILE):
-        c = start + tl.arange(0, J_TILE)
-        kc = tl.load(scratch_keys_ptr + scratch + c, mask=c < n_cand, other=0, cache_modifier=".cg").to(
-            tl.uint32, bitcast=True)
-        ic = tl.load(scratch_ids_ptr + scratch + c, mask=c < n_cand, other=0, cache_modifier=".cg")
-        ahead = (kc[None, :] > keys[:, None]) | ((kc[None, :] == keys[:, None]) & (ic[None, :] < ids[:, None]))
-        before += tl.sum((ahead & (c[None, :] < n_cand)).to(tl.int32), axis=1)
-    taken = candidate & (before < k)
-    # the last taken candidate (key, id): the others taken are ahead of it (none: every candidate)
-    last = candidate & (before == k - 1)
-    t_key = tl.max(tl.where(last, keys, 0), axis=0)
-    t_id = tl.max(tl.where(last, ids, -1), axis=0)
+    # the top_k_blocks order (key descending, then the lower id) as one descending uint64 sort;
+    # non-candidates are 0, below every candidate (whose keys are those of scores >= 0.5)
+    packed = tl.where(candidate, (keys.to(tl.uint64) << 32) | (0xFFFFFFFF - ids.to(tl.uint32, bitcast=True)).to(
+        tl.uint64), 0)
+    if n_cand > k:  # (the sort only where it decides: ~1 µs on the H200)
+        kth = tl.max(tl.where(lane == k - 1, tl.sort(packed, descending=True), 0), axis=0)
+    else:
+        kth = tl.zeros([], dtype=tl.uint64)
+    taken = candidate & (packed >= kth)  # every candidate where at most k are
     done = n_cand >= k
     out_row = bh * k_out
+    BIG: tl.constexpr = 2147483647
+    chosen = tl.where(taken, ids, BIG)
     if HAS_FILL:
-        lanes_f = tl.arange(0, FILL_BLOCK)
-        listed = lanes_f < fill_width
-        fid = tl.load(fill_ptr + bh * fill_width + lanes_f, mask=listed, other=0)
-        listed_cand = tl.zeros([FILL_BLOCK], dtype=tl.int32)
-        for start in range(0, tl.where(n_cand < k, n_cand, 0), J_TILE):
-            c = start + tl.arange(0, J_TILE)
-            ic = tl.load(scratch_ids_ptr + scratch + c, mask=c < n_cand, other=-1, cache_modifier=".cg")
-            listed_cand = tl.maximum(listed_cand, tl.max((fid[:, None] == ic[None, :]).to(tl.int32), axis=1))
-        usable = listed & (fid < nb) & (listed_cand == 0)  # non-candidates inside the context, best first
+        # the fill list in LANES lanes (K_BLOCK is sized so that M_ROWS·K_BLOCK >= W_fill); its ids
+        # listed by a neighbour or in the recent window are candidates already
+        fid = tl.load(fill_ptr + bh * fill_width + lane, mask=lane < fill_width, other=0)
+        is_cand = fid >= nb - recent_blocks
+        for j in tl.static_range(NEIGHBOURS):
+            list_j = tl.max(tl.where(rows[:, None] == j, listed2, -1), axis=0)
+            is_cand = is_cand | (tl.max((fid[:, None] == list_j[None, :]).to(tl.int32), axis=1) != 0)
+        usable = (lane < fill_width) & (fid < nb) & ~is_cand  # non-candidates inside the context, best first
         need = k - n_cand
         enough = (n_cand < k) & (tl.load(fill_valid_ptr) != 0) & (tl.sum(usable.to(tl.int32), axis=0) >= need)
         # (need times 0 or 1: the interpreter does not broadcast a scalar bool into a block mask)
         picked = usable & (tl.cumsum(usable.to(tl.int32), axis=0) <= need * enough.to(tl.int32))
         done = done | enough
     if done:
+        # P's ids in ascending order: one sort of the candidates' lanes, and of the fill's beside
+        # them where it was used
         if HAS_FILL:
-            # P (the taken candidates, then the picked fill ids) compacted into the output row, then
-            # sorted there in one tl.sort of OUT_BLOCK lanes: no pairwise [FILL_BLOCK x FILL_BLOCK]
-            # ranking (on the H200 it made the propose 23 µs at |P| = 32 and 128)
-            n_taken = tl.sum(taken.to(tl.int32), axis=0)
-            tl.store(idx_out_ptr + out_row + tl.cumsum(taken.to(tl.int32), axis=0) - 1, ids, mask=taken)
-            tl.store(idx_out_ptr + out_row + n_taken + tl.cumsum(picked.to(tl.int32), axis=0) - 1, fid, mask=picked)
-            tl.debug_barrier()  # the program's own stores, read back by other threads
-            offs_o = tl.arange(0, OUT_BLOCK)
-            in_out = offs_o < n_taken + tl.sum(picked.to(tl.int32), axis=0)  # = k
-            held = tl.load(idx_out_ptr + out_row + offs_o, mask=in_out, other=2147483647, cache_modifier=".cg")
-            tl.debug_barrier()  # every thread has read before any writes the sorted ids
-            tl.store(idx_out_ptr + out_row + offs_o, tl.sort(held), mask=in_out)
+            if enough:
+                out_lane = tl.arange(0, 2 * LANES)
+                ascending = tl.sort(tl.reshape(tl.join(chosen, tl.where(picked, fid, BIG)), [2 * LANES]))
+                tl.store(idx_out_ptr + out_row + out_lane, ascending, mask=out_lane < k)
+            else:
+                tl.store(idx_out_ptr + out_row + lane, tl.sort(chosen), mask=lane < k)
         else:
-            # positions in ascending block order: P members with a lower id
-            below = tl.zeros([LANES], dtype=tl.int32)
-            for start in range(0, n_cand, J_TILE):
-                c = start + tl.arange(0, J_TILE)
-                kc = tl.load(scratch_keys_ptr + scratch + c, mask=c < n_cand, other=0, cache_modifier=".cg").to(
-                    tl.uint32, bitcast=True)
-                ic = tl.load(scratch_ids_ptr + scratch + c, mask=c < n_cand, other=0, cache_modifier=".cg")
-                in_p = (c < n_cand) & ((kc > t_key) | ((kc == t_key) & (ic <= t_id)))
-                below += tl.sum((in_p[None, :] & (ic[None, :] < ids[:, None])).to(tl.int32), axis=1)
-            tl.store(idx_out_ptr + out_row + below, ids, mask=taken)
+            tl.store(idx_out_ptr + out_row + lane, tl.sort(chosen), mask=lane < k)
         _pad_and_count(idx_out_ptr, count_out_ptr, out_row, bh, k, k_out, PAD_BLOCK)
     else:
         # the whole row: tie·z as the rank sums it for a block without votes (0 + 0 + tie·z), the

@@ -60,13 +60,16 @@ SCRIPT = textwrap.dedent('''
     build(J._qsim_rank_kernel, {**lists, "rank_ptr": F},
           {"NEIGHBOURS": 2, "C_BLOCK": 64, "M_ROWS": 2, "Q_TILE": 128, "TILE": 4096, "IDX_TILE": 128, "PDL": False},
           enable_fp_fusion=False)
-    # the 8B shape's K = 32 lists at |P| = 32 and 128, with and without the fill list; a short row
-    for block, k_block, fill, out in ((8192, 32, True, 128), (8192, 32, False, 16), (64, 16, True, 64)):
-        build(J._qsim_propose_kernel, {**lists, "fill_ptr": I32, "fill_valid_ptr": U8, "idx_out_ptr": I32,
-              "count_out_ptr": I32, "scratch_keys_ptr": I32, "scratch_ids_ptr": I32, "scratch_row_ptr": I32},
-              {"NEIGHBOURS": 2, "C_BLOCK": 64, "Q_TILE": 128, "M_ROWS": 4, "K_BLOCK": k_block, "J_TILE": 32,
-               "BLOCK": block, "HAS_FILL": fill, "FILL_BLOCK": 256, "OUT_BLOCK": out, "RADIX_BITS": 2,
-               "PAD_BLOCK": 256, "PDL": False}, enable_fp_fusion=False)
+    # the 8B shape's K = 32 lists at |P| = 32 and 128, with and without the fill list (256 lanes); a short row
+    for block, k_block, fill in ((8192, 64, True), (8192, 32, False), (64, 16, True)):
+        build(J._qsim_propose_kernel, {"similarity_ptr": F, "set_ids_ptr": I32, "set_cnt_ptr": I32, "last_z_ptr": F,
+              "filled_ptr": I64, "num_blocks_ptr": I32, "fill_ptr": I32, "fill_valid_ptr": U8, "idx_out_ptr": I32,
+              "count_out_ptr": I32, "scratch_row_ptr": I32, "recent_bonus": "fp32", "tie": "fp32"},
+              {"NEIGHBOURS": 2, "C_BLOCK": 64, "M_ROWS": 4, "K_BLOCK": k_block, "BLOCK": block, "HAS_FILL": fill,
+               "RADIX_BITS": 2, "PAD_BLOCK": 256, "PDL": False}, enable_fp_fusion=False, num_warps=4)
+    for slots, q_chunk in ((8, 512), (1, 4096)):
+        build(J._qsim_similarity_kernel, {"query_ptr": "*bf16", "keys_ptr": F, "pending_ptr": F, "has_pending_ptr": U8,
+              "similarity_ptr": F}, {"SLOTS": slots, "Q_CHUNK": q_chunk}, num_warps=4)
     for block, fill_block in ((8192, 256), (64, 16)):
         build(J._qsim_fill_kernel, {"last_z_ptr": F, "fill_ptr": I32, "count_ptr": I32, "fill_valid_ptr": U8,
               "tie": "fp32"}, {"BLOCK": block, "FILL_BLOCK": fill_block, "RADIX_BITS": 2, "PAD_BLOCK": 256,

@@ -66,11 +66,11 @@ class EmaMembershipPredictorOptions(PredictorOptions):
 class QuerySimilarityPredictorOptions(PredictorOptions):
     def __init__(self, cache_size: int = 64, neighbours: int = 2, recent_blocks: int = 1, fill_width: int = 0) -> None:
         """fill_width: blocks in the fill list the update writes for the kernel's propose (0: none).
-        It pays where |P| exceeds the neighbours' union (budget.ratio >= 2 against 32-block
-        selections): the kernel's propose then takes the rest of P from it instead of ranking the whole
-        row (measured with the propose before the id lists: 30.2 -> 22.3 µs at |P| = 128 on the H200, at
-        about 57 µs per layer on the side stream, kernels_issue33.md); with |P| = |A| the list is never
-        read. The same P either way."""
+        It pays where |P| exceeds what the neighbours' lists hold (|P| above the selections' size,
+        budget.ratio > 1): the kernel's propose then takes the rest of P from it instead of ranking the
+        whole row (H200, 128K, block 16, K = 32: 28.0 -> 8.9 µs at |P| = 128 with fill_width=128, for
+        22 µs more per layer on the side stream, kernels_issue33.md); where |P| <= K the list is never
+        read and costs 1.5 µs of propose (7.2 -> 8.7). The same P either way."""
         if cache_size < 1:
             raise ValueError(f"predictor.cache_size={cache_size} must be >= 1 (past queries kept per layer and KV head)")
         if not 1 <= neighbours <= cache_size:

@@ -396,8 +396,7 @@ def spin_update(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor
 # --- query_similarity ---------------------------------------------------------------------
 
 MAX_LANES = 1024  # merged-list lanes (M_ROWS · K_BLOCK) of the lists' propose; more: rank + top-k
-SIMILARITY_VALUES = 2048  # fp32 keys one program of the cosines' launch reads (SLOTS · Q_CHUNK; H200: 4 slots of
-# 512 in 2.4 µs, 8 in 3.2, 16 in 4.6)
+SIMILARITY_VALUES = 2048  # fp32 keys one program of the cosines' launch reads (SLOTS · Q_CHUNK: 4 slots of G·D = 512)
 
 
 def _qsim_check(query: Tensor, keys: Tensor, set_ids: Tensor, set_count: Tensor, last_selected: Tensor,

@@ -447,14 +447,16 @@ def test_head_dim_256_runs_the_triton_engine_like_the_torch_ops():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def ema_engines(learn_at_once: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99, **plan_changes):
+def ema_engines(learn_at_once: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99,
+                predictor=None, **plan_changes):
+    """A PRR engine of 3 sparse layers (1..3) on the kernels; predictor: default ema."""
     from prr.predictors import EmaPredictor
 
     config = dataclasses.replace(CONFIG, num_layers=4)
     plan = StaticPlan(variant="prr", predicted_blocks=5, learn_layers_at_once=learn_at_once, **plan_changes)
     model = Decoder(config, dtype, device).init_random_(seed=3, std=0.05)
     engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40,
-                          predictor=EmaPredictor(calibrate=False, recent_blocks=1),
+                          predictor=predictor if predictor is not None else EmaPredictor(calibrate=False, recent_blocks=1),
                           selector=graph_selector("quest", 4, dense_layers=(0,)))
     engine.fill_random_context(context, seed=5)
     engine.prime_predictions(context)
@@ -490,6 +492,33 @@ def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monke
     assert [a.shape[0] for a in counted] == [3] * 2 and all(x is y for x, y in zip(learned, counted, strict=True))
     assert each.counters() == once.counters()
     assert int(sum(once.counters()["hits"])) > 0
+
+
+@pytest.mark.parametrize("name", ["last_step", "ema_membership"])
+def test_state_rank_predictors_learning_every_layer_at_once_equal_learning_after_each_layer(name, monkeypatch):
+    """last_step and ema_membership on the kernels learn like ema (plan.learn_layers_at_once): every
+    sparse layer's update as L·B rows of one launch and the next step's P of every layer in one top-k
+    after the last sparse layer; the logits and every layer's P equal learning after each layer,
+    step by step, and the at-once engine calls no per-layer update while decoding."""
+    from prr.predictors import EmaMembershipPredictor, LastStepPredictor
+
+    make = {"last_step": LastStepPredictor, "ema_membership": lambda: EmaMembershipPredictor(alpha=0.6)}[name]
+    each, once = ema_engines(False, predictor=make()), ema_engines(True, predictor=make())
+    assert once.attn.predictor.learns_layers_at_once() and once.attn.learn_range == (1, 3)
+    calls = {"update": 0, "update_layers": 0}
+    for method in calls:
+        real = getattr(once.attn.predictor, method)
+        monkeypatch.setattr(once.attn.predictor, method,
+                            lambda *a, real=real, method=method, **k: calls.__setitem__(method, calls[method] + 1)
+                            or real(*a, **k))
+    for step in range(3):
+        a = each.step(advance=True)
+        b = once.step(advance=True)
+        assert torch.equal(a, b), step
+        assert torch.equal(each.attn.pred_all, once.attn.pred_all), step
+        assert torch.equal(each.attn.pred_cnt_all, once.attn.pred_cnt_all), step
+    assert calls == {"update": 0, "update_layers": 3}
+    assert int(once.attn.pred_cnt_all[1:].sum()) > 0
 
 
 def counting_engines(variant: str, at_end: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99):
@@ -558,8 +587,12 @@ def test_gpu_counters_at_step_end_captured_equal_counting_after_each_layer(varia
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
-def test_gpu_ema_learning_at_once_captured_equals_after_each_layer():
-    engines = [ema_engines(flag, "cuda", torch.bfloat16, context=3001) for flag in (False, True)]
+@pytest.mark.parametrize("name", ["ema", "last_step", "ema_membership"])
+def test_gpu_learning_at_once_captured_equals_after_each_layer(name):
+    from prr.predictors import EmaMembershipPredictor, LastStepPredictor
+
+    make = {"ema": lambda: None, "last_step": LastStepPredictor, "ema_membership": EmaMembershipPredictor}[name]
+    engines = [ema_engines(flag, "cuda", torch.bfloat16, context=3001, predictor=make()) for flag in (False, True)]
     outs = []
     for engine in engines:
         start = engine.checkpoint()

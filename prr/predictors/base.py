@@ -26,6 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from prr.blocks import BlockSet, top_blocks
@@ -92,8 +93,8 @@ class Predictor(PredictorOptions, ABC):
         counts [L, B, Hkv])` (their next step's P), one launch each, equal layer by layer to
         `update` then `propose`: the graph engine then learns once after a step's last sparse layer
         instead of after each one (StaticPlan.learn_layers_at_once). History-only predictors
-        only; the engine calls those two methods only where this returns True (EmaPredictor on
-        the kernels)."""
+        only; the engine calls those two methods only where this returns True (ema and the
+        StateRankPredictors, last_step and ema_membership, on the kernels)."""
         return False
 
     def proposed_ahead(self, state: Any, layer: int) -> bool:
@@ -136,10 +137,43 @@ class Predictor(PredictorOptions, ABC):
 class StateRankPredictor(Predictor):
     """Predictors whose per-layer state [L, B, Hkv, max_blocks] is already the rank (last_step,
     ema_membership): on backend triton P is the top-k kernel over the state row as it is (it masks
-    blocks past each row's context itself); on torch, `rank` + `top_blocks`."""
+    blocks past each row's context itself), and a range of L layers learns and proposes at once as
+    L·B rows of one update and one top-k launch; on torch, `rank` + `top_blocks`, layer by layer."""
+
+    update_reads_scores = True  # whether `update_rows` reads the selection's scores
 
     def triton_problems(self) -> list[str]:
         return []
+
+    def update_rows(self, rows: Tensor, selection: Selection) -> None:
+        """The kernels' update of state rows [R, Hkv, N] from `selection` ([R, Hkv, ...]; scores
+        None where `update_reads_scores` is False): one layer's B rows, or a layer range's L·B."""
+        raise NotImplementedError(f"{type(self).__name__} has no kernel update")
+
+    def learns_layers_at_once(self) -> bool:
+        return self.backend == "triton"
+
+    def update_layers(self, state: Tensor, first: int, selections: list[Selection],
+                      blocks: BlockSet | None = None) -> None:
+        span = state[first : first + len(selections)]  # [L, B, Hkv, N], contiguous
+        layers, batch, heads, n = span.shape
+        rows = layers * batch
+        if blocks is None:  # (given: the engine's stacked copy of these selections' A)
+            blocks = BlockSet(torch.stack([s.blocks.indices for s in selections]),
+                              torch.stack([s.blocks.count for s in selections]))
+        scores = torch.stack([s.scores for s in selections]).view(rows, heads, n) if self.update_reads_scores else None
+        self.update_rows(span.view(rows, heads, n), Selection(
+            BlockSet(blocks.indices.reshape(rows, heads, -1), blocks.count.reshape(rows, heads)), scores))
+
+    def propose_layers(self, state: Tensor, first: int, layers: int, num_blocks: int | Tensor,
+                       budget_blocks: int) -> tuple[Tensor, Tensor]:
+        from prr.kernels.predict import propose_top, row_counts
+
+        span = state[first : first + layers]  # [L, B, Hkv, N]
+        _, batch, heads, n = span.shape
+        nb = row_counts(num_blocks, batch, state.device).repeat(layers)  # [L·B]: the same context every layer
+        idx, cnt = propose_top(span.reshape(layers * batch, heads, n), budget_blocks, nb)
+        return idx.view(layers, batch, heads, -1), cnt.view(layers, batch, heads)
 
     def propose(self, state: Tensor, layer: int, num_blocks: int | Tensor, budget_blocks: int,
                 current: Selection | None = None, query: Tensor | None = None) -> BlockSet:

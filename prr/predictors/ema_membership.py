@@ -8,7 +8,8 @@ predictor=ema_membership` and the eager runtime propose the same P. Unlike `ema`
 selector scores, stickiness, recency or calibration.
 
 On backend triton (prr.kernels.predict): propose = the top-k kernel over the state as it is,
-update = one launch.
+update = one launch; a range of layers learns and proposes at once
+(`StateRankPredictor.update_layers` / `propose_layers`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ class EmaMembershipPredictor(EmaMembershipPredictorOptions, StateRankPredictor):
         nb = block_counts(num_blocks, state.shape[1], state.device)  # [B]
         return state[layer].masked_fill(~inside_context(nb, state.shape[-1]), NEVER)  # [B, Hkv, N]
 
+    update_reads_scores = False  # membership only
+
+    def update_rows(self, rows: Tensor, selection: Selection) -> None:
+        from prr.kernels.predict import membership_ema_update
+
+        membership_ema_update(rows, selection.blocks.indices, selection.blocks.count, self.alpha)
+
     def update(self, state: Tensor, layer: int, selection: Selection) -> None:
         if self.backend == "triton":
-            from prr.kernels.predict import membership_ema_update
-
-            membership_ema_update(state[layer], selection.blocks.indices, selection.blocks.count, self.alpha)
+            self.update_rows(state[layer], selection)
             return
         member = selection.blocks.mask(state.shape[-1]).to(state.dtype)  # [B, Hkv, N]
         state[layer].mul_(self.alpha).add_(member, alpha=1.0 - self.alpha)

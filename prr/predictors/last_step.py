@@ -2,7 +2,8 @@
 smaller than |A_{t-1}| keeps its best blocks; ties to the lower block id).
 
 On backend triton (prr.kernels.predict): propose = the top-k kernel over the state as it is
-(it masks blocks past the context itself), update = one launch."""
+(it masks blocks past the context itself), update = one launch; a range of layers learns and
+proposes at once (`StateRankPredictor.update_layers` / `propose_layers`)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ class LastStepPredictor(StateRankPredictor):
         # A_{t-1} lies inside the context already; the mask only guards a row whose context shrank.
         return state[layer].masked_fill(~inside_context(nb, state.shape[-1]), NEVER)  # [B, Hkv, N]
 
+    def update_rows(self, rows: Tensor, selection: Selection) -> None:
+        from prr.kernels.predict import last_step_update
+
+        last_step_update(selection.scores, selection.blocks.indices, selection.blocks.count, rows)
+
     def update(self, state: Tensor, layer: int, selection: Selection) -> None:
         if self.backend == "triton":
-            from prr.kernels.predict import last_step_update
-
-            last_step_update(selection.scores, selection.blocks.indices, selection.blocks.count, state[layer])
+            self.update_rows(state[layer], selection)
             return
         chosen = selection.blocks.mask(state.shape[-1])  # [B, Hkv, N]
         # Forced blocks may score -inf-free but low; any finite rank keeps them in P.

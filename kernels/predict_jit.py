@@ -10,13 +10,14 @@ references: `prr.kernels.reference_predict`.
   ema_membership's update (α·s, then + (1-α) on the selected blocks), SPIN's exploit marks.
 - `_spin_rank_kernel`, `_spin_update_kernel`: SPIN's max-pooled rank with its exploration
   draw, and its vertical / diagonal EMAs.
-- `_qsim_rank_kernel`, `_qsim_propose_kernel`, `_qsim_update_kernel`, `_qsim_counters_kernel`:
-  query_similarity's rank (normalise the query, cosine against the ring buffer, the best
-  neighbours' votes added at their listed ids, the recent window, the last z-scores), its
-  propose in one launch on the neighbours' id lists (their merged candidates' top-k, or every
-  candidate and the fill list's first others; the whole row with topk_jit's `_select_row` only
-  where neither holds P), its update (ring-buffer slot, last z, the selection as mask and id
-  list; the counters in a one-program launch after it).
+- `_qsim_rank_kernel`, `_qsim_similarity_kernel`, `_qsim_propose_kernel`, `_qsim_update_kernel`,
+  `_qsim_counters_kernel`: query_similarity's rank (normalise the query, cosine against the ring
+  buffer, the best neighbours' votes added at their listed ids, the recent window, the last
+  z-scores), its propose in two launches (the cosines over C / SLOTS programs a KV head, then the
+  neighbours' id lists in registers: their merged candidates' top-k, or every candidate and the
+  fill list's first others; the whole row with topk_jit's `_select_row` only where neither holds
+  P), its update (ring-buffer slot, last z, the selection as mask and id list; the counters in a
+  one-program launch after it).
 
 Writes of one program that its own threads read back are separated by `tl.debug_barrier()`
 (a CTA barrier: the program's global writes before it are visible to its threads after it).

@@ -198,23 +198,35 @@ def spin_rank(vertical: Tensor, diagonal: Tensor, num_blocks: int | Tensor, upda
     -inf outside; with draw, the exploration draw [B, Hkv, N] in [0, 1) inside the context (-inf
     outside) of step key `updates` ([1] int64 device counter) and host key `key` < 2^32)."""
     batch, heads, n = vertical.shape
+    if draw and (updates is None or updates.numel() != 1):
+        raise ValueError(f"the exploration draw needs updates: one int64 on {vertical.device} (the layer's selection "
+                         "counter)")
+    return _spin_rank_rows(vertical, diagonal, row_counts(num_blocks, batch, vertical.device), updates, key, draw,
+                           layers=1, first_layer=None)
+
+
+def _spin_rank_rows(vertical: Tensor, diagonal: Tensor, nb: Tensor, updates: Tensor | None, key: int, draw: bool,
+                    layers: int, first_layer: int | None) -> tuple[Tensor, Tensor | None]:
+    """spin_rank over rows [R, Hkv, N] of `layers` layers (R = layers·B, layer by layer), nb [R];
+    updates [layers]; first_layer None: key is the layer's draw key, else the seed's
+    (spin.seed_key), mixed in the kernel with each row's layer first_layer + r // B."""
+    rows, heads, n = vertical.shape
     dev = vertical.device
-    _check_row_tensor("vertical", vertical, (batch, heads, n), torch.float32, dev)
-    _check_row_tensor("diagonal", diagonal, (batch, heads, n), torch.float32, dev)
-    if draw and (updates is None or updates.numel() != 1 or updates.dtype != torch.int64 or updates.device != dev):
-        raise ValueError(f"the exploration draw needs updates: one int64 on {dev} (the layer's selection counter)")
+    _check_row_tensor("vertical", vertical, (rows, heads, n), torch.float32, dev)
+    _check_row_tensor("diagonal", diagonal, (rows, heads, n), torch.float32, dev)
+    if draw and (updates is None or updates.shape != (layers,) or updates.dtype != torch.int64 or updates.device != dev):
+        raise ValueError(f"the exploration draw needs updates: [{layers}] int64 on {dev} (each layer's selection counter)")
     if not 0 <= key < 2**32:
         raise ValueError(f"key={key} must lie in [0, 2^32)")
-    nb = row_counts(num_blocks, batch, dev)
-    rank = torch.empty(batch, heads, n, dtype=torch.float32, device=dev)
+    rank = torch.empty(rows, heads, n, dtype=torch.float32, device=dev)
     drawn = torch.empty_like(rank) if draw else None
-    if batch == 0 or heads == 0 or n == 0:
+    if rows == 0 or heads == 0 or n == 0:
         return rank, drawn
     tile = _tile(n)
-    _spin_rank_kernel[(heads, batch)](
+    _spin_rank_kernel[(heads, rows)](
         vertical, diagonal, nb, updates if draw else nb, rank, drawn if draw else rank,
-        n, heads, key - 2**32 if key >= 2**31 else key,
-        DRAW=draw, TILE=tile, num_warps=_warps(tile), **launch_kwargs(dev),
+        n, heads, key - 2**32 if key >= 2**31 else key, first_layer or 0, rows // layers,
+        DRAW=draw, KEY_PER_LAYER=first_layer is not None, TILE=tile, num_warps=_warps(tile), **launch_kwargs(dev),
     )
     return rank, drawn
 
@@ -225,10 +237,32 @@ def spin_propose(vertical: Tensor, diagonal: Tensor, num_blocks: int | Tensor, u
     in-context blocks of highest draw (ties to the lower id) -> (indices [B, Hkv, min(budget, N)]
     int32 ascending, counts [B, Hkv] int32). One launch + one top-k without exploration; rank
     and draw, top-k, a mark, top-k with it."""
+    nb = row_counts(num_blocks, vertical.shape[0], vertical.device)
+    if updates.numel() != 1:
+        raise ValueError(f"updates must be one int64 (the layer's selection counter); got {list(updates.shape)}")
+    return _spin_propose_rows(vertical, diagonal, nb, updates, key, budget_blocks, explored, 1, None)
+
+
+def spin_propose_layers(vertical: Tensor, diagonal: Tensor, num_blocks: int | Tensor, updates: Tensor, seed_key: int,
+                        first_layer: int, budget_blocks: int, explored: int) -> tuple[Tensor, Tensor]:
+    """`spin_propose` of L layers at once, their rows as one batch (the same launches as one
+    layer's): vertical, diagonal [L, B, Hkv, N] fp32 contiguous, updates [L] int64, seed_key
+    (spin.seed_key) and first_layer (the draw keys of layers first_layer ...), num_blocks the
+    same for every layer -> (indices [L, B, Hkv, min(budget, N)] int32 ascending, counts [L, B,
+    Hkv] int32), equal layer by layer to `spin_propose`."""
+    layers, batch, heads, n = vertical.shape
+    nb = row_counts(num_blocks, batch, vertical.device).repeat(layers)  # [L·B]
+    flat = (layers * batch, heads, n)
+    idx, cnt = _spin_propose_rows(vertical.view(flat), diagonal.view(flat), nb, updates, seed_key, budget_blocks,
+                                  explored, layers, first_layer)
+    return idx.view(layers, batch, heads, -1), cnt.view(layers, batch, heads)
+
+
+def _spin_propose_rows(vertical: Tensor, diagonal: Tensor, nb: Tensor, updates: Tensor, key: int, budget_blocks: int,
+                       explored: int, layers: int, first_layer: int | None) -> tuple[Tensor, Tensor]:
     if not 0 <= explored < max(budget_blocks, 1):
         raise ValueError(f"explored={explored} must lie in [0, budget_blocks={budget_blocks})")
-    nb = row_counts(num_blocks, vertical.shape[0], vertical.device)
-    rank, drawn = spin_rank(vertical, diagonal, nb, updates, key, draw=explored > 0)
+    rank, drawn = _spin_rank_rows(vertical, diagonal, nb, updates, key, explored > 0, layers, first_layer)
     if explored == 0:
         return propose_top(rank, budget_blocks, nb)
     best, best_count = propose_top(rank, budget_blocks - explored, nb)
@@ -373,22 +407,47 @@ def spin_update(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor
     """One launch: x = z + bonus·1[b ∈ A] (z: scores standardised over the finite entries);
     vertical <- α_v·vertical + (1-α_v)·x where the score is finite; diagonal(δ) <- α_d·diagonal(δ)
     + (1-α_d)·x(n-1-δ) for δ < n (n: the row's finite scores); updates ([1] int64) += 1."""
-    batch, heads, n = vertical.shape
+    if updates.numel() != 1:
+        raise ValueError(f"updates must be one int64 on {vertical.device} (the layer's selection counter)")
+    _spin_update_rows(scores, indices, count, vertical, diagonal, updates, alpha_vertical, alpha_diagonal,
+                      selection_bonus, 1)
+
+
+def spin_update_layers(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor, diagonal: Tensor,
+                       updates: Tensor, alpha_vertical: float, alpha_diagonal: float, selection_bonus: float) -> None:
+    """`spin_update` of L layers in one launch: scores, vertical, diagonal [L, B, Hkv, N] fp32
+    (vertical, diagonal contiguous: a layer range of the state), indices [L, B, Hkv, C], count
+    [L, B, Hkv], updates [L] int64 (each += 1). Equal, layer by layer, to L `spin_update` launches."""
+    layers, batch, heads, n = vertical.shape
+    flat = layers * batch
+    for name, t in (("scores", scores), ("indices", indices), ("count", count)):
+        if t.shape[:3] != (layers, batch, heads):
+            raise ValueError(f"{name} must be [L, B, Hkv, ...] = [{layers}, {batch}, {heads}, ...]; got {list(t.shape)}")
+    _spin_update_rows(scores.reshape(flat, heads, n), indices.reshape(flat, heads, -1), count.reshape(flat, heads),
+                      vertical.view(flat, heads, n), diagonal.view(flat, heads, n), updates, alpha_vertical,
+                      alpha_diagonal, selection_bonus, layers)
+
+
+def _spin_update_rows(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor, diagonal: Tensor,
+                      updates: Tensor, alpha_vertical: float, alpha_diagonal: float, selection_bonus: float,
+                      layers: int) -> None:
+    """spin_update over rows [R, Hkv, N] of `layers` layers (R = layers·B, layer by layer), updates [layers]."""
+    rows, heads, n = vertical.shape
     dev = vertical.device
-    _check_row_tensor("vertical", vertical, (batch, heads, n), torch.float32, dev)
-    _check_row_tensor("diagonal", diagonal, (batch, heads, n), torch.float32, dev)
-    _check_selection(scores, indices, count, batch, heads, n, dev)
-    if updates.numel() != 1 or updates.dtype != torch.int64 or updates.device != dev:
-        raise ValueError(f"updates must be one int64 on {dev} (the layer's selection counter)")
-    member = torch.empty(batch, heads, n, dtype=torch.uint8, device=dev)  # scratch: the selection's mask
-    if batch == 0 or heads == 0 or n == 0:
+    _check_row_tensor("vertical", vertical, (rows, heads, n), torch.float32, dev)
+    _check_row_tensor("diagonal", diagonal, (rows, heads, n), torch.float32, dev)
+    _check_selection(scores, indices, count, rows, heads, n, dev)
+    if updates.shape != (layers,) or updates.dtype != torch.int64 or updates.device != dev:
+        raise ValueError(f"updates must be [{layers}] int64 on {dev} (each layer's selection counter)")
+    member = torch.empty(rows, heads, n, dtype=torch.uint8, device=dev)  # scratch: the selection's mask
+    if rows == 0 or heads == 0 or n == 0:
         updates.add_(1)
         return
     tile = _tile(n)
-    _spin_update_kernel[(heads, batch)](
+    _spin_update_kernel[(heads, rows)](
         scores, indices, count, vertical, diagonal, member, updates,
-        n, heads, indices.shape[-1], float(alpha_vertical), float(alpha_diagonal), float(selection_bonus),
-        *_selection_args(scores, indices, count),
+        n, heads, indices.shape[-1], rows // layers, float(alpha_vertical), float(alpha_diagonal),
+        float(selection_bonus), *_selection_args(scores, indices, count),
         TILE=tile, IDX_TILE=IDX_TILE, num_warps=_warps(tile), **launch_kwargs(dev),
     )
 

@@ -230,11 +230,16 @@ def _spin_rank_kernel(
     vertical_ptr,  # [B, Hkv, N] fp32 contiguous
     diagonal_ptr,  # [B, Hkv, N] fp32 contiguous, by distance from the newest block
     num_blocks_ptr,  # [B] int32/int64
-    updates_ptr,  # [1] int64 selections the layer has seen (the draw's step key)
+    updates_ptr,  # [L] int64 selections each layer has seen (the draw's step key)
     rank_ptr,  # [B, Hkv, N] fp32 out
     draw_ptr,  # [B, Hkv, N] fp32 out: the exploration draw in [0, 1), -inf outside (DRAW)
-    n, num_kv_heads, key,  # key: the host part of the draw's key, its 32 bits as an int32
+    n, num_kv_heads,
+    key,  # the host part of the draw's key, its 32 bits as an int32: the layer's (KEY_PER_LAYER
+    # False), or the seed's, mixed here with each row's layer first_layer + row // rows_per_layer
+    first_layer,
+    rows_per_layer,  # rows (B) of one layer: row r reads counter r // rows_per_layer
     DRAW: tl.constexpr,
+    KEY_PER_LAYER: tl.constexpr,
     TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -244,8 +249,12 @@ def _spin_rank_kernel(
     nb = tl.load(num_blocks_ptr + batch).to(tl.int32)
     row = (batch.to(tl.int64) * num_kv_heads + kv_head) * n
     if DRAW:
-        step = (tl.load(updates_ptr) & 0xFFFFFFFF).to(tl.uint32)
-        step_key = _mix32(key.to(tl.uint32, bitcast=True) ^ step)
+        layer = batch // rows_per_layer
+        step = (tl.load(updates_ptr + layer) & 0xFFFFFFFF).to(tl.uint32)
+        layer_key = key.to(tl.uint32, bitcast=True)
+        if KEY_PER_LAYER:  # spin.draw_key: mix32(the seed's key ^ layer)
+            layer_key = _mix32(layer_key ^ (first_layer + layer).to(tl.uint32))
+        step_key = _mix32(layer_key ^ step)
     for start in range(0, n, TILE):
         offs = start + tl.arange(0, TILE)
         live = offs < n
@@ -268,8 +277,9 @@ def _spin_update_kernel(
     vertical_ptr,  # [B, Hkv, N] fp32 contiguous, updated in place
     diagonal_ptr,  # [B, Hkv, N] fp32 contiguous, updated in place
     member_ptr,  # [B, Hkv, N] uint8 scratch: the selection's mask
-    updates_ptr,  # [1] int64, + 1
+    updates_ptr,  # [L] int64: each layer's counter + 1
     n, num_kv_heads, capacity,
+    rows_per_layer,  # rows (B) of one layer: row r's layer is r // rows_per_layer
     alpha_vertical, alpha_diagonal, selection_bonus,
     stride_sb, stride_sh, stride_sn,
     stride_ib, stride_ih, stride_ic,
@@ -316,8 +326,9 @@ def _spin_update_kernel(
         d = tl.load(diagonal_ptr + row + offs, mask=live, other=0.0)
         tl.store(diagonal_ptr + row + offs,
                  tl.where(offs < count, alpha_diagonal * d + (1 - alpha_diagonal) * x_src, d), mask=live)
-    if (kv_head == 0) & (batch == 0):
-        tl.store(updates_ptr, tl.load(updates_ptr) + 1)
+    if (kv_head == 0) & (batch % rows_per_layer == 0):  # one program per layer counts
+        layer = batch // rows_per_layer
+        tl.store(updates_ptr + layer, tl.load(updates_ptr + layer) + 1)
 
 
 @triton.jit

@@ -494,15 +494,17 @@ def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monke
     assert int(sum(once.counters()["hits"])) > 0
 
 
-@pytest.mark.parametrize("name", ["last_step", "ema_membership"])
-def test_state_rank_predictors_learning_every_layer_at_once_equal_learning_after_each_layer(name, monkeypatch):
-    """last_step and ema_membership on the kernels learn like ema (plan.learn_layers_at_once): every
-    sparse layer's update as L·B rows of one launch and the next step's P of every layer in one top-k
-    after the last sparse layer; the logits and every layer's P equal learning after each layer,
-    step by step, and the at-once engine calls no per-layer update while decoding."""
-    from prr.predictors import EmaMembershipPredictor, LastStepPredictor
+@pytest.mark.parametrize("name", ["last_step", "ema_membership", "spin"])
+def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer(name, monkeypatch):
+    """last_step, ema_membership and spin (with exploration: 2 of 5 blocks drawn) on the kernels learn
+    like ema (plan.learn_layers_at_once): every sparse layer's update as L·B rows of one launch and
+    the next step's P of every layer in one propose after the last sparse layer; the logits and
+    every layer's P equal learning after each layer, step by step, and the at-once engine calls no
+    per-layer update while decoding."""
+    from prr.predictors import EmaMembershipPredictor, LastStepPredictor, SpinPredictor
 
-    make = {"last_step": LastStepPredictor, "ema_membership": lambda: EmaMembershipPredictor(alpha=0.6)}[name]
+    make = {"last_step": LastStepPredictor, "ema_membership": lambda: EmaMembershipPredictor(alpha=0.6),
+            "spin": lambda: SpinPredictor(explore=0.4, seed=11)}[name]
     each, once = ema_engines(False, predictor=make()), ema_engines(True, predictor=make())
     assert once.attn.predictor.learns_layers_at_once() and once.attn.learn_range == (1, 3)
     calls = {"update": 0, "update_layers": 0}
@@ -587,11 +589,12 @@ def test_gpu_counters_at_step_end_captured_equal_counting_after_each_layer(varia
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
-@pytest.mark.parametrize("name", ["ema", "last_step", "ema_membership"])
+@pytest.mark.parametrize("name", ["ema", "last_step", "ema_membership", "spin"])
 def test_gpu_learning_at_once_captured_equals_after_each_layer(name):
-    from prr.predictors import EmaMembershipPredictor, LastStepPredictor
+    from prr.predictors import EmaMembershipPredictor, LastStepPredictor, SpinPredictor
 
-    make = {"ema": lambda: None, "last_step": LastStepPredictor, "ema_membership": EmaMembershipPredictor}[name]
+    make = {"ema": lambda: None, "last_step": LastStepPredictor, "ema_membership": EmaMembershipPredictor,
+            "spin": lambda: SpinPredictor(explore=0.4, seed=11)}[name]
     engines = [ema_engines(flag, "cuda", torch.bfloat16, context=3001, predictor=make()) for flag in (False, True)]
     outs = []
     for engine in engines:

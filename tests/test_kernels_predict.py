@@ -96,6 +96,37 @@ def test_ema_learning_of_several_layers_in_one_launch_equals_each_layers_own(lay
                              torch.stack([s["count"] for s in sels]), alpha[:1], ema, last)
 
 
+@pytest.mark.parametrize("layers,batch,heads,n,nb", [(3, 1, 1, 27, [27]), (2, 3, 2, 61, [61, 40, 0])])
+def test_spin_learning_of_several_layers_at_once_equals_each_layers_own(layers, batch, heads, n, nb):
+    """spin_update_layers / spin_propose_layers over L layers (layers 4, 5, ...: the draw keys mixed
+    in the kernel from the seed's, each layer's own counter) equal, layer by layer, spin_update /
+    spin_propose with the host's draw_key, with and without exploration."""
+    from prr.predictors.spin import draw_key, seed_key
+
+    seed, first = 2**40 + 3, 4
+    states = [ref.make_state(batch, heads, n, seed=n + 10 * i) for i in range(layers)]
+    sels = [ref.make_selection(batch, heads, n, nb, topk=7, seed=n + 3 * i) for i in range(layers)]
+    vertical = torch.stack([st["vertical"] for st in states])
+    diagonal = torch.stack([st["diagonal"] for st in states])
+    updates = torch.tensor([41, 7, 0][:layers])
+    one = [(st["vertical"].clone(), st["diagonal"].clone(), updates[i : i + 1].clone()) for i, st in enumerate(states)]
+    kp.spin_update_layers(torch.stack([s["scores"] for s in sels]), torch.stack([s["indices"] for s in sels]),
+                          torch.stack([s["count"] for s in sels]), vertical, diagonal, updates, 0.8, 0.6, 1.0)
+    nbt = torch.tensor(nb, dtype=torch.int32)
+    for i, (sel, (v, d, u)) in enumerate(zip(sels, one, strict=True)):
+        kp.spin_update(sel["scores"], sel["indices"], sel["count"], v, d, u, 0.8, 0.6, 1.0)
+        assert torch.equal(vertical[i], v) and torch.equal(diagonal[i], d) and torch.equal(updates[i : i + 1], u), i
+    for budget, explored in ((5, 0), (9, 3)):
+        idx, cnt = kp.spin_propose_layers(vertical, diagonal, nbt, updates, seed_key(seed), first, budget, explored)
+        assert idx.shape == (layers, batch, heads, min(budget, n)) and cnt.shape == (layers, batch, heads)
+        for i, (v, d, u) in enumerate(one):
+            want_idx, want_cnt = kp.spin_propose(v, d, nbt, u, draw_key(seed, first + i), budget, explored)
+            assert torch.equal(idx[i], want_idx) and torch.equal(cnt[i], want_cnt), (budget, i)
+    with pytest.raises(ValueError, match=r"updates must be \[" + str(layers) + r"\] int64"):
+        kp.spin_update_layers(torch.stack([s["scores"] for s in sels]), torch.stack([s["indices"] for s in sels]),
+                              torch.stack([s["count"] for s in sels]), vertical, diagonal, updates[:1], 0.8, 0.6, 1.0)
+
+
 @pytest.mark.parametrize("batch,heads,n,nb", SIZES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_ema_update_equals_the_reference(batch, heads, n, nb, index_dtype):

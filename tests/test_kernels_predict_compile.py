@@ -48,9 +48,10 @@ SCRIPT = textwrap.dedent('''
     for mode in (0, 1, 2):
         build(J._scatter_selected_kernel, {"row_ptr": F, "scores_ptr": F, "idx_ptr": I64, "cnt_ptr": I32, "scale": "fp32",
               "bonus": "fp32"}, {"MODE": mode, "TILE": 2048, "IDX_TILE": 128, "PDL": False})
-    for draw in (False, True):
+    for draw, per_layer in ((False, False), (True, False), (True, True)):
         build(J._spin_rank_kernel, {"vertical_ptr": F, "diagonal_ptr": F, "num_blocks_ptr": I32, "updates_ptr": I64,
-              "rank_ptr": F, "draw_ptr": F, "key": "i32"}, {"DRAW": draw, "TILE": 4096, "PDL": False})
+              "rank_ptr": F, "draw_ptr": F, "key": "i32"},
+              {"DRAW": draw, "KEY_PER_LAYER": per_layer, "TILE": 4096, "PDL": False})
     build(J._spin_update_kernel, {"scores_ptr": F, "idx_ptr": I32, "cnt_ptr": I32, "vertical_ptr": F, "diagonal_ptr": F,
           "member_ptr": U8, "updates_ptr": I64, "alpha_vertical": "fp32", "alpha_diagonal": "fp32",
           "selection_bonus": "fp32"}, {"TILE": 4096, "IDX_TILE": 128, "PDL": False})

@@ -93,8 +93,8 @@ class Predictor(PredictorOptions, ABC):
         counts [L, B, Hkv])` (their next step's P), one launch each, equal layer by layer to
         `update` then `propose`: the graph engine then learns once after a step's last sparse layer
         instead of after each one (StaticPlan.learn_layers_at_once). History-only predictors
-        only; the engine calls those two methods only where this returns True (ema and the
-        StateRankPredictors, last_step and ema_membership, on the kernels)."""
+        only; the engine calls those two methods only where this returns True (ema, spin and
+        the StateRankPredictors, last_step and ema_membership, on the kernels)."""
         return False
 
     def proposed_ahead(self, state: Any, layer: int) -> bool:

@@ -26,6 +26,7 @@ Unseen blocks and distances start at 0 (average).
 On backend triton (prr.kernels.predict): update = one launch; propose = one launch (rank and
 draw) + the top-k kernel, and with exploration a top-k of the exploited blocks, one launch
 marking them and a top-k over the draw (the same set as the torch path's, in ascending order).
+A range of layers learns and proposes at once with the same launches over its L·B rows.
 """
 
 from __future__ import annotations
@@ -71,12 +72,18 @@ def mix32(x: Tensor | int) -> Tensor | int:
     return x ^ (x >> 16)
 
 
-def draw_key(seed: int, layer: int) -> int:
-    """The host part of the draw's key, in [0, 2^32): mix32 chained over (seed, layer)."""
+def seed_key(seed: int) -> int:
+    """The seed's part of the draw's key, in [0, 2^32): mix32 chained over the seed's two halves."""
     key = 0
-    for part in (seed & MASK32, (seed >> 32) & MASK32, layer):  # host constants, fixed per layer
+    for part in (seed & MASK32, (seed >> 32) & MASK32):  # host constants, fixed for the run
         key = mix32(key ^ part)
     return key
+
+
+def draw_key(seed: int, layer: int) -> int:
+    """The host part of the draw's key, in [0, 2^32): mix32 chained over (seed, layer) (the
+    kernels of a layer range mix the layer into `seed_key` themselves)."""
+    return mix32(seed_key(seed) ^ layer)
 
 
 def uniform_draw(seed: int, layer: int, step: Tensor, shape: tuple[int, int, int]) -> Tensor:
@@ -135,6 +142,30 @@ class SpinPredictor(SpinPredictorOptions, Predictor):
         # proposal stays best-first; the drawn ones follow in random order.
         key = torch.where(best, 2.0 + (exploit - position).float(), torch.where(inside, draw, torch.full_like(draw, NEVER)))
         return top_blocks(key, budget_blocks)
+
+    def learns_layers_at_once(self) -> bool:
+        # the kernels' layer-range launches; the torch definition learns layer by layer
+        return self.backend == "triton"
+
+    def update_layers(self, state: SpinState, first: int, selections: list[Selection],
+                      blocks: BlockSet | None = None) -> None:
+        from prr.kernels.predict import spin_update_layers
+
+        span = slice(first, first + len(selections))
+        if blocks is None:  # (given: the engine's stacked copy of these selections' A)
+            blocks = BlockSet(torch.stack([s.blocks.indices for s in selections]),
+                              torch.stack([s.blocks.count for s in selections]))
+        spin_update_layers(torch.stack([s.scores for s in selections]), blocks.indices, blocks.count,
+                           state.vertical[span], state.diagonal[span], state.updates[span], self.alpha_vertical,
+                           self.alpha_diagonal, self.selection_bonus)
+
+    def propose_layers(self, state: SpinState, first: int, layers: int, num_blocks: int | Tensor,
+                       budget_blocks: int) -> tuple[Tensor, Tensor]:
+        from prr.kernels.predict import spin_propose_layers
+
+        span = slice(first, first + layers)
+        return spin_propose_layers(state.vertical[span], state.diagonal[span], num_blocks, state.updates[span],
+                                   seed_key(self.seed), first, budget_blocks, math.floor(self.explore * budget_blocks))
 
     def update(self, state: SpinState, layer: int, selection: Selection) -> None:
         if self.backend == "triton":

@@ -85,6 +85,8 @@ class Predictor(PredictorOptions, ABC):
         layer's own next P."""
         return [(layer, True)] if self.history_only else []
 
+    layer_range_kernels = False  # has update_layers / propose_layers on the kernels (learns_layers_at_once)
+
     def learns_layers_at_once(self) -> bool:
         """Whether this predictor also offers `update_layers(state, first, selections, blocks=None)`
         (the `update` of layers first, first + 1, ... from their selections, one per layer;
@@ -94,8 +96,9 @@ class Predictor(PredictorOptions, ABC):
         `update` then `propose`: the graph engine then learns once after a step's last sparse layer
         instead of after each one (StaticPlan.learn_layers_at_once). History-only predictors
         only; the engine calls those two methods only where this returns True (ema, spin and
-        the StateRankPredictors, last_step and ema_membership, on the kernels)."""
-        return False
+        the StateRankPredictors, last_step and ema_membership, on the kernels: layer_range_kernels;
+        the torch definition learns layer by layer)."""
+        return self.layer_range_kernels and self.backend == "triton"
 
     def proposed_ahead(self, state: Any, layer: int) -> bool:
         """Whether `layer`'s P is written by `proposals_after_update` of an earlier update (this
@@ -134,6 +137,14 @@ class Predictor(PredictorOptions, ABC):
             self.backend = backend
 
 
+def stacked_blocks(selections: list[Selection], blocks: BlockSet | None = None) -> BlockSet:
+    """The selections' A stacked layer by layer -> BlockSet [L, B, Hkv, C] (`blocks` where the
+    engine passes its stacked copy already)."""
+    if blocks is not None:
+        return blocks
+    return BlockSet(torch.stack([s.blocks.indices for s in selections]), torch.stack([s.blocks.count for s in selections]))
+
+
 class StateRankPredictor(Predictor):
     """Predictors whose per-layer state [L, B, Hkv, max_blocks] is already the rank (last_step,
     ema_membership): on backend triton P is the top-k kernel over the state row as it is (it masks
@@ -141,6 +152,7 @@ class StateRankPredictor(Predictor):
     L·B rows of one update and one top-k launch; on torch, `rank` + `top_blocks`, layer by layer."""
 
     update_reads_scores = True  # whether `update_rows` reads the selection's scores
+    layer_range_kernels = True
 
     def triton_problems(self) -> list[str]:
         return []
@@ -150,17 +162,12 @@ class StateRankPredictor(Predictor):
         None where `update_reads_scores` is False): one layer's B rows, or a layer range's L·B."""
         raise NotImplementedError(f"{type(self).__name__} has no kernel update")
 
-    def learns_layers_at_once(self) -> bool:
-        return self.backend == "triton"
-
     def update_layers(self, state: Tensor, first: int, selections: list[Selection],
                       blocks: BlockSet | None = None) -> None:
         span = state[first : first + len(selections)]  # [L, B, Hkv, N], contiguous
         layers, batch, heads, n = span.shape
         rows = layers * batch
-        if blocks is None:  # (given: the engine's stacked copy of these selections' A)
-            blocks = BlockSet(torch.stack([s.blocks.indices for s in selections]),
-                              torch.stack([s.blocks.count for s in selections]))
+        blocks = stacked_blocks(selections, blocks)
         scores = torch.stack([s.scores for s in selections]).view(rows, heads, n) if self.update_reads_scores else None
         self.update_rows(span.view(rows, heads, n), Selection(
             BlockSet(blocks.indices.reshape(rows, heads, -1), blocks.count.reshape(rows, heads)), scores))

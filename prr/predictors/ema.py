@@ -27,7 +27,7 @@ from prr.blocks import BlockSet, block_counts, inside_context
 # z-scores over each row's finite entries, 0 elsewhere: written once, beside the update kernel
 # whose reference it is (kernels/ import nothing from prr; prr wraps them, as top_k_blocks)
 from prr.kernels.reference_predict import standardise_reference as standardise
-from prr.predictors.base import NEVER, Predictor
+from prr.predictors.base import NEVER, Predictor, stacked_blocks
 from prr.predictors.options import EmaPredictorOptions
 from prr.selectors.base import Selection
 
@@ -93,18 +93,14 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
         state.ema[layer] = torch.where(torch.isfinite(selection.scores), a * state.ema[layer] + (1 - a) * z, state.ema[layer])
         state.last_selected[layer] = selection.blocks.mask(state.ema.shape[-1])
 
-    def learns_layers_at_once(self) -> bool:
-        # the kernels' layer-range launches; the torch definition learns layer by layer
-        return self.backend == "triton"
+    layer_range_kernels = True  # (the torch definition learns layer by layer)
 
     def update_layers(self, state: EmaState, first: int, selections: list[Selection],
                       blocks: BlockSet | None = None) -> None:
         from prr.kernels.predict import ema_update_layers
 
         span = slice(first, first + len(selections))
-        if blocks is None:  # (given: the engine's stacked copy of these selections' A)
-            blocks = BlockSet(torch.stack([s.blocks.indices for s in selections]),
-                              torch.stack([s.blocks.count for s in selections]))
+        blocks = stacked_blocks(selections, blocks)
         ema_update_layers(torch.stack([s.scores for s in selections]), blocks.indices, blocks.count,
                           state.alpha[span], state.ema[span], state.last_selected[span])
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
-from prr.predictors.base import NEVER, Predictor
+from prr.predictors.base import NEVER, Predictor, stacked_blocks
 from prr.predictors.ema import standardise
 from prr.predictors.options import SpinPredictorOptions
 from prr.selectors.base import Selection
@@ -143,18 +143,14 @@ class SpinPredictor(SpinPredictorOptions, Predictor):
         key = torch.where(best, 2.0 + (exploit - position).float(), torch.where(inside, draw, torch.full_like(draw, NEVER)))
         return top_blocks(key, budget_blocks)
 
-    def learns_layers_at_once(self) -> bool:
-        # the kernels' layer-range launches; the torch definition learns layer by layer
-        return self.backend == "triton"
+    layer_range_kernels = True  # (the torch definition learns layer by layer)
 
     def update_layers(self, state: SpinState, first: int, selections: list[Selection],
                       blocks: BlockSet | None = None) -> None:
         from prr.kernels.predict import spin_update_layers
 
         span = slice(first, first + len(selections))
-        if blocks is None:  # (given: the engine's stacked copy of these selections' A)
-            blocks = BlockSet(torch.stack([s.blocks.indices for s in selections]),
-                              torch.stack([s.blocks.count for s in selections]))
+        blocks = stacked_blocks(selections, blocks)
         spin_update_layers(torch.stack([s.scores for s in selections]), blocks.indices, blocks.count,
                            state.vertical[span], state.diagonal[span], state.updates[span], self.alpha_vertical,
                            self.alpha_diagonal, self.selection_bonus)

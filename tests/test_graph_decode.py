@@ -525,9 +525,13 @@ def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer
 
 def counting_engines(variant: str, at_end: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99):
     """An engine of 3 sparse layers (1..3) with count_hits and plan.count_at_step_end=at_end:
-    serial (no predictor) or PRR with ema learning every layer at once."""
-    if variant == "prr":
-        return ema_engines(True, device, dtype, context, count_hits=True, count_at_step_end=at_end)
+    serial (no predictor), PRR with ema learning every layer at once, or PRR with query_similarity
+    (qsim: it proposes in the step and its update writes no P)."""
+    if variant in ("prr", "qsim"):
+        from prr.predictors import QuerySimilarityPredictor
+
+        predictor = QuerySimilarityPredictor(cache_size=3, neighbours=2) if variant == "qsim" else None
+        return ema_engines(True, device, dtype, context, predictor=predictor, count_hits=True, count_at_step_end=at_end)
     model = Decoder(dataclasses.replace(CONFIG, num_layers=4), dtype, device).init_random_(seed=3, std=0.05)
     engine = GraphDecoder(model, StaticPlan(variant="serial", count_hits=True, count_at_step_end=at_end), batch=2,
                           max_tokens=context + 40, predictor=None,
@@ -538,11 +542,12 @@ def counting_engines(variant: str, at_end: bool, device: str = DEVICE, dtype=tor
 
 # (make test covers the count at the step's end through the ema at-once test's `once` engine)
 @pytest.mark.parametrize("variant", [pytest.param("serial", marks=pytest.mark.slow),
-                                     pytest.param("prr", marks=pytest.mark.slow)])
+                                     pytest.param("prr", marks=pytest.mark.slow), "qsim"])
 def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, variant):
     """plan.count_at_step_end (on by default): the counters of every sparse layer in one launch after
     the last one (serial; PRR with ema learning at once, whose update reuses the count's stacked
-    A) equal one launch per layer after its selection: logits, counters and A_{t-1}, step by step."""
+    A; PRR with query_similarity, learning after each layer) equal one launch per layer after its
+    selection: logits, counters and A_{t-1}, step by step."""
     import prr.kernels.predict as kp
     import prr.kernels.step_counters as ks
 
@@ -554,6 +559,7 @@ def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, varia
     for step in range(2):
         a, b = each.step(advance=True), end.step(advance=True)
         assert torch.equal(a, b), step
+        assert variant == "serial" or torch.equal(each.attn.pred_all, end.attn.pred_all), step
         assert torch.equal(each.attn.step_counts, end.attn.step_counts), step
         assert torch.equal(each.attn.prev_all, end.attn.prev_all) and torch.equal(each.attn.prev_cnt_all,
                                                                                  end.attn.prev_cnt_all), step
@@ -566,7 +572,7 @@ def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, varia
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
-@pytest.mark.parametrize("variant", ["serial", "prr"])
+@pytest.mark.parametrize("variant", ["serial", "prr", "qsim"])
 def test_gpu_counters_at_step_end_captured_equal_counting_after_each_layer(variant):
     """count_at_step_end in captured graphs (the count on the side stream, joined at the step's
     end): logits, counters and A_{t-1} equal per-layer counting on the main stream, replay by replay."""

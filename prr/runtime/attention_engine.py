@@ -616,11 +616,16 @@ class AttentionEngine:
         """Whether this step's counters wait for the last sparse layer and count every layer in
         one launch on the side stream (plan.count_at_step_end, the graph engine's step over a
         contiguous range of sparse layers). Exact only where each layer's P stays what the layer
-        speculated over until then: no P counted (serial), P set from outside (no predictor), or
-        P rewritten only by the learning at once, which the side stream runs after the count."""
+        speculated over until then: no P counted (serial), P set from outside (no predictor), P
+        rewritten only by the learning at once, which the side stream runs after the count, or a
+        predictor whose update writes no P (query_similarity: each layer's P is proposed in the
+        step, before its speculation, and not rewritten until the next step's)."""
         if not self.plan.count_at_step_end or self.sized_per_step or self.learn_range is None:
             return False
-        return not speculating or self.predictor is None or self._learns_at_once(layer, propose_next=True)
+        if not speculating or self.predictor is None or self._learns_at_once(layer, propose_next=True):
+            return True
+        first, last = self.learn_range  # (every layer alike: cross_layer's last layer writes no P, the others do)
+        return all(self.predictor.proposals_after_update(self.predictor_state, i) == [] for i in range(first, last + 1))
 
     def _count_layers(self) -> None:
         """The counters of every layer of learn_range from this step's A (held by `_note`) in one

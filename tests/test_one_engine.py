@@ -47,6 +47,9 @@ MORE_CASES = [c for c in [(s, "ema") for s in SELECTORS] + [("quest", p) for p i
 MORE_CASES.append(("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"))
 # exact on the kernels: the graph engine speculates inside the q·K launch, the eager runtime beside it
 MORE_CASES.append(("exact", "ema", "backend=triton"))
+# the predictors whose kernels the graph engine runs layer range at once (last_step, spin) and
+# query_similarity's two-launch propose with its counters at the step's end, against the eager runtime
+MORE_CASES += [("quest", p, "backend=triton") for p in ("last_step", "spin", "query_similarity")]
 assert {c[0] for c in CASES} == set(SELECTORS) and {c[1] for c in CASES} == set(PREDICTORS)
 
 

@@ -157,10 +157,10 @@ class StateRankPredictor(Predictor):
     def triton_problems(self) -> list[str]:
         return []
 
+    @abstractmethod
     def update_rows(self, rows: Tensor, selection: Selection) -> None:
         """The kernels' update of state rows [R, Hkv, N] from `selection` ([R, Hkv, ...]; scores
         None where `update_reads_scores` is False): one layer's B rows, or a layer range's L·B."""
-        raise NotImplementedError(f"{type(self).__name__} has no kernel update")
 
     def update_layers(self, state: Tensor, first: int, selections: list[Selection],
                       blocks: BlockSet | None = None) -> None:

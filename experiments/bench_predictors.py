@@ -92,14 +92,22 @@ OVERRIDES = {"ema": {"calibrate": False}, "ema_calibrated": {"calibrate": False}
              "spin": {"seed": 0}}
 
 
+def spread(samples: list[float]) -> tuple[float, float, float]:
+    """-> (median, 10th percentile, 90th percentile) of the samples (nearest rank)."""
+    ordered = sorted(samples)
+    rank = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return statistics.median(ordered), rank(0.1), rank(0.9)
+
+
 def timer(device):
-    """-> f(calls) = µs per call: CUDA-graph replays (GPU) or the host clock (CPU)."""
+    """-> f(calls, repeats) = (median, 10th, 90th percentile) µs per call over the repeats:
+    CUDA-graph replays (GPU) or the host clock (CPU)."""
     import torch
 
     if device.type == "cuda":
         from prr.runtime.graph_budget import graph_samples_us
 
-        return lambda calls, repeats: statistics.median(graph_samples_us(calls, repeats))
+        return lambda calls, repeats: spread(graph_samples_us(calls, repeats))
 
     def host(calls, repeats):
         for fn in calls:
@@ -110,7 +118,7 @@ def timer(device):
             for fn in calls:
                 fn()
             samples.append((time.perf_counter() - start) * 1e6 / len(calls))
-        return statistics.median(samples)
+        return spread(samples)
 
     del torch
     return host
@@ -207,15 +215,18 @@ def bench_predictor(name: str, sels, warm, lengths, nb_next, query, capacity: in
         p.set_backend(backend)
         base = dict(predictor=name, backend=backend, context=capacity - HEADROOM, block=block,
                     num_blocks=int(nb_next[0]), layers=layers, history_only=p.history_only)
-        update_us = time_us([lambda layer=layer: update(layer) for layer in range(layers)], args.repeats)
+        update_us, update_p10, update_p90 = time_us([lambda layer=layer: update(layer) for layer in range(layers)],
+                                                    args.repeats)
         for budget in budgets:
             pred_idx = [torch.zeros(1, KV_HEADS, budget, dtype=torch.int32, device=device) for _ in range(layers)]
             pred_cnt = [torch.zeros(1, KV_HEADS, dtype=torch.int32, device=device) for _ in range(layers)]
-            propose_us = time_us([lambda layer=layer, b=budget: propose(layer, b) for layer in range(layers)],
-                                 args.repeats)
-            chain_us = time_us([lambda layer=layer, b=budget, i=pred_idx[layer], c=pred_cnt[layer]: chain(layer, b, i, c)
+            propose_us, propose_p10, propose_p90 = time_us(
+                [lambda layer=layer, b=budget: propose(layer, b) for layer in range(layers)], args.repeats)
+            chain_us, *_ = time_us([lambda layer=layer, b=budget, i=pred_idx[layer], c=pred_cnt[layer]: chain(layer, b, i, c)
                                 for layer in range(layers)], args.repeats)
             rows.append({**base, "budget": budget, "propose_us": propose_us, "update_us": update_us,
+                         "propose_p10_us": propose_p10, "propose_p90_us": propose_p90, "update_p10_us": update_p10,
+                         "update_p90_us": update_p90, "repeats": args.repeats,
                          "side_chain_us": chain_us, "p_equal": equal[budget],
                          # before this layer's speculation in the same step: none where P was
                          # written ahead by the side chain (history-only, cross_layer)
@@ -224,8 +235,9 @@ def bench_predictor(name: str, sels, warm, lengths, nb_next, query, capacity: in
     return rows
 
 
-COLUMNS = ["predictor", "backend", "context", "block", "num_blocks", "budget", "propose_us", "update_us", "side_chain_us",
-           "before_speculation_us", "p_equal", "history_only", "layers"]
+COLUMNS = ["predictor", "backend", "context", "block", "num_blocks", "budget", "propose_us", "propose_p10_us",
+           "propose_p90_us", "update_us", "update_p10_us", "update_p90_us", "side_chain_us", "before_speculation_us",
+           "p_equal", "history_only", "layers", "repeats"]
 
 
 def table(rows: list[dict]) -> str:

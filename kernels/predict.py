@@ -197,12 +197,8 @@ def spin_rank(vertical: Tensor, diagonal: Tensor, num_blocks: int | Tensor, upda
     """vertical, diagonal [B, Hkv, N] fp32 -> (rank [B, Hkv, N]: max(vertical(b), diagonal(nb-1-b)),
     -inf outside; with draw, the exploration draw [B, Hkv, N] in [0, 1) inside the context (-inf
     outside) of step key `updates` ([1] int64 device counter) and host key `key` < 2^32)."""
-    batch, heads, n = vertical.shape
-    if draw and (updates is None or updates.numel() != 1):
-        raise ValueError(f"the exploration draw needs updates: one int64 on {vertical.device} (the layer's selection "
-                         "counter)")
-    return _spin_rank_rows(vertical, diagonal, row_counts(num_blocks, batch, vertical.device), updates, key, draw,
-                           layers=1, first_layer=None)
+    nb = row_counts(num_blocks, vertical.shape[0], vertical.device)
+    return _spin_rank_rows(vertical, diagonal, nb, updates, key, draw, layers=1, first_layer=None)
 
 
 def _spin_rank_rows(vertical: Tensor, diagonal: Tensor, nb: Tensor, updates: Tensor | None, key: int, draw: bool,
@@ -238,8 +234,6 @@ def spin_propose(vertical: Tensor, diagonal: Tensor, num_blocks: int | Tensor, u
     int32 ascending, counts [B, Hkv] int32). One launch + one top-k without exploration; rank
     and draw, top-k, a mark, top-k with it."""
     nb = row_counts(num_blocks, vertical.shape[0], vertical.device)
-    if updates.numel() != 1:
-        raise ValueError(f"updates must be one int64 (the layer's selection counter); got {list(updates.shape)}")
     return _spin_propose_rows(vertical, diagonal, nb, updates, key, budget_blocks, explored, 1, None)
 
 
@@ -407,8 +401,6 @@ def spin_update(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor
     """One launch: x = z + bonus·1[b ∈ A] (z: scores standardised over the finite entries);
     vertical <- α_v·vertical + (1-α_v)·x where the score is finite; diagonal(δ) <- α_d·diagonal(δ)
     + (1-α_d)·x(n-1-δ) for δ < n (n: the row's finite scores); updates ([1] int64) += 1."""
-    if updates.numel() != 1:
-        raise ValueError(f"updates must be one int64 on {vertical.device} (the layer's selection counter)")
     _spin_update_rows(scores, indices, count, vertical, diagonal, updates, alpha_vertical, alpha_diagonal,
                       selection_bonus, 1)
 

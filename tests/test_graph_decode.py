@@ -494,7 +494,8 @@ def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monke
     assert int(sum(once.counters()["hits"])) > 0
 
 
-@pytest.mark.parametrize("name", ["last_step", "ema_membership", "spin"])
+# (ema_membership shares last_step's StateRankPredictor path: make test-full)
+@pytest.mark.parametrize("name", ["last_step", pytest.param("ema_membership", marks=pytest.mark.slow), "spin"])
 def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer(name, monkeypatch):
     """last_step, ema_membership and spin (with exploration: 2 of 5 blocks drawn) on the kernels learn
     like ema (plan.learn_layers_at_once): every sparse layer's update as L·B rows of one launch and

@@ -571,6 +571,19 @@ def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, varia
     assert sum(counts["overlap"]) > 0 and (variant == "serial" or sum(counts["hits"]) > 0)
 
 
+def test_checkpoint_holds_every_buffer_a_step_writes_qsim():
+    """A checkpoint taken before the first step restores after it (the GPU tests capture in
+    between): query_similarity's id lists are sized when the engine is built, not at the first
+    update (a replaced buffer would not match its checkpoint, and a captured graph would keep the old one)."""
+    engine = counting_engines("qsim", True)
+    start = engine.checkpoint()
+    before = [t.data_ptr() for t in engine._mutable()]
+    first = engine.step(advance=True)
+    assert [t.data_ptr() for t in engine._mutable()] == before
+    engine.restore(start)
+    assert torch.equal(engine.step(advance=True), first)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("variant", ["serial", "prr", "qsim"])

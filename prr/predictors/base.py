@@ -110,6 +110,11 @@ class Predictor(PredictorOptions, ABC):
         """Predictors that keep past queries (needs_query) size their buffers for queries of
         query_size = G·D values here, before an engine captures its step."""
 
+    def size_for_selection(self, state: Any, capacity: int) -> None:  # noqa: B027 - optional hook
+        """Predictors that keep past selections as id lists size them for selections of
+        `capacity` ids here, before an engine captures its step (a checkpoint taken then holds
+        every buffer the captured step writes)."""
+
     def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
         """Fit parameters to selections of the prefill tail (history[layer] = A over steps,
         None for dense layers), on the host before decoding. Returns what was chosen, for

@@ -114,6 +114,7 @@ class AttentionEngine:
         if prr and self.predictor is not None:
             self.predictor_state = self.predictor.init_state(self.num_layers, B, H, NB, dev)
             self.predictor.size_for_query(self.predictor_state, self.group * self.d)
+            self.predictor.size_for_selection(self.predictor_state, self.topk_capacity)
         self.scratch = self._k["prr_merge"].repair_scratch(B, H, NB, dev) if prr else None
         self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
         # fuse_merge's and fused_repair's, main stream (their kernels run one after the other there)
@@ -171,6 +172,7 @@ class AttentionEngine:
             raise ValueError("this engine has no predictor (built with predictor=None: P set from outside)")
         self.predictor_state = state
         self.predictor.size_for_query(state, self.group * self.d)
+        self.predictor.size_for_selection(state, self.topk_capacity)
 
     def set_predictions(self, layer: int, idx: Tensor, cnt: Tensor) -> None:
         """For an engine without a predictor (predictor=None: P set from outside): P of `layer`

@@ -448,14 +448,15 @@ def test_head_dim_256_runs_the_triton_engine_like_the_torch_ops():
 
 
 def ema_engines(learn_at_once: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99,
-                predictor=None, **plan_changes):
-    """A PRR engine of 3 sparse layers (1..3) on the kernels; predictor: default ema."""
+                predictor=None, room: int = 40, **plan_changes):
+    """A PRR engine of 3 sparse layers (1..3) on the kernels, with room for `room` - 1 decode
+    steps (a replaying predictor records that many first); predictor: default ema."""
     from prr.predictors import EmaPredictor
 
     config = dataclasses.replace(CONFIG, num_layers=4)
     plan = StaticPlan(variant="prr", predicted_blocks=5, learn_layers_at_once=learn_at_once, **plan_changes)
     model = Decoder(config, dtype, device).init_random_(seed=3, std=0.05)
-    engine = GraphDecoder(model, plan, batch=2, max_tokens=context + 40,
+    engine = GraphDecoder(model, plan, batch=2, max_tokens=context + room,
                           predictor=predictor if predictor is not None else EmaPredictor(calibrate=False, recent_blocks=1),
                           selector=graph_selector("quest", 4, dense_layers=(0,)))
     engine.fill_random_context(context, seed=5)
@@ -494,19 +495,33 @@ def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monke
     assert int(sum(once.counters()["hits"])) > 0
 
 
-# (ema_membership shares last_step's StateRankPredictor path: make test-full)
-@pytest.mark.parametrize("name", ["last_step", pytest.param("ema_membership", marks=pytest.mark.slow), "spin"])
+def replaying(hit_rate: float):
+    """bench_hit_rate as run.py builds it (calibrate() opens its run record before the engine records)."""
+    from prr.predictors.bench_hit_rate import BenchHitRatePredictor
+
+    predictor = BenchHitRatePredictor(hit_rate=hit_rate, seed=1)
+    predictor.calibrate([])
+    return predictor
+
+
+# (ema_membership shares last_step's StateRankPredictor path: make test-full; bench_hit_rate's
+# at-once path runs in make test through test_bench_hit_rate.py's graph-engine runs, whose hit
+# rates and tokens are exact)
+@pytest.mark.parametrize("name", ["last_step", pytest.param("ema_membership", marks=pytest.mark.slow), "spin",
+                                  pytest.param("bench_hit_rate", marks=pytest.mark.slow)])
 def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer(name, monkeypatch):
     """last_step, ema_membership and spin (with exploration: 2 of 5 blocks drawn) on the kernels learn
     like ema (plan.learn_layers_at_once): every sparse layer's update as L·B rows of one launch and
     the next step's P of every layer in one propose after the last sparse layer; the logits and
     every layer's P equal learning after each layer, step by step, and the at-once engine calls no
-    per-layer update while decoding."""
+    per-layer update while decoding. bench_hit_rate (a benchmark tool) likewise: one counter add
+    and one gather from its script for the range."""
     from prr.predictors import EmaMembershipPredictor, LastStepPredictor, SpinPredictor
 
     make = {"last_step": LastStepPredictor, "ema_membership": lambda: EmaMembershipPredictor(alpha=0.6),
-            "spin": lambda: SpinPredictor(explore=0.4, seed=11)}[name]
-    each, once = ema_engines(False, predictor=make()), ema_engines(True, predictor=make())
+            "spin": lambda: SpinPredictor(explore=0.4, seed=11), "bench_hit_rate": lambda: replaying(0.6)}[name]
+    room = 5 if name == "bench_hit_rate" else 40  # (it records a serial pass of room - 1 steps first)
+    each, once = ema_engines(False, predictor=make(), room=room), ema_engines(True, predictor=make(), room=room)
     assert once.attn.predictor.learns_layers_at_once() and once.attn.learn_range == (1, 3)
     calls = {"update": 0, "update_layers": 0}
     for method in calls:

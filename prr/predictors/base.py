@@ -97,7 +97,8 @@ class Predictor(PredictorOptions, ABC):
         instead of after each one (StaticPlan.learn_layers_at_once). History-only predictors
         only; the engine calls those two methods only where this returns True (ema, spin and
         the StateRankPredictors, last_step and ema_membership, on the kernels: layer_range_kernels;
-        the torch definition learns layer by layer)."""
+        the torch definition learns layer by layer; the benchmark tool bench_hit_rate, whose
+        learning is a table lookup, on either backend)."""
         return self.layer_range_kernels and self.backend == "triton"
 
     def proposed_ahead(self, state: Any, layer: int) -> bool:

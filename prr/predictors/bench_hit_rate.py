@@ -18,8 +18,10 @@ first, then speculates, which times another step than PRR's):
    recorded A_t. P is history-only: `update` (side stream, after A) advances the layer's step
    counter and `propose` copies P of the next step from the script, indexed by that device
    counter. No host synchronisation, static shapes: it runs inside the captured CUDA-graph step,
-   off the critical path like any history-only predictor's next-step P, at the cost of a few copy
-   launches. The run's tokens are therefore the recorded serial pass's by construction: a
+   off the critical path like any history-only predictor's next-step P. With
+   StaticPlan.learn_layers_at_once (the default) every sparse layer's counter add and P gather
+   run once, after the step's last sparse layer (`update_layers` / `propose_layers`), as ema's
+   learning does, instead of a few copy launches after each layer. The run's tokens are therefore the recorded serial pass's by construction: a
    bench_hit_rate run times PRR, it does not test that PRR decodes serial DSA's tokens (the
    one-engine tests do).
 
@@ -55,7 +57,7 @@ import torch
 from torch import Tensor
 
 from prr.blocks import BlockSet
-from prr.predictors.base import NEVER, Predictor
+from prr.predictors.base import NEVER, Predictor, stacked_blocks
 from prr.predictors.options import BenchHitRatePredictorOptions
 from prr.selectors.base import Selection
 
@@ -133,6 +135,43 @@ class BenchHitRatePredictor(BenchHitRatePredictorOptions, Predictor):
         at = state.step[layer : layer + 1].clamp(max=script.predicted.shape[1] - 1)  # [1]
         row = script.predicted[layer].index_select(0, at)[0]  # [B, Hkv, |P| + 1]
         return BlockSet(row[..., :width], row[..., width])
+
+    # --- a range of layers at once (StaticPlan.learn_layers_at_once): one copy each, not one per layer
+    def learns_layers_at_once(self) -> bool:
+        return True  # table copies on either backend: nothing per layer needs a kernel
+
+    def update_layers(self, state: BenchHitRateState, first: int, selections: list[Selection],
+                      blocks: BlockSet | None = None) -> None:
+        """`update` of layers first, first + 1, ... (every layer of the range is at the same step)."""
+        layers = len(selections)
+        script = state.script
+        if script.recording:
+            if script.selected is None:
+                raise RuntimeError("bench_hit_rate: start_recording() sizes the table before the recorded pass")
+            a = stacked_blocks(selections, blocks)  # [L, B, Hkv, C]
+            width = script.selected.shape[-1] - 1
+            if a.indices.shape[-1] != width:
+                raise ValueError(f"bench_hit_rate records selections of capacity {width}; got {a.indices.shape[-1]}")
+            rows = torch.cat([a.indices.to(torch.int32), a.count.to(torch.int32).unsqueeze(-1)], -1)  # [L, B, Hkv, C + 1]
+            at = state.step[first : first + 1].clamp(max=script.selected.shape[1] - 1)  # [1]
+            script.selected[first : first + layers].index_copy_(1, at, rows.unsqueeze(1))
+        state.step[first : first + layers].add_(1)
+
+    def propose_layers(self, state: BenchHitRateState, first: int, layers: int, num_blocks: int | Tensor,
+                       budget_blocks: int) -> tuple[Tensor, Tensor]:
+        """P of layers first, first + 1, ... at the step their counters point at -> (indices
+        [L, B, Hkv, |P|] int32, counts [L, B, Hkv] int32): one gather from the script."""
+        script = state.script
+        if script.predicted is None:  # the recorded pass (serial DSA): P is never read
+            p = self.propose(state, first, num_blocks, budget_blocks)
+            return (p.indices.unsqueeze(0).expand(layers, *p.indices.shape).contiguous(),
+                    p.count.unsqueeze(0).expand(layers, *p.count.shape).contiguous())
+        width = script.predicted.shape[-1] - 1
+        if budget_blocks != width:
+            raise ValueError(f"bench_hit_rate's script holds P of {width} blocks; the engine asks for {budget_blocks}")
+        at = state.step[first : first + 1].clamp(max=script.predicted.shape[1] - 1)  # [1]
+        rows = script.predicted[first : first + layers].index_select(1, at)[:, 0]  # [L, B, Hkv, |P| + 1]
+        return rows[..., :width], rows[..., width]
 
     def rank(self, state: BenchHitRateState, layer: int, num_blocks: int | Tensor) -> Tensor:
         """P of the current step as a rank (1 in P, NEVER elsewhere); [B, Hkv, max_blocks]."""

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call (< 420 s on an H200): whole runs against the stage map once bench_hit_rate learns
+# every layer at once (71eb14f; before, its per-layer copies on the side stream cost the runs
+# 2.4-4.6% that the map does not count):
+#  1. GPU tests: the counters at the step's end with query_similarity captured (d8e20ce's fix),
+#     bench_hit_rate's captured replay;
+#  2. the stage map of Quest at 32K, blocks 16 and 64, K = 32 blocks, at hit rates 1.0, 0.95, 0.9;
+#  3. whole runs, Quest 32K, K = 32, blocks 64 and 16: serial, bench_hit_rate 1.0 (teacher-forced)
+#     and budget=profiled at 1.0, each printed beside the map's prediction at its measured hit rate.
+# Everything lands in $OUT (log.txt, gpu_tests.txt, stage_map.csv, one json + csv per block).
+#   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... bash experiments/h200_stage_map_at_once.sh
+set -u
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT to the output folder}
+W=/tmp/stage_map_at_once && mkdir -p $W
+LOG=$OUT/log.txt
+say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+
+say "gpu tests"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graph_decode.py tests/test_bench_hit_rate.py \
+  -k "counters_at_step_end or replay" > "$OUT/gpu_tests.txt" 2>&1
+tail -1 "$OUT/gpu_tests.txt" | tee -a "$LOG"
+
+say "stage map"
+timeout 60 python3 experiments/bench_decode.py --parts stage --stage-layers 4 --hit-rates 1.0,0.95,0.9 \
+  --stage-cells quest:32768:16:512,quest:32768:64:2048 --out $W/stage >> "$LOG" 2>&1
+cp $W/stage_stage.csv $OUT/stage_map.csv 2>/dev/null
+
+for block in 64 16; do
+  say "whole runs, block $block"
+  timeout 110 python3 experiments/bench_engine_runs.py --cases matrix --contexts 32000 --blocks $block --topk 32 \
+    --selectors quest --predictors none --hit-rates 1.0 --profiled-hit-rates 1.0 --steps 32 --timeout 35 \
+    --runs $W/runs$block --stage-map $W/stage_stage.csv --out $OUT/hit1_b$block > $W/runs$block.log 2>&1
+  tail -6 $W/runs$block.log | tee -a "$LOG"
+done
+say "done"

@@ -134,9 +134,9 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
     eng.fill_random_context(context, seed=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
     hq, hkv, d = eng.hq, eng.hkv, eng.d
-    qs = [torch.randn(batch, hq, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
-    ks = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
-    vs = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(layers)]
+    qs = [torch.randn(batch, hq, d, generator=gen, device="cuda").to(model.dtype) for _ in range(layers)]
+    ks = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(model.dtype) for _ in range(layers)]
+    vs = [torch.randn(batch, hkv, d, generator=gen, device="cuda").to(model.dtype) for _ in range(layers)]
 
     def run(variant: str, overlap: bool = True, repair_mode: str = "exact", fuse_merge: bool | str = False,
             fused_repair: bool | str = "auto"):
@@ -225,9 +225,11 @@ def stage_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         # reads the selected K/V; dense reads the whole context's K/V.
         meta_bytes = batch * hkv * num_blocks * metadata_bytes_per_block("quest" if selector == "quest" else "infllm",
                                                                          eng.dtype, d)
-        kv_sel_bytes = batch * hkv * k_blocks * block * d * 2 * BF16
-        kv_dense_bytes = batch * hkv * (context + 1) * d * 2 * BF16
+        elt = model.dtype.itemsize
+        kv_sel_bytes = batch * hkv * k_blocks * block * d * 2 * elt
+        kv_dense_bytes = batch * hkv * (context + 1) * d * 2 * elt
         t.update(batch=batch, context=context, block=block, topk_tokens=topk_tokens, selector=selector,
+                 dtype=str(model.dtype).replace("torch.", ""),
                  target_hit_rate=hit, hit_rate=measured_hit, layers_timed=layers,
                  floor_sparse_us=(meta_bytes + kv_sel_bytes) / bandwidth * 1e6,
                  floor_dense_us=kv_dense_bytes / bandwidth * 1e6)
@@ -944,6 +946,8 @@ def main() -> None:
     parser.add_argument("--stage-cells", type=stage_cells,
                         help="part stage: only these cells, each selector:context:block:topk_tokens at batch 1 "
                              "(e.g. quest:32768:16:512,infllm:131072:64:2048); the selector a conf/selector YAML")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the stage map's model and cache dtype (the whole runs it predicts: runtime.dtype)")
     parser.add_argument("--hit-rates", type=hit_rate_list, default=HIT_RATES,
                         help="part stage: PRR's controlled hit rates (default " + ",".join(map(str, HIT_RATES)) + ")")
     parser.add_argument("--tiny", action="store_true",
@@ -954,6 +958,8 @@ def main() -> None:
     if 4 * args.steps + 64 > HEADROOM:
         parser.error(f"--steps={args.steps}: at most {(HEADROOM - 64) // 4} (the decoded tokens must fit the cache headroom)")
     parts = set(args.parts.split(","))
+    if args.dtype != "bfloat16" and parts != {"stage"}:
+        parser.error(f"--dtype {args.dtype} applies to the stage map only: add --parts stage")
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     if not on_gpu and (parts != {"select"} or not args.tiny):
         parser.error("without a CUDA device (or under TRITON_INTERPRET=1) only `--parts select --tiny` runs: a smoke run")
@@ -978,7 +984,7 @@ def main() -> None:
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
 
     if "stage" in parts:
-        model = model_of(args.stage_layers)
+        model = model_of(args.stage_layers, getattr(torch, args.dtype))
         grid = [(b, c, bs, k, sel) for sel in ("quest", "infllm") for b in (1, 8) for c in (32768, 65536, 131072)
                 for bs in (16, 64) for k in (2048, 8192)]
         if args.quick:

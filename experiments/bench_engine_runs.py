@@ -135,8 +135,9 @@ def map_prediction(stage_map: pd.DataFrame, selector: str, context: int, block: 
     if cell.empty or not math.isfinite(hit_rate):
         return math.nan
     nearest = cell.loc[(cell["context"] - context).abs().idxmin(), "context"]
-    cell = cell[cell["context"] == nearest].sort_values("target_hit_rate")
-    prr_us = float(np.interp(hit_rate, cell["target_hit_rate"], cell["prr"]))
+    rate = map_rate_column(cell)
+    cell = cell[cell["context"] == nearest].sort_values(rate)
+    prr_us = float(np.interp(hit_rate, cell[rate], cell["prr"]))
     if "serial_fused_merge" not in cell:
         raise ValueError("the stage map has no serial_fused_merge column (the engine's serial stage): "
                          "re-run experiments/bench_decode.py --parts stage")
@@ -148,7 +149,7 @@ def run_case(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
     run_dir = Path(args.runs) / name.replace("@", "_")
     command = [sys.executable, "run.py", "runtime=cuda", "model=llama-3.1-8b-shape", "logger=none",
                f"task.prompt_tokens={args.prompt_tokens}", f"task.max_new_tokens={args.steps}", "task.stop_at_eos=false",
-               *overrides, f"hydra.run.dir={run_dir}"]  # (a setting's task.prompt_tokens, later, wins)
+               f"runtime.dtype={args.dtype}", *overrides, f"hydra.run.dir={run_dir}"]  # (a setting's task.prompt_tokens, later, wins)
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -187,6 +188,8 @@ def main() -> None:
                                                    "ema_calibrated", "query_similarity", "cross_layer")),
                    default=PREDICTORS)
     p.add_argument("--stage-map", help="bench_decode.py's stage CSV: print each PRR row beside its prediction")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="runtime.dtype of every run (a --stage-map must be timed in the same: bench_decode.py --dtype)")
     p.add_argument("--hit-rates", type=rate_list, default=(),
                    help="matrix: also predictor=bench_hit_rate (a benchmark tool) at each rate, e.g. 0.5,0.7,0.9")
     p.add_argument("--profiled-hit-rates", type=rate_list, default=(),
@@ -196,6 +199,11 @@ def main() -> None:
     if args.stage_map and not Path(args.stage_map).is_file():
         p.error(f"--stage-map {args.stage_map}: no such file (bench_decode.py --parts stage writes it)")
     stage_map = pd.read_csv(args.stage_map) if args.stage_map else None  # (read first: a bad path costs no run)
+    if stage_map is not None:  # (maps timed before the dtype column: bf16)
+        map_dtypes = set(stage_map["dtype"]) if "dtype" in stage_map else {"bfloat16"}
+        if map_dtypes != {args.dtype}:
+            p.error(f"--stage-map {args.stage_map} was timed in {sorted(map_dtypes)}, the runs in --dtype "
+                    f"{args.dtype}: time the map with bench_decode.py --dtype {args.dtype}")
     settings = None
     if args.contexts or args.blocks or args.topk:
         settings = [Setting(c, b, k) for c in args.contexts or [args.prompt_tokens] for b in args.blocks or [16]
@@ -278,7 +286,14 @@ def map_hit_outside(stage_map: pd.DataFrame, row) -> bool | None:
                      & (stage_map["block"] == int(row.block_size))]
     if cell.empty:
         return None
-    return not cell["target_hit_rate"].min() <= float(hit) <= cell["target_hit_rate"].max()
+    rates = cell[map_rate_column(cell)]
+    return not rates.min() <= float(hit) <= rates.max()
+
+
+def map_rate_column(stage_map: pd.DataFrame) -> str:
+    """The stage map's hit rates as its P had them (round(rate·K) of K blocks: 0.9375 of 32 for a
+    requested 0.95), where the map records them; older maps only the requested ones."""
+    return "hit_rate" if "hit_rate" in stage_map else "target_hit_rate"
 
 
 def write(rows: list[dict], args: argparse.Namespace, stage_map: pd.DataFrame | None = None) -> pd.DataFrame:

@@ -75,10 +75,10 @@ def environment() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def model_of(layers: int) -> Decoder:
-    """The Llama-3.1-8B shape with `layers` layers and random bf16 weights on the GPU."""
+def model_of(layers: int, dtype: torch.dtype = torch.bfloat16) -> Decoder:
+    """The Llama-3.1-8B shape with `layers` layers and random weights (bf16 unless said) on the GPU."""
     config = dataclasses.replace(ZOO["llama-3.1-8b-shape"].config, num_layers=layers)
-    return Decoder(config, torch.bfloat16, "cuda").init_random_(seed=0)
+    return Decoder(config, dtype, "cuda").init_random_(seed=0)
 
 
 def configured(group: str, name: str, **overrides):

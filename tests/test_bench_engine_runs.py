@@ -56,6 +56,31 @@ def test_map_prediction_interpolates_the_hit_rate_at_the_nearest_context():
     assert math.isnan(er.map_prediction(m, "quest", 32000, 16, 512, float("nan"), 5.0, 30))
 
 
+def test_map_prediction_reads_the_rates_the_maps_p_had():
+    """bench_decode's P holds round(rate·K) of K blocks (0.9375 of 32 for 0.95): the prediction
+    interpolates at those rates where the map records them (its hit_rate column)."""
+    m = stage_map()
+    m["hit_rate"] = m["target_hit_rate"].replace({0.9: 0.8})  # P of the 0.9 rows held 80% of A
+    # hit 0.9 now lies between 0.8 (30 µs) and 1.0 (20 µs): 25 µs = serial's 25, no change
+    assert er.map_prediction(m, "quest", 32000, 16, 512, 0.9, 5.0, 30) == pytest.approx(5.0)
+    assert er.map_prediction(stage_map(), "quest", 32000, 16, 512, 0.9, 5.0, 30) == pytest.approx(5.0 + 30 * 5e-3)
+
+
+def test_a_stage_map_of_another_dtype_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+    """The map and the runs in one dtype (a map without the dtype column was timed in bf16)."""
+    fp32, bf16 = tmp_path / "fp32.csv", tmp_path / "bf16.csv"
+    stage_map().assign(dtype="float32").to_csv(fp32, index=False)
+    stage_map().to_csv(bf16, index=False)
+    monkeypatch.setattr(er, "run_case", lambda *a: pytest.fail("a run started"))
+    for argv, said in (([str(fp32)], "timed in ['float32'], the runs in --dtype bfloat16"),
+                       ([str(bf16), "--dtype", "float32"], "timed in ['bfloat16'], the runs in --dtype float32")):
+        monkeypatch.setattr("sys.argv", ["bench_engine_runs.py", "--cases", "matrix", "--out", str(tmp_path / "x"),
+                                         "--stage-map", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            er.main()
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_predictions_go_to_prr_rows_only_beside_their_serial_run():
     table = pd.DataFrame([
         {"case": "quest-none@32k_b16_k32", "variant": "serial", "prompt_tokens": 32000, "block_size": 16,

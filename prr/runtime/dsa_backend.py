@@ -91,6 +91,12 @@ class DSABackend:
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: [B, Hq, T, D], k, v: [B, Hkv, T, D] -> [B, Hq, T, D] (dense, causal)."""
         self.absorb_prefill(layer, q, k, v)
+        if q.is_cuda and q.dtype == torch.float32 and self.group > 1:
+            # fp32 GQA has no fused SDPA kernel (torch 2.11): its math fallback holds [B, Hq, T, T]
+            # scores (122 GiB at 32K on the 8B shape); K/V repeated per query head take the
+            # memory-efficient kernel, which does fp32
+            k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
 
     def absorb_prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -345,8 +345,8 @@ def token_rows(batch: int, context: int, block: int, topk_tokens: int, selector:
         record("serial_uncompiled", eng, advance=False, hit=None)
         del eng
     # budget=profiled as run.py runs it in the graph engine (conf/budget/profiled.yaml's settings, its own
-    # random queries and cache), at this context: |P| = the largest that hides in selection, kept if the
-    # whole PRR stage at that |P| (90% hit rate) beat serial DSA's; else 0.
+    # random queries and cache), at this context: the |P| whose whole PRR stage (90% hit rate) was
+    # fastest, kept if it beat serial DSA's; else 0.
     profiled = ProfiledBudget(use_cache=False)
     probe = GraphProbe(lambda n: GraphDecoder(model, dataclasses.replace(base, predicted_blocks=n), batch=batch,
                                               max_tokens=capacity, **objects), first_size=k_blocks, seed=7)

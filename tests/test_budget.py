@@ -43,10 +43,15 @@ class FakeProbe:
         return self._timing(self.b * predicted_blocks)
 
     def time_stage(self, context_blocks, predicted_blocks, hit_rate):
+        """Serial DSA 3 x selection; PRR prr_stage_share of that, plus the speculation's time
+        beyond selection's (what does not hide lengthens the stage)."""
         self.calls += 1
         self.stages.append((context_blocks, predicted_blocks))
         serial = 3.0 * self.a * context_blocks
-        return self._timing(serial * (self.prr_stage_share if predicted_blocks else 1.0))
+        if not predicted_blocks:
+            return self._timing(serial)
+        beyond = max(0.0, self.b * predicted_blocks - self.a * context_blocks)
+        return self._timing(serial * self.prr_stage_share + beyond)
 
 
 def test_fixed_budget():
@@ -80,9 +85,24 @@ def test_profiled_keeps_a_hidden_p_only_where_the_whole_stage_is_faster(tmp_path
     probe = FakeProbe(select_per_block=1.0, spec_per_block=2.0, prr_stage_share=share)
     info = budget.setup(probe, selected_blocks=16, max_blocks=64)
     assert budget.predicted_blocks(0, 64, 16) == expected
-    assert probe.stages == ([(64, 0), (64, 8), (64, 16), (64, 32)] if stage_check else [])  # every |P| that hides
+    assert probe.stages == ([(64, 0), (64, 8), (64, 16), (64, 32)] if stage_check else [])  # every |P|
     row = info["profile_measurements"][0]
     assert row["hidden_blocks"] == 32 and ("stage_prr_s" in row) == stage_check
+
+
+@pytest.mark.parametrize("stage_check,expected", [(True, 8), (False, 0)])
+def test_profiled_keeps_a_faster_stage_where_speculation_does_not_hide(tmp_path, monkeypatch, stage_check, expected):
+    """Speculation a little longer than selection at every |P| (nothing hides: the paper's rule
+    says 0) while the whole PRR stage is faster (it takes the attention over P off the step): the
+    stage check times every size and keeps the fastest."""
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path))
+    budget = ProfiledBudget(ratios=[0.5, 1.0, 2.0], context_points=1, stage_check=stage_check)
+    # select 32 at 64 blocks, spec(8) = 32.8: PRR's stage 0.67 x 96 + 0.8 = 65.1 against serial's 96
+    probe = FakeProbe(select_per_block=0.5, spec_per_block=4.1, prr_stage_share=0.67)
+    info = budget.setup(probe, selected_blocks=16, max_blocks=64)
+    row = info["profile_measurements"][0]
+    assert row["hidden_blocks"] == 0 and budget.predicted_blocks(0, 64, 16) == expected
+    assert probe.stages == ([(64, 0), (64, 8), (64, 16), (64, 32)] if stage_check else [])
 
 
 def test_profiled_takes_the_fastest_hidden_p_not_the_widest(tmp_path, monkeypatch):

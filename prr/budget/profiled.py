@@ -6,13 +6,16 @@ Once per device, shape and setting, at each profiled context c:
   2. n(c) = the largest |P| with T_speculate(|P|) <= T_select(c): speculation that hides
      inside selection (the paper's rule); 0 where none does;
   3. with `stage_check` (default), time the whole attention stage as serial DSA and as PRR
-     at every |P| that hides (those of step 2 up to n(c)), P holding `hit_rate` of A, and take
-     the fastest PRR if it measured faster than serial by more than `margin`; else |P| = 0
-     (plain serial DSA). Hiding speculation is not enough when repair and merge cost more than
-     it saves (and a wider P costs the merge more: the largest |P| that hides is not always the
-     fastest); a runtime that runs its stages one after the other (the eager one) never hides
-     anything, so there the check chooses serial DSA. `stage_check=false` keeps the paper's
-     rule alone. `hit_rate` is an assumption about the predictor; a benchmark predictor that
+     at every profiled |P| (up to the context), P holding `hit_rate` of A, and take the
+     fastest PRR if it measured faster than serial by more than `margin`; else |P| = 0 (plain
+     serial DSA). The stage is what decides, not step 2: hiding speculation is not enough when
+     repair and merge cost more than it saves (and a wider P costs the merge more: the largest
+     |P| that hides is not always the fastest), and speculation a little longer than selection
+     can still win where the attention it takes off the step is large (fp32 Quest at 32K,
+     block 16, on an H200: speculation 15.8 µs against selection 14.9 µs, the PRR stage 0.67x
+     serial's at 100% hits); a runtime that runs its stages one after the other (the eager
+     one) never overlaps them, so there the check chooses serial DSA. `stage_check=false`
+     keeps the paper's rule alone (step 2). `hit_rate` is an assumption about the predictor; a benchmark predictor that
      declares its own (bench_hit_rate) must be run with the same (config_check says so).
 The table (context -> |P|) is cached in a file keyed by device, probe, shape and these
 settings; decoding uses the row of the largest profiled context not above the step's context.
@@ -114,8 +117,8 @@ class ProfiledBudget(SpeculationBudget):
             raise ValueError(f"profiled contexts {list(contexts)} must be non-empty, each in [1, {max_blocks}] blocks")
         if self.stage_check and getattr(probe, "stages_in_sequence", False):
             return self._serial_without_measuring(contexts)
-        # (the fastest of the hidden sizes: a table of the older rule, the largest alone, is not reused)
-        check = (f"stage_check(fastest_hidden,margin={self.margin},hit={self.hit_rate})" if self.stage_check
+        # (the fastest timed size: tables of the older rules, the largest or the fastest hidden size, are not reused)
+        check = (f"stage_check(fastest_timed,margin={self.margin},hit={self.hit_rate})" if self.stage_check
                  else "no_stage_check")
         key = (f"{probe.device_name}|{probe.shape_key}|K={selected_blocks}|N={max_blocks}|r={self.ratios}|"
                f"contexts={contexts}|{check}")
@@ -208,18 +211,20 @@ class ProfiledBudget(SpeculationBudget):
                    "t_speculate_s": {n: t.median_s for n, t in t_spec.items()},
                    "select_timing": t_select[c].as_dict(),
                    "speculate_timing": {n: t.as_dict() for n, t in t_spec.items()}, "hidden_blocks": hidden}
-            chosen = hidden
-            if self.stage_check and hidden > 0:  # step 3: the whole stage must be faster, not only hide
+            # step 3: the whole stage decides, at every size up to the context, hidden or not
+            chosen = 0 if self.stage_check else hidden
+            timed = [n for n in sizes if n <= c] if self.stage_check else []
+            if timed:
                 serial = probe.time_stage(c, 0, self.hit_rate)
-                prr = {n: probe.time_stage(c, n, self.hit_rate) for n in fitting}  # every |P| that hides
+                prr = {n: probe.time_stage(c, n, self.hit_rate) for n in timed}
                 spreads += [serial.spread, *(t.spread for t in prr.values())]
-                best = min(fitting, key=lambda n: (prr[n].median_s, -n))  # (a tie: the wider P)
+                best = min(timed, key=lambda n: (prr[n].median_s, -n))  # (a tie: the wider P)
                 faster = prr[best].median_s < serial.median_s * (1.0 - self.margin)
                 chosen = best if faster else 0
                 row.update(stage_serial_s=serial.median_s, stage_best_blocks=best, stage_prr_s=prr[best].median_s,
                            stage_prr_by_size_s={n: t.median_s for n, t in prr.items()},
                            stage_serial_timing=serial.as_dict(), stage_prr_timing=prr[best].as_dict())
-            tick(1 + len(sizes) if self.stage_check else 0)  # the stage check's points (none timed when nothing hides)
+            tick(1 + len(sizes) if self.stage_check else 0)  # the stage check's points
             table.append((c, chosen))
             rows.append(row)
         return {"table": table, "measurements": rows, "spread": max(spreads)}

@@ -4,13 +4,14 @@
 # 2.4-4.6% that the map does not count):
 #  1. GPU tests: the counters at the step's end with query_similarity captured (d8e20ce's fix),
 #     bench_hit_rate's captured replay;
-#  2. the stage map of Quest at 32K, blocks 16 and 64, K = 32 blocks, at hit rates 1.0, 0.95, 0.9;
-#  3. whole runs, Quest 32K, K = 32, blocks 64 and 16: serial, bench_hit_rate 1.0 (teacher-forced)
-#     and budget=profiled at 1.0, each printed beside the map's prediction at its measured hit rate.
+#  2. the stage map of each cell of CELLS (selector:block; default Quest at blocks 64 and 16) at 32K,
+#     K = 32 blocks, at hit rates 1.0, 0.95, 0.9;
+#  3. whole runs of each cell at 32K, K = 32: serial, bench_hit_rate 1.0 (teacher-forced) and
+#     budget=profiled at 1.0, each printed beside the map's prediction at its measured hit rate.
 # DTYPE=float32 times the map and the runs in fp32 (where the teacher-forced replay can hold a hit
 # rate near 1.0: bf16 last bits flip near-tied selections), TESTS=0 skips step 1.
-# Everything lands in $OUT (log.txt, gpu_tests.txt, stage_map.csv, one json + csv per block).
-#   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... [DTYPE=float32] [TESTS=0] bash experiments/h200_stage_map_at_once.sh
+# Everything lands in $OUT (log.txt, gpu_tests.txt, stage_map.csv, one json + csv per cell).
+#   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... [DTYPE=float32] [TESTS=0] [CELLS="quest:16 infllm:16"] bash experiments/h200_stage_map_at_once.sh
 set -u
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
@@ -26,15 +27,19 @@ DTYPE=${DTYPE:-bfloat16}
 [ "${TESTS:-1}" = 1 ] && tail -1 "$OUT/gpu_tests.txt" | tee -a "$LOG"
 
 say "stage map, $DTYPE"
-timeout 60 python3 experiments/bench_decode.py --dtype $DTYPE --parts stage --stage-layers 4 --hit-rates 1.0,0.95,0.9 \
-  --stage-cells quest:32768:16:512,quest:32768:64:2048 --out $W/stage >> "$LOG" 2>&1
-cp $W/stage_stage.csv $OUT/stage_map.csv 2>/dev/null
+CELLS=${CELLS:-quest:64 quest:16}  # selector:block, each at 32K, K = 32 blocks
+MAP_CELLS=$(for c in $CELLS; do echo -n "${c%%:*}:32768:${c##*:}:$((32 * ${c##*:}))," ; done)
+rm -f $W/stage_stage.csv  # (a warm machine keeps /tmp: never read an earlier call's map)
+timeout 90 python3 experiments/bench_decode.py --dtype $DTYPE --parts stage --stage-layers 4 --hit-rates 1.0,0.95,0.9 \
+  --stage-cells ${MAP_CELLS%,} --out $W/stage >> "$LOG" 2>&1
+cp $W/stage_stage.csv $OUT/stage_map.csv || exit 1
 
-for block in 64 16; do
-  say "whole runs, block $block, $DTYPE"
+for cell in $CELLS; do
+  selector=${cell%%:*} block=${cell##*:}
+  say "whole runs, $selector block $block, $DTYPE"
   timeout ${RUNS_S:-110} python3 experiments/bench_engine_runs.py --dtype $DTYPE --cases matrix --contexts 32000 --blocks $block --topk 32 \
-    --selectors quest --predictors none --hit-rates 1.0 --profiled-hit-rates 1.0 --steps 32 --timeout ${RUN_S:-35} \
-    --runs $W/runs$block --stage-map $W/stage_stage.csv --out $OUT/hit1_b$block > $W/runs$block.log 2>&1
-  tail -6 $W/runs$block.log | tee -a "$LOG"
+    --selectors $selector --predictors none --hit-rates 1.0 --profiled-hit-rates 1.0 --steps 32 --timeout ${RUN_S:-35} \
+    --runs $W/runs_${selector}_$block --stage-map $W/stage_stage.csv --out $OUT/hit1_${selector}_b$block > $W/runs.log 2>&1
+  tail -6 $W/runs.log | tee -a "$LOG"
 done
 say "done"

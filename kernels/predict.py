@@ -586,41 +586,69 @@ def query_similarity_update(scores: Tensor, indices: Tensor, count: Tensor, keys
     `cursor` <- (pending, the list); then cursor <- (cursor + 1) mod C, filled <- min(filled + 1,
     C), has_pending <- False where it was set. keys [B, Hkv, C, G·D] (G·D = 0: no query yet, no
     pairing), set_ids [B, Hkv, C + 1, W] with W >= min(the selection's capacity, N), the rest as
-    query_similarity_rank's."""
-    batch, heads, cache_size, query_size = keys.shape
+    query_similarity_rank's; cursor, filled [1] int64, has_pending [1] bool (the layer's)."""
+    _qsim_update_rows(scores, indices, count, keys, set_ids, set_count, pending, has_pending, cursor, filled,
+                      last_selected, last_z, layers=1)
+
+
+def query_similarity_update_layers(scores: Tensor, indices: Tensor, count: Tensor, keys: Tensor, set_ids: Tensor,
+                                   set_count: Tensor, pending: Tensor, has_pending: Tensor, cursor: Tensor,
+                                   filled: Tensor, last_selected: Tensor, last_z: Tensor) -> None:
+    """`query_similarity_update` of L layers in the same two launches: every tensor of the state as
+    a layer range ([L, B, Hkv, ...], contiguous; cursor, filled [L] int64, has_pending [L] bool),
+    scores [L, B, Hkv, N], indices [L, B, Hkv, C_A], count [L, B, Hkv]. Equal, layer by layer, to L
+    `query_similarity_update` calls."""
+    layers, batch, heads, n = last_z.shape
+    for name, t in (("scores", scores), ("indices", indices), ("count", count)):
+        if t.shape[:3] != (layers, batch, heads):
+            raise ValueError(f"{name} must be [L, B, Hkv, ...] = [{layers}, {batch}, {heads}, ...]; got {list(t.shape)}")
+    rows = layers * batch
+
+    def flat(t: Tensor) -> Tensor:  # [L, B, ...] -> [L·B, ...] (a layer range of the state: a view)
+        return t.reshape(rows, *t.shape[2:])
+    _qsim_update_rows(flat(scores), flat(indices), flat(count), flat(keys), flat(set_ids), flat(set_count),
+                      flat(pending), has_pending, cursor, filled, flat(last_selected), flat(last_z), layers)
+
+
+def _qsim_update_rows(scores: Tensor, indices: Tensor, count: Tensor, keys: Tensor, set_ids: Tensor,
+                      set_count: Tensor, pending: Tensor, has_pending: Tensor, cursor: Tensor, filled: Tensor,
+                      last_selected: Tensor, last_z: Tensor, layers: int) -> None:
+    """query_similarity's update over rows [R, Hkv, ...] of `layers` layers (R = layers·B, layer by
+    layer), with each layer's counters cursor, filled [layers] int64 and has_pending [layers] bool."""
+    rows, heads, cache_size, query_size = keys.shape
     n, width = last_z.shape[-1], set_ids.shape[-1]
     dev = last_z.device
-    _check_row_tensor("last_selected", last_selected, (batch, heads, n), torch.bool, dev)
-    _check_row_tensor("last_z", last_z, (batch, heads, n), torch.float32, dev)
-    _check_row_tensor("set_ids", set_ids, (batch, heads, cache_size + 1, width), torch.int32, dev)
-    _check_row_tensor("set_count", set_count, (batch, heads, cache_size + 1), torch.int32, dev)
-    _check_selection(scores, indices, count, batch, heads, n, dev)
+    _check_row_tensor("last_selected", last_selected, (rows, heads, n), torch.bool, dev)
+    _check_row_tensor("last_z", last_z, (rows, heads, n), torch.float32, dev)
+    _check_row_tensor("set_ids", set_ids, (rows, heads, cache_size + 1, width), torch.int32, dev)
+    _check_row_tensor("set_count", set_count, (rows, heads, cache_size + 1), torch.int32, dev)
+    _check_selection(scores, indices, count, rows, heads, n, dev)
     if min(indices.shape[-1], n) > width:
         raise ValueError(f"a selection of capacity {indices.shape[-1]} may hold more ids than the W = {width} of "
                          "set_ids (size the lists for the selector's capacity)")
     pair = query_size > 0
     if pair:
-        _check_row_tensor("keys", keys, (batch, heads, cache_size, query_size), torch.float32, dev)
-        _check_row_tensor("pending", pending, (batch, heads, query_size), torch.float32, dev)
+        _check_row_tensor("keys", keys, (rows, heads, cache_size, query_size), torch.float32, dev)
+        _check_row_tensor("pending", pending, (rows, heads, query_size), torch.float32, dev)
     for name, t, dtype in (("cursor", cursor, torch.int64), ("filled", filled, torch.int64),
                            ("has_pending", has_pending, torch.bool)):
-        if t.numel() != 1 or t.dtype != dtype or t.device != dev:
-            raise ValueError(f"{name} must be one {dtype} on {dev} (the layer's counter)")
-    if batch == 0 or heads == 0 or n == 0:
+        if t.shape != (layers,) or t.dtype != dtype or t.device != dev or not t.is_contiguous():
+            raise ValueError(f"{name} must be [{layers}] {dtype} on {dev}, contiguous (each layer's counter)")
+    if rows == 0 or heads == 0 or n == 0:
         return
     tile = _tile(n)
     pdl = launch_kwargs(dev)
     flag = has_pending.view(torch.uint8)
-    _qsim_update_kernel[(heads, batch)](
+    _qsim_update_kernel[(heads, rows)](
         scores, indices, count, keys if pair else last_z, set_ids, set_count, pending if pair else last_z, flag,
         cursor, last_selected.view(torch.uint8), last_z,
-        n, heads, indices.shape[-1], query_size, cache_size, width,
+        n, heads, indices.shape[-1], query_size, cache_size, width, rows // layers,
         *_selection_args(scores, indices, count),
         PAIR=pair, TILE=tile, IDX_TILE=IDX_TILE, Q_TILE=max(16, min(triton.next_power_of_2(max(query_size, 1)), 128)),
         num_warps=_warps(tile), **pdl,
     )
     if pair:
-        _qsim_counters_kernel[(1,)](flag, cursor, filled, cache_size, num_warps=1)
+        _qsim_counters_kernel[(layers,)](flag, cursor, filled, cache_size, num_warps=1)
 
 
 def fill_in_one_launch(n: int) -> bool:

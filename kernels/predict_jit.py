@@ -651,11 +651,12 @@ def _qsim_update_kernel(
     set_ids_ptr,  # [B, Hkv, C + 1, W] int32 contiguous: slot C <- this selection's list; slot cursor too where paired
     set_cnt_ptr,  # [B, Hkv, C + 1] int32
     pending_ptr,  # [B, Hkv, GD] fp32 (PAIR)
-    has_pending_ptr,  # [1] uint8 (PAIR)
-    cursor_ptr,  # [1] int64 (PAIR)
+    has_pending_ptr,  # [L] uint8 (PAIR): each layer's
+    cursor_ptr,  # [L] int64 (PAIR): each layer's
     last_sel_ptr,  # [B, Hkv, N] uint8 out
     last_z_ptr,  # [B, Hkv, N] fp32 out
     n, num_kv_heads, capacity, query_size, cache_size, width,
+    rows_per_layer,  # B: row r (the "batch" axis, L·B rows for a layer range) is layer r // B's
     stride_sb, stride_sh, stride_sn,
     stride_ib, stride_ih, stride_ic,
     stride_cb, stride_ch,
@@ -672,6 +673,7 @@ def _qsim_update_kernel(
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
+    layer = batch // rows_per_layer
     bh = batch.to(tl.int64) * num_kv_heads + kv_head
     score_row = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
     row = bh * n
@@ -681,8 +683,8 @@ def _qsim_update_kernel(
     pair = tl.zeros([], dtype=tl.int32)
     slot = tl.zeros([], dtype=tl.int64)
     if PAIR:
-        pair = (tl.load(has_pending_ptr) != 0).to(tl.int32)
-        slot = tl.load(cursor_ptr)
+        pair = (tl.load(has_pending_ptr + layer) != 0).to(tl.int32)
+        slot = tl.load(cursor_ptr + layer)
         for start in range(0, query_size, Q_TILE):
             offs = start + tl.arange(0, Q_TILE)
             live = offs < query_size * pair
@@ -732,12 +734,13 @@ def _qsim_update_kernel(
 
 @triton.jit
 def _qsim_counters_kernel(has_pending_ptr, cursor_ptr, filled_ptr, cache_size):
-    """One program: where a query was pending, cursor <- (cursor + 1) mod C and filled <-
+    """One program a layer: where a query was pending, cursor <- (cursor + 1) mod C and filled <-
     min(filled + 1, C); has_pending <- False."""
-    step = (tl.load(has_pending_ptr) != 0).to(tl.int64)
-    tl.store(cursor_ptr, (tl.load(cursor_ptr) + step) % cache_size)
-    tl.store(filled_ptr, tl.minimum(tl.load(filled_ptr) + step, cache_size))
-    tl.store(has_pending_ptr, tl.zeros([], dtype=tl.uint8))
+    layer = tl.program_id(0)
+    step = (tl.load(has_pending_ptr + layer) != 0).to(tl.int64)
+    tl.store(cursor_ptr + layer, (tl.load(cursor_ptr + layer) + step) % cache_size)
+    tl.store(filled_ptr + layer, tl.minimum(tl.load(filled_ptr + layer) + step, cache_size))
+    tl.store(has_pending_ptr + layer, tl.zeros([], dtype=tl.uint8))
 
 
 @triton.jit

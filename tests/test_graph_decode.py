@@ -13,7 +13,7 @@ import torch
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
 from prr.model.dense import DenseAttention
-from prr.runtime.graph_decode import GraphDecoder, StaticPlan
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan, state_tensors
 from tests.helpers import graph_predictor, graph_selector
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
@@ -508,18 +508,20 @@ def replaying(hit_rate: float):
 # at-once path runs in make test through test_bench_hit_rate.py's graph-engine runs, whose hit
 # rates and tokens are exact)
 @pytest.mark.parametrize("name", ["last_step", pytest.param("ema_membership", marks=pytest.mark.slow), "spin",
-                                  pytest.param("bench_hit_rate", marks=pytest.mark.slow)])
+                                  pytest.param("bench_hit_rate", marks=pytest.mark.slow), "query_similarity"])
 def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer(name, monkeypatch):
     """last_step, ema_membership and spin (with exploration: 2 of 5 blocks drawn) on the kernels learn
     like ema (plan.learn_layers_at_once): every sparse layer's update as L·B rows of one launch and
     the next step's P of every layer in one propose after the last sparse layer; the logits and
     every layer's P equal learning after each layer, step by step, and the at-once engine calls no
     per-layer update while decoding. bench_hit_rate (a benchmark tool) likewise: one counter add
-    and one gather from its script for the range."""
-    from prr.predictors import EmaMembershipPredictor, LastStepPredictor, SpinPredictor
+    and one gather from its script for the range. query_similarity, which proposes in the step
+    (its update writes no P), updates every layer at once and proposes nothing after it."""
+    from prr.predictors import EmaMembershipPredictor, LastStepPredictor, QuerySimilarityPredictor, SpinPredictor
 
     make = {"last_step": LastStepPredictor, "ema_membership": lambda: EmaMembershipPredictor(alpha=0.6),
-            "spin": lambda: SpinPredictor(explore=0.4, seed=11), "bench_hit_rate": lambda: replaying(0.6)}[name]
+            "spin": lambda: SpinPredictor(explore=0.4, seed=11), "bench_hit_rate": lambda: replaying(0.6),
+            "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2)}[name]
     room = 5 if name == "bench_hit_rate" else 40  # (it records a serial pass of room - 1 steps first)
     each, once = ema_engines(False, predictor=make(), room=room), ema_engines(True, predictor=make(), room=room)
     assert once.attn.predictor.learns_layers_at_once() and once.attn.learn_range == (1, 3)
@@ -535,6 +537,8 @@ def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer
         assert torch.equal(a, b), step
         assert torch.equal(each.attn.pred_all, once.attn.pred_all), step
         assert torch.equal(each.attn.pred_cnt_all, once.attn.pred_cnt_all), step
+        assert all(torch.equal(x, y) for x, y in zip(state_tensors(each.attn.predictor_state),
+                                                      state_tensors(once.attn.predictor_state), strict=True)), step
     assert calls == {"update": 0, "update_layers": 3}
     assert int(once.attn.pred_cnt_all[1:].sum()) > 0
 

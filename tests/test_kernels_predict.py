@@ -285,6 +285,34 @@ def test_query_similarity_rank_and_update_equal_the_reference(monkeypatch):
     assert got[2][0, 0, cache_size] == sel["count"][0, 0] - 1
 
 
+def test_query_similarity_update_of_several_layers_equals_each_layers_own():
+    """query_similarity_update_layers (the engine's learning at once): 3 layers' states as one layer
+    range, one layer with no query pending, cursors at different slots, equal bit for bit to three
+    query_similarity_update calls, counters included."""
+    layers, batch, heads, n, cache_size, width = 3, 2, 3, 37, 3, 5
+    inputs = [qsim_inputs(batch, heads, n, cache_size, width, seed=20 + i) for i in range(layers)]
+    sels = [ref.make_selection(batch, heads, n, [37, 11], topk=width, seed=30 + i) for i in range(layers)]
+    g = torch.Generator().manual_seed(9)
+    pending = torch.randn(layers, batch, heads, inputs[0]["keys"].shape[-1], generator=g)
+
+    def state():
+        return [torch.stack([inp["keys"] for inp in inputs]), torch.stack([inp["set_ids"] for inp in inputs]),
+                torch.stack([inp["set_count"] for inp in inputs]), pending.clone(),
+                torch.tensor([True, False, True]), torch.tensor([2, 0, 1]), torch.tensor([3, 1, 2]),
+                torch.zeros(layers, batch, heads, n, dtype=torch.bool), torch.zeros(layers, batch, heads, n)]
+    each, once = state(), state()
+    for i in range(layers):
+        one = slice(i, i + 1)
+        kp.query_similarity_update(sels[i]["scores"], sels[i]["indices"], sels[i]["count"], each[0][i], each[1][i],
+                                   each[2][i], each[3][i], each[4][one], each[5][one], each[6][one], each[7][i],
+                                   each[8][i])
+    kp.query_similarity_update_layers(*(torch.stack([s[k] for s in sels]) for k in ("scores", "indices", "count")),
+                                      *once)
+    for a, b in zip(each, once, strict=True):
+        assert torch.equal(a, b)
+    assert each[5].tolist() == [0, 0, 2] and each[6].tolist() == [3, 1, 3]  # layer 1 had no query to pair
+
+
 # (batch, KV heads, N, each row's num_blocks, cache_size, list width W, neighbours, recent_blocks,
 #  filled, |P|s, fill width (0: none)): odd sizes, |P| below and above the union, before any pair
 # is cached, unfilled neighbours, full; W below the recent window; contexts shorter than N (0 and 1)

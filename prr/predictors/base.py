@@ -94,8 +94,10 @@ class Predictor(PredictorOptions, ABC):
         `propose_layers(state, first, layers, num_blocks, budget_blocks) -> (indices [L, B, Hkv, C],
         counts [L, B, Hkv])` (their next step's P), one launch each, equal layer by layer to
         `update` then `propose`: the graph engine then learns once after a step's last sparse layer
-        instead of after each one (StaticPlan.learn_layers_at_once). History-only predictors
-        only; the engine calls those two methods only where this returns True (ema, spin and
+        instead of after each one (StaticPlan.learn_layers_at_once). History-only predictors,
+        and predictors whose update writes no P (`proposals_after_update` empty:
+        query_similarity on the kernels, which offers `update_layers` alone and proposes in the
+        step); the engine calls those methods only where this returns True (ema, spin and
         the StateRankPredictors, last_step and ema_membership, on the kernels: layer_range_kernels;
         the torch definition learns layer by layer; the benchmark tool bench_hit_rate, whose
         learning is a table lookup, on either backend)."""

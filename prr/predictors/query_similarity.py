@@ -67,7 +67,7 @@ from torch import Tensor
 
 from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
 from prr.kernels.reference_predict import fill_reference
-from prr.predictors.base import NEVER, Predictor
+from prr.predictors.base import NEVER, Predictor, stacked_blocks
 from prr.predictors.ema import newest_mask, standardise
 from prr.predictors.options import QuerySimilarityPredictorOptions
 from prr.selectors.base import Selection
@@ -101,6 +101,7 @@ class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
     # the constructor is QuerySimilarityPredictorOptions' (prr.predictors.options: no torch, checked before torch is imported)
     needs_query = True  # the runtime passes propose(..., query=q)
     history_only = False  # ranks this step's query
+    layer_range_kernels = True  # update_layers (its update writes no P: no propose_layers)
 
     def init_state(self, num_layers: int, batch: int, num_kv_heads: int, max_blocks: int, device: Any) -> QuerySimilarityState:
         per_layer = (num_layers, batch, num_kv_heads)
@@ -226,6 +227,25 @@ class QuerySimilarityPredictor(QuerySimilarityPredictorOptions, Predictor):
         state.last_selected[layer] = chosen
         state.last_z[layer] = standardise(selection.scores)
         self._write_fill(state, layer)
+
+    def update_layers(self, state: QuerySimilarityState, first: int, selections: list[Selection],
+                      blocks: BlockSet | None = None) -> None:
+        """`update` of layers first, first + 1, ... in the launches of one (triton; the engine's
+        learning at once, StaticPlan.learn_layers_at_once: at the step's end on the side stream,
+        not after each layer). blocks: their A stacked [L, B, Hkv, C] where the engine has that copy."""
+        from prr.kernels.predict import query_similarity_update_layers
+
+        layers = len(selections)
+        span = slice(first, first + layers)
+        for selection in selections:
+            self.size_for_selection(state, selection.blocks.capacity)
+        a = stacked_blocks(selections, blocks)
+        query_similarity_update_layers(torch.stack([s.scores for s in selections]), a.indices, a.count,
+                                       state.keys[span], state.set_ids[span], state.set_count[span], state.pending[span],
+                                       state.has_pending[span], state.cursor[span], state.filled[span],
+                                       state.last_selected[span], state.last_z[span])
+        for layer in range(first, first + layers):
+            self._write_fill(state, layer)
 
     def _write_fill(self, state: QuerySimilarityState, layer: int) -> None:
         """fill <- the W best blocks of TIE·last_z, best first, ties to the lower id

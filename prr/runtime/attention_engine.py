@@ -404,17 +404,19 @@ class AttentionEngine:
     def _learns_at_once(self, layer: int, propose_next: bool) -> bool:
         """Whether this step's learning waits for the last sparse layer and runs every layer's at
         once (plan.learn_layers_at_once, the graph engine's step, a predictor that can, whose
-        update completes only its own next P, over a contiguous range of sparse layers)."""
+        update completes only its own next P or none (query_similarity: it proposes in the step),
+        over a contiguous range of sparse layers)."""
         predictor = self.predictor
         return (self.plan.learn_layers_at_once and propose_next and not self.sized_per_step
                 and self.learn_range is not None and self.pred_all is not None
                 and predictor.learns_layers_at_once()
-                and predictor.proposals_after_update(self.predictor_state, layer) == [(layer, True)])
+                and predictor.proposals_after_update(self.predictor_state, layer) in ([(layer, True)], []))
 
     def _learn_layers(self, lengths: Tensor, selections: list[Selection]) -> None:
         """Every sparse layer's update from this step's A (selections, one per layer of
-        learn_range) and the next step's P of each, in one update and one propose launch, on the
-        side stream once the last layer is repaired (the side stream waits for it in `_learn`)."""
+        learn_range) and, for history-only predictors, the next step's P of each, in one update
+        and one propose launch, on the side stream once the last layer is repaired (the side
+        stream waits for it in `_learn`)."""
         first, last = self.learn_range
         if len(selections) != last - first + 1:
             raise RuntimeError(f"learning layers {first}..{last} at once got {len(selections)} selections: "
@@ -428,6 +430,8 @@ class AttentionEngine:
             a is s.blocks.indices for a, s in zip(stacked[0], selections, strict=True))
         with self._side(), self._stage("predict"):
             self.predictor.update_layers(self.predictor_state, first, selections, blocks=stacked[1] if held else None)
+            if self.predictor.proposals_after_update(self.predictor_state, first) == []:
+                return  # (query_similarity: its update writes no P; each layer proposes in the step)
             idx, cnt = self.predictor.propose_layers(self.predictor_state, first, len(selections),
                                                      self._next_step_blocks(lengths), self.pred_all.shape[-1])
             self.pred_all[first : last + 1, ..., : idx.shape[-1]].copy_(idx)

@@ -517,7 +517,12 @@ def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer
     per-layer update while decoding. bench_hit_rate (a benchmark tool) likewise: one counter add
     and one gather from its script for the range. query_similarity, which proposes in the step
     (its update writes no P), updates every layer at once and proposes nothing after it."""
-    from prr.predictors import EmaMembershipPredictor, LastStepPredictor, QuerySimilarityPredictor, SpinPredictor
+    from prr.predictors import (
+        EmaMembershipPredictor,
+        LastStepPredictor,
+        QuerySimilarityPredictor,
+        SpinPredictor,
+    )
 
     make = {"last_step": LastStepPredictor, "ema_membership": lambda: EmaMembershipPredictor(alpha=0.6),
             "spin": lambda: SpinPredictor(explore=0.4, seed=11), "bench_hit_rate": lambda: replaying(0.6),

@@ -633,12 +633,18 @@ def test_gpu_counters_at_step_end_captured_equal_counting_after_each_layer(varia
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
-@pytest.mark.parametrize("name", ["ema", "last_step", "ema_membership", "spin"])
+@pytest.mark.parametrize("name", ["ema", "last_step", "ema_membership", "spin", "query_similarity"])
 def test_gpu_learning_at_once_captured_equals_after_each_layer(name):
-    from prr.predictors import EmaMembershipPredictor, LastStepPredictor, SpinPredictor
+    from prr.predictors import (
+        EmaMembershipPredictor,
+        LastStepPredictor,
+        QuerySimilarityPredictor,
+        SpinPredictor,
+    )
 
     make = {"ema": lambda: None, "last_step": LastStepPredictor, "ema_membership": EmaMembershipPredictor,
-            "spin": lambda: SpinPredictor(explore=0.4, seed=11)}[name]
+            "spin": lambda: SpinPredictor(explore=0.4, seed=11),
+            "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2)}[name]
     engines = [ema_engines(flag, "cuda", torch.bfloat16, context=3001, predictor=make()) for flag in (False, True)]
     outs = []
     for engine in engines:

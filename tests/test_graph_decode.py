@@ -504,10 +504,12 @@ def replaying(hit_rate: float):
     return predictor
 
 
-# (ema_membership shares last_step's StateRankPredictor path: make test-full; bench_hit_rate's
-# at-once path runs in make test through test_bench_hit_rate.py's graph-engine runs, whose hit
-# rates and tokens are exact)
-@pytest.mark.parametrize("name", ["last_step", pytest.param("ema_membership", marks=pytest.mark.slow), "spin",
+# (make test-full: ema_membership shares last_step's StateRankPredictor path; spin's layer-range
+# launches are checked bit for bit against its per-layer ones in test_kernels_predict.py;
+# bench_hit_rate's at-once path runs in make test through test_bench_hit_rate.py's graph-engine
+# runs, whose hit rates and tokens are exact)
+@pytest.mark.parametrize("name", ["last_step", pytest.param("ema_membership", marks=pytest.mark.slow),
+                                  pytest.param("spin", marks=pytest.mark.slow),
                                   pytest.param("bench_hit_rate", marks=pytest.mark.slow), "query_similarity"])
 def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer(name, monkeypatch):
     """last_step, ema_membership and spin (with exploration: 2 of 5 blocks drawn) on the kernels learn

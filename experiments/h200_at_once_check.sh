@@ -8,13 +8,7 @@
 #     (the [512 x 128] register compares a review flagged).
 # Everything lands in $OUT (log.txt, gpu_tests.txt, csv + json per benchmark).
 #   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... bash experiments/h200_at_once_check.sh
-set -u
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-OUT=${OUT:?set OUT to the output folder}
-LOG=$OUT/log.txt
-say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+. "$(dirname "$0")/h200_preamble.sh"
 
 say "gpu tests"
 timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graph_decode.py \

@@ -7,13 +7,7 @@
 #  3. whole runs, Quest 32K, block 16, K = 32: serial and query_similarity (1.074x learning after each layer).
 # Everything lands in $OUT (log.txt, gpu_tests.txt, csv + json per benchmark).
 #   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... bash experiments/h200_qsim_at_once_k128.sh
-set -u
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-OUT=${OUT:?set OUT to the output folder}
-LOG=$OUT/log.txt
-say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+. "$(dirname "$0")/h200_preamble.sh"
 
 say "gpu tests"
 timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_predict.py \

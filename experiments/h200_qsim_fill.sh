@@ -7,13 +7,7 @@
 #     list and with it at widths 128 and 256 (bench_predictors.py: P equal to the torch path's).
 # Everything lands in $OUT: 8 files, the most that come back (log.txt, gpu_tests.txt, 3 x csv + json).
 #   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... [WIDTHS="0 128"] bash experiments/h200_qsim_fill.sh
-set -u
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-OUT=${OUT:?set OUT to the output folder}
-LOG=$OUT/log.txt
-say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+. "$(dirname "$0")/h200_preamble.sh"
 
 say "gpu tests"
 timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_exact_speculation.py \

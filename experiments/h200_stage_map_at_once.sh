@@ -12,14 +12,8 @@
 # rate near 1.0: bf16 last bits flip near-tied selections), TESTS=0 skips step 1.
 # Everything lands in $OUT (log.txt, gpu_tests.txt, stage_map.csv, one json + csv per cell).
 #   usage on the device: PYTHONPATH=$PWD/.site:$PWD OUT=... [DTYPE=float32] [TESTS=0] [CELLS="quest:16 infllm:16"] bash experiments/h200_stage_map_at_once.sh
-set -u
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-OUT=${OUT:?set OUT to the output folder}
+. "$(dirname "$0")/h200_preamble.sh"
 W=/tmp/stage_map_at_once && mkdir -p $W
-LOG=$OUT/log.txt
-say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 
 DTYPE=${DTYPE:-bfloat16}
 [ "${TESTS:-1}" = 1 ] && say "gpu tests" && timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graph_decode.py tests/test_bench_hit_rate.py \

@@ -514,12 +514,13 @@ def query_similarity_propose(query: Tensor, keys: Tensor, set_ids: Tensor, set_c
     pending / has_pending alike) -> (indices [B, Hkv, min(k, N)] int32 ascending, counts [B, Hkv]
     int32). Two launches: the cosines (`_qsim_similarity_kernel`, C / SLOTS programs a KV head),
     then `_qsim_propose_kernel`, which works on the neighbours' id lists, the recent window and the
-    fill list in registers (O(neighbours·K + fill width), no pass over the N blocks) where they
-    hold P: rows of up to MAX_ROW_BLOCK blocks, (neighbours + 1 rounded up to a power of two) ×
-    max(W, recent_blocks, W_fill / that, 16) (rounded likewise) <= MAX_LANES, and tie < 0.5 /
-    sqrt(N - 1) (the voted blocks then outrank the others); where they do not (fewer than k
-    candidates and no valid, long enough fill) the same launch takes the whole row's top-k. Else
-    rank + topk_select.
+    fill list in registers (no pass over the N blocks; the lanes' memberships from one sort of
+    their (id, row) keys and two scans, O(LANES·log LANES), not a compare of each lane against
+    each list) where they hold P: rows of up to MAX_ROW_BLOCK blocks, LANES = (neighbours + 1
+    rounded up to a power of two) × max(W, recent_blocks, W_fill / that, 16) (rounded likewise)
+    <= MAX_LANES, and tie < 0.5 / sqrt(N - 1) (the voted blocks then outrank the others); where
+    they do not (fewer than k candidates and no valid, long enough fill) the same launch takes
+    the whole row's top-k. Else rank + topk_select.
     fill: [B, Hkv, W_fill] int32, the W_fill best blocks of tie·last_z best first
     (`fill_reference`), with fill_valid [1] bool (False: not written for this last_z yet); None:
     no fill."""

@@ -510,6 +510,54 @@ def _qsim_similarity_kernel(
 
 
 @triton.jit
+def _rows_of_lowest_id(id_a, rows_a, id_b, rows_b):
+    """associative_scan combine (commutative and associative, so neither the scan's direction nor
+    its tree changes the result): the lower id, with the OR of the row masks that carry it."""
+    low = tl.minimum(id_a, id_b)
+    return low, tl.where(id_a == low, rows_a, 0) | tl.where(id_b == low, rows_b, 0)
+
+
+@triton.jit
+def _rows_of_highest_id(id_a, rows_a, id_b, rows_b):
+    """As `_rows_of_lowest_id` for the higher id."""
+    high = tl.maximum(id_a, id_b)
+    return high, tl.where(id_a == high, rows_a, 0) | tl.where(id_b == high, rows_b, 0)
+
+
+@triton.jit
+def _exchange(x, N: tl.constexpr, S: tl.constexpr, DESCENDING_BIT: tl.constexpr):
+    """One step of a bitonic network over x [N]: the elements S apart (in blocks of 2S) put in
+    order, ascending, or descending in the blocks whose position has DESCENDING_BIT set."""
+    pairs = tl.permute(tl.reshape(x, [N // (2 * S), 2, S]), (0, 2, 1))  # [.., S, 2]: (x[i], x[i + S])
+    a, b = tl.split(pairs)
+    lo = tl.minimum(a, b)
+    hi = tl.maximum(a, b)
+    if DESCENDING_BIT < N:
+        descending = ((tl.arange(0, N // (2 * S)) * (2 * S)) & DESCENDING_BIT)[:, None] != 0
+        lo, hi = tl.where(descending, hi, lo), tl.where(descending, lo, hi)
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [N])
+
+
+@triton.jit
+def _bitonic_sort(x, N: tl.constexpr):
+    """x [N] (N a power of two, at most 2^15) in ascending order: a bitonic network of
+    log N·(log N + 1)/2 steps, each a min/max over the pairs in registers. (Its sm_90 PTX at 4
+    warps, 512 lanes: 19 barriers for int32 or uint64, against tl.sort's 27 and 55.)"""
+    for stage in tl.static_range(1, 16):
+        if (1 << stage) <= N:  # runs of 2^(stage - 1), alternately ascending and descending, merged
+            for i in tl.static_range(stage):
+                x = _exchange(x, N, 1 << (stage - 1 - i), 1 << stage)
+    return x
+
+
+@triton.jit
+def _store_in_lane_order(idx_out_ptr, out_row, ids, taken, k):
+    """idx_out[out_row + i] <- the i-th taken lane's id (i < k), the lanes in order."""
+    position = tl.cumsum(taken.to(tl.int32), axis=0) - 1
+    tl.store(idx_out_ptr + out_row + position, ids, mask=taken & (position < k))
+
+
+@triton.jit
 def _qsim_propose_kernel(
     similarity_ptr,  # [B, Hkv, C] fp32: `_qsim_similarity_kernel`'s cosines
     set_ids_ptr, set_cnt_ptr, last_z_ptr, filled_ptr, num_blocks_ptr,  # (as _qsim_rank_kernel's)
@@ -517,7 +565,8 @@ def _qsim_propose_kernel(
     fill_valid_ptr,  # [1] uint8: fill is up to date with last_z (HAS_FILL)
     idx_out_ptr,  # [B, Hkv, K_out] int32: P in ascending block order, then padding 0
     count_out_ptr,  # [B, Hkv] int32
-    scratch_row_ptr,  # [B * Hkv, N] int32 workspace: the whole row's keys (only where the lists do not hold P)
+    scratch_row_ptr,  # [B * Hkv, N] int32 workspace: the fill's marks (HAS_FILL); the whole row's keys (only where
+    # the lists do not hold P)
     n, num_kv_heads, cache_size, width, recent_blocks, k, k_out, fill_width,
     recent_bonus, tie,
     NEIGHBOURS: tl.constexpr,
@@ -541,8 +590,15 @@ def _qsim_propose_kernel(
       not depend on the query: the first k - n_c non-candidates inside the context in `fill` (the
       update's list of the row's best by tie·z, best first, written off the critical path);
     - else (no valid fill, or too short) the top-k of the whole row (O(N), in registers).
-    P's ids are put in ascending order by one more sort. Everything stays in registers: the
-    neighbours' memberships are compared lane against list, not re-read from memory."""
+    The memberships take one sort and two scans over the lanes (log-depth), not a compare of each
+    lane against each neighbour's list ([LANES × K_BLOCK] per neighbour, which spilled at K =
+    128): the lanes are sorted once as (id << 6 | row) int32 keys, so a block's lanes are adjacent,
+    and two scans OR their rows' bits (forward: the block's first lane is the one whose prefix
+    holds only its own row; backward: that lane gets every row listing the block, whose
+    neighbours' weights are then added in torch's order). The candidates' ids then ascend across
+    the lanes, so P is written in lane order (a cumsum, no sort) unless fill blocks join it.
+    The fill's ids listed by a neighbour are found by marks in the scratch row (O(LANES + W_fill),
+    two barriers). The sorts are `_bitonic_sort`'s network (fewer barriers than tl.sort's)."""
     pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     batch = tl.program_id(1)
@@ -560,74 +616,100 @@ def _qsim_propose_kernel(
     cnt = tl.load(set_cnt_ptr + lists, mask=(rows < NEIGHBOURS) & (weight > 0), other=0)  # unfilled slots: no lanes
     in_list = cols[None, :] < cnt[:, None]
     ids2 = tl.load(set_ids_ptr + lists[:, None] * width + cols[None, :], mask=in_list, other=0)
-    listed2 = tl.where(in_list, ids2, -1)  # the lists alone, -1 elsewhere (never a live block)
     window = rows[:, None] == NEIGHBOURS
     ids2 = tl.where(window, nb - recent_blocks + cols[None, :], ids2)
     live2 = (in_list | (window & (cols[None, :] < recent_blocks))) & (ids2 >= 0) & (ids2 < nb)
     LANES: tl.constexpr = M_ROWS * K_BLOCK
+    # a lane's key: its block id << 6 | its row (M_ROWS <= 64; ids < nb <= N, the launcher's rows of up to
+    # MAX_ROW_BLOCK = 16384 blocks: far below 2^25); the lanes outside the lists and the window (or the
+    # context) sort last (key 2^31 - 1, no row bit)
+    tl.static_assert(M_ROWS <= 64)
+    BIG: tl.constexpr = 2147483647
+    lane_row2 = tl.broadcast_to(rows[:, None], [M_ROWS, K_BLOCK])
+    key = _bitonic_sort(tl.reshape(tl.where(live2, (ids2 << 6) | lane_row2, BIG), [LANES]), LANES)
     lane = tl.arange(0, LANES)
-    ids = tl.reshape(ids2, [LANES])
-    live = tl.reshape(live2, [LANES])
-    lane_row = tl.reshape(tl.broadcast_to(rows[:, None], [M_ROWS, K_BLOCK]), [LANES])
-    # votes of each lane's block, neighbour by neighbour (torch's order of the sum); a lane is its
-    # block's first when no earlier row lists the block (the lists hold distinct ids)
+    live = key != BIG
+    ids = key >> 6
+    lane_row = key & 63
+    # each lane's row as one bit (int32 up to 32 rows), none for the lanes that are not live (whose
+    # shift is 0: none past the width)
+    shift = tl.where(live, lane_row, 0)
+    if M_ROWS > 32:
+        bit = tl.where(live, tl.full([LANES], 1, tl.int64) << shift.to(tl.int64), 0)
+    else:
+        bit = tl.where(live, tl.full([LANES], 1, tl.int32) << shift, 0)
+    # a block's lanes are adjacent, its rows ascending: forward, a lane's mask holds the rows of the
+    # block's lanes up to it (only its own at the block's first lane); backward, those from it on
+    # (every row listing the block at its first lane)
+    _, before = tl.associative_scan((ids, bit), 0, _rows_of_highest_id)
+    _, after = tl.associative_scan((ids, bit), 0, _rows_of_lowest_id, reverse=True)
+    # one lane per block, its first (every live lane is voted, weight > 0, or recent)
+    candidate = live & (before == bit)
+    # votes of each candidate's block, neighbour by neighbour (torch's order of the sum)
     votes = tl.zeros([LANES], dtype=tl.float32)
-    repeated = tl.zeros([LANES], dtype=tl.int32)
     for j in tl.static_range(NEIGHBOURS):
-        list_j = tl.max(tl.where(rows[:, None] == j, listed2, -1), axis=0)  # [K_BLOCK]
         w_j = tl.sum(tl.where(rows == j, weight, 0.0), axis=0)
-        member = tl.max((ids[:, None] == list_j[None, :]).to(tl.int32), axis=1)
-        votes = tl.where(member != 0, votes + w_j, votes)
-        repeated = tl.maximum(repeated, tl.where(lane_row > j, member, 0))
-    candidate = live & (repeated == 0)  # every live lane is voted (weight > 0) or recent
+        votes = tl.where(((after >> j) & 1) != 0, votes + w_j, votes)
     recent = ids >= nb - recent_blocks
     z = tl.load(last_z_ptr + bh * n + ids, mask=candidate, other=0.0)
     score = votes + recent_bonus * recent.to(tl.float32) + tie * z
     keys = tl.where(candidate, _order_key(score), 0)
     n_cand = tl.sum(candidate.to(tl.int32), axis=0)
-    # the top_k_blocks order (key descending, then the lower id) as one descending uint64 sort;
-    # non-candidates are 0, below every candidate (whose keys are those of scores >= 0.5)
-    packed = tl.where(candidate, (keys.to(tl.uint64) << 32) | (0xFFFFFFFF - ids.to(tl.uint32, bitcast=True)).to(
-        tl.uint64), 0)
-    if n_cand > k:  # (the sort only where it decides: ~1 µs on the H200)
-        kth = tl.max(tl.where(lane == k - 1, tl.sort(packed, descending=True), 0), axis=0)
-    else:
-        kth = tl.zeros([], dtype=tl.uint64)
-    taken = candidate & (packed >= kth)  # every candidate where at most k are
     done = n_cand >= k
     out_row = bh * k_out
-    BIG: tl.constexpr = 2147483647
-    chosen = tl.where(taken, ids, BIG)
     if HAS_FILL:
-        # the fill list in LANES lanes (K_BLOCK is sized so that M_ROWS·K_BLOCK >= W_fill); its ids
-        # listed by a neighbour or in the recent window are candidates already
-        fid = tl.load(fill_ptr + bh * fill_width + lane, mask=lane < fill_width, other=0)
-        is_cand = fid >= nb - recent_blocks
-        for j in tl.static_range(NEIGHBOURS):
-            list_j = tl.max(tl.where(rows[:, None] == j, listed2, -1), axis=0)
-            is_cand = is_cand | (tl.max((fid[:, None] == list_j[None, :]).to(tl.int32), axis=1) != 0)
-        usable = (lane < fill_width) & (fid < nb) & ~is_cand  # non-candidates inside the context, best first
-        need = k - n_cand
-        enough = (n_cand < k) & (tl.load(fill_valid_ptr) != 0) & (tl.sum(usable.to(tl.int32), axis=0) >= need)
-        # (need times 0 or 1: the interpreter does not broadcast a scalar bool into a block mask)
-        picked = usable & (tl.cumsum(usable.to(tl.int32), axis=0) <= need * enough.to(tl.int32))
+        # the fill list in LANES lanes (K_BLOCK is sized so that M_ROWS·K_BLOCK >= W_fill), read
+        # only where the candidates are too few; its ids listed by a neighbour or in the recent
+        # window are candidates already. Listed: marks in the scratch row (0 at the fill's ids,
+        # then 1 at the lists' ids, then read at the fill's)
+        fid = tl.zeros([LANES], dtype=tl.int32)
+        enough = n_cand < 0
+        picked = lane < 0
+        if n_cand < k:
+            fid = tl.load(fill_ptr + bh * fill_width + lane, mask=lane < fill_width, other=0)
+            in_fill = (lane < fill_width) & (fid >= 0) & (fid < nb)
+            marks = scratch_row_ptr + bh * n
+            tl.store(marks + fid, tl.zeros([LANES], dtype=tl.int32), mask=in_fill)
+            tl.debug_barrier()
+            tl.store(marks + ids, tl.full([LANES], 1, tl.int32), mask=live & (lane_row < NEIGHBOURS))
+            tl.debug_barrier()
+            listed = tl.load(marks + fid, mask=in_fill, other=0, cache_modifier=".cg") != 0
+            is_cand = (fid >= nb - recent_blocks) | listed
+            usable = (lane < fill_width) & (fid < nb) & ~is_cand  # non-candidates inside the context, best first
+            need = k - n_cand
+            enough = (tl.load(fill_valid_ptr) != 0) & (tl.sum(usable.to(tl.int32), axis=0) >= need)
+            # (need times 0 or 1: the interpreter does not broadcast a scalar bool into a block mask)
+            picked = usable & (tl.cumsum(usable.to(tl.int32), axis=0) <= need * enough.to(tl.int32))
         done = done | enough
     if done:
-        # P's ids in ascending order: one sort of the candidates' lanes, and of the fill's beside
-        # them where it was used
-        if HAS_FILL:
-            if enough:
-                out_lane = tl.arange(0, 2 * LANES)
-                ascending = tl.sort(tl.reshape(tl.join(chosen, tl.where(picked, fid, BIG)), [2 * LANES]))
-                tl.store(idx_out_ptr + out_row + out_lane, ascending, mask=out_lane < k)
-            else:
-                tl.store(idx_out_ptr + out_row + lane, tl.sort(chosen), mask=lane < k)
+        # P's ids ascending: the candidates' ids ascend across the lanes
+        if n_cand > k:
+            # the top_k_blocks order (key descending, then the lower id) as one uint64 sort, the
+            # k-th largest at lane LANES - k; non-candidates are 0, below every candidate (whose
+            # keys are those of scores >= 0.5)
+            packed = tl.where(candidate, (keys.to(tl.uint64) << 32) | (
+                0xFFFFFFFF - ids.to(tl.uint32, bitcast=True)).to(tl.uint64), 0)
+            kth = tl.max(tl.where(lane == LANES - k, _bitonic_sort(packed, LANES), 0), axis=0)
+            _store_in_lane_order(idx_out_ptr, out_row, ids, candidate & (packed >= kth), k)
         else:
-            tl.store(idx_out_ptr + out_row + lane, tl.sort(chosen), mask=lane < k)
+            # every candidate, or where the fill was used one sort of their ids beside the fill's
+            if HAS_FILL:
+                if enough:
+                    out_lane = tl.arange(0, 2 * LANES)
+                    chosen = tl.where(candidate, ids, BIG)
+                    ascending = _bitonic_sort(tl.reshape(tl.join(chosen, tl.where(picked, fid, BIG)), [2 * LANES]),
+                                              2 * LANES)
+                    tl.store(idx_out_ptr + out_row + out_lane, ascending, mask=out_lane < k)
+                else:
+                    _store_in_lane_order(idx_out_ptr, out_row, ids, candidate, k)
+            else:
+                _store_in_lane_order(idx_out_ptr, out_row, ids, candidate, k)
         _pad_and_count(idx_out_ptr, count_out_ptr, out_row, bh, k, k_out, PAD_BLOCK)
     else:
         # the whole row: tie·z as the rank sums it for a block without votes (0 + 0 + tie·z), the
         # candidates' keys written over theirs, then the row's top-k
+        if HAS_FILL:
+            tl.debug_barrier()  # every thread has read the fill's marks before the row overwrites them
         offs = tl.arange(0, BLOCK)
         inside = offs < nb
         z_row = tl.load(last_z_ptr + bh * n + offs, mask=offs < n, other=0.0)

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from prr.kernels import predict as kp
 from prr.kernels import reference_predict as ref
+from prr.kernels.predict_jit import _bitonic_sort
 from prr.kernels.reference_selection import top_k_blocks
 
 from prr.blocks import BlockSet
@@ -362,6 +366,58 @@ def test_query_similarity_propose_breaks_ties_to_the_lower_block():
         assert_same_p(qsim_propose(inp, 3, nb, 2, 1, k, fill), want, k)
 
 
+@pytest.mark.parametrize("fill_width", [0, 141])
+def test_query_similarity_propose_with_wide_overlapping_lists(fill_width):
+    """The K = 128 shape (4 rows of 128 lanes, full lists of 128 ids) at an odd N: lists drawn
+    from a small pool so that the neighbours share most ids, the recent window lies in them, a
+    few ids past the context, z in few values (ties); k below, at and above the candidates, with
+    the fill list (its best blocks mostly listed) and without (the whole row): P equals the
+    reference's, its ids distinct."""
+    batch, heads, n, cache_size, width, m, recent = 2, 1, 401, 5, 128, 3, 3
+    nb = torch.tensor([401, 263], dtype=torch.int32)
+    inp = qsim_inputs(batch, heads, n, cache_size, width, seed=23)
+    g = torch.Generator().manual_seed(23)
+    mask = torch.zeros(batch, heads, cache_size + 1, n, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            pool = torch.cat([torch.arange(int(nb[b]) - recent, int(nb[b]) + 2),  # the window, 2 ids past the context
+                              torch.randperm(int(nb[b]) - recent, generator=g)[:165]])
+            pool = pool[pool < n]
+            for c in range(cache_size + 1):  # full lists, each three quarters of the pool
+                mask[b, h, c, pool[torch.randperm(pool.numel(), generator=g)[:width]]] = True
+    inp["set_ids"], inp["set_count"] = ref.selection_lists_reference(mask, width)
+    inp["last_z"] = torch.randint(-6, 7, (batch, heads, n), generator=g).float() / 4
+    want, _ = ref.query_similarity_rank_reference(inp["query"], inp["keys"], inp["set_ids"], inp["set_count"],
+                                                  inp["last"], inp["last_z"], cache_size, nb, m, recent, QS_TIE)
+    candidates = (want >= 0.5).sum(-1)
+    assert (candidates > width).all() and (candidates < 230).all()
+    fill = ref.fill_reference(inp["last_z"], QS_TIE, fill_width) if fill_width else None
+    for k in (61, int(candidates.min()), 230):
+        got = qsim_propose(inp, cache_size, nb, m, recent, k, fill)
+        assert_same_p(got, want, k)
+        assert (got.sum(-1) == k).all()  # k distinct ids
+
+
+@triton.jit
+def _sort_lanes_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, _bitonic_sort(tl.load(x_ptr + offs), N))
+
+
+@pytest.mark.parametrize("n", [1, 2, 64, 1024])
+def test_bitonic_sort_orders_like_numpy(n):
+    """The propose's sort (its own bitonic network): int32 with ties, negatives and the sentinel
+    2^31 - 1; uint64 (the packed (key, id)) with the top bit set."""
+    rng = np.random.default_rng(n)
+    x = rng.integers(-40, 40, n).astype(np.int32)
+    x[rng.random(n) < 0.2] = 2**31 - 1
+    u = rng.integers(0, 2**62, n, dtype=np.uint64) | (rng.integers(0, 2, n, dtype=np.uint64) << np.uint64(63))
+    for values in (x, u):
+        got = torch.empty(n, dtype=torch.from_numpy(values).dtype)
+        _sort_lanes_kernel[(1,)](torch.from_numpy(values), got, N=n)
+        assert np.array_equal(got.numpy(), np.sort(values))
+
+
 # (with the fill list: 7 s under the interpreter, make test-full)
 @pytest.mark.parametrize("batch,heads,n,width,quantised", [(2, 3, 61, 7, False), (1, 2, 113, 113, True),
                                                             (2, 1, 1000, 256, True), (1, 1, 27, 1, False)])
@@ -565,6 +621,25 @@ def test_gpu_query_similarity_propose_at_the_8b_shape():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(idx, eager[0]) and torch.equal(cnt, eager[1])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_query_similarity_propose_with_lists_of_128(device="cuda"):
+    """Selections of K = 128 blocks (lists of W = 128: 4 rows of 128 lanes), otherwise the 8B
+    shape above: |P| = 32 and 128 from the candidates, 300 through a fill list of 256 and through
+    the whole row; P equals the reference's up to the rounding of the cosines."""
+    n, cache_size = 8192, 64
+    inp = {k: v.to(device) for k, v in qsim_inputs(1, 8, n, cache_size, 128, seed=8, group=4, dim=128,
+                                                      full=True).items()}
+    nb = torch.tensor([8000], dtype=torch.int32, device=device)
+    want, _ = ref.query_similarity_rank_reference(inp["query"], inp["keys"], inp["set_ids"], inp["set_count"],
+                                                  inp["last"], inp["last_z"], cache_size, nb, 2, 1, QS_TIE)
+    candidates = (want >= 0.5).sum(-1)
+    assert (candidates > 128).all() and (candidates < 300).all()  # each path as named
+    fill = ref.fill_reference(inp["last_z"], QS_TIE, 256)
+    for k, f in ((32, None), (128, None), (300, fill), (300, None)):
+        assert_same_p(qsim_propose(inp, cache_size, nb, 2, 1, k, f), want, k)
 
 
 @pytest.mark.gpu

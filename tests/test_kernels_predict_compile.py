@@ -61,13 +61,17 @@ SCRIPT = textwrap.dedent('''
     build(J._qsim_rank_kernel, {**lists, "rank_ptr": F},
           {"NEIGHBOURS": 2, "C_BLOCK": 64, "M_ROWS": 2, "Q_TILE": 128, "TILE": 4096, "IDX_TILE": 128, "PDL": False},
           enable_fp_fusion=False)
-    # the 8B shape's K = 32 lists at |P| = 32 and 128, with and without the fill list (256 lanes); a short row
-    for block, k_block, fill in ((8192, 64, True), (8192, 32, False), (64, 16, True)):
+    # the 8B shape's K = 32 and K = 128 lists at |P| = 32 and 128, with and without the fill list (256 lanes);
+    # a short row; 33 neighbours (64 rows of lanes: the rows' bits in int64)
+    for neighbours, m_rows, block, k_block, fill in ((2, 4, 8192, 64, True), (2, 4, 8192, 32, False),
+                                                     (2, 4, 8192, 128, False), (2, 4, 8192, 128, True),
+                                                     (2, 4, 64, 16, True), (33, 64, 64, 16, False)):
         build(J._qsim_propose_kernel, {"similarity_ptr": F, "set_ids_ptr": I32, "set_cnt_ptr": I32, "last_z_ptr": F,
               "filled_ptr": I64, "num_blocks_ptr": I32, "fill_ptr": I32, "fill_valid_ptr": U8, "idx_out_ptr": I32,
               "count_out_ptr": I32, "scratch_row_ptr": I32, "recent_bonus": "fp32", "tie": "fp32"},
-              {"NEIGHBOURS": 2, "C_BLOCK": 64, "M_ROWS": 4, "K_BLOCK": k_block, "BLOCK": block, "HAS_FILL": fill,
-               "RADIX_BITS": 2, "PAD_BLOCK": 256, "PDL": False}, enable_fp_fusion=False, num_warps=4)
+              {"NEIGHBOURS": neighbours, "C_BLOCK": 64, "M_ROWS": m_rows, "K_BLOCK": k_block, "BLOCK": block,
+               "HAS_FILL": fill, "RADIX_BITS": 2, "PAD_BLOCK": 256, "PDL": False}, enable_fp_fusion=False,
+              num_warps=4)
     for slots, q_chunk in ((8, 512), (1, 4096)):
         build(J._qsim_similarity_kernel, {"query_ptr": "*bf16", "keys_ptr": F, "pending_ptr": F, "has_pending_ptr": U8,
               "similarity_ptr": F}, {"SLOTS": slots, "Q_CHUNK": q_chunk}, num_warps=4)
@@ -87,7 +91,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-# 8-45 s of Triton compiles for a GPU target: `make test-full` (the H200 runs compile them for real)
+# 8-60 s of Triton compiles for a GPU target: `make test-full` (the H200 runs compile them for real)
 @pytest.mark.slow
 def test_predictor_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")

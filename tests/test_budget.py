@@ -1,5 +1,6 @@
-"""Speculation budgets: fixed arithmetic, and profiled picks the largest |P| whose
-speculation hides inside selection (0 where none does), cached per device and shape."""
+"""Speculation budgets: fixed arithmetic, and profiled keeps the |P| whose whole PRR stage
+beats serial DSA's fastest (stage_check) or the largest whose speculation hides inside
+selection (the paper's rule), 0 where none does, cached per device and shape."""
 
 import json
 import logging

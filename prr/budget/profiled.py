@@ -164,8 +164,8 @@ class ProfiledBudget(SpeculationBudget):
         DSA's plus work and the stage check could only choose serial DSA."""
         self.table = [(c, 0) for c in contexts]
         self.profiled_select = []  # no timings: observe() has nothing to compare
-        reason = ("this runtime runs its stages one after another (the eager runtime), so no |P| hides inside "
-                  "selection and the stage check would choose serial DSA")
+        reason = ("this runtime runs its stages one after another (the eager runtime), so PRR's stage is serial "
+                  "DSA's plus speculation and the stage check would choose serial DSA")
         log.info("budget=profiled: |P| = 0 (serial DSA) at every context, not measured: %s; nothing timed or cached "
                  "(budget.stage_check=false times the paper's rule alone)", reason)
         self.setup_info = {"profile_source": "not measured", "profile_cached": False, "profile_cache": None,

@@ -130,19 +130,28 @@ def map_prediction(stage_map: pd.DataFrame, selector: str, context: int, block: 
     of the map), while the map's `serial` adds the merge launch (1.0 µs per layer in the Quest
     32K block-16 cell; 1.5-4.3 µs per layer in a whole step, experiments/step_breakdown.py's
     serial_merge_launch view)."""
-    cell = stage_map[(stage_map["batch"] == 1) & (stage_map["selector"] == selector)
-                     & (stage_map["block"] == block) & (stage_map["topk_tokens"] == topk_tokens)]
+    cell = map_cell(stage_map, selector, context, block, topk_tokens)
     if cell.empty or not math.isfinite(hit_rate):
         return math.nan
-    nearest = cell.loc[(cell["context"] - context).abs().idxmin(), "context"]
-    rate = map_rate_column(cell)
-    cell = cell[cell["context"] == nearest].sort_values(rate)
-    prr_us = float(np.interp(hit_rate, cell[rate], cell["prr"]))
+    # PRR's stage at each of the map's rates (requested rates that round to one rate: their mean)
+    by_rate = cell.groupby(map_rate_column(cell))["prr"].mean()
+    prr_us = float(np.interp(hit_rate, by_rate.index, by_rate.to_numpy()))
     if "serial_fused_merge" not in cell:
         raise ValueError("the stage map has no serial_fused_merge column (the engine's serial stage): "
                          "re-run experiments/bench_decode.py --parts stage")
     serial_us = float(cell["serial_fused_merge"].median())  # one serial timing per cell, on each hit-rate row
     return serial_token_ms - sparse_layers * (serial_us - prr_us) * 1e-3
+
+
+def map_cell(stage_map: pd.DataFrame, selector: str, context: int, block: int, topk_tokens: int) -> pd.DataFrame:
+    """The stage map's batch-1 rows of one selector, block and budget at the context nearest
+    `context` (every hit rate the map timed there); empty where the map has no such cell."""
+    cell = stage_map[(stage_map["batch"] == 1) & (stage_map["selector"] == selector)
+                     & (stage_map["block"] == block) & (stage_map["topk_tokens"] == topk_tokens)]
+    if cell.empty:
+        return cell
+    nearest = cell.loc[(cell["context"] - context).abs().idxmin(), "context"]
+    return cell[cell["context"] == nearest]
 
 
 def run_case(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
@@ -282,8 +291,8 @@ def map_hit_outside(stage_map: pd.DataFrame, row) -> bool | None:
     hit = getattr(row, "hit_rate", None)
     if hit is None or pd.isna(hit) or getattr(row, "variant", None) != "prr":
         return None
-    cell = stage_map[(stage_map["batch"] == 1) & (stage_map["selector"] == row.case.split("-", 1)[0])
-                     & (stage_map["block"] == int(row.block_size))]
+    cell = map_cell(stage_map, row.case.split("-", 1)[0], int(row.prompt_tokens), int(row.block_size),
+                    int(row.topk_blocks) * int(row.block_size))
     if cell.empty:
         return None
     rates = cell[map_rate_column(cell)]

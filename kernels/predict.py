@@ -605,10 +605,13 @@ def query_similarity_update_layers(scores: Tensor, indices: Tensor, count: Tenso
             raise ValueError(f"{name} must be [L, B, Hkv, ...] = [{layers}, {batch}, {heads}, ...]; got {list(t.shape)}")
     rows = layers * batch
 
-    def flat(t: Tensor) -> Tensor:  # [L, B, ...] -> [L·B, ...] (a layer range of the state: a view)
-        return t.reshape(rows, *t.shape[2:])
-    _qsim_update_rows(flat(scores), flat(indices), flat(count), flat(keys), flat(set_ids), flat(set_count),
-                      flat(pending), has_pending, cursor, filled, flat(last_selected), flat(last_z), layers)
+    def state(t: Tensor) -> Tensor:  # [L, B, ...] -> [L·B, ...]: a view, so the writes land in the state
+        if t.shape[:2] != (layers, batch):
+            raise ValueError(f"the state's tensors must be [L, B, ...] = [{layers}, {batch}, ...]; got {list(t.shape)}")
+        return t.view(rows, *t.shape[2:])
+    _qsim_update_rows(scores.reshape(rows, heads, -1), indices.reshape(rows, heads, -1), count.reshape(rows, heads),
+                      state(keys), state(set_ids), state(set_count), state(pending), has_pending, cursor, filled,
+                      state(last_selected), state(last_z), layers)
 
 
 def _qsim_update_rows(scores: Tensor, indices: Tensor, count: Tensor, keys: Tensor, set_ids: Tensor,

@@ -66,6 +66,21 @@ def test_map_prediction_reads_the_rates_the_maps_p_had():
     assert er.map_prediction(stage_map(), "quest", 32000, 16, 512, 0.9, 5.0, 30) == pytest.approx(5.0 + 30 * 5e-3)
 
 
+def test_map_rates_that_round_to_one_are_averaged_and_clamping_is_judged_in_the_runs_cell():
+    """Two requested rates whose P held the same share (0.98 and 1.0 of 6 blocks: 1.0) give one
+    point, their mean; whether a run's rate lies outside the map is judged in the cell its
+    prediction reads (same budget, nearest context), not across every cell of the selector."""
+    m = stage_map().assign(hit_rate=lambda d: d["target_hit_rate"])
+    m = pd.concat([m, m[m["target_hit_rate"] == 1.0].assign(target_hit_rate=0.98, prr=24.0)], ignore_index=True)
+    # at 1.0 the PRR stage is (20 + 24) / 2 = 22 µs against serial's 25: 30 layers save 0.09 ms
+    assert er.map_prediction(m, "quest", 32000, 16, 512, 1.0, 5.0, 30) == pytest.approx(5.0 - 0.09)
+    m = m.assign(hit_rate=m["hit_rate"].clip(lower=0.4))  # K = 512 tokens: rates 0.4-1.0
+    wide = pd.concat([m, m.assign(topk_tokens=2048, hit_rate=0.2)], ignore_index=True)  # another budget: 0.2
+    row = pd.DataFrame([{"case": "quest-hit0.3@32k_b16_k32", "variant": "prr", "hit_rate": 0.3, "block_size": 16,
+                         "prompt_tokens": 32000, "topk_blocks": 32}]).iloc[0]
+    assert er.map_hit_outside(wide, row) and not er.map_hit_outside(wide, row.copy().replace({0.3: 0.5}))
+
+
 def test_a_stage_map_of_another_dtype_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
     """The map and the runs in one dtype (a map without the dtype column was timed in bf16)."""
     fp32, bf16 = tmp_path / "fp32.csv", tmp_path / "bf16.csv"

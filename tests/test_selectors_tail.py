@@ -86,21 +86,27 @@ def test_quest_tail_in_chunks_of_one_position_equals_the_loop(monkeypatch):
     assert_same(*tails("quest", "sum", "torch", 2, 3, 8, 45, 13))
 
 
-def test_ema_warm_up_of_layer_runs_at_once_equals_layer_by_layer(monkeypatch):
+@pytest.mark.parametrize("name", ["ema", "query_similarity"])
+def test_warm_up_of_layer_runs_at_once_equals_layer_by_layer(monkeypatch, name):
     # finish_prefill on the kernels: one update_layers per tail step and run of consecutive sparse
-    # layers (dense layer 1 splits 0 | 2, 3) leaves the state of T updates per layer, bitwise.
+    # layers (dense layer 1 splits 0 | 2, 3) leaves the state of T updates per layer, bitwise
+    # (query_similarity: no query pending in the tail, so nothing is paired).
     # (gqa_reduce=union: torch selection, only the predictor on the interpreter: faster.)
     pytest.importorskip("triton")
     from prr.budget.fixed import FixedBudget
-    from prr.predictors import EmaPredictor
+    from prr.predictors import EmaPredictor, QuerySimilarityPredictor
     from prr.runtime.dsa_backend import DSABackend
+    from prr.runtime.graph_decode import state_tensors
+
+    make = {"ema": lambda: EmaPredictor(alpha=0.7, calibrate=False),
+            "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2)}[name]
 
     g = torch.Generator().manual_seed(7)
     hkv, group, d, prompt = 2, 3, 16, 29
     qkv = [[torch.randn(1, h, prompt, d, generator=g) for h in (hkv * group, hkv, hkv)] for _ in range(4)]
     states = []
     for at_once in (False, True):
-        predictor = EmaPredictor(alpha=0.7, calibrate=False)
+        predictor = make()
         backend = DSABackend(PagedKVCache(4, 1, hkv, d, 8, prompt + 2), hkv * group,
                              QuestSelector(topk_blocks=2, gqa_reduce="union", dense_layers=[1]), predictor, FixedBudget(),
                              calibration_tokens=3, backend="triton")
@@ -111,6 +117,6 @@ def test_ema_warm_up_of_layer_runs_at_once_equals_layer_by_layer(monkeypatch):
             backend.prefill(layer, *qkv[layer])
         backend.finish_prefill()
         assert backend._warm_runs() == ([(0, range(0, 1)), (2, range(2, 4))] if at_once else [])
-        states.append((backend.predictor_state.ema, backend.predictor_state.last_selected))
-    assert states[0][0].abs().sum() > 0
+        states.append(state_tensors(backend.predictor_state))
+    assert sum(float(t.float().abs().sum()) for t in states[0]) > 0
     assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))

@@ -100,6 +100,18 @@ def _selection_args(scores: Tensor | None, indices: Tensor, count: Tensor) -> tu
     return (*s, *indices.stride(), *count.stride())
 
 
+def _layer_rows(scores: Tensor, indices: Tensor, count: Tensor, layers: int, batch: int,
+                heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer range's selections (scores [L, B, Hkv, N], indices [L, B, Hkv, C], count
+    [L, B, Hkv], contiguous: stacked by the caller) as L·B rows of one batch (views)."""
+    for name, t in (("scores", scores), ("indices", indices), ("count", count)):
+        if not t.is_contiguous() or t.shape[:3] != (layers, batch, heads):
+            raise ValueError(f"{name} must be contiguous [L, B, Hkv, ...] = [{layers}, {batch}, {heads}, ...]; got "
+                             f"{list(t.shape)}")
+    rows = layers * batch
+    return scores.view(rows, heads, -1), indices.view(rows, heads, -1), count.view(rows, heads)
+
+
 # --- propose ------------------------------------------------------------------------------
 
 
@@ -320,12 +332,8 @@ def ema_update_layers(scores: Tensor, indices: Tensor, count: Tensor, alpha: Ten
     _check_row_tensor("ema", ema, (layers, batch, heads, n), torch.float32, dev)
     _check_row_tensor("last_selected", last_selected, (layers, batch, heads, n), torch.bool, dev)
     _check_layer_params((("alpha", alpha),), layers, dev)
-    for name, t in (("scores", scores), ("indices", indices), ("count", count)):
-        if not t.is_contiguous() or t.shape[:3] != (layers, batch, heads):
-            raise ValueError(f"{name} must be contiguous [L, B, Hkv, ...] = [{layers}, {batch}, {heads}, ...]; got "
-                             f"{list(t.shape)}")
+    scores, indices, count = _layer_rows(scores, indices, count, layers, batch, heads)
     flat = layers * batch
-    scores, indices, count = scores.view(flat, heads, n), indices.view(flat, heads, -1), count.view(flat, heads)
     _check_selection(scores, indices, count, flat, heads, n, dev)
     if flat == 0 or heads == 0 or n == 0:
         return
@@ -408,14 +416,11 @@ def spin_update(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor
 def spin_update_layers(scores: Tensor, indices: Tensor, count: Tensor, vertical: Tensor, diagonal: Tensor,
                        updates: Tensor, alpha_vertical: float, alpha_diagonal: float, selection_bonus: float) -> None:
     """`spin_update` of L layers in one launch: scores, vertical, diagonal [L, B, Hkv, N] fp32
-    (vertical, diagonal contiguous: a layer range of the state), indices [L, B, Hkv, C], count
-    [L, B, Hkv], updates [L] int64 (each += 1). Equal, layer by layer, to L `spin_update` launches."""
+    (contiguous; vertical, diagonal a layer range of the state), indices [L, B, Hkv, C], count
+    [L, B, Hkv] contiguous, updates [L] int64 (each += 1). Equal, layer by layer, to L `spin_update` launches."""
     layers, batch, heads, n = vertical.shape
     flat = layers * batch
-    for name, t in (("scores", scores), ("indices", indices), ("count", count)):
-        if t.shape[:3] != (layers, batch, heads):
-            raise ValueError(f"{name} must be [L, B, Hkv, ...] = [{layers}, {batch}, {heads}, ...]; got {list(t.shape)}")
-    _spin_update_rows(scores.reshape(flat, heads, n), indices.reshape(flat, heads, -1), count.reshape(flat, heads),
+    _spin_update_rows(*_layer_rows(scores, indices, count, layers, batch, heads),
                       vertical.view(flat, heads, n), diagonal.view(flat, heads, n), updates, alpha_vertical,
                       alpha_diagonal, selection_bonus, layers)
 
@@ -597,21 +602,18 @@ def query_similarity_update_layers(scores: Tensor, indices: Tensor, count: Tenso
                                    filled: Tensor, last_selected: Tensor, last_z: Tensor) -> None:
     """`query_similarity_update` of L layers in the same two launches: every tensor of the state as
     a layer range ([L, B, Hkv, ...], contiguous; cursor, filled [L] int64, has_pending [L] bool),
-    scores [L, B, Hkv, N], indices [L, B, Hkv, C_A], count [L, B, Hkv]. Equal, layer by layer, to L
-    `query_similarity_update` calls."""
+    scores [L, B, Hkv, N], indices [L, B, Hkv, C_A], count [L, B, Hkv], contiguous. Equal, layer by
+    layer, to L `query_similarity_update` calls."""
     layers, batch, heads, n = last_z.shape
-    for name, t in (("scores", scores), ("indices", indices), ("count", count)):
-        if t.shape[:3] != (layers, batch, heads):
-            raise ValueError(f"{name} must be [L, B, Hkv, ...] = [{layers}, {batch}, {heads}, ...]; got {list(t.shape)}")
     rows = layers * batch
 
     def state(t: Tensor) -> Tensor:  # [L, B, ...] -> [L·B, ...]: a view, so the writes land in the state
         if t.shape[:2] != (layers, batch):
             raise ValueError(f"the state's tensors must be [L, B, ...] = [{layers}, {batch}, ...]; got {list(t.shape)}")
         return t.view(rows, *t.shape[2:])
-    _qsim_update_rows(scores.reshape(rows, heads, -1), indices.reshape(rows, heads, -1), count.reshape(rows, heads),
-                      state(keys), state(set_ids), state(set_count), state(pending), has_pending, cursor, filled,
-                      state(last_selected), state(last_z), layers)
+    _qsim_update_rows(*_layer_rows(scores, indices, count, layers, batch, heads), state(keys), state(set_ids),
+                      state(set_count), state(pending), has_pending, cursor, filled, state(last_selected),
+                      state(last_z), layers)
 
 
 def _qsim_update_rows(scores: Tensor, indices: Tensor, count: Tensor, keys: Tensor, set_ids: Tensor,

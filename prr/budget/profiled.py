@@ -15,8 +15,9 @@ Once per device, shape and setting, at each profiled context c:
      block 16, on an H200: speculation 15.8 µs against selection 14.9 µs, the PRR stage 0.67x
      serial's at 100% hits); a runtime that runs its stages one after the other (the eager
      one) never overlaps them, so there the check chooses serial DSA. `stage_check=false`
-     keeps the paper's rule alone (step 2). `hit_rate` is an assumption about the predictor; a benchmark predictor that
-     declares its own (bench_hit_rate) must be run with the same (config_check says so).
+     keeps the paper's rule alone (step 2). `hit_rate` is an assumption about the predictor;
+     a benchmark predictor that declares its own (bench_hit_rate) must be run with the same
+     (config_check says so).
 The table (context -> |P|) is cached in a file keyed by device, probe, shape and these
 settings; decoding uses the row of the largest profiled context not above the step's context.
 The graph engine profiles the prompt's context only (its |P| is static for the decode).

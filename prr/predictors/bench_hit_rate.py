@@ -21,9 +21,9 @@ first, then speculates, which times another step than PRR's):
    off the critical path like any history-only predictor's next-step P. With
    StaticPlan.learn_layers_at_once (the default) every sparse layer's counter add and P gather
    run once, after the step's last sparse layer (`update_layers` / `propose_layers`), as ema's
-   learning does, instead of a few copy launches after each layer. The run's tokens are therefore the recorded serial pass's by construction: a
-   bench_hit_rate run times PRR, it does not test that PRR decodes serial DSA's tokens (the
-   one-engine tests do).
+   learning does, instead of a few copy launches after each layer. The run's tokens are
+   therefore the recorded serial pass's by construction: a bench_hit_rate run times PRR, it does
+   not test that PRR decodes serial DSA's tokens (the one-engine tests do).
 
 Hit rate, by construction: with |P| = size per (row, KV head) and |A| selected blocks, P holds
 round(hit_rate·min(|A|, size)) blocks of A (a uniformly random subset) and fills up to `size` with

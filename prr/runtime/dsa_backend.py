@@ -146,9 +146,9 @@ class DSABackend:
         return info
 
     def _warm_runs(self) -> list[tuple[int, range]]:
-        """Where the predictor learns layers at once (ema, last_step, ema_membership, spin on the
-        kernels: one launch, equal layer by layer to `update`), the runs of consecutive layers whose tails have one
-        length -> (first, layers) each; else none (every layer `update`s step by step: L·T calls,
+        """Where the predictor learns layers at once (`learns_layers_at_once`: one launch, equal
+        layer by layer to `update`), the runs of consecutive layers whose tails have one length ->
+        (first, layers) each; else none (every layer `update`s step by step: L·T calls,
         704 at 32K on Qwen-0.5B, down to T per run here)."""
         if not self.predictor.learns_layers_at_once():
             return []

@@ -87,9 +87,10 @@ class StaticPlan:
     # step: off while timing.
     study_counters: bool = False
     study_ratios: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0)  # sizes the study buffers (a BUFFER_FIELD)
-    # A predictor that `learns_layers_at_once` (ema, last_step, ema_membership, spin on the kernels)
-    # learns from every sparse layer's A in one update launch and writes the next step's P of every
-    # layer in one propose (ema: rank + top-k) once the step's last sparse layer is repaired, on the side stream beside the LM head, instead
+    # A predictor that `learns_layers_at_once` (on the kernels: ema, last_step, ema_membership, spin,
+    # query_similarity; bench_hit_rate) learns from every sparse layer's A in one update launch and,
+    # history-only, writes the next step's P of every layer in one propose (ema: rank + top-k) once
+    # the step's last sparse layer is repaired, on the side stream beside the LM head, instead
     # of three launches after each layer beside the next layer's projections (on the H200 those ran
     # 22 µs a layer of side work and slowed the main stream: experiments/step_breakdown.py). The same
     # P either way (the next step reads it); False: after each layer.

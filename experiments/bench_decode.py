@@ -542,7 +542,6 @@ def stream_priority_rows(model: Decoder, batch: int, context: int, block: int, t
     eng, qs = fixed_prediction_engine(model, batch, context, block, topk_tokens)
     positions = eng.step_positions()
     lengths, nb_t = positions
-    default_side = eng.attn.side
     outs_serial = [o.clone() for o in layer_stage(eng, qs, positions, variant="serial")()]
     selections = [eng.last_selection[i] for i in range(LAUNCH_LAYERS)]
 
@@ -565,7 +564,7 @@ def stream_priority_rows(model: Decoder, batch: int, context: int, block: int, t
             eng.set_predictions(i, *controlled_predictions(selections[i], hit, context // block + 1, hgen))
         row = dict(batch=batch, context=context, block=block, topk_tokens=topk_tokens, hit_rate=hit)
         for name, (main, side) in make_streams().items():
-            eng.attn.side = side if side is not None else default_side  # a view takes the side stream as it is now
+            eng.use_side_stream(side)  # a view takes the side stream as it is now (None: the engine's own)
             row[f"max_abs_diff_prr_vs_serial_{name}"] = max_abs_diff(
                 layer_stage(eng, qs, positions, variant="prr")(), outs_serial)
             row[f"serial_{name}"] = stream_graph_us(layer_stage(eng, qs, positions, variant="serial"), main) / LAUNCH_LAYERS
@@ -573,7 +572,7 @@ def stream_priority_rows(model: Decoder, batch: int, context: int, block: int, t
             row[f"speculate_{name}"] = stream_graph_us(spec_only, main) / LAUNCH_LAYERS
             row[f"overlap_{name}"] = stream_graph_us(overlap_only, main) / LAUNCH_LAYERS
             row[f"prr_{name}"] = stream_graph_us(layer_stage(eng, qs, positions, variant="prr"), main) / LAUNCH_LAYERS
-        eng.attn.side = default_side
+        eng.use_side_stream(None)
         rows.append(row)
     return rows
 
@@ -589,7 +588,6 @@ def spec_program_rows(model: Decoder, batch: int, context: int, block: int, topk
     eng, qs = fixed_prediction_engine(model, batch, context, block, topk_tokens)
     positions = eng.step_positions()
     lengths, nb_t = positions
-    default_side = eng.attn.side
     outs_serial = [o.clone() for o in layer_stage(eng, qs, positions, variant="serial")()]
     for i in range(LAUNCH_LAYERS):  # P = A: 100% hit
         eng.set_predictions(i, *eng.last_selection[i])
@@ -617,7 +615,7 @@ def spec_program_rows(model: Decoder, batch: int, context: int, block: int, topk
 
     rows = []
     for name, (main, side) in make_streams().items():
-        eng.attn.side = side if side is not None else default_side
+        eng.use_side_stream(side)
         serial = stream_graph_us(layer_stage(eng, qs, positions, variant="serial"), main) / LAUNCH_LAYERS
         select = stream_graph_us(select_only, main) / LAUNCH_LAYERS
         for tokens in SPEC_TOKENS_PER_PROGRAM:
@@ -635,7 +633,7 @@ def spec_program_rows(model: Decoder, batch: int, context: int, block: int, topk
             row["prr_speedup"] = row["serial"] / row["prr"]
             row["overlap_vs_longer"] = row["overlap"] / max(row["select"], row["speculate"])
             rows.append(row)
-    eng.attn.side = default_side
+    eng.use_side_stream(None)
     return rows
 
 
@@ -765,7 +763,7 @@ def select_rows(batch: int, context: int, cache_tokens: int, block: int, k_block
                     s["less_s"], s["less_c"], s["less_S_tot"], s["less_s_tot"], s["less_c_tot"], scale,
                     *less.metadata(cache, i))
 
-    # AttentionEngine's serial LESS layer with plan.side_summaries: the summaries on the side stream
+    # PRRStep's serial LESS layer with plan.side_summaries: the summaries on the side stream
     # (forked after the append), selection and the attention over A on the main one, an event joined
     # before the compensation, their only reader. (The CPU: one stream, program order.)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None

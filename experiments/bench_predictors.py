@@ -13,7 +13,7 @@ over random selections (top-K = --topk blocks of random scores, -inf past the co
 is timed on each backend it has:
 - `update`: learning from A (one sparse layer);
 - `propose`: P of |P| blocks for the next step;
-- `side_chain`: what AttentionEngine._learn runs per layer after the repair on the side stream:
+- `side_chain`: what PredictorSchedule.learn runs per layer after the repair on the side stream:
   update, then the P it completes (`Predictor.proposals_after_update`: history-only predictors
   the layer's next P, with the next step's block counts; cross_layer the layer above's P of
   this step), copied into the P buffers. query_similarity's propose needs the step's query: it
@@ -199,7 +199,7 @@ def bench_predictor(name: str, sels, warm, lengths, nb_next, query, capacity: in
     next_blocks = []  # the next step's block counts: computed by the first layer's chain, as the engine does
 
     def chain(layer, budget, pred_idx, pred_cnt):
-        # AttentionEngine._learn(propose_next=True) for one layer, on one stream: the update, then
+        # PredictorSchedule.learn(propose_next=True) for one layer, on one stream: the update, then
         # the P it completes (history-only: this layer's next; cross_layer: the layer above's)
         p.update(state, layer, sels[layer])
         if layer == 0:

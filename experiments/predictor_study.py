@@ -7,7 +7,7 @@
 
 How: one shadow-mode decode per task (attention stays dense, so the trajectory does not
 depend on the predictor) is captured through the ordinary runtime (DSABackend and its
-AttentionEngine step): the prefill-tail selections the predictor is calibrated and warmed on, and
+PRRStep): the prefill-tail selections the predictor is calibrated and warmed on, and
 per decode step and sparse layer the query q [B, Hkv, G, D], the context size and the
 selection A. Every predictor option × |P| ratio is then replayed on that trace through its
 public interface in the runtime's order (calibrate, init_state, warm-up updates; then per

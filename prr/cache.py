@@ -45,8 +45,8 @@ class PagedKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._lengths = [0] * num_layers
         self.metadata: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
-        self._fills: list[dict[str, float]] = [{} for _ in range(num_layers)]  # slot -> its empty value
-        self._per_row: list[set[str]] = [set() for _ in range(num_layers)]  # slots whose dim 0 is the batch
+        self.fills: list[dict[str, float]] = [{} for _ in range(num_layers)]  # slot -> its empty value
+        self.per_row_slots: list[set[str]] = [set() for _ in range(num_layers)]  # slots whose dim 0 is the batch
 
     def length(self, layer: int) -> int:
         return self._lengths[layer]
@@ -93,9 +93,9 @@ class PagedKVCache:
         slots = self.metadata[layer]
         if name not in slots:
             slots[name] = torch.full(shape, fill, dtype=dtype, device=self.device)
-            self._fills[layer][name] = fill
+            self.fills[layer][name] = fill
             if shape and shape[0] == self.batch:
-                self._per_row[layer].add(name)
+                self.per_row_slots[layer].add(name)
         return slots[name]
 
     def row(self, row: int) -> PagedKVCache:
@@ -110,7 +110,7 @@ class PagedKVCache:
     def reset_metadata(self, layer: int) -> None:
         """Every slot of `layer` back to its empty value, in place (captured CUDA graphs keep
         their pointers). Entries set without a fill (constants such as LESS's feature draw) stay."""
-        for name, fill in self._fills[layer].items():
+        for name, fill in self.fills[layer].items():
             self.metadata[layer][name].fill_(fill)
 
 
@@ -125,7 +125,7 @@ class _RowCache(PagedKVCache):
                                                                       parent.dtype, parent.device)
         self.keys = [k[row : row + 1] for k in parent.keys]
         self.values = [v[row : row + 1] for v in parent.values]
-        self._lengths = list(parent._lengths)
+        self._lengths = [parent.length(i) for i in range(parent.num_layers)]
         self.metadata = [_RowSlots(parent, layer, row) for layer in range(parent.num_layers)]
 
     def state_slot(self, layer: int, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> Tensor:
@@ -137,7 +137,7 @@ class _RowCache(PagedKVCache):
         return self.metadata[layer][name]
 
     def reset_metadata(self, layer: int) -> None:
-        for name, fill in self.parent._fills[layer].items():
+        for name, fill in self.parent.fills[layer].items():
             self.metadata[layer][name].fill_(fill)
 
 
@@ -145,7 +145,7 @@ class _RowSlots(MutableMapping):
     """One layer's slots of a row view: per-row slots as [1, ...] views, the others shared."""
 
     def __init__(self, parent: PagedKVCache, layer: int, row: int) -> None:
-        self.slots, self.per_row, self.row = parent.metadata[layer], parent._per_row[layer], row
+        self.slots, self.per_row, self.row = parent.metadata[layer], parent.per_row_slots[layer], row
 
     def __getitem__(self, name: str) -> Tensor:
         t = self.slots[name]

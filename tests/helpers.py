@@ -51,23 +51,23 @@ def instantiate_or_refuse_ruler(node):
 
 def eager_step(selector: Selector, predictor, cache: PagedKVCache, q: torch.Tensor, predicted_blocks: int,
                repair_mode: str = "exact", layer: int = 0, state=None):
-    """One eager PRR step of `layer` as the research runtime runs it (AttentionEngine, stages one
+    """One eager PRR step of `layer` as the research runtime runs it (PRRStep, stages one
     after the other, torch ops): q [B, Hkv, G, D], the cache holding this step's token ->
     (out [B, Hkv, G, D] fp32, A, P or None). state: the predictor's (default: a fresh one)."""
-    from prr.runtime.attention_engine import AttentionEngine
+    from prr.runtime.prr_step import PRRStep
     from prr.runtime.timing import StageTimer
 
     b, h, g, d = q.shape
-    engine = AttentionEngine.eager_step(cache, h * g, selector, predictor, "torch", repair_mode,
+    engine = PRRStep.eager(cache, h * g, selector, predictor, "torch", repair_mode,
                                         StageTimer(torch.device("cpu")))
     if state is None:
         state = predictor.init_state(cache.num_layers, b, h, cache.max_blocks, "cpu")
-    engine.adopt_predictor_state(state)
+    engine.schedule.adopt_state(state)
     lengths = torch.full((b,), cache.length(layer), dtype=torch.int32)
     num_blocks = torch.full((b,), cache.num_blocks(layer), dtype=torch.int32)
     out, selection = engine.sparse_attention(layer, q.reshape(b, h * g, d), lengths, num_blocks,
                                              predicted_blocks=predicted_blocks, fp32=True)
-    return out.view(b, h, g, d), selection, engine.prediction(layer) if predicted_blocks else None
+    return out.view(b, h, g, d), selection, engine.schedule.prediction(layer) if predicted_blocks else None
 
 
 def graph_selector(name: str, topk_blocks: int, dense_layers: tuple[int, ...] = (0, 1)) -> Selector:

@@ -96,7 +96,7 @@ def test_exact_prr_speculating_in_selection_decodes_serial_dsa_and_the_side_stre
     plans = {inside: StaticPlan(variant="prr", predicted_blocks=6, count_hits=True, speculate_in_selection=inside)
              for inside in (False, True)}
     engines = {inside: exact_engine(plan, "last_step") for inside, plan in plans.items()}
-    assert engines[True].attn._speculates_in_selection() and not engines[False].attn._speculates_in_selection()
+    assert engines[True].attn.speculates_in_selection() and not engines[False].attn.speculates_in_selection()
     per_block_calls = []
     kernel = engines[True].attn._k["sparse_decode"]
 
@@ -139,7 +139,7 @@ def test_cross_layer_p_written_this_step_is_speculated_inside_selection_like_bes
     plans = {inside: StaticPlan(variant="prr", predicted_blocks=6, count_hits=True, speculate_in_selection=inside)
              for inside in (False, True)}
     engines = {inside: exact_engine(plan, "cross_layer", layers=4) for inside, plan in plans.items()}
-    assert engines[True].attn._speculates_in_selection()
+    assert engines[True].attn.speculates_in_selection()
     fused_layers = []
     selector = engines[True].attn.selector
     original = selector.select_speculating

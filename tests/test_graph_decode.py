@@ -13,7 +13,8 @@ import torch
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
 from prr.model.dense import DenseAttention
-from prr.runtime.graph_decode import GraphDecoder, StaticPlan, state_tensors
+from prr.runtime.graph_decode import GraphDecoder, StaticPlan
+from prr.runtime.predictor_schedule import state_tensors
 from tests.helpers import graph_predictor, graph_selector
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
@@ -82,14 +83,14 @@ def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
 def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     """plan.fuse_merge (splits merged inside the split kernel) decodes what the merge launch does."""
     reference = make(StaticPlan(variant=variant, fuse_merge=False), "quest", 12)  # 12 blocks of 16: two splits of 128 tokens
-    assert not reference.attn._fuse_merge(torch.zeros(2, 2, 12, dtype=torch.int32))
+    assert not reference.attn.attention.fuses_merge(torch.zeros(2, 2, 12, dtype=torch.int32))
     want = decode(reference, 3)
     engine = make(StaticPlan(variant=variant, fuse_merge=fuse_merge), "quest", 12)
     sparse_idx = torch.zeros(2, 2, 12, dtype=torch.int32)
-    assert engine.attn._fuse_merge(sparse_idx)  # 2 rows x 2 splits: one wave, so "one_wave" fuses here too
+    assert engine.attn.attention.fuses_merge(sparse_idx)  # 2 rows x 2 splits: one wave, so "one_wave" fuses here too
     for a, b in zip(want, decode(engine, 3), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    assert int(engine.attn.merge_arrivals.abs().sum()) == 0  # re-armed
+    assert int(engine.attn.attention.merge_arrivals.abs().sum()) == 0  # re-armed
 
 
 @pytest.mark.parametrize("selector,predictor", [("quest", "ema_membership"),
@@ -107,11 +108,11 @@ def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
         torch.testing.assert_close(c, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
     hits = [engine.counters()["hits"] for engine in engines]
     assert hits[0] == hits[1] and sum(hits[1]) > 0
-    assert int(engines[1].attn.merge_arrivals.abs().sum()) == 0
+    assert int(engines[1].attn.attention.merge_arrivals.abs().sum()) == 0
     auto = make(StaticPlan(**kwargs), selector, 6, predictor)  # the default, "auto": one launch at these small shapes
     idx, pred = torch.zeros(2, 2, 6, dtype=torch.int32), auto.pred_idx[-1]  # layer 2: sparse
-    assert auto.plan.fused_repair == "auto" and auto.attn._fused_repair(idx, pred)
-    assert not make(StaticPlan(repair_mode="superset", **kwargs), selector, 6, predictor).attn._fused_repair(idx, pred)
+    assert auto.plan.fused_repair == "auto" and auto.attn.fuses_repair(idx, pred)
+    assert not make(StaticPlan(repair_mode="superset", **kwargs), selector, 6, predictor).attn.fuses_repair(idx, pred)
     assert "fused_repair=True needs repair_mode='exact'" in StaticPlan(fused_repair=True,
                                                                      repair_mode="superset").problems()[0]
 
@@ -168,7 +169,7 @@ def test_fixed_predictions_set_from_the_true_selection_hit_everything():
     for layer, sel in enumerate(engine.last_selection):
         if sel is not None:
             engine.set_predictions(layer, *sel)
-    engine.attn.step_counts.zero_()
+    engine.attn.observers.counting.counts.zero_()
     first = engine.step(advance=False)
     assert torch.equal(engine.pos, pos)
     counts = engine.counters()
@@ -229,7 +230,7 @@ def test_cuda_graph_replay_equals_eager(variant, predictor):
 
 def test_fused_projections_share_the_modules_storage():
     engine = make(StaticPlan(variant="dense"), "quest", 128)
-    layer, fused = engine.model.model.layers[0], engine.fused[0]
+    layer, fused = engine.model.model.layers[0], engine.weights.layers[0]
     assert layer.self_attn.k_proj.weight.data_ptr() == fused.wqkv[CONFIG.num_heads * CONFIG.head_dim:].data_ptr()
     assert layer.mlp.up_proj.weight.data_ptr() == fused.w_gate_up[CONFIG.intermediate_size:].data_ptr()
 
@@ -312,7 +313,7 @@ def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, select
     two = fused_projection_engine(dataclasses.replace(plan, fuse_append=False), *objects, batch=1)  # dense_gemv, then append_token(rope=...)
     two_launches = decode(two, 3)
     one = make(plan, *objects, batch=1).with_plan(projections="fused")  # a view: its paired weights built with it
-    assert one._paired["weights"] is not None  # not inside a first (captured) step
+    assert one.weights.paired is not None  # not inside a first (captured) step
     one.attn._k = {**one.attn._k, "cache_append": _NoAppendLaunch()}
     got = decode(one, 3)
     for a, b, c in zip(want, two_launches, got, strict=True):
@@ -403,7 +404,7 @@ def test_weights_fused_by_a_first_forward_in_inference_mode_are_ordinary_tensors
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
     with torch.inference_mode():
         model(torch.zeros(1, 5, dtype=torch.long), 0, DenseAttention(CONFIG.num_layers))
-    layer = model._prr_fused_layers[0]
+    layer = model.fused_layers[0]
     assert not layer.wqkv.is_inference() and not model.model.layers[0].self_attn.q_proj.weight.is_inference()
     engine = GraphDecoder(model, StaticPlan(variant="serial", projections="fused"), batch=1, max_tokens=160,
                           selector=graph_selector("quest", 6), predictor=None)  # builds the paired q|k|v copy now
@@ -479,16 +480,16 @@ def test_ema_learning_every_layer_at_once_equals_learning_after_each_layer(monke
                         lambda *a, **k: calls.append(a[3].numel()) or learned.append(a[1]) or at_once(*a, **k))
     monkeypatch.setattr(ks, "step_counters_layers", lambda *a, **k: counted.append(a[0]) or count_layers(*a, **k))
     each, once = ema_engines(False), ema_engines(True, count_at_step_end=True)
-    assert once.attn.predictor.backend == "triton" and once.attn.learn_range == (1, 3)
+    assert once.attn.schedule.predictor.backend == "triton" and once.attn.observers.counting.learn_range == (1, 3)
     for step in range(2):
         a = each.with_plan(count_hits=True).step(advance=True)
         b = once.with_plan(count_hits=True).step(advance=True)
         assert torch.equal(a, b), step
-        assert torch.equal(each.attn.pred_all, once.attn.pred_all), step
-        assert torch.equal(each.attn.pred_cnt_all, once.attn.pred_cnt_all), step
-        assert torch.equal(each.attn.step_counts, once.attn.step_counts), step
-        assert torch.equal(each.attn.prev_all, once.attn.prev_all), step
-        assert torch.equal(each.attn.prev_cnt_all, once.attn.prev_cnt_all), step
+        assert torch.equal(each.attn.schedule.pred_all, once.attn.schedule.pred_all), step
+        assert torch.equal(each.attn.schedule.pred_cnt_all, once.attn.schedule.pred_cnt_all), step
+        assert torch.equal(each.attn.observers.counting.counts, once.attn.observers.counting.counts), step
+        assert torch.equal(each.attn.observers.counting.prev_all, once.attn.observers.counting.prev_all), step
+        assert torch.equal(each.attn.observers.counting.prev_cnt_all, once.attn.observers.counting.prev_cnt_all), step
     assert calls == [3] * 2  # one launch per step over the 3 sparse layers; none in the other engine
     assert [a.shape[0] for a in counted] == [3] * 2 and all(x is y for x, y in zip(learned, counted, strict=True))
     assert each.counters() == once.counters()
@@ -531,23 +532,23 @@ def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer
             "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2)}[name]
     room = 5 if name == "bench_hit_rate" else 40  # (it records a serial pass of room - 1 steps first)
     each, once = ema_engines(False, predictor=make(), room=room), ema_engines(True, predictor=make(), room=room)
-    assert once.attn.predictor.learns_layers_at_once() and once.attn.learn_range == (1, 3)
+    assert once.attn.schedule.predictor.learns_layers_at_once() and once.attn.observers.counting.learn_range == (1, 3)
     calls = {"update": 0, "update_layers": 0}
     for method in calls:
-        real = getattr(once.attn.predictor, method)
-        monkeypatch.setattr(once.attn.predictor, method,
+        real = getattr(once.attn.schedule.predictor, method)
+        monkeypatch.setattr(once.attn.schedule.predictor, method,
                             lambda *a, real=real, method=method, **k: calls.__setitem__(method, calls[method] + 1)
                             or real(*a, **k))
     for step in range(3):
         a = each.step(advance=True)
         b = once.step(advance=True)
         assert torch.equal(a, b), step
-        assert torch.equal(each.attn.pred_all, once.attn.pred_all), step
-        assert torch.equal(each.attn.pred_cnt_all, once.attn.pred_cnt_all), step
-        assert all(torch.equal(x, y) for x, y in zip(state_tensors(each.attn.predictor_state),
-                                                      state_tensors(once.attn.predictor_state), strict=True)), step
+        assert torch.equal(each.attn.schedule.pred_all, once.attn.schedule.pred_all), step
+        assert torch.equal(each.attn.schedule.pred_cnt_all, once.attn.schedule.pred_cnt_all), step
+        assert all(torch.equal(x, y) for x, y in zip(state_tensors(each.attn.schedule.state),
+                                                      state_tensors(once.attn.schedule.state), strict=True)), step
     assert calls == {"update": 0, "update_layers": 3}
-    assert int(once.attn.pred_cnt_all[1:].sum()) > 0
+    assert int(once.attn.schedule.pred_cnt_all[1:].sum()) > 0
 
 
 def counting_engines(variant: str, at_end: bool, device: str = DEVICE, dtype=torch.float32, context: int = 99):
@@ -586,10 +587,10 @@ def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, varia
     for step in range(2):
         a, b = each.step(advance=True), end.step(advance=True)
         assert torch.equal(a, b), step
-        assert variant == "serial" or torch.equal(each.attn.pred_all, end.attn.pred_all), step
-        assert torch.equal(each.attn.step_counts, end.attn.step_counts), step
-        assert torch.equal(each.attn.prev_all, end.attn.prev_all) and torch.equal(each.attn.prev_cnt_all,
-                                                                                 end.attn.prev_cnt_all), step
+        assert variant == "serial" or torch.equal(each.attn.schedule.pred_all, end.attn.schedule.pred_all), step
+        assert torch.equal(each.attn.observers.counting.counts, end.attn.observers.counting.counts), step
+        assert torch.equal(each.attn.observers.counting.prev_all, end.attn.observers.counting.prev_all) and torch.equal(each.attn.observers.counting.prev_cnt_all,
+                                                                                 end.attn.observers.counting.prev_cnt_all), step
     assert [a.shape[0] for a in counted] == [3, 3]  # one launch per step over the 3 sparse layers, in `end` only
     if variant == "prr":  # ema learned from the count's copy of A in `end` (each step's second update)
         assert len(learned) == 4 and learned[1] is counted[0] and learned[3] is counted[1]
@@ -625,8 +626,8 @@ def test_gpu_counters_at_step_end_captured_equal_counting_after_each_layer(varia
         steps = []
         for _ in range(6):
             graph.replay()
-            steps.append([engine.graph_output.float().cpu(), engine.attn.step_counts.cpu().clone(),
-                          engine.attn.prev_all.cpu().clone(), engine.attn.prev_cnt_all.cpu().clone()])
+            steps.append([engine.graph_output.float().cpu(), engine.attn.observers.counting.counts.cpu().clone(),
+                          engine.attn.observers.counting.prev_all.cpu().clone(), engine.attn.observers.counting.prev_cnt_all.cpu().clone()])
         outs.append(steps)
     for step, (a, b) in enumerate(zip(*outs, strict=True)):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), step
@@ -656,7 +657,7 @@ def test_gpu_learning_at_once_captured_equals_after_each_layer(name):
         steps = []
         for _ in range(6):
             graph.replay()
-            steps.append((engine.graph_output.float().cpu(), engine.attn.pred_all.cpu().clone()))
+            steps.append((engine.graph_output.float().cpu(), engine.attn.schedule.pred_all.cpu().clone()))
         outs.append(steps)
     for step, ((a, pa), (b, pb)) in enumerate(zip(*outs, strict=True)):
         assert torch.equal(a, b) and torch.equal(pa, pb), step

@@ -669,7 +669,7 @@ def test_gpu_ema_update_and_propose_capture_in_a_cuda_graph():
 
 
 def test_cross_layer_writes_the_layer_above_after_its_source_learned():
-    """The engine writes P right after the update that completes it (AttentionEngine._learn):
+    """The engine writes P right after the update that completes it (PredictorSchedule.learn):
     cross_layer's first selected layer for the next step, every other for this step after the
     nearest selected layer below learned (dense layers skipped); ema's own next P."""
     p = CrossLayerPredictor(calibrate=False)

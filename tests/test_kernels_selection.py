@@ -618,8 +618,8 @@ def test_gpu_selection_pipeline_bf16():
 
 def test_quest_triton_selection_takes_the_callers_block_counts():
     """Selector.select with the engine's per-step num_blocks (no launches to derive them) selects
-    what it selects from the lengths alone, on ragged rows; AttentionEngine.select hands them on."""
-    from prr.runtime.attention_engine import AttentionEngine
+    what it selects from the lengths alone, on ragged rows; PRRStep.select hands them on."""
+    from prr.runtime.prr_step import PRRStep
 
     hkv, g_, d, bs = 2, 2, 32, 16
     sel = QuestSelector(topk_blocks=3, sink_blocks=1, local_blocks=1)
@@ -651,8 +651,8 @@ def test_quest_triton_selection_takes_the_callers_block_counts():
         def select(self, q, cache, layer, length, num_blocks=None):
             seen.update(length=length, num_blocks=num_blocks)
 
-    engine = AttentionEngine.__new__(AttentionEngine)  # only select's delegation is exercised
-    engine.selector, engine.cache, engine.batch, engine.hkv, engine.group, engine.d = Recording(), cache, 2, hkv, g_, d
+    engine = PRRStep.__new__(PRRStep)  # only select's delegation is exercised
+    engine.selector, engine.cache, engine.group = Recording(), cache, g_
     nb = torch.tensor([10, 5], dtype=torch.int32)
     engine.select(0, q.view(2, hkv * g_, d), lengths, nb)
     assert seen["length"] is lengths and seen["num_blocks"] is nb

@@ -48,8 +48,8 @@ def state(engine: GraphDecoder) -> dict[str, torch.Tensor]:
             out[f"{layer}.{name}"] = t.cpu().clone()
         if engine.attn.last_selection[layer] is not None:
             out[f"{layer}.A"] = torch.cat([t.cpu().reshape(-1) for t in engine.attn.last_selection[layer]])
-    if engine.attn.pred_all is not None:
-        out["P"], out["|P|"] = engine.attn.pred_all.cpu().clone(), engine.attn.pred_cnt_all.cpu().clone()
+    if engine.attn.schedule.pred_all is not None:
+        out["P"], out["|P|"] = engine.attn.schedule.pred_all.cpu().clone(), engine.attn.schedule.pred_cnt_all.cpu().clone()
     return out
 
 
@@ -118,7 +118,7 @@ def test_gpu_side_summaries_captured_equal_one_less_append(variant, predictor, b
     for side in (False, True):
         engine = less_engine(dataclasses.replace(plan, side_summaries=side), predictor, "cuda", torch.bfloat16,
                              context=3001, block_size=block_size, summary_dtype="bfloat16", num_features=32)
-        assert engine.attn.summaries_beside() == side and engine.attn.side is not None
+        assert engine.attn.summaries_beside() == side and engine.attn.streams.stream is not None
         start = engine.checkpoint()
         graph = engine.capture(lambda engine=engine: engine.step(advance=True))
         engine.restore(start)

@@ -96,7 +96,7 @@ def test_warm_up_of_layer_runs_at_once_equals_layer_by_layer(monkeypatch, name):
     from prr.budget.fixed import FixedBudget
     from prr.predictors import EmaPredictor, QuerySimilarityPredictor
     from prr.runtime.dsa_backend import DSABackend
-    from prr.runtime.graph_decode import state_tensors
+    from prr.runtime.predictor_schedule import state_tensors
 
     make = {"ema": lambda: EmaPredictor(alpha=0.7, calibrate=False),
             "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2)}[name]

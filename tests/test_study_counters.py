@@ -1,4 +1,4 @@
-"""The graph engine's study counters (StaticPlan.study_counters, AttentionEngine.study_counters)
+"""The graph engine's study counters (StaticPlan.study_counters, PRRStep.study_counters)
 equal the eager studies' values on the same trajectory (same prompt, teacher-forced tokens),
 per layer and KV head, fp32: hits of the predictor's ranking at every |P| = ratio × K, |A|,
 last-step overlap exactly; attention-mass recall and output error against dense attention on
@@ -188,7 +188,7 @@ def test_study_counters_change_nothing_the_step_does(backend):
     for a, b in zip(logits[False], logits[True], strict=True):
         assert torch.equal(a, b)
     assert engines[False].counters() == engines[True].counters()
-    assert not engines[False].attn.study_counts.any()
+    assert not engines[False].attn.observers.study.counts.any()
     study = engines[True].study_counters(per_row=True)  # [L, B, Hkv] each
     assert study["hits_x1.25"].shape == (3, 2, 2) and torch.equal(study["hits_x1.25"], study["hits"])
     assert torch.equal(study["predicted_x1.25"], study["predicted"]) and study["hits"][1:].sum() > 0

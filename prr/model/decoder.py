@@ -248,4 +248,4 @@ class Decoder(nn.Module):
         # the fused projections' views (layer_math.fuse_layer_weights rebuilds them on next use).
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._prr_fused_layers = None
+        self.fused_layers = None

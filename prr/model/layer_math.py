@@ -62,7 +62,7 @@ def _fuse(modules: list) -> tuple[Tensor, Tensor | None]:
 def fuse_layer_weights(model: Decoder) -> list[FusedLayer]:
     """The model's layers with fused projections (done once per model; later calls reuse it;
     loading a state dict drops it, see Decoder._retie)."""
-    cached = getattr(model, "_prr_fused_layers", None)
+    cached = getattr(model, "fused_layers", None)
     if cached is not None:
         return cached
     # Built outside inference mode even when the first forward runs inside it (the eager
@@ -70,7 +70,7 @@ def fuse_layer_weights(model: Decoder) -> list[FusedLayer]:
     # stay so for every later use (no version counter, no autograd).
     with torch.inference_mode(False):
         out = _fused_layers_of(model)
-    model._prr_fused_layers = out
+    model.fused_layers = out
     return out
 
 

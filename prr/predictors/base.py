@@ -16,7 +16,7 @@ it through `prr.blocks.block_counts`.
 Backends, as selectors have them (`Selector.set_backend`): the torch ops below are the
 definition, the CPU path and the kernels' reference; predictors with kernels
 (prr.kernels.predict) override `triton_problems` and run `propose` / `update` as one or two
-launches when the engine's backend is triton (`set_backend`, called by AttentionEngine). The
+launches when the engine's backend is triton (`set_backend`, called by PRRStep). The
 kernels give the same P as a set (tested): torch writes P best first, the kernels in ascending
 block order. Callers that take a prefix of P as "the best blocks" use `propose_best_first`.
 """

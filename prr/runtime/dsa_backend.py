@@ -1,6 +1,6 @@
 """The DSA/PRR attention backend of the research runtime: owns the paged KV cache, the
 selector's metadata and the predictor's state, and runs each layer's decode attention
-through `AttentionEngine` — the graph engine's own step, run eagerly: one stage after the
+through `PRRStep` — the graph engine's own step, run eagerly: one stage after the
 other, each timed (`StageTimer`: events on CUDA, resolved at end_step), with the budget's |P|
 for this layer and step. Beside the step (untimed) it measures what the records need: the
 predictor's top-|A| ranking, the dense reference and the serial-DSA check.
@@ -27,8 +27,8 @@ from prr.blocks import BlockSet
 from prr.budget.base import SpeculationBudget
 from prr.cache import PagedKVCache
 from prr.predictors.base import Predictor
-from prr.runtime.attention_engine import AttentionEngine
 from prr.runtime.engine_ops import BACKENDS
+from prr.runtime.prr_step import PRRStep
 from prr.runtime.records import LayerStepRecord
 from prr.runtime.settings import REPAIR_MODES, RUN_MODES
 from prr.runtime.timing import StageTimer
@@ -72,7 +72,7 @@ class DSABackend:
         self.check_serial = check_serial
         self.backend = backend
         self.timer = StageTimer(cache.device)
-        self.engine = AttentionEngine.eager_step(cache, num_heads, selector, predictor, backend, repair_mode,
+        self.engine = PRRStep.eager(cache, num_heads, selector, predictor, backend, repair_mode,
                                                  self.timer)
         self.step = 0
         self.history: list[list[Selection] | None] = [None] * cache.num_layers  # prefill-tail selections
@@ -133,7 +133,7 @@ class DSABackend:
         info = self.predictor.calibrate(self.history if calibrate_on is None else calibrate_on)
         c = self.cache
         self.predictor_state = self.predictor.init_state(c.num_layers, c.batch, c.num_kv_heads, c.max_blocks, c.device)
-        self.engine.adopt_predictor_state(self.predictor_state)
+        self.engine.schedule.adopt_state(self.predictor_state)
         for first, layers in self._warm_runs():  # layers' states are independent: a step of a run at once
             for t in range(len(self.history[first])):
                 self.predictor.update_layers(self.predictor_state, first, [self.history[i][t] for i in layers])
@@ -189,7 +189,7 @@ class DSABackend:
         self.measure_s += time.perf_counter() - measure_start
         out, selection = self.engine.sparse_attention(layer, q, lengths, block_counts, predicted_blocks=budget_blocks,
                                                       fp32=True)  # [B, Hq, D] fp32
-        predicted = self.engine.prediction(layer) if budget_blocks else None
+        predicted = self.engine.schedule.prediction(layer) if budget_blocks else None
         result_out = out.view_as(qg)  # [B, Hkv, G, D]
         marks = self.timer.take()  # resolved in end_step: no synchronisation inside the step
 

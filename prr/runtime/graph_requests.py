@@ -24,15 +24,15 @@ calibrated on every row's prefill tail at once, as a ragged decode run's is.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from prr.runtime.graph_decode import GraphDecoder, state_tensors
+from prr.runtime.graph_decode import GraphDecoder
 from prr.runtime.graph_run import engine_backend, graph_plan, profiled_plan, scoring_problems
 from prr.runtime.run_strategy import Steps, topk_label
+from prr.runtime.timing import timed_steps
 
 
 class GraphRequests:
@@ -114,23 +114,12 @@ class GraphRequests:
         if first:
             self._build()
         engine = self.engine
-        engine.begin(lengths, torch.zeros(self.rows, dtype=torch.long))
-        if self.speculating:
-            mine, warmed = state_tensors(engine.predictor_state), state_tensors(eager.backend.predictor_state)
-            if len(mine) != len(warmed) or any(a.shape != b.shape for a, b in zip(mine, warmed, strict=False)):
-                raise ValueError(f"predictor={type(self.predictor).__name__}: the prefill's state "
-                                 f"{[tuple(t.shape) for t in warmed]} does not fit the engine's "
-                                 f"{[tuple(t.shape) for t in mine]}; use runtime.engine=eager")
-            for a, b in zip(mine, warmed, strict=True):
-                a.copy_(b)
-            engine.prime_predictions(lengths)
-        engine.set_previous_selections(eager.backend.previous)
+        engine.take_over(lengths, torch.zeros(self.rows, dtype=torch.long),
+                         eager.backend.predictor_state if self.speculating else None, eager.backend.previous)
         self.forced.fill_(-1)
         self.positions = list(lengths)
-        if first and self.device.type == "cuda":  # one capture; its warm-up steps advance the state: rewind
-            start = engine.checkpoint()
-            self.replay = engine.capture(self.replay).replay
-            engine.restore(start)
+        if first:  # (CUDA: one capture, rewound)
+            self.replay = engine.capture_all({"step": self.replay})["step"]
 
     def _build(self) -> None:
         """The engine, its step view, the output buffers and the forced-token table, once."""
@@ -175,26 +164,12 @@ class GraphRequests:
         p0 = self.positions
         if max(p0) + n > engine.max_tokens:  # (step i writes row b's K/V at p0[b] + i)
             raise ValueError(f"{n} steps from positions {p0} exceed the engine's {engine.max_tokens} tokens")
-        wall: list[float] = []
         with torch.inference_mode():  # (the engine was built, and its tensors made, under the prefill's)
             engine.token.copy_(torch.tensor(first, dtype=torch.long).view(-1, 1))
             if forced is not None:
                 for b, row in enumerate(forced + forced[-1:] * pad):
                     self.forced[b, p0[b] : p0[b] + n] = torch.tensor(row, dtype=torch.long)
-            if self.device.type == "cuda":
-                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                          for _ in range(n)]
-                for start, stop in events:
-                    start.record()
-                    self.replay()
-                    stop.record()
-                events[-1][1].synchronize()
-                wall = [start.elapsed_time(stop) * 1e-3 for start, stop in events]  # device time per step
-            else:
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    self.replay()
-                    wall.append(time.perf_counter() - t0)
+            wall = timed_steps([self.replay] * n, self.device)  # device time per step on CUDA
             # each row's n chosen tokens sit at p0[b] + 1 ... p0[b] + n: one gather and one read each
             at = (torch.tensor(p0)[:, None] + 1 + torch.arange(n)).to(self.device)  # [B, n]
             chosen, logprobs, greedy, margins = (t.gather(1, at).tolist() for t in (self.tokens, self.logprobs,

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from prr.runtime.graph_decode import StaticPlan
 from prr.runtime.run_strategy import Results, Window
+from prr.runtime.timing import timed_steps
 
 log = logging.getLogger("prr")
 
@@ -277,11 +278,8 @@ class GraphDecode:
                                             predictor=predictor if speculating else None, cache=cache,
                                             backend=self.ops_backend)
         first = logits.argmax(-1)  # [B] greedy
-        engine.begin(row_tokens, first)
-        if speculating:
-            engine.adopt_predictor_state(eager.backend.predictor_state)
-            engine.prime_predictions(row_tokens)
-        engine.set_previous_selections(eager.backend.previous)  # A of the last prompt-tail step: last-step overlap
+        engine.take_over(row_tokens, first, eager.backend.predictor_state if speculating else None,
+                         eager.backend.previous)
         del eager
         log.info("prompt: %s (%d tokens); engine=graph, %s", r.prompt.description, prompt_len, plan)
 
@@ -312,12 +310,7 @@ class GraphDecode:
         self.replays = {(variant, m): stepper(engine.with_plan(variant=variant, measure_dense=m, count_hits=True,
                                                                learn_in_serial=self.adaptive))
                         for variant in variants for m in measures}
-        if device.type == "cuda":  # capture one step each; the warm-up steps advance the state: rewind it
-            with torch.inference_mode():  # (the prefill's tensors are inference tensors)
-                start = engine.checkpoint()  # after each capture, and before the decode, to the prompt's end
-                for key, fn in list(self.replays.items()):
-                    self.replays[key] = engine.capture(fn).replay
-                    engine.restore(start)
+        self.replays = engine.capture_all(self.replays)  # (CUDA: one graph each, rewound to the prompt's end)
         self.latencies: list[float] = []
         self.ran: list[str] = []  # the variant of each step
         self.sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
@@ -335,20 +328,7 @@ class GraphDecode:
         window_replays = [self.replays[variant, (done + i) % self.every == 0] for i in range(n)]
         # copies: on the CPU .cpu() would alias the counters the steps add to in place
         before = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64)
-        latencies: list[float] = []
-        if self.inputs.device.type == "cuda":
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-            for (start, stop), replay in zip(events, window_replays, strict=True):
-                start.record()
-                replay()
-                stop.record()
-            events[-1][1].synchronize()
-            latencies = [start.elapsed_time(stop) * 1e-3 for start, stop in events]
-        else:
-            for replay in window_replays:
-                t0 = time.perf_counter()
-                replay()
-                latencies.append(time.perf_counter() - t0)
+        latencies = timed_steps(window_replays, self.inputs.device)
         self.done += n
         self.latencies += latencies
         self.ran += [variant] * n

@@ -1,5 +1,5 @@
 """Times selection, speculation and the whole attention stage (the eager runtime's step:
-`AttentionEngine.sparse_attention` run stage by stage, as DSABackend runs it) for one layer of
+`PRRStep.sparse_attention` run stage by stage, as DSABackend runs it) for one layer of
 the model's shape on the running device, on random data in a scratch cache: what
 `budget=profiled` measures when the eager runtime decodes."""
 
@@ -15,7 +15,7 @@ from prr.blocks import BlockSet, controlled_predictions
 from prr.budget.base import StageTiming
 from prr.cache import PagedKVCache
 from prr.predictors.base import NEVER, Predictor
-from prr.runtime.attention_engine import AttentionEngine
+from prr.runtime.prr_step import PRRStep
 from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
 
@@ -121,9 +121,9 @@ class StageProbe:
         return self._timing(lambda: self.selector.select(q, cache, 0, length=length))
 
     def _engine(self, cache: PagedKVCache, predictor: Predictor | None, timer: StageTimer | None = None
-                ) -> AttentionEngine:
+                ) -> PRRStep:
         """The eager runtime's step over the scratch cache (stages one after the other)."""
-        return AttentionEngine.eager_step(cache, self.num_heads, self.selector, predictor, self.backend,
+        return PRRStep.eager(cache, self.num_heads, self.selector, predictor, self.backend,
                                           self.repair_mode, timer)
 
     @staticmethod
@@ -145,7 +145,7 @@ class StageProbe:
         return self._timing(lambda: engine.attend(0, flat, idx, cnt, lengths, per_block=per_block))
 
     def time_stage(self, context_blocks: int, predicted_blocks: int, hit_rate: float) -> StageTiming:
-        """The eager runtime's attention stage (AttentionEngine.sparse_attention, stages one
+        """The eager runtime's attention stage (PRRStep.sparse_attention, stages one
         after the other, timed) over this context: serial DSA for predicted_blocks = 0, else PRR
         with P of that many blocks holding hit_rate of A."""
         cache, q = self._scratch()

@@ -1,6 +1,6 @@
 """The studies' decode on the graph engine (`--engine graph` of experiments/locality_study.py and
 predictor_study.py): one request of a fixed number of steps through `GraphDecoder` with the study
-counters on (`StaticPlan.study_counters`, `AttentionEngine.study_counters`), read back once.
+counters on (`StaticPlan.study_counters`, `PRRStep.study_counters`), read back once.
 
 The request starts where the research runtime's prefill left it (`EagerRuntime` after `prefill`
 or `replay_prefill`, and `finish_prefill`): its cache, selector metadata and warmed predictor
@@ -29,7 +29,7 @@ from prr.runtime.graph_run import engine_backend, graph_plan
 
 @dataclass
 class StudyDecode:
-    counters: dict[str, Tensor]  # AttentionEngine.study_counters: name -> [L, Hkv] fp64, summed over steps and rows
+    counters: dict[str, Tensor]  # PRRStep.study_counters: name -> [L, Hkv] fp64, summed over steps and rows
     tokens: list[int]  # the input token of each decode step (the trajectory followed)
     disagreements: int  # steps whose followed token is not the model's argmax there
     plan: Any  # the StaticPlan the engine ran (predicted_blocks: the engine's own |P|)
@@ -67,11 +67,8 @@ def graph_study_decode(runtime: EagerRuntime, last_logits: Tensor, steps: int, r
     device = engine.device
     first = tokens[0] if tokens is not None else int(last_logits[0].argmax())
     disagreements = int(first != int(last_logits[0].argmax()))
-    engine.begin(prompt_len, torch.tensor([first], device=device))
-    if speculating:
-        engine.adopt_predictor_state(backend.predictor_state)
-        engine.prime_predictions(prompt_len)
-    engine.set_previous_selections(backend.previous)  # A of the last prompt-tail step: the first overlap
+    engine.take_over(prompt_len, torch.tensor([first], device=device), backend.predictor_state if speculating else None,
+                     backend.previous)
     if tokens is not None:  # step t at position prompt_len + t feeds tokens[t + 1] to the next
         engine.forced_tokens = torch.full((1, cache.max_tokens), -1, dtype=torch.long, device=device)
         engine.forced_tokens[0, prompt_len : prompt_len + steps - 1] = torch.tensor(tokens[1:steps], device=device)
@@ -85,12 +82,8 @@ def graph_study_decode(runtime: EagerRuntime, last_logits: Tensor, steps: int, r
 
     every = 1 if plan.mode == "shadow" else backend.dense_metrics_every
     replays = {m: stepper(engine.with_plan(measure_dense=m)) for m in ((True,) if every == 1 else (True, False))}
+    replays = engine.capture_all(replays)  # (CUDA: one graph per view, rewound)
     with torch.inference_mode():  # (the prefill's tensors are inference tensors)
-        if device.type == "cuda":  # one graph per view; the warm-up steps advance the state: rewind it
-            start = engine.checkpoint()
-            for m, fn in list(replays.items()):
-                replays[m] = engine.capture(fn).replay
-                engine.restore(start)
         for step in range(steps):
             replays[step % every == 0]()
         counters = engine.study_counters()

@@ -46,3 +46,22 @@ class StageTimer:
             seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start  # type: ignore[union-attr,operator]
             out[name] = out.get(name, 0.0) + seconds
         return out
+
+
+def timed_steps(steps: list, device: torch.device) -> list[float]:
+    """Run each step function once, back to back -> seconds of each: on CUDA the device time
+    between events around each (no host sync until the window's end), elsewhere wall time."""
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in steps]
+        for (start, stop), step in zip(events, steps, strict=True):
+            start.record()
+            step()
+            stop.record()
+        events[-1][1].synchronize()
+        return [start.elapsed_time(stop) * 1e-3 for start, stop in events]
+    out = []
+    for step in steps:
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from prr.kernels import cache_append, prr_merge, prr_repair, sparse_decode, step_counters
-from prr.kernels.reference_attention import random_sparse_decode_inputs
+from prr.kernels.reference_sparse_decode import random_sparse_decode_inputs
 
 from prr.runtime import engine_ops
 from tests.test_kernels_prr_merge import random_lists

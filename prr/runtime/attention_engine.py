@@ -69,7 +69,7 @@ class AttentionEngine:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={cache.num_kv_heads}")
         if cache.block_size != plan.block_size:
             raise ValueError(f"cache block_size={cache.block_size} differs from plan.block_size={plan.block_size}")
-        self._k = engine_ops(backend)
+        self.ops = engine_ops(backend)
         self.backend, self.timer, self.sized_per_step = backend, timer, sized_per_step
         self.plan, self.cache, self.batch = plan, cache, cache.batch
         self.device, self.dtype = cache.keys[0].device, cache.dtype
@@ -115,7 +115,7 @@ class AttentionEngine:
             self.predictor_state = self.predictor.init_state(self.num_layers, B, H, NB, dev)
             self.predictor.size_for_query(self.predictor_state, self.group * self.d)
             self.predictor.size_for_selection(self.predictor_state, self.topk_capacity)
-        self.scratch = self._k["prr_merge"].repair_scratch(B, H, NB, dev) if prr else None
+        self.scratch = self.ops.repair_scratch(B, H, NB, dev) if prr else None
         self.arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
         # fuse_merge's and fused_repair's, main stream (their kernels run one after the other there)
         self.merge_arrivals = torch.zeros(B * H, dtype=torch.int32, device=dev)
@@ -132,7 +132,7 @@ class AttentionEngine:
         # The counters' membership scratch: one per layer of learn_range for the end-of-step launch
         # (its layers run concurrently), the first also the per-layer launch's ([2, B * Hkv, NB]).
         counted = self.learn_range[1] - self.learn_range[0] + 1 if self.learn_range is not None else 1
-        self.layer_counter_scratch = self._k["step_counters"].layer_counter_scratch(counted, B, H, NB, dev)
+        self.layer_counter_scratch = self.ops.layer_counter_scratch(counted, B, H, NB, dev)
         self.counter_scratch = self.layer_counter_scratch[0]
         self._counted: list[tuple[BlockSet, bool]] = []  # this step's (A, speculating) held for the end-of-step count
         # (the held A's indices, the same stacked [L, B, Hkv, K]): the count's copy, which this
@@ -236,20 +236,20 @@ class AttentionEngine:
         arrival workspace serves one stream). per_block (speculation): programs of
         plan.speculation_tokens_per_program tokens each."""
         fused = final and self._fuse_merge(idx)
-        return self._k["sparse_decode"].sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
-                                                      self.plan.block_size, self.scale, per_block=per_block,
-                                                      merge_splits=merge_splits, fuse_merge=fused,
-                                                      out_dtype=self.dtype if final else torch.float32,
-                                                      arrivals=self.merge_arrivals if fused else None,
-                                                      tokens_per_split=self.plan.speculation_tokens_per_program
-                                                      if per_block else None)
+        return self.ops.sparse_decode(q, self.keys[layer], self.values[layer], idx, cnt, lengths,
+                                      self.plan.block_size, self.scale, per_block=per_block,
+                                      merge_splits=merge_splits, fuse_merge=fused,
+                                      out_dtype=self.dtype if final else torch.float32,
+                                      arrivals=self.merge_arrivals if fused else None,
+                                      tokens_per_split=self.plan.speculation_tokens_per_program
+                                      if per_block else None)
 
     def _fuse_merge(self, idx: Tensor) -> bool:
         """Whether a layer's output attention over idx [B, Hkv, C] merges its splits in the
         split kernel (plan.fuse_merge)."""
         mode = self.plan.fuse_merge
         if mode == "one_wave":
-            return self._k["sparse_decode"].sparse_decode_one_wave(
+            return self.ops.sparse_decode_one_wave(
                 idx.shape[-1], self.batch, self.hkv, self.plan.block_size, self.device, head_dim=self.d,
                 cache_dtype=self.dtype)
         return bool(mode)
@@ -361,7 +361,7 @@ class AttentionEngine:
             self.pred_idx[layer] = torch.zeros(self.batch, self.hkv, cap, dtype=torch.int32, device=self.device)
             self.pred_cnt[layer] = torch.zeros(self.batch, self.hkv, dtype=torch.int32, device=self.device)
         if self.scratch is None:
-            self.scratch = self._k["prr_merge"].repair_scratch(self.batch, self.hkv, self.max_blocks, self.device)
+            self.scratch = self.ops.repair_scratch(self.batch, self.hkv, self.max_blocks, self.device)
 
     def _learn(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, num_blocks: Tensor,
                planned: torch.cuda.Event | None = None, propose_next: bool = True, same_step: bool = True) -> None:
@@ -574,20 +574,19 @@ class AttentionEngine:
         out_dtype = torch.float32 if fp32 else self.dtype
         if self._fused_repair(idx, pred_idx):  # plan, repair and merge in one launch
             with self._stage("repair"):
-                return self._k["prr_repair"].repair_and_merge(
+                return self.ops.repair_and_merge(
                     q, self.keys[layer], self.values[layer], idx, cnt, pred_idx, pred_cnt, lengths, spec_out, spec_lse,
                     p.block_size, self.scale, out_dtype=out_dtype, arrivals=self.merge_arrivals,
                     tokens_per_split=p.repair_tokens_per_split)
-        kp = self._k["prr_merge"]
         with self._stage("repair"):
-            miss_idx, miss_cnt, keep = kp.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)
+            miss_idx, miss_cnt, keep = self.ops.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)
             # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
             rep_out, rep_lse = self.attend(layer, q, miss_idx, miss_cnt, lengths, merge_splits=False)
         with self._stage("merge"):
             if p.repair_mode == "superset":  # P attended as a whole: its false positives stay in
                 spec_out, spec_lse = spec_out.unsqueeze(2), spec_lse.unsqueeze(2)
                 keep = torch.ones(self.batch, self.hkv, 1, dtype=torch.bool, device=self.device)
-            out, lse = kp.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=out_dtype)
+            out, lse = self.ops.merge_speculation(spec_out, spec_lse, keep, rep_out, rep_lse, out_dtype=out_dtype)
         return out, lse, keep
 
     def _fused_repair(self, idx: Tensor, pred_idx: Tensor) -> bool:
@@ -595,7 +594,7 @@ class AttentionEngine:
         launch (plan.fused_repair)."""
         mode = self.plan.fused_repair
         if mode == "auto":
-            return self.plan.repair_mode == "exact" and self._k["prr_repair"].fused_tail_pays(
+            return self.plan.repair_mode == "exact" and self.ops.fused_tail_pays(
                 idx.shape[-1], pred_idx.shape[-1], self.batch * self.hkv, self.device)
         return bool(mode)
 
@@ -614,9 +613,9 @@ class AttentionEngine:
             if layer == self.learn_range[1]:
                 self._count_layers()
             return
-        self._k["step_counters"].step_counters(idx, cnt, self.pred_idx[layer] if speculating else None,
-                                               self.pred_cnt[layer] if speculating else None, self.prev_idx[layer],
-                                               self.prev_cnt[layer], self.counter_scratch, self.step_counts[layer])
+        self.ops.step_counters(idx, cnt, self.pred_idx[layer] if speculating else None,
+                               self.pred_cnt[layer] if speculating else None, self.prev_idx[layer],
+                               self.prev_cnt[layer], self.counter_scratch, self.step_counts[layer])
 
     def _counts_at_end(self, layer: int, speculating: bool) -> bool:
         """Whether this step's counters wait for the last sparse layer and count every layer in
@@ -654,7 +653,7 @@ class AttentionEngine:
         span = slice(first, last + 1)
         with self._side():
             stacked = BlockSet(torch.stack([b.indices for b in blocks]), torch.stack([b.count for b in blocks]))
-            self._k["step_counters"].step_counters_layers(
+            self.ops.step_counters_layers(
                 stacked.indices, stacked.count, self.pred_all[span] if speculating else None,
                 self.pred_cnt_all[span] if speculating else None, self.prev_all[span], self.prev_cnt_all[span],
                 self.layer_counter_scratch, self.step_counts[span])

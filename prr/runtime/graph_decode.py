@@ -411,7 +411,7 @@ class GraphDecoder:
         """This step's K/V at pos, and the Quest metadata of its block, in one launch.
         q: [B, Hq, D], k, v: [B, Hkv, D] (post-RoPE, or pre-RoPE with rope: the append kernel
         rotates q and k, one launch fewer) -> q [B, Hq, D] post-RoPE."""
-        q_rot = self.attn._k["cache_append"].append_token(
+        q_rot = self.attn.ops.append_token(
             self.keys[layer], self.values[layer], k, v, self.pos, *self._quest_metadata(layer), self.plan.block_size,
             rope=(self.cos, self.sin, q) if rope else None)
         return q_rot if rope else q
@@ -479,12 +479,12 @@ class GraphDecoder:
         """Every layer with prr.kernels.dense_gemv -> logits [B, V]: the residual stream x [B, H]
         is updated in place by o_proj's and down's epilogues; the norms run inside the next
         projection."""
-        m, B, gemv = self.model, self.batch, self.attn._k["dense_gemv"].dense_gemv
+        m, B, gemv = self.model, self.batch, self.attn.ops.dense_gemv
         paired = self.paired_qkv_weights() if self._appends_in_projection() else None
         x = m.model.embed_tokens(self.token).view(B, -1)  # [B, H]: a fresh buffer, ours to update
         for i, w in enumerate(self.fused):
             if paired is not None:  # batch 1: projection, RoPE and append in one launch
-                q = self.attn._k["qkv_append"].qkv_rope_append(
+                q = self.attn.ops.qkv_rope_append(
                     x, *paired[i], w.ln1, self.eps, self.keys[i], self.values[i], self.pos, self.cos, self.sin,
                     *self._quest_metadata(i), self.plan.block_size, self.hq, self.hkv)  # [1, Hq, D] post-RoPE
                 out = self.attention(i, q, None, None, positions, appended=True).view(B, self.hq * self.d)
@@ -521,7 +521,7 @@ class GraphDecoder:
         if capturing:
             raise RuntimeError("the paired q|k|v weights are (re)built before use: run a step before capturing "
                                "(capture() warms up first), or call paired_qkv_weights()")
-        perm = self.attn._k["qkv_append"].rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device)
+        perm = self.attn.ops.rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device)
         with torch.no_grad():
             if paired["weights"] is None:
                 paired["weights"] = [(w.wqkv[perm], None if w.bqkv is None else w.bqkv[perm]) for w in self.fused]

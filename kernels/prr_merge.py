@@ -6,8 +6,8 @@ costs two launches instead of a dozen tiny torch ops (each ≈1.5 µs even in a 
 - `merge_speculation`: ⊕ of the kept per-block speculative partials and the repair's
   (unmerged) split partials, in one launch (the exact-mode merge of DESIGN.md §2).
 
-Torch references: `repair_plan_reference`, `merge_speculation_reference` (below), built
-on prr.blocks and prr.attention_state.
+Torch references: kernels/reference_prr_merge.py (`repair_plan_reference`,
+`merge_speculation_reference`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .pdl import launch_kwargs, pdl_prologue
-from .reference_merge import lse_merge, lse_merge_many
 from .sparse_decode import _check_device, _next_power_of_two
 
 # --- repair plan ---------------------------------------------------------------------------
@@ -109,23 +108,6 @@ def repair_plan(
         num_warps=4, **launch_kwargs(sel_idx.device),
     )  # fmt: skip
     return miss_idx, miss_cnt, keep
-
-
-def repair_plan_reference(
-    sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor, pred_cnt: Tensor, max_blocks: int
-) -> tuple[list[list[list[int]]], Tensor]:
-    """-> (A \\ P per (b, h) as Python lists in A's order, keep [B, Hkv, C] bool)."""
-    batch, num_kv_heads, pred_cap = pred_idx.shape
-    keep = torch.zeros(batch, num_kv_heads, pred_cap, dtype=torch.bool)
-    missed = []
-    for b in range(batch):
-        missed.append([])
-        for h in range(num_kv_heads):
-            a = sel_idx[b, h, : int(sel_cnt[b, h])].tolist()
-            p = pred_idx[b, h, : int(pred_cnt[b, h])].tolist()
-            missed[b].append([x for x in a if x not in set(p)])
-            keep[b, h, : len(p)] = torch.tensor([x in set(a) for x in p], dtype=torch.bool)
-    return missed, keep
 
 
 # --- merge of the speculative partials with the repair state --------------------------------
@@ -236,17 +218,3 @@ def merge_speculation(
         num_warps=4, **launch_kwargs(part_out.device),
     )  # fmt: skip
     return out, lse
-
-
-def merge_speculation_reference(
-    part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor
-) -> tuple[Tensor, Tensor]:
-    """The kept speculative partials merged (lse_merge_many), the repair's splits merged, then
-    the two merged (lse_merge), in float64."""
-    batch, num_heads, num_partials, _ = part_out.shape
-    group = num_heads // keep.shape[1]
-    keep_q = keep.repeat_interleave(group, dim=1)  # [B, Hq, C]
-    spec = lse_merge_many(part_out.double(), part_lse.double(), keep_q)
-    repair = lse_merge_many(rep_out.double(), rep_lse.double()) if rep_out.dim() == 4 \
-        else (rep_out.double(), rep_lse.double())
-    return lse_merge(*spec, *repair)

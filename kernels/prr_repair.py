@@ -19,7 +19,7 @@ latency (bench_decode_stage.csv: PRR minus select ∥ speculate). Here one launc
 Exact: out = ⊕_{a ∈ A} attention over block a, whatever P is (P's entries not in A are
 dropped, A's entries not in P are recomputed), as the three launches give.
 A and P need not be sorted; entries must be distinct within a list (as selection and the
-predictors produce them). Torch reference: `repair_and_merge_reference`.
+predictors produce them). Torch reference: kernels/reference_prr_repair.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from torch import Tensor
 
 from . import sparse_decode as sd
 from .pdl import launch_kwargs, pdl_prologue
-from .prr_merge import merge_speculation_reference, repair_plan_reference
 from .sparse_decode import (
     MAX_FUSED_MERGE_SPLITS,
     MERGE_TILE_ELEMENTS,
@@ -269,28 +268,4 @@ def repair_and_merge(
         SPLIT_CHUNK=min(_next_power_of_two(num_splits), max(1, MERGE_TILE_ELEMENTS // (merge_group * head_dim))),
         num_warps=num_warps, **launch_kwargs(device),
     )  # fmt: skip
-    return out, lse, keep
-
-
-def repair_and_merge_reference(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor,
-    pred_cnt: Tensor, lengths: Tensor, part_out: Tensor, part_lse: Tensor, block_size: int, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The three launches' torch references in float64: repair_plan_reference, the repair by
-    sparse_decode_reference over A \\ P, merge_speculation_reference. -> (out, lse, keep)."""
-    from .reference_attention import sparse_decode_reference
-
-    cpu = [t.cpu() for t in (sel_idx, sel_cnt, pred_idx, pred_cnt)]
-    missed, keep = repair_plan_reference(*cpu, max_blocks=k_cache.shape[2] // block_size + 1)
-    batch, num_kv_heads, sel_cap = sel_idx.shape
-    miss_idx = torch.zeros(batch, num_kv_heads, sel_cap, dtype=torch.int32)
-    miss_cnt = torch.zeros(batch, num_kv_heads, dtype=torch.int32)
-    for b in range(batch):
-        for h in range(num_kv_heads):
-            miss_idx[b, h, : len(missed[b][h])] = torch.tensor(missed[b][h], dtype=torch.int32)
-            miss_cnt[b, h] = len(missed[b][h])
-    device = q.device
-    rep_out, rep_lse = sparse_decode_reference(q, k_cache, v_cache, miss_idx.to(device), miss_cnt.to(device), lengths,
-                                               block_size, scale)
-    out, lse = merge_speculation_reference(part_out, part_lse, keep.to(device), rep_out.float(), rep_lse.float())
     return out, lse, keep

@@ -5,7 +5,7 @@ H200 at 30 layers, ~10% of a decode step.) `step_counters_layers`: the same over
 layers in one launch (the graph engine counts every sparse layer at the step's end, on the side
 stream: StaticPlan.count_at_step_end).
 
-Torch reference: `step_counters_reference` (below), from membership masks.
+Torch reference: kernels/reference_step_counters.py, from membership masks.
 """
 
 from __future__ import annotations
@@ -152,19 +152,3 @@ def _launch(sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pred_cnt:
         HAS_PRED=has_pred, BLOCK_A=triton.next_power_of_2(max(sel_cap, 2)),
         BLOCK_P=triton.next_power_of_2(max(pred_cap, 2)), num_warps=4,
     )  # fmt: skip
-
-
-def step_counters_reference(sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pred_cnt: Tensor | None,
-                            prev_idx: Tensor, prev_cnt: Tensor, max_blocks: int) -> Tensor:
-    """-> [4, B * Hkv] int64: (|A|, |P|, |P ∩ A|, |A ∩ A_{t-1}|) from membership masks."""
-
-    def mask(idx: Tensor, cnt: Tensor) -> Tensor:  # [B, Hkv, NB] bool
-        valid = torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
-        out = torch.zeros(*idx.shape[:-1], max_blocks + 1, dtype=torch.bool, device=idx.device)
-        return out.scatter_(-1, torch.where(valid, idx.long(), max_blocks), True)[..., :max_blocks]
-
-    a = mask(sel_idx, sel_cnt)
-    p = mask(pred_idx, pred_cnt) if pred_idx is not None else torch.zeros_like(a)
-    prev = mask(prev_idx, prev_cnt)
-    counts = torch.stack([a.sum(-1), p.sum(-1), (a & p).sum(-1), (a & prev).sum(-1)])  # [4, B, Hkv]
-    return counts.flatten(1).long()

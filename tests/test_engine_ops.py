@@ -1,16 +1,22 @@
-"""The graph engine's torch backend (prr/runtime/engine_ops.py) computes what its Triton
-kernels compute, on fresh random inputs at odd sizes (the kernels under TRITON_INTERPRET=1):
-the same attention states, A \\ P and keep, merges, counters and cache writes."""
+"""The graph engine's torch backend (prr/runtime/engine_ops.py: TorchOps, the kernels' torch
+references) computes what its Triton backend (TritonOps, the kernels) computes, on fresh random
+inputs at odd sizes (the kernels under TRITON_INTERPRET=1): the same attention states, A \\ P
+and keep, merges, counters and cache writes. The torch backend needs no triton."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from prr.kernels import cache_append, prr_merge, prr_repair, sparse_decode, step_counters
-from prr.kernels.reference_attention import random_sparse_decode_inputs
+from prr.kernels.reference_sparse_decode import random_sparse_decode_inputs
 
-from prr.runtime import engine_ops
+from prr.runtime.engine_ops import EngineOps, TorchOps, TritonOps, engine_ops
 from tests.test_kernels_prr_merge import random_lists
+
+torch_ops, triton_ops = TorchOps(), TritonOps()
 
 
 def aligned(inputs):
@@ -29,17 +35,17 @@ def aligned(inputs):
 def test_sparse_decode_torch_equals_the_kernel(lengths, hq, hkv, d, bs, k, seed):
     x = aligned(random_sparse_decode_inputs(seed, lengths, hq, hkv, d, bs, k, capacity=k + 2))
     for per_block in (False, True):
-        want = sparse_decode.sparse_decode(*x.args(), per_block=per_block)
-        got = engine_ops.sparse_decode(*x.args(), per_block=per_block)
+        want = triton_ops.sparse_decode(*x.args(), per_block=per_block)
+        got = torch_ops.sparse_decode(*x.args(), per_block=per_block)
         assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
         finite = torch.isfinite(want[1])
         assert torch.equal(finite, torch.isfinite(got[1]))
         torch.testing.assert_close(got[1][finite], want[1][finite], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
-    splits = engine_ops.sparse_decode(*x.args(), merge_splits=False)  # one split: the merged state
-    merged = sparse_decode.sparse_decode(*x.args())
+    splits = torch_ops.sparse_decode(*x.args(), merge_splits=False)  # one split: the merged state
+    merged = triton_ops.sparse_decode(*x.args())
     torch.testing.assert_close(splits[0][:, :, 0], merged[0], rtol=1e-4, atol=1e-4)
-    half = engine_ops.sparse_decode(*x.args(), out_dtype=torch.bfloat16)[0]
+    half = torch_ops.sparse_decode(*x.args(), out_dtype=torch.bfloat16)[0]
     assert half.dtype == torch.bfloat16
 
 
@@ -56,8 +62,8 @@ def test_repair_plan_and_counters_torch_equal_the_kernels(batch, heads, max_bloc
             row = p[b, h, : int(npred[b, h])].unique()
             npred[b, h] = len(row)
             p[b, h, : len(row)] = row
-    want = prr_merge.repair_plan(a, na, p, npred, prr_merge.repair_scratch(batch, heads, max_blocks, "cpu"))
-    got = engine_ops.repair_plan(a, na, p, npred, engine_ops.repair_scratch(batch, heads, max_blocks, "cpu"))
+    want = triton_ops.repair_plan(a, na, p, npred, triton_ops.repair_scratch(batch, heads, max_blocks, "cpu"))
+    got = torch_ops.repair_plan(a, na, p, npred, torch_ops.repair_scratch(batch, heads, max_blocks, "cpu"))
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     for b in range(batch):
         for h in range(heads):
@@ -66,7 +72,7 @@ def test_repair_plan_and_counters_torch_equal_the_kernels(batch, heads, max_bloc
 
     prev, nprev = random_lists(batch, heads, max_blocks, sel_cap, g)
     outs = []
-    for ops in (step_counters, engine_ops):
+    for ops in (triton_ops, torch_ops):
         out = torch.zeros(4, batch * heads, dtype=torch.int64)
         prev_i, prev_n = prev.clone(), nprev.clone()
         ops.step_counters(a, na, p, npred, prev_i, prev_n, ops.counter_scratch(batch, heads, max_blocks, "cpu"), out)
@@ -75,7 +81,7 @@ def test_repair_plan_and_counters_torch_equal_the_kernels(batch, heads, max_bloc
     valid = torch.arange(sel_cap) < na.unsqueeze(-1)
     assert torch.equal(outs[0][1][valid], outs[1][1][valid])  # A_t is the next step's A_{t-1}
     layers = []  # the same over two layers in one call ([L, ...]: the engine's end-of-step count)
-    for ops in (step_counters, engine_ops):
+    for ops in (triton_ops, torch_ops):
         out = torch.zeros(2, 4, batch * heads, dtype=torch.int64)
         prev_i, prev_n = torch.stack([prev, a]), torch.stack([nprev, na])
         ops.step_counters_layers(torch.stack([a, a]), torch.stack([na, na]), torch.stack([p, p]),
@@ -91,17 +97,17 @@ def test_merges_torch_equal_the_kernels(fp):
     g = torch.Generator().manual_seed(4)
     nb = x.k_cache.shape[2] // 16
     p, npred = random_lists(2, 2, 7, 5, g)  # P among the first blocks: some of it in A
-    spec = sparse_decode.sparse_decode(x.q, x.k_cache, x.v_cache, p, npred, x.lengths, 16, x.scale, per_block=True)
+    spec = triton_ops.sparse_decode(x.q, x.k_cache, x.v_cache, p, npred, x.lengths, 16, x.scale, per_block=True)
     sel = x.block_ids.int().sort(-1).values.contiguous()  # (the engine's A is ascending)
     args = (x.q, x.k_cache, x.v_cache, sel, x.block_counts.int(), p, npred, x.lengths, *spec, 16, x.scale)
     if fp == "exact_fused":
-        want, got = prr_repair.repair_and_merge(*args), engine_ops.repair_and_merge(*args)
+        want, got = triton_ops.repair_and_merge(*args), torch_ops.repair_and_merge(*args)
     else:
-        plan = prr_merge.repair_plan(sel, x.block_counts.int(), p, npred, prr_merge.repair_scratch(2, 2, nb, "cpu"))
-        rep = sparse_decode.sparse_decode(x.q, x.k_cache, x.v_cache, plan[0], plan[1], x.lengths, 16, x.scale,
+        plan = triton_ops.repair_plan(sel, x.block_counts.int(), p, npred, triton_ops.repair_scratch(2, 2, nb, "cpu"))
+        rep = triton_ops.sparse_decode(x.q, x.k_cache, x.v_cache, plan[0], plan[1], x.lengths, 16, x.scale,
                                           merge_splits=False)
-        want = prr_merge.merge_speculation(*spec, plan[2], *rep)
-        got = engine_ops.merge_speculation(*spec, plan[2], *rep)
+        want = triton_ops.merge_speculation(*spec, plan[2], *rep)
+        got = torch_ops.merge_speculation(*spec, plan[2], *rep)
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
 
@@ -114,13 +120,51 @@ def test_append_token_torch_equals_the_kernel_with_rope():
     cos, sin = torch.randn(t, d, generator=g), torch.randn(t, d, generator=g)
     pos = torch.tensor([5, 31], dtype=torch.int32)
     results = []
-    for ops in (cache_append, engine_ops):
+    for ops in (triton_ops, torch_ops):
         kc, vc = (c.clone() for c in caches)
         q_rot = ops.append_token(kc, vc, k, v, pos, None, None, 16, rope=(cos, sin, q))
         results.append((kc, vc, q_rot))
     for want, got in zip(results[0], results[1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="append_metadata"):
-        engine_ops.append_token(*caches, k, v, pos, caches[0], caches[1])
+        torch_ops.append_token(*caches, k, v, pos, caches[0], caches[1])
+
+
+def test_the_factory_gives_each_backend_its_class_and_refuses_others():
+    assert isinstance(engine_ops("torch"), TorchOps) and isinstance(engine_ops("triton"), TritonOps)
+    assert {TorchOps.name, TritonOps.name} == {"torch", "triton"}
     with pytest.raises(ValueError, match="not one of"):
-        engine_ops.engine_ops("cuda")
+        engine_ops("cuda")
+    with pytest.raises(TypeError):  # the protocol is abstract: a backend implements every op
+        EngineOps()
+
+
+@pytest.mark.parametrize("op,args", [("dense_gemv", (torch.zeros(1, 4), torch.zeros(3, 4))),
+                                     ("rope_pair_permutation", (2, 1, 4)),
+                                     ("qkv_rope_append", (None,) * 15)])
+def test_torch_refuses_the_projection_ops_naming_backend_triton(op, args):
+    with pytest.raises(ValueError, match="needs backend=triton"):
+        getattr(torch_ops, op)(*args)
+
+
+def test_the_torch_backend_runs_without_triton():
+    """engine_ops and the references it runs import no triton (machines without it use backend=torch)."""
+    code = """
+import sys
+from pathlib import Path
+sys.modules["triton"] = None  # any import of triton now raises ImportError
+import torch
+from prr.kernels.reference_sparse_decode import random_sparse_decode_inputs
+from prr.runtime.engine_ops import engine_ops
+ops = engine_ops("torch")
+x = random_sparse_decode_inputs(0, [40], 4, 2, 64, 16, 2, capacity=3)
+out, lse = ops.sparse_decode(*x.args())
+assert out.shape == (1, 4, 64) and torch.isfinite(lse).all()
+try:
+    engine_ops("triton")
+except ImportError:
+    print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

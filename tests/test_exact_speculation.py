@@ -98,17 +98,13 @@ def test_exact_prr_speculating_in_selection_decodes_serial_dsa_and_the_side_stre
     engines = {inside: exact_engine(plan, "last_step") for inside, plan in plans.items()}
     assert engines[True].attn.speculates_in_selection() and not engines[False].attn.speculates_in_selection()
     per_block_calls = []
-    kernel = engines[True].attn._k["sparse_decode"]
+    sparse_decode = engines[True].attn.ops.sparse_decode
 
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(kernel, name)
+    def spy(*args, **kw):
+        per_block_calls.append(kw.get("per_block", False))
+        return sparse_decode(*args, **kw)
 
-        def sparse_decode(self, *args, **kw):
-            per_block_calls.append(kw.get("per_block", False))
-            return kernel.sparse_decode(*args, **kw)
-
-    engines[True].attn._k["sparse_decode"] = Spy()
+    engines[True].attn.ops.sparse_decode = spy
     side, inside = (decode(engines[x], 4) for x in (False, True))
     for step, (a, b, c) in enumerate(zip(serial, side, inside, strict=True)):
         torch.testing.assert_close(c, b, rtol=2e-5, atol=2e-5, msg=f"step {step}")

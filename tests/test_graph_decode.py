@@ -125,17 +125,13 @@ def test_speculation_in_fewer_programs_decodes_like_the_default():
     engine = make(StaticPlan(variant="prr", predicted_blocks=6, speculation_tokens_per_program=64), "quest", 6,
                   "last_step")  # 4 blocks of 16 per program
     calls = []
-    kernel = engine.attn._k["sparse_decode"]
+    sparse_decode = engine.attn.ops.sparse_decode
 
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(kernel, name)
-
-        def sparse_decode(self, *args, **kw):
-            if kw.get("per_block"):
-                calls.append(kw.get("tokens_per_split"))
-            return kernel.sparse_decode(*args, **kw)
-    engine.attn._k["sparse_decode"] = Spy()
+    def spy(*args, **kw):
+        if kw.get("per_block"):
+            calls.append(kw.get("tokens_per_split"))
+        return sparse_decode(*args, **kw)
+    engine.attn.ops.sparse_decode = spy
     for step, (a, b) in enumerate(zip(want, decode(engine, 3), strict=True)):
         torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=f"step {step}")
     assert calls and set(calls) == {64}
@@ -295,11 +291,9 @@ def test_fused_projections_decode_like_torch_projections(variant):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-class _NoAppendLaunch:
-    """Stands in for prr.kernels.cache_append: the one-launch projection + append must not need it."""
-
-    def append_token(self, *args, **kwargs):
-        raise AssertionError("append_token launched: the q|k|v projection should have appended")
+def _no_append_launch(*args, **kwargs):
+    """Stands in for the ops' append_token: the one-launch projection + append must not need it."""
+    raise AssertionError("append_token launched: the q|k|v projection should have appended")
 
 
 @pytest.mark.parametrize("variant,selector", [pytest.param("serial", "quest", marks=pytest.mark.slow), ("prr", "quest"),
@@ -314,7 +308,7 @@ def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, select
     two_launches = decode(two, 3)
     one = make(plan, *objects, batch=1).with_plan(projections="fused")  # a view: its paired weights built with it
     assert one.weights.paired is not None  # not inside a first (captured) step
-    one.attn._k = {**one.attn._k, "cache_append": _NoAppendLaunch()}
+    one.attn.ops.append_token = _no_append_launch
     got = decode(one, 3)
     for a, b, c in zip(want, two_launches, got, strict=True):
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)
@@ -389,7 +383,7 @@ def test_fused_append_graph_at_batch_one_equals_torch_projections_on_the_gpu():
     plan, objects = StaticPlan(variant="prr", predicted_blocks=40), ("quest", 32, "ema_membership")
     want = decode(make(plan, *objects, context=3001, device="cuda", batch=1), 6)
     fused = fused_projection_engine(plan, *objects, device="cuda", context=3001, batch=1)
-    fused.attn._k = {**fused.attn._k, "cache_append": _NoAppendLaunch()}
+    fused.attn.ops.append_token = _no_append_launch
     graph = fused.capture(lambda: fused.step(advance=True))
     fused.fill_random_context(3001, seed=5)
     for step, a in enumerate(want):

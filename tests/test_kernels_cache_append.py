@@ -10,6 +10,7 @@ import pytest
 import torch
 from prr.kernels.cache_append import append_token
 from prr.kernels.quest import quest_score, quest_update
+from prr.kernels.reference_cache_append import append_token_reference
 from prr.kernels.reference_selection import quest_metadata_reference
 
 gpu = pytest.mark.skipif(
@@ -34,9 +35,7 @@ def _run(device: str, head_dim: int, cache_dtype: torch.dtype, meta_dtype: torch
         v = torch.randn(batch, hkv, head_dim, generator=g).to(new_dtype).to(device)
         pos = torch.tensor([s + step for s in starts], dtype=torch.int32, device=device)
         append_token(keys, values, k, v, pos, key_max, key_min, bs)
-        for b in range(batch):
-            ref_keys[b, :, pos[b]] = k[b].to(cache_dtype)
-            ref_values[b, :, pos[b]] = v[b].to(cache_dtype)
+        append_token_reference(ref_keys, ref_values, k, v, pos)
         quest_update(ref_max, ref_min, k.to(cache_dtype), pos, bs)
     assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
     # Every block a row wrote in full, or from its first token, equals a rebuild from the cache.
@@ -122,7 +121,7 @@ def test_gpu_append_token_with_rope():
 
 
 def _run_rope(device: str, head_dim: int, group: int, dtype: torch.dtype) -> None:
-    from prr.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+    from prr.model.rope import rope_cos_sin, rope_inv_freq
 
     batch, hkv, bs, max_blocks = 2, 3, 8, 4
     g = torch.Generator().manual_seed(head_dim + group)
@@ -142,15 +141,10 @@ def _run_rope(device: str, head_dim: int, group: int, dtype: torch.dtype) -> Non
         d_q, d_k, d_v, d_pos = on(q, k, v, pos)
         q_rot = append_token(d_keys, d_values, d_k, d_v, d_pos, d_max, d_min, bs, rope=(d_cos, d_sin, d_q)).cpu()
         keys, values, key_max, key_min = d_keys.cpu(), d_values.cpu(), d_max.cpu(), d_min.cpu()
-        want_q = torch.stack([apply_rope(q[b].float(), cos[p].float()[None], sin[p].float()[None])
-                              for b, p in enumerate(starts)])
-        want_k = torch.stack([apply_rope(k[b].float(), cos[p].float()[None], sin[p].float()[None])
-                              for b, p in enumerate(starts)])
-        for b, p in enumerate(starts):
-            ref_keys[b, :, p], ref_values[b, :, p] = want_k[b].to(dtype), v[b]
+        want_q = append_token_reference(ref_keys, ref_values, k, v, pos, rope=(cos, sin, q))
         tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
         assert q_rot.shape == q.shape and q_rot.dtype == dtype
-        torch.testing.assert_close(q_rot.float(), want_q, **tol)
+        torch.testing.assert_close(q_rot.float(), want_q.float(), **tol)
         torch.testing.assert_close(keys.float(), ref_keys.float(), **tol)
         assert torch.equal(values, ref_values)
     # The metadata is of the keys as stored (exact however the rotation rounded): the blocks each

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from prr.kernels import prr_merge as pm
+from prr.kernels.reference_prr_merge import merge_speculation_reference, repair_plan_reference
 
 from prr.attention_state import merge_many
 
@@ -44,10 +45,14 @@ def test_repair_plan_is_a_minus_p_and_p_and_a(batch, heads, max_blocks, sel_cap,
     scratch = pm.repair_scratch(batch, heads, max_blocks, torch.device(DEVICE))
     args = [t.to(DEVICE) for t in (a, na, p, npred)]
     miss, nmiss, keep = pm.repair_plan(*args, scratch)
-    want_miss, want_keep = pm.repair_plan_reference(a, na, p, npred, max_blocks)
+    want_miss, want_nmiss, want_keep = repair_plan_reference(a, na, p, npred, max_blocks)
+    assert torch.equal(nmiss.cpu(), want_nmiss)
     for b in range(batch):
         for h in range(heads):
-            assert miss[b, h, : int(nmiss[b, h])].tolist() == want_miss[b][h], (b, h)
+            n = int(want_nmiss[b, h])
+            assert miss[b, h, :n].tolist() == want_miss[b, h, :n].tolist(), (b, h)
+            a_row, p_row = a[b, h, : int(na[b, h])].tolist(), set(p[b, h, : int(npred[b, h])].tolist())
+            assert want_miss[b, h, :n].tolist() == [x for x in a_row if x not in p_row]  # A \ P in A's order
     assert torch.equal(keep.cpu(), want_keep)
     assert int(scratch.abs().sum()) == 0, "the scratch bitmap must be left zeroed"
 
@@ -66,8 +71,8 @@ def test_merge_speculation_equals_merge_many_then_merge(batch, hq, hkv, parts, d
     rep_lse[0, 0] = float("-inf")  # nothing missed for this head
     rep_out[0, 0] = float("nan")
     out, lse = pm.merge_speculation(*(t.to(DEVICE) for t in (part_out, part_lse, keep, rep_out, rep_lse)))
-    want_out, want_lse = pm.merge_speculation_reference(part_out.nan_to_num(), part_lse, keep, rep_out.nan_to_num(),
-                                                         rep_lse)
+    want_out, want_lse = merge_speculation_reference(part_out.nan_to_num(), part_lse, keep, rep_out.nan_to_num(),
+                                                     rep_lse)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)
@@ -106,7 +111,7 @@ def test_merge_speculation_folds_in_the_unmerged_repair_splits():
     part_out, part_lse = torch.randn(batch, hq, 5, d, generator=g), torch.randn(batch, hq, 5, generator=g)
     keep = torch.rand(batch, hkv, 5, generator=g) < 0.5
     out, lse = pm.merge_speculation(*on(part_out, part_lse, keep), split_out, split_lse)
-    want_out, want_lse = pm.merge_speculation_reference(part_out, part_lse, keep, merged_out.cpu(), merged_lse.cpu())
+    want_out, want_lse = merge_speculation_reference(part_out, part_lse, keep, merged_out.cpu(), merged_lse.cpu())
     torch.testing.assert_close(out.cpu().double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)
 

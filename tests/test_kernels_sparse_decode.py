@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prr.kernels import reference_attention as ref
+from prr.kernels import reference_sparse_decode as ref
 from prr.kernels import sparse_decode as sd
 
 from prr.block_attention import attend_blocks, block_partials

@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
+from prr.kernels.reference_step_counters import step_counters_reference
 from prr.kernels.step_counters import (
     counter_scratch,
     layer_counter_scratch,
     step_counters,
     step_counters_layers,
-    step_counters_reference,
 )
 
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()

@@ -1,33 +1,38 @@
-"""The graph engine's operations, on one of two backends with one set of signatures:
+"""The graph engine's operations: one protocol (`EngineOps`), two backends.
 
-- `triton`: the prr.kernels launches (a CUDA device, or the CPU under TRITON_INTERPRET=1 for
-  tests);
-- `torch`: static-shape torch ops on any device, built from the eager runtime's own
-  attention and merge (prr.block_attention.partials_over, prr.attention_state) and block-set
-  algebra (prr.blocks), so the engine runs on a plain CPU and its step can be captured.
+`EngineOps` is an abstract class whose methods are every op the engine (prr.runtime.prr_step,
+prr.runtime.graph_decode) calls, with the prr.kernels launchers' signatures and results:
 
-`engine_ops(backend)` returns the name -> namespace dict the engine calls through
-(`AttentionEngine._k`); each torch namespace has the functions of the kernel module of the same
-name that the engine uses, with the same arguments and results. Launch-tuning arguments
-(fuse_merge, arrivals, tokens_per_split) change how a kernel runs, not what it computes, and
-are ignored by torch. The Triton-only projection kernels (dense_gemv, qkv_append) have no
-torch namespace: `StaticPlan.projections="fused"` needs backend triton.
+- `TritonOps`: each method is the prr.kernels launch of the same name, called with the same
+  arguments (the same launches as calling the kernel module; a CUDA device, or the CPU under
+  TRITON_INTERPRET=1 for tests). The kernel modules are imported when it is built: the
+  triton package is needed only then.
+- `TorchOps`: the kernels' torch references (kernels/reference_<op>.py: static shapes, no host
+  syncs, at fp32), on any device, so the engine runs on a plain CPU and its step can be
+  captured. The kernel tests compare the kernels against these same functions. The Triton-only
+  projection ops (dense_gemv, qkv_rope_append, rope_pair_permutation:
+  `StaticPlan.projections="fused"`) raise a ValueError saying they need backend=triton.
+
+`engine_ops(backend)` returns the backend's instance; the engine keeps it as `self.ops` and
+calls `self.ops.sparse_decode(...)`. Launch-tuning arguments (fuse_merge, arrivals,
+tokens_per_split) change how a kernel runs, not what it computes: TorchOps ignores them, and
+its launch-plan questions (sparse_decode_one_wave, fused_tail_pays) answer False (one path).
 """
 
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
+from types import ModuleType
 
 import torch
-from prr.kernels.reference_merge import lse_merge, lse_merge_many
+from prr.kernels.reference_cache_append import append_token_reference
+from prr.kernels.reference_prr_merge import merge_speculation_reference, repair_plan_reference
+from prr.kernels.reference_prr_repair import repair_and_merge_reference
+from prr.kernels.reference_sparse_decode import sparse_decode_reference
+from prr.kernels.reference_step_counters import step_counters_reference
 from torch import Tensor
-
-from prr.attention_state import merge_many
-from prr.block_attention import partials_over
-from prr.blocks import BlockSet
 
 BACKENDS = ("triton", "torch")
 
@@ -70,151 +75,225 @@ def triton_problems(device: str, head_dim: int, block_size: int) -> list[str]:
     return out + [f"backend=triton: {p}; use backend=torch" for p in triton_shape_problems(head_dim, block_size)]
 
 
-def _blocked(cache: Tensor, block_size: int) -> Tensor:
-    """[B, Hkv, T_max, D] -> [B, Hkv, NB, S, D] (a view: the cache is block-aligned)."""
-    b, h, t, d = cache.shape
-    return cache.view(b, h, t // block_size, block_size, d)
+Rope = tuple[Tensor, Tensor, Tensor]  # (cos [T, D], sin [T, D], q [B, Hq, D])
 
 
-def sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ids: Tensor, block_counts: Tensor,
-                  lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
-                  merge_splits: bool = True, out_dtype: torch.dtype = torch.float32, fuse_merge: bool = False,
-                  arrivals: Tensor | None = None, tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
-    """q [B, Hq, D] over the listed blocks -> (out [B, Hq, D] out_dtype, lse [B, Hq] fp32); per_block:
-    ([B, Hq, C, D], [B, Hq, C]); merge_splits=False: one "split" ([B, Hq, 1, D], [B, Hq, 1])."""
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    state = partials_over(q.view(b, hkv, hq // hkv, d), _blocked(k_cache, block_size), _blocked(v_cache, block_size),
-                          BlockSet(block_ids, block_counts), lengths, scale)  # [B, Hkv, G, C, (D)]
-    c = block_ids.shape[-1]
-    if per_block:
-        return state.out.reshape(b, hq, c, d), state.lse.reshape(b, hq, c)
-    merged = merge_many(state.out, state.lse)
-    out, lse = merged.out.reshape(b, hq, d), merged.lse.reshape(b, hq)
-    if not merge_splits:
-        return out.unsqueeze(2), lse.unsqueeze(2)
-    return out.to(out_dtype), lse
+class EngineOps(ABC):
+    """The engine's ops (see the module docstring); `name` is the backend's."""
+
+    name: str
+
+    # --- attention (prr.kernels.sparse_decode) ---------------------------------------------
+
+    @abstractmethod
+    def sparse_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ids: Tensor, block_counts: Tensor,
+                      lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
+                      merge_splits: bool = True, out_dtype: torch.dtype = torch.float32, fuse_merge: bool = False,
+                      arrivals: Tensor | None = None,
+                      tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
+        """q [B, Hq, D] over the blocks block_ids [B, Hkv, C] (first block_counts [B, Hkv] valid) of
+        the caches [B, Hkv, T_max, D], lengths [B] tokens -> (out [B, Hq, D] out_dtype, lse [B, Hq]
+        fp32); per_block: ([B, Hq, C, D], [B, Hq, C]) fp32; merge_splits=False: the unmerged split
+        states ([B, Hq, S, D], [B, Hq, S]) fp32."""
+
+    @abstractmethod
+    def sparse_decode_one_wave(self, capacity: int, batch: int, num_kv_heads: int, block_size: int,
+                               device: torch.device | str = "cuda", *, head_dim: int,
+                               cache_dtype: torch.dtype) -> bool:
+        """Whether sparse_decode's default plan over `capacity` blocks fills at most one wave
+        (StaticPlan.fuse_merge="one_wave")."""
+
+    # --- cache append (prr.kernels.cache_append) ---------------------------------------------
+
+    @abstractmethod
+    def append_token(self, k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, positions: Tensor,
+                     key_max: Tensor | None = None, key_min: Tensor | None = None, block_size: int = 16,
+                     rope: Rope | None = None) -> Tensor | None:
+        """This step's K/V [B, Hkv, D] written at positions [B] into the caches [B, Hkv, T_max, D],
+        in place (and the Quest metadata key_max / key_min [B, Hkv, NB_max, D] when given);
+        rope = (cos, sin, q): q and k rotated first -> the rotated q [B, Hq, D], else None."""
+
+    # --- PRR's repair and merge (prr.kernels.prr_merge, prr.kernels.prr_repair) -------------
+
+    @abstractmethod
+    def repair_scratch(self, batch: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> Tensor:
+        """The zeroed int8 [B, Hkv, NB_max] scratch `repair_plan` takes (one per stream)."""
+
+    @abstractmethod
+    def repair_plan(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor, pred_cnt: Tensor,
+                    scratch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A: sel_idx [B, Hkv, K] int32 / sel_cnt [B, Hkv]; P: pred_idx [B, Hkv, C] / pred_cnt.
+        -> (A \\ P [B, Hkv, K] int32 in A's order, its counts [B, Hkv] int32, keep [B, Hkv, C] bool:
+        P entry valid and in A)."""
+
+    @abstractmethod
+    def merge_speculation(self, part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor,
+                          out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """⊕ of the kept per-block states of P (part_out [B, Hq, C, D], part_lse [B, Hq, C]; keep
+        [B, Hkv, C]) ⊕ the repair ([B, Hq, (D)] or its splits [B, Hq, S, (D)])
+        -> (out [B, Hq, D] out_dtype, lse [B, Hq] fp32)."""
+
+    @abstractmethod
+    def repair_and_merge(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sel_idx: Tensor, sel_cnt: Tensor,
+                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor, part_lse: Tensor,
+                         block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
+                         arrivals: Tensor | None = None,
+                         tokens_per_split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """repair_plan, attention over A \\ P and merge_speculation in one -> (out [B, Hq, D]
+        out_dtype, lse [B, Hq] fp32, keep [B, Hkv, C_P] bool)."""
+
+    @abstractmethod
+    def fused_tail_pays(self, sel_cap: int, pred_cap: int, rows: int, device: torch.device | str) -> bool:
+        """Whether `repair_and_merge` beats the three ops at these sizes (StaticPlan.fused_repair="auto")."""
+
+    # --- selection counters (prr.kernels.step_counters) --------------------------------------
+
+    @abstractmethod
+    def counter_scratch(self, batch: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> Tensor:
+        """The zeroed int8 [2, B * Hkv, NB] scratch `step_counters` takes."""
+
+    @abstractmethod
+    def step_counters(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pred_cnt: Tensor | None,
+                      prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor, out: Tensor) -> None:
+        """out [4, B * Hkv] int64 += (|A|, |P|, |P ∩ A|, |A ∩ A_{t-1}|); A_{t-1} (prev_idx [B, Hkv, K],
+        prev_cnt [B, Hkv]) <- A, in place. P may be None."""
+
+    @abstractmethod
+    def layer_counter_scratch(self, layers: int, batch: int, num_kv_heads: int, max_blocks: int,
+                              device: torch.device | str) -> Tensor:
+        """The zeroed int8 [L, 2, B * Hkv, NB] scratch `step_counters_layers` takes."""
+
+    @abstractmethod
+    def step_counters_layers(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None,
+                             pred_cnt: Tensor | None, prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor,
+                             out: Tensor) -> None:
+        """`step_counters` of each layer of the [L, ...] arguments (out [L, 4, B * Hkv])."""
+
+    # --- projections (Triton only: prr.kernels.dense_gemv, prr.kernels.qkv_append) -----------
+
+    @abstractmethod
+    def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                   norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,
+                   swiglu: bool = False) -> Tensor:
+        """x [M, K] @ weight [N_w, K]^T (+ bias), RMSNorm of x first with norm_weight, SwiGLU of
+        [gate | up], residual [M, N] += the result in place -> y [M, N]."""
+
+    @abstractmethod
+    def qkv_rope_append(self, x: Tensor, weight_perm: Tensor, bias_perm: Tensor | None, norm_weight: Tensor | None,
+                        eps: float, k_cache: Tensor, v_cache: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                        key_max: Tensor | None, key_min: Tensor | None, block_size: int, num_q_heads: int,
+                        num_kv_heads: int) -> Tensor:
+        """One row's q|k|v projection (x [1, H]), RoPE and append -> q_rot [1, Hq, D]."""
+
+    @abstractmethod
+    def rope_pair_permutation(self, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Tensor:
+        """-> the row permutation [(Hq + 2 Hkv) D] int64 `qkv_rope_append`'s weight takes."""
 
 
-def append_token(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, positions: Tensor,
-                 key_max: Tensor | None = None, key_min: Tensor | None = None, block_size: int = 16,
-                 rope: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor | None:
-    """This step's K/V [B, Hkv, D] at positions [B] (rope = (cos, sin, q): k and q rotated first,
-    in fp32, rounded once) -> the rotated q or None. The metadata is the selector's own update
-    (`Selector.append_metadata`): key_max / key_min must be None."""
-    if key_max is not None or key_min is not None:
-        raise ValueError("the torch backend leaves metadata to the selector's append_metadata: pass key_max = key_min = None")
-    rows, pos = torch.arange(k_cache.shape[0], device=k_cache.device), positions.long()
-    q_rot = None
-    if rope is not None:
-        cos, sin, q = rope
-        c, s = cos[pos].float().unsqueeze(1), sin[pos].float().unsqueeze(1)  # [B, 1, D]
+class TorchOps(EngineOps):
+    """The kernels' torch references (kernels/reference_<op>.py) at fp32, on any device."""
 
-        def rotate(x: Tensor) -> Tensor:
-            half = x.shape[-1] // 2
-            x = x.float()
-            return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
-        q_rot, k_new = rotate(q).to(q.dtype), rotate(k_new)
-    k_cache[rows, :, pos] = k_new.to(k_cache.dtype)
-    v_cache[rows, :, pos] = v_new.to(v_cache.dtype)
-    return q_rot
+    name = "torch"
 
+    def sparse_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ids: Tensor, block_counts: Tensor,
+                      lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
+                      merge_splits: bool = True, out_dtype: torch.dtype = torch.float32, fuse_merge: bool = False,
+                      arrivals: Tensor | None = None,
+                      tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
+        out, lse = sparse_decode_reference(q, k_cache, v_cache, block_ids, block_counts, lengths, block_size, scale,
+                                           per_block, compute_dtype=torch.float32)
+        if per_block:
+            return out, lse
+        if not merge_splits:  # one "split": the merged state
+            return out.unsqueeze(2), lse.unsqueeze(2)
+        return out.to(out_dtype), lse
 
-def repair_scratch(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> Tensor:
-    """The membership scratch the kernel needs; here it only carries NB (its last dim)."""
-    return torch.zeros(batch, num_kv_heads, max_blocks, dtype=torch.int8, device=device)
+    def sparse_decode_one_wave(self, capacity: int, batch: int, num_kv_heads: int, block_size: int,
+                               device: torch.device | str = "cuda", *, head_dim: int,
+                               cache_dtype: torch.dtype) -> bool:
+        return False  # no splits to merge in the kernel
 
+    def append_token(self, k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, positions: Tensor,
+                     key_max: Tensor | None = None, key_min: Tensor | None = None, block_size: int = 16,
+                     rope: Rope | None = None) -> Tensor | None:
+        if key_max is not None or key_min is not None:
+            raise ValueError("the torch backend leaves metadata to the selector's append_metadata: "
+                             "pass key_max = key_min = None")
+        return append_token_reference(k_cache, v_cache, k_new, v_new, positions, rope)
 
-def repair_plan(sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor, pred_cnt: Tensor,
-                scratch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """A, P -> (A \\ P [B, Hkv, K] int32 ascending (A's order), its counts, keep [B, Hkv, C]:
-    P entry valid and in A)."""
-    max_blocks = scratch.shape[-1]
-    selection, prediction = BlockSet(sel_idx, sel_cnt), BlockSet(pred_idx, pred_cnt)
-    selected = selection.mask(max_blocks)
-    missed = BlockSet.from_mask(selected & ~prediction.mask(max_blocks), sel_idx.shape[-1])
-    valid = prediction.valid()  # padding entries may hold any id: never index with them
-    keep = torch.gather(selected, -1, torch.where(valid, pred_idx.long(), 0)) & valid
-    return missed.indices.to(torch.int32), missed.count.to(torch.int32), keep
+    def repair_scratch(self, batch: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> Tensor:
+        # Only its last dim (NB_max) is read here.
+        return torch.zeros(batch, num_kv_heads, max_blocks, dtype=torch.int8, device=device)
 
+    def repair_plan(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor, pred_cnt: Tensor,
+                    scratch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return repair_plan_reference(sel_idx, sel_cnt, pred_idx, pred_cnt, scratch.shape[-1])
 
-def merge_speculation(part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor,
-                      out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-    """⊕ of the kept per-block states of P [B, Hq, C, (D)] (keep [B, Hkv, C]) ⊕ the repair
-    ([B, Hq, (D)] or its splits [B, Hq, S, (D)]) -> (out [B, Hq, D] out_dtype, lse [B, Hq])."""
-    group = part_out.shape[1] // keep.shape[1]
-    spec = lse_merge_many(part_out, part_lse, keep.repeat_interleave(group, dim=1))
-    repair = lse_merge_many(rep_out, rep_lse) if rep_out.dim() == 4 else (rep_out, rep_lse)
-    out, lse = lse_merge(*spec, *repair)
-    return out.to(out_dtype), lse
+    def merge_speculation(self, part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor,
+                          out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        out, lse = merge_speculation_reference(part_out, part_lse, keep, rep_out, rep_lse, torch.float32)
+        return out.to(out_dtype), lse
 
+    def repair_and_merge(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sel_idx: Tensor, sel_cnt: Tensor,
+                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor, part_lse: Tensor,
+                         block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
+                         arrivals: Tensor | None = None,
+                         tokens_per_split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        out, lse, keep = repair_and_merge_reference(q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths,
+                                                    part_out, part_lse, block_size, scale, torch.float32)
+        return out.to(out_dtype), lse, keep
 
-def repair_and_merge(q: Tensor, k_cache: Tensor, v_cache: Tensor, sel_idx: Tensor, sel_cnt: Tensor,
-                     pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor, part_lse: Tensor,
-                     block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
-                     arrivals: Tensor | None = None, tokens_per_split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The fused tail's result from the three steps: repair_plan, attention over A \\ P, merge."""
-    scratch = repair_scratch(0, 0, k_cache.shape[2] // block_size, q.device)
-    miss_idx, miss_cnt, keep = repair_plan(sel_idx, sel_cnt, pred_idx, pred_cnt, scratch)
-    rep_out, rep_lse = sparse_decode(q, k_cache, v_cache, miss_idx, miss_cnt, lengths, block_size, scale)
-    out, lse = merge_speculation(part_out, part_lse, keep, rep_out, rep_lse, out_dtype)
-    return out, lse, keep
+    def fused_tail_pays(self, sel_cap: int, pred_cap: int, rows: int, device: torch.device | str) -> bool:
+        return False  # the same torch ops either way
 
+    def counter_scratch(self, batch: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> Tensor:
+        # Only its last dim (NB) is read here.
+        return torch.zeros(2, batch * num_kv_heads, max_blocks, dtype=torch.int8, device=device)
 
-def counter_scratch(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> Tensor:
-    """As the kernel's; here it only carries NB (its last dim)."""
-    return torch.zeros(2, batch * num_kv_heads, max_blocks, dtype=torch.int8, device=device)
+    def step_counters(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pred_cnt: Tensor | None,
+                      prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor, out: Tensor) -> None:
+        out += step_counters_reference(sel_idx, sel_cnt, pred_idx, pred_cnt, prev_idx, prev_cnt, scratch.shape[-1])
+        prev_idx.copy_(sel_idx)
+        prev_cnt.copy_(sel_cnt)
 
+    def layer_counter_scratch(self, layers: int, batch: int, num_kv_heads: int, max_blocks: int,
+                              device: torch.device | str) -> Tensor:
+        return torch.zeros(layers, 2, batch * num_kv_heads, max_blocks, dtype=torch.int8, device=device)
 
-def step_counters(sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pred_cnt: Tensor | None,
-                  prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor, out: Tensor) -> None:
-    """out [4, B * Hkv] += (|A|, |P|, |P ∩ A|, |A ∩ A_{t-1}|); A_{t-1} (prev) <- A, in place."""
-    max_blocks = scratch.shape[-1]
-    selected = BlockSet(sel_idx, sel_cnt).mask(max_blocks)
-    predicted = BlockSet(pred_idx, pred_cnt).mask(max_blocks) if pred_idx is not None else torch.zeros_like(selected)
-    previous = BlockSet(prev_idx, prev_cnt).mask(max_blocks)
-    counts = torch.stack([selected.sum(-1), predicted.sum(-1), (selected & predicted).sum(-1),
-                          (selected & previous).sum(-1)])  # [4, B, Hkv]
-    out += counts.flatten(1)
-    prev_idx.copy_(sel_idx)
-    prev_cnt.copy_(sel_cnt)
+    def step_counters_layers(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None,
+                             pred_cnt: Tensor | None, prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor,
+                             out: Tensor) -> None:
+        for i in range(sel_idx.shape[0]):
+            self.step_counters(sel_idx[i], sel_cnt[i], None if pred_idx is None else pred_idx[i],
+                               None if pred_cnt is None else pred_cnt[i], prev_idx[i], prev_cnt[i], scratch[i], out[i])
 
+    def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                   norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,
+                   swiglu: bool = False) -> Tensor:
+        raise _needs_triton("dense_gemv")
 
-def layer_counter_scratch(layers: int, batch: int, num_kv_heads: int, max_blocks: int,
-                          device: torch.device | str) -> Tensor:
-    """As the kernel's ([L, 2, B * Hkv, NB]); here it only carries NB (its last dim)."""
-    return torch.zeros(layers, 2, batch * num_kv_heads, max_blocks, dtype=torch.int8, device=device)
+    def qkv_rope_append(self, x: Tensor, weight_perm: Tensor, bias_perm: Tensor | None, norm_weight: Tensor | None,
+                        eps: float, k_cache: Tensor, v_cache: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                        key_max: Tensor | None, key_min: Tensor | None, block_size: int, num_q_heads: int,
+                        num_kv_heads: int) -> Tensor:
+        raise _needs_triton("qkv_rope_append")
 
-
-def step_counters_layers(sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pred_cnt: Tensor | None,
-                         prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor, out: Tensor) -> None:
-    """`step_counters` of each layer of the [L, ...] arguments (out [L, 4, B * Hkv])."""
-    for i in range(sel_idx.shape[0]):
-        step_counters(sel_idx[i], sel_cnt[i], None if pred_idx is None else pred_idx[i],
-                      None if pred_cnt is None else pred_cnt[i], prev_idx[i], prev_cnt[i], scratch[i], out[i])
+    def rope_pair_permutation(self, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Tensor:
+        raise _needs_triton("rope_pair_permutation")
 
 
-def _never(*args: Any, **kwargs: Any) -> bool:
-    return False
+def _needs_triton(op: str) -> ValueError:
+    return ValueError(f"{op} is a Triton-only projection kernel: StaticPlan.projections='fused' needs "
+                      "backend=triton; with backend=torch use projections='torch'")
 
 
-TORCH = {
-    "sparse_decode": SimpleNamespace(sparse_decode=sparse_decode, sparse_decode_one_wave=_never),
-    "cache_append": SimpleNamespace(append_token=append_token),
-    "prr_merge": SimpleNamespace(repair_scratch=repair_scratch, repair_plan=repair_plan,
-                                 merge_speculation=merge_speculation),
-    "prr_repair": SimpleNamespace(repair_and_merge=repair_and_merge, fused_tail_pays=_never),
-    "step_counters": SimpleNamespace(counter_scratch=counter_scratch, step_counters=step_counters,
-                                     layer_counter_scratch=layer_counter_scratch,
-                                     step_counters_layers=step_counters_layers),
-}
+class TritonOps(EngineOps):
+    """The prr.kernels launches: each method calls the launcher of the same name with the same
+    arguments (nothing added, nothing converted)."""
 
+    name = "triton"
 
-def engine_ops(backend: str) -> dict[str, Any]:
-    """The engine's operations by kernel-module name, for `backend`."""
-    if backend == "torch":
-        return dict(TORCH)
-    if backend == "triton":
+    def __init__(self) -> None:
         from prr.kernels import (
             cache_append,
             dense_gemv,
@@ -225,6 +304,96 @@ def engine_ops(backend: str) -> dict[str, Any]:
             step_counters,
         )
 
-        return dict(cache_append=cache_append, dense_gemv=dense_gemv, prr_merge=prr_merge, prr_repair=prr_repair,
-                    step_counters=step_counters, qkv_append=qkv_append, sparse_decode=sparse_decode)
+        self._attention: ModuleType = sparse_decode
+        self._append: ModuleType = cache_append
+        self._merge: ModuleType = prr_merge
+        self._repair: ModuleType = prr_repair
+        self._counters: ModuleType = step_counters
+        self._gemv: ModuleType = dense_gemv
+        self._qkv: ModuleType = qkv_append
+
+    def sparse_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ids: Tensor, block_counts: Tensor,
+                      lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
+                      merge_splits: bool = True, out_dtype: torch.dtype = torch.float32, fuse_merge: bool = False,
+                      arrivals: Tensor | None = None,
+                      tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
+        return self._attention.sparse_decode(q, k_cache, v_cache, block_ids, block_counts, lengths, block_size, scale,
+                                             per_block, merge_splits=merge_splits, out_dtype=out_dtype,
+                                             fuse_merge=fuse_merge, arrivals=arrivals,
+                                             tokens_per_split=tokens_per_split)
+
+    def sparse_decode_one_wave(self, capacity: int, batch: int, num_kv_heads: int, block_size: int,
+                               device: torch.device | str = "cuda", *, head_dim: int,
+                               cache_dtype: torch.dtype) -> bool:
+        return self._attention.sparse_decode_one_wave(capacity, batch, num_kv_heads, block_size, device,
+                                                      head_dim=head_dim, cache_dtype=cache_dtype)
+
+    def append_token(self, k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, positions: Tensor,
+                     key_max: Tensor | None = None, key_min: Tensor | None = None, block_size: int = 16,
+                     rope: Rope | None = None) -> Tensor | None:
+        return self._append.append_token(k_cache, v_cache, k_new, v_new, positions, key_max, key_min, block_size,
+                                         rope=rope)
+
+    def repair_scratch(self, batch: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> Tensor:
+        return self._merge.repair_scratch(batch, num_kv_heads, max_blocks, device)
+
+    def repair_plan(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor, pred_cnt: Tensor,
+                    scratch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self._merge.repair_plan(sel_idx, sel_cnt, pred_idx, pred_cnt, scratch)
+
+    def merge_speculation(self, part_out: Tensor, part_lse: Tensor, keep: Tensor, rep_out: Tensor, rep_lse: Tensor,
+                          out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        return self._merge.merge_speculation(part_out, part_lse, keep, rep_out, rep_lse, out_dtype=out_dtype)
+
+    def repair_and_merge(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sel_idx: Tensor, sel_cnt: Tensor,
+                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor, part_lse: Tensor,
+                         block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
+                         arrivals: Tensor | None = None,
+                         tokens_per_split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        return self._repair.repair_and_merge(q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths,
+                                             part_out, part_lse, block_size, scale, out_dtype=out_dtype,
+                                             arrivals=arrivals, tokens_per_split=tokens_per_split)
+
+    def fused_tail_pays(self, sel_cap: int, pred_cap: int, rows: int, device: torch.device | str) -> bool:
+        return self._repair.fused_tail_pays(sel_cap, pred_cap, rows, device)
+
+    def counter_scratch(self, batch: int, num_kv_heads: int, max_blocks: int, device: torch.device | str) -> Tensor:
+        return self._counters.counter_scratch(batch, num_kv_heads, max_blocks, device)
+
+    def step_counters(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None, pred_cnt: Tensor | None,
+                      prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor, out: Tensor) -> None:
+        self._counters.step_counters(sel_idx, sel_cnt, pred_idx, pred_cnt, prev_idx, prev_cnt, scratch, out)
+
+    def layer_counter_scratch(self, layers: int, batch: int, num_kv_heads: int, max_blocks: int,
+                              device: torch.device | str) -> Tensor:
+        return self._counters.layer_counter_scratch(layers, batch, num_kv_heads, max_blocks, device)
+
+    def step_counters_layers(self, sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor | None,
+                             pred_cnt: Tensor | None, prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor,
+                             out: Tensor) -> None:
+        self._counters.step_counters_layers(sel_idx, sel_cnt, pred_idx, pred_cnt, prev_idx, prev_cnt, scratch, out)
+
+    def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                   norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,
+                   swiglu: bool = False) -> Tensor:
+        return self._gemv.dense_gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual,
+                                     swiglu=swiglu)
+
+    def qkv_rope_append(self, x: Tensor, weight_perm: Tensor, bias_perm: Tensor | None, norm_weight: Tensor | None,
+                        eps: float, k_cache: Tensor, v_cache: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                        key_max: Tensor | None, key_min: Tensor | None, block_size: int, num_q_heads: int,
+                        num_kv_heads: int) -> Tensor:
+        return self._qkv.qkv_rope_append(x, weight_perm, bias_perm, norm_weight, eps, k_cache, v_cache, positions,
+                                         cos, sin, key_max, key_min, block_size, num_q_heads, num_kv_heads)
+
+    def rope_pair_permutation(self, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Tensor:
+        return self._qkv.rope_pair_permutation(num_q_heads, num_kv_heads, head_dim)
+
+
+def engine_ops(backend: str) -> EngineOps:
+    """The engine's ops on `backend` ("torch" or "triton": BACKENDS); a fresh instance each call."""
+    if backend == "torch":
+        return TorchOps()
+    if backend == "triton":
+        return TritonOps()
     raise ValueError(f"engine backend {backend!r} is not one of {list(BACKENDS)}")

@@ -3,7 +3,9 @@
 References compute in float64 (or a chosen dtype) with the repo's conventions
 (kernels/reference_merge.py, which prr.attention_state wraps): lse = natural log of Σ exp(scale · q·k), empty key set ->
 lse = -inf, out = 0. They take the kernels' exact argument layout, including ragged
-per-row lengths, so tests and benchmarks compare like with like.
+per-row lengths, so tests and benchmarks compare like with like. `sparse_decode_reference` at
+compute_dtype=float32 is also the graph engine's torch backend (prr.runtime.engine_ops.TorchOps):
+static shapes, no host syncs.
 """
 
 from __future__ import annotations

@@ -69,8 +69,9 @@ def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, mult
                 raise BadOverride(f"{override.input_line}: {unread}")
         jobs = sweep_jobs(parsed, groups, loader, config_name)
         if multirun:  # the sweeper's params from the config (experiment presets) sweep too, before argv's
-            # read from the group options alone: argv's keys may exist only under the groups the params choose
-            chosen = [line for line in jobs[0] if parse([line], loader)[0].key_or_group in groups]
+            # read from the group options alone (and the dirs they come from): argv's keys may exist only
+            # under the groups the params choose
+            chosen = [line for line in jobs[0] if parse([line], loader)[0].key_or_group in groups | {SEARCHPATH}]
             params = OmegaConf.select(compose_job(config_name, chosen, groups), "hydra.sweeper.params")
             if params:
                 preset = parse([f"{k}={v}" for k, v in params.items()], loader)

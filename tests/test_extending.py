@@ -138,6 +138,10 @@ def test_toy_options_pass_run_pys_checks_and_a_bad_value_is_one_line(toy_options
     assert preflight(args, ROOT / "conf")[0] == args
     with pytest.raises(BadOverride, match=r"selector=recncy: selector has no option 'recncy'; did you mean recency\?"):
         preflight([*args, "selector=recncy"], ROOT / "conf")
+    sweep = ["-m", *args, "selector=recency,quest"]  # a sweep's jobs compose with the search path too
+    assert preflight(sweep, ROOT / "conf")[0] == sweep
+    with pytest.raises(BadOverride, match=r"selector=recncy: selector has no option 'recncy'"):
+        preflight(["-m", *args, "selector=quest,recncy"], ROOT / "conf")
     with pytest.raises(ConfigError, match=r"selector.topk is not an option of RecencySelector; did you mean "
                                           r"selector.topk_blocks\?") as err:
         preflight([*args, "+selector.topk=4"], ROOT / "conf")

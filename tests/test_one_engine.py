@@ -16,15 +16,15 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from prr.runner import run
+from tests.helpers import replays_selections
 from tests.test_graph_run import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 SELECTORS = sorted(p.stem for p in (ROOT / "conf" / "selector").glob("*.yaml"))
-# bench_hit_rate, a benchmark tool, replays a serial pass only the graph engine records (the eager
-# runtime refuses it): tests/test_bench_hit_rate.py checks it against serial DSA.
-GRAPH_ONLY = {"bench_hit_rate"}
-PREDICTORS = sorted(p.stem for p in (ROOT / "conf" / "predictor").glob("*.yaml") if p.stem not in GRAPH_ONLY)
+# predictors that replay a serial pass only the graph engine records (bench_hit_rate, a benchmark tool:
+# the eager runtime refuses it) are left out: tests/test_bench_hit_rate.py checks it against serial DSA.
+PREDICTORS = sorted(p.stem for p in (ROOT / "conf" / "predictor").glob("*.yaml") if not replays_selections(p.stem))
 BUDGETS = sorted(p.stem for p in (ROOT / "conf" / "budget").glob("*.yaml"))
 # 2 layers (layer 0 dense), 16 steps; sinks + newest forced in a top-K of 6 blocks of 16;
 # dense metrics on every 4th step (the engine's sampled-step graphs and the always-measured ones).

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from prr.blocks import BlockSet, top_blocks
-from prr.config_check import resolve_target
 from prr.predictors import (
     CrossLayerPredictor,
     EmaMembershipPredictor,
@@ -30,6 +28,7 @@ from prr.predictors import (
 )
 from prr.predictors.spin import mix32, uniform_draw
 from prr.selectors.base import Selection
+from tests.helpers import replays_selections
 
 N = 19  # max blocks
 L = 3  # layers: 0 dense, 1 and 2 sparse
@@ -38,23 +37,10 @@ G, D = 2, 4  # query heads per KV head, head dim
 K = 5  # blocks a selection keeps
 BUDGET = 7  # |P|
 STEPS = 6
-CONF = Path(__file__).resolve().parents[1] / "conf" / "predictor"
-
-
-def conf_target(name: str) -> str:
-    """The `_target_` of conf/predictor/<name>.yaml, or of the option its defaults extend (ema_calibrated)."""
-    values = yaml.safe_load((CONF / f"{name}.yaml").read_text()) or {}
-    if "_target_" in values:
-        return values["_target_"]
-    extended = [d for d in values.get("defaults", []) if isinstance(d, str) and d != "_self_"]
-    if not extended:
-        raise ValueError(f"conf/predictor/{name}.yaml has no _target_ and extends no option")
-    return conf_target(extended[0])
-
-
+CONF = Path(__file__).resolve().parents[1] / "conf"
 # Every predictor of conf/ (a new one too, built from its YAML), but those that replay a serial pass
 # recorded before decoding (bench_hit_rate: tests/test_bench_hit_rate.py checks it against serial DSA).
-NAMES = [p.stem for p in sorted(CONF.glob("*.yaml")) if not resolve_target(conf_target(p.stem)).replays_selections]
+NAMES = [p.stem for p in sorted((CONF / "predictor").glob("*.yaml")) if not replays_selections(p.stem)]
 
 # Python values in a state that `update` may change: a structural fact, fixed once every
 # layer has seen its first selection (prr/predictors/cross_layer.py says why it is safe).
@@ -75,7 +61,7 @@ def make(name: str):
     """The predictor `name` with the options these tests need (small caches, exploration, calibration
     on a trajectory); one these do not name, as its YAML configures it."""
     if name not in BUILDERS:
-        with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             return instantiate(compose(config_name="config", overrides=[f"predictor={name}"]).predictor)
     return BUILDERS[name]()
 

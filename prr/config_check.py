@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -30,9 +33,11 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 # `_target_` -> the class its options are checked as before torch is imported: the target itself
 # where its module imports no torch, else the torch-free class whose constructor the target
-# inherits unchanged (tests/test_config.py holds both true). The targets not named (the backend
-# group, prr/runtime/engine_ops.py; selector=less, whose constructor loads a trained feature map)
-# are checked by `validate` alone, once torch is imported, as are the runtime's cross-checks.
+# inherits unchanged (tests/test_config.py holds both true). A shortcut for prr's own options, not
+# a registry: a target not named here (a new selector or predictor, one from a package of your own
+# on hydra.searchpath, the backend group, selector=less) is found without importing it before
+# torch (`unimportable_target`: one line when it cannot be) and checked by its own constructor in
+# `validate`, once torch is imported, as are the runtime's cross-checks. Nothing to add here.
 _SELECTOR_OPTIONS = "prr.selectors.options."
 _PREDICTOR_OPTIONS = "prr.predictors.options."
 CHECKED_BEFORE_TORCH = {
@@ -66,6 +71,34 @@ def resolve_target(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def unimportable_target(group: str, target: Any) -> str | None:
+    """Why `<group>._target_` cannot name a class to import, in one line, or None. Found without
+    importing anything (run.py's round before torch; parent packages already imported are read, not
+    run): a value that is no dotted path, or a module missing from sys.path. A module that is there
+    but fails to import, or lacks the class, `check_node` reports when it imports it."""
+    if not isinstance(target, str) or not all(target.split(".")) or "." not in target:
+        return f"{group}._target_={target!r} is not a dotted path module.Class (e.g. prr.selectors.quest.QuestSelector)"
+    parts = target.split(".")[:-1]  # the module's
+    spec = None
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            spec = loaded.__spec__
+        elif depth == 1:
+            spec = importlib.util.find_spec(name)  # a top-level name: found on sys.path, not imported
+        elif spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.machinery.PathFinder.find_spec(name, list(spec.submodule_search_locations))
+        else:
+            return (f"{group}._target_={target!r} cannot be imported: {'.'.join(parts[:depth - 1])!r} is a module, "
+                    f"not a package holding {name!r}")
+        if spec is None:
+            where = ("on sys.path (a package of your own: pip install -e it, or add the folder holding it to "
+                     "PYTHONPATH)") if depth == 1 else f"in package {'.'.join(parts[:depth - 1])!r}"
+            return f"{group}._target_={target!r} cannot be imported: no module named {name!r} {where}"
+    return None
+
+
 def _type_ok(value: Any, annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
     if annotation is Any or annotation is inspect.Parameter.empty:
@@ -95,10 +128,13 @@ def check_node(group: str, node: DictConfig, checked_as: str | None = None) -> l
     the torch-free class whose constructor the target inherits: CHECKED_BEFORE_TORCH)."""
     if "_target_" not in node:
         return [f"{group}: no _target_ naming the class to build"]
+    unimportable = unimportable_target(group, node._target_)
+    if unimportable:
+        return [unimportable]
     try:
         target = resolve_target(checked_as or node._target_)
-    except (ImportError, AttributeError) as err:
-        return [f"{group}._target_={node._target_!r} cannot be imported: {err}"]
+    except Exception as err:  # noqa: BLE001 - whatever importing the module raises (SyntaxError too), in one line
+        return [f"{group}._target_={node._target_!r} cannot be imported: {type(err).__name__}: {err}"]
     configured = node._target_.rpartition(".")[2]  # the class messages name
     signature = inspect.signature(target)
     hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
@@ -123,12 +159,16 @@ def check_node(group: str, node: DictConfig, checked_as: str | None = None) -> l
 
 def problems_before_torch(cfg: DictConfig) -> list[str]:
     """What `validate` would find without importing torch: the keys, types and values of each
-    group CHECKED_BEFORE_TORCH names (built as its torch-free class), then, when the model,
+    group CHECKED_BEFORE_TORCH names (built as its torch-free class), whether the other groups'
+    targets can be found (not imported: `unimportable_target`), then, when the model,
     selector, predictor, budget and task all are, the model and the cross-checks among them.
     [] does not mean valid: `validate` checks the rest (runtime, backend, their cross-checks)."""
     checked = {g: CHECKED_BEFORE_TORCH[cfg[g]._target_] for g in GROUPS
                if g in cfg and cfg[g].get("_target_") in CHECKED_BEFORE_TORCH}
     problems = [p for group, checked_as in checked.items() for p in check_node(group, cfg[group], checked_as)]
+    # the other targets (prr's that import torch, yours): their constructors check them in `validate`
+    problems += [p for g in GROUPS if g in cfg and g not in checked and "_target_" in cfg[g]
+                 for p in [unimportable_target(g, cfg[g]._target_)] if p]
     if problems:
         return problems
     built, problems = build_groups(cfg, checked)

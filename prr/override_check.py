@@ -23,6 +23,8 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+SEARCHPATH = "hydra.searchpath"  # Hydra's key for config dirs searched beside the primary one
+
 
 class BadOverride(ValueError):
     """A command-line override that does not compose; the message is one line."""
@@ -65,14 +67,15 @@ def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, mult
             unread = added_unread_key(override, groups, top_keys)
             if unread:
                 raise BadOverride(f"{override.input_line}: {unread}")
-        jobs = sweep_jobs(parsed, groups, loader)
+        jobs = sweep_jobs(parsed, groups, loader, config_name)
         if multirun:  # the sweeper's params from the config (experiment presets) sweep too, before argv's
-            # read from the group options alone: argv's keys may exist only under the groups the params choose
-            chosen = [line for line in jobs[0] if parse([line], loader)[0].key_or_group in groups]
+            # read from the group options alone (and the dirs they come from): argv's keys may exist only
+            # under the groups the params choose
+            chosen = [line for line in jobs[0] if parse([line], loader)[0].key_or_group in groups | {SEARCHPATH}]
             params = OmegaConf.select(compose_job(config_name, chosen, groups), "hydra.sweeper.params")
             if params:
                 preset = parse([f"{k}={v}" for k, v in params.items()], loader)
-                jobs = sweep_jobs(preset + parsed, groups, loader)
+                jobs = sweep_jobs(preset + parsed, groups, loader, config_name)
         return [compose_job(config_name, job, groups) for job in jobs]
 
 
@@ -113,10 +116,11 @@ def config_groups(loader: ConfigLoader, parent: str = "") -> set[str]:
     return found
 
 
-def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader) -> list[list[str]]:
+def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader, config_name: str) -> list[list[str]]:
     """Override lines of the jobs to compose (module docstring), each group option checked on
     the way. A later override of the same key replaces an earlier one, as in Hydra's basic sweeper."""
     values: dict[str, list[str]] = {}
+    searchpath = searchpath_lines(parsed)
     for override in parsed:
         key = override.get_key_element()
         if override.is_sweep_override():
@@ -130,7 +134,7 @@ def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader) -
         if override.key_or_group in groups:
             for option, line in zip(options, lines, strict=True):
                 if isinstance(option, str):  # not null, a deletion (~group) or a list of configs
-                    check_group_option(loader, override.key_or_group, option, line)
+                    check_group_option(loader, override.key_or_group, option, line, config_name, searchpath)
         else:
             lines = lines[:1]
         values[key] = lines
@@ -141,8 +145,17 @@ def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader) -
     return jobs
 
 
-def check_group_option(loader: ConfigLoader, group: str, option: str, line: str) -> None:
-    options = sorted(loader.get_group_options(group))
+def searchpath_lines(parsed: list[Override]) -> list[str]:
+    """The command line's `hydra.searchpath=[...]`: config dirs Hydra searches beside conf/ (a
+    package of your own options: docs/extending.md), whose group options compose as conf/'s do."""
+    return [o.input_line for o in parsed if o.get_key_element() == SEARCHPATH and o.input_line]
+
+
+def check_group_option(loader: ConfigLoader, group: str, option: str, line: str, config_name: str,
+                       searchpath: list[str]) -> None:
+    # the options of every dir on the search path: conf/ and those of hydra.searchpath (the command
+    # line's, else the primary config's)
+    options = sorted(loader.get_group_options(group, config_name=config_name, overrides=searchpath))
     if option in options:
         return
     close = closest(option, options)
@@ -162,8 +175,8 @@ def unknown_key(config_name: str, job: list[str], groups: set[str]) -> str | Non
     lacks, or None when every key it names exists (the failure is something else)."""
     parsed = OverridesParser.create().parse_overrides(job)
 
-    def adds(o: Override) -> bool:  # chooses a group option or adds a key: composed first, as given
-        return o.key_or_group in groups or o.is_add() or o.is_force_add()
+    def adds(o: Override) -> bool:  # chooses a group option, adds a key or a config dir: composed first, as given
+        return o.key_or_group in groups or o.is_add() or o.is_force_add() or o.get_key_element() == SEARCHPATH
 
     try:
         cfg = compose(config_name=config_name, overrides=[o.input_line for o in parsed if adds(o)],

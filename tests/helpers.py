@@ -3,7 +3,10 @@ selector and predictor objects the graph-engine tests decode with."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+import yaml
 
 from prr.cache import PagedKVCache
 from prr.predictors import EmaMembershipPredictor, LastStepPredictor, Predictor
@@ -86,3 +89,26 @@ def graph_predictor(name: str) -> Predictor | None:
     (None: P set from outside)."""
     return {"ema_membership": lambda: EmaMembershipPredictor(alpha=0.8), "last_step": LastStepPredictor,
             "fixed": lambda: None}[name]()
+
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def conf_target(group: str, option: str) -> str:
+    """The `_target_` of conf/<group>/<option>.yaml, or of the option its defaults extend
+    (predictor=ema_calibrated extends ema), read without composing (test collection)."""
+    values = yaml.safe_load((CONF / group / f"{option}.yaml").read_text()) or {}
+    if "_target_" in values:
+        return values["_target_"]
+    extended = [d for d in values.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+    if not extended:
+        raise ValueError(f"conf/{group}/{option}.yaml has no _target_ and extends no option")
+    return conf_target(group, extended[0])
+
+
+def replays_selections(option: str) -> bool:
+    """Whether predictor=<option> replays a serial pass recorded before decoding (bench_hit_rate,
+    a benchmark tool: the graph engine alone records one; tests/test_bench_hit_rate.py checks it)."""
+    from prr.config_check import resolve_target
+
+    return bool(resolve_target(conf_target("predictor", option)).replays_selections)

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from prr.config_check import GROUPS, ConfigError, validate
+from prr.config_check import CHECKED_BEFORE_TORCH, GROUPS, ConfigError, validate
 from tests.helpers import instantiate_or_refuse_ruler
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -130,36 +130,64 @@ def test_graph_projections_auto_means_fused_only_on_a_gpu_at_batch_one():
     assert RuntimeSettings(device="cuda", batch_size=8, projections="fused").graph_projections() == "fused"
 
 
-# The conf targets whose options only `validate` checks, once torch is imported: the backend group
-# (prr/runtime/engine_ops.py imports torch) and selector=less (its constructor loads a trained
-# feature map with torch). Every other target is checked before (the runtime group's values too;
-# its cross-checks with the device and the engine after).
-CHECKED_AFTER_TORCH_ONLY = {"prr.runtime.engine_ops.OpsBackend", "prr.selectors.less.LessSelector"}
-
-
-def conf_targets():
+def conf_targets() -> dict[str, tuple[str, str]]:
+    """`_target_` -> (group, option) of the first conf/ option that names it (compositions left out)."""
     import yaml
 
-    return {yaml.safe_load(p.read_text()).get("_target_") for g in GROUPS for p in (CONF / g).glob("*.yaml")} - {None}
+    found: dict[str, tuple[str, str]] = {}
+    for g in GROUPS:
+        for option in options(g):
+            target = (yaml.safe_load((CONF / g / f"{option}.yaml").read_text()) or {}).get("_target_")
+            if target:
+                found.setdefault(target, (g, option))
+    return found
 
 
-def test_every_target_is_checked_before_torch_unless_listed():
-    from prr.config_check import CHECKED_BEFORE_TORCH
-
-    assert conf_targets() - CHECKED_BEFORE_TORCH.keys() == CHECKED_AFTER_TORCH_ONLY
-
-
-@pytest.mark.parametrize("target", sorted(conf_targets() - CHECKED_AFTER_TORCH_ONLY))
+@pytest.mark.parametrize("target", sorted(CHECKED_BEFORE_TORCH))
 def test_a_target_checked_before_torch_inherits_that_classs_constructor(target):
     """One definition of each check: the class run.py checks before torch is the target's own
     constructor, with the capabilities the cross-checks read."""
-    from prr.config_check import CHECKED_BEFORE_TORCH, resolve_target
+    from prr.config_check import resolve_target
 
     built, checked = resolve_target(target), resolve_target(CHECKED_BEFORE_TORCH[target])
     assert issubclass(built, checked) and built.__init__ is checked.__init__
     for capability in ("uses_budget", "replays_selections", "declared_hit_rate", "selects_every_block", "profiles"):
         if hasattr(checked, capability):
             assert getattr(built, capability) is getattr(checked, capability), capability
+
+
+@pytest.mark.parametrize("target", sorted(set(conf_targets()) - CHECKED_BEFORE_TORCH.keys()))
+def test_a_target_without_a_torch_free_class_is_checked_by_its_own_constructor(target):
+    """CHECKED_BEFORE_TORCH is a shortcut, not a registry: an option it does not name (selector=less,
+    the backend group; a new one) passes the round before torch and is refused by `validate`."""
+    from prr.config_check import problems_before_torch
+
+    group, option = conf_targets()[target]
+    composed = cfg(*TINY, f"{group}={option}", f"+{group}.no_such_option=1")
+    assert problems_before_torch(composed) == []
+    with pytest.raises(ConfigError) as err:
+        validate(composed)
+    assert err.value.problems[0].startswith(f"{group}.no_such_option is not an option of {target.rsplit('.', 1)[1]}")
+
+
+@pytest.mark.parametrize("target,message", [
+    ("no_such_package.Thing", r"no module named 'no_such_package' on sys.path \(a package of your own: pip install"),
+    ("prr.selectors.no_such_module.Thing", r"no module named 'prr.selectors.no_such_module' in package 'prr.selectors'"),
+    ("prr.selectors.quest.NoSuchSelector", r"cannot be imported: AttributeError: module 'prr.selectors.quest' has no "
+                                           r"attribute 'NoSuchSelector'"),
+    ("QuestSelector", r"is not a dotted path module.Class"),
+])
+def test_an_unimportable_target_is_one_line_naming_it(target, message):
+    """Any importable `_target_` is accepted (no fixed list); one that cannot be imported is refused in
+    one line, before torch where finding its module needs no import."""
+    from prr.config_check import problems_before_torch
+
+    composed = cfg(*TINY, f"selector._target_={target}")
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(composed)
+    assert len(err.value.problems) == 1 and err.value.problems[0].startswith(f"selector._target_={target!r}")
+    if "AttributeError" not in message:  # (a class missing from its module shows only when imported)
+        assert problems_before_torch(composed) == err.value.problems
 
 
 def test_every_option_is_checked_before_torch_without_importing_it():
@@ -175,8 +203,7 @@ def test_every_option_is_checked_before_torch_without_importing_it():
             "    for line in sys.argv[1:]:\n"
             "        problems_before_torch(compose('config', overrides=['model=tiny-random', line]))\n")
     lines = [f"{g}={o}" for g in ("model", "selector", "predictor", "budget", "task", "logger", "runtime")
-             for o in options(g)
-             if (g, o) not in {("model", "hf"), ("selector", "less")}]  # hf: a path of the user's; less: after torch
+             for o in options(g) if (g, o) != ("model", "hf")]  # hf: a path of the user's
     done = subprocess.run([sys.executable, "-c", code, *lines], cwd=CONF.parent, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

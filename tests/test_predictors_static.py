@@ -8,9 +8,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from prr.blocks import BlockSet, top_blocks
 from prr.predictors import (
@@ -25,6 +28,7 @@ from prr.predictors import (
 )
 from prr.predictors.spin import mix32, uniform_draw
 from prr.selectors.base import Selection
+from tests.helpers import replays_selections
 
 N = 19  # max blocks
 L = 3  # layers: 0 dense, 1 and 2 sparse
@@ -33,8 +37,11 @@ G, D = 2, 4  # query heads per KV head, head dim
 K = 5  # blocks a selection keeps
 BUDGET = 7  # |P|
 STEPS = 6
-NAMES = ["none", "last_step", "ema", "ema_calibrated", "ema_membership", "spin", "query_similarity", "cross_layer",
-         "oracle"]
+CONF = Path(__file__).resolve().parents[1] / "conf"
+# Every predictor of conf/ (a new one too, built from its YAML), but those that replay a serial pass
+# recorded before decoding (bench_hit_rate: tests/test_bench_hit_rate.py checks it against serial DSA).
+NAMES = [p.stem for p in sorted((CONF / "predictor").glob("*.yaml")) if not replays_selections(p.stem)]
+
 # Python values in a state that `update` may change: a structural fact, fixed once every
 # layer has seen its first selection (prr/predictors/cross_layer.py says why it is safe).
 STRUCTURAL = {"updated_layers"}
@@ -51,17 +58,25 @@ def calibrated_ema() -> EmaPredictor:
 
 
 def make(name: str):
-    return {
-        "none": NoPredictor,
-        "last_step": LastStepPredictor,
-        "ema": lambda: EmaPredictor(calibrate=False, recent_blocks=2),
-        "ema_calibrated": calibrated_ema,
-        "ema_membership": lambda: EmaMembershipPredictor(alpha=0.7),
-        "spin": lambda: SpinPredictor(explore=0.3, seed=7),
-        "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2),
-        "cross_layer": lambda: CrossLayerPredictor(temporal_weight=0.4, calibrate=False),
-        "oracle": OraclePredictor,
-    }[name]()
+    """The predictor `name` with the options these tests need (small caches, exploration, calibration
+    on a trajectory); one these do not name, as its YAML configures it."""
+    if name not in BUILDERS:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return instantiate(compose(config_name="config", overrides=[f"predictor={name}"]).predictor)
+    return BUILDERS[name]()
+
+
+BUILDERS = {
+    "none": NoPredictor,
+    "last_step": LastStepPredictor,
+    "ema": lambda: EmaPredictor(calibrate=False, recent_blocks=2),
+    "ema_calibrated": calibrated_ema,
+    "ema_membership": lambda: EmaMembershipPredictor(alpha=0.7),
+    "spin": lambda: SpinPredictor(explore=0.3, seed=7),
+    "query_similarity": lambda: QuerySimilarityPredictor(cache_size=3, neighbours=2),
+    "cross_layer": lambda: CrossLayerPredictor(temporal_weight=0.4, calibrate=False),
+    "oracle": OraclePredictor,
+}
 
 
 def selection(scores: torch.Tensor, nb: torch.Tensor) -> Selection:
@@ -183,7 +198,8 @@ def test_propose_is_a_pure_function_of_the_state(name):
     second = p.propose(state, 2, nb, BUDGET, current=a, query=q)
     assert torch.equal(first.indices, second.indices) and torch.equal(first.count, second.count)
     assert same(after, tensors(state))
-    assert first.capacity == (0 if name == "none" else K if name == "oracle" else BUDGET)  # static: the budget's
+    # static: the budget's, the selection's where P = A (the oracle), none without speculation
+    assert first.capacity == (0 if not p.speculates else K if not p.uses_budget else BUDGET)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -2,7 +2,9 @@
 types, the checks of their values) and the capabilities the config's cross-checks read
 (`uses_budget`, `replays_selections`, `declared_hit_rate`). The predictors of prr.predictors
 inherit these constructors unchanged and add the torch work, so that run.py refuses a bad
-predictor value before torch is imported (prr.config_check.CHECKED_BEFORE_TORCH names the pairs)."""
+predictor value before torch is imported (prr.config_check.CHECKED_BEFORE_TORCH names the pairs).
+A shortcut for the built-in predictors, not a registry: a new predictor's constructor may live in
+its own module, and run.py checks its values there once torch is imported (docs/extending.md)."""
 
 from __future__ import annotations
 

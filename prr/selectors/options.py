@@ -2,7 +2,9 @@
 types, the checks of their values) and what the config's cross-checks read (top-K, dense
 layers, `selects_every_block`). The selectors of prr.selectors inherit these constructors
 unchanged and add the torch work, so that run.py refuses a bad selector value before torch
-is imported (prr.config_check.CHECKED_BEFORE_TORCH names the pairs)."""
+is imported (prr.config_check.CHECKED_BEFORE_TORCH names the pairs). A shortcut for the built-in
+selectors, not a registry: a new selector's constructor may live in its own module, and run.py
+checks its values there once torch is imported (docs/extending.md)."""
 
 from __future__ import annotations
 

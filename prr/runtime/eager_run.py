@@ -25,9 +25,9 @@ from prr.progress import PrefillProgress, progress_bar
 from prr.run_records import step_rows
 from prr.runtime.dsa_backend import DSABackend, check_finite
 from prr.runtime.probe import StageProbe
-from prr.runtime.records import LayerStepRecord
 from prr.runtime.run_strategy import Results, Window, topk_label
 from prr.sinks import JsonlWriter, read_jsonl
+from prr.step_record import LayerStepRecord
 
 log = logging.getLogger("prr")
 

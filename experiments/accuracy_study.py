@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "selector's conf, layers 0-1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="the step's op backend")
     p.add_argument("--engine", default="eager", choices=["eager", "graph"],
                    help="runtime.engine: the research runtime (per-step records: PRR-vs-serial attention error) or "
                         "the CUDA-graph engine (hit rate from its device counters)")

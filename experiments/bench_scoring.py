@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "cpu" / "bench_scoring"))
     p.add_argument("--profile", action="store_true",
                    help="cProfile the timed samples: <out>_<task>_<engine>_profile.txt, the prr functions by "

@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="the step's op backend")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="the step's op backend")
     p.add_argument("--engine", default="eager", choices=["eager", "graph"],
                    help="decode through the research runtime (per-step records, a ratio probe) or the graph engine "
                         "(its device study counters, read once per decode; CUDA graphs on a GPU)")

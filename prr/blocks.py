@@ -60,6 +60,15 @@ class BlockSet:
         )
 
 
+@dataclass(frozen=True)
+class Selection:
+    """A selector's answer for one decode step (set A with the scores it came from). Here, below
+    the selectors, so that the model's tensor parallelism and the predictors read it too."""
+
+    blocks: BlockSet  # A: [B, Hkv, C]
+    scores: Tensor  # [B, Hkv, max_blocks] fp32 GQA-reduced block scores before forcing; -inf past the context
+
+
 def block_counts(num_blocks: int | Tensor, batch: int, device: torch.device | str) -> Tensor:
     """Blocks in each row's context as a device tensor [B] int64: a host int (the eager
     runtime, tests) is broadcast, a tensor (the graph engine's per-row count) is used as is,

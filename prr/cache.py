@@ -14,8 +14,6 @@ from collections.abc import Iterator, MutableMapping
 import torch
 from torch import Tensor
 
-from prr.runtime.settings import is_power_of_two
-
 
 class PagedKVCache:
     def __init__(
@@ -29,7 +27,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if not is_power_of_two(block_size):
+        if block_size < 1 or block_size & (block_size - 1):  # not a power of two
             raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16, 32, 64)")
         self.num_layers = num_layers
         self.batch = batch

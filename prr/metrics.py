@@ -16,8 +16,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from prr.runtime.records import LayerStepRecord
-from prr.runtime.timing import STAGES
+from prr.step_record import STAGES, LayerStepRecord
 
 
 def layer_step_rows(record: LayerStepRecord) -> list[dict[str, Any]]:

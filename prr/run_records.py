@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from prr.metrics import layer_step_rows
-from prr.runtime.records import LayerStepRecord
 from prr.sinks import JsonlWriter
+from prr.step_record import LayerStepRecord
 
 
 def token_row(step: int, token: int, wall_s: float, measure_s: float, sample: int | None = None,

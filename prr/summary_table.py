@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only: run.py's checks import this module's importers before any run
     import pandas as pd
 
-from prr.runtime.timing import STAGES
+from prr.step_record import STAGES
 
 
 def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:

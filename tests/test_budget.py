@@ -237,7 +237,7 @@ def record(layer, selected, predicted, ranked=None, step=0, speculate=0.0, selec
     """A LayerStepRecord over 1 row, 1 KV head, 32 blocks from block-id lists."""
     import torch
 
-    from prr.runtime.records import LayerStepRecord
+    from prr.step_record import LayerStepRecord
 
     def mask(ids):
         m = torch.zeros(1, 1, 32, dtype=torch.bool)

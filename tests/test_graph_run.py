@@ -121,6 +121,41 @@ def test_graph_engine_refuses_what_it_cannot_run(tmp_path, overrides, match):
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
+def test_the_engine_backend_follows_the_backend_group_on_a_gpu():
+    from prr.runtime.graph_run import engine_backend
+
+    assert engine_backend("cuda", "torch") == "torch"  # backend=torch: torch ops on a GPU too
+    assert engine_backend("cuda:1", "torch", "triton") == "triton"  # backend=auto (the default): the kernels
+    assert engine_backend("cpu", "torch", "triton") == "torch"
+    assert engine_backend("cpu", "triton") == engine_backend("cuda", "triton") == "triton"
+
+
+@pytest.mark.parametrize("backend,projections,refused", [
+    ("torch", "auto", True), ("torch", "fused", True), ("torch", "torch", False), ("auto", "auto", False)])
+def test_backend_torch_on_a_gpu_is_refused_where_the_engine_needs_triton(backend, projections, refused):
+    """The checks before any work (graph_problems) on runtime.device=cuda, without a GPU:
+    backend=torch runs the engine on torch ops, which lack the fused projections (runtime.projections=auto
+    picks them on a GPU at batch 1)."""
+    from types import SimpleNamespace
+
+    from hydra.utils import instantiate
+
+    from prr.runtime.graph_run import graph_problems
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*TINY, "predictor=none", "runtime.engine=graph",
+                                                       f"backend={backend}", f"runtime.projections={projections}"])
+    built = {g: instantiate(cfg[g]) for g in ("runtime", "selector", "predictor", "budget", "task", "backend")}
+    built["runtime"].device = "cuda"
+    problems = graph_problems(built, SimpleNamespace(head_dim=64))
+    chosen = "fused" if projections == "fused" else "auto (fused on a GPU at batch 1)"
+    assert [p for p in problems if "backend=torch runs torch ops" in p] == (
+        [f"runtime.engine=graph with runtime.projections={chosen} runs Triton GEMVs, and backend=torch runs torch "
+         "ops: use backend=auto or triton (CUDA, or the CPU under TRITON_INTERPRET=1) or runtime.projections=torch"]
+        if refused else [])
+    assert len(problems) == refused  # nothing else stands in the way
+
+
 def test_a_ragged_batch_decodes_each_row_as_alone(tmp_path):
     """runtime.row_tokens: rows holding the prompt's last 300 (all of it) and 170 tokens decode
     in one batch what each decodes alone (exact PRR: serial DSA's tokens whatever P is), and a

@@ -1,5 +1,6 @@
 """Predictors' defining properties."""
 
+import pytest
 import torch
 
 from prr.blocks import BlockSet
@@ -67,6 +68,38 @@ def test_ema_calibration_prefers_stickiness_on_a_static_selection():
     assert info["stickiness"] == 4.0 and info["calibration_hit_rate"] == 1.0
     st = p.init_state(2, 1, 1, N, "cpu")
     assert st.stickiness[1] == 4.0
+
+
+def static_history() -> list[Selection]:
+    """A fixed selection whose blocks score low (only stickiness predicts it), 16 steps."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(16):
+        scores = torch.randn(1, 1, N, generator=g)
+        scores[0, 0, [2, 11, 17]] = -3.0
+        out.append(selection([2, 11, 17], scores))
+    return out
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_ema_calibration_keeps_an_alpha_the_config_gives_and_fits_an_unset_one(per_layer):
+    grids = dict(alpha_grid=(0.0, 0.5), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,), per_layer=per_layer)
+    kept = EmaPredictor(alpha=0.9, **grids)  # predictor.alpha=0.9: not in the grid, kept all the same
+    info = kept.calibrate([None, static_history()])
+    assert info["kept"] == ["alpha"] and info["alpha"] == pytest.approx([0.9, 0.9] if per_layer else 0.9)
+    # (per layer: layer 0 has no history and takes the uncalibrated stickiness)
+    assert info["stickiness"] == pytest.approx([1.0, 4.0] if per_layer else 4.0)
+    assert kept.init_state(2, 1, 1, N, "cpu").alpha.tolist() == pytest.approx([0.9, 0.9])
+    fitted = EmaPredictor(**grids)  # alpha: null (the YAML default): calibrated over its grid
+    info = fitted.calibrate([None, static_history()])
+    assert info["kept"] == [] and float(fitted.init_state(2, 1, 1, N, "cpu").alpha[1]) in (0.0, 0.5)
+    assert EmaPredictor(calibrate=False).init_state(1, 1, 1, N, "cpu").alpha.tolist() == pytest.approx([0.8])
+
+
+def test_the_calibration_log_line_marks_kept_values():
+    from prr.runtime.eager_run import calibration_line
+
+    assert calibration_line({"alpha": 0.5, "stickiness": 4.0, "kept": ["alpha"]}) == "alpha=0.5 (kept), stickiness=4.0"
 
 
 def test_ema_calibration_is_causal():

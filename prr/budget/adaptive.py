@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from prr.budget.base import SpeculationBudget
 
 if TYPE_CHECKING:  # annotations only: run.py checks a budget's options before torch is imported
-    from prr.runtime.records import LayerStepRecord
+    from prr.step_record import LayerStepRecord
 
 VARIANTS = ("serial", "prr")
 

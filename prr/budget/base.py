@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from prr.runtime.records import LayerStepRecord
+    from prr.step_record import LayerStepRecord
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from prr.paths import cache_dir, write_json_atomic
 from prr.progress import progress_bar
 
 if TYPE_CHECKING:
-    from prr.runtime.records import LayerStepRecord
+    from prr.step_record import LayerStepRecord
 
 log = logging.getLogger("prr")
 

@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from prr.blocks import BlockSet
+from prr.blocks import BlockSet, Selection
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
-from prr.selectors.base import Selection
 
 
 @dataclass(frozen=True)

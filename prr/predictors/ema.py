@@ -8,7 +8,9 @@ stickiness and a recency bonus. The paper's exact formula is not public; ours:
 
 P = the top-|P| blocks by rank (ties to the lower block id). α, β, γ are calibrated per prompt by grid search: replay
 the selections of the prefill tail and keep the triple with the highest hit rate at
-|P| = |A| (one triple per run, or one per layer with per_layer=True).
+|P| = |A| (one triple per run, or one per layer with per_layer=True). One given in the config
+(`predictor.alpha=0.5`) is kept: the search runs over the others' grids only (null, the
+default, means calibrate it).
 
 On backend triton (prr.kernels.predict): propose = one rank launch + the top-k kernel, update =
 one launch (standardise, EMA, last_selected); the torch ops here are the definition.
@@ -165,4 +167,5 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
             "stickiness": chosen[1] if not self.per_layer else params[:, 1].tolist(),
             "recency": chosen[2] if not self.per_layer else params[:, 2].tolist(),
             "calibration_hit_rate": float(hit_rate.gather(0, best.view(1, -1)).mean()),
+            "kept": list(self.kept),  # the parameters the config gave (not searched)
         }

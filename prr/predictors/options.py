@@ -29,12 +29,16 @@ class OraclePredictorOptions(PredictorOptions):
     uses_budget = False  # P = A, whatever |P| the budget asks for
 
 
+# ema's (alpha, stickiness, recency) where neither calibration nor the config gives one (calibrate=false)
+UNCALIBRATED = {"alpha": 0.8, "stickiness": 1.0, "recency": 1.0}
+
+
 class EmaPredictorOptions(PredictorOptions):
     def __init__(
         self,
-        alpha: float = 0.8,
-        stickiness: float = 1.0,
-        recency: float = 1.0,
+        alpha: float | None = None,
+        stickiness: float | None = None,
+        recency: float | None = None,
         recent_blocks: int = 1,
         calibrate: bool = True,
         per_layer: bool = False,
@@ -43,18 +47,25 @@ class EmaPredictorOptions(PredictorOptions):
         stickiness_grid: Sequence[float] = (0.0, 0.5, 1.0, 2.0, 4.0),
         recency_grid: Sequence[float] = (0.0, 1.0, 4.0),
     ) -> None:
-        if not 0.0 <= alpha < 1.0 or any(not 0.0 <= a < 1.0 for a in alpha_grid):
+        """alpha, stickiness, recency: None (the YAML's null) is calibrated on the prefill tail over its
+        grid when calibrate=true, else UNCALIBRATED's value; a number is kept either way (calibration
+        then searches the others' grids only)."""
+        if (alpha is not None and not 0.0 <= alpha < 1.0) or any(not 0.0 <= a < 1.0 for a in alpha_grid):
             raise ValueError(f"predictor.alpha={alpha} and alpha_grid={list(alpha_grid)} must lie in [0, 1)")
         if recent_blocks < 0 or burn_in_steps < 0:
             raise ValueError(f"predictor.recent_blocks={recent_blocks} and burn_in_steps={burn_in_steps} must be >= 0")
         if calibrate and not (alpha_grid and stickiness_grid and recency_grid):
             raise ValueError("predictor.alpha_grid, stickiness_grid and recency_grid must be non-empty when calibrate=true")
-        self.alpha, self.stickiness, self.recency = alpha, stickiness, recency
+        given = {"alpha": alpha, "stickiness": stickiness, "recency": recency}
+        self.kept = [name for name, value in given.items() if value is not None]  # never overwritten by calibration
+        self.alpha, self.stickiness, self.recency = (UNCALIBRATED[name] if value is None else value
+                                                     for name, value in given.items())
         self.recent_blocks = recent_blocks
         self.calibrate_on_prefill = calibrate
         self.per_layer = per_layer
         self.burn_in_steps = burn_in_steps
-        self.grid = list(itertools.product(alpha_grid, stickiness_grid, recency_grid))
+        grids = {"alpha": alpha_grid, "stickiness": stickiness_grid, "recency": recency_grid}
+        self.grid = list(itertools.product(*([given[name]] if name in self.kept else grids[name] for name in grids)))
         self._fitted: Any = None  # per-layer (alpha, stickiness, recency) tensors from EmaPredictor.calibrate
 
 
@@ -131,9 +142,9 @@ class CrossLayerPredictorOptions(PredictorOptions):
         self,
         temporal_weight: float = 0.0,
         source_stickiness: float = 1.0,
-        alpha: float = 0.8,
-        stickiness: float = 1.0,
-        recency: float = 1.0,
+        alpha: float | None = None,
+        stickiness: float | None = None,
+        recency: float | None = None,
         recent_blocks: int = 1,
         calibrate: bool = True,
         burn_in_steps: int = 4,

@@ -29,10 +29,10 @@ from prr.cache import PagedKVCache
 from prr.predictors.base import Predictor
 from prr.runtime.engine_ops import BACKENDS
 from prr.runtime.prr_step import PRRStep
-from prr.runtime.records import LayerStepRecord
 from prr.runtime.settings import REPAIR_MODES, RUN_MODES
 from prr.runtime.timing import StageTimer
 from prr.selectors.base import Selection, Selector
+from prr.step_record import LayerStepRecord
 
 
 class DSABackend:

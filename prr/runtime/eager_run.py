@@ -25,11 +25,18 @@ from prr.progress import PrefillProgress, progress_bar
 from prr.run_records import step_rows
 from prr.runtime.dsa_backend import DSABackend, check_finite
 from prr.runtime.probe import StageProbe
-from prr.runtime.records import LayerStepRecord
 from prr.runtime.run_strategy import Results, Window, topk_label
 from prr.sinks import JsonlWriter, read_jsonl
+from prr.step_record import LayerStepRecord
 
 log = logging.getLogger("prr")
+
+
+def calibration_line(info: dict[str, Any]) -> str:
+    """A predictor's calibration info in one line; the parameters the config gave are marked kept
+    (ema: `alpha=0.5 (kept), stickiness=4.0, recency=0.0, calibration_hit_rate=0.81, ...`)."""
+    kept = info.get("kept", [])
+    return ", ".join(f"{key}={value}{' (kept)' if key in kept else ''}" for key, value in info.items() if key != "kept")
 
 
 def next_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> Tensor:
@@ -151,8 +158,12 @@ class EagerRuntime:
             self.backend.absorb_prefill(layer, q, k, v)
 
     def finish_prefill(self, history: Any = None, calibrate_on: Any = None) -> dict[str, Any]:
-        """Calibrate and warm the predictor on the prefill tail (DSABackend.finish_prefill)."""
-        return self.backend.finish_prefill(history, calibrate_on)
+        """Calibrate and warm the predictor on the prefill tail (DSABackend.finish_prefill); the
+        log says what calibration chose."""
+        info = self.backend.finish_prefill(history, calibrate_on)
+        if info:
+            log.info("predictor calibration: %s", calibration_line(info))
+        return info
 
     def step(self, token: Tensor, position: int, step: int) -> tuple[Tensor, list[LayerStepRecord], float, float]:
         """One decode step reading token [B] at `position` -> (logits [B, V], the step's records,

@@ -39,13 +39,18 @@ BACKENDS = ("triton", "torch")
 
 @dataclass(frozen=True)
 class OpsBackend:
-    """The `backend` config group: the op backend of every engine in the run (conf/backend)."""
+    """The `backend` config group (conf/backend): `name`, the op backend of every engine in the
+    run; `graph_on_gpu`, the CUDA-graph engine's on a GPU where it differs (backend=auto, the
+    default: torch ops for the eager runtime and the prefill, the Triton kernels for the engine)."""
 
     name: str
+    graph_on_gpu: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in BACKENDS:
             raise ValueError(f"backend={self.name!r} is not one of {list(BACKENDS)}")
+        if self.graph_on_gpu is not None and self.graph_on_gpu not in BACKENDS:
+            raise ValueError(f"backend.graph_on_gpu={self.graph_on_gpu!r} is not one of {list(BACKENDS)} or null")
 
 
 def triton_shape_problems(head_dim: int, block_size: int) -> list[str]:

@@ -57,7 +57,7 @@ class GraphRequests:
             raise ValueError("; ".join(problems))
         self.device = owner.device
         self.rows = settings.batch_size  # requests decoded together, one per row of the cache
-        self.backend = engine_backend(settings.device, owner.ops.name)
+        self.backend = engine_backend(settings.device, owner.ops.name, owner.ops.graph_on_gpu)
         # The engine's cache, its capacity the longest request: every request prefills into it.
         self.cache = kv_cache(decoder, self.rows, settings.block_size, owner.max_tokens, owner.dtype, self.device)
         max_blocks = self.cache.max_blocks

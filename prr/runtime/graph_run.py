@@ -66,7 +66,7 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     if size is not None and not selector.selects_every_block and prompt_blocks and size > prompt_blocks:
         out.append(f"{head}: |P| = {size} blocks exceeds the prompt's {prompt_blocks} blocks; lower budget.ratio / "
                    "budget.blocks")
-    backend = engine_backend(runtime.device, built["backend"].name)
+    backend = engine_backend(runtime.device, built["backend"].name, built["backend"].graph_on_gpu)
     if backend == "triton":
         try:  # the install of `make run` has no Triton: the engine's kernels on a GPU need it
             import triton  # noqa: F401
@@ -79,8 +79,9 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
             if built["backend"].name != "triton":  # (backend=triton's own check names these)
                 out += [f"{head}: {p}" for p in triton_shape_problems(model.head_dim, runtime.block_size)]
     if backend == "torch" and runtime.graph_projections() == "fused":
-        out.append(f"{head} with runtime.projections=fused runs Triton GEMVs: use backend=triton (CUDA, or the CPU "
-                   "under TRITON_INTERPRET=1) or runtime.projections=torch")
+        chosen = "fused" if runtime.projections == "fused" else "auto (fused on a GPU at batch 1)"
+        out.append(f"{head} with runtime.projections={chosen} runs Triton GEMVs, and backend=torch runs torch ops: "
+                   "use backend=auto or triton (CUDA, or the CPU under TRITON_INTERPRET=1) or runtime.projections=torch")
     if getattr(task, "temperature", 0.0) != 0.0:
         out.append(f"{head} decodes greedily (the step writes its argmax token): set task.temperature=0 "
                    f"(got {task.temperature})")
@@ -123,10 +124,10 @@ def scoring_problems(settings: Any, predictor: Any, budget: Any) -> list[str]:
     return out
 
 
-def engine_backend(device: str, backend: str) -> str:
-    """The engine's ops: Triton kernels on a GPU (the fast path, whatever `backend` names) and
-    wherever backend=triton (the CPU under TRITON_INTERPRET=1); torch ops on the CPU otherwise."""
-    return "triton" if str(device).startswith("cuda") or backend == "triton" else "torch"
+def engine_backend(device: str, backend: str, graph_on_gpu: str | None = None) -> str:
+    """The engine's ops: `backend` (backend.name: backend=torch runs torch ops on a GPU too), or
+    on a GPU `graph_on_gpu` where the backend group names one (backend=auto: triton)."""
+    return graph_on_gpu if graph_on_gpu is not None and str(device).startswith("cuda") else backend
 
 
 def graph_topk(selector: Any, max_blocks: int) -> int:
@@ -218,8 +219,9 @@ class GraphDecode:
                              f"{prompt_len} tokens")
         self.max_blocks = max_blocks = -(-capacity // settings.block_size)
         plan = graph_plan(settings, selector, predictor, budget, max_blocks)
-        self.ops = instantiate(cfg.backend).name  # the prefill's ops; the engine's follow the device (engine_backend)
-        self.ops_backend = engine_backend(settings.device, self.ops)
+        ops = instantiate(cfg.backend)
+        self.ops = ops.name  # the prefill's ops; the engine's: engine_backend
+        self.ops_backend = engine_backend(settings.device, ops.name, ops.graph_on_gpu)
         self.budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
         if plan.variant == "prr" and budget.profiles and predictor.uses_budget:  # before the prefill: less memory at once
             # The profile at the first decode step's context (the longest row + 1 tokens): |P| is static

@@ -63,7 +63,7 @@ def graph_study_decode(runtime: EagerRuntime, last_logits: Tensor, steps: int, r
     speculating = plan.variant == "prr"
     engine = GraphDecoder(runtime.decoder, plan, 1, cache.max_tokens, selector=selector,
                           predictor=predictor if speculating else None, cache=cache,
-                          backend=engine_backend(str(runtime.device), runtime.backend_name))
+                          backend=engine_backend(str(runtime.device), runtime.backend_name, "triton"))  # kernels on a GPU, as backend=auto
     device = engine.device
     first = tokens[0] if tokens is not None else int(last_logits[0].argmax())
     disagreements = int(first != int(last_logits[0].argmax()))

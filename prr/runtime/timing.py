@@ -1,6 +1,6 @@
 """Stage timers. CPU: perf_counter around each stage. CUDA: event pairs resolved when the
 step's records are collected, so timing adds no host synchronisation inside the step.
-Stage names are the same words everywhere: predict, select, speculate, repair, merge."""
+Stage names are the same words everywhere (prr.step_record.STAGES)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-STAGES = ("predict", "speculate", "select", "repair", "merge")
+from prr.step_record import STAGES
 
 
 class StageTimer:

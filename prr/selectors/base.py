@@ -9,22 +9,15 @@ asks `is_dense_layer`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from prr.attention_state import AttentionState, merge, merge_many
-from prr.blocks import BlockSet, block_counts, inside_context, top_blocks
+from prr.blocks import BlockSet, Selection, block_counts, inside_context, top_blocks
 from prr.cache import PagedKVCache
 from prr.selectors.options import SelectorOptions
-
-
-@dataclass(frozen=True)
-class Selection:
-    blocks: BlockSet  # A: [B, Hkv, C]
-    scores: Tensor  # [B, Hkv, max_blocks] fp32 GQA-reduced block scores before forcing; -inf past the context
 
 
 def stack_rows(selections: list[Selection]) -> Selection:

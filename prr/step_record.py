@@ -1,10 +1,15 @@
-"""Typed records a decode step hands to metrics and sinks (the runtime never logs)."""
+"""What one decode step reports: its stage names and one typed record per (step, layer), which
+the runtime hands to metrics, sinks and budgets (the runtime never logs). Below the runtime, so
+that budgets and metrics read it without importing the runtime."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from torch import Tensor
+
+# The PRR step's stages, the same words everywhere (timers, records, summaries).
+STAGES = ("predict", "speculate", "select", "repair", "merge")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 51's device call: the restructured engine (PRRStep, PredictorSchedule, observers, typed
+# ops) against the tree before it, both in this one call (< 600 s on an H100 / H200):
+#  1. GPU tests of the step, its views, the typed ops and the one-engine equivalence (captured);
+#  2. whole runs of run.py at 32K, block 16, K = 32, 32 steps: quest, infllm, less, exact x
+#     {none, ema} (budget=fixed, |P| = K), first in the tree before the change (.xfer/before: the
+#     engine files of 0bc17a8, made by `git archive 0bc17a8 prr kernels conf run.py hydra_plugins
+#     pyproject.toml experiments/bench_engine_runs.py`), then in this tree.
+# Everything lands in $OUT (log.txt, gpu_tests.txt, matrix_before.json, matrix_after.json).
+#   usage on the device: OUT=... bash experiments/h200_issue51_check.sh
+. "$(dirname "$0")/h200_preamble.sh"
+ROOT=$PWD
+python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.whl/*.whl 2>&1 | grep -v WARNING
+export PYTHONPATH=$ROOT/.site:$ROOT
+
+say "gpu tests"
+timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graph_decode.py \
+  tests/test_exact_speculation.py tests/test_less_side_summaries.py tests/test_study_counters.py \
+  tests/test_engine_ops.py tests/test_one_engine.py > "$OUT/gpu_tests.txt" 2>&1
+tail -3 "$OUT/gpu_tests.txt" | tee -a "$LOG"
+
+matrix() {  # $1: the tree's dir, $2: the output name
+  (cd "$1" && PYTHONPATH=$ROOT/.site:$1 timeout ${MATRIX_S:-200} python3 experiments/bench_engine_runs.py \
+    --cases matrix --contexts 32000 --blocks 16 --topk 32 --selectors quest,infllm,less,exact \
+    --predictors none,ema --steps 32 --timeout 60 --runs /tmp/runs_$2 --out "$OUT/$2" > /tmp/$2.log 2>&1)
+  tail -12 /tmp/$2.log | tee -a "$LOG"
+}
+say "whole runs, the tree before (0bc17a8)"
+matrix "$ROOT/.xfer/before" matrix_before
+say "whole runs, this tree"
+matrix "$ROOT" matrix_after
+say "done"

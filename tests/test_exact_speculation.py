@@ -200,11 +200,11 @@ def test_exact_override_equals_the_base_definition_of_select_speculating():
     attn, layer = engine.attn, 2
     lengths, num_blocks = engine.step_positions()
     g = torch.Generator().manual_seed(11)
-    q = torch.randn(attn.batch, attn.hkv, attn.group, attn.d, generator=g).to(DEVICE)
-    args = (q, attn.cache, layer, lengths, num_blocks, attn.pred_idx[layer], attn.pred_cnt[layer], attn.scale, None)
+    q = torch.randn(engine.batch, engine.hkv, engine.group, engine.d, generator=g).to(DEVICE)
+    args = (q, attn.cache, layer, lengths, num_blocks, engine.pred_idx[layer], engine.pred_cnt[layer], engine.scale, None)
     want_a, want_states = Selector.select_speculating(attn.selector, *args)
     got_a, got_states = attn.selector.select_speculating(*args)
     assert torch.equal(got_a.blocks.indices, want_a.blocks.indices) and torch.equal(got_a.blocks.count, want_a.blocks.count)
     assert torch.equal(got_a.scores, want_a.scores)
     assert all(torch.equal(a, b) for a, b in zip(got_states, want_states, strict=True))
-    assert int(attn.pred_cnt[layer].sum()) > 0  # P was not empty
+    assert int(engine.pred_cnt[layer].sum()) > 0  # P was not empty

@@ -72,7 +72,7 @@ def metadata(engine: GraphDecoder) -> list[tuple[Tensor, ...]]:
     """Every per-row metadata slot of the sparse layers, [B, ...] copies (Quest's key max / min,
     InfLLM's representatives and finalised counts)."""
     cache = engine.cache
-    return [tuple(cache.metadata[layer][name].clone() for name in sorted(cache._per_row[layer]))
+    return [tuple(cache.metadata[layer][name].clone() for name in sorted(cache.per_row_slots[layer]))
             for layer in range(engine.num_layers) if engine.sparse[layer]]
 
 

@@ -1,0 +1,296 @@
+"""Triton kernels for hinted exact block top-K (a threshold guess per row, e.g. the previous decode
+step's k-th score; the idea of GVR, arXiv 2604.22312). Launcher with checks:
+`prr.kernels.hinted_topk`; torch reference: `prr.kernels.reference_hinted_topk`.
+
+Keys are `prr.kernels.topk_jit`'s order-preserving uint32 images of the scores (forced blocks
++inf, blocks past the context and -inf scores invalid, key 0). Per (row, KV head) the program
+keeps a bracket [a, b) of keys holding the k_eff-th largest valid key T (k_eff = min(k, valid
+blocks)): at least k_eff keys are >= a (its count c_a is known) and fewer than k_eff are >= b.
+It starts as [smallest valid key, +inf's key + 1), c_a = the valid blocks. While c_a exceeds the
+candidate buffer (CAP), a round counts the keys at or above 8 thresholds inside the bracket in one
+reduction (two int64 of four 16-bit counts) and moves a up to the highest threshold still holding
+k_eff keys, b down to the lowest one that does not. Round 0 places its thresholds around the
+hint (key offsets 0, ±2^14, ±2^17, ±2^20 and -2^23, about ±0.01 %, 0.1 %, 1.6 %, 12.5 % and a
+factor 2 of the score), later rounds cut the bracket into 8 equal parts. Once c_a <= CAP, the
+valid keys >= a are compacted, in ascending block order, into a per-row scratch and the row
+kernel's exact radix select (`_select_row`) runs over those candidates only.
+
+Why it is exact, whatever the hint: every threshold of a round lies in [a, b), so the bracket
+invariant holds and T >= a; the candidates (all valid keys >= a) then hold every key > T and every
+key == T, in block order, so their top-k (keys first, ties to the lower block id) is the row's.
+The hint only places round 0's thresholds: a hint of ±inf, far off, or NaN (read as -inf) costs
+rounds, never exactness. When ROUNDS rounds leave more than CAP candidates, the row kernel falls
+back to the plain radix select over the whole row in registers; the tiled kernel (rows longer
+than a register row) keeps narrowing (8x a round: the bracket is one key after at most 12
+rounds) and then emits the blocks > T and the first ties == T straight from the row.
+
+Each program writes back, in place of its hint, the k_eff-th largest score (-inf when nothing
+is selectable): the next decode step's hint. `path` (optional) records the rounds run before the
+candidates fit (-1: they never did: the full-row fallback).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .pdl import pdl_prologue
+from .topk_jit import _emit, _order_keys, _pad_and_count, _select_row
+
+
+@triton.jit
+def _score_key(score):
+    """fp32 scalar -> its uint32 order key, as `_order_keys` keys scores (NaN read as -inf)."""
+    score = tl.where(score == score, score, float("-inf"))
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and +0.0: one key
+    bits = score.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _key_score(key):
+    """uint32 order key -> the fp32 score it is the key of (the inverse of `_score_key`)."""
+    bits = tl.where((key >> 31) == 1, key ^ 0x80000000, ~key)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sum_min(n_a, lo_a, n_b, lo_b):
+    return n_a + n_b, tl.minimum(lo_a, lo_b)
+
+
+@triton.jit
+def _sum_pair(x_a, y_a, x_b, y_b):
+    return x_a + x_b, y_a + y_b
+
+
+@triton.jit
+def _thresholds(a, b, hint_key, AROUND_HINT: tl.constexpr):
+    """-> [8] int64 ascending thresholds inside the bracket [a, b) (int64 scalars, a < b).
+    AROUND_HINT (round 0): the hint's key (int64) offset by -2^23, -2^20, -2^17, -2^14, 0, 2^14,
+    2^17, 2^20 keys, clamped into the bracket; else a + j (b - a) / 8, j = 0..7."""
+    j = tl.arange(0, 8).to(tl.int64)
+    if AROUND_HINT:
+        one = tl.full([8], 1, tl.int64)
+        below = -(one << (23 - 3 * tl.minimum(j, 3)))  # j 0..3
+        above = one << (14 + 3 * tl.maximum(j - 5, 0))  # j 5..7
+        offsets = tl.where(j < 4, below, tl.where(j == 4, 0, above))
+        thresholds = tl.minimum(tl.maximum(hint_key + offsets, a), b - 1)
+    else:
+        thresholds = a + ((b - a) * j) // 8
+    return thresholds
+
+
+@triton.jit
+def _count_at_least8(keys, thresholds):
+    """keys: [T] uint32 (T < 65536; invalid keys 0, below every threshold); thresholds: [8]
+    int64 in [1, 2^32) -> [8] int32 counts of keys >= each, from one reduction of two int64s
+    of four 16-bit counts each."""
+    j = tl.arange(0, 8)
+    low = tl.zeros(keys.shape, dtype=tl.int64)
+    high = tl.zeros(keys.shape, dtype=tl.int64)
+    for i in tl.static_range(4):
+        t_low = tl.sum(tl.where(j == i, thresholds, 0), axis=0).to(tl.uint32)
+        t_high = tl.sum(tl.where(j == i + 4, thresholds, 0), axis=0).to(tl.uint32)
+        low += (keys >= t_low).to(tl.int64) << (16 * i)
+        high += (keys >= t_high).to(tl.int64) << (16 * i)
+    packed_low, packed_high = tl.reduce((low, high), 0, _sum_pair)
+    packed = tl.where(j < 4, packed_low, packed_high)  # [8]
+    return ((packed >> (16 * (j % 4)).to(tl.int64)) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def _narrow(thresholds, counts, a, count_a, b, k_eff):
+    """One round's bracket update: thresholds [8] ascending in [a, b), counts [8] (non-increasing)
+    -> (a, count_a, b): a the highest threshold with >= k_eff keys at or above it, b the lowest
+    with fewer (unchanged where there is none)."""
+    enough = counts >= k_eff
+    new_a = tl.max(tl.where(enough, thresholds, a), axis=0)
+    new_count_a = tl.min(tl.where(enough, counts, count_a), axis=0)
+    new_b = tl.min(tl.where(enough, b, thresholds), axis=0)
+    return new_a, new_count_a, new_b
+
+
+@triton.jit
+def _select_candidates(keys, valid, offs, a, base, scratch, scratch_keys_ptr, scratch_ids_ptr):
+    """Compact one tile's valid keys >= a (int64) and their block ids, in block order, into the
+    row's scratch from position base on. -> candidates written."""
+    candidate = valid & (keys >= a.to(tl.uint32))
+    as_int = candidate.to(tl.int32)
+    slot = base + tl.cumsum(as_int, axis=0) - 1
+    tl.store(scratch_keys_ptr + scratch + slot, keys.to(tl.int32, bitcast=True), mask=candidate)
+    tl.store(scratch_ids_ptr + scratch + slot, offs, mask=candidate)
+    return tl.sum(as_int, axis=0)
+
+
+@triton.jit
+def _finish_row(hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH: tl.constexpr):
+    """The next step's hint (the k_eff-th largest score; -inf when nothing is selectable) in
+    place of this one, and the rounds run (path)."""
+    tl.store(hint_ptr + row, tl.where(k_eff > 0, _key_score(threshold), float("-inf")))
+    if WRITE_PATH:
+        tl.store(path_ptr + row, rounds)
+
+
+@triton.jit
+def _hinted_topk_row_kernel(
+    scores_ptr,  # [B, Hkv, N] fp32 (fp16/bf16 are widened exactly)
+    num_blocks_ptr,  # [B] int32/int64 blocks in each row's context
+    hint_ptr,  # [B * Hkv] fp32 in: the threshold guess; out: this selection's k-th score
+    idx_out_ptr,  # [B, Hkv, K_out] int32, K_out = min(k, N), contiguous
+    count_out_ptr,  # [B, Hkv] int32, contiguous
+    path_ptr,  # [B * Hkv] int32 out (WRITE_PATH): rounds run, -1 for the full-row fallback
+    num_cols,  # N
+    num_kv_heads,  # Hkv
+    k,
+    k_out,
+    sink_blocks,
+    recent_blocks,
+    stride_sb, stride_sh, stride_sn,
+    scratch_keys_ptr,  # [B * Hkv, CAP] int32 workspace
+    scratch_ids_ptr,  # [B * Hkv, CAP] int32 workspace
+    BLOCK: tl.constexpr,  # next power of two >= N: the whole row lives in registers
+    CAP: tl.constexpr,  # candidate buffer (a power of two <= BLOCK)
+    ROUNDS: tl.constexpr,  # bracket rounds before the full-row fallback
+    RADIX_BITS: tl.constexpr,  # the fallback's bits per pass (1 or 2)
+    CAND_RADIX: tl.constexpr,  # bits per pass over the candidates (2 or 4)
+    PAD_BLOCK: tl.constexpr,
+    WRITE_PATH: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
+    row_base = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    row = batch * num_kv_heads + kv_head
+    out_row = row.to(tl.int64) * k_out
+
+    offs = tl.arange(0, BLOCK)
+    keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, num_cols,
+                              False)
+    n_valid, lo = tl.reduce((valid.to(tl.int32), tl.where(valid, keys, 0xFFFFFFFF)), 0, _sum_min)
+    k_eff = tl.minimum(n_valid, k)
+    hint_key = _score_key(tl.load(hint_ptr + row).to(tl.float32)).to(tl.int64)
+    a = lo.to(tl.int64)  # bracket [a, b) of the k_eff-th largest key; count_a keys >= a
+    count_a = n_valid
+    b = tl.full([], 0xFF800001, tl.int64)  # +inf's key + 1
+    rounds = tl.zeros([], dtype=tl.int32)
+    for r in tl.static_range(ROUNDS):
+        if count_a > CAP:
+            thresholds = _thresholds(a, b, hint_key, r == 0)
+            a, count_a, b = _narrow(thresholds, _count_at_least8(keys, thresholds), a, count_a, b, k_eff)
+            rounds += 1
+    threshold = tl.zeros([], dtype=tl.uint32)
+    if count_a <= CAP:
+        scratch = row.to(tl.int64) * CAP
+        n_candidates = _select_candidates(keys, valid, offs, a, 0, scratch, scratch_keys_ptr, scratch_ids_ptr)
+        tl.debug_barrier()  # the program's own stores, read back by other threads
+        lane = tl.arange(0, CAP)
+        live = lane < n_candidates
+        c_keys = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0).to(tl.uint32, bitcast=True)
+        c_ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0)
+        threshold = _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, CAND_RADIX,
+                                PAD_BLOCK)
+    else:
+        threshold = _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, RADIX_BITS,
+                                PAD_BLOCK)
+        rounds = tl.full([], -1, tl.int32)
+    _finish_row(hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH)
+
+
+@triton.jit
+def _hinted_topk_tiled_kernel(
+    scores_ptr,  # [B, Hkv, N] fp32 (fp16/bf16 are widened exactly)
+    num_blocks_ptr,  # [B] int32/int64
+    hint_ptr,  # [B * Hkv] fp32 in/out, as the row kernel's
+    idx_out_ptr,  # [B, Hkv, K_out] int32 contiguous
+    count_out_ptr,  # [B, Hkv] int32 contiguous
+    path_ptr,  # [B * Hkv] int32 out (WRITE_PATH)
+    num_cols,  # N
+    num_kv_heads,
+    k,
+    k_out,
+    sink_blocks,
+    recent_blocks,
+    stride_sb, stride_sh, stride_sn,
+    scratch_keys_ptr,  # [B * Hkv, CAP] int32 workspace
+    scratch_ids_ptr,  # [B * Hkv, CAP] int32 workspace
+    TILE: tl.constexpr,  # the row is re-read in tiles of TILE blocks each round (from L2)
+    CAP: tl.constexpr,  # candidate buffer (a power of two, at most a register row)
+    CAND_RADIX: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
+    WRITE_PATH: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    kv_head = tl.program_id(0)
+    batch = tl.program_id(1)
+    num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
+    row_base = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    row = batch * num_kv_heads + kv_head
+    out_row = row.to(tl.int64) * k_out
+    lane = tl.arange(0, TILE)
+
+    n_valid = tl.zeros([], dtype=tl.int32)
+    lo = tl.full([], 0xFFFFFFFF, tl.uint32)
+    for start in range(0, num_blocks, TILE):
+        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks,
+                                  recent_blocks, num_blocks, False)
+        tile_valid, tile_lo = tl.reduce((valid.to(tl.int32), tl.where(valid, keys, 0xFFFFFFFF)), 0, _sum_min)
+        n_valid += tile_valid
+        lo = tl.minimum(lo, tile_lo)
+    k_eff = tl.minimum(n_valid, k)
+    hint_key = _score_key(tl.load(hint_ptr + row).to(tl.float32)).to(tl.int64)
+    a = lo.to(tl.int64)
+    count_a = n_valid
+    b = tl.full([], 0xFF800001, tl.int64)
+    rounds = tl.zeros([], dtype=tl.int32)
+    # Round 0 may not shrink the bracket (a hint far outside it); each later round leaves at most
+    # ceil(width / 8) of it: < 2^32 keys are one key after 11 of them.
+    for r in tl.static_range(12):
+        if (count_a > CAP) & (b - a > 1):
+            thresholds = _thresholds(a, b, hint_key, r == 0)
+            counts = tl.zeros([8], dtype=tl.int32)
+            for start in range(0, num_blocks, TILE):
+                keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks,
+                                          recent_blocks, num_blocks, False)
+                counts += _count_at_least8(keys, thresholds)
+            a, count_a, b = _narrow(thresholds, counts, a, count_a, b, k_eff)
+            rounds += 1
+    threshold = tl.zeros([], dtype=tl.uint32)
+    if count_a <= CAP:
+        scratch = row.to(tl.int64) * CAP
+        n_candidates = tl.zeros([], dtype=tl.int32)
+        for start in range(0, num_blocks, TILE):
+            keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks,
+                                      recent_blocks, num_blocks, False)
+            n_candidates += _select_candidates(keys, valid, start + lane, a, n_candidates, scratch, scratch_keys_ptr,
+                                               scratch_ids_ptr)
+        tl.debug_barrier()
+        c_lane = tl.arange(0, CAP)
+        live = c_lane < n_candidates
+        c_keys = tl.load(scratch_keys_ptr + scratch + c_lane, mask=live, other=0).to(tl.uint32, bitcast=True)
+        c_ids = tl.load(scratch_ids_ptr + scratch + c_lane, mask=live, other=0)
+        threshold = _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, CAND_RADIX,
+                                PAD_BLOCK)
+    else:
+        # The bracket is one key: T = a. Emit the keys > T, then the first ties, in block order.
+        threshold = a.to(tl.uint32)
+        n_gt = tl.zeros([], dtype=tl.int32)
+        for start in range(0, num_blocks, TILE):
+            keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks,
+                                      recent_blocks, num_blocks, False)
+            n_gt += tl.sum((keys > threshold).to(tl.int32), axis=0)
+        base_gt = tl.zeros([], dtype=tl.int32)
+        base_eq = tl.zeros([], dtype=tl.int32)
+        for start in range(0, num_blocks, TILE):
+            keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks,
+                                      recent_blocks, num_blocks, False)
+            tile_gt, tile_eq = _emit(keys, valid, start + lane, threshold, base_gt, base_eq, k_eff - n_gt, out_row,
+                                     idx_out_ptr, k_out)
+            base_gt += tile_gt
+            base_eq += tile_eq
+        _pad_and_count(idx_out_ptr, count_out_ptr, out_row, row, k_eff, k_out, PAD_BLOCK)
+        rounds = tl.full([], -1, tl.int32)
+    _finish_row(hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH)

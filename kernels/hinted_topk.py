@@ -12,9 +12,9 @@ import torch
 import triton
 from torch import Tensor
 
+from .hinted_topk_jit import _hinted_topk_row_kernel, _hinted_topk_tiled_kernel
 from .pdl import launch_kwargs
 from .topk import MAX_ROW_BLOCK, PAD_BLOCK, TILE, _check_topk_args, _default_num_warps
-from .hinted_topk_jit import _hinted_topk_row_kernel, _hinted_topk_tiled_kernel
 
 DEFAULT_ROUNDS = 3  # bracket rounds of the register-row kernel before its full-row fallback
 MAX_ROUNDS = 8

@@ -54,6 +54,7 @@ def hinted_topk_select(
     radix_bits: int = 2,
     num_warps: int | None = None,
     path: Tensor | None = None,
+    next_hint: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), exactly `topk_select`'s, from a threshold guess.
 
@@ -70,11 +71,16 @@ def hinted_topk_select(
     `hint_candidate_cap`); radix_bits: the full-row fallback's bits per pass (1 or 2).
     path: None, or a [B, Hkv] int32 contiguous tensor receiving the rounds each row ran before its
     candidates fit the buffer (-1: the full row), for tests and benchmarks.
+    next_hint: None (the k-th scores overwrite `hint`), or a [B, Hkv] fp32 contiguous tensor that
+    receives them, `hint` left as it was (benchmarks replaying one step with one guess).
     """
     _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
     _check_hint(hint, scores, "hint", torch.float32)
     if path is not None:
         _check_hint(path, scores, "path", torch.int32)
+    if next_hint is not None:
+        _check_hint(next_hint, scores, "next_hint", torch.float32)
+    next_hint = hint if next_hint is None else next_hint
     if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= MAX_ROUNDS:
         raise ValueError(f"rounds={rounds!r} must be an int in [0, {MAX_ROUNDS}]")
     if candidate_cap is not None and (isinstance(candidate_cap, bool) or not isinstance(candidate_cap, int)
@@ -89,7 +95,7 @@ def hinted_topk_select(
         return indices, counts
     if k_out == 0:  # nothing selectable: the next hint says so (as the kernels write it)
         counts.zero_()
-        hint.fill_(float("-inf"))
+        next_hint.fill_(float("-inf"))
         if path is not None:
             path.zero_()
         return indices, counts
@@ -100,7 +106,7 @@ def hinted_topk_select(
     cap = min(candidate_cap or hint_candidate_cap(k, n), block)
     scratch = torch.empty(2, batch * num_kv_heads, cap, dtype=torch.int32, device=scores.device)
     common = (
-        scores, num_blocks, hint, indices, counts, counts if path is None else path,
+        scores, num_blocks, hint, next_hint, indices, counts, counts if path is None else path,
         n, num_kv_heads, k, k_out, sink_blocks, recent_blocks,
         *scores.stride(),
         scratch[0], scratch[1],

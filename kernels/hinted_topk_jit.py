@@ -8,12 +8,13 @@ keeps a bracket [a, b) of keys holding the k_eff-th largest valid key T (k_eff =
 blocks)): at least k_eff keys are >= a (its count c_a is known) and fewer than k_eff are >= b.
 It starts as [smallest valid key, +inf's key + 1), c_a = the valid blocks. While c_a exceeds the
 candidate buffer (CAP), a round counts the keys at or above 8 thresholds inside the bracket in one
-reduction (two int64 of four 16-bit counts) and moves a up to the highest threshold still holding
-k_eff keys, b down to the lowest one that does not. Round 0 places its thresholds around the
-hint (key offsets 0, ±2^14, ±2^17, ±2^20 and -2^23, about ±0.01 %, 0.1 %, 1.6 %, 12.5 % and a
-factor 2 of the score), later rounds cut the bracket into 8 equal parts. Once c_a <= CAP, the
-valid keys >= a are compacted, in ascending block order, into a per-row scratch and the row
-kernel's exact radix select (`_select_row`) runs over those candidates only.
+pass over the keys (two reductions of an int64 of four 16-bit counts; the thresholds are scalar
+arithmetic) and moves a up to the highest threshold still holding k_eff keys, b down to the
+lowest one that does not. Round 0 places its thresholds around the hint (key offsets 0, ±2^14,
+±2^17, ±2^20 and -2^23: about ±0.2 %, ±1.6 %, ±12.5 % of the score and half of it), later rounds
+cut the bracket into 8 equal parts. Once c_a <= CAP, the valid keys >= a are compacted, in
+ascending block order, into a per-row scratch and the row kernel's exact radix select
+(`_select_row`) runs over those candidates only.
 
 Why it is exact, whatever the hint: every threshold of a round lies in [a, b), so the bracket
 invariant holds and T >= a; the candidates (all valid keys >= a) then hold every key > T and every
@@ -24,9 +25,9 @@ back to the plain radix select over the whole row in registers; the tiled kernel
 than a register row) keeps narrowing (8x a round: the bracket is one key after at most 12
 rounds) and then emits the blocks > T and the first ties == T straight from the row.
 
-Each program writes back, in place of its hint, the k_eff-th largest score (-inf when nothing
-is selectable): the next decode step's hint. `path` (optional) records the rounds run before the
-candidates fit (-1: they never did: the full-row fallback).
+Each program writes the k_eff-th largest score (-inf when nothing is selectable), the next decode
+step's hint, in place of its hint or into a separate buffer. `path` (optional) records the rounds
+run before the candidates fit (-1: they never did: the full-row fallback).
 """
 
 from __future__ import annotations
@@ -60,54 +61,75 @@ def _sum_min(n_a, lo_a, n_b, lo_b):
 
 
 @triton.jit
-def _sum_pair(x_a, y_a, x_b, y_b):
-    return x_a + x_b, y_a + y_b
-
-
-@triton.jit
-def _thresholds(a, b, hint_key, AROUND_HINT: tl.constexpr):
-    """-> [8] int64 ascending thresholds inside the bracket [a, b) (int64 scalars, a < b).
-    AROUND_HINT (round 0): the hint's key (int64) offset by -2^23, -2^20, -2^17, -2^14, 0, 2^14,
-    2^17, 2^20 keys, clamped into the bracket; else a + j (b - a) / 8, j = 0..7."""
-    j = tl.arange(0, 8).to(tl.int64)
+def _threshold(j: tl.constexpr, a, b, hint_key, AROUND_HINT: tl.constexpr):
+    """Threshold j (0..7, ascending in j) of a round inside the bracket [a, b) (int64 scalars,
+    a < b): AROUND_HINT (round 0), the hint's key (int64) offset by -2^23, -2^20, -2^17, -2^14, 0,
+    2^14, 2^17, 2^20 keys, clamped into the bracket; else a + j (b - a) / 8. Scalar arithmetic only."""
     if AROUND_HINT:
-        one = tl.full([8], 1, tl.int64)
-        below = -(one << (23 - 3 * tl.minimum(j, 3)))  # j 0..3
-        above = one << (14 + 3 * tl.maximum(j - 5, 0))  # j 5..7
-        offsets = tl.where(j < 4, below, tl.where(j == 4, 0, above))
-        thresholds = tl.minimum(tl.maximum(hint_key + offsets, a), b - 1)
+        if j < 4:
+            offset: tl.constexpr = -(1 << (23 - 3 * j))
+        elif j == 4:
+            offset: tl.constexpr = 0
+        else:
+            offset: tl.constexpr = 1 << (14 + 3 * (j - 5))
+        threshold = tl.minimum(tl.maximum(hint_key + offset, a), b - 1)
     else:
-        thresholds = a + ((b - a) * j) // 8
-    return thresholds
+        threshold = a + ((b - a) * j) // 8
+    return threshold
 
 
 @triton.jit
-def _count_at_least8(keys, thresholds):
-    """keys: [T] uint32 (T < 65536; invalid keys 0, below every threshold); thresholds: [8]
-    int64 in [1, 2^32) -> [8] int32 counts of keys >= each, from one reduction of two int64s
-    of four 16-bit counts each."""
-    j = tl.arange(0, 8)
+def _widen(packed):
+    """Two 16-bit counts (bits 0-15, 16-31 of an int64) -> the same in 32-bit fields."""
+    return (packed & 0xFFFF) | (((packed >> 16) & 0xFFFF) << 32)
+
+
+@triton.jit
+def _count_round(keys, a, b, hint_key, AROUND_HINT: tl.constexpr):
+    """keys: [T] uint32 (T < 65536; invalid keys 0, below every threshold) -> how many are >= each
+    of the round's 8 thresholds (`_threshold`), as four int64 scalars of two 32-bit counts each
+    (thresholds 0-1, 2-3, 4-5, 6-7), from two reductions of one int64 of four 16-bit counts each
+    (one int64 per key at a time: two would spill registers at 8192 keys and 8 warps)."""
     low = tl.zeros(keys.shape, dtype=tl.int64)
+    for i in tl.static_range(4):
+        low += (keys >= _threshold(i, a, b, hint_key, AROUND_HINT).to(tl.uint32)).to(tl.int64) << (16 * i)
+    low = tl.sum(low, axis=0)
     high = tl.zeros(keys.shape, dtype=tl.int64)
     for i in tl.static_range(4):
-        t_low = tl.sum(tl.where(j == i, thresholds, 0), axis=0).to(tl.uint32)
-        t_high = tl.sum(tl.where(j == i + 4, thresholds, 0), axis=0).to(tl.uint32)
-        low += (keys >= t_low).to(tl.int64) << (16 * i)
-        high += (keys >= t_high).to(tl.int64) << (16 * i)
-    packed_low, packed_high = tl.reduce((low, high), 0, _sum_pair)
-    packed = tl.where(j < 4, packed_low, packed_high)  # [8]
-    return ((packed >> (16 * (j % 4)).to(tl.int64)) & 0xFFFF).to(tl.int32)
+        high += (keys >= _threshold(i + 4, a, b, hint_key, AROUND_HINT).to(tl.uint32)).to(tl.int64) << (16 * i)
+    high = tl.sum(high, axis=0)
+    return _widen(low), _widen(low >> 32), _widen(high), _widen(high >> 32)
 
 
 @triton.jit
-def _narrow(thresholds, counts, a, count_a, b, k_eff):
-    """One round's bracket update: thresholds [8] ascending in [a, b), counts [8] (non-increasing)
-    -> (a, count_a, b): a the highest threshold with >= k_eff keys at or above it, b the lowest
-    with fewer (unchanged where there is none)."""
-    enough = counts >= k_eff
-    new_a = tl.max(tl.where(enough, thresholds, a), axis=0)
-    new_count_a = tl.min(tl.where(enough, counts, count_a), axis=0)
-    new_b = tl.min(tl.where(enough, b, thresholds), axis=0)
+def _count_of(j: tl.constexpr, c01, c23, c45, c67):
+    """Count j (0..7) of `_count_round`'s packed scalars, int32."""
+    if j // 2 == 0:
+        packed = c01
+    elif j // 2 == 1:
+        packed = c23
+    elif j // 2 == 2:
+        packed = c45
+    else:
+        packed = c67
+    return ((packed >> (32 * (j % 2))) & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _narrow(c01, c23, c45, c67, a, count_a, b, hint_key, k_eff, AROUND_HINT: tl.constexpr):
+    """One round's bracket update from its counts (non-increasing in j): -> (a, count_a, b), a the
+    highest threshold with >= k_eff keys at or above it, b the lowest with fewer (each unchanged
+    where there is none). Scalar arithmetic only."""
+    new_a = a
+    new_count_a = count_a
+    new_b = b
+    for j in tl.static_range(8):  # ascending: the last threshold with enough keys stays
+        enough = _count_of(j, c01, c23, c45, c67) >= k_eff
+        new_a = tl.where(enough, _threshold(j, a, b, hint_key, AROUND_HINT), new_a)
+        new_count_a = tl.where(enough, _count_of(j, c01, c23, c45, c67), new_count_a)
+    for i in tl.static_range(8):  # descending: the first threshold without enough keys stays
+        short = _count_of(7 - i, c01, c23, c45, c67) < k_eff
+        new_b = tl.where(short, _threshold(7 - i, a, b, hint_key, AROUND_HINT), new_b)
     return new_a, new_count_a, new_b
 
 
@@ -124,10 +146,10 @@ def _select_candidates(keys, valid, offs, a, base, scratch, scratch_keys_ptr, sc
 
 
 @triton.jit
-def _finish_row(hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH: tl.constexpr):
-    """The next step's hint (the k_eff-th largest score; -inf when nothing is selectable) in
-    place of this one, and the rounds run (path)."""
-    tl.store(hint_ptr + row, tl.where(k_eff > 0, _key_score(threshold), float("-inf")))
+def _finish_row(next_hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH: tl.constexpr):
+    """The next step's hint (the k_eff-th largest score; -inf when nothing is selectable) and the
+    rounds run (path)."""
+    tl.store(next_hint_ptr + row, tl.where(k_eff > 0, _key_score(threshold), float("-inf")))
     if WRITE_PATH:
         tl.store(path_ptr + row, rounds)
 
@@ -136,7 +158,8 @@ def _finish_row(hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH: t
 def _hinted_topk_row_kernel(
     scores_ptr,  # [B, Hkv, N] fp32 (fp16/bf16 are widened exactly)
     num_blocks_ptr,  # [B] int32/int64 blocks in each row's context
-    hint_ptr,  # [B * Hkv] fp32 in: the threshold guess; out: this selection's k-th score
+    hint_ptr,  # [B * Hkv] fp32: the threshold guess
+    next_hint_ptr,  # [B * Hkv] fp32 out: this selection's k-th score (may be hint_ptr: read before written)
     idx_out_ptr,  # [B, Hkv, K_out] int32, K_out = min(k, N), contiguous
     count_out_ptr,  # [B, Hkv] int32, contiguous
     path_ptr,  # [B * Hkv] int32 out (WRITE_PATH): rounds run, -1 for the full-row fallback
@@ -178,8 +201,8 @@ def _hinted_topk_row_kernel(
     rounds = tl.zeros([], dtype=tl.int32)
     for r in tl.static_range(ROUNDS):
         if count_a > CAP:
-            thresholds = _thresholds(a, b, hint_key, r == 0)
-            a, count_a, b = _narrow(thresholds, _count_at_least8(keys, thresholds), a, count_a, b, k_eff)
+            c01, c23, c45, c67 = _count_round(keys, a, b, hint_key, r == 0)
+            a, count_a, b = _narrow(c01, c23, c45, c67, a, count_a, b, hint_key, k_eff, r == 0)
             rounds += 1
     threshold = tl.zeros([], dtype=tl.uint32)
     if count_a <= CAP:
@@ -196,14 +219,15 @@ def _hinted_topk_row_kernel(
         threshold = _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, RADIX_BITS,
                                 PAD_BLOCK)
         rounds = tl.full([], -1, tl.int32)
-    _finish_row(hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH)
+    _finish_row(next_hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH)
 
 
 @triton.jit
 def _hinted_topk_tiled_kernel(
     scores_ptr,  # [B, Hkv, N] fp32 (fp16/bf16 are widened exactly)
     num_blocks_ptr,  # [B] int32/int64
-    hint_ptr,  # [B * Hkv] fp32 in/out, as the row kernel's
+    hint_ptr,  # [B * Hkv] fp32, as the row kernel's
+    next_hint_ptr,  # [B * Hkv] fp32 out
     idx_out_ptr,  # [B, Hkv, K_out] int32 contiguous
     count_out_ptr,  # [B, Hkv] int32 contiguous
     path_ptr,  # [B * Hkv] int32 out (WRITE_PATH)
@@ -250,13 +274,19 @@ def _hinted_topk_tiled_kernel(
     # ceil(width / 8) of it: < 2^32 keys are one key after 11 of them.
     for r in tl.static_range(12):
         if (count_a > CAP) & (b - a > 1):
-            thresholds = _thresholds(a, b, hint_key, r == 0)
-            counts = tl.zeros([8], dtype=tl.int32)
+            c01 = tl.zeros([], dtype=tl.int64)  # 32-bit count fields: a row has < 2^21 blocks
+            c23 = tl.zeros([], dtype=tl.int64)
+            c45 = tl.zeros([], dtype=tl.int64)
+            c67 = tl.zeros([], dtype=tl.int64)
             for start in range(0, num_blocks, TILE):
                 keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks,
                                           recent_blocks, num_blocks, False)
-                counts += _count_at_least8(keys, thresholds)
-            a, count_a, b = _narrow(thresholds, counts, a, count_a, b, k_eff)
+                t01, t23, t45, t67 = _count_round(keys, a, b, hint_key, r == 0)
+                c01 += t01
+                c23 += t23
+                c45 += t45
+                c67 += t67
+            a, count_a, b = _narrow(c01, c23, c45, c67, a, count_a, b, hint_key, k_eff, r == 0)
             rounds += 1
     threshold = tl.zeros([], dtype=tl.uint32)
     if count_a <= CAP:
@@ -293,4 +323,4 @@ def _hinted_topk_tiled_kernel(
             base_eq += tile_eq
         _pad_and_count(idx_out_ptr, count_out_ptr, out_row, row, k_eff, k_out, PAD_BLOCK)
         rounds = tl.full([], -1, tl.int32)
-    _finish_row(hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH)
+    _finish_row(next_hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH)

@@ -145,18 +145,19 @@ def make_hinted_scores(
     batch: int, num_kv_heads: int, n: int, k: int, hit_rate: float, seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> tuple[Tensor, Tensor]:
-    """-> (previous, current) scores [B, Hkv, N] fp32 (no ±inf) whose top-k sets overlap in
-    about `hit_rate` of k per row (|prev top-k ∩ cur top-k| / k, measured: `topk_overlap`).
+    """-> (previous, current) scores [B, Hkv, N] fp32 on `device` (no ±inf) whose top-k sets
+    overlap in about `hit_rate` of k per row (|prev top-k ∩ cur top-k| / k: `topk_overlap`).
 
-    current = sqrt(1 - rho^2) * fresh + rho * previous with previous, fresh iid N(0, 1) scaled by
-    10 (correlated Gaussians, as consecutive decode queries score blocks alike); rho is found per
-    call by bisection on the measured overlap of the generated rows (16 steps), so the overlap is
-    the rate's within a few percent at k >= 32 (exact for one row only up to the rounding of k)."""
+    current = sqrt(1 - rho^2) * fresh + rho * previous, previous and fresh iid N(0, 1) x 10
+    (correlated Gaussians: consecutive decode queries score blocks alike); rho by bisection (16
+    steps) on the mean measured overlap of these very rows, so the mean overlap is the rate's
+    within a few percent at k >= 32. Drawn on `device` from a generator seeded there (the same
+    seed gives other draws on another device type)."""
     if not 0.0 <= hit_rate <= 1.0:
         raise ValueError(f"hit_rate={hit_rate} must be in [0, 1]")
-    g = torch.Generator().manual_seed(seed)
-    previous = torch.randn(batch, num_kv_heads, n, generator=g) * 10.0
-    fresh = torch.randn(batch, num_kv_heads, n, generator=g) * 10.0
+    g = torch.Generator(device=device).manual_seed(seed)
+    previous = torch.randn(batch, num_kv_heads, n, generator=g, device=device) * 10.0
+    fresh = torch.randn(batch, num_kv_heads, n, generator=g, device=device) * 10.0
     k = min(k, n)
 
     def mix(rho: float) -> Tensor:
@@ -169,7 +170,7 @@ def make_hinted_scores(
             lo = rho
         else:
             hi = rho
-    return previous.to(device), mix((lo + hi) / 2).to(device)
+    return previous, mix((lo + hi) / 2)
 
 
 def topk_overlap(previous: Tensor, current: Tensor, k: int) -> Tensor:

@@ -118,6 +118,10 @@ def test_hinted_topk_paths():
     short = torch.tensor([14], dtype=torch.int32)
     assert (check_hinted(scores, 6, short, garbage.clone(), 0, 1, cap=16) == 0).all()
     assert (check_hinted(scores, 6, nb, kth_scores(scores, 6), 0, 1, cap=16, rounds=0) == -1).all()
+    guess, written = torch.full((1, 3), float("inf")), torch.zeros(1, 3)  # next_hint: the guess stays
+    idx, _ = hinted_topk_select(scores, 6, nb, guess, 0, 0, candidate_cap=16, next_hint=written)  # no forced block
+    assert (guess == float("inf")).all() and torch.equal(written, kth_scores(scores, 6))
+    assert torch.equal(idx, topk_select(scores, 6, nb, 0, 0)[0])
 
 
 def test_hinted_topk_chain_of_steps():
@@ -205,6 +209,8 @@ def test_hinted_topk_errors():
         hinted_topk_select(scores, 3, nb, torch.zeros(1, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="hint must be contiguous"):
         hinted_topk_select(scores, 3, nb, torch.zeros(1, 4)[:, ::2])
+    with pytest.raises(ValueError, match=r"next_hint must be a torch.float32 tensor of shape \[B, Hkv\]=\[1, 2\]"):
+        hinted_topk_select(scores, 3, nb, hint, next_hint=torch.zeros(1, 3))
     with pytest.raises(ValueError, match="path must be a torch.int32"):
         hinted_topk_select(scores, 3, nb, hint, path=torch.zeros(1, 2))
     for bad in (-1, 9, True, 1.0):

@@ -38,7 +38,7 @@ def decode_selections(make, backend: str, steps: int = 6, seed: int = 0) -> list
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(2, 2, 3, 16, generator=g)
     out = []
-    for step in range(steps):
+    for _ in range(steps):
         k, v = torch.randn(2, 2, 1, 16, generator=g) * 2, torch.randn(2, 2, 1, 16, generator=g)
         start, end = cache.append(0, k, v)
         selector.append_metadata(cache, 0, torch.full((2,), start, dtype=torch.int64))
@@ -119,6 +119,7 @@ def test_hinted_runs_decode_the_same(tmp_path, monkeypatch, case):
     the same tokens and the same A at every step (pooled hit counts and mass recall equal); the
     hinted top-k ran in the hinted run only."""
     import prr.kernels.hinted_topk as kernel
+
     import prr.selectors.base as base
 
     calls = {"torch": 0, "triton": 0}

@@ -7,6 +7,7 @@ backend and on the Triton kernels (under TRITON_INTERPRET=1 on a CPU)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from prr.runner import run
-from prr.selectors import ExactSelector, QuestSelector
+from prr.selectors import ExactSelector, InfLLMSelector, QuestSelector
 from prr.selectors.base import TOPK_HINT
 from prr.selectors.less import LessSelector
 from prr.selectors.options import InfLLMSelectorOptions, SelectorOptions
@@ -22,6 +23,7 @@ from tests.helpers import random_cache
 from tests.test_graph_run import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
+GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
 COMMON = ["++model.num_layers=2", "task.max_new_tokens=12", "runtime.calibration_tokens=6",
           "runtime.dense_metrics_every=4", "task.prompt_tokens=400"]
 
@@ -89,6 +91,24 @@ def test_hinted_selector_selects_the_same_blocks(name, backend):
         assert torch.equal(hint, want), step  # the next step's guess: this step's k-th score
 
 
+@pytest.mark.parametrize("name", ["quest", "exact", "less", "infllm_prr"])
+def test_the_hint_slot_exists_after_the_prefill_tail(name):
+    """The prefill tail allocates the hint slot (-inf: no guess yet), so an engine checkpoint made
+    after the prefill covers it (graph_run checkpoints there, captures, and restores)."""
+    make = SELECTORS.get(name) or (lambda hinted: InfLLMSelector(topk_blocks=8, scoring="rope",
+                                                                  representatives_from="one_query",
+                                                                  hinted_topk=hinted))
+    for hinted in (False, True):
+        selector = make(hinted)
+        cache = random_cache(None, length=40, batch=2, num_kv_heads=2, head_dim=16, block_size=8)
+        selector.update_metadata(cache, 0, 0, 37)
+        q_tail = torch.randn(2, 2, 3, 3, 16, generator=torch.Generator().manual_seed(2))
+        selector.select_tail(q_tail, cache, 0, 37)
+        assert (TOPK_HINT in cache.metadata[0]) == hinted
+        if hinted:
+            assert cache.metadata[0][TOPK_HINT].shape == (2, 2)
+
+
 def test_hinted_topk_option_checks():
     assert SelectorOptions(topk_blocks=4).hinted_topk is False
     assert InfLLMSelectorOptions(topk_blocks=8, hinted_topk=True).hinted_topk is True
@@ -143,4 +163,19 @@ def test_hinted_runs_decode_the_same(tmp_path, monkeypatch, case):
     assert hinted["generated_token_ids"] == plain["generated_token_ids"]
     assert hinted["decode_steps"] == plain["decode_steps"] == 12
     for key in ("hit_rate", "precision", "last_step_overlap", "mean_mass_recall", "mean_output_relerr"):
+        assert hinted.get(key) == plain.get(key), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("selector", ["quest", "exact", "infllm", "infllm_prr", "less"])
+def test_captured_hinted_runs_decode_the_same_on_a_gpu(tmp_path, selector):
+    """The same on a GPU: captured steps (the hint slot is written inside the graph and restored with
+    the engine's checkpoint), the Triton kernels, fp32."""
+    args = [f"selector={selector}", "predictor=ema", "runtime.engine=graph", "runtime=cuda", "runtime.dtype=float32",
+            "backend=triton", "task.prompt_tokens=2000", "selector.topk_blocks=16"]
+    plain = run_tiny(tmp_path, "plain", *args)
+    hinted = run_tiny(tmp_path, "hinted", *args, "selector.hinted_topk=true")
+    assert hinted["generated_token_ids"] == plain["generated_token_ids"]
+    for key in ("hit_rate", "precision", "last_step_overlap", "mean_mass_recall"):
         assert hinted.get(key) == plain.get(key), key

@@ -5,16 +5,19 @@ step's k-th score; the idea of GVR, arXiv 2604.22312). Launcher with checks:
 Keys are `prr.kernels.topk_jit`'s order-preserving uint32 images of the scores (forced blocks
 +inf, blocks past the context and -inf scores invalid, key 0). Per (row, KV head) the program
 keeps a bracket [a, b) of keys holding the k_eff-th largest valid key T (k_eff = min(k, valid
-blocks)): at least k_eff keys are >= a (its count c_a is known) and fewer than k_eff are >= b.
-It starts as [smallest valid key, +inf's key + 1), c_a = the valid blocks. While c_a exceeds the
-candidate buffer (CAP), a round counts the keys at or above 8 thresholds inside the bracket in one
-pass over the keys (two reductions of an int64 of four 16-bit counts; the thresholds are scalar
+blocks)): at least k_eff keys are >= a (c_a of them) and fewer than k_eff are >= b. It starts as
+[1, +inf's key + 1) (every valid key is >= 1), c_a the context's blocks (the valid ones once
+round 0 has counted them). While c_a exceeds the candidate buffer (CAP), a round counts the keys
+at or above 8 thresholds inside the bracket in one pass over the keys (two reductions of an int64
+of four 16-bit counts; round 0 counts the valid keys in the same pass; the thresholds are scalar
 arithmetic) and moves a up to the highest threshold still holding k_eff keys, b down to the
 lowest one that does not. Round 0 places its thresholds around the hint (key offsets 0, ±2^14,
 ±2^17, ±2^20 and -2^23: about ±0.2 %, ±1.6 %, ±12.5 % of the score and half of it), later rounds
 cut the bracket into 8 equal parts. Once c_a <= CAP, the valid keys >= a are compacted, in
 ascending block order, into a per-row scratch and the row kernel's exact radix select
-(`_select_row`) runs over those candidates only.
+(`_select_row`) runs over those candidates only. A good hint thus costs one counting pass, one
+compaction and a select over about k keys, where `topk_select` runs up to 16 counting passes over
+the row (the tiled kernels: re-reading it each time).
 
 Why it is exact, whatever the hint: every threshold of a round lies in [a, b), so the bracket
 invariant holds and T >= a; the candidates (all valid keys >= a) then hold every key > T and every
@@ -56,8 +59,8 @@ def _key_score(key):
 
 
 @triton.jit
-def _sum_min(n_a, lo_a, n_b, lo_b):
-    return n_a + n_b, tl.minimum(lo_a, lo_b)
+def _sum_pair(x_a, y_a, x_b, y_b):
+    return x_a + x_b, y_a + y_b
 
 
 @triton.jit
@@ -86,19 +89,24 @@ def _widen(packed):
 
 @triton.jit
 def _count_round(keys, a, b, hint_key, AROUND_HINT: tl.constexpr):
-    """keys: [T] uint32 (T < 65536; invalid keys 0, below every threshold) -> how many are >= each
-    of the round's 8 thresholds (`_threshold`), as four int64 scalars of two 32-bit counts each
-    (thresholds 0-1, 2-3, 4-5, 6-7), from two reductions of one int64 of four 16-bit counts each
-    (one int64 per key at a time: two would spill registers at 8192 keys and 8 warps)."""
+    """keys: [T] uint32 (T < 65536; invalid keys 0, below every threshold) -> (valid keys, round 0
+    only, else 0; then how many keys are >= each of the round's 8 thresholds (`_threshold`), as
+    four int64 scalars of two 32-bit counts each: thresholds 0-1, 2-3, 4-5, 6-7), from two
+    reductions of one int64 of four 16-bit counts each (one int64 per key at a time: two would
+    spill registers at 8192 keys and 8 warps)."""
     low = tl.zeros(keys.shape, dtype=tl.int64)
     for i in tl.static_range(4):
         low += (keys >= _threshold(i, a, b, hint_key, AROUND_HINT).to(tl.uint32)).to(tl.int64) << (16 * i)
-    low = tl.sum(low, axis=0)
+    if AROUND_HINT:  # the row's valid keys, counted in the same pass
+        low, n_valid = tl.reduce((low, (keys > 0).to(tl.int32)), 0, _sum_pair)
+    else:
+        low = tl.sum(low, axis=0)
+        n_valid = tl.zeros([], dtype=tl.int32)
     high = tl.zeros(keys.shape, dtype=tl.int64)
     for i in tl.static_range(4):
         high += (keys >= _threshold(i + 4, a, b, hint_key, AROUND_HINT).to(tl.uint32)).to(tl.int64) << (16 * i)
     high = tl.sum(high, axis=0)
-    return _widen(low), _widen(low >> 32), _widen(high), _widen(high >> 32)
+    return n_valid, _widen(low), _widen(low >> 32), _widen(high), _widen(high >> 32)
 
 
 @triton.jit
@@ -192,16 +200,18 @@ def _hinted_topk_row_kernel(
     offs = tl.arange(0, BLOCK)
     keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks, num_cols,
                               False)
-    n_valid, lo = tl.reduce((valid.to(tl.int32), tl.where(valid, keys, 0xFFFFFFFF)), 0, _sum_min)
-    k_eff = tl.minimum(n_valid, k)
     hint_key = _score_key(tl.load(hint_ptr + row).to(tl.float32)).to(tl.int64)
-    a = lo.to(tl.int64)  # bracket [a, b) of the k_eff-th largest key; count_a keys >= a
-    count_a = n_valid
+    a = tl.full([], 1, tl.int64)  # bracket [a, b) of the k_eff-th largest key: valid keys are >= 1
     b = tl.full([], 0xFF800001, tl.int64)  # +inf's key + 1
+    count_a = num_blocks  # keys >= a: the valid blocks, at most num_blocks until round 0 counts them
+    k_eff = tl.minimum(num_blocks, k)  # min(k, valid blocks) from round 0 on
     rounds = tl.zeros([], dtype=tl.int32)
     for r in tl.static_range(ROUNDS):
         if count_a > CAP:
-            c01, c23, c45, c67 = _count_round(keys, a, b, hint_key, r == 0)
+            n_valid, c01, c23, c45, c67 = _count_round(keys, a, b, hint_key, r == 0)
+            if r == 0:
+                count_a = n_valid
+                k_eff = tl.minimum(n_valid, k)
             a, count_a, b = _narrow(c01, c23, c45, c67, a, count_a, b, hint_key, k_eff, r == 0)
             rounds += 1
     threshold = tl.zeros([], dtype=tl.uint32)
@@ -213,11 +223,11 @@ def _hinted_topk_row_kernel(
         live = lane < n_candidates
         c_keys = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0).to(tl.uint32, bitcast=True)
         c_ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0)
-        threshold = _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, CAND_RADIX,
-                                PAD_BLOCK)
+        threshold, k_eff = _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr,
+                                       CAND_RADIX, PAD_BLOCK)
     else:
-        threshold = _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, RADIX_BITS,
-                                PAD_BLOCK)
+        threshold, k_eff = _select_row(keys, valid, offs, k, k_out, out_row, row, idx_out_ptr, count_out_ptr,
+                                       RADIX_BITS, PAD_BLOCK)
         rounds = tl.full([], -1, tl.int32)
     _finish_row(next_hint_ptr, path_ptr, row, threshold, k_eff, rounds, WRITE_PATH)
 
@@ -256,24 +266,17 @@ def _hinted_topk_tiled_kernel(
     out_row = row.to(tl.int64) * k_out
     lane = tl.arange(0, TILE)
 
-    n_valid = tl.zeros([], dtype=tl.int32)
-    lo = tl.full([], 0xFFFFFFFF, tl.uint32)
-    for start in range(0, num_blocks, TILE):
-        keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks,
-                                  recent_blocks, num_blocks, False)
-        tile_valid, tile_lo = tl.reduce((valid.to(tl.int32), tl.where(valid, keys, 0xFFFFFFFF)), 0, _sum_min)
-        n_valid += tile_valid
-        lo = tl.minimum(lo, tile_lo)
-    k_eff = tl.minimum(n_valid, k)
     hint_key = _score_key(tl.load(hint_ptr + row).to(tl.float32)).to(tl.int64)
-    a = lo.to(tl.int64)
-    count_a = n_valid
+    a = tl.full([], 1, tl.int64)
     b = tl.full([], 0xFF800001, tl.int64)
+    count_a = num_blocks
+    k_eff = tl.minimum(num_blocks, k)
     rounds = tl.zeros([], dtype=tl.int32)
     # Round 0 may not shrink the bracket (a hint far outside it); each later round leaves at most
     # ceil(width / 8) of it: < 2^32 keys are one key after 11 of them.
     for r in tl.static_range(12):
         if (count_a > CAP) & (b - a > 1):
+            n_valid = tl.zeros([], dtype=tl.int32)
             c01 = tl.zeros([], dtype=tl.int64)  # 32-bit count fields: a row has < 2^21 blocks
             c23 = tl.zeros([], dtype=tl.int64)
             c45 = tl.zeros([], dtype=tl.int64)
@@ -281,11 +284,15 @@ def _hinted_topk_tiled_kernel(
             for start in range(0, num_blocks, TILE):
                 keys, valid = _order_keys(scores_ptr, row_base, start + lane, stride_sn, num_blocks, sink_blocks,
                                           recent_blocks, num_blocks, False)
-                t01, t23, t45, t67 = _count_round(keys, a, b, hint_key, r == 0)
+                t_valid, t01, t23, t45, t67 = _count_round(keys, a, b, hint_key, r == 0)
+                n_valid += t_valid
                 c01 += t01
                 c23 += t23
                 c45 += t45
                 c67 += t67
+            if r == 0:
+                count_a = n_valid
+                k_eff = tl.minimum(n_valid, k)
             a, count_a, b = _narrow(c01, c23, c45, c67, a, count_a, b, hint_key, k_eff, r == 0)
             rounds += 1
     threshold = tl.zeros([], dtype=tl.uint32)
@@ -302,10 +309,10 @@ def _hinted_topk_tiled_kernel(
         live = c_lane < n_candidates
         c_keys = tl.load(scratch_keys_ptr + scratch + c_lane, mask=live, other=0).to(tl.uint32, bitcast=True)
         c_ids = tl.load(scratch_ids_ptr + scratch + c_lane, mask=live, other=0)
-        threshold = _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr, CAND_RADIX,
-                                PAD_BLOCK)
+        threshold, k_eff = _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr,
+                                       CAND_RADIX, PAD_BLOCK)
     else:
-        # The bracket is one key: T = a. Emit the keys > T, then the first ties, in block order.
+        # The bracket is one key: T = a (k_eff counted in round 0, which ran: count_a > CAP). Emit the keys > T, then the first ties, in block order.
         threshold = a.to(tl.uint32)
         n_gt = tl.zeros([], dtype=tl.int32)
         for start in range(0, num_blocks, TILE):

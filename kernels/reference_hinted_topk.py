@@ -72,12 +72,14 @@ def hinted_topk_reference(
             row_keys = keys[row, head]
             valid = row_keys > 0
             n_valid = int(valid.sum())
-            k_eff = min(n_valid, k_out)
-            a = int(row_keys[valid].min()) if n_valid else 0xFFFFFFFF
-            count_a, b, ran = n_valid, INF_KEY + 1, 0
+            context = min(max(int(num_blocks[row]), 0), n)
+            a, b, ran = 1, INF_KEY + 1, 0  # every valid key is >= 1
+            count_a, k_eff = context, min(context, k_out)  # until round 0 counts the valid keys
             for r in range(TILED_ROUNDS if tiled else rounds):
                 if count_a <= candidate_cap or (tiled and b - a <= 1):
                     break
+                if r == 0:
+                    count_a, k_eff = n_valid, min(n_valid, k_out)
                 thresholds = _round_thresholds(a, b, int(hint_keys[row, head]), r == 0)
                 above = [int((row_keys >= t).sum()) for t in thresholds]
                 enough = [t for t, c in zip(thresholds, above, strict=True) if c >= k_eff]
@@ -86,6 +88,7 @@ def hinted_topk_reference(
                 if len(enough) < 8:
                     b = thresholds[len(enough)]
                 ran += 1
+            k_eff = min(n_valid, k_out)
             if count_a <= candidate_cap:
                 candidates = valid & (row_keys >= a)
                 masked = forced[row, head].masked_fill(~candidates, float("-inf"))

@@ -142,13 +142,17 @@ def test_hinted_topk_chain_of_steps():
 def test_hinted_topk_neg_inf_padding_and_empty_rows():
     """A third of the scores -inf below nb (fewer selectable blocks than k in some rows), an
     empty row (nb = 0: count 0, next hint -inf), fp16 scores, non-contiguous scores."""
-    scores, _ = make_topk_scores(3, 1, 113, None, "ties", seed=4)
+    scores, _ = make_topk_scores(4, 1, 113, None, "ties", seed=4)
     g = torch.Generator().manual_seed(4)
     scores = scores.masked_fill(torch.rand(scores.shape, generator=g) < 0.35, float("-inf"))
-    nb = torch.tensor([113, 0, 40], dtype=torch.int32)
-    hint = torch.tensor([[0.25], [1.0], [float("-inf")]])
+    scores[3] = float("-inf")  # a long context with nothing selectable but its forced blocks
+    nb = torch.tensor([113, 0, 40, 113], dtype=torch.int32)
+    hint = torch.tensor([[0.25], [1.0], [float("-inf")], [0.0]])
     check_hinted(scores, 30, nb, hint, 1, 2, cap=16)
-    assert hint[1, 0] == float("-inf")
+    assert hint[1, 0] == float("-inf") and hint[3, 0] == float("inf")  # empty: -inf; only forced: +inf
+    hint = torch.zeros(4, 1)
+    check_hinted(scores, 30, nb, hint, 0, 0, cap=16)  # no forced block: row 3 has nothing to select
+    assert hint[3, 0] == float("-inf")
     wide = (torch.randn(1, 61, 3, generator=g) * 4).round().transpose(1, 2)  # [1, 3, 61] strided
     check_hinted(wide, 10, torch.tensor([61], dtype=torch.int32), torch.zeros(1, 3), 0, 1, cap=16)
     check_hinted(wide.half(), 10, torch.tensor([50], dtype=torch.int32), torch.ones(1, 3), 2, 1, cap=16)

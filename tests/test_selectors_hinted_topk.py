@@ -92,21 +92,25 @@ def test_hinted_selector_selects_the_same_blocks(name, backend):
 
 
 @pytest.mark.parametrize("name", ["quest", "exact", "less", "infllm_prr"])
-def test_the_hint_slot_exists_after_the_prefill_tail(name):
-    """The prefill tail allocates the hint slot (-inf: no guess yet), so an engine checkpoint made
-    after the prefill covers it (graph_run checkpoints there, captures, and restores)."""
+def test_the_hint_slot_exists_after_the_prefill(name):
+    """The bulk metadata update of the prefill (and its tail) allocate the hint slot (-inf: no guess
+    yet), so an engine checkpoint made after the prefill covers it (the graph engine checkpoints
+    there, captures, and restores its slots as a list)."""
     make = SELECTORS.get(name) or (lambda hinted: InfLLMSelector(topk_blocks=8, scoring="rope",
                                                                   representatives_from="one_query",
                                                                   hinted_topk=hinted))
     for hinted in (False, True):
-        selector = make(hinted)
-        cache = random_cache(None, length=40, batch=2, num_kv_heads=2, head_dim=16, block_size=8)
-        selector.update_metadata(cache, 0, 0, 37)
-        q_tail = torch.randn(2, 2, 3, 3, 16, generator=torch.Generator().manual_seed(2))
-        selector.select_tail(q_tail, cache, 0, 37)
-        assert (TOPK_HINT in cache.metadata[0]) == hinted
-        if hinted:
-            assert cache.metadata[0][TOPK_HINT].shape == (2, 2)
+        for tail in (False, True):
+            selector = make(hinted)
+            cache = random_cache(None, length=40, batch=2, num_kv_heads=2, head_dim=16, block_size=8)
+            selector.update_metadata(cache, 0, 0, 37)
+            if tail:
+                q_tail = torch.randn(2, 2, 3, 3, 16, generator=torch.Generator().manual_seed(2))
+                selector.select_tail(q_tail, cache, 0, 37)
+            assert (TOPK_HINT in cache.metadata[0]) == hinted
+            if hinted:
+                slot = cache.metadata[0][TOPK_HINT]
+                assert slot.shape == (2, 2) and (tail or (slot == float("-inf")).all())
 
 
 def test_hinted_topk_option_checks():

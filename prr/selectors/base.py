@@ -43,9 +43,11 @@ class Selector(SelectorOptions, ABC):
     (options and their checks) is SelectorOptions' (prr.selectors.options: no torch)."""
 
     # --- what subclasses provide -------------------------------------------------------
-    def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:  # noqa: B027 - optional hook
+    def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
         """Tokens [start, end) of `layer` were appended to the cache (host range: the prefill,
-        eager); refresh their blocks."""
+        eager); refresh their blocks. (Here: the hint slot of selector.hinted_topk, so that every
+        slot a decode step writes exists after the prefill; subclasses call `topk_hint` too.)"""
+        self.topk_hint(cache, layer)
 
     def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:  # noqa: B027 - optional hook
         """One decode token per row was written at positions [B] (device ints): refresh its

@@ -211,6 +211,7 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         self._live(cache, layer).scatter_(2, blocks.view(b, 1, count, 1).expand(b, h, count, d), mean)
 
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        self.topk_hint(cache, layer)  # (hinted_topk) every slot a decode step writes exists after the prefill
         if self.is_dense_layer(layer) or end <= start:
             return
         s = cache.block_size

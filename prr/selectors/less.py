@@ -216,6 +216,7 @@ class LessSelector(QuestSelector):
 
     # --- metadata ------------------------------------------------------------------------------
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        self.topk_hint(cache, layer)  # (hinted_topk) every slot a decode step writes exists after the prefill
         if self.is_dense_layer(layer) or end <= start:
             return
         if "less_S" not in cache.metadata[layer]:

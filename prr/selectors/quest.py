@@ -49,6 +49,7 @@ class QuestSelector(Selector):
         return []
 
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        self.topk_hint(cache, layer)  # (hinted_topk) every slot a decode step writes exists after the prefill
         key_max, key_min = self.metadata(cache, layer)
         s = cache.block_size
         first, last = start // s, -(-end // s)  # blocks touched by [start, end)

@@ -13,8 +13,10 @@ For every cell (rows = batch x KV heads, candidates N, k < N, hit rate h):
 - hinted: `prr.kernels.hinted_topk.hinted_topk_select` with the previous step's k-th score per row as
   the hint (what selector.hinted_topk keeps), writing the next hint aside (next_hint) so that
   every replay starts from the same guess; also with the current k-th score as the hint (the
-  oracle: the best any guess does). The rows whose candidates fit the buffer, and the rounds they
-  ran, are recorded (the `path` output, outside the timing).
+  oracle: the best any guess does); and with GVR's other guess, the smallest current score over the
+  previous step's top-k ids (P = the last A: at least k scores are >= it), its gather and min timed
+  with the kernel. The rows whose candidates fit the buffer, and the rounds they ran, are recorded
+  (the `path` output, outside the timing).
 - prr: `prr.kernels.topk.topk_select`, the function the selectors call today (one program per row,
   tiled above 16384 candidates), same arguments; torch.topk; FlashInfer's `flashinfer.top_k` (radix)
   when importable, else "not installed" (bench_flashinfer.py's docstring says how its wheels are
@@ -167,16 +169,18 @@ def markdown(header: list[str], body: list[list]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    header = ["rows", "candidates", "k", "hit rate", "fit", "hinted µs", "oracle-hint µs", "prr µs", "hinted / prr",
+    header = ["rows", "candidates", "k", "hit rate", "fit", "hinted µs", "oracle-hint µs", "P-min-hint µs", "prr µs",
+              "hinted / prr",
               "torch.topk µs", "FlashInfer µs", "hinted / FlashInfer", "floor µs", "sets equal"]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["rows"], r["candidates"], r["k"], r["hit_rate"], *["—"] * 9, r["error"][:60]])
+            body.append([r["rows"], r["candidates"], r["k"], r["hit_rate"], *["—"] * 10, r["error"][:60]])
             continue
         fi = r.get("flashinfer_us", NOT_INSTALLED) if r.get("flashinfer") != NOT_INSTALLED else NOT_INSTALLED
         body.append([r["rows"], r["candidates"], r["k"], r["measured_overlap"], r["fit_fraction"], r.get("hinted_us"),
-                     r.get("hinted_oracle_us"), r.get("prr_us"), ratio(r.get("hinted_us"), r.get("prr_us")),
+                     r.get("hinted_oracle_us"), r.get("hinted_pmin_us"), r.get("prr_us"),
+                     ratio(r.get("hinted_us"), r.get("prr_us")),
                      r.get("torch_topk_us"), fi,
                      ratio(r.get("hinted_us"), r.get("flashinfer_us")) if fi != NOT_INSTALLED else NOT_INSTALLED,
                      r.get("floor_us"), r["sets_equal"]])
@@ -195,7 +199,8 @@ def report(record: dict) -> str:
            "µs per call (median over graph replays / sets). hit rate: the measured overlap of the previous "
            "step's top-k with the current one's; fit: the fraction of rows whose candidates above the "
            "corrected guess fit the buffer (the others fell back to the full row); oracle hint: the current "
-           "k-th score as the guess.", "", table(record.get("rows", [])), ""]
+           "k-th score as the guess; P-min hint: the smallest current score over the previous top-k (its gather "
+           "and min included).", "", table(record.get("rows", [])), ""]
     return "\n".join(out)
 
 
@@ -261,6 +266,7 @@ def cell_row(rows: int, n: int, k: int, hit_rate: float, sets: int, repeats: int
     previous, current = zip(*(make_hinted_scores(batch, heads, n, k, hit_rate, seed=seed + i, device=device)
                               for i in range(sets)), strict=True)
     hints = [kth_scores(p, k) for p in previous]  # the previous step's k-th score per row
+    predicted = [p.topk(k, dim=-1).indices for p in previous]  # P: the previous step's top-k ids [B, Hkv, k]
     oracle = [kth_scores(c, k) for c in current]
     overlap = statistics.mean(topk_overlap(p, c, k).mean().item() for p, c in zip(previous, current, strict=True))
     del previous
@@ -274,13 +280,17 @@ def cell_row(rows: int, n: int, k: int, hit_rate: float, sets: int, repeats: int
     # correctness first: every set, bit for bit against topk_select; set 0 against torch.topk / FlashInfer
     equal = True
     path = torch.empty(batch, heads, dtype=torch.int32, device=device)
-    paths = []
+    paths, pmin_paths = [], []
     for i in range(sets):
         h_idx, h_cnt = hinted_topk_select(current[i], k, num_blocks, hints[i], 0, 0, next_hint=next_hint, path=path)
         p_idx, p_cnt = topk_select(current[i], k, num_blocks, sink_blocks=0, recent_blocks=0)
         equal &= bool(torch.equal(h_idx, p_idx)) and bool(torch.equal(h_cnt, p_cnt))
         equal &= bool(torch.equal(next_hint, oracle[i]))
         paths.append(path.clone())
+        m_idx, m_cnt = hinted_topk_select(current[i], k, num_blocks, p_min_hint(current[i], predicted[i]), 0, 0,
+                                          next_hint=next_hint, path=path)
+        equal &= bool(torch.equal(m_idx, p_idx)) and bool(torch.equal(m_cnt, p_cnt))
+        pmin_paths.append(path.clone())
     row["hinted_equals_prr"] = equal
     ref = torch.topk(current[0], k, dim=-1).indices.sort(-1).values
     idx0, cnt0 = topk_select(current[0], k, num_blocks, sink_blocks=0, recent_blocks=0)
@@ -288,6 +298,8 @@ def cell_row(rows: int, n: int, k: int, hit_rate: float, sets: int, repeats: int
     paths = torch.stack(paths).float()
     row["fit_fraction"] = (paths >= 0).float().mean().item()
     row["mean_rounds_when_fit"] = paths[paths >= 0].mean().item() if (paths >= 0).any() else None
+    pmin_paths = torch.stack(pmin_paths)
+    row["pmin_fit_fraction"] = (pmin_paths >= 0).float().mean().item()
     fi = flashinfer_module()
     row["flashinfer"] = NOT_INSTALLED if fi is None or device != "cuda" else fi.__version__
     if row["flashinfer"] != NOT_INSTALLED:
@@ -304,6 +316,8 @@ def cell_row(rows: int, n: int, k: int, hit_rate: float, sets: int, repeats: int
         current[i], k, num_blocks, hints[i], 0, 0, next_hint=next_hint))))
     guarded(row, "hinted_oracle_us", lambda: timed(lambda i: (lambda: hinted_topk_select(
         current[i], k, num_blocks, oracle[i], 0, 0, next_hint=next_hint))))
+    guarded(row, "hinted_pmin_us", lambda: timed(lambda i: (lambda: hinted_topk_select(
+        current[i], k, num_blocks, p_min_hint(current[i], predicted[i]), 0, 0, next_hint=next_hint))))
     guarded(row, "prr_us", lambda: timed(lambda i: (lambda: topk_select(current[i], k, num_blocks, sink_blocks=0,
                                                                          recent_blocks=0))))
     guarded(row, "torch_topk_us", lambda: timed(lambda i: (lambda: torch.topk(current[i], k, dim=-1))))
@@ -312,6 +326,14 @@ def cell_row(rows: int, n: int, k: int, hit_rate: float, sets: int, repeats: int
     row["hinted_over_prr"] = ratio(row.get("hinted_us"), row.get("prr_us"))
     row["hinted_over_flashinfer"] = ratio(row.get("hinted_us"), row.get("flashinfer_us"))
     return row
+
+
+def p_min_hint(scores, predicted):
+    """GVR's guess from a predicted set: scores [B, Hkv, N], predicted [B, Hkv, k] ids -> [B, Hkv] the
+    smallest current score over them (at least k scores are >= it)."""
+    import torch
+
+    return torch.gather(scores, -1, predicted).amin(-1)
 
 
 def environment(device: str) -> dict:

@@ -50,7 +50,7 @@ def test_shapes_sets_and_floor():
 
 def test_table_marks_flashinfer_absent_and_failed_checks():
     row = dict(rows=8, candidates=2048, k=32, hit_rate=0.7, measured_overlap=0.69, fit_fraction=1.0,
-               hinted_us=4.0, hinted_oracle_us=3.5, prr_us=8.0, torch_topk_us=20.0, flashinfer=bh.NOT_INSTALLED,
+               hinted_us=4.0, hinted_oracle_us=3.5, hinted_pmin_us=6.0, prr_us=8.0, torch_topk_us=20.0, flashinfer=bh.NOT_INSTALLED,
                floor_us=0.02, sets_equal=False)
     text = bh.table([row, dict(rows=1, candidates=2048, k=32, hit_rate=0.6, error="RuntimeError: boom")])
     line = text.splitlines()[2]
@@ -67,7 +67,8 @@ def test_one_cell_runs_on_the_cpu(tmp_path):
     assert row["sets_equal"] and row["hinted_equals_prr"] and row["prr_equals_torch"]
     assert row["flashinfer"] == bh.NOT_INSTALLED and row["fit_fraction"] == 1.0
     assert abs(row["measured_overlap"] - 0.7) < 0.2
-    assert all(row[key] > 0 for key in ("hinted_us", "hinted_oracle_us", "prr_us", "torch_topk_us"))
+    assert all(row[key] > 0 for key in ("hinted_us", "hinted_oracle_us", "hinted_pmin_us", "prr_us", "torch_topk_us"))
+    assert 0.0 <= row["pmin_fit_fraction"] <= 1.0
     record = {"command": "python experiments/bench_hinted_topk.py --device cpu", "environment": {}, "rows": [row]}
     text = bh.write_outputs(record, tmp_path / "bench")
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.csv").read_text().startswith("command,rows,")

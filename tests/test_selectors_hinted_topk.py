@@ -134,12 +134,13 @@ def run_tiny(tmp_path: Path, name: str, *overrides: str) -> dict:
     ("quest", "ema", "backend=triton"),
     ("exact", "ema"),
     ("infllm", "last_step"),
+    ("quest", "ema", "runtime.engine=eager"),  # the research runtime: the same selector objects, op by op
     pytest.param(("infllm_prr", "ema", "backend=triton"), marks=pytest.mark.slow),
     pytest.param(("less", "ema"), marks=pytest.mark.slow),
     pytest.param(("exact", "last_step", "backend=triton"), marks=pytest.mark.slow),
 ], ids=lambda c: "-".join(x.split("=")[-1] for x in c))
 def test_hinted_runs_decode_the_same(tmp_path, monkeypatch, case):
-    """Whole runs on the graph engine (its kernels or torch ops, CPU) with and without the hint:
+    """Whole runs (the graph engine with its kernels or torch ops, CPU; the eager runtime) with and without the hint:
     the same tokens and the same A at every step (pooled hit counts and mass recall equal); the
     hinted top-k ran in the hinted run only."""
     import prr.kernels.hinted_topk as kernel
@@ -159,7 +160,8 @@ def test_hinted_runs_decode_the_same(tmp_path, monkeypatch, case):
     counted(base, "hinted_top_k_blocks", "torch")
     counted(kernel, "hinted_topk_select", "triton")
     selector, predictor, *extra = case
-    args = [f"selector={selector}", f"predictor={predictor}", "runtime.engine=graph", *extra]
+    engine = [] if any(x.startswith("runtime.engine=") for x in extra) else ["runtime.engine=graph"]
+    args = [f"selector={selector}", f"predictor={predictor}", *engine, *extra]
     plain = run_tiny(tmp_path, "plain", *args)
     assert calls == {"torch": 0, "triton": 0}
     hinted = run_tiny(tmp_path, "hinted", *args, "selector.hinted_topk=true")

@@ -15,7 +15,8 @@ lowest one that does not. Round 0 places its thresholds around the hint (key off
 ±2^17, ±2^20 and -2^23: about ±0.2 %, ±1.6 %, ±12.5 % of the score and half of it), later rounds
 cut the bracket into 8 equal parts. Once c_a <= CAP, the valid keys >= a are compacted, in
 ascending block order, into a per-row scratch and the row kernel's exact radix select
-(`_select_row`) runs over those candidates only. A good hint thus costs one counting pass, one
+(`_select_row`) runs over those candidates only, their keys >= b lowered to b (all are > T and
+taken either way; the select's passes then cover the bits where a and b differ only). A good hint thus costs one counting pass, one
 compaction and a select over about k keys, where `topk_select` runs up to 16 counting passes over
 the row (the tiled kernels: re-reading it each time).
 
@@ -222,6 +223,7 @@ def _hinted_topk_row_kernel(
         lane = tl.arange(0, CAP)
         live = lane < n_candidates
         c_keys = tl.load(scratch_keys_ptr + scratch + lane, mask=live, other=0).to(tl.uint32, bitcast=True)
+        c_keys = tl.minimum(c_keys, b.to(tl.uint32))  # keys >= b are all > T: as b, the select's passes span [a, b]
         c_ids = tl.load(scratch_ids_ptr + scratch + lane, mask=live, other=0)
         threshold, k_eff = _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr,
                                        CAND_RADIX, PAD_BLOCK)
@@ -308,6 +310,7 @@ def _hinted_topk_tiled_kernel(
         c_lane = tl.arange(0, CAP)
         live = c_lane < n_candidates
         c_keys = tl.load(scratch_keys_ptr + scratch + c_lane, mask=live, other=0).to(tl.uint32, bitcast=True)
+        c_keys = tl.minimum(c_keys, b.to(tl.uint32))  # as the row kernel's
         c_ids = tl.load(scratch_ids_ptr + scratch + c_lane, mask=live, other=0)
         threshold, k_eff = _select_row(c_keys, live, c_ids, k, k_out, out_row, row, idx_out_ptr, count_out_ptr,
                                        CAND_RADIX, PAD_BLOCK)

@@ -2,8 +2,9 @@
 `prr.kernels.hinted_topk_jit`, the torch reference in `prr.kernels.reference_hinted_topk`.
 
 Same contract as `prr.kernels.topk.topk_select` (same set, same layout, bit for bit) plus a
-per-row threshold guess `hint`, read and then overwritten with this selection's k-th score: a
-decode step passes the buffer the previous step left, so the hint costs no launch of its own.
+per-row threshold guess `hint`, read and then overwritten with this selection's k-th score (or
+that written to `next_hint`): a decode step passes the buffer the previous step left, so the
+hint costs no launch of its own (`Selector.topk_hint` keeps it per layer for selector.hinted_topk).
 """
 
 from __future__ import annotations

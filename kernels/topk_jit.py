@@ -146,7 +146,8 @@ def _select_row(
     RADIX_BITS: tl.constexpr, PAD_BLOCK: tl.constexpr,
 ):
     """Top-k of one row held in registers (keys/valid from _order_keys, block ids offs):
-    writes idx_out[out_row : out_row + k_out] and count_out[count_index]."""
+    writes idx_out[out_row : out_row + k_out] and count_out[count_index]; -> (the threshold key T,
+    k_eff = min(k, valid keys))."""
     # One reduction: valid keys, those of +inf (forced blocks), the smallest valid key lo and the
     # largest one below +inf hi. Valid keys are at most +inf's (NaN scores are invalid).
     INF_KEY: tl.constexpr = 0xFF800000
@@ -189,6 +190,7 @@ def _select_row(
     n_gt = tl.sum((keys > threshold).to(tl.int32), axis=0)  # invalid keys are 0 <= threshold
     _emit(keys, valid, offs, threshold, 0, 0, k_eff - n_gt, out_row, idx_out_ptr, k_out)
     _pad_and_count(idx_out_ptr, count_out_ptr, out_row, count_index, k_eff, k_out, PAD_BLOCK)
+    return threshold, k_eff  # the k_eff-th largest key (kernels/hinted_topk_jit.py: the next step's hint)
 
 
 @triton.jit

@@ -17,7 +17,10 @@ from torch import Tensor
 from prr.attention_state import AttentionState, merge, merge_many
 from prr.blocks import BlockSet, Selection, block_counts, inside_context, top_blocks
 from prr.cache import PagedKVCache
+from prr.kernels.reference_hinted_topk import hinted_top_k_blocks
 from prr.selectors.options import SelectorOptions
+
+TOPK_HINT = "topk_hint"  # the cache slot of selector.hinted_topk's threshold guesses
 
 
 def stack_rows(selections: list[Selection]) -> Selection:
@@ -33,9 +36,11 @@ class Selector(SelectorOptions, ABC):
     (options and their checks) is SelectorOptions' (prr.selectors.options: no torch)."""
 
     # --- what subclasses provide -------------------------------------------------------
-    def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:  # noqa: B027 - optional hook
+    def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
         """Tokens [start, end) of `layer` were appended to the cache (host range: the prefill,
-        eager); refresh their blocks."""
+        eager); refresh their blocks. (Here: the hint slot of selector.hinted_topk, so that every
+        slot a decode step writes exists after the prefill; subclasses call `topk_hint` too.)"""
+        self.topk_hint(cache, layer)
 
     def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:  # noqa: B027 - optional hook
         """One decode token per row was written at positions [B] (device ints): refresh its
@@ -164,11 +169,38 @@ class Selector(SelectorOptions, ABC):
         num_blocks = (lengths + cache.block_size - 1) // cache.block_size  # [B]
         if self.backend == "triton":
             return self.select_triton(q, cache, layer, lengths, num_blocks)
-        return self.selection_from(self.head_scores(q, cache, layer, lengths), num_blocks, cache.max_blocks)
+        return self.selection_from(self.head_scores(q, cache, layer, lengths), num_blocks, cache.max_blocks,
+                                   hint=self.topk_hint(cache, layer))
 
-    def selection_from(self, per_head: Tensor, num_blocks: Tensor, max_blocks: int) -> Selection:
+    def topk_hint(self, cache: PagedKVCache, layer: int) -> Tensor | None:
+        """selector.hinted_topk: the layer's [B, Hkv] fp32 slot holding the previous decode step's k-th
+        score per (row, KV head) (-inf on a fresh request: `reset_metadata`'s fill), the top-k's
+        threshold guess, which the top-k overwrites with this step's (in place: capturable). None
+        without the option. `select_tail` touches it, so it exists after the prefill (an engine
+        checkpoint made then covers it)."""
+        if not self.hinted_topk:
+            return None
+        return cache.state_slot(layer, TOPK_HINT, (cache.batch, cache.num_kv_heads), torch.float32, float("-inf"))
+
+    def top_k_triton(self, scores: Tensor, rows: Tensor, hint: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The Triton selections' top-K: scores [N, Hkv, NB] fp32, rows [N] int32 blocks -> (indices
+        [N, Hkv, C] int32 ascending then 0, counts [N, Hkv] int32), forced blocks as `forced_mask`;
+        with hint ([N, Hkv], `topk_hint`) by prr.kernels.hinted_topk: the same set."""
+        recent = self.local_blocks + int(self.force_newest)
+        if hint is None:
+            from prr.kernels.topk import topk_select
+
+            return topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks, recent_blocks=recent)
+        from prr.kernels.hinted_topk import hinted_topk_select
+
+        return hinted_topk_select(scores, self.topk_blocks, rows, hint, sink_blocks=self.sink_blocks,
+                                  recent_blocks=recent)
+
+    def selection_from(self, per_head: Tensor, num_blocks: Tensor, max_blocks: int,
+                       hint: Tensor | None = None) -> Selection:
         """The torch `select` after scoring: per_head [B, Hkv, G, NB] scores, num_blocks [B] ->
-        GQA-reduced, forced, top-K Selection (shared by `select` and the batched `select_tail`)."""
+        GQA-reduced, forced, top-K Selection (shared by `select` and the batched `select_tail`).
+        hint: [B, Hkv] `topk_hint` (selector.hinted_topk): the top-K from it, the same set."""
         per_head = per_head.float()
         outside = ~inside_context(num_blocks, max_blocks)  # [B, 1, NB]
         per_head = per_head.masked_fill(outside.unsqueeze(2), float("-inf"))
@@ -181,6 +213,8 @@ class Selector(SelectorOptions, ABC):
             per_head_sets = top_blocks(forced_scores.reshape(b, h * g, n), self.topk_blocks)
             union = per_head_sets.mask(n).view(b, h, g, n).any(2)
             blocks = BlockSet.from_mask(union, self.capacity(g, max_blocks))
+        elif hint is not None:
+            blocks = BlockSet(*hinted_top_k_blocks(reduced.masked_fill(forced, float("inf")), self.topk_blocks, hint))
         else:
             blocks = top_blocks(reduced.masked_fill(forced, float("inf")), self.topk_blocks)
         return Selection(blocks=ascending(blocks), scores=reduced)
@@ -194,6 +228,7 @@ class Selector(SelectorOptions, ABC):
         queries: the prefill's queries [B, Hkv, G, >= start + 1, D] for `catch_up`.
         Default: one metadata update and `select` per position; selectors that can fold the T
         queries into the batch exactly (quest, exact) override it (2T launches -> a few)."""
+        self.topk_hint(cache, layer)  # allocated in the prefill (hinted_topk)
         selections = []
         for i in range(q_tail.shape[3]):
             t = start + i

@@ -43,14 +43,12 @@ class ExactSelector(Selector):
         """speculation: a sparse_decode(per_block=True, plan_only=True) launch over q (as [B, Hq, D]),
         run in the q·K pass's launch (`select_speculating`)."""
         from prr.kernels.exact import exact_scores
-        from prr.kernels.topk import topk_select
 
         b, h, g, d = q.shape
         rows = num_blocks.to(torch.int32)  # [B]
         scores = exact_scores(q.reshape(b, h * g, d), cache.keys[layer], lengths, rows, cache.block_size,
                               1.0 / math.sqrt(d), self.gqa_reduce, speculation=speculation)  # [B, Hkv, NB]
-        indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
-                                      recent_blocks=self.local_blocks + int(self.force_newest))
+        indices, counts = self.top_k_triton(scores, rows, self.topk_hint(cache, layer))
         return Selection(blocks=BlockSet(indices, counts), scores=scores)
 
     def speculates_in_selection(self) -> bool:
@@ -73,13 +71,13 @@ class ExactSelector(Selector):
         """The base loop's selections with the T positions folded into the batch (rows (t, b)):
         no metadata, so position t is the full cache's scores masked to tokens <= t."""
         b, h, g, num, d = q_tail.shape
+        self.topk_hint(cache, layer)  # allocated in the prefill (hinted_topk)
         positions = torch.arange(start, start + num, device=q_tail.device)
         lengths = (positions + 1).repeat_interleave(b)  # [T * B], rows (t, b)
         num_blocks = (lengths + cache.block_size - 1) // cache.block_size
         scale = 1.0 / math.sqrt(d)
         if self.backend == "triton":
             from prr.kernels.exact import exact_scores
-            from prr.kernels.topk import topk_select
 
             rows = num_blocks.to(torch.int32)
             per_position = (positions + 1, (positions // cache.block_size + 1).to(torch.int32))  # [T] lengths, blocks
@@ -90,8 +88,7 @@ class ExactSelector(Selector):
                 scores.append(exact_scores(q_rows, keys, *per_position, cache.block_size, scale,
                                            self.gqa_reduce))  # [T, Hkv, NB]
             scores = torch.stack(scores, 1).flatten(0, 1)  # [T * B, Hkv, NB]
-            indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
-                                          recent_blocks=self.local_blocks + int(self.force_newest))
+            indices, counts = self.top_k_triton(scores, rows, None)  # (one hint per row, not per position)
             return tail_rows(Selection(BlockSet(indices, counts), scores), num)
         # attend_dense's block mass, batched after the q·K products: those stay one matmul per
         # position, as `select` makes them (CPU matmuls are not batch-invariant: measured, a

@@ -211,6 +211,7 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         self._live(cache, layer).scatter_(2, blocks.view(b, 1, count, 1).expand(b, h, count, d), mean)
 
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        self.topk_hint(cache, layer)  # (hinted_topk) every slot a decode step writes exists after the prefill
         if self.is_dense_layer(layer) or end <= start:
             return
         s = cache.block_size
@@ -365,6 +366,7 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         own sums in the loop's order; one_query's step only finalises: only where a block leaves),
         then the scores and the top-K of every position at once."""
         num = q_tail.shape[3]
+        self.topk_hint(cache, layer)  # allocated in the prefill (hinted_topk)
         if num <= 1 or self.is_dense_layer(layer):  # (a dense layer skips catch_up, which the schedule assumes)
             return Selector.select_tail(self, q_tail, cache, layer, start, queries=queries)
         selections = Selector.select_tail(self, q_tail[:, :, :, :1], cache, layer, start, queries=queries)
@@ -476,7 +478,7 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
         rows = num_blocks.to(torch.int32)
         scores = self._scores_triton(q3, cache, lengths, rows, self._finalised(cache, layer),
                                      self._repr(cache, layer, g), self._live(cache, layer))
-        return self._top_triton(scores, rows)
+        return self._top_triton(scores, rows, self.topk_hint(cache, layer))
 
     def _step_triton(self, q3: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> None:
         """prr.kernels.infllm's step kernel (the window work and the finalising of at most one
@@ -506,12 +508,10 @@ class InfLLMSelector(InfLLMSelectorOptions, Selector):
                              layer_sum=not self.per_head, gqa_reduce=self.gqa_reduce,
                              shared_repr=self.representatives_from != "window_attention")
 
-    def _top_triton(self, scores: Tensor, rows: Tensor) -> Selection:
-        """scores [N, Hkv, NB], rows [N] int32 blocks -> the forced, top-K Selection (topk_select)."""
-        from prr.kernels.topk import topk_select
-
-        indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
-                                      recent_blocks=self.local_blocks + int(self.force_newest))
+    def _top_triton(self, scores: Tensor, rows: Tensor, hint: Tensor | None = None) -> Selection:
+        """scores [N, Hkv, NB], rows [N] int32 blocks -> the forced, top-K Selection (`top_k_triton`;
+        hint [N, Hkv]: `topk_hint`, decode steps only)."""
+        indices, counts = self.top_k_triton(scores, rows, hint)
         return Selection(blocks=BlockSet(indices, counts), scores=scores)
 
     # --- scores ------------------------------------------------------------------------------

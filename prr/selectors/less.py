@@ -145,8 +145,9 @@ class LessSelector(QuestSelector):
         feature_map: str = "random",
         feature_map_model: str = "smollm2-135m",
         summary_dtype: str = "float32",
+        hinted_topk: bool = False,
     ) -> None:
-        super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers)
+        super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers, hinted_topk)
         if scores not in SCORES:
             raise ValueError(f"selector.scores={scores!r} is not one of {list(SCORES)}")
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
@@ -215,6 +216,7 @@ class LessSelector(QuestSelector):
 
     # --- metadata ------------------------------------------------------------------------------
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        self.topk_hint(cache, layer)  # (hinted_topk) every slot a decode step writes exists after the prefill
         if self.is_dense_layer(layer) or end <= start:
             return
         if "less_S" not in cache.metadata[layer]:

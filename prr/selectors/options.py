@@ -30,6 +30,7 @@ class SelectorOptions:
         force_newest: bool = True,
         gqa_reduce: str = "max",
         dense_layers: Sequence[int] = (),
+        hinted_topk: bool = False,
     ) -> None:
         if topk_blocks <= 0:
             raise ValueError(f"selector.topk_blocks={topk_blocks} must be a positive number of blocks")
@@ -43,12 +44,20 @@ class SelectorOptions:
                 f"selector keeps {forced} blocks always (sink_blocks={sink_blocks} + local_blocks={local_blocks}"
                 f" + force_newest={force_newest}) but topk_blocks={topk_blocks}; raise topk_blocks to >= {forced}"
             )
+        if not isinstance(hinted_topk, bool):
+            raise ValueError(f"selector.hinted_topk={hinted_topk!r} is not one of [True, False]")
+        if hinted_topk and gqa_reduce == "union":
+            raise ValueError("selector.hinted_topk=true hints one top-k per (row, KV head), but gqa_reduce=union "
+                             "takes one per query head; use gqa_reduce=max or sum, or selector.hinted_topk=false")
         self.topk_blocks = topk_blocks
         self.sink_blocks = sink_blocks
         self.local_blocks = local_blocks
         self.force_newest = force_newest
         self.gqa_reduce = gqa_reduce
         self.dense_layers = frozenset(int(x) for x in dense_layers)
+        # The top-k from a threshold guess per (row, KV head): the previous decode step's k-th score
+        # (Selector.topk_hint, prr.kernels.hinted_topk). The same A, exactly; only its time changes.
+        self.hinted_topk = hinted_topk
 
 
 class DenseSelectorOptions(SelectorOptions):
@@ -73,8 +82,9 @@ class InfLLMSelectorOptions(SelectorOptions):
         per_head: bool = False,
         scoring: str = "position_agnostic",
         representatives_from: str = "window_attention",
+        hinted_topk: bool = False,
     ) -> None:
-        super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers)
+        super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, gqa_reduce, dense_layers, hinted_topk)
         if isinstance(representatives, bool) or not isinstance(representatives, int) or representatives < 1:
             raise ValueError(f"selector.representatives={representatives!r} must be a positive integer "
                              "(tokens per block, at most runtime.block_size)")

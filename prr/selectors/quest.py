@@ -49,6 +49,7 @@ class QuestSelector(Selector):
         return []
 
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
+        self.topk_hint(cache, layer)  # (hinted_topk) every slot a decode step writes exists after the prefill
         key_max, key_min = self.metadata(cache, layer)
         s = cache.block_size
         first, last = start // s, -(-end // s)  # blocks touched by [start, end)
@@ -80,14 +81,12 @@ class QuestSelector(Selector):
     def select_triton(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor,
                       num_blocks: Tensor) -> Selection:
         from prr.kernels.quest import quest_score
-        from prr.kernels.topk import topk_select
 
         b, h, g, d = q.shape
         key_max, key_min = self.metadata(cache, layer)
         rows = num_blocks.to(torch.int32)
         scores = quest_score(q.reshape(b, h * g, d), key_max, key_min, rows, gqa_reduce=self.gqa_reduce)  # [B, Hkv, NB]
-        indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
-                                      recent_blocks=self.local_blocks + int(self.force_newest))
+        indices, counts = self.top_k_triton(scores, rows, self.topk_hint(cache, layer))
         return Selection(blocks=BlockSet(indices, counts), scores=scores)
 
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
@@ -103,6 +102,7 @@ class QuestSelector(Selector):
         min over the block (exact in the cache dtype, as the stepwise update). Scored with all
         blocks' final metadata, then column p replaced by the bound over that partial block."""
         b, h, g, num, d = q_tail.shape
+        self.topk_hint(cache, layer)  # allocated in the prefill (hinted_topk)
         end, s = start + num, cache.block_size
         self.update_metadata(cache, layer, start, end)  # the final metadata (= stepwise, see the class)
         key_max, key_min = self.metadata(cache, layer)
@@ -116,7 +116,6 @@ class QuestSelector(Selector):
         num_blocks = (own + 1).repeat_interleave(b)  # [T * B], rows (t, b)
         if self.backend == "triton":
             from prr.kernels.quest import quest_score
-            from prr.kernels.topk import topk_select
 
             rows = num_blocks.to(torch.int32)
             ones = torch.ones(num, dtype=torch.int32, device=q_tail.device)
@@ -130,8 +129,7 @@ class QuestSelector(Selector):
                                       gqa_reduce=self.gqa_reduce)  # [T, Hkv, 1]: own block from keys <= t
                 scores.append(full.scatter_(2, own.view(num, 1, 1).expand(num, h, 1), partial))
             scores = torch.stack(scores, 1).flatten(0, 1)  # [T * B, Hkv, NB]
-            indices, counts = topk_select(scores, self.topk_blocks, rows, sink_blocks=self.sink_blocks,
-                                          recent_blocks=self.local_blocks + int(self.force_newest))
+            indices, counts = self.top_k_triton(scores, rows, None)  # (one hint per row, not per position)
             return tail_rows(Selection(BlockSet(indices, counts), scores), num)
         nb = key_max.shape[2]
         limit = TAIL_CHUNK_ELEMENTS.get(q_tail.device.type, TAIL_CHUNK_ELEMENTS["cpu"])

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 51's device call: the restructured engine (PRRStep, PredictorSchedule, observers, typed
-# ops) against the tree before it, both in this one call (< 600 s on an H100 / H200):
+# ops) against the tree before it, both in this one call (< 600 s on an H100 / H200), then
+# issue 53's hinted top-k as far as the time goes:
 #  1. GPU tests of the step, its views, the typed ops and the one-engine equivalence (captured);
 #  2. whole runs of run.py at 32K, block 16, K = 32, 32 steps: quest, infllm, less, exact x
 #     {none, ema} (budget=fixed, |P| = K), first in the tree before the change (.xfer/before: the
 #     engine files of 0bc17a8, made by `git archive 0bc17a8 prr kernels conf run.py hydra_plugins
-#     pyproject.toml experiments/bench_engine_runs.py`), then in this tree.
+#     pyproject.toml experiments/bench_engine_runs.py`), then in this tree;
+#  3. hinted top-k: its GPU tests, then bench_hinted_topk.py at 8K-128K candidates, hit rate 0.7.
 # Everything lands in $OUT (log.txt, gpu_tests.txt, matrix_before.json, matrix_after.json).
 #   usage on the device: OUT=... bash experiments/h200_issue51_check.sh
 . "$(dirname "$0")/h200_preamble.sh"
@@ -29,4 +31,13 @@ say "whole runs, the tree before (0bc17a8)"
 matrix "$ROOT/.xfer/before" matrix_before
 say "whole runs, this tree"
 matrix "$ROOT" matrix_after
+say "hinted top-k: gpu tests"
+left() { echo $(( ${BUDGET:-550} - SECONDS )); }
+timeout ${HINT_TESTS_S:-60} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_hinted_topk.py \
+  tests/test_selectors_hinted_topk.py > "$OUT/gpu_tests_hinted_topk.txt" 2>&1
+tail -3 "$OUT/gpu_tests_hinted_topk.txt" | tee -a "$LOG"
+say "hinted top-k: bench, $(left) s left"
+timeout $(( $(left) - 10 )) python3 experiments/bench_hinted_topk.py --candidates 8192,32768,131072 --hit-rates 0.7 \
+  --out "$OUT/bench_hinted_topk" > /tmp/hint.log 2>&1
+tail -40 /tmp/hint.log | tee -a "$LOG"
 say "done"

@@ -1,0 +1,113 @@
+"""Issue 54, the front door's third pass: each numbered case tried as a user types it.
+
+Each refused case runs `python run.py` in a subprocess and asserts what tests/test_front_door.py
+asserts of its cases: exit code 2, one or two lines on stderr, no traceback, the value or path
+named, and every file of an earlier, finished run unchanged (sha256). A sweep refused before its
+first job leaves no sweep dir and no multirun.yaml."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.test_front_door import TINY, refused_lines, sha256_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Fault:
+    name: str
+    args: list[str]  # run.py's overrides after TINY ({tmp}: the test's temporary dir; {run}: the finished run)
+    named: list[str]  # what the message must contain
+    flags: list[str] = field(default_factory=list)  # before the overrides (-m, --cfg job)
+    env: dict[str, str] = field(default_factory=dict)
+    absent: list[str] = field(default_factory=list)  # paths ({tmp}) that must not exist afterwards
+
+
+def run_py(flags: list[str], args: list[str], tmp: Path, run_dir: Path, env: dict[str, str] | None = None,
+           timeout: int = 300) -> subprocess.CompletedProcess:
+    def fill(text: str) -> str:
+        return text.replace("{tmp}", str(tmp)).replace("{run}", str(run_dir))
+
+    argv = [sys.executable, "run.py", *flags, *TINY, *(fill(a) for a in args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PRR_CACHE_DIR": str(tmp / "cache"),
+                **{k: fill(v) for k, v in (env or {}).items()}}
+    return subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class Finished:
+    tmp: Path
+    run_dir: Path
+    sha256: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Finished:
+    tmp = tmp_path_factory.mktemp("faults")
+    run_dir = tmp / "run0"
+    done = run_py([], [f"hydra.run.dir={run_dir}"], tmp, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Finished(tmp, run_dir, sha256_tree(run_dir))
+
+
+FAULTS = [
+    Fault("1: a bad value inside a sweep list", ["selector.topk_blocks=4,abc", "hydra.sweep.dir={tmp}/s1"],
+          ["selector.topk_blocks='abc'"], flags=["-m"], absent=["{tmp}/s1"]),
+    Fault("1: a negative value inside a sweep list", ["selector.topk_blocks=4,-4", "hydra.sweep.dir={tmp}/s1"],
+          ["selector.topk_blocks=-4"], flags=["-m"], absent=["{tmp}/s1"]),
+    Fault("1: a bad value of a preset's swept key", ["+experiment=hit_rate_ema", "predictor.alpha=0.5,7",
+                                                    "hydra.sweep.dir={tmp}/s1"],
+          ["predictor.alpha"], flags=["-m"], absent=["{tmp}/s1"]),
+    Fault("2: a sweep without -m", ["selector=quest,exact", "hydra.run.dir={run}"],
+          ["selector=quest,exact", "python run.py -m selector=quest,exact"]),
+    Fault("2: a list where a group takes one option", ["selector=[quest,exact]", "hydra.run.dir={run}"],
+          ["selector=[quest,exact]", "one option", "-m selector=quest,exact"]),
+    Fault("13: -m with --cfg job", ["selector=quest,exact"], ["-m and --cfg", "drop -m"], flags=["-m", "--cfg", "job"]),
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
+def test_a_fault_is_refused_in_one_line_and_the_earlier_run_is_untouched(fault, finished):
+    done = run_py(fault.flags, fault.args, finished.tmp, finished.run_dir, fault.env)
+    text = " ".join(refused_lines(done))
+    for named in fault.named:
+        assert named in text, (named, text)
+    for path in fault.absent:
+        assert not Path(path.replace("{tmp}", str(finished.tmp))).exists(), path
+    assert sha256_tree(finished.run_dir) == finished.sha256
+
+
+def test_a_sweep_whose_values_clash_only_in_one_job_is_refused_before_any_job_runs(finished):
+    """Each value passes alone (run.py checks it before Hydra); job 3 (topk 12 of a 128-token prompt's
+    8 blocks) does not: the resume sweeper validates every job of the product before launching one."""
+    sweep = finished.tmp / "clash"
+    done = run_py(["-m"], ["selector.topk_blocks=4,12", "task.prompt_tokens=256,128", f"hydra.sweep.dir={sweep}"],
+                  finished.tmp, finished.run_dir)
+    text = " ".join(refused_lines(done))
+    assert "sweep job #3" in text and "selector.topk_blocks=12" in text and "task.prompt_tokens=128" in text, text
+    assert not sweep.exists()  # no job ran, no multirun.yaml
+
+
+def test_a_list_value_of_a_key_still_runs_as_one_job():
+    """Refusing a list for a group leaves lists where a key takes one (selector.dense_layers=[0,1])."""
+    from prr.override_check import check_command_line
+
+    (job,) = check_command_line([*TINY, "selector.dense_layers=[0,1]"], ROOT / "conf", "config")
+    assert list(job.selector.dense_layers) == [0, 1]
+
+
+def test_every_value_of_a_swept_key_is_checked_as_its_own_job():
+    from prr.override_check import check_command_line
+
+    jobs = check_command_line(["-m", *TINY, "selector.topk_blocks=4,abc", "predictor=none,ema"], ROOT / "conf", "config")
+    assert sorted(str(j.selector.topk_blocks) for j in jobs) == ["4", "4", "abc"]
+    assert json.dumps(sorted(j.predictor._target_.rsplit(".", 1)[1] for j in jobs)) == \
+        '["EmaPredictor", "NoPredictor", "NoPredictor"]'

@@ -83,9 +83,13 @@ def path_problems(job: DictConfig, multirun: bool) -> list[str]:
     PRR_CACHE_DIR (when set) a directory: checked here rather than met as an OSError mid-run."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     try:
-        where = Path(str(OmegaConf.select(job, key))).expanduser()
+        value = str(OmegaConf.select(job, key))
     except Exception:  # noqa: BLE001 - an interpolation only Hydra's job context resolves: Hydra checks it
         return []
+    if not value.strip():  # Path("") is the current dir: the run's files would land among the user's
+        return [f"{key}={value!r} is empty, which would write the run's files into the current directory "
+                f"({Path.cwd()}); give a directory, or leave {key} out for its default"]
+    where = Path(value).expanduser()
     problems = [p for p in [unwritable_dir(where, key), cache_dir_problem()] if p]
     return problems
 

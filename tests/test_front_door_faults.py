@@ -70,6 +70,9 @@ FAULTS = [
           ["selector=quest,exact", "python run.py -m selector=quest,exact"]),
     Fault("2: a list where a group takes one option", ["selector=[quest,exact]", "hydra.run.dir={run}"],
           ["selector=[quest,exact]", "one option", "-m selector=quest,exact"]),
+    Fault("3: an empty run dir", ["hydra.run.dir="], ["hydra.run.dir=''", "is empty", str(ROOT)]),
+    Fault("3: an empty sweep dir", ["hydra.sweep.dir=", "predictor=none,ema"], ["hydra.sweep.dir=''", "is empty"],
+          flags=["-m"]),
     Fault("13: -m with --cfg job", ["selector=quest,exact"], ["-m and --cfg", "drop -m"], flags=["-m", "--cfg", "job"]),
 ]
 

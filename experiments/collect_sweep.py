@@ -28,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from prr.paths import strict_json_dumps
 from prr.results_store import GROUPS, load_layers, load_runs, load_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ def main() -> None:
         "runs_provenance": run_commits(sweeps),
         "rows": table.drop(columns=["command"]).to_dict(orient="records"),
     }
-    out_stem.with_suffix(".json").write_text(json.dumps(provenance, indent=1, default=str) + "\n")
+    out_stem.with_suffix(".json").write_text(strict_json_dumps(provenance, indent=1, default=str) + "\n")
     written.append(out_stem.with_suffix(".json"))
     shown = table.drop(columns=["command", *[g for g in GROUPS if table[g].nunique() <= 1]])
     print(shown.to_string(index=False, float_format=lambda x: f"{x:.4g}"))

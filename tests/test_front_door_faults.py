@@ -114,3 +114,52 @@ def test_every_value_of_a_swept_key_is_checked_as_its_own_job():
     assert sorted(str(j.selector.topk_blocks) for j in jobs) == ["4", "4", "abc"]
     assert json.dumps(sorted(j.predictor._target_.rsplit(".", 1)[1] for j in jobs)) == \
         '["EmaPredictor", "NoPredictor", "NoPredictor"]'
+
+
+def strict_json(text: str):
+    """json.loads refusing NaN and +-Infinity, as jq and browsers do."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_summary_json_is_strict_json_and_its_readers_see_nan(tmp_path, monkeypatch):
+    """4: predictor=none predicts nothing, so its precision is a rate over nothing (NaN): written as
+    null, read back by results_store as NaN."""
+    import math
+
+    from prr.config_check import compose_config
+    from prr.results_store import load_runs
+    from prr.runner import run
+
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path / "cache"))
+    run(compose_config([*TINY, "predictor=none", "runtime=cpu"]), tmp_path / "run")
+    summary = strict_json((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["precision"] is None, summary
+    strict_json((tmp_path / "run" / "provenance.json").read_text())
+    (row,) = load_runs(tmp_path / "run").to_dict("records")
+    assert math.isnan(row["precision"]) and row["hit_rate"] == summary["hit_rate"]
+
+
+def test_every_committed_results_json_is_strict_json():
+    """4: the results JSONs under experiments/ (and every other committed JSON) parse strictly."""
+    listed = subprocess.run(["git", "ls-files", "*.json"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: no list of committed files")
+    files = listed.stdout.split()
+    assert any(f.startswith("experiments/results/") for f in files)
+    for name in files:
+        try:
+            strict_json((ROOT / name).read_text())
+        except ValueError as err:
+            raise AssertionError(f"{name}: {err}") from None
+
+
+def test_strict_json_dumps_writes_null_for_nan_at_any_depth():
+    import numpy as np
+
+    from prr.paths import strict_json_dumps
+
+    text = strict_json_dumps({"a": float("nan"), "b": [1.0, float("inf"), {"c": np.float64("-inf")}], "d": (2, None)})
+    assert strict_json(text) == {"a": None, "b": [1.0, None, {"c": None}], "d": [2, None]}

@@ -163,3 +163,27 @@ def test_strict_json_dumps_writes_null_for_nan_at_any_depth():
 
     text = strict_json_dumps({"a": float("nan"), "b": [1.0, float("inf"), {"c": np.float64("-inf")}], "d": (2, None)})
     assert strict_json(text) == {"a": None, "b": [1.0, None, {"c": None}], "d": [2, None]}
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["job overrides recorded", "no records: from the runs"])
+def test_collect_sweep_records_what_was_swept_in_strict_json(tmp_path, recorded):
+    """6: `swept` named the config values that differ, never a group: a predictor sweep recorded []."""
+    import yaml
+
+    from tests.test_results_store import write_sweep
+
+    sweep = tmp_path / "s"
+    write_sweep(sweep, [{"predictor": "none"}, {"predictor": "ema"}, {"status": "running"}])  # job 2: NaN numbers
+    for job, predictor in enumerate(("none", "ema", "ema")):
+        if recorded:
+            (sweep / str(job) / ".hydra").mkdir()
+            (sweep / str(job) / ".hydra" / "overrides.yaml").write_text(
+                yaml.safe_dump(["model=tiny-random", f"predictor={predictor}"]))
+    done = subprocess.run([sys.executable, "experiments/collect_sweep.py", str(sweep), str(tmp_path / "out"),
+                           *([] if recorded else ["--command", "python run.py -m predictor=none,ema"])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = strict_json((tmp_path / "out.json").read_text())
+    assert record["swept"] == ["predictor"], record["swept"]
+    assert record["rows"][2]["status"] == "running" and record["rows"][2]["hit_rate"] is None

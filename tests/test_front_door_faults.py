@@ -187,3 +187,17 @@ def test_collect_sweep_records_what_was_swept_in_strict_json(tmp_path, recorded)
     record = strict_json((tmp_path / "out.json").read_text())
     assert record["swept"] == ["predictor"], record["swept"]
     assert record["rows"][2]["status"] == "running" and record["rows"][2]["hit_rate"] is None
+
+
+def test_a_second_run_into_a_run_dir_in_use_is_refused_in_one_line(finished):
+    """9: two runs into one hydra.run.dir at once: one died in a JSONDecodeError traceback. The run
+    holds a lock on its dir (flock on the dir itself, no lock file); the second is refused."""
+    from prr.runner import run_dir_lock
+
+    with run_dir_lock(finished.run_dir):  # as a run in progress holds it
+        done = run_py([], ["hydra.run.dir={run}"], finished.tmp, finished.run_dir)
+    text = " ".join(refused_lines(done))
+    assert str(finished.run_dir) in text and "another prr run" in text, text
+    assert sha256_tree(finished.run_dir) == finished.sha256
+    again = run_py([], ["hydra.run.dir={run}"], finished.tmp, finished.run_dir)  # the lock went with its holder
+    assert again.returncode == 0 and "already holds this run, complete; skipped" in again.stdout, again.stderr[-3000:]

@@ -139,10 +139,14 @@ def run_locked(cfg: DictConfig, run_dir: Path, config_yaml: str, hydra_cfg: Dict
         return summary
     except BaseException as err:
         # Mark the run incomplete; the per-step records already flushed stay as they are.
-        write_json_atomic(run_dir / "summary.json", {
-            "status": "failed", "error": f"{type(err).__name__}: {err}",
-            "records_kept": {p.name: count_lines(p) for p in sorted((run_dir / "records").glob("*.jsonl"))},
-        })
+        try:
+            write_json_atomic(run_dir / "summary.json", {
+                "status": "failed", "error": f"{type(err).__name__}: {err}",
+                "records_kept": {p.name: count_lines(p) for p in sorted((run_dir / "records").glob("*.jsonl"))},
+            })
+        except OSError as unwritten:  # a full disk refuses this too: the run's own error is the one to report,
+            # and summary.json still says "running" (never "complete"), which run.py's line states
+            err.add_note(f"summary.json could not be marked failed: {unwritten}")
         raise
     finally:
         logger.finish(ok)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -40,6 +41,15 @@ def run_py(flags: list[str], args: list[str], tmp: Path, run_dir: Path, env: dic
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PRR_CACHE_DIR": str(tmp / "cache"),
                 **{k: fill(v) for k, v in (env or {}).items()}}
     return subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def refused_mid_run(done: subprocess.CompletedProcess) -> list[str]:
+    """refused_lines for a run stopped after it began: its progress bars (tqdm's, on stderr) left aside."""
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not re.search(r"\d+%\|", line)]
+    assert 1 <= len(lines) <= 2, done.stderr
+    return lines
 
 
 @dataclass
@@ -201,3 +211,29 @@ def test_a_second_run_into_a_run_dir_in_use_is_refused_in_one_line(finished):
     assert sha256_tree(finished.run_dir) == finished.sha256
     again = run_py([], ["hydra.run.dir={run}"], finished.tmp, finished.run_dir)  # the lock went with its holder
     assert again.returncode == 0 and "already holds this run, complete; skipped" in again.stdout, again.stderr[-3000:]
+
+
+# Run run.py with its records' writes refused as by a full disk ({also}: more to refuse)
+DISK_FULL = ("import errno, runpy, sys; import prr.sinks, prr.paths\n"
+             "def full(*args, **kwargs): raise OSError(errno.ENOSPC, 'No space left on device')\n"
+             "prr.sinks.JsonlWriter.write = full\n{also}\n"
+             "sys.argv = ['run.py', *sys.argv[1:]]; runpy.run_path('run.py', run_name='__main__')")
+REFUSE_FAILED_MARK = ("write = prr.paths.write_text_atomic\n"
+                      "def refuse_failed(path, text):\n"
+                      "    if '\"failed\"' in text: full()\n"
+                      "    write(path, text)\n"
+                      "prr.paths.write_text_atomic = refuse_failed")
+
+
+@pytest.mark.parametrize("also, state", [("", "marked failed"), (REFUSE_FAILED_MARK, "could not be marked failed")],
+                         ids=["summary writable", "summary not writable either"])
+def test_a_full_disk_is_one_line_and_the_summary_marked_failed_where_it_can_be(finished, tmp_path, also, state):
+    """11: a 46-line traceback and summary.json left at `running` before."""
+    argv = [sys.executable, "-c", DISK_FULL.format(also=also), *TINY, f"hydra.run.dir={tmp_path / 'r'}"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PRR_CACHE_DIR": str(finished.tmp / "cache")})
+    text = " ".join(refused_mid_run(done))
+    assert "No space left on device" in text and "disk is full" in text and str(tmp_path / "r") in text, text
+    assert state in text, text
+    status = strict_json((tmp_path / "r" / "summary.json").read_text())["status"]
+    assert status == ("failed" if state == "marked failed" else "running")

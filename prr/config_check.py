@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from prr.cli_exits import ConfigError as ConfigError  # callers import it from here too
+from prr.model.describe import is_random_init
 
 GROUPS = ("model", "selector", "predictor", "budget", "task", "logger", "runtime", "backend")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -222,6 +223,12 @@ def model_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> li
             and budget.hit_rate != declared:
         problems.append(f"budget=profiled checks PRR's stage with P holding budget.hit_rate={budget.hit_rate} of A, but "
                         f"predictor={name} holds {declared}: set budget.hit_rate={declared}")
+    prompt_file = getattr(task, "prompt_file", None)
+    if prompt_file and is_random_init(cfg.model.name_or_path):  # found once the model loaded, before
+        from prr.tasks.long_text import prompt_file_needs_a_tokenizer
+
+        problems.append(prompt_file_needs_a_tokenizer(prompt_file, f"model.name_or_path={cfg.model.name_or_path!r} "
+                                                      "is a random-init model, which decodes seeded random token ids"))
     if model.num_heads % model.num_kv_heads:
         problems.append(f"model has {model.num_heads} query heads, not a multiple of {model.num_kv_heads} KV heads")
     return problems

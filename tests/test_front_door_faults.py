@@ -63,6 +63,7 @@ class Finished:
 def finished(tmp_path_factory) -> Finished:
     tmp = tmp_path_factory.mktemp("faults")
     run_dir = tmp / "run0"
+    (tmp / "prompt.txt").write_text("Long enough text for any prompt of these tests. " * 100)
     done = run_py([], [f"hydra.run.dir={run_dir}"], tmp, run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     return Finished(tmp, run_dir, sha256_tree(run_dir))
@@ -83,6 +84,9 @@ FAULTS = [
     Fault("3: an empty run dir", ["hydra.run.dir="], ["hydra.run.dir=''", "is empty", str(ROOT)]),
     Fault("3: an empty sweep dir", ["hydra.sweep.dir=", "predictor=none,ema"], ["hydra.sweep.dir=''", "is empty"],
           flags=["-m"]),
+    Fault("12: a prompt file for a model without a tokenizer", ["task.prompt_file={tmp}/prompt.txt",
+                                                                  "hydra.run.dir={run}"],
+          ["task.prompt_file=", "prompt.txt", "model.name_or_path='tiny-random'", "tokenizer"]),
     Fault("13: -m with --cfg job", ["selector=quest,exact"], ["-m and --cfg", "drop -m"], flags=["-m", "--cfg", "job"]),
 ]
 

@@ -61,6 +61,11 @@ def describe_model(
     return read_dir_config(target)
 
 
+def is_random_init(name_or_path: str) -> bool:
+    """A random-init zoo model (tiny-random, the 8B and 70B shapes): no weights, no tokenizer."""
+    return isinstance(ZOO.get(name_or_path), RandomInitSpec)
+
+
 def resolve(name_or_path: str) -> tuple[str, Any]:
     """-> ("zoo", spec) | ("dir", Path) | ("gguf", Path) | ("hub", repo_id)."""
     if name_or_path in ZOO:

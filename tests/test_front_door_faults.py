@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -241,3 +242,48 @@ def test_a_full_disk_is_one_line_and_the_summary_marked_failed_where_it_can_be(f
     assert state in text, text
     status = strict_json((tmp_path / "r" / "summary.json").read_text())["status"]
     assert status == ("failed" if state == "marked failed" else "running")
+
+
+def locked_dir(folder: Path) -> list[str]:
+    """Make folder unwritable (chattr +i as root, chmod 555 otherwise); returns the command that undoes it."""
+    if os.geteuid() == 0:
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
+            pytest.skip("root without chattr +i here: no way to make a directory unwritable")
+        return ["chattr", "-i", str(folder)]
+    folder.chmod(0o555)
+    return ["chmod", "755", str(folder)]
+
+
+def test_a_read_only_cache_dir_before_the_first_conversion_is_one_line(finished, tmp_path):
+    """8: a 34-line PermissionError (EROFS) traceback from the conversion's temp dir."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    unlock = locked_dir(cache)
+    try:
+        argv = [sys.executable, "run.py", "model=smollm2-135m", "logger=none", "hydra.run.dir={run}"]
+        done = subprocess.run([a.replace("{run}", str(finished.run_dir)) for a in argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PRR_CACHE_DIR": str(cache)})
+    finally:
+        subprocess.run(unlock, check=True)
+    text = " ".join(refused_lines(done))
+    assert f"PRR_CACHE_DIR={str(cache)!r}" in text and "smollm2-135m" in text and "not converted" in text, text
+    assert not any(cache.iterdir()) and sha256_tree(finished.run_dir) == finished.sha256
+
+
+def test_a_cache_made_read_only_during_the_run_is_a_config_error_naming_it(tmp_path):
+    """8, past run.py's check (the cache turned read-only since): the conversion's temp dir is refused in one line."""
+    from prr.config_check import ConfigError
+    from prr.model.loading import ensure_gguf_converted
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    unlock = locked_dir(cache)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            ensure_gguf_converted(gguf, cache / "models" / "m")
+    finally:
+        subprocess.run(unlock, check=True)
+    (problem,) = refused.value.problems
+    assert str(cache) in problem and "PRR_CACHE_DIR" in problem, problem

@@ -61,6 +61,24 @@ def describe_model(
     return read_dir_config(target)
 
 
+def pending_conversion(name_or_path: str, cache_dir: str | None = None) -> Path | None:
+    """The cache dir a load of this model would convert its GGUF into (the wheel's zoo models, a
+    local .gguf) while that conversion is not finished there; None when loading writes nothing
+    to prr's cache (or the model does not resolve: describe_model says why)."""
+    cache_root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
+    try:
+        kind, target = resolve(name_or_path)
+        if isinstance(target, WheelGGUFSpec):
+            converted = cache_root / "models" / target.cache_key
+        elif kind == "gguf":
+            converted = gguf_cache_path(target, cache_root)
+        else:
+            return None
+    except (OSError, ValueError):
+        return None
+    return None if (converted / CONVERTED_MARKER).is_file() else converted
+
+
 def is_random_init(name_or_path: str) -> bool:
     """A random-init zoo model (tiny-random, the 8B and 70B shapes): no weights, no tokenizer."""
     return isinstance(ZOO.get(name_or_path), RandomInitSpec)

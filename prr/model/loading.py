@@ -16,6 +16,7 @@ conversion never leaves a half cache. Later loads read the safetensors directly.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from prr.cli_exits import ConfigError
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
 from prr.model.describe import describe_model as describe_model  # callers import it from here too
@@ -373,10 +375,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path, extra_provenance: dict[str, Any
 @contextlib.contextmanager
 def _atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a temp dir beside `final`; rename it to `final` only if the body succeeds."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(final)
     prefix = f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(final)
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    except OSError as err:  # run.py checks this first (prr.front_door); a cache made read-only since ends here
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError([f"{final.parent} cannot be written ({err.strerror}), and {final.name} is not converted "
+                           "there yet; point PRR_CACHE_DIR at a writable directory"]) from None
     try:
         yield tmp
         try:

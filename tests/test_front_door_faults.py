@@ -287,3 +287,69 @@ def test_a_cache_made_read_only_during_the_run_is_a_config_error_naming_it(tmp_p
         subprocess.run(unlock, check=True)
     (problem,) = refused.value.problems
     assert str(cache) in problem and "PRR_CACHE_DIR" in problem, problem
+
+
+@pytest.fixture(scope="module")
+def cached_conversion(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(the .gguf named on the command line, its conversion in prr's cache, the cache): a tiny HF
+    dir as a finished conversion leaves it, every file's sha256 recorded as prr records it now."""
+    import hashlib
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prr.model.loading import CONVERTED_MARKER, gguf_cache_path
+
+    tmp = tmp_path_factory.mktemp("conversion")
+    gguf = tmp / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: its conversion is already in the cache
+    cached = gguf_cache_path(gguf, tmp / "cache")
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(cached)
+    (cached / "tokenizer.json").write_text('{"version": "1.0"}')  # stands for the converted tokenizer
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in cached.iterdir() if p.is_file()}
+    (cached / CONVERTED_MARKER).write_text(json.dumps({"sha256": digests}))
+    return gguf, cached, tmp / "cache"
+
+
+HF = ["task.prompt_tokens=96", "task.max_new_tokens=2", "selector.topk_blocks=2", "selector.dense_layers=[]",
+      "logger=none"]
+
+
+def cut_in_half(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def one_digit_changed(data: bytes) -> bytes:  # still valid JSON: only the checksum tells
+    return data.replace(b'"intermediate_size": 64', b'"intermediate_size": 65')
+
+
+@pytest.mark.parametrize("damaged, damage, record, said", [
+    ("config.json", one_digit_changed, True, "checksum mismatch"),
+    ("tokenizer.json", cut_in_half, True, "checksum mismatch"),
+    ("config.json", cut_in_half, True, "not a model config"),  # refused before torch: run.py reads the config first
+    ("tokenizer.json", cut_in_half, False, "tokenizer files cannot be loaded"),  # a conversion that recorded
+], ids=["config changed", "tokenizer recorded", "config not JSON", "tokenizer unrecorded"])  # only its weights
+def test_a_corrupt_config_or_tokenizer_in_prrs_cache_names_the_dir_to_delete(cached_conversion, tmp_path,
+                                                                              damaged, damage, record, said):
+    """10: 48-55-line tracebacks; only the safetensors were checksummed."""
+    from prr.model.loading import CONVERTED_MARKER
+
+    gguf, original, cache = cached_conversion
+    work_cache = tmp_path / "cache"
+    shutil.copytree(cache, work_cache)
+    cached = work_cache / original.relative_to(cache)
+    if not record:
+        marker = json.loads((cached / CONVERTED_MARKER).read_text())
+        (cached / CONVERTED_MARKER).write_text(json.dumps({"sha256": {"model.safetensors":
+                                                                      marker["sha256"]["model.safetensors"]}}))
+    data = (cached / damaged).read_bytes()
+    assert damage(data) != data
+    (cached / damaged).write_bytes(damage(data))
+    argv = [sys.executable, "run.py", "model=hf", f"model.name_or_path={gguf}", *HF, f"hydra.run.dir={tmp_path / 'r'}"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PRR_CACHE_DIR": str(work_cache), "OMP_NUM_THREADS": "1"})
+    text = " ".join(refused_lines(done))
+    assert said in text and f"delete {cached}" in text, text

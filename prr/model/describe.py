@@ -52,7 +52,7 @@ def describe_model(
     if kind == "gguf":
         converted = gguf_cache_path(target, cache_root)
         if (converted / CONVERTED_MARKER).is_file():
-            return read_dir_config(converted)
+            return read_dir_config(converted, in_conversion_cache=True)
         from transformers import AutoConfig
 
         return ModelConfig.from_hf(AutoConfig.from_pretrained(target.parent, gguf_file=target.name))
@@ -136,12 +136,30 @@ def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
     return path
 
 
-def read_dir_config(path: Path) -> ModelConfig:
+class CorruptModelFile(ValueError):
+    """A model file that cannot be what it claims (bad header, truncated, checksum mismatch, not
+    JSON); the message names the file (and, in prr's conversion cache, the dir to delete)."""
+
+
+def delete_advice(folder: Path, in_conversion_cache: bool) -> str:
+    """What a corrupt file's message tells the user to do: deleting is advised only for prr's
+    cache; the same advice for a model directory of the user's own would destroy the only copy."""
+    return f"; delete {folder} (prr's conversion cache) to reconvert it" if in_conversion_cache else ""
+
+
+def read_dir_config(path: Path, in_conversion_cache: bool = False) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        config = json.loads(config_file.read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+    except ValueError as err:  # not JSON, not UTF-8 (a flipped byte, a cut-off write)
+        raise CorruptModelFile(f"{config_file}: not a model config ({' '.join(str(err).split())})"
+                               f"{delete_advice(path, in_conversion_cache)}") from None
     # Check model_type ourselves first: AutoConfig's own error for unknown types is vaguer.
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    model_type = config.get("model_type")
     if model_type not in SUPPORTED_ARCHS:
         raise ValueError(
             f"unsupported model_type {model_type!r} in {config_file}: prr's decoder implements "

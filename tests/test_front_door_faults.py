@@ -353,3 +353,23 @@ def test_a_corrupt_config_or_tokenizer_in_prrs_cache_names_the_dir_to_delete(cac
                           env={**os.environ, "PRR_CACHE_DIR": str(work_cache), "OMP_NUM_THREADS": "1"})
     text = " ".join(refused_lines(done))
     assert said in text and f"delete {cached}" in text, text
+
+
+def test_the_install_stamp_belongs_to_the_interpreter(tmp_path):
+    """7: the stamp lived in the checkout, so a new venv (or PYTHON=) after a first install skipped the
+    install and the run died in `ModuleNotFoundError: omegaconf`. Now it lives in the venv."""
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+
+    def stamp(python: str) -> str:
+        return subprocess.run(["make", "-s", "print-test-stamp", f"PYTHON={python}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60, check=True).stdout.strip()
+
+    fresh = stamp(str(venv / "bin" / "python"))
+    assert fresh.startswith(str(venv) + os.sep) and fresh != stamp(sys.executable), fresh
+    # make -q: 1 where the target is out of date, so `make run` with the new venv installs first
+    pending = subprocess.run(["make", "-q", fresh, f"PYTHON={venv / 'bin' / 'python'}"], cwd=ROOT, capture_output=True,
+                             timeout=60)
+    assert pending.returncode == 1

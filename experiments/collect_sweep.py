@@ -14,7 +14,8 @@ writes
 Runs whose summary is not `complete` are listed with their status, never dropped silently.
 The command defaults to the one the runs ran (each job's .hydra/overrides.yaml; multirun.yaml,
 which a later relaunch rewrites, only where no job left one); OUT_STEM.json also lists the runs'
-git commits and package versions (their provenance.json).
+git commits, package versions, machines and inputs (weights' and prompt file's sha256: their
+provenance.json).
 """
 
 from __future__ import annotations
@@ -102,12 +103,12 @@ def swept_keys(sweeps: list[Path], runs: pd.DataFrame) -> list[str]:
 
 
 def run_commits(sweeps: list[Path]) -> list[dict]:
-    """Each run's provenance.json (git commit, dirty flag, versions), distinct, in job order."""
+    """Each run's provenance.json (git commit, dirty flag, versions, machine, inputs), distinct, in job order."""
     seen: list[dict] = []
     for sweep in sweeps:
         for record in sorted(sweep.rglob("provenance.json")):
             found = json.loads(record.read_text())
-            entry = {"git": found.get("git"), "versions": found.get("versions")}
+            entry = {k: found.get(k) for k in ("git", "versions", "machine", "inputs")}
             if entry not in seen:
                 seen.append(entry)
     return seen

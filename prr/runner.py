@@ -3,7 +3,8 @@ provenance, then the run itself through the run driver (prr/driver.py), status k
 
 Run directory layout (Hydra's run dir):
   config.yaml              resolved config
-  provenance.json          git commit and dirty flag, prr/torch/triton/transformers versions, argv
+  provenance.json          git commit and dirty flag, package versions, CPU/GPU model, argv, and the inputs:
+                           the weights' sha256 (prr_source.json's record) and the prompt file's
   summary.json             run-level numbers; status running -> complete | failed
   records/steps.jsonl      one row per (decode step, layer, batch row, KV head), flushed per step
   records/tokens.jsonl     one row per decode step: token, latency
@@ -122,7 +123,7 @@ def run_locked(cfg: DictConfig, run_dir: Path, config_yaml: str, hydra_cfg: Dict
     if hydra_cfg is not None:
         write_hydra_record(run_dir, cfg, hydra_cfg)
     write_text_atomic(run_dir / "config.yaml", config_yaml)
-    write_json_atomic(run_dir / "provenance.json", provenance())  # git commit (dirty?), package versions
+    write_json_atomic(run_dir / "provenance.json", provenance(cfg))  # commit (dirty?), versions, machine, inputs
     write_json_atomic(run_dir / "summary.json", {"status": "running"})
     logger = instantiate(cfg.logger)
     ok = False

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from prr.provenance import PACKAGES
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny-random", "logger=none", "selector.dense_layers=[]", "task.prompt_tokens=256", "task.max_new_tokens=2",
         "selector.topk_blocks=4", "task.stop_at_eos=false"]
@@ -177,7 +179,8 @@ def test_a_refused_sweep_relaunch_changes_no_file_and_collect_reads_what_the_run
     resume sweeper is the default), and collect_sweep takes the command from the runs' records."""
     sweep = tmp_path / "sweep"
     base = [sys.executable, "run.py", "-m", *TINY, "predictor=none,last_step", f"hydra.sweep.dir={sweep}"]
-    env = {**os.environ, "PRR_CACHE_DIR": str(finished.tmp / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PRR_CACHE_DIR": str(finished.tmp / "cache"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}  # experiments/*.py import this checkout's prr, whichever one pip installed
     done = subprocess.run([*base, "task.max_new_tokens=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     before = sha256_tree(sweep)
@@ -195,7 +198,7 @@ def test_a_refused_sweep_relaunch_changes_no_file_and_collect_reads_what_the_run
     record = json.loads((tmp_path / "out.json").read_text())
     assert "task.max_new_tokens=3" in record["command"] and "predictor=none,last_step" in record["command"]
     (commit,) = record["runs_provenance"]  # both runs: one checkout, one set of versions
-    assert set(commit["versions"]) == {"prr", "torch", "triton", "transformers"} and "dirty" in commit["git"]
+    assert set(commit["versions"]) == set(PACKAGES) and "dirty" in commit["git"]
 
 
 def test_another_config_relaunched_into_an_interrupted_runs_dir_is_refused(finished, tmp_path):
@@ -215,7 +218,7 @@ def test_another_config_relaunched_into_an_interrupted_runs_dir_is_refused(finis
 
 def test_each_run_records_its_commit_and_versions(finished):
     record = json.loads((finished.run_dir / "provenance.json").read_text())
-    assert set(record["versions"]) == {"prr", "torch", "triton", "transformers"}
+    assert set(record["versions"]) == set(PACKAGES)
     import torch
 
     assert record["versions"]["torch"] == torch.__version__

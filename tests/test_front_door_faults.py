@@ -373,3 +373,33 @@ def test_the_install_stamp_belongs_to_the_interpreter(tmp_path):
     pending = subprocess.run(["make", "-q", fresh, f"PYTHON={venv / 'bin' / 'python'}"], cwd=ROOT, capture_output=True,
                              timeout=60)
     assert pending.returncode == 1
+
+
+def test_provenance_records_the_inputs_versions_and_machine(finished, cached_conversion, tmp_path):
+    """15: a run dir could not show that its inputs were the same."""
+    import hashlib
+
+    from prr.model.loading import CONVERTED_MARKER
+    from prr.provenance import inputs, weights_record
+
+    record = strict_json((finished.run_dir / "provenance.json").read_text())
+    assert {"hydra-core", "omegaconf", "numpy", "tokenizers"} <= set(record["versions"])
+    assert all(record["versions"][p] for p in ("hydra-core", "omegaconf", "numpy", "tokenizers")), record["versions"]
+    assert record["machine"]["cpu"] and record["machine"]["cpu_count"] and "gpu" in record["machine"]
+    assert record["inputs"] == {"weights": {"model": "tiny-random", "random_init_seed": 0}, "prompt_file": None}
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("some text\n")
+    seen = inputs({"model": {"name_or_path": "tiny-random"}, "task": {"prompt_file": str(prompt)}})
+    assert seen["prompt_file"] == {"path": str(prompt), "sha256": hashlib.sha256(b"some text\n").hexdigest()}
+
+    gguf, cached, cache = cached_conversion  # a conversion: prr_source.json's record of every file
+    recorded = json.loads((cached / CONVERTED_MARKER).read_text())["sha256"]
+    assert weights_record(str(gguf), str(cache))["sha256"] == recorded
+    fresh = weights_record(str(gguf), str(tmp_path / "empty-cache"))  # not converted yet: the GGUF's own sha256
+    assert fresh["source_sha256"] == hashlib.sha256(b"GGUF").hexdigest() and fresh["converted"] is None
+    own = tmp_path / "own"  # a directory of the user's: each safetensors file's sha256, computed
+    shutil.copytree(cached, own)
+    (own / CONVERTED_MARKER).unlink()
+    weights = (own / "model.safetensors").read_bytes()
+    assert weights_record(str(own))["sha256"] == {"model.safetensors": hashlib.sha256(weights).hexdigest()}

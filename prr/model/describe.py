@@ -106,6 +106,17 @@ def resolve(name_or_path: str) -> tuple[str, Any]:
     )
 
 
+def hub_snapshot_cached(repo_id: str) -> Path | None:
+    """The local HF cache's snapshot of a hub repo holding its weights, or None (nothing downloaded)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except Exception:  # noqa: BLE001 - LocalEntryNotFoundError and friends: not cached
+        return None
+    return path if any(path.glob("*.safetensors")) else None
+
+
 def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
     """A local snapshot of a hub repo: the HF cache if it holds what we need, else a download."""
     from huggingface_hub import snapshot_download

@@ -403,3 +403,41 @@ def test_provenance_records_the_inputs_versions_and_machine(finished, cached_con
     (own / CONVERTED_MARKER).unlink()
     weights = (own / "model.safetensors").read_bytes()
     assert weights_record(str(own))["sha256"] == {"model.safetensors": hashlib.sha256(weights).hexdigest()}
+
+
+def time_faults(repeats: int) -> None:
+    """Each refused case of FAULTS, timed as tests/test_front_door.py times its cases (wall and the
+    child's CPU seconds), into a temporary dir (the run dir a fresh one)."""
+    import resource
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        (tmp / "prompt.txt").write_text("Long enough text for any prompt of these tests. " * 100)
+        print(f"load average before: {os.getloadavg()}, {os.cpu_count()} CPUs, {repeats} repeats")
+        slowest = (0.0, "")
+        for fault in FAULTS:
+            times, cpu = [], []
+            for _ in range(repeats):
+                used = resource.getrusage(resource.RUSAGE_CHILDREN)
+                start = time.perf_counter()
+                done = run_py(fault.flags, fault.args, tmp, tmp / "run0", fault.env)
+                times.append(time.perf_counter() - start)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu.append(after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime)
+                assert done.returncode == 2, (fault.name, done.stderr[-2000:])
+            times.sort()
+            cpu.sort()
+            print(f"{fault.name:50s} wall min {times[0]:.2f} median {times[len(times) // 2]:.2f} max {times[-1]:.2f} s"
+                  f" | CPU max {cpu[-1]:.2f} s")
+            slowest = max(slowest, (times[-1], fault.name))
+        print(f"slowest wall: {slowest[1]} {slowest[0]:.2f} s; load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="time each refused case of tests/test_front_door_faults.py")
+    parser.add_argument("--repeats", type=int, default=5)
+    time_faults(parser.parse_args().repeats)

@@ -280,10 +280,12 @@ def key_elsewhere(tree: dict[str, Any], key: str, group: str | None) -> str | No
 
 
 def closest(name: str, names: list[str]) -> str | None:
-    """The valid name meant by `name`: one containing it (topk -> topk_blocks), else the most similar."""
-    containing = [n for n in names if name in n]
-    similar = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-    return (containing or similar or [None])[0]
+    """The valid name meant by `name`, case aside: one containing it (topk -> topk_blocks), else the most similar."""
+    folded = {n.casefold(): n for n in names}  # QUEST -> quest: case is the likeliest slip of all
+    key = name.casefold()
+    containing = [n for f, n in folded.items() if key in f]
+    similar = difflib.get_close_matches(key, list(folded), n=1, cutoff=0.5)
+    return (containing or [folded[s] for s in similar] or [None])[0]
 
 
 def one_line(err: BaseException) -> str:

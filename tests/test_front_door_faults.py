@@ -88,6 +88,7 @@ FAULTS = [
     Fault("12: a prompt file for a model without a tokenizer", ["task.prompt_file={tmp}/prompt.txt",
                                                                   "hydra.run.dir={run}"],
           ["task.prompt_file=", "prompt.txt", "model.name_or_path='tiny-random'", "tokenizer"]),
+    Fault("small: an option in capitals", ["selector=QUEST"], ["selector=QUEST", "did you mean quest?"]),
     Fault("13: -m with --cfg job", ["selector=quest,exact"], ["-m and --cfg", "drop -m"], flags=["-m", "--cfg", "job"]),
 ]
 

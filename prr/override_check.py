@@ -41,10 +41,10 @@ def check_command_line(argv: list[str], conf_dir: Path, config_name: str) -> lis
     modes = [flag for flag, on in (("-m", args.multirun), ("--cfg", args.cfg), ("--info", args.info),
                                    ("--shell-completion", args.shell_completion)) if on]
     if len(modes) > 1:  # Hydra raises a ValueError (a traceback) for these
-        first = "print one job's config" if args.cfg else "show information"
-        raise BadOverride(f"{' and '.join(modes)} cannot go together: Hydra runs one mode at a time; drop -m to {first} "
-                          "(it prints the first value of each swept override's), or drop "
-                          f"{modes[1]} to run the sweep")
+        what = "print a job's config" if args.cfg else "show information"
+        raise BadOverride(f"{' and '.join(modes)} cannot go together: Hydra runs one mode at a time; to {what}, "
+                          "drop -m and give each swept override one value (selector=quest,exact -> selector=quest); "
+                          f"to run the sweep, drop {modes[1]}")
     if args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun:
         return None  # Hydra's help and information, as Hydra prints them; a rerun takes a pickled config, not argv
     if args.config_path or args.config_dir:

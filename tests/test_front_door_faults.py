@@ -3,7 +3,11 @@
 Each refused case runs `python run.py` in a subprocess and asserts what tests/test_front_door.py
 asserts of its cases: exit code 2, one or two lines on stderr, no traceback, the value or path
 named, and every file of an earlier, finished run unchanged (sha256). A sweep refused before its
-first job leaves no sweep dir and no multirun.yaml."""
+first job leaves no sweep dir and no multirun.yaml. Item by item: 1, 2, 3, 12, 13 and "selector=QUEST"
+in FAULTS (and the sweep-product test); 4 the strict-JSON tests; 6 collect_sweep's; 7 the install
+stamp's; 8 the read-only cache's; 9 the run-dir lock's; 10 the corrupt config or tokenizer's; 11 the
+full disk's; 14 tests/test_front_door.py's cases, decided before torch; 15 provenance's; 5 lives in
+tests/test_figures.py. The refusals are timed by `python -m tests.test_front_door_faults --repeats 3`."""
 
 from __future__ import annotations
 

@@ -4,15 +4,17 @@ Hydra reports these itself in several lines (a traceback for some), and in a swe
 the bad job's turn comes, after the jobs before it have run.
 
 Each job that a sweep's group options produce is composed once: every override at its first
-value, then each other value of a swept group alone. Each other value of a swept key is set
-in the first job's config as Hydra sets a key, so that prr's validation checks every value
-before job 0 runs (hydra_plugins/prr_resume then checks every job of the full product before
-launching one)."""
+value, then each other value of a swept group alone. Every combination of the swept keys'
+values is set in the first job's config as Hydra sets a key, so that prr's validation checks
+every value, and values that clash only together, before job 0 runs (hydra_plugins/prr_resume
+then checks every job of the full product, group options included, before launching one)."""
 
 from __future__ import annotations
 
 import copy
 import difflib
+import itertools
+import math
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -85,9 +87,9 @@ def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, mult
                 preset = parse([f"{k}={v}" for k, v in params.items()], loader)
                 jobs, key_values = sweep_jobs(preset + parsed, groups, loader)
         composed = [compose_job(config_name, job, groups) for job in jobs]
-        # each other value of a swept key, set in the first job's config as Hydra sets a key override
-        # (a compose costs ~80 ms on 2 cores; setting a key, well under 1 ms)
-        return composed + [with_key_value(composed[0], line, loader) for line in key_values]
+        # the swept keys' values, every combination of them, set in the first job's config as Hydra sets a
+        # key override (a compose costs ~80 ms on 2 cores; setting a key, well under 1 ms)
+        return composed + [with_key_values(composed[0], combination, loader) for combination in key_combinations(key_values)]
 
 
 def sweep_without_multirun(override: Override, groups: set[str]) -> str:
@@ -144,9 +146,10 @@ def config_groups(loader: ConfigLoader, parent: str = "") -> set[str]:
     return found
 
 
-def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader) -> tuple[list[list[str]], list[str]]:
+def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader
+               ) -> tuple[list[list[str]], dict[str, list[str]]]:
     """Override lines of the jobs to compose (module docstring), each group option checked on
-    the way, and the lines of each swept key's values after its first (`with_key_value` sets
+    the way, and each swept key's lines of its values after the first (`with_key_values` sets
     them in the first job). A later override of the same key replaces an earlier one, as in
     Hydra's basic sweeper."""
     values: dict[str, list[str]] = {}
@@ -176,27 +179,43 @@ def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader) -
     jobs = [list(first.values())]
     for key, lines in values.items():
         jobs += [list({**first, key: line}.values()) for line in lines[1:]]
-    return jobs, [line for lines in key_values.values() for line in lines]
+    return jobs, key_values
 
 
-def with_key_value(first_job: DictConfig, line: str, loader: ConfigLoader) -> DictConfig:
-    """first_job's config with the key override `line` applied by Hydra's own rule (the config
-    loader's; `+key=v`, already added in the first job, is set as `++key=v`): the job of a swept
-    key's other value. A mapping value would merge into the first value's node rather than the
+MAX_KEY_COMBINATIONS = 1024  # beyond: each value alone (the resume sweeper checks every job before launching one)
+
+
+def key_combinations(key_values: dict[str, list[str]]) -> list[list[str]]:
+    """The override lines of every combination of the swept keys' values other than all-first
+    (key_values: each swept key's values after its first), so that values that clash only together
+    (topk_blocks=4,12 with prompt_tokens=256,128) are refused before Hydra too; over
+    MAX_KEY_COMBINATIONS, each value alone."""
+    choices = [[None, *lines] for lines in key_values.values()]
+    if math.prod(len(c) for c in choices) > MAX_KEY_COMBINATIONS:
+        return [[line] for lines in key_values.values() for line in lines]
+    return [[line for line in combination if line is not None]
+            for combination in itertools.product(*choices) if any(line is not None for line in combination)]
+
+
+def with_key_values(first_job: DictConfig, lines: list[str], loader: ConfigLoader) -> DictConfig:
+    """first_job's config with the key overrides `lines` applied by Hydra's own rule (the config
+    loader's; `+key=v`, already added in the first job, is set as `++key=v`): the job of swept
+    keys' other values. A mapping value would merge into the first value's node rather than the
     config's own: refused, as prr's configs sweep scalars and lists."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-    (override,) = parse([line], loader)
-    if isinstance(override.value(), dict):
-        raise BadOverride(f"{line}: prr checks a sweep's jobs before running them and sweeps plain values and lists, "
-                          "not mappings; set the mapping's keys one by one (key.a=1,2)")
-    if override.is_add():
-        (override,) = parse(["+" + line], loader)
     job = copy.deepcopy(first_job)
-    try:
-        ConfigLoaderImpl._apply_overrides_to_config([override], job)
-    except Exception as err:  # noqa: BLE001 - what Hydra would refuse when this job's turn came
-        raise BadOverride(f"{line}: {one_line(err)}") from None
+    for line in lines:
+        (override,) = parse([line], loader)
+        if isinstance(override.value(), dict):
+            raise BadOverride(f"{line}: prr checks a sweep's jobs before running them and sweeps plain values and "
+                              "lists, not mappings; set the mapping's keys one by one (key.a=1,2)")
+        if override.is_add():
+            (override,) = parse(["+" + line], loader)
+        try:
+            ConfigLoaderImpl._apply_overrides_to_config([override], job)
+        except Exception as err:  # noqa: BLE001 - what Hydra would refuse when this job's turn came
+            raise BadOverride(f"{line}: {one_line(err)}") from None
     return job
 
 

@@ -108,14 +108,26 @@ def test_a_fault_is_refused_in_one_line_and_the_earlier_run_is_untouched(fault, 
     assert sha256_tree(finished.run_dir) == finished.sha256
 
 
-def test_a_sweep_whose_values_clash_only_in_one_job_is_refused_before_any_job_runs(finished):
-    """Each value passes alone (run.py checks it before Hydra); job 3 (topk 12 of a 128-token prompt's
-    8 blocks) does not: the resume sweeper validates every job of the product before launching one."""
+def test_swept_values_that_clash_only_together_are_refused_before_any_job_runs(finished):
+    """Each value passes alone; topk 12 of a 128-token prompt's 8 blocks does not: every combination of
+    the swept keys is checked before Hydra starts."""
     sweep = finished.tmp / "clash"
     done = run_py(["-m"], ["selector.topk_blocks=4,12", "task.prompt_tokens=256,128", f"hydra.sweep.dir={sweep}"],
                   finished.tmp, finished.run_dir)
     text = " ".join(refused_lines(done))
-    assert "sweep job #3" in text and "selector.topk_blocks=12" in text and "task.prompt_tokens=128" in text, text
+    assert "selector.topk_blocks=12" in text and "8 blocks" in text, text
+    assert not sweep.exists()  # no job ran, no multirun.yaml
+
+
+def test_a_group_option_and_a_key_that_clash_only_in_one_job_are_refused_before_any_job_runs(finished):
+    """Each passes alone (run.py composes each group option once); job 3 (ema_calibrated with 2
+    calibration tokens) does not: the resume sweeper validates every job of the product before
+    launching one."""
+    sweep = finished.tmp / "clash-group"
+    done = run_py(["-m"], ["predictor=none,ema_calibrated", "runtime.calibration_tokens=32,2",
+                           f"hydra.sweep.dir={sweep}"], finished.tmp, finished.run_dir)
+    text = " ".join(refused_lines(done))
+    assert "sweep job #3" in text and "predictor=ema_calibrated" in text and "calibration_tokens=2" in text, text
     assert not sweep.exists()  # no job ran, no multirun.yaml
 
 
@@ -134,6 +146,10 @@ def test_every_value_of_a_swept_key_is_checked_as_its_own_job():
     assert sorted(str(j.selector.topk_blocks) for j in jobs) == ["4", "4", "abc"]
     assert json.dumps(sorted(j.predictor._target_.rsplit(".", 1)[1] for j in jobs)) == \
         '["EmaPredictor", "NoPredictor", "NoPredictor"]'
+    jobs = check_command_line(["-m", *TINY, "selector.topk_blocks=4,8,12", "task.prompt_tokens=256,128"],
+                              ROOT / "conf", "config")  # every combination of the swept keys
+    assert sorted((j.selector.topk_blocks, j.task.prompt_tokens) for j in jobs) == \
+        [(k, t) for k in (4, 8, 12) for t in (128, 256)]
 
 
 def strict_json(text: str):

@@ -4,10 +4,11 @@ Hydra reports these itself in several lines (a traceback for some), and in a swe
 the bad job's turn comes, after the jobs before it have run.
 
 Each job that a sweep's group options produce is composed once: every override at its first
-value, then each other value of a swept group alone. Every combination of the swept keys'
-values is set in the first job's config as Hydra sets a key, so that prr's validation checks
-every value, and values that clash only together, before job 0 runs (hydra_plugins/prr_resume
-then checks every job of the full product, group options included, before launching one)."""
+value, then each other value of a swept group alone; the other combinations of the groups'
+options take those jobs' group nodes (where an option sets only its own node), and every
+combination of the swept keys' values is set in each job's config as Hydra sets a key. So prr's
+validation checks every job of the sweep, values that clash only together included, before job 0
+runs; hydra_plugins/prr_resume checks every job again, composed by Hydra, before launching one."""
 
 from __future__ import annotations
 
@@ -78,18 +79,22 @@ def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, mult
             unread = added_unread_key(override, groups, top_keys)
             if unread:
                 raise BadOverride(f"{override.input_line}: {unread}")
-        jobs, key_values = sweep_jobs(parsed, groups, loader)
+        jobs, key_values, group_jobs = sweep_jobs(parsed, groups, loader)
         if multirun:  # the sweeper's params from the config (experiment presets) sweep too, before argv's
             # read from the group options alone: argv's keys may exist only under the groups the params choose
             chosen = [line for line in jobs[0] if parse([line], loader)[0].key_or_group in groups]
             params = OmegaConf.select(compose_job(config_name, chosen, groups), "hydra.sweeper.params")
             if params:
                 preset = parse([f"{k}={v}" for k, v in params.items()], loader)
-                jobs, key_values = sweep_jobs(preset + parsed, groups, loader)
+                jobs, key_values, group_jobs = sweep_jobs(preset + parsed, groups, loader)
         composed = [compose_job(config_name, job, groups) for job in jobs]
-        # the swept keys' values, every combination of them, set in the first job's config as Hydra sets a
-        # key override (a compose costs ~80 ms on 2 cores; setting a key, well under 1 ms)
-        return composed + [with_key_values(composed[0], combination, loader) for combination in key_combinations(key_values)]
+        # the other combinations of the swept groups' options, their nodes taken from the jobs composed
+        # above; then every combination of the swept keys' values set in each, as Hydra sets a key
+        # override (a compose costs ~80 ms on 2 cores; taking a node or setting a key, well under 1 ms)
+        bases = composed + group_combinations(composed, group_jobs)
+        combinations = key_combinations(key_values)
+        bases = bases if len(bases) * (1 + len(combinations)) <= MAX_JOBS_CHECKED else composed[:1]
+        return bases + [with_key_values(job, combination, loader) for job in bases for combination in combinations]
 
 
 def sweep_without_multirun(override: Override, groups: set[str]) -> str:
@@ -147,11 +152,11 @@ def config_groups(loader: ConfigLoader, parent: str = "") -> set[str]:
 
 
 def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader
-               ) -> tuple[list[list[str]], dict[str, list[str]]]:
+               ) -> tuple[list[list[str]], dict[str, list[str]], dict[str, list[int]]]:
     """Override lines of the jobs to compose (module docstring), each group option checked on
-    the way, and each swept key's lines of its values after the first (`with_key_values` sets
-    them in the first job). A later override of the same key replaces an earlier one, as in
-    Hydra's basic sweeper."""
+    the way; each swept key's lines of its values after the first (`with_key_values` sets them);
+    and each swept group's jobs, [0 (its first option's), then one per other option] indices into
+    the jobs. A later override of the same key replaces an earlier one, as in Hydra's basic sweeper."""
     values: dict[str, list[str]] = {}
     key_values: dict[str, list[str]] = {}
     for override in parsed:
@@ -177,21 +182,59 @@ def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader
         values[key] = lines
     first = {key: lines[0] for key, lines in values.items()}
     jobs = [list(first.values())]
+    group_jobs = {}
     for key, lines in values.items():
+        if len(lines) > 1:
+            group_jobs[key] = [0, *range(len(jobs), len(jobs) + len(lines) - 1)]
         jobs += [list({**first, key: line}.values()) for line in lines[1:]]
-    return jobs, key_values
+    return jobs, key_values, group_jobs
 
 
-MAX_KEY_COMBINATIONS = 1024  # beyond: each value alone (the resume sweeper checks every job before launching one)
+# Jobs checked before Hydra at most; beyond, the first job's own (the resume sweeper checks every job before launching one)
+MAX_JOBS_CHECKED = 1024
+
+
+def group_combinations(composed: list[DictConfig], group_jobs: dict[str, list[int]]) -> list[DictConfig]:
+    """The jobs of every combination of two or more swept groups' other options (predictor=oracle with
+    budget=profiled), each the first job with those groups' nodes taken from the jobs composed for
+    their options, so that options that clash only together are refused before Hydra too. Only for
+    groups whose option sets its own node alone (model, selector, ...: checked here, node by node);
+    the others' combinations, and sweeps of more than MAX_JOBS_CHECKED jobs, are left to the resume
+    sweeper."""
+    swappable = {group: indices for group, indices in group_jobs.items()
+                 if all(sets_only_its_node(composed[0], composed[i], group) for i in indices[1:])}
+    if len(swappable) < 2 or math.prod(len(i) for i in swappable.values()) > MAX_JOBS_CHECKED:
+        return []
+    jobs = []
+    for picks in itertools.product(*swappable.values()):
+        chosen = [(group, index) for group, index in zip(swappable, picks, strict=True) if index]
+        if len(chosen) < 2:
+            continue  # the first job, or one composed above
+        job = copy.deepcopy(composed[0])
+        for group, index in chosen:
+            job[group] = copy.deepcopy(composed[index][group])
+            job.hydra.runtime.choices[group] = composed[index].hydra.runtime.choices[group]
+        jobs.append(job)
+    return jobs
+
+
+def sets_only_its_node(first: DictConfig, other: DictConfig, group: str) -> bool:
+    """Whether `other` (first's job with another option of `group`) differs from first only in
+    the group's own node (and Hydra's record): then that node carries the option into any job."""
+    if "/" in group or group not in first or group not in other:
+        return False
+    rest = [k for k in {*first.keys(), *other.keys()} if k not in (group, "hydra")]
+    return all(k in first and k in other and OmegaConf.to_container(first[k]) == OmegaConf.to_container(other[k])
+               if isinstance(first.get(k), DictConfig) else first.get(k) == other.get(k) for k in rest)
 
 
 def key_combinations(key_values: dict[str, list[str]]) -> list[list[str]]:
     """The override lines of every combination of the swept keys' values other than all-first
     (key_values: each swept key's values after its first), so that values that clash only together
     (topk_blocks=4,12 with prompt_tokens=256,128) are refused before Hydra too; over
-    MAX_KEY_COMBINATIONS, each value alone."""
+    MAX_JOBS_CHECKED, each value alone."""
     choices = [[None, *lines] for lines in key_values.values()]
-    if math.prod(len(c) for c in choices) > MAX_KEY_COMBINATIONS:
+    if math.prod(len(c) for c in choices) > MAX_JOBS_CHECKED:
         return [[line] for lines in key_values.values() for line in lines]
     return [[line for line in combination if line is not None]
             for combination in itertools.product(*choices) if any(line is not None for line in combination)]

@@ -82,6 +82,16 @@ FAULTS = [
     Fault("1: a bad value of a preset's swept key", ["+experiment=hit_rate_ema", "predictor.alpha=0.5,7",
                                                     "hydra.sweep.dir={tmp}/s1"],
           ["predictor.alpha"], flags=["-m"], absent=["{tmp}/s1"]),
+    Fault("1: swept values that clash only together", ["selector.topk_blocks=4,12", "task.prompt_tokens=256,128",
+                                                       "hydra.sweep.dir={tmp}/s1"],
+          ["selector.topk_blocks=12", "8 blocks"], flags=["-m"], absent=["{tmp}/s1"]),
+    Fault("1: a group option and a key that clash only together", ["predictor=none,ema_calibrated",
+                                                                   "runtime.calibration_tokens=32,2",
+                                                                   "hydra.sweep.dir={tmp}/s1"],
+          ["runtime.calibration_tokens=2", "burn_in_steps"], flags=["-m"], absent=["{tmp}/s1"]),
+    Fault("1: two groups' options that clash only together", ["predictor=ema,oracle", "budget=fixed,profiled",
+                                                             "hydra.sweep.dir={tmp}/s1"],
+          ["predictor=oracle", "budget=profiled"], flags=["-m"], absent=["{tmp}/s1"]),
     Fault("2: a sweep without -m", ["selector=quest,exact", "hydra.run.dir={run}"],
           ["selector=quest,exact", "python run.py -m selector=quest,exact"]),
     Fault("2: a list where a group takes one option", ["selector=[quest,exact]", "hydra.run.dir={run}"],
@@ -108,27 +118,42 @@ def test_a_fault_is_refused_in_one_line_and_the_earlier_run_is_untouched(fault, 
     assert sha256_tree(finished.run_dir) == finished.sha256
 
 
-def test_swept_values_that_clash_only_together_are_refused_before_any_job_runs(finished):
-    """Each value passes alone; topk 12 of a 128-token prompt's 8 blocks does not: every combination of
-    the swept keys is checked before Hydra starts."""
-    sweep = finished.tmp / "clash"
-    done = run_py(["-m"], ["selector.topk_blocks=4,12", "task.prompt_tokens=256,128", f"hydra.sweep.dir={sweep}"],
-                  finished.tmp, finished.run_dir)
+def test_the_resume_sweeper_validates_every_job_before_launching_one(tmp_path):
+    """Behind run.py's check (which leaves a sweep of more than MAX_JOBS_CHECKED jobs, or a group whose
+    options set other nodes, to it): run as if run.py had not combined the groups, the sweeper refuses
+    the job that does not validate before any job runs, naming it."""
+    prelude = ("import runpy, sys; import prr.override_check as o; o.group_combinations = lambda *args: []; "
+               "sys.argv = ['run.py', *sys.argv[1:]]; runpy.run_path('run.py', run_name='__main__')")
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-c", prelude, "-m", *TINY, "predictor=ema,oracle", "budget=fixed,profiled",
+                           f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PRR_CACHE_DIR": str(tmp_path / "cache")})
     text = " ".join(refused_lines(done))
-    assert "selector.topk_blocks=12" in text and "8 blocks" in text, text
-    assert not sweep.exists()  # no job ran, no multirun.yaml
+    assert "sweep job #3" in text and "predictor=oracle" in text and "budget=profiled" in text, text
+    assert not sweep.exists()
 
 
-def test_a_group_option_and_a_key_that_clash_only_in_one_job_are_refused_before_any_job_runs(finished):
-    """Each passes alone (run.py composes each group option once); job 3 (ema_calibrated with 2
-    calibration tokens) does not: the resume sweeper validates every job of the product before
-    launching one."""
-    sweep = finished.tmp / "clash-group"
-    done = run_py(["-m"], ["predictor=none,ema_calibrated", "runtime.calibration_tokens=32,2",
-                           f"hydra.sweep.dir={sweep}"], finished.tmp, finished.run_dir)
-    text = " ".join(refused_lines(done))
-    assert "sweep job #3" in text and "predictor=ema_calibrated" in text and "calibration_tokens=2" in text, text
-    assert not sweep.exists()  # no job ran, no multirun.yaml
+def test_the_combined_jobs_are_the_configs_hydra_composes():
+    """The swept groups' combinations run.py builds from their nodes equal Hydra's composition of each."""
+    import itertools
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from prr.override_check import check_command_line
+
+    swept = {"selector": ["quest", "infllm"], "predictor": ["ema", "oracle"], "budget": ["fixed", "profiled"]}
+    base = [*TINY, "runtime=cpu", "selector.topk_blocks=4"]
+    jobs = check_command_line(["-m", *base, *(f"{g}={','.join(o)}" for g, o in swept.items())], ROOT / "conf", "config")
+    built = {tuple(j.hydra.runtime.choices[g] for g in swept): OmegaConf.to_container(j, resolve=False) for j in jobs}
+    assert len(built) == 8
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for options in itertools.product(*swept.values()):
+            lines = [*base, *(f"{g}={o}" for g, o in zip(swept, options, strict=True))]
+            hydra_job = OmegaConf.to_container(compose("config", overrides=lines, return_hydra_config=True), resolve=False)
+            ours = built[options]
+            assert {k: v for k, v in ours.items() if k != "hydra"} == {k: v for k, v in hydra_job.items() if k != "hydra"}
+            assert ours["hydra"]["runtime"]["choices"] == hydra_job["hydra"]["runtime"]["choices"]
 
 
 def test_a_list_value_of_a_key_still_runs_as_one_job():
@@ -143,9 +168,9 @@ def test_every_value_of_a_swept_key_is_checked_as_its_own_job():
     from prr.override_check import check_command_line
 
     jobs = check_command_line(["-m", *TINY, "selector.topk_blocks=4,abc", "predictor=none,ema"], ROOT / "conf", "config")
-    assert sorted(str(j.selector.topk_blocks) for j in jobs) == ["4", "4", "abc"]
-    assert json.dumps(sorted(j.predictor._target_.rsplit(".", 1)[1] for j in jobs)) == \
-        '["EmaPredictor", "NoPredictor", "NoPredictor"]'
+    # each group option's job, and each with every other value of the swept key
+    assert sorted((str(j.selector.topk_blocks), j.predictor._target_.rsplit(".", 1)[1]) for j in jobs) == \
+        [("4", "EmaPredictor"), ("4", "NoPredictor"), ("abc", "EmaPredictor"), ("abc", "NoPredictor")]
     jobs = check_command_line(["-m", *TINY, "selector.topk_blocks=4,8,12", "task.prompt_tokens=256,128"],
                               ROOT / "conf", "config")  # every combination of the swept keys
     assert sorted((j.selector.topk_blocks, j.task.prompt_tokens) for j in jobs) == \

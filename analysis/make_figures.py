@@ -1,6 +1,8 @@
 """`make figures`: every registered figure from the committed results into analysis/figures/
 (PDF + PNG, and the figure's data as <name>.data.csv: tests/test_figures_current.py checks
-that it matches the committed results; tables as .md + .csv). A figure whose results file does not exist yet is skipped
+that it matches the committed results; tables as .md + .csv), and drawn_with.json: the versions
+of matplotlib, fontTools and FreeType the PDFs' bytes depend on (no dates: the same results and
+versions give the same files, so `make figures` leaves a checkout clean). A figure whose results file does not exist yet is skipped
 with one line naming the file and the command that produces it; that is not an error.
 
     python -m prr.analysis.make_figures [--root REPO] [--out DIR] [--only NAME ...]
@@ -9,6 +11,7 @@ with one line naming the file and the command that produces it; that is not an e
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -72,7 +75,25 @@ def make_all(root: Path = ROOT, out: Path = ROOT / "analysis" / "figures", only:
             continue
         written[name] = make_figure(figure, root, out)
         print(f"wrote {', '.join(str(p.relative_to(out.parent) if out.parent in p.parents else p) for p in written[name])}")
+    if written:
+        (out / DRAWN_WITH).write_text(json.dumps(drawing_versions(), indent=1) + "\n")
     return written
+
+
+# The PDFs' bytes depend on the data and on these packages (fontTools subsets the embedded font:
+# another version embeds another subset, a few KB apart), never on the date (style.save): the same
+# results drawn with the same versions give the same files (tests/test_figures.py checks the committed ones).
+DRAWN_WITH = "drawn_with.json"
+
+
+def drawing_versions() -> dict[str, str]:
+    """The versions of what draws and embeds the figures."""
+    import importlib.metadata
+
+    import matplotlib.ft2font
+
+    return {"matplotlib": importlib.metadata.version("matplotlib"), "fonttools": importlib.metadata.version("fonttools"),
+            "freetype": matplotlib.ft2font.__freetype_version__}
 
 
 def main(argv: list[str] | None = None) -> None:

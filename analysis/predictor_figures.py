@@ -88,8 +88,10 @@ def save_hit_rate_vs_budget(df: pd.DataFrame, out_dir: Path = FIGURES) -> list[P
         return style.save(fig, out_dir, name)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.{ext}" for ext in ("pdf", "png")]
+    no_dates = {"pdf": {"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None},
+                "png": {"Software": None}}  # as style.save: the bytes depend on the data, not the day
     for path in paths:
-        fig.savefig(path, dpi=200, bbox_inches="tight")
+        fig.savefig(path, dpi=200, bbox_inches="tight", metadata=no_dates[path.suffix[1:]])
     plt.close(fig)
     return paths
 

@@ -97,6 +97,7 @@ from prr.benchmarking import (
 from prr.blocks import controlled_predictions
 from prr.budget.profiled import ProfiledBudget
 from prr.model.decoder import Decoder
+from prr.paths import strict_json_dumps
 from prr.runtime.graph_budget import GraphProbe, graph_median_us
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan, metadata_bytes_per_block
 
@@ -979,7 +980,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every configuration: an interrupted run keeps what it measured
-        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        args.out.with_suffix(".json").write_text(strict_json_dumps(results, indent=1))
 
     if "stage" in parts:
         model = model_of(args.stage_layers, getattr(torch, args.dtype))

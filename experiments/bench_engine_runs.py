@@ -50,6 +50,7 @@ import numpy as np
 import pandas as pd
 
 from prr.intervals import median_ratio_interval
+from prr.paths import strict_json_dumps
 
 SELECTORS = ("dense", "exact", "quest", "infllm", "infllm_prr", "less")
 PREDICTORS = ("none", "last_step", "ema")
@@ -326,7 +327,7 @@ def write(rows: list[dict], args: argparse.Namespace, stage_map: pd.DataFrame | 
             "driver": torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None,
             "torch": torch.__version__, "triton": triton.__version__, "rows": table.to_dict("records")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(meta, indent=1, default=str))
+    Path(args.out + ".json").write_text(strict_json_dumps(meta, indent=1, default=str))
     table.drop(columns=["budget_setup", "error", "latencies_ms", "generated_token_ids"],
                errors="ignore").to_csv(args.out + ".csv", index=False)
     return table

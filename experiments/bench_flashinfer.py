@@ -65,6 +65,7 @@ import sys
 from pathlib import Path
 
 from prr.benchmarking import BF16, HEADROOM, HKV, HQ, D  # the 8B decode shape
+from prr.paths import strict_json_dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = HQ // HKV
@@ -936,7 +937,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+        args.out.with_suffix(".json").write_text(strict_json_dumps(record, indent=1) + "\n")
 
     gen = torch.Generator().manual_seed(0)
     workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")

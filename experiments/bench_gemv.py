@@ -13,7 +13,6 @@ residual kernels the torch path adds around it are not counted (in cuBLAS's favo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from prr.kernels.dense_gemv import ROW_TILES, default_tiles, dense_gemv
 from prr.benchmarking import environment, graph_time_us, read_bandwidth
 from prr.model.layer_math import rms_norm
 from prr.model.zoo import ZOO
+from prr.paths import strict_json_dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +126,7 @@ def main() -> None:
         for shape in shapes(args.arch):
             rows = bench_shape(shape, batch, bandwidth, grid, gen)
             results["rows"].extend(rows)
-            args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))  # keep what ran
+            args.out.with_suffix(".json").write_text(strict_json_dumps(results, indent=1))  # keep what ran
             fused = [r for r in rows if r["kernel"] == "triton_fused"]
             best = min(fused, key=lambda r: r["us"])
             dflt = next(r for r in fused if r["default"])

@@ -35,6 +35,8 @@ from types import SimpleNamespace
 
 import torch
 
+from prr.paths import strict_json_dumps
+
 ROOT = Path(__file__).resolve().parents[1]
 
 VARIANTS = {"infllm": {}, "infllm_prr": {"scoring": "rope", "representatives_from": "one_query"}}
@@ -264,7 +266,7 @@ def main() -> None:
               f"{row['infllm_prr_sets_equal']:.3f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {"command": "python " + " ".join(sys.argv), "environment": env, "bandwidth": bandwidth, "rows": rows}
-    args.out.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
+    args.out.with_suffix(".json").write_text(strict_json_dumps(out, indent=1, default=str))
     print(json.dumps(rows, indent=1, default=str))
 
 

@@ -40,6 +40,7 @@ from prr.benchmarking import (
     randn,
     rel_err,
 )
+from prr.paths import strict_json_dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,7 +330,7 @@ def main() -> None:
     record = {"command": "python " + " ".join(sys.argv), **environment(), "copy_bandwidth_GBps": bw / 1e9,
               "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()}, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    args.out.with_suffix(".json").write_text(strict_json_dumps(record, indent=1) + "\n")
     import pandas as pd
 
     frame = pd.DataFrame(rows)

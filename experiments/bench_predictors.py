@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from prr.paths import strict_json_dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADROOM = 256  # tokens free at the end of the cache (prr.benchmarking.HEADROOM)
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {"command": " ".join(["python", *sys.argv]), "environment": env, "timer":
               "cuda_graph_replay median per layer" if args.device == "cuda" else "host clock", "rows": rows}
-    (out / "bench_predictors.json").write_text(json.dumps(record, indent=1))
+    (out / "bench_predictors.json").write_text(strict_json_dumps(record, indent=1))
     with open(out / "bench_predictors.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()

@@ -30,6 +30,8 @@ import json
 import sys
 from pathlib import Path
 
+from prr.paths import strict_json_dumps
+
 ROOT = Path(__file__).resolve().parents[1]
 KIB = 1 << 10
 SIZES = [256 * KIB << i for i in range(13)]  # 256 KiB .. 1 GiB
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         record["stage"].append(row)
         print(json.dumps(row), flush=True)
 
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    args.out.with_suffix(".json").write_text(strict_json_dumps(record, indent=1) + "\n")
     import pandas as pd
 
     pd.concat([pd.DataFrame(record[p]).assign(part=p) for p in ("read", "chain", "stage")]).assign(

@@ -25,7 +25,6 @@ tokens / log-likelihoods).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import shlex
@@ -39,6 +38,8 @@ from typing import Any
 import pandas as pd
 import torch
 from hydra.utils import instantiate
+
+from prr.paths import strict_json_dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                 "ratio_of_medians": ratio, "ci95_bootstrap": [lo, hi],
                 **same_outputs(outputs[task_name, "eager"], outputs[task_name, "graph"])}
             print(f"{task_name}: eager / graph = {ratio:.1f}x [{lo:.1f}, {hi:.1f}]", flush=True)
-        Path(f"{out}.json").write_text(json.dumps({**meta, "results": summary}, indent=2) + "\n")
+        Path(f"{out}.json").write_text(strict_json_dumps({**meta, "results": summary}, indent=2) + "\n")
     print(f"wrote {out}.csv, {out}.json")
 
 

@@ -18,12 +18,13 @@ versions, date, rows) and OUT.csv and prints a table last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from prr.paths import strict_json_dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK, TOPK_TOKENS, DENSE_LAYERS = 16, 2048, (0, 1)
@@ -116,7 +117,7 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         results = {"command": "torchrun --nproc_per_node " + str(tp.world) + " " + " ".join(sys.argv),
                    "environment": environment(), "gpus": tp.world, "bandwidth": bw, "rows": rows}
-        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        out.with_suffix(".json").write_text(strict_json_dumps(results, indent=1))
         import pandas as pd
 
         df = pd.DataFrame(rows).assign(command=results["command"])

@@ -25,7 +25,6 @@ Writes OUT.json (command, GPU, driver, versions, date, rows) and OUT.csv; prints
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from prr.benchmarking import (
 )
 from prr.blocks import controlled_predictions
 from prr.model.decoder import Decoder
+from prr.paths import strict_json_dumps
 from prr.runtime.graph_decode import GraphDecoder, StaticPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def main() -> None:
     for kind, tokens in cells(args.quick):
         rows = cell_rows(model, kind, tokens, bandwidth, args.repeats)
         results["rows"].extend(rows)
-        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))  # kept if a later cell fails
+        args.out.with_suffix(".json").write_text(strict_json_dumps(results, indent=1))  # kept if a later cell fails
         print(f"{kind} B={len(tokens)} tokens={sorted(set(tokens))}: " + ", ".join(
             f"{r['variant']} {r.get('token_latency_ms', float('nan')):.2f} ms" for r in rows), flush=True)
     import pandas as pd

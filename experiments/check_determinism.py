@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from prr.paths import strict_json_dumps
 from prr.runner import run
 from prr.sinks import read_jsonl
 
@@ -46,7 +47,7 @@ def main() -> None:
         "max_abs_diff": {c: float((frames[0][c] - frames[1][c]).abs().max()) for c in differing
                          if frames[0][c].dtype.kind == "f"},
     }
-    (out / "determinism.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "determinism.json").write_text(strict_json_dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1))
     sys.exit(0 if tokens_equal and not differing else 1)
 

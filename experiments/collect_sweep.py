@@ -9,11 +9,13 @@ writes
                           the config values that differ between runs, the headline numbers
   OUT_STEM_per_layer.csv  (--per-layer) one row per run x layer: layers.csv with the same keys
   OUT_STEM_steps.csv      (--steps) one row per run x step x layer x KV head: the named columns
-  OUT_STEM.json           the command, device, versions, date, and the rows of OUT_STEM.csv
+  OUT_STEM.json           the command, what it swept, device, versions, date, and the rows of OUT_STEM.csv
+                          (strict JSON: a NaN is written as null)
 Runs whose summary is not `complete` are listed with their status, never dropped silently.
 The command defaults to the one the runs ran (each job's .hydra/overrides.yaml; multirun.yaml,
 which a later relaunch rewrites, only where no job left one); OUT_STEM.json also lists the runs'
-git commits and package versions (their provenance.json).
+git commits, package versions, machines and inputs (weights' and prompt file's sha256: their
+provenance.json).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from prr.paths import strict_json_dumps
 from prr.results_store import GROUPS, load_layers, load_runs, load_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,27 +48,35 @@ def varying_config(runs: pd.DataFrame) -> list[str]:
     return [c for c in config_cols if runs[c].astype(str).nunique() > 1]
 
 
+def job_overrides(sweep: Path) -> dict[str, list[str]] | None:
+    """Each override key of the runs in `sweep` (a sweep or a run dir) with the values its jobs
+    had, in job order, from each job's `.hydra/overrides.yaml` (prr writes it only for a job that
+    ran; never rewritten by a relaunch that was refused or skipped). None where no job left one."""
+    jobs = sorted((d for d in sweep.iterdir() if (d / ".hydra" / "overrides.yaml").is_file()),
+                  key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name)) \
+        if sweep.is_dir() else []
+    if (sweep / ".hydra" / "overrides.yaml").is_file():  # a single run's dir
+        jobs = [sweep]
+    if not jobs:
+        return None
+    values: dict[str, list[str]] = {}
+    for job in jobs:
+        for line in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []:
+            key, _, value = str(line).partition("=")
+            if value not in values.setdefault(key, []):
+                values[key].append(value)
+    return values
+
+
 def recorded_command(sweeps: list[Path]) -> str | None:
-    """`python run.py -m <overrides>` as the runs ran: from each job's `.hydra/overrides.yaml`
-    (prr writes it only for a job that ran; never rewritten by a relaunch that was refused or
-    skipped), each key with the values its jobs had, in job order. A sweep dir's multirun.yaml
+    """`python run.py -m <overrides>` as the runs ran (job_overrides). A sweep dir's multirun.yaml
     is the last relaunch's command, which may not be what its runs used (issue 36), so it is
     read only where no job left its overrides. None where neither exists."""
     commands = []
     for sweep in sweeps:
-        jobs = sorted((d for d in sweep.iterdir() if (d / ".hydra" / "overrides.yaml").is_file()),
-                      key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name)) \
-            if sweep.is_dir() else []
-        if (sweep / ".hydra" / "overrides.yaml").is_file():  # a single run's dir
-            jobs = [sweep]
-        if jobs:
-            values: dict[str, list[str]] = {}
-            for job in jobs:
-                for line in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []:
-                    key, _, value = str(line).partition("=")
-                    if value not in values.setdefault(key, []):
-                        values[key].append(value)
-            flag = "-m " if len(jobs) > 1 else ""
+        values = job_overrides(sweep)
+        if values is not None:
+            flag = "-m " if any(len(v) > 1 for v in values.values()) else ""
             commands.append(f"python run.py {flag}" + " ".join(f"{k}={','.join(v)}" for k, v in values.items()))
             continue
         saved = sweep / "multirun.yaml"
@@ -76,13 +87,28 @@ def recorded_command(sweeps: list[Path]) -> str | None:
     return " && ".join(commands)
 
 
+def swept_keys(sweeps: list[Path], runs: pd.DataFrame) -> list[str]:
+    """What the sweep swept: each override that took more than one value in the runs' records
+    (a group, `predictor`, or a key, `budget.ratio`); where a sweep left no records, the groups
+    whose option differs between runs and the config values that differ within one option."""
+    recorded = [job_overrides(sweep) for sweep in sweeps]
+    if all(r is not None for r in recorded):
+        merged: dict[str, set[str]] = {}
+        for values in recorded:
+            for key, options in (values or {}).items():
+                merged.setdefault(key.lstrip("+~"), set()).update(options)
+        return [key for key, options in merged.items() if len(options) > 1]
+    groups = [g for g in GROUPS if g in runs.columns and runs[g].astype(str).nunique() > 1]
+    return groups + [c for c in varying_config(runs) if c.split(".")[0] not in groups]
+
+
 def run_commits(sweeps: list[Path]) -> list[dict]:
-    """Each run's provenance.json (git commit, dirty flag, versions), distinct, in job order."""
+    """Each run's provenance.json (git commit, dirty flag, versions, machine, inputs), distinct, in job order."""
     seen: list[dict] = []
     for sweep in sweeps:
         for record in sorted(sweep.rglob("provenance.json")):
             found = json.loads(record.read_text())
-            entry = {"git": found.get("git"), "versions": found.get("versions")}
+            entry = {k: found.get(k) for k in ("git", "versions", "machine", "inputs")}
             if entry not in seen:
                 seen.append(entry)
     return seen
@@ -123,7 +149,7 @@ def main() -> None:
                      "pass --command")
 
     runs = load_runs(*sweeps)
-    swept = varying_config(runs)
+    swept = varying_config(runs)  # the table's key columns: every config value that differs
     runs = with_run_name(runs, sweeps)
     headline = [c for c in HEADLINE if c in runs.columns]
     table = runs[keys(runs, swept) + [c for c in headline if c not in swept]].assign(command=command)
@@ -156,11 +182,11 @@ def main() -> None:
         "host": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "swept": swept,
+        "swept": swept_keys(sweeps, runs),
         "runs_provenance": run_commits(sweeps),
         "rows": table.drop(columns=["command"]).to_dict(orient="records"),
     }
-    out_stem.with_suffix(".json").write_text(json.dumps(provenance, indent=1, default=str) + "\n")
+    out_stem.with_suffix(".json").write_text(strict_json_dumps(provenance, indent=1, default=str) + "\n")
     written.append(out_stem.with_suffix(".json"))
     shown = table.drop(columns=["command", *[g for g in GROUPS if table[g].nunique() <= 1]])
     print(shown.to_string(index=False, float_format=lambda x: f"{x:.4g}"))

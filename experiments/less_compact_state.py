@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import pandas as pd
 import torch
 from hydra import compose, initialize_config_dir
 
+from prr.paths import strict_json_dumps
 from prr.runner import run
 from prr.selectors import LessSelector
 
@@ -86,7 +86,7 @@ def main() -> None:
               "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "model": "smollm2-135m", "mode": "shadow", "topk_tokens": 512,
               "rows": frame.astype(object).where(frame.notna(), None).to_dict("records")}  # (Quest's m: null, not NaN)
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    args.out.with_suffix(".json").write_text(strict_json_dumps(record, indent=1) + "\n")
     print(frame.to_string(index=False, float_format=lambda x: f"{x:.6g}"))
 
 

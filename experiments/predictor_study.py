@@ -69,6 +69,7 @@ from omegaconf import OmegaConf
 from prr.blocks import BlockSet
 from prr.config_check import compose_config, validate
 from prr.intervals import means_over_prompts
+from prr.paths import strict_json_dumps
 from prr.predictors.base import Predictor
 from prr.run_inputs import DTYPES
 from prr.runtime.eager_run import EagerRuntime, next_token
@@ -447,7 +448,7 @@ class PromptStore:
 
     def _write_meta(self) -> None:
         tmp = self.meta_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.meta, indent=1, default=float) + "\n")
+        tmp.write_text(strict_json_dumps(self.meta, indent=1, default=float) + "\n")
         tmp.replace(self.meta_path)
 
     @property
@@ -619,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"cpu {platform.machine()}, 1 torch thread (shared machine)"), "dtype": args.dtype, **versions(),
               "mode": "shadow", "engine": args.engine, "capture_predictor": CAPTURE_PREDICTOR, "predictors": {n: PREDICTORS[n] for n in args.predictors},
               "ratios": args.ratios, "captures": captures, "notes": notes, "rows": summary_rows}
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=float) + "\n")
+    args.out.with_suffix(".json").write_text(strict_json_dumps(record, indent=1, default=float) + "\n")
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
     if args.no_figures:

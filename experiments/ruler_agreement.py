@@ -283,8 +283,10 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
 
     def save() -> None:
+        from prr.paths import strict_json_dumps  # prr is importable once ROOT is on sys.path
+
         result["wall_s"] = time.perf_counter() - t0
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        out.with_suffix(".json").write_text(strict_json_dumps(result, indent=1, default=str) + "\n")
         out.with_suffix(".md").write_text(markdown(result))
 
     # lm-eval in its own process, beside the in-process sources (the six tasks it builds run first here too)

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from hydra import compose, initialize_config_dir
 
+from prr.paths import strict_json_dumps
 from prr.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ def main() -> None:
               "model": "smollm2-135m", "mode": "shadow", "rows": rows}
     if "less-trained" in selectors:  # which trained map the less-trained rows used (make train-less)
         record["less_trained_map"] = trained_map_record()
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    args.out.with_suffix(".json").write_text(strict_json_dumps(record, indent=1) + "\n")
     print(frame.drop(columns=["command"]).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 

@@ -53,6 +53,7 @@ from prr.benchmarking import environment, model_of
 from prr.blocks import controlled_predictions
 from prr.config_check import compose_config
 from prr.intervals import median_ratio_interval
+from prr.paths import strict_json_dumps
 from prr.runtime.graph_budget import graph_samples_us
 from prr.runtime.graph_decode import GraphDecoder
 from prr.runtime.graph_run import graph_plan
@@ -261,7 +262,7 @@ def main() -> None:
         table = pd.DataFrame(rows).assign(command=command)
         table.to_csv(args.out / "step_breakdown.csv", index=False)  # after every cell: a cut call keeps it
         pd.DataFrame(kernel_rows).assign(command=command).to_csv(args.out / "step_breakdown_kernels.csv", index=False)
-        (args.out / "step_breakdown.json").write_text(json.dumps(
+        (args.out / "step_breakdown.json").write_text(strict_json_dumps(
             {"command": command, **environment(), "rows": rows}, indent=1))
     show = table[[c for c in ("selector", "context", "block", "view", "step_us", "over_serial", "over_serial_lo", "over_serial_hi",
                   "span_us", "busy_us", "idle_us", "main_kernel_us", "side_kernel_us", "launches") if c in table]]

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from prr.paths import strict_json_dumps
+
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [(n, k, r) for n in (2048, 4096, 8192) for k in (32, 128, 512) for r in (8, 64)]  # rows per launch:
 # batch 1 and 8 of the 8B shape's 8 KV heads
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
     record = {"command": " ".join(["python", str(script), *sys.argv[1:]]), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cells": cells}
-    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    args.out.with_suffix(".json").write_text(strict_json_dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

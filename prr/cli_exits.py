@@ -1,6 +1,8 @@
 """How `python run.py` ends when a run does not finish, one convention for all of it:
 - a refused input (bad override, invalid config, a run dir holding another config's run)
   exits with code 2 and one line per problem on stderr, `error: ...`;
+- a run stopped by a write its storage refused (a full disk, a quota, a file system turned
+  read-only) exits with code 2 too, one line naming the file and what summary.json says;
 - an interrupted run (Ctrl-C, or SIGTERM, which the runner raises as Terminated) exits with
   code 130 and one line on stderr naming the run dir that keeps its records.
 No traceback for either: neither is a bug of prr's, and the line says all there is.
@@ -8,6 +10,7 @@ This module imports nothing beyond the standard library: run.py loads it first."
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -47,6 +50,35 @@ def refuse_without_teardown(*problems: str) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_REFUSED)
+
+
+# A write the file system refused: the storage, not prr, is at fault, and the run dir tells what was kept
+STORAGE_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                  errno.EROFS: "the file system is read-only"}
+
+
+def storage_refused(err: OSError, run_dir: Path) -> str | None:
+    """One line for a run stopped by a write its storage refused (a full disk), naming the file
+    (or run dir) and what summary.json says now; None for any other OSError."""
+    if err.errno not in STORAGE_ERRORS:
+        return None
+    where = err.filename or run_dir
+    return (f"{where}: {err.strerror} ({STORAGE_ERRORS[err.errno]}) while the run was writing; free space there "
+            f"or choose another hydra.run.dir, and run again; {summary_state(run_dir)}")
+
+
+def summary_state(run_dir: Path) -> str:
+    """What run_dir/summary.json says of a run that stopped, in words."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except FileNotFoundError:
+        return f"nothing of the run was written to {run_dir}"
+    except (OSError, ValueError) as err:
+        return f"{run_dir}/summary.json cannot be read ({err})"
+    if summary.get("status") == "failed":
+        return (f"{run_dir}/summary.json marked failed, records_kept "
+                f"{json.dumps(summary.get('records_kept', {}))}")
+    return f"{run_dir}/summary.json could not be marked failed and says {summary.get('status')!r}"
 
 
 def interrupted(err: KeyboardInterrupt, run_dir: Path | None) -> NoReturn:

@@ -17,6 +17,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import inspect
+import os
 import sys
 import types
 import typing
@@ -27,6 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from prr.cli_exits import ConfigError as ConfigError  # callers import it from here too
+from prr.model.describe import is_random_init
 
 GROUPS = ("model", "selector", "predictor", "budget", "task", "logger", "runtime", "backend")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -177,7 +179,12 @@ def problems_before_torch(cfg: DictConfig) -> list[str]:
     if problems or not {"model", "selector", "predictor", "budget", "task"} <= built.keys():
         return problems
     model, problems = describe_model(cfg, built["model"])
-    return problems or model_cross_checks(cfg, built, model)
+    if problems:
+        return problems
+    problems = model_cross_checks(cfg, built, model)
+    if "runtime" in built:  # the runtime's values against the prompt, and a device this machine cannot have
+        problems += prompt_size_checks(built) + device_checks_before_torch(cfg, built["runtime"])
+    return problems
 
 
 def validate(cfg: DictConfig) -> None:
@@ -262,20 +269,26 @@ def model_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> li
             and budget.hit_rate != declared:
         problems.append(f"budget=profiled checks PRR's stage with P holding budget.hit_rate={budget.hit_rate} of A, but "
                         f"predictor={name} holds {declared}: set budget.hit_rate={declared}")
+    prompt_file = getattr(task, "prompt_file", None)
+    if prompt_file and is_random_init(cfg.model.name_or_path):  # else found only once the model loads
+        from prr.tasks.long_text import prompt_file_needs_a_tokenizer
+
+        problems.append(prompt_file_needs_a_tokenizer(prompt_file, f"model.name_or_path={cfg.model.name_or_path!r} "
+                                                      "is a random-init model, which decodes seeded random token ids"))
     if model.num_heads % model.num_kv_heads:
         problems.append(f"model has {model.num_heads} query heads, not a multiple of {model.num_kv_heads} KV heads")
     return problems
 
 
-def runtime_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> list[str]:
-    """The groups against the runtime and backend groups (prr/runtime/*, which import torch)."""
+def prompt_size_checks(built: dict[str, Any]) -> list[str]:
+    """The runtime's block size and calibration tokens and the selector's top-K against the prompt's
+    size (the task's own numbers: no tokenizer needed), run before torch is imported too."""
     runtime, selector, task, predictor = built["runtime"], built["selector"], built["task"], built["predictor"]
     problems = []
-    prompt = task.prompt_tokens_upper_bound()
-    if runtime.block_size > getattr(task, "prompt_tokens", prompt):
-        problems.append(f"runtime.block_size={runtime.block_size} exceeds the prompt of "
-                        f"{getattr(task, 'prompt_tokens', prompt)} tokens")
-    prompt_blocks = getattr(task, "prompt_tokens", prompt) // runtime.block_size
+    prompt = getattr(task, "prompt_tokens", task.prompt_tokens_upper_bound())
+    if runtime.block_size > prompt:
+        problems.append(f"runtime.block_size={runtime.block_size} exceeds the prompt of {prompt} tokens")
+    prompt_blocks = prompt // runtime.block_size
     if not selector.selects_every_block and selector.topk_blocks >= prompt_blocks:
         problems.append(f"selector.topk_blocks={selector.topk_blocks} ({selector.topk_blocks * runtime.block_size} tokens) "
                         f"covers the whole prompt of {prompt_blocks} blocks: nothing is sparse; lower topk_blocks "
@@ -284,9 +297,44 @@ def runtime_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> 
         problems.append(f"runtime.calibration_tokens={runtime.calibration_tokens} leaves nothing to calibrate on after "
                         f"predictor.burn_in_steps={predictor.burn_in_steps}; raise it above {predictor.burn_in_steps + 1} "
                         "or set predictor.calibrate=false")
-    if runtime.calibration_tokens > getattr(task, "prompt_tokens", prompt):
-        problems.append(f"runtime.calibration_tokens={runtime.calibration_tokens} exceeds the prompt of "
-                        f"{getattr(task, 'prompt_tokens', prompt)} tokens")
+    if runtime.calibration_tokens > prompt:
+        problems.append(f"runtime.calibration_tokens={runtime.calibration_tokens} exceeds the prompt of {prompt} tokens")
+    return problems
+
+
+def device_checks_before_torch(cfg: DictConfig, runtime: Any) -> list[str]:
+    """runtime.device=cuda on a machine with no GPU driver, and backend=triton off CUDA, found
+    without importing torch (prr.gpu_probe): importing torch to ask took 1-1.5 s of a 2-3 s refusal.
+    A machine with a driver is left to `validate`, which asks torch itself."""
+    from prr.gpu_probe import missing_gpu_driver
+
+    problems = []
+    missing = missing_gpu_driver() if runtime.device.startswith("cuda") else None
+    if missing:
+        problems.append(f"runtime.device={runtime.device!r} but this machine has no GPU driver ({missing}), so torch "
+                        "sees no CUDA device; use runtime=cpu (or leave runtime=auto to choose)")
+    if OmegaConf.select(cfg, "backend.name") == "triton" and not missing:
+        # the words of prr.runtime.engine_ops.triton_problems, which `validate` runs once torch is imported
+        if not installed("triton"):
+            problems.append("backend=triton needs the triton package (pip install triton), or use backend=torch")
+        elif not runtime.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            problems.append(f"backend=triton runs on a CUDA device (runtime.device={runtime.device!r}); on a CPU only "
+                            "under TRITON_INTERPRET=1, for tests. Use backend=torch on the CPU")
+    return problems
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, asked without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules holds None for it (made unimportable)
+        return False
+
+
+def runtime_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> list[str]:
+    """The groups against the runtime and backend groups (prr/runtime/*, which import torch)."""
+    runtime, selector, task, predictor = built["runtime"], built["selector"], built["task"], built["predictor"]
+    problems = prompt_size_checks(built)
     if runtime.device.startswith("cuda"):
         import torch
 

@@ -51,11 +51,16 @@ DEVICE_FROM_RUNTIME = "runtime.device"
 
 def compose_config(overrides: dict[str, Any], check: bool = True) -> Any:
     """model_args -> the prr config (Hydra compose over conf/, logger=none), validated unless check=False."""
+    from prr.config_check import CONF_DIR
     from prr.config_check import compose_config as compose_overrides
+    from prr.override_check import check_overrides
 
     args = [f"{k}={_hydra_value(v)}" for k, v in overrides.items()]
     if not any(a.startswith("logger=") for a in args):
         args.append("logger=none")
+    # run.py's check first: a misspelled option or key in one line with its closest name (BadOverride,
+    # a ValueError), where Hydra's compose says "Could not find" without one
+    check_overrides(args, CONF_DIR, "config", multirun=False)
     return compose_overrides(args, check)
 
 

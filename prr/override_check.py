@@ -4,12 +4,18 @@ Hydra reports these itself in several lines (a traceback for some), and in a swe
 the bad job's turn comes, after the jobs before it have run.
 
 Each job that a sweep's group options produce is composed once: every override at its first
-value, then each other value of a swept group alone. A swept key's other values are not
-composed (they differ only in value, which prr's validation checks in each job)."""
+value, then each other value of a swept group alone; the other combinations of the groups'
+options take those jobs' group nodes (where an option sets only its own node), and every
+combination of the swept keys' values is set in each job's config as Hydra sets a key. So prr's
+validation checks every job of the sweep, values that clash only together included, before job 0
+runs; hydra_plugins/prr_resume checks every job again, composed by Hydra, before launching one."""
 
 from __future__ import annotations
 
+import copy
 import difflib
+import itertools
+import math
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -37,6 +43,13 @@ def check_command_line(argv: list[str], conf_dir: Path, config_name: str) -> lis
     parser = get_args_parser()  # Hydra's own: what it refuses, Hydra would refuse with its usage text
     parser.error = refuse_arguments  # type: ignore[method-assign]
     args = parser.parse_args(argv)
+    modes = [flag for flag, on in (("-m", args.multirun), ("--cfg", args.cfg), ("--info", args.info),
+                                   ("--shell-completion", args.shell_completion)) if on]
+    if len(modes) > 1:  # Hydra raises a ValueError (a traceback) for these
+        what = "print a job's config" if args.cfg else "show information"
+        raise BadOverride(f"{' and '.join(modes)} cannot go together: Hydra runs one mode at a time; to {what}, "
+                          "drop -m and give each swept override one value (selector=quest,exact -> selector=quest); "
+                          f"to run the sweep, drop {modes[1]}")
     if args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun:
         return None  # Hydra's help and information, as Hydra prints them; a rerun takes a pickled config, not argv
     if args.config_path or args.config_dir:
@@ -62,12 +75,13 @@ def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, mult
         top_keys = top_level_keys(conf_dir / f"{config_name}.yaml", groups)
         for override in parsed:
             if override.is_sweep_override() and not multirun:
-                raise BadOverride(f"{override.input_line} is a sweep: add -m (--multirun) to run one job per value, "
-                                  f"or write a list as {override.key_or_group}=[a,b]")
+                raise BadOverride(sweep_without_multirun(override, groups))
+            if override.key_or_group in groups and isinstance(override.value(), list):
+                raise BadOverride(group_given_a_list(override))
             unread = added_unread_key(override, groups, top_keys)
             if unread:
                 raise BadOverride(f"{override.input_line}: {unread}")
-        jobs = sweep_jobs(parsed, groups, loader, config_name)
+        jobs, key_values, group_jobs = sweep_jobs(parsed, groups, loader, config_name)
         if multirun:  # the sweeper's params from the config (experiment presets) sweep too, before argv's
             # read from the group options alone (and the dirs they come from): argv's keys may exist only
             # under the groups the params choose
@@ -75,8 +89,32 @@ def check_overrides(overrides: list[str], conf_dir: Path, config_name: str, mult
             params = OmegaConf.select(compose_job(config_name, chosen, groups), "hydra.sweeper.params")
             if params:
                 preset = parse([f"{k}={v}" for k, v in params.items()], loader)
-                jobs = sweep_jobs(preset + parsed, groups, loader, config_name)
-        return [compose_job(config_name, job, groups) for job in jobs]
+                jobs, key_values, group_jobs = sweep_jobs(preset + parsed, groups, loader, config_name)
+        composed = [compose_job(config_name, job, groups) for job in jobs]
+        # the other combinations of the swept groups' options, their nodes taken from the jobs composed
+        # above; then every combination of the swept keys' values set in each, as Hydra sets a key
+        # override (a compose costs ~80 ms on 2 cores; taking a node or setting a key, well under 1 ms)
+        bases = composed + group_combinations(composed, group_jobs)
+        combinations = key_combinations(key_values)
+        bases = bases if len(bases) * (1 + len(combinations)) <= MAX_JOBS_CHECKED else composed[:1]
+        return bases + [with_key_values(job, combination, loader) for job in bases for combination in combinations]
+
+
+def sweep_without_multirun(override: Override, groups: set[str]) -> str:
+    """The refusal of `selector=quest,exact` without -m, with the command that sweeps it."""
+    line = override.input_line
+    advice = f"{line} is a sweep: add -m (--multirun) to run one job per value (python run.py -m {line} ...)"
+    if override.key_or_group in groups:  # a group takes one option per job: a list there is refused too
+        return advice
+    return f"{advice}, or, for one job whose value is a list, write {override.key_or_group}=[...]"
+
+
+def group_given_a_list(override: Override) -> str:
+    """`selector=[quest,exact]`: Hydra would merge both options into one config (the last wins)."""
+    options = ",".join(str(o) for o in override.value())
+    return (f"{override.input_line}: {override.key_or_group} takes one option per job, but a list chooses several, "
+            f"which Hydra merges into one config (the last wins); choose one, or sweep them with "
+            f"-m {override.key_or_group}={options}")
 
 
 def top_level_keys(config_file: Path, groups: set[str]) -> set[str]:
@@ -116,11 +154,15 @@ def config_groups(loader: ConfigLoader, parent: str = "") -> set[str]:
     return found
 
 
-def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader, config_name: str) -> list[list[str]]:
+def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader, config_name: str
+               ) -> tuple[list[list[str]], dict[str, list[str]], dict[str, list[int]]]:
     """Override lines of the jobs to compose (module docstring), each group option checked on
-    the way. A later override of the same key replaces an earlier one, as in Hydra's basic sweeper."""
+    the way; each swept key's lines of its values after the first (`with_key_values` sets them);
+    and each swept group's jobs, [0 (its first option's), then one per other option] indices into
+    the jobs. A later override of the same key replaces an earlier one, as in Hydra's basic sweeper."""
     values: dict[str, list[str]] = {}
     searchpath = searchpath_lines(parsed)
+    key_values: dict[str, list[str]] = {}
     for override in parsed:
         key = override.get_key_element()
         if override.is_sweep_override():
@@ -131,17 +173,52 @@ def sweep_jobs(parsed: list[Override], groups: set[str], loader: ConfigLoader, c
         else:
             options = [override.value()]
             lines = [override.input_line or f"{key}={override.get_value_element_as_str()}"]
+        key_values.pop(key, None)
         if override.key_or_group in groups:
             for option, line in zip(options, lines, strict=True):
-                if isinstance(option, str):  # not null, a deletion (~group) or a list of configs
+                if isinstance(option, list):  # a list in a sweep: `selector=[quest,exact],dense`
+                    raise BadOverride(f"{line}: {override.key_or_group} takes one option per job, not a list; "
+                                      f"sweep the options with -m {override.key_or_group}=a,b")
+                if isinstance(option, str):  # not null or a deletion (~group)
                     check_group_option(loader, override.key_or_group, option, line, config_name, searchpath)
         else:
-            lines = lines[:1]
+            lines, key_values[key] = lines[:1], lines[1:]
         values[key] = lines
     first = {key: lines[0] for key, lines in values.items()}
     jobs = [list(first.values())]
+    group_jobs = {}
     for key, lines in values.items():
+        if len(lines) > 1:
+            group_jobs[key] = [0, *range(len(jobs), len(jobs) + len(lines) - 1)]
         jobs += [list({**first, key: line}.values()) for line in lines[1:]]
+    return jobs, key_values, group_jobs
+
+
+# Jobs checked before Hydra at most; beyond, the first job's own (the resume sweeper checks every job before launching one)
+MAX_JOBS_CHECKED = 1024
+
+
+def group_combinations(composed: list[DictConfig], group_jobs: dict[str, list[int]]) -> list[DictConfig]:
+    """The jobs of every combination of two or more swept groups' other options (predictor=oracle with
+    budget=profiled), each the first job with those groups' nodes taken from the jobs composed for
+    their options, so that options that clash only together are refused before Hydra too. Only for
+    groups whose option sets its own node alone (model, selector, ...: checked here, node by node);
+    the others' combinations, and sweeps of more than MAX_JOBS_CHECKED jobs, are left to the resume
+    sweeper."""
+    swappable = {group: indices for group, indices in group_jobs.items()
+                 if all(sets_only_its_node(composed[0], composed[i], group) for i in indices[1:])}
+    if len(swappable) < 2 or math.prod(len(i) for i in swappable.values()) > MAX_JOBS_CHECKED:
+        return []
+    jobs = []
+    for picks in itertools.product(*swappable.values()):
+        chosen = [(group, index) for group, index in zip(swappable, picks, strict=True) if index]
+        if len(chosen) < 2:
+            continue  # the first job, or one composed above
+        job = copy.deepcopy(composed[0])
+        for group, index in chosen:
+            job[group] = copy.deepcopy(composed[index][group])
+            job.hydra.runtime.choices[group] = composed[index].hydra.runtime.choices[group]
+        jobs.append(job)
     return jobs
 
 
@@ -149,6 +226,50 @@ def searchpath_lines(parsed: list[Override]) -> list[str]:
     """The command line's `hydra.searchpath=[...]`: config dirs Hydra searches beside conf/ (a
     package of your own options: docs/extending.md), whose group options compose as conf/'s do."""
     return [o.input_line for o in parsed if o.get_key_element() == SEARCHPATH and o.input_line]
+
+
+def sets_only_its_node(first: DictConfig, other: DictConfig, group: str) -> bool:
+    """Whether `other` (first's job with another option of `group`) differs from first only in
+    the group's own node (and Hydra's record): then that node carries the option into any job."""
+    if "/" in group or group not in first or group not in other:
+        return False
+    rest = [k for k in {*first.keys(), *other.keys()} if k not in (group, "hydra")]
+    return all(k in first and k in other and OmegaConf.to_container(first[k]) == OmegaConf.to_container(other[k])
+               if isinstance(first.get(k), DictConfig) else first.get(k) == other.get(k) for k in rest)
+
+
+def key_combinations(key_values: dict[str, list[str]]) -> list[list[str]]:
+    """The override lines of every combination of the swept keys' values other than all-first
+    (key_values: each swept key's values after its first), so that values that clash only together
+    (topk_blocks=4,12 with prompt_tokens=256,128) are refused before Hydra too; over
+    MAX_JOBS_CHECKED, each value alone."""
+    choices = [[None, *lines] for lines in key_values.values()]
+    if math.prod(len(c) for c in choices) > MAX_JOBS_CHECKED:
+        return [[line] for lines in key_values.values() for line in lines]
+    return [[line for line in combination if line is not None]
+            for combination in itertools.product(*choices) if any(line is not None for line in combination)]
+
+
+def with_key_values(first_job: DictConfig, lines: list[str], loader: ConfigLoader) -> DictConfig:
+    """first_job's config with the key overrides `lines` applied by Hydra's own rule (the config
+    loader's; `+key=v`, already added in the first job, is set as `++key=v`): the job of swept
+    keys' other values. A mapping value would merge into the first value's node rather than the
+    config's own: refused, as prr's configs sweep scalars and lists."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    job = copy.deepcopy(first_job)
+    for line in lines:
+        (override,) = parse([line], loader)
+        if isinstance(override.value(), dict):
+            raise BadOverride(f"{line}: prr checks a sweep's jobs before running them and sweeps plain values and "
+                              "lists, not mappings; set the mapping's keys one by one (key.a=1,2)")
+        if override.is_add():
+            (override,) = parse(["+" + line], loader)
+        try:
+            ConfigLoaderImpl._apply_overrides_to_config([override], job)
+        except Exception as err:  # noqa: BLE001 - what Hydra would refuse when this job's turn came
+            raise BadOverride(f"{line}: {one_line(err)}") from None
+    return job
 
 
 def check_group_option(loader: ConfigLoader, group: str, option: str, line: str, config_name: str,
@@ -234,10 +355,12 @@ def key_elsewhere(tree: dict[str, Any], key: str, group: str | None) -> str | No
 
 
 def closest(name: str, names: list[str]) -> str | None:
-    """The valid name meant by `name`: one containing it (topk -> topk_blocks), else the most similar."""
-    containing = [n for n in names if name in n]
-    similar = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-    return (containing or similar or [None])[0]
+    """The valid name meant by `name`, case aside: one containing it (topk -> topk_blocks), else the most similar."""
+    folded = {n.casefold(): n for n in names}  # QUEST -> quest: case is the likeliest slip of all
+    key = name.casefold()
+    containing = [n for f, n in folded.items() if key in f]
+    similar = difflib.get_close_matches(key, list(folded), n=1, cutoff=0.5)
+    return (containing or [folded[s] for s in similar] or [None])[0]
 
 
 def one_line(err: BaseException) -> str:

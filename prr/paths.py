@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -48,7 +49,28 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+    """obj as strict JSON (strict_json_dumps), written atomically."""
+    write_text_atomic(path, strict_json_dumps(obj, indent=2) + "\n")
+
+
+def strict_json_dumps(obj: Any, indent: int | None = None, default: Any = str) -> str:
+    """JSON that strict parsers (jq, browsers, json.loads with parse_constant refusing NaN) read:
+    NaN and +-Infinity (a rate over nothing, e.g. precision with no predicted block) become null,
+    which readers take as missing (prr.results_store turns a summary's null back into NaN).
+    Values JSON has no type for are written as default(value) (their str()) and checked again."""
+    return json.dumps(finite_or_null(obj), indent=indent, default=lambda v: finite_or_null(default(v)),
+                      allow_nan=False)
+
+
+def finite_or_null(obj: Any) -> Any:
+    """obj with every non-finite float (numpy's float64 included) replaced by None, recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
 
 
 def remove_empty_run_dir(run_dir: Path, created_after: float) -> bool:

@@ -143,7 +143,9 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         row["seed"] = config["seed"]
     flat: dict[str, Any] = {}
     _flatten("", {k: v for k, v in summary.items() if k not in SUMMARY_SKIP}, flat)
-    row.update({k: v for k, v in flat.items() if k not in row})
+    # summary.json writes a NaN (a rate over nothing) as null (prr.paths.strict_json_dumps): NaN again here,
+    # so that a column of rates stays numeric
+    row.update({k: float("nan") if v is None else v for k, v in flat.items() if k not in row})
     return row
 
 

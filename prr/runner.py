@@ -3,7 +3,8 @@ provenance, then the run itself through the run driver (prr/driver.py), status k
 
 Run directory layout (Hydra's run dir):
   config.yaml              resolved config
-  provenance.json          git commit and dirty flag, prr/torch/triton/transformers versions, argv
+  provenance.json          git commit and dirty flag, package versions, CPU/GPU model, argv, and the inputs:
+                           the weights' sha256 (prr_source.json's record) and the prompt file's
   summary.json             run-level numbers; status running -> complete | failed
   records/steps.jsonl      one row per (decode step, layer, batch row, KV head), flushed per step
   records/tokens.jsonl     one row per decode step: token, latency
@@ -15,6 +16,7 @@ Run directory layout (Hydra's run dir):
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -39,6 +41,29 @@ from prr.sinks import NoLogger
 
 class RunDirTaken(FileExistsError):
     """The run dir holds a finished run of another config: refused, never overwritten."""
+
+
+class RunDirBusy(RunDirTaken):
+    """Another process is running into the run dir now (it holds the dir's lock)."""
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on run_dir (created if missing) for a run, or raise RunDirBusy.
+    The lock is flock(2) on the directory itself, so no lock file is added to a run dir that a
+    refused or skipped run must leave as it was; the kernel drops it when the process ends,
+    however it ends (kill -9 included), so a dead run never keeps its dir locked."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirBusy(f"{run_dir} is being written by another prr run right now (it holds the dir's lock); "
+                             "wait for that run to end, or choose another hydra.run.dir (or hydra.sweep.dir)") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def finished_run(run_dir: Path, config_yaml: str) -> dict[str, Any] | None:
@@ -82,17 +107,23 @@ def run(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig | None = None) -> 
     recorded in run_dir/.hydra once the run goes ahead."""
     validate(cfg)  # every problem at once, before anything loads
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    done = finished_run(run_dir, config_yaml)  # (every tensor-parallel rank skips or refuses alike)
-    if done is not None:
-        print(f"prr: {run_dir} already holds this run, complete; skipped")
-        return done
     if worker_rank(cfg):  # a tensor-parallel rank other than 0: computes, writes nothing of the run
-        return run_as_worker(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+        done = finished_run(run_dir, config_yaml)  # skips or refuses as rank 0 does (rank 0 holds the lock)
+        return done if done is not None else run_as_worker(cfg)
+    with run_dir_lock(run_dir):  # a second run into this dir at the same time is refused (RunDirBusy)
+        done = finished_run(run_dir, config_yaml)
+        if done is not None:
+            print(f"prr: {run_dir} already holds this run, complete; skipped")
+            return done
+        return run_locked(cfg, run_dir, config_yaml, hydra_cfg)
+
+
+def run_locked(cfg: DictConfig, run_dir: Path, config_yaml: str, hydra_cfg: DictConfig | None) -> dict[str, Any]:
+    """`run` once the run goes ahead in run_dir, whose lock this process holds."""
     if hydra_cfg is not None:
         write_hydra_record(run_dir, cfg, hydra_cfg)
     write_text_atomic(run_dir / "config.yaml", config_yaml)
-    write_json_atomic(run_dir / "provenance.json", provenance())  # git commit (dirty?), package versions
+    write_json_atomic(run_dir / "provenance.json", provenance(cfg))  # commit (dirty?), versions, machine, inputs
     write_json_atomic(run_dir / "summary.json", {"status": "running"})
     logger = instantiate(cfg.logger)
     ok = False
@@ -109,10 +140,14 @@ def run(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig | None = None) -> 
         return summary
     except BaseException as err:
         # Mark the run incomplete; the per-step records already flushed stay as they are.
-        write_json_atomic(run_dir / "summary.json", {
-            "status": "failed", "error": f"{type(err).__name__}: {err}",
-            "records_kept": {p.name: count_lines(p) for p in sorted((run_dir / "records").glob("*.jsonl"))},
-        })
+        try:
+            write_json_atomic(run_dir / "summary.json", {
+                "status": "failed", "error": f"{type(err).__name__}: {err}",
+                "records_kept": {p.name: count_lines(p) for p in sorted((run_dir / "records").glob("*.jsonl"))},
+            })
+        except OSError as unwritten:  # a full disk refuses this too: the run's own error is the one to report,
+            # and summary.json still says "running" (never "complete"), which run.py's line states
+            err.add_note(f"summary.json could not be marked failed: {unwritten}")
         raise
     finally:
         logger.finish(ok)

@@ -103,8 +103,11 @@ def test_a_utf8_prompt_file_long_enough_in_bytes_passes_startup(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("naïve café, déjà vu. " * 25, encoding="utf-8")
     assert 512 <= prompt.stat().st_size < 512 * 2  # enough bytes for task.prompt_tokens=512, not a lot more
-    validate(cfg(*TINY, f"task.prompt_file={prompt}"))
-    validate(cfg(*PERPLEXITY, f"task.prompt_file={prompt}"))
+    for overrides in (TINY, PERPLEXITY):  # the bytes pass; only the random-init model's missing tokenizer is left
+        with pytest.raises(ConfigError) as refused:
+            validate(cfg(*overrides, f"task.prompt_file={prompt}"))
+        (problem,) = refused.value.problems
+        assert "needs a model with a tokenizer" in problem and "'tiny-random' is a random-init model" in problem
 
 
 def test_triton_backend_on_cpu_is_refused_with_reasons(monkeypatch):

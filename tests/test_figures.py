@@ -4,6 +4,8 @@ writes PDF + PNG, byte-stable)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -365,3 +367,19 @@ def test_predictor_hit_rate_vs_context_draws_interval_and_n_and_only_predictors_
     assert_labelled(fig)
     with pytest.raises(KeyError, match="prompts"):
         figures.predictor_hit_rate_vs_context(frame.drop(columns=["prompts"]))
+
+
+def test_the_committed_pdfs_are_what_make_figures_draws_with_the_recorded_versions(tmp_path):
+    """Issue 54 item 5: `make figures` rewrote all 16 committed PDFs (a few KB apart: another fontTools
+    embedded another font subset), turning the checkout dirty. With the versions drawn_with.json
+    records, a committed figure is redrawn byte for byte."""
+    from prr.analysis.make_figures import DRAWN_WITH, drawing_versions, make_figure
+
+    folder = ROOT / "analysis" / "figures"
+    recorded = json.loads((folder / DRAWN_WITH).read_text())
+    if drawing_versions() != recorded:
+        pytest.skip(f"drawn with {recorded}, this install has {drawing_versions()}: other bytes expected")
+    figure = figures.registry()["latency_breakdown_cpu"]
+    drawn = make_figure(figure, ROOT, tmp_path)
+    for path in drawn:
+        assert path.read_bytes() == (folder / path.name).read_bytes(), path.name

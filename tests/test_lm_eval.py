@@ -112,6 +112,7 @@ def test_include_path_adds_the_users_folder_to_prrs_local_tasks(tmp_path, form, 
 @pytest.mark.parametrize(("model_args", "tasks", "message"), [
     pytest.param("model=tiny-random", "no_such_task", "Tasks not found: no_such_task", marks=pytest.mark.slow),
     pytest.param("model=tiny-random,selectr=quest", "prr_niah", "selectr", marks=pytest.mark.slow),
+    pytest.param("model=tiny-random,selector=qest", "prr_niah", "did you mean quest", marks=pytest.mark.slow),
     ("model=tiny-random,max_length=5000", "prr_niah", "max_length=5000 exceeds the context of model 'tiny-random' "
                                                        "(4096 tokens); use at most 4096"),
 ])
@@ -127,6 +128,25 @@ def test_a_bad_argument_is_one_line_and_exit_status_2_before_the_model_loads(mod
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_.value.code == 2 and err.startswith("prr-lm-eval: error: ") and message in err
     assert PRRLM.model_loads_started == loads
+
+
+def test_a_misspelled_model_arg_gets_the_closest_name_as_run_py_gives_it():
+    """Issue 54: `--model_args selector=qest` ended in Hydra's "Could not find" without a "did you mean"."""
+    from prr.lm_eval_model import compose_config
+    from prr.override_check import BadOverride
+
+    with pytest.raises(BadOverride, match="selector has no option 'qest'; did you mean quest"):
+        compose_config({"model": "tiny-random", "selector": "qest"})
+
+
+def test_an_unknown_task_is_refused_before_lm_eval_is_imported():
+    """Issue 54: lm-eval's import and task index took 36-39 s before it refused an unknown task."""
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['lm_eval.models'] = None; "
+                           "from prr.lm_eval_cli import main; main()", "--model", "prr", "--tasks", "prr_niah,no_such_54"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert "Tasks not found: no_such_54" in line and "prr_niah" not in line.partition("found:")[2].split(":")[0], line
 
 
 def test_console_script_points_at_the_wrapper():

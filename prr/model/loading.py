@@ -16,6 +16,7 @@ conversion never leaves a half cache. Later loads read the safetensors directly.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -32,10 +33,12 @@ from typing import Any
 
 import torch
 
+from prr.cli_exits import ConfigError
 from prr.model.config import ModelConfig
 from prr.model.decoder import Decoder
+from prr.model.describe import CorruptModelFile as CorruptModelFile  # callers import it from here too
+from prr.model.describe import delete_advice, gguf_cache_path, hub_snapshot, read_dir_config, resolve
 from prr.model.describe import describe_model as describe_model  # callers import it from here too
-from prr.model.describe import gguf_cache_path, hub_snapshot, read_dir_config, resolve
 from prr.model.zoo import (
     CONVERTED_MARKER,
     ChunkedWheelGGUFSpec,
@@ -158,18 +161,39 @@ def _safetensors_files(path: Path) -> list[Path]:
 def _load_dir(path: Path, name: str, dtype: torch.dtype, device: str, in_conversion_cache: bool = False) -> LoadedModel:
     """in_conversion_cache: path is prr's own conversion of a GGUF (under the prr cache), which
     a corrupt file's error may tell the user to delete; any other directory is the user's."""
-    config = read_dir_config(path)
+    marker = path / _DONE_MARKER  # present in caches prr converted: holds its files' checksums
+    checksums = json.loads(marker.read_text()).get("sha256") if marker.is_file() else None
+    # the other recorded files (config, tokenizer: small) before anything reads them; the weights as they are read
+    verify_checksums(path, {n: d for n, d in (checksums or {}).items() if not n.endswith(".safetensors")},
+                     in_conversion_cache)
+    config = read_dir_config(path, in_conversion_cache)
     files = _safetensors_files(path)
     decoder = Decoder(config, dtype=dtype, device=device)
-    marker = path / _DONE_MARKER  # present in caches prr converted: holds the weights' checksums
-    checksums = json.loads(marker.read_text()).get("sha256") if marker.is_file() else None
     load_safetensors_into(decoder, files, checksums, in_conversion_cache=in_conversion_cache)
     tokenizer = None
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as err:  # noqa: BLE001 - tokenizers' and transformers' errors for a damaged file vary
+            reason = " ".join(str(err).split())[:300]
+            raise CorruptModelFile(f"{path}: its tokenizer files cannot be loaded ({type(err).__name__}: {reason})"
+                                   f"{delete_advice(path, in_conversion_cache)}") from None
     return LoadedModel(name, config, decoder.eval(), tokenizer, path)
+
+
+def verify_checksums(folder: Path, checksums: dict[str, str], in_conversion_cache: bool) -> None:
+    """Each named file of folder against the sha256 recorded when prr wrote it (CorruptModelFile)."""
+    for name, expected in sorted(checksums.items()):
+        file = folder / name
+        if not file.is_file():
+            raise CorruptModelFile(f"{file}: missing (recorded at conversion){delete_advice(folder, in_conversion_cache)}")
+        with open(file, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        if digest != expected:
+            raise CorruptModelFile(f"{file}: checksum mismatch (sha256 {digest[:16]}..., recorded {expected[:16]}... "
+                                   f"at conversion){delete_advice(folder, in_conversion_cache)}")
 
 
 _SAFETENSORS_DTYPES = {
@@ -186,10 +210,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-class CorruptModelFile(ValueError):
-    """A weights file that cannot be what it claims (bad header, truncated, checksum mismatch)."""
-
-
 def read_safetensors(file: Path, expected_sha256: str | None = None, in_conversion_cache: bool = False
                      ) -> dict[str, torch.Tensor]:
     """All tensors of a .safetensors file as CPU views into one buffer filled by a single read.
@@ -201,35 +221,33 @@ def read_safetensors(file: Path, expected_sha256: str | None = None, in_conversi
     in_conversion_cache: the file is prr's own conversion, which the next load redoes once its
     directory is deleted; a corrupt file anywhere else is the user's and only named.
     """
-    # Deleting is advised only for prr's cache: the same advice for a model directory of the
-    # user's own would destroy the only copy of their model.
-    delete_advice = f"; delete {file.parent} (prr's conversion cache) to reconvert it" if in_conversion_cache else ""
+    advice = delete_advice(file.parent, in_conversion_cache)
     with open(file, "rb") as handle:
         file_size = os.fstat(handle.fileno()).st_size
         prefix = handle.read(8)
         header_size = int.from_bytes(prefix, "little")
         if len(prefix) < 8 or header_size > file_size - 8:
             raise CorruptModelFile(f"{file}: not a safetensors file (header of {header_size} bytes in a "
-                                   f"{file_size}-byte file){delete_advice}")
+                                   f"{file_size}-byte file){advice}")
         header_bytes = handle.read(header_size)
         try:
             header = json.loads(header_bytes)
         except ValueError as err:
-            raise CorruptModelFile(f"{file}: unreadable safetensors header ({err}){delete_advice}") from None
+            raise CorruptModelFile(f"{file}: unreadable safetensors header ({err}){advice}") from None
         data_size = file_size - 8 - header_size
         buffer = torch.empty(data_size, dtype=torch.uint8)  # [bytes]
         if handle.readinto(memoryview(buffer.numpy())) != data_size:
-            raise CorruptModelFile(f"{file}: truncated safetensors file{delete_advice}")
+            raise CorruptModelFile(f"{file}: truncated safetensors file{advice}")
     if expected_sha256 is not None:
         digest = hashlib.sha256(prefix)
         digest.update(header_bytes)
         digest.update(memoryview(buffer.numpy()))
         if digest.hexdigest() != expected_sha256:
             raise CorruptModelFile(f"{file}: checksum mismatch (sha256 {digest.hexdigest()[:16]}..., recorded "
-                                   f"{expected_sha256[:16]}... at conversion){delete_advice}")
+                                   f"{expected_sha256[:16]}... at conversion){advice}")
     ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"]
     if ends and max(ends) > data_size:
-        raise CorruptModelFile(f"{file}: tensors extend past the end of the file{delete_advice}")
+        raise CorruptModelFile(f"{file}: tensors extend past the end of the file{advice}")
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -354,10 +372,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, extra_provenance: dict[str, Any
         if written != config:
             raise RuntimeError(f"converted config differs from the GGUF's: {written} vs {config}")
         stat = gguf_path.stat()
-        with open(out_dir / "model.safetensors", "rb") as weights:
-            sha256 = hashlib.file_digest(weights, "sha256").hexdigest()
+        sha256 = {}  # every file written (weights, config, tokenizer): a load verifies each
+        for file in sorted(p for p in out_dir.iterdir() if p.is_file()):
+            with open(file, "rb") as handle:
+                sha256[file.name] = hashlib.file_digest(handle, "sha256").hexdigest()
         provenance = {
-            "sha256": {"model.safetensors": sha256},
+            "sha256": sha256,
             "source": str(gguf_path),
             "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns,
@@ -373,10 +393,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path, extra_provenance: dict[str, Any
 @contextlib.contextmanager
 def _atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a temp dir beside `final`; rename it to `final` only if the body succeeds."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(final)
     prefix = f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(final)
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    except OSError as err:  # run.py checks this first (prr.front_door); a cache made read-only since ends here
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError([f"{final.parent} cannot be written ({err.strerror}), and {final.name} is not converted "
+                           "there yet; point PRR_CACHE_DIR at a writable directory"]) from None
     try:
         yield tmp
         try:

@@ -9,11 +9,11 @@ in lm_eval_results.json; the runtime's per-step records as in any run."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from prr.paths import strict_json_dumps
 from prr.tasks.base import PromptBatch, Task
 
 LOCAL_TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"
@@ -67,7 +67,7 @@ class LmEvalTask(Task):
                                   task_manager=manager, random_seed=self.seed, numpy_random_seed=self.seed,
                                   torch_random_seed=self.seed, fewshot_random_seed=self.seed, log_samples=False)
         if engine.run_dir is not None:
-            (engine.run_dir / "lm_eval_results.json").write_text(json.dumps(results["results"], indent=2, default=str))
+            (engine.run_dir / "lm_eval_results.json").write_text(strict_json_dumps(results["results"], indent=2, default=str))
         metrics: dict[str, Any] = {}
         for task, values in results["results"].items():
             for key, value in values.items():

@@ -57,8 +57,7 @@ class LongTextTask(Task):
 
         if tokenizer is None:
             if self.prompt_file:
-                raise ValueError(f"task.prompt_file={self.prompt_file!r} needs a model with a tokenizer; "
-                                 "random-init models decode seeded random token ids")
+                raise ConfigError([prompt_file_needs_a_tokenizer(self.prompt_file, "the model loaded has no tokenizer")])
             gen = torch.Generator().manual_seed(self.seed)
             ids = torch.randint(0, vocab_size, (1, self.prompt_tokens), generator=gen)
             return PromptBatch(ids.expand(batch_size, -1).contiguous(), f"{self.prompt_tokens} random token ids (seed {self.seed})")
@@ -76,3 +75,10 @@ class LongTextTask(Task):
         ids = encode_prompt(tokenizer, text, use_chat_template=self.chat_template)  # [1, T]
         where = self.prompt_file or "Python Language Reference (pydoc_data)"
         return PromptBatch(ids.expand(batch_size, -1).contiguous(), f"{self.prompt_tokens} tokens of {where} + instruction", text)
+
+
+def prompt_file_needs_a_tokenizer(prompt_file: str, why: str) -> str:
+    """The refusal of a prompt file for a model without a tokenizer (for random-init models run.py
+    says it before torch is imported: prr.config_check)."""
+    return (f"task.prompt_file={prompt_file!r} needs a model with a tokenizer, but {why}; choose a model with one "
+            "(model=smollm2-135m) or drop task.prompt_file")

@@ -18,7 +18,7 @@ from tests.test_import_graph import module_files
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("prr.kernels",)),
     ("core", ("prr.attention_state", "prr.blocks", "prr.step_record", "prr.cli_exits", "prr.eos", "prr.intervals",
-              "prr.lazy_exports", "prr.override_check", "prr.paths", "prr.progress", "prr.provenance",
+              "prr.lazy_exports", "prr.override_check", "prr.paths", "prr.progress", "prr.gpu_probe",
               "prr.run_inputs", "prr.sinks")),
     ("model", ("prr.model",)),
     ("tasks", ("prr.tasks",)),  # prompts, samples and their scoring: they know the model's tokenizer only
@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policies", ("prr.predictors", "prr.budget")),
     ("measurement", ("prr.metrics", "prr.run_records")),  # a step's records -> rows and aggregates
     ("runtime", ("prr.runtime",)),
-    ("run", ("prr.evaluation", "prr.config_check", "prr.summary_table", "prr.results_store")),
+    ("run", ("prr.evaluation", "prr.config_check", "prr.summary_table", "prr.results_store", "prr.provenance")),
     ("driver", ("prr.driver",)),
     ("front ends", ("prr.runner", "prr.front_door", "prr.benchmarking", "prr.lm_eval_model", "prr.lm_eval_cli",
                     "prr.tasks.lm_eval_task")),

@@ -21,16 +21,27 @@ timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/te
   tests/test_engine_ops.py tests/test_one_engine.py > "$OUT/gpu_tests.txt" 2>&1
 tail -3 "$OUT/gpu_tests.txt" | tee -a "$LOG"
 
-matrix() {  # $1: the tree's dir, $2: the output name
+matrix() {  # $1: the tree's dir, $2: the output name, $3: selectors, $4: predictors
   (cd "$1" && PYTHONPATH=$ROOT/.site:$1 timeout ${MATRIX_S:-200} python3 experiments/bench_engine_runs.py \
-    --cases matrix --contexts 32000 --blocks 16 --topk 32 --selectors quest,infllm,less,exact \
-    --predictors none,ema --steps 32 --timeout 60 --runs /tmp/runs_$2 --out "$OUT/$2" > /tmp/$2.log 2>&1)
-  tail -12 /tmp/$2.log | tee -a "$LOG"
+    --cases matrix --contexts 32000 --blocks 16 --topk 32 --selectors "${3:-quest,infllm,less,exact}" \
+    --predictors "${4:-none,ema}" --steps ${STEPS:-32} --timeout 60 --runs /tmp/runs_$2 --out "$OUT/$2" > /tmp/$2.log 2>&1)
+  tail -8 /tmp/$2.log | tee -a "$LOG"
 }
-say "whole runs, the tree before (0bc17a8)"
-matrix "$ROOT/.xfer/before" matrix_before
-say "whole runs, this tree"
-matrix "$ROOT" matrix_after
+if [ -n "${SHORT:-}" ]; then  # a short call: every selector serial, Quest with ema too
+  for tree in before after; do
+    dir=$ROOT; [ $tree = before ] && dir=$ROOT/.xfer/before
+    say "whole runs, $tree: serial"
+    matrix "$dir" matrix_${tree}_serial quest,infllm,less,exact none
+    say "whole runs, $tree: quest ema"
+    matrix "$dir" matrix_${tree}_quest_ema quest ema
+  done
+else
+  say "whole runs, the tree before (0bc17a8)"
+  matrix "$ROOT/.xfer/before" matrix_before
+  say "whole runs, this tree"
+  matrix "$ROOT" matrix_after
+fi
+[ -n "${SKIP_HINTED:-}" ] && { say "done"; exit 0; }
 say "hinted top-k: gpu tests"
 left() { echo $(( ${BUDGET:-550} - SECONDS )); }
 timeout ${HINT_TESTS_S:-60} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_hinted_topk.py \

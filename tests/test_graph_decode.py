@@ -337,6 +337,25 @@ def test_fused_append_follows_in_place_edits_of_the_model_weights():
     assert one.paired_qkv_weights()[0][0] is paired  # refreshed where it is (captured graphs keep pointers)
 
 
+def test_paired_weights_make_their_row_order_only_when_they_rebuild():
+    """A step reads the paired q|k|v copy through FusedWeights.paired_qkv; its row order (a host
+    tensor copied to the device) is made only when the copy is (re)built, never in a step that
+    finds it current: a copy from the host inside a CUDA graph capture is an error on the GPU."""
+    one = fused_projection_engine(StaticPlan(variant="serial"), "quest", 6, batch=1)
+    made = []
+
+    def order():
+        made.append(1)
+        return one.attn.ops.rope_pair_permutation(one.hq, one.hkv, one.d)
+    first = one.weights.paired_qkv(order, one.device)  # built with the engine: current
+    decode(one, 2)
+    assert one.weights.paired_qkv(order, one.device) is first and made == []
+    with torch.no_grad():
+        one.model.model.layers[0].self_attn.q_proj.weight.add_(0.5)
+    one.weights.paired_qkv(order, one.device)
+    assert made == [1]  # rebuilt once, in place, after the edit
+
+
 def test_unknown_projections_are_refused():
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
     with pytest.raises(ValueError, match="projections='cublas' is not one of"):

@@ -241,7 +241,8 @@ class GraphDecoder(EngineState):
 
     def paired_qkv_weights(self) -> list[tuple[Tensor, Tensor | None]]:
         """`FusedWeights.paired_qkv` in RoPE pair order (prr.kernels.qkv_append), per layer."""
-        return self.weights.paired_qkv(self.attn.ops.rope_pair_permutation(self.hq, self.hkv, self.d).to(self.device))
+        return self.weights.paired_qkv(lambda: self.attn.ops.rope_pair_permutation(self.hq, self.hkv, self.d),
+                                       self.device)
 
     def capture_all(self, steps: dict) -> dict:
         """key -> step function (each a view's step) => key -> its captured graph's replay on CUDA

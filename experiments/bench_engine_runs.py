@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from prr.bench_args import int_list
 from prr.intervals import median_ratio_interval
 from prr.paths import strict_json_dumps
 
@@ -231,15 +232,6 @@ def main() -> None:
              if c in table]
     print(table[shown].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
-    return values
 
 
 def rate_list(text: str) -> tuple[float, ...]:

@@ -64,6 +64,7 @@ import re
 import sys
 from pathlib import Path
 
+from prr.bench_args import OneLineParser, int_list
 from prr.benchmarking import BF16, HEADROOM, HKV, HQ, D  # the 8B decode shape
 from prr.paths import strict_json_dumps
 
@@ -84,22 +85,6 @@ QUICK_GRID = dict(batches=[1], contexts=[32768], blocks=[16], budgets=[2048],
 
 # --- arguments, floors and tables: pure python (tests/test_bench_flashinfer.py) -------------------
 
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments: one line on stderr, exit code 2 (no usage block)."""
-
-    def error(self, message: str):  # noqa: D102
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be > 0")
-    return values
 
 
 def filter_list(text: str) -> list[str]:

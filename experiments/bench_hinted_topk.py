@@ -49,6 +49,8 @@ import sys
 import time
 from pathlib import Path
 
+from prr.bench_args import OneLineParser, int_list
+
 HKV = 8  # rows are batch x 8 KV heads (the 8B shape) from 8 rows up; fewer rows: batch 1, that many heads
 L2_ROTATION_BYTES = 128 << 20  # scores a timing graph reads over its sets, 2.5x the H200's 50 MB L2
 MAX_SETS = 64
@@ -60,22 +62,6 @@ NOT_INSTALLED = "not installed"
 
 # --- arguments, floors and tables: pure python (tests/test_bench_hinted_topk.py) ---------------------
 
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments: one line on stderr, exit code 2 (no usage block)."""
-
-    def error(self, message: str):  # noqa: D102
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be > 0")
-    return values
 
 
 def rate_list(text: str) -> list[float]:

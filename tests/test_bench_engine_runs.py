@@ -113,7 +113,7 @@ def test_predictions_go_to_prr_rows_only_beside_their_serial_run():
 
 
 @pytest.mark.parametrize("argv,message", [(["--contexts", "32k"], "not a comma-separated list of integers"),
-                                          (["--blocks", "0"], "must be positive"),
+                                          (["--blocks", "0"], "must be > 0"),
                                           (["--selectors", "quest,nsa"], "nsa not among"),
                                           (["--stage-map", "/nonexistent.csv"], "/nonexistent.csv: no such file")])
 def test_bad_arguments_are_one_line_before_any_run(argv, message, monkeypatch, capsys):

@@ -18,7 +18,7 @@ from tests.test_import_graph import module_files
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("prr.kernels",)),
     ("core", ("prr.attention_state", "prr.blocks", "prr.step_record", "prr.cli_exits", "prr.eos", "prr.intervals",
-              "prr.lazy_exports", "prr.override_check", "prr.paths", "prr.progress", "prr.gpu_probe",
+              "prr.lazy_exports", "prr.override_check", "prr.paths", "prr.progress", "prr.gpu_probe", "prr.bench_args",
               "prr.run_inputs", "prr.sinks")),
     ("model", ("prr.model",)),
     ("tasks", ("prr.tasks",)),  # prompts, samples and their scoring: they know the model's tokenizer only

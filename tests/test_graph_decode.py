@@ -356,6 +356,43 @@ def test_paired_weights_make_their_row_order_only_when_they_rebuild():
     assert made == [1]  # rebuilt once, in place, after the edit
 
 
+def test_a_prefills_state_taken_over_after_views_reaches_every_view():
+    """EngineState.take_over adopts the prefill's warmed predictor state into the engine and every
+    view made before it (scored requests build their step view first, then take each request
+    over): the views' steps learn from that state, a checkpoint covers it, and the step decodes
+    what an engine that took the state over before its view decodes."""
+    plan = StaticPlan(variant="prr", predicted_blocks=6)
+    source = make(plan, "quest", 6, "ema_membership")
+    decode(source, 3)  # a state that has learned from three steps
+    first = source.token[:, 0].clone()
+    masks = [None] * CONFIG.num_layers
+
+    def warmed():
+        return [t.clone() for t in state_tensors(source.predictor_state)]
+
+    early = make(plan, "quest", 6, "ema_membership")
+    view = early.with_plan(count_hits=True)  # made before the take-over
+    early.take_over(int(early.pos[0]), first, source.attn.schedule.predictor.init_state(
+        CONFIG.num_layers, 2, CONFIG.num_kv_heads, early.max_blocks, DEVICE), masks)
+    for mine, theirs in zip(state_tensors(early.predictor_state), warmed(), strict=True):
+        mine.copy_(theirs)  # (the warmed values, in the adopted tensors)
+    assert view.predictor_state is early.predictor_state
+    assert all(any(t is m for m in early.attn.mutable_tensors()) for t in state_tensors(view.predictor_state))
+    late = make(plan, "quest", 6, "ema_membership")
+    late.take_over(int(late.pos[0]), first, source.attn.schedule.predictor.init_state(
+        CONFIG.num_layers, 2, CONFIG.num_kv_heads, late.max_blocks, DEVICE), masks)
+    for mine, theirs in zip(state_tensors(late.predictor_state), warmed(), strict=True):
+        mine.copy_(theirs)
+    late.prime_predictions(int(late.pos[0]))
+    early.prime_predictions(int(early.pos[0]))
+    late_view = late.with_plan(count_hits=True)
+    for a, b in zip(decode(view, 3), decode(late_view, 3), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(view.attn.schedule.pred_all, late_view.attn.schedule.pred_all)
+    with pytest.raises(ValueError, match="needs the predictor state the prefill warmed"):
+        early.take_over(int(early.pos[0]), first, None, masks)
+
+
 def test_unknown_projections_are_refused():
     model = Decoder(CONFIG, torch.float32, "cpu").init_random_(seed=3, std=0.05)
     with pytest.raises(ValueError, match="projections='cublas' is not one of"):

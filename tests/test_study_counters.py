@@ -1,4 +1,4 @@
-"""The graph engine's study counters (StaticPlan.study_counters, PRRStep.study_counters)
+"""The graph engine's study counters (StaticPlan.study_counters, StepObservers.study_counters)
 equal the eager studies' values on the same trajectory (same prompt, teacher-forced tokens),
 per layer and KV head, fp32: hits of the predictor's ranking at every |P| = ratio × K, |A|,
 last-step overlap exactly; attention-mass recall and output error against dense attention on

@@ -48,7 +48,7 @@ class EngineState:
         # step's own greedy token follows. Set only by a replaying predictor's recorded pass
         # (prr/runtime/replay.py: teacher forcing, so a bf16 run cannot leave the recorded trajectory).
         self.forced_tokens: Tensor | None = None
-        self.captured: list[torch.cuda.CUDAGraph] = []  # graphs captured over these buffers
+        self.captures = [0]  # graphs captured over these buffers (one count every view shares)
 
     # The cache's and the model's shapes
     keys = property(lambda self: self.cache.keys, doc="[B, Hkv, T_max, D] per layer")
@@ -127,6 +127,7 @@ class EngineState:
         graph_context.copy_context(self.cache, keys, values, self.row_lengths(length))
         self.start_at(length, token.view(self.batch).to(self.device))
 
+    @torch.no_grad()
     def start_at(self, length: int | list[int] | Tensor, token: Tensor, gen: torch.Generator | None = None,
                  query: Tensor | None = None) -> None:
         """Decode from position `length` of the cache as it is: the selector's metadata rebuilt
@@ -156,11 +157,15 @@ class EngineState:
         into a captured one's) and the first step's P primed; A_{t-1} of each layer (previous:
         [B, Hkv, NB] bool or None, the prefill's last prompt-tail selections) for the overlap."""
         self.begin(lengths, first)
-        if warmed_state is not None and self.attn.schedule.predictor is not None:
-            if self.captured:
-                self.attn.schedule.copy_state(warmed_state)
-            else:
-                self.attn.schedule.adopt_state(warmed_state)
+        schedule = self.attn.schedule
+        if schedule.predictor is not None and schedule.state is not None:  # (built for PRR with a predictor)
+            if warmed_state is None:
+                raise ValueError(f"predictor={type(schedule.predictor).__name__}: the engine speculates, so it needs "
+                                 "the predictor state the prefill warmed (got none)")
+            if self.captures[0]:
+                schedule.copy_state(warmed_state)
+            else:  # (every view of this engine shares the adopted state)
+                schedule.adopt_state(warmed_state)
             self.prime_predictions(lengths)
         self.set_previous_selections(previous)
 

@@ -91,11 +91,11 @@ class GraphDecoder(EngineState):
         outputs (one all-reduce each per layer); every rank computes the same logits and token.
         For now the torch projections only, uncompiled."""
         c, bs, dtype, device = model.config, plan.block_size, model.dtype, model.device
+        problems = decoder_problems(model, plan, batch, cache, selector, backend, compile, max_tokens)
+        if problems:  # (before a new cache is allocated: GBs on a GPU)
+            raise ValueError("; ".join(problems))
         if cache is None:
             cache = PagedKVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, bs, max_tokens, dtype, device)
-        problems = decoder_problems(model, plan, batch, cache, selector, backend, compile)
-        if problems:
-            raise ValueError("; ".join(problems))
         selector.bind_model(c)  # (InfLLM: the RoPE its scoring undoes)
         super().__init__(model, plan, batch, cache, selector=selector, predictor=predictor, backend=backend)
         self.compiled = compile
@@ -272,13 +272,14 @@ class GraphDecoder(EngineState):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.graph_output = fn()
-        self.captured.append(graph)  # (shared by every view: the buffers are)
+        self.captures[0] += 1  # (shared by every view: the buffers are)
         return graph
 
 
-def decoder_problems(model: Decoder, plan: StaticPlan, batch: int, cache: PagedKVCache, selector: Selector | None,
-                     backend: str, compile: bool) -> list[str]:
-    """Why a GraphDecoder of `model` cannot decode `batch` rows over `cache` (empty: it can)."""
+def decoder_problems(model: Decoder, plan: StaticPlan, batch: int, cache: PagedKVCache | None,
+                     selector: Selector | None, backend: str, compile: bool, max_tokens: int) -> list[str]:
+    """Why a GraphDecoder of `model` cannot decode `batch` rows over `cache` (None: a new one of
+    max_tokens) (empty: it can)."""
     c, bs, out = model.config, plan.block_size, []
     if model.tensor_parallel is not None and (plan.projections == "fused" or compile):
         out.append("tensor_parallel runs the torch projections uncompiled for now: use plan.projections="
@@ -292,15 +293,18 @@ def decoder_problems(model: Decoder, plan: StaticPlan, batch: int, cache: PagedK
     if backend == "torch" and plan.projections == "fused":
         out.append("plan.projections='fused' runs prr.kernels.dense_gemv: it needs backend='triton' "
                    "(backend='torch' projects with F.linear: projections='torch')")
-    if (cache.batch, cache.num_kv_heads, cache.head_dim, cache.block_size) != (batch, c.num_kv_heads, c.head_dim, bs):
+    if cache is not None and (cache.batch, cache.num_kv_heads, cache.head_dim, cache.block_size) != (
+            batch, c.num_kv_heads, c.head_dim, bs):
         out.append(f"cache [B={cache.batch}, Hkv={cache.num_kv_heads}, D={cache.head_dim}, block_size="
                    f"{cache.block_size}] does not fit batch={batch}, the model and plan.block_size={bs}")
-    if cache.dtype != model.dtype or cache.keys[0].device != model.device:
+    if cache is not None and (cache.dtype != model.dtype or cache.keys[0].device != model.device):
         out.append(f"cache dtype/device {cache.dtype}/{cache.device} differ from the model's {model.dtype}/{model.device}")
+    max_blocks, max_tokens = (cache.max_blocks, cache.max_tokens) if cache is not None else (-(-max_tokens // bs),
+                                                                                           max_tokens)
     budgets = {"selector.topk_blocks": selector.topk_blocks if plan.variant != "dense" else 0,
                "predicted_blocks": plan.predicted_blocks if plan.variant == "prr" else 0}
     for name, blocks in budgets.items():
-        if blocks > cache.max_blocks:
-            out.append(f"{name}={blocks} exceeds the {cache.max_blocks} blocks of max_tokens={cache.max_tokens} "
+        if blocks > max_blocks:
+            out.append(f"{name}={blocks} exceeds the {max_blocks} blocks of max_tokens={max_tokens} "
                        f"(block_size={bs}): lower it or raise max_tokens")
     return out

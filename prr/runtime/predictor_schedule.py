@@ -55,15 +55,25 @@ class PredictorSchedule:
         self.pred_cnt_all = torch.zeros(L, B, H, dtype=torch.int32, device=device) if speculates else None
         self.pred_idx = [self.pred_all[i] if speculates and s else None for i, s in enumerate(sparse)]
         self.pred_cnt = [self.pred_cnt_all[i] if speculates and s else None for i, s in enumerate(sparse)]
-        self.state = None
+        # The state in a box every view shares, so a state adopted through any view is every view's
+        self.state_box: list = [None]
         if speculates and predictor is not None:
             self.state = predictor.init_state(L, B, H, max_blocks, device)
             self._size_state()
         self.learned: list[Selection] = []  # this step's A held for the learning at once
         self.next_blocks: tuple[Tensor, Tensor] | None = None  # (this step's lengths, next step's block counts)
 
+    @property
+    def state(self):
+        """The predictor's device state (None: no predictor, or not built for PRR)."""
+        return self.state_box[0]
+
+    @state.setter
+    def state(self, value) -> None:
+        self.state_box[0] = value
+
     def view(self) -> PredictorSchedule:
-        """The same state and buffers for another plan's step (its own held selections)."""
+        """The same state (one box) and buffers for another plan's step (its own held selections)."""
         view = object.__new__(PredictorSchedule)
         view.__dict__.update(self.__dict__)
         view.learned = []

@@ -31,7 +31,9 @@ class SideStream:
 
     def using(self, stream: torch.cuda.Stream | None) -> SideStream:
         """Side work on `stream` instead (benchmarks of stream priorities); None: the engine's own."""
-        return SideStream(self.device, self.overlap, stream if stream is not None else self.own, self.own)
+        out = SideStream(self.device, self.overlap, stream if stream is not None else self.own, self.own)
+        out.forked = self.forked
+        return out
 
     def on_side(self):
         """Queue the block's work on the side stream (on the main one when inactive)."""

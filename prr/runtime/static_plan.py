@@ -80,7 +80,7 @@ class StaticPlan:
     count_hits: bool = False
     # Dense-reference metrics (mass recall, output error) on this step (every step in shadow mode).
     measure_dense: bool = False
-    # The studies' counters (PRRStep.study_counters; needs count_hits): per layer, row and KV
+    # The studies' counters (StepObservers.study_counters; needs count_hits): per layer, row and KV
     # head, the hits of the predictor's ranking at every |P| = ratio × K of `study_ratios` (a fixed
     # budget's |P| at that ratio: what experiments/locality_study.py's RatioProbe counts) and, on
     # dense-measured steps, mass recall and output error. One to four proposes per sparse layer and

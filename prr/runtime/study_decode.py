@@ -1,6 +1,6 @@
 """The studies' decode on the graph engine (`--engine graph` of experiments/locality_study.py and
 predictor_study.py): one request of a fixed number of steps through `GraphDecoder` with the study
-counters on (`StaticPlan.study_counters`, `PRRStep.study_counters`), read back once.
+counters on (`StaticPlan.study_counters`, `StepObservers.study_counters`), read back once.
 
 The request starts where the research runtime's prefill left it (`EagerRuntime` after `prefill`
 or `replay_prefill`, and `finish_prefill`): its cache, selector metadata and warmed predictor
@@ -29,7 +29,7 @@ from prr.runtime.graph_run import engine_backend, graph_plan
 
 @dataclass
 class StudyDecode:
-    counters: dict[str, Tensor]  # PRRStep.study_counters: name -> [L, Hkv] fp64, summed over steps and rows
+    counters: dict[str, Tensor]  # StepObservers.study_counters: name -> [L, Hkv] fp64, summed over steps and rows
     tokens: list[int]  # the input token of each decode step (the trajectory followed)
     disagreements: int  # steps whose followed token is not the model's argmax there
     plan: Any  # the StaticPlan the engine ran (predicted_blocks: the engine's own |P|)

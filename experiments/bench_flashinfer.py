@@ -64,7 +64,7 @@ import re
 import sys
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list
+from prr.bench_args import OneLineParser, int_list, markdown
 from prr.benchmarking import BF16, HEADROOM, HKV, HQ, D  # the 8B decode shape
 from prr.paths import strict_json_dumps
 
@@ -268,20 +268,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def fmt(x, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:.0f}"
-    return str(x)
-
-
-def markdown(header: list[str], body: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in body]
-    return "\n".join(lines)
 
 
 def best_of(row: dict, keys: tuple[str, ...]) -> tuple[str | None, float | None]:

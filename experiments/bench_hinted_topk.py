@@ -49,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list
+from prr.bench_args import OneLineParser, int_list, markdown
 
 HKV = 8  # rows are batch x 8 KV heads (the 8B shape) from 8 rows up; fewer rows: batch 1, that many heads
 L2_ROTATION_BYTES = 128 << 20  # scores a timing graph reads over its sets, 2.5x the H200's 50 MB L2
@@ -136,22 +136,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def fmt(x, digits: int = 3) -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, str):
-        return x
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:.0f}"
-    return str(x)
-
-
-def markdown(header: list[str], body: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in body]
-    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:

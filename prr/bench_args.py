@@ -1,9 +1,11 @@
-"""Command-line pieces the benchmark scripts in experiments/ share: a parser whose errors are one
-line, and the type of a comma-separated list of positive integers (grid axes)."""
+"""What the benchmark scripts in experiments/ share besides timing: a parser whose errors are one
+line, the type of a comma-separated list of positive integers (grid axes), and their markdown
+tables."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -24,3 +26,22 @@ def int_list(text: str) -> list[int]:
     if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: every value must be > 0")
     return values
+
+
+def fmt(x, digits: int = 3) -> str:
+    """A table cell: None or NaN -> "-", booleans yes / NO, floats to `digits` significant digits
+    (whole numbers from 10^4), anything else as str."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:.0f}"
+    return str(x)
+
+
+def markdown(header: list[str], body: list[list]) -> str:
+    """A markdown table of `header` and the rows of `body` (cells through `fmt`)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in body]
+    return "\n".join(lines)

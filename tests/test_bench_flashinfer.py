@@ -65,9 +65,13 @@ def test_byte_floors():
 
 
 def test_ratios_and_formatting():
+    from prr.bench_args import fmt, markdown
+
     assert bf.ratio(2.0, 4.0) == 0.5
     assert bf.ratio(None, 1.0) is None and bf.ratio(1.0, 0.0) is None and bf.ratio("x", 1.0) is None
-    assert bf.fmt(None) == "-" and bf.fmt(True) == "yes" and bf.fmt(False) == "NO" and bf.fmt(1.23456) == "1.23"
+    assert fmt(None) == "-" and fmt(float("nan")) == "-" and fmt(True) == "yes" and fmt(False) == "NO"
+    assert fmt(1.23456) == "1.23" and fmt(123456.7) == "123457" and fmt("x") == "x"
+    assert markdown(["a", "b"], [[1.5, None]]) == "| a | b |\n|---|---|\n| 1.5 | - |"
     assert bf.best_of({"a": 3.0, "b": 2.0, "c": None}, ("a", "b", "c")) == ("b", 2.0)
     assert bf.best_of({"a_error": "x"}, ("a",)) == (None, None)
 

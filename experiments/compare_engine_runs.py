@@ -16,7 +16,6 @@ from pathlib import Path
 from prr.bench_args import OneLineParser, markdown
 from prr.intervals import median_ratio_interval
 
-
 HEADER = ["case", "variant", "before ms", "after ms", "after / before [95%]", "steps", "tokens equal"]
 
 

@@ -255,20 +255,7 @@ def model_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> li
     bad_layers = sorted(x for x in selector.dense_layers if not 0 <= x < model.num_layers)
     if bad_layers:
         problems.append(f"selector.dense_layers={bad_layers} outside the model's layers 0..{model.num_layers - 1}")
-    if budget.profiles and not bad_layers and set(range(model.num_layers)) <= set(selector.dense_layers):
-        problems.append(f"selector.dense_layers={sorted(selector.dense_layers)} makes every layer of the model "
-                        f"({model.num_layers}) dense: budget=profiled has no selection to time; use budget=fixed or "
-                        "fewer dense_layers")
-    name = option_name(cfg, "predictor")
-    if budget.profiles and not predictor.uses_budget:
-        problems.append(f"predictor={name} sets |P| itself (P = A) and "
-                        "ignores the budget, but budget=profiled would size P from timings (the eager runtime speculated "
-                        "on its |P| = 0: a hit rate of 0); use budget=fixed")
-    declared = predictor.declared_hit_rate
-    if budget.profiles and declared is not None and getattr(budget, "stage_check", False) \
-            and budget.hit_rate != declared:
-        problems.append(f"budget=profiled checks PRR's stage with P holding budget.hit_rate={budget.hit_rate} of A, but "
-                        f"predictor={name} holds {declared}: set budget.hit_rate={declared}")
+    problems += budget.config_problems(selector, predictor, model, option_name(cfg, "predictor"))
     prompt_file = getattr(task, "prompt_file", None)
     if prompt_file and is_random_init(cfg.model.name_or_path):  # else found only once the model loads
         from prr.tasks.long_text import prompt_file_needs_a_tokenizer

@@ -333,3 +333,43 @@ def test_the_eager_probes_given_prediction_ranks_p_first_and_proposes_exactly_p(
     assert ranking[0, 0].argsort(descending=True)[:3].tolist() == [7, 2, 9]
     assert torch.isinf(ranking[0, 0, [0, 1, 3, 11]]).all()  # the padding entry's block 0 is not in P
     assert given.propose(None, 0, 12, 3) is p
+
+
+def test_the_graph_engine_takes_the_budgets_own_decision_whatever_its_kind():
+    """The engine asks every budget the same questions (no kind flags): a budget of its own that
+    decides serial DSA before the decode gets a serial plan, the fixed budget keeps the planned
+    |P| (every block for a selector that selects them all) without building a probe, and the
+    adaptive one captures both variants and chooses per window."""
+    from types import SimpleNamespace
+
+    from prr.budget.base import SpeculationBudget
+    from prr.runtime.graph_run import resolved_plan
+    from prr.runtime.static_plan import StaticPlan
+
+    class SerialAfterAll(SpeculationBudget):
+        def static_blocks(self, selected_blocks):
+            return selected_blocks
+
+        def predicted_blocks(self, layer, context_blocks, selected_blocks):
+            return 0
+
+        def resolve_engine_blocks(self, make_probe, planned, selected_blocks, max_blocks, context_blocks):
+            return 0, {"why": "measured nothing worth speculating"}
+
+    def no_probe():
+        raise AssertionError("a budget that does not measure built a probe")
+
+    selector, predictor = SimpleNamespace(topk_blocks=4), SimpleNamespace(uses_budget=True)
+    plan = StaticPlan(variant="prr", predicted_blocks=4, block_size=16)
+    args = (None, 1, 64 * 16, selector, "torch", 10)  # decoder, batch, capacity, selector, backend, context
+    serial, info = resolved_plan(plan, SerialAfterAll(), predictor, *args)
+    assert (serial.variant, serial.predicted_blocks, info["choice"]) == ("serial", 0, "serial")
+    every = StaticPlan(variant="prr", predicted_blocks=64, block_size=16)  # selector=dense: |P| = every block
+    fixed = FixedBudget(ratio=0.5)
+    fixed.resolve_engine_blocks = lambda make, *rest: FixedBudget.resolve_engine_blocks(fixed, no_probe, *rest)
+    assert resolved_plan(every, fixed, predictor, *args) == (every, {})
+    assert fixed.engine_blocks(4, 64) == 2 and fixed.engine_variants("prr") == ("prr",)
+    budget = adaptive(window_steps=3)
+    assert budget.engine_variants("prr") == ("serial", "prr") and budget.window_steps_or(16) == 3
+    assert budget.window_variant("prr") == "serial"  # its first window measures serial DSA
+    assert budget.end_window("serial", 1.0) == "prr" == budget.window_variant("prr")

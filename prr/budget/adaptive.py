@@ -33,8 +33,6 @@ VARIANTS = ("serial", "prr")
 
 
 class AdaptiveBudget(SpeculationBudget):
-    adapts_online = True
-
     def __init__(self, ratio: float = 1.0, min_hit: float = 0.3, smoothing: float = 0.5, probe_every: int = 8,
                  window_steps: int = 16) -> None:
         problems = []
@@ -96,6 +94,36 @@ class AdaptiveBudget(SpeculationBudget):
         self.variant = self.next_variant()
         ran = [w["variant"] for w in self.windows]
         self.info.update(windows_prr=ran.count("prr"), windows_serial=ran.count("serial"))
+        return self.variant
+
+    # --- the graph engine's side: both variants captured over one cache, one per window -----
+    def engine_problems(self, speculates: bool, purpose: str, tensor_parallel: int = 1) -> list[str]:
+        head = "runtime.engine=graph with budget=adaptive"
+        out = []
+        if not speculates:
+            out.append(f"{head} chooses between serial DSA and PRR: it needs a predictor; predictor=none is serial DSA "
+                       "already")
+        if purpose == "scoring":
+            out.append(f"{head} and a scored task: budget=adaptive switches variants per window of one decode; use "
+                       "budget=fixed or budget=profiled (or runtime.engine=eager)")
+        if purpose == "study":
+            out.append("the study decode takes a fixed budget (|P| static for the decode); got budget=adaptive")
+        if tensor_parallel > 1:
+            out.append(f"runtime.tensor_parallel={tensor_parallel} with budget=adaptive: each rank would decide from "
+                       "its own timings; not yet supported (use budget=fixed)")
+        return out
+
+    def resolve_engine_blocks(self, make_probe: Any, planned: int, selected_blocks: int, max_blocks: int,
+                              context_blocks: int) -> tuple[int, dict[str, Any]]:
+        return planned, self.info
+
+    def engine_variants(self, variant: str) -> tuple[str, ...]:
+        return VARIANTS
+
+    def window_steps_or(self, default: int) -> int:
+        return self.window_steps
+
+    def window_variant(self, variant: str) -> str:
         return self.variant
 
     # --- the eager runtime's side: |P| per step, windows from its records -----------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,10 +71,12 @@ class TimingProbe(Protocol):
 
 
 class SpeculationBudget(ABC):
-    # Capabilities engines dispatch on: `profiles` decides |P| from timings measured before
-    # decoding (profiled); `adapts_online` changes its decision while decoding (adaptive).
-    profiles: bool = False
-    adapts_online: bool = False
+    """|P| per layer and step for the eager runtime (`predicted_blocks`, `observe`), and the
+    graph engine's policy, where |P| is static for the decode (a CUDA graph fixes every shape):
+    `engine_blocks` before anything is measured, `resolve_engine_blocks` once before the decode,
+    then windows of steps (`engine_variants`, `window_variant`, `end_window`). The defaults are
+    a static |P|; profiled and adaptive override what they decide otherwise, so that engines
+    never ask a budget what kind it is."""
 
     def static_blocks(self, selected_blocks: int) -> int | None:
         """|P| for a selection of selected_blocks blocks when it is known before decoding
@@ -94,3 +96,46 @@ class SpeculationBudget(ABC):
         """After each decode step (timings resolved): what speculation did. Budgets that
         adapt online (adaptive) learn here; the others ignore it."""
         return None
+
+    def config_problems(self, selector: Any, predictor: Any, model: Any, predictor_name: str) -> list[str]:
+        """Why this budget cannot size |P| for these options (checked before any weights load); empty: it can."""
+        return []
+
+    # --- the graph engine --------------------------------------------------------------------
+    def engine_problems(self, speculates: bool, purpose: str, tensor_parallel: int = 1) -> list[str]:
+        """Why the graph engine cannot decode under this budget (empty: it can). purpose: "decode"
+        (run.py), "scoring" (scored tasks' requests) or "study" (the locality studies' decode)."""
+        return []
+
+    def engine_blocks(self, selected_blocks: int, max_blocks: int) -> int:
+        """The engine's |P| before anything is measured, for a selection of selected_blocks of a
+        cache of max_blocks (profiled: |A|, a placeholder its profile replaces)."""
+        size = self.static_blocks(selected_blocks)
+        if size is None:
+            raise NotImplementedError(f"{type(self).__name__} measures |P|: it must define engine_blocks")
+        return min(size, max_blocks)
+
+    def resolve_engine_blocks(self, make_probe: Callable[[], TimingProbe], planned: int, selected_blocks: int,
+                              max_blocks: int, context_blocks: int) -> tuple[int, dict[str, Any]]:
+        """The engine's |P| for the decode (0: serial DSA), decided once before it at the first
+        step's context, from the planned one (`engine_blocks`, or every block for a selector that
+        selects them all); make_probe builds a probe of the engine's own stages, called only by a
+        budget that measures. -> (|P|, what it decided, for the run record)."""
+        return planned, {}
+
+    def engine_variants(self, variant: str) -> tuple[str, ...]:
+        """The variants ("serial", "prr") the engine captures for a run planned as `variant`."""
+        return (variant,)
+
+    def window_steps_or(self, default: int) -> int:
+        """Decode steps between the host's looks (and the budget's decisions)."""
+        return default
+
+    def window_variant(self, variant: str) -> str:
+        """The variant the next window of steps runs (the run was planned as `variant`)."""
+        return variant
+
+    def end_window(self, variant: str, median_s: float, hit_rate: float | None = None) -> str:
+        """One finished window: its variant, its steps' median time (s) and PRR's hit rate in it.
+        -> the variant of the next window."""
+        return variant

@@ -63,7 +63,6 @@ CACHE_KEYS = ("key", "device", "table", "measurements", "spread", "rounds", "kep
 
 
 class ProfiledBudget(SpeculationBudget):
-    profiles = True
     def __init__(
         self,
         ratios: Sequence[float] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
@@ -101,6 +100,45 @@ class ProfiledBudget(SpeculationBudget):
         # The dict setup() returned (the run's summary.json budget_setup, written after decoding):
         # observe() adds the run's check of the profile to it.
         self.setup_info: dict[str, Any] = {}
+
+    def config_problems(self, selector: Any, predictor: Any, model: Any, predictor_name: str) -> list[str]:
+        problems = []
+        layers = model.num_layers
+        if all(0 <= x < layers for x in selector.dense_layers) and set(range(layers)) <= set(selector.dense_layers):
+            problems.append(f"selector.dense_layers={sorted(selector.dense_layers)} makes every layer of the model "
+                            f"({layers}) dense: budget=profiled has no selection to time; use budget=fixed or fewer "
+                            "dense_layers")
+        if not predictor.uses_budget:
+            problems.append(f"predictor={predictor_name} sets |P| itself (P = A) and ignores the budget, but "
+                            "budget=profiled would size P from timings (the eager runtime speculated on its |P| = 0: "
+                            "a hit rate of 0); use budget=fixed")
+        declared = predictor.declared_hit_rate
+        if declared is not None and self.stage_check and self.hit_rate != declared:
+            problems.append(f"budget=profiled checks PRR's stage with P holding budget.hit_rate={self.hit_rate} of A, "
+                            f"but predictor={predictor_name} holds {declared}: set budget.hit_rate={declared}")
+        return problems
+
+    # --- the graph engine: its own stages profiled once, at the first step's context ----------
+    def engine_problems(self, speculates: bool, purpose: str, tensor_parallel: int = 1) -> list[str]:
+        out = []
+        if purpose == "study":
+            out.append("the study decode takes a fixed budget (|P| static for the decode); got budget=profiled")
+        if tensor_parallel > 1:
+            out.append(f"runtime.tensor_parallel={tensor_parallel} with budget=profiled: each rank would decide from "
+                       "its own timings; not yet supported (use budget=fixed)")
+        return out
+
+    def engine_blocks(self, selected_blocks: int, max_blocks: int) -> int:
+        return min(selected_blocks, max_blocks)  # a placeholder: resolve_engine_blocks measures |P|
+
+    def resolve_engine_blocks(self, make_probe: Any, planned: int, selected_blocks: int, max_blocks: int,
+                              context_blocks: int) -> tuple[int, dict[str, Any]]:
+        probe = make_probe()
+        info = self.setup(probe, selected_blocks, max_blocks, contexts=[context_blocks])
+        release = getattr(probe, "release", None)
+        if release is not None:  # (the probe's engine and cache, before the run builds its own)
+            release()
+        return self.predicted_blocks(0, context_blocks, selected_blocks), info
 
     def _contexts(self, selected_blocks: int, max_blocks: int) -> list[int]:
         lo = max(1, min(selected_blocks, max_blocks))

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from prr.runtime.graph_decode import GraphDecoder
-from prr.runtime.graph_run import engine_backend, graph_plan, profiled_plan, scoring_problems
+from prr.runtime.graph_run import engine_backend, graph_plan, resolved_plan, scoring_problems
 from prr.runtime.run_strategy import Steps, topk_label
 from prr.runtime.timing import timed_steps
 
@@ -64,11 +64,10 @@ class GraphRequests:
         plan = graph_plan(settings, selector, predictor, owner.budget, max_blocks)
         self.budget_info: dict[str, Any] = {"policy": type(owner.budget).__name__,
                                             "predicted_blocks": plan.predicted_blocks}
-        if plan.variant == "prr" and owner.budget.profiles and predictor.uses_budget:
-            # |P| is static for the captured step: profiled once, at the longest request's context
-            plan, info = profiled_plan(plan, owner.budget, decoder, self.rows, self.cache.max_tokens, selector,
-                                       self.backend, max_blocks)
-            self.budget_info.update(info)
+        # |P| is static for the captured step: decided once, at the longest request's context
+        plan, info = resolved_plan(plan, owner.budget, predictor, decoder, self.rows, self.cache.max_tokens, selector,
+                                   self.backend, max_blocks)
+        self.budget_info.update(info)
         self.plan = plan
         self.speculating = plan.variant == "prr"
         self.selection_backend = selector.set_backend(self.backend)

@@ -59,9 +59,6 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     if selector.selects_every_block and size is not None and size != selector.topk_blocks:
         out.append(f"{head} with selector=dense speculates over a static |P| = every block of the cache: set "
                    f"budget.ratio=1 (got |P| = {size}); a |P| that grows with the context is eager-only")
-    if not predictor.speculates and budget.adapts_online:
-        out.append(f"{head} with budget=adaptive chooses between serial DSA and PRR: it needs a predictor; "
-                   "predictor=none is serial DSA already")
     prompt_blocks = getattr(task, "prompt_tokens", 0) // max(runtime.block_size, 1)
     if size is not None and not selector.selects_every_block and prompt_blocks and size > prompt_blocks:
         out.append(f"{head}: |P| = {size} blocks exceeds the prompt's {prompt_blocks} blocks; lower budget.ratio / "
@@ -87,6 +84,8 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
                    f"(got {task.temperature})")
     if callable(getattr(task, "evaluate", None)):  # scored tasks: prr/runtime/graph_requests.py
         out += scoring_problems(runtime, predictor, budget)
+    else:
+        out += budget.engine_problems(predictor.speculates, "decode", runtime.tensor_parallel)
     rows = runtime.row_tokens
     prompt_tokens = getattr(task, "prompt_tokens", None)
     if rows and (prompt_tokens is None or max(rows) > prompt_tokens):
@@ -97,9 +96,6 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
         from prr.model.tensor_parallel import TensorParallel
 
         out += [f"runtime.tensor_parallel={tp}: {p}" for p in TensorParallel(0, tp).problems(model)]
-        if budget.profiles or budget.adapts_online:
-            out.append(f"runtime.tensor_parallel={tp} with budget={type(budget).__name__}: each rank would decide from "
-                       "its own timings; not yet supported (use budget=fixed)")
         if runtime.projections == "fused":
             out.append(f"runtime.tensor_parallel={tp} runs the torch projections (the fused GEMVs cannot all-reduce): "
                        "use runtime.projections=torch or auto")
@@ -109,10 +105,7 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
 def scoring_problems(settings: Any, predictor: Any, budget: Any) -> list[str]:
     """Why scored tasks cannot run on runtime.engine=graph with these objects (empty: they can)."""
     head = "runtime.engine=graph with a scored task"
-    out = []
-    if budget.adapts_online:
-        out.append(f"{head}: budget=adaptive switches variants per window of one decode; use budget=fixed or "
-                   "budget=profiled (or runtime.engine=eager)")
+    out = budget.engine_problems(predictor.speculates, "scoring", settings.tensor_parallel)
     if predictor.replays_selections:
         out.append(f"{head}: predictor={type(predictor).__name__} replays a recorded serial pass (a decode "
                    "benchmark tool); use another predictor")
@@ -138,37 +131,44 @@ def graph_topk(selector: Any, max_blocks: int) -> int:
 
 def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_blocks: int) -> StaticPlan:
     """The engine's plan for this run's objects: serial DSA for a predictor that never
-    speculates, else PRR with a static |P| (every block for `dense`; the budget's size; |A|
-    for budget=profiled, which then chooses serial or PRR; the oracle's P is sized by the engine).
+    speculates, else PRR with a static |P| (every block for `dense`; the budget's size before
+    anything is measured, `engine_blocks`; the oracle's P is sized by the engine).
     The objects themselves go to the engine (GraphDecoder's selector= / predictor=)."""
     k = graph_topk(selector, max_blocks)
     if not predictor.speculates:
         size = 0
     elif selector.selects_every_block:
         size = max_blocks
-    elif not predictor.uses_budget or budget.profiles:  # (profiled: the profile sizes it before the decode)
+    elif not predictor.uses_budget:
         size = k
     else:
-        size = min(budget.static_blocks(k), max_blocks)
+        size = budget.engine_blocks(k, max_blocks)
     return StaticPlan(variant="prr" if predictor.speculates else "serial", predicted_blocks=size,
                       repair_mode=settings.repair_mode, mode=settings.mode, block_size=settings.block_size)
 
 
-def profiled_plan(plan: StaticPlan, budget: Any, decoder: Any, batch: int, capacity: int, selector: Any,
-                  backend: str, context: int) -> tuple[StaticPlan, dict[str, Any]]:
-    """budget=profiled on the engine: its own stages timed at `context` blocks (GraphProbe) ->
-    (the plan with the |P| the profile gives, serial DSA for |P| = 0; what the budget decided)."""
+def resolved_plan(plan: StaticPlan, budget: Any, predictor: Any, decoder: Any, batch: int, capacity: int,
+                  selector: Any, backend: str, context: int) -> tuple[StaticPlan, dict[str, Any]]:
+    """The budget's |P| for the decode (`resolve_engine_blocks`, at `context` blocks; a budget that
+    measures times the engine's own stages, GraphProbe) -> (the plan with it, serial DSA for
+    |P| = 0; what the budget decided). A plan that does not speculate, or a predictor that sizes
+    its own P, is kept as it is."""
+    if plan.variant != "prr" or not predictor.uses_budget:
+        return plan, {}
     from prr.runtime.graph_budget import GraphProbe
     from prr.runtime.graph_decode import GraphDecoder
 
     max_blocks = -(-capacity // plan.block_size)
     k = graph_topk(selector, max_blocks)
-    probe = GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n), batch, capacity,
-                                              selector=selector, predictor=None, backend=backend),
-                       first_size=k)
-    info = budget.setup(probe, k, max_blocks, contexts=[context])
-    probe.release()
-    size = budget.predicted_blocks(0, context, k)
+
+    def make_probe() -> GraphProbe:
+        return GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n), batch,
+                                                 capacity, selector=selector, predictor=None, backend=backend),
+                          first_size=k)
+
+    size, info = budget.resolve_engine_blocks(make_probe, plan.predicted_blocks, k, max_blocks, context)
+    if size == plan.predicted_blocks:
+        return plan, info
     plan = dataclasses.replace(plan, variant="prr" if size else "serial", predicted_blocks=size)
     return plan, {**info, "choice": plan.variant, "predicted_blocks": size}
 
@@ -223,18 +223,17 @@ class GraphDecode:
         self.ops = ops.name  # the prefill's ops; the engine's: engine_backend
         self.ops_backend = engine_backend(settings.device, ops.name, ops.graph_on_gpu)
         self.budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
-        if plan.variant == "prr" and budget.profiles and predictor.uses_budget:  # before the prefill: less memory at once
-            # The profile at the first decode step's context (the longest row + 1 tokens): |P| is static
-            # for the decode.
-            context = (max(row_tokens) + settings.block_size) // settings.block_size
-            plan, info = profiled_plan(plan, budget, decoder, settings.batch_size, capacity, selector,
-                                       self.ops_backend, context)
-            self.budget_info.update(info)
+        # |P| decided at the first decode step's context (the longest row + 1 tokens), static for the
+        # decode; before the prefill (a profile's engines and the run's are never in memory at once).
+        context = (max(row_tokens) + settings.block_size) // settings.block_size
+        plan, info = resolved_plan(plan, budget, predictor, decoder, settings.batch_size, capacity, selector,
+                                   self.ops_backend, context)
+        self.budget_info.update(info)
         self.plan = plan
-        self.adaptive = budget.adapts_online
+        self.variants = budget.engine_variants(plan.variant)  # the views captured (one per variant)
         # Steps run back to back; the host looks at tokens (EOS) every window of steps, and on a
         # GPU each step's time is its replay's device time (CUDA events): no host sync per token.
-        self.window = budget.window_steps if self.adaptive else 16 if r.device.type == "cuda" else 1
+        self.window = budget.window_steps_or(16 if r.device.type == "cuda" else 1)
 
     def prefill(self) -> Tensor:
         """The research runtime's prefill into a paged cache (its K/V, the selector's metadata and
@@ -285,20 +284,19 @@ class GraphDecode:
         del eager
         log.info("prompt: %s (%d tokens); engine=graph, %s", r.prompt.description, prompt_len, plan)
 
-        if self.adaptive:
-            self.budget_info.update(budget.setup(None, graph_topk(selector, self.max_blocks), self.max_blocks))
-            log.info("engine=graph budget=adaptive: serial DSA or PRR (|P| = %d blocks) per window of %d steps, by "
-                     "measured time and PRR's hit rate (min_hit=%s)", plan.predicted_blocks, budget.window_steps,
-                     budget.min_hit)
+        if len(self.variants) > 1:
+            log.info("engine=graph budget=%s: %s (|P| = %d blocks) chosen per window of %d steps", type(budget).__name__,
+                     " or ".join(self.variants), plan.predicted_blocks, self.window)
         steps = r.task.max_new_tokens
         self.outputs = outputs = torch.zeros(settings.batch_size, steps + 2, dtype=torch.long, device=device)
 
-        # One view of the engine per variant this run can take (adaptive: both, over the same cache).
+        # One view of the engine per variant this run can take (a budget that switches: both, over the
+        # same cache).
         # Steps that also measure against dense attention (runtime.dense_metrics_every; shadow mode
         # measures every step) are a second view of each variant. Every view counts |A|, |P|, hits
         # and last-step overlap on the device (a few small reductions per sparse layer), read once
         # per window.
-        variants = ("serial", "prr") if self.adaptive else (plan.variant,)
+        variants = self.variants
         self.every = 1 if plan.mode == "shadow" else settings.dense_metrics_every
         measures = (True,) if self.every == 1 else (True, False)
 
@@ -308,25 +306,26 @@ class GraphDecode:
                 outputs.index_copy_(1, (view.pos[:1] - row_tokens[0] - 1).long(), view.token)
             return run
 
-        # (adaptive's serial windows keep the predictor learning, as the eager runtime's serial steps do)
+        # (serial windows between PRR ones keep the predictor learning, as the eager runtime's serial steps do)
+        switches = len(variants) > 1
         self.replays = {(variant, m): stepper(engine.with_plan(variant=variant, measure_dense=m, count_hits=True,
-                                                               learn_in_serial=self.adaptive))
+                                                               learn_in_serial=switches))
                         for variant in variants for m in measures}
         self.replays = engine.capture_all(self.replays)  # (CUDA: one graph each, rewound to the prompt's end)
         self.latencies: list[float] = []
         self.ran: list[str] = []  # the variant of each step
         self.sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
-        # Hit counters summed over PRR steps only (an adaptive run's serial steps count |A|, no hits).
+        # Hit counters summed over PRR steps only (serial steps count |A|, no hits).
         self.totals = {v: torch.zeros(len(engine.COUNTERS), mc.num_layers, dtype=torch.float64)
                        for v in ("serial", "prr")}
         self.done = 0
         return first
 
     def decode(self, n: int) -> Window:
-        """n steps of one variant (adaptive: the budget's choice for this window), then the
-        window's counters; adaptive budgets learn from its median step time and hit rate."""
-        engine, names, done = self.engine, self.engine.COUNTERS, self.done
-        variant = self.inputs.budget.variant if self.adaptive else self.plan.variant
+        """n steps of the variant the budget chooses for this window, then the window's counters;
+        the budget learns from its median step time and hit rate (`end_window`)."""
+        engine, names, done, budget = self.engine, self.engine.COUNTERS, self.done, self.inputs.budget
+        variant = budget.window_variant(self.plan.variant)
         window_replays = [self.replays[variant, (done + i) % self.every == 0] for i in range(n)]
         # copies: on the CPU .cpu() would alias the counters the steps add to in place
         before = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64)
@@ -336,12 +335,11 @@ class GraphDecode:
         self.ran += [variant] * n
         window = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64) - before
         self.totals[variant] += window
-        if self.adaptive:
-            window_hit = None
-            if variant == "prr":
-                d_hits, d_sel = window[2, self.sparse].sum(), window[0, self.sparse].sum()
-                window_hit = float(d_hits / d_sel) if d_sel > 0 else None
-            self.inputs.budget.end_window(variant, statistics.median(latencies), window_hit)
+        window_hit = None
+        if variant == "prr":
+            d_hits, d_sel = window[names.index("hits"), self.sparse].sum(), window[names.index("selected"), self.sparse].sum()
+            window_hit = float(d_hits / d_sel) if d_sel > 0 else None
+        budget.end_window(variant, statistics.median(latencies), window_hit)
         return Window(self.outputs[:, done : done + n].cpu(), latencies, [0.0] * n, [variant] * n)
 
     def results(self, token_ids: Tensor) -> Results:
@@ -371,7 +369,8 @@ class GraphDecode:
                                                  for i in sparse]})
         command = "python " + " ".join(sys.argv)  # provenance travels with copies of either file
         total_selected = float(selected[sparse].sum())  # over PRR steps
-        if self.adaptive:
+        switches = len(self.variants) > 1
+        if switches:
             self.budget_info.update(steps_prr=ran.count("prr"), steps_serial=ran.count("serial"))
         median_ms = 1e3 * statistics.median(latencies)
         summary = dict(
@@ -383,7 +382,7 @@ class GraphDecode:
                         "engine_ops": engine.backend},
             mode=plan.mode, repair_mode=plan.repair_mode,
             ops={"projections": plan.projections,
-                 "variant": "adaptive" if self.adaptive else plan.variant},  # adaptive: per step in tokens.jsonl
+                 "variant": "adaptive" if switches else plan.variant},  # switching: per step in tokens.jsonl
             device=device_name(r.device), prompt_tokens=self.prompt_len,
             rows={"row_tokens": self.row_tokens},  # tokens of the prompt each row holds (a ragged batch's differ)
             block_size=plan.block_size, topk_blocks=graph_topk(r.selector, self.max_blocks),

@@ -48,6 +48,7 @@ class PredictorSchedule:
         # The timing class, once (None: P from outside).
         self.oracle = predictor is not None and predictor.needs_current_selection
         self.history_only = predictor is not None and predictor.history_only
+        self.passes_query = predictor is not None and predictor.needs_query  # propose gets this step's query
         cap = selection_capacity if self.oracle else predicted_blocks
         # P of every layer in one buffer ([L, B, Hkv, cap], [L, B, Hkv]; a layer's P a view of it), so
         # learning of a range of layers writes all of theirs in one copy (learn_layers_at_once)
@@ -125,7 +126,7 @@ class PredictorSchedule:
     def propose(self, layer: int, query: Tensor | None, num_blocks: Tensor, current: Selection | None = None) -> None:
         """Write the predictor's P for a context of num_blocks [B] blocks into `layer`'s P buffers
         (query [B, Hkv, G, D]: this step's, for predictors that `needs_query`; current: A, the oracle's)."""
-        extra = {"query": query} if self.predictor.needs_query else {}
+        extra = {"query": query} if self.passes_query else {}
         proposed = self.predictor.propose(self.state, layer, num_blocks, self.pred_idx[layer].shape[-1], current,
                                           **extra)
         self.pred_idx[layer][..., : proposed.capacity].copy_(proposed.indices)

@@ -206,7 +206,7 @@ class PRRStep:
         if self.schedule.has_state() and (self.eager_sized or self.plan.learn_in_serial):
             self._learn(layer, q, selection, lengths, num_blocks, propose_next=not self.eager_sized, same_step=False)
         with self._stage("repair"):
-            if not self.selector.compensates:
+            if not self.compensation.active:
                 return self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0], selection
             # the split partials: the selector's compensation merges them with its state (LESS: one launch)
             out, lse = self.attend(layer, q, idx, cnt, lengths, merge_splits=False)
@@ -237,7 +237,7 @@ class PRRStep:
         self.streams.share(q, lengths, spec_out, spec_lse)
         # After the speculation's join, so the summaries do not delay it: beside the repair.
         summarised = self.compensation.summarise_beside(self.streams, layer, summarise)
-        compensates = self.selector.compensates
+        compensates = self.compensation.active
         out, lse, _ = self._repair(layer, q, selection, lengths, spec_out, spec_lse, fp32=compensates or fp32)
         # P may be overwritten (next step's prediction) once the repair has read it.
         self._note(layer, selection, speculating=True)  # (its counters read P: before the side stream may rewrite it)

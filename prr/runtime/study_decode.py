@@ -45,9 +45,9 @@ def graph_study_decode(runtime: EagerRuntime, last_logits: Tensor, steps: int, r
     dense_metrics_every decide the engine's plan; its cache is decoded into in place."""
     backend = runtime.backend  # DSABackend: the prefill's state and options
     selector, predictor, budget = backend.selector, backend.predictor, backend.budget
-    if budget.profiles or budget.adapts_online:
-        raise ValueError(f"the study decode takes a fixed budget (|P| static for the decode); got "
-                         f"{type(budget).__name__}")
+    problems = budget.engine_problems(predictor.speculates, "study")
+    if problems:
+        raise ValueError("; ".join(problems))
     cache = runtime.cache
     if cache.batch != 1 or last_logits.shape[0] != 1:
         raise ValueError(f"the study decode runs one prompt (batch 1); the cache holds {cache.batch} rows")

@@ -23,6 +23,7 @@ class SummaryCompensation:
 
     def __init__(self, selector: Selector, cache: PagedKVCache) -> None:
         self.selector, self.cache = selector, cache
+        self.active = selector.compensates  # decided once: the step merges A's partials with the summaries
 
     def beside(self, side_summaries: bool, eager: bool, backend: str) -> bool:
         """Whether the step updates the decode token's summaries apart (plan.side_summaries, the

@@ -1,7 +1,7 @@
 """The lightning indexer's kernels (issue 52, item 2) beside the torch reference and the byte floor.
 
     python experiments/bench_indexer.py [--quick] [--contexts 8192,32768,131072] [--batch 1,8] \
-        [--index-dtypes bf16,fp8] [--heads 64] [--dim 128] [--q-dtype bf16] [--sets 4] [--repeats 20] \
+        [--index-dtypes bf16,fp8] [--heads 64] [--dim 128] [--q-dtype bf16] [--sets 4] [--repeats 20] [--tune] \
         [--out experiments/results/h100/bench_indexer]
 
 For every cell (context T, batch B, index dtype):
@@ -14,6 +14,8 @@ For every cell (context T, batch B, index dtype):
   weighted sum): in fp32, and in bf16 (bf16 matmul, heads summed in fp32).
 - append: `prr.kernels.indexer_keys.index_key_append` (one key per row, fp8 quantized in the kernel),
   its bytes checked against `index_key_append_reference`, timed beside that reference in torch.
+- --tune: the score kernel also at every launch shape of TUNE_GRID (tokens per tile, pipeline stages,
+  warps, programs per SM), each checked against the float64 reference first; the fastest is reported.
 
 Timing (as bench_hinted_topk.py): `--sets` different input sets (more where needed so that one graph
 reads at least 128 MiB: the H100's L2 is 50 MB) captured in one CUDA graph, median replay over
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import os
@@ -43,6 +46,7 @@ MAX_SETS = 64
 INDEX_DTYPES = ("bf16", "fp8")
 Q_DTYPES = ("bf16", "fp32")
 FULL_GRID = dict(contexts=[8192, 32768, 131072], batch=[1, 8], index_dtypes=["bf16", "fp8"])
+TUNE_GRID = dict(block_t=(64, 128), num_stages=(2, 3, 4), num_warps=(4, 8), programs_per_sm=(1, 2, 4, 8))
 QUICK_GRID = dict(contexts=[8192], batch=[1], index_dtypes=["bf16", "fp8"])
 
 
@@ -71,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--q-dtype", choices=Q_DTYPES, default="bf16", help="the index queries' dtype")
     parser.add_argument("--sets", type=int, default=4, help="input sets per timing graph (at least; L2 rotation)")
     parser.add_argument("--repeats", type=int, default=20, help="graph replays (the median is reported)")
+    parser.add_argument("--tune", action="store_true",
+                        help=f"also time the score kernel's launch shapes {TUNE_GRID} (t = block_t, s = num_stages, "
+                             "w = num_warps, p = programs per SM); each checked against the reference first")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/h100/bench_indexer"),
                         help="results prefix: OUT.json, OUT.csv, OUT.md")
     args = parser.parse_args(argv)
@@ -118,22 +125,30 @@ def timing_sets(nbytes: int, sets: int) -> int:
     return min(MAX_SETS, max(sets, math.ceil(L2_ROTATION_BYTES / max(nbytes, 1))))
 
 
+def tune_configs(batch: int, num_sms: int) -> dict[str, dict]:
+    """--tune's launch shapes of indexer_scores: name -> keyword arguments (splits from programs per SM)."""
+    return {f"t{bt}_s{st}_w{nw}_p{pps}": dict(block_t=bt, num_stages=st, num_warps=nw,
+                                              splits=math.ceil(pps * num_sms / batch))
+            for bt, st, nw, pps in itertools.product(*TUNE_GRID.values())}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
 def table(rows: list[dict]) -> str:
     header = ["T", "B", "keys", "score µs", "floor µs", "score / floor", "torch fp32 µs", "torch bf16 µs",
-              "score / torch bf16", "rel err", "append µs", "append torch µs", "append floor µs", "checks"]
+              "score / torch bf16", "rel err", "append µs", "append torch µs", "append floor µs", "checks", "tuned µs", "tuned best"]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["context"], r["batch"], r["index_dtype"], *["—"] * 10, r["error"][:60]])
+            body.append([r["context"], r["batch"], r["index_dtype"], *["—"] * 12, r["error"][:60]])
             continue
         body.append([r["context"], r["batch"], r["index_dtype"], r.get("score_us"), r["score_floor_us"],
                      ratio(r.get("score_us"), r["score_floor_us"]), r.get("torch_fp32_us"), r.get("torch_bf16_us"),
                      ratio(r.get("score_us"), r.get("torch_bf16_us")), r["score_rel_err"], r.get("append_us"),
-                     r.get("append_torch_us"), r["append_floor_us"], r["checks_pass"]])
+                     r.get("append_torch_us"), r["append_floor_us"], r["checks_pass"], r.get("tuned_us"),
+                     r.get("tuned_best")])
     return markdown(header, body)
 
 
@@ -153,7 +168,8 @@ def report(record: dict) -> str:
            "floor: the bytes (keys and scales read once, fp32 scores written) / the measured bandwidth; "
            "rel err: against the float64 reference; append: `index_key_append` of one key per row beside "
            "`index_key_append_reference`; checks: scores within 1e-4 of the reference with the -inf tail, "
-           "append bytes equal.", "", table(record.get("rows", [])), ""]
+           "append bytes equal; tuned: the fastest of --tune's launch shapes (t block_t, s num_stages, w num_warps, "
+           "p programs per SM), each within the same check.", "", table(record.get("rows", [])), ""]
     return "\n".join(out)
 
 
@@ -220,6 +236,12 @@ def cell_row(context: int, batch: int, index_dtype: str, args: argparse.Namespac
     want = indexer_scores_reference(*check.args())
     row["score_rel_err"] = relative_error(got, want)
     row["score_tail_ok"] = bool(torch.equal(torch.isinf(got), torch.isinf(want))) and bool(got[-1, -1] == float("-inf"))
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 4
+    configs = tune_configs(batch, num_sms) if args.tune else {}
+    for kw in configs.values():  # every launch shape checked before any is timed
+        other = indexer_scores(*check.args(), **kw)
+        row["tune_worst_rel_err"] = max(row.get("tune_worst_rel_err", 0.0), relative_error(other, want))
+        row["tune_all_equal_default"] = row.get("tune_all_equal_default", True) and bool(torch.equal(other, got))
     check.lengths[-1] = context
     del got, want
 
@@ -234,7 +256,8 @@ def cell_row(context: int, batch: int, index_dtype: str, args: argparse.Namespac
         torch.equal(check.keys, ref_keys)
     row["append_equal"] = bool(same) and (ref_scales is None or bool(torch.equal(check.scales, ref_scales)))
     del ref_keys, ref_scales
-    row["checks_pass"] = row["score_rel_err"] < 1e-4 and row["score_tail_ok"] and row["append_equal"]
+    row["checks_pass"] = row["score_rel_err"] < 1e-4 and row["score_tail_ok"] and row["append_equal"] \
+        and row.get("tune_worst_rel_err", 0.0) < 1e-4
 
     outs = [torch.empty(batch, context, device=device) for _ in range(sets)]
     timer = timer or graph_time_us
@@ -248,6 +271,13 @@ def cell_row(context: int, batch: int, index_dtype: str, args: argparse.Namespac
         inputs[i].keys, inputs[i].scales, new_keys[i], positions))))
     guarded(row, "append_torch_us", lambda: timed(lambda i: (lambda: index_key_append_reference(
         inputs[i].keys, inputs[i].scales, new_keys[i], positions))))
+    for name, kw in configs.items():
+        guarded(row, f"tune_us_{name}", lambda kw=kw: timed(lambda i: (lambda: indexer_scores(
+            *inputs[i].args(), out=outs[i], **kw))))
+    tuned = {name: row[f"tune_us_{name}"] for name in configs if f"tune_us_{name}" in row}
+    if tuned:
+        row["tuned_best"] = min(tuned, key=tuned.get)
+        row["tuned_us"] = tuned[row["tuned_best"]]
     row["score_over_floor"] = ratio(row.get("score_us"), row["score_floor_us"])
     row["score_over_torch_bf16"] = ratio(row.get("score_us"), row.get("torch_bf16_us"))
     row["score_over_torch_fp32"] = ratio(row.get("score_us"), row.get("torch_fp32_us"))

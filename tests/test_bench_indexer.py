@@ -66,8 +66,12 @@ def test_table_and_outputs(tmp_path):
                checks_pass=False)
     text = bi.table([row, dict(context=131072, batch=8, index_dtype="bf16", error="OutOfMemoryError: boom")])
     line = text.splitlines()[2]
-    assert line.startswith("| 8192 | 1 | fp8 | 4 | 2 | 2 | 80 | 40 | 0.1 |") and line.endswith("| NO |")
+    assert line.startswith("| 8192 | 1 | fp8 | 4 | 2 | 2 | 80 | 40 | 0.1 |") and line.endswith("| NO | - | - |")
     assert "OutOfMemoryError: boom" in text.splitlines()[3]
+    assert bi.table([dict(row, tuned_us=3.0, tuned_best="t64_s3_w4_p2")]).splitlines()[2].endswith(
+        "| NO | 3 | t64_s3_w4_p2 |")
+    configs = bi.tune_configs(8, 132)
+    assert len(configs) == 48 and configs["t128_s2_w8_p4"] == dict(block_t=128, num_stages=2, num_warps=8, splits=66)
     record = {"command": "python experiments/bench_indexer.py --quick", "environment": {"gpu": "H100"},
               "shape": dict(heads=64, dim=128, q_dtype="bf16"), "rows": [row]}
     md = bi.write_outputs(record, tmp_path / "sub" / "bench")
@@ -76,7 +80,7 @@ def test_table_and_outputs(tmp_path):
 
 
 @pytest.mark.parametrize("index_dtype", ["bf16", "fp8"])
-def test_one_cell_runs_on_the_cpu(index_dtype):
+def test_one_cell_runs_on_the_cpu(index_dtype, monkeypatch):
     """cell_row's checks and timings end to end on the CPU (the kernels under TRITON_INTERPRET=1, a host
     timer): the scores match the float64 reference with the -inf tail, the append bytes equal the reference's."""
     import statistics
@@ -92,10 +96,13 @@ def test_one_cell_runs_on_the_cpu(index_dtype):
             samples.append((time.perf_counter() - start) * 1e6 / sets)
         return statistics.median(samples)
 
-    args = bi.parse_args(["--heads", "5", "--dim", "16", "--sets", "2", "--repeats", "1", "--q-dtype", "fp32"])
+    monkeypatch.setattr(bi, "TUNE_GRID", dict(block_t=(16, 32), num_stages=(2,), num_warps=(4,), programs_per_sm=(1,)))
+    args = bi.parse_args(["--heads", "5", "--dim", "16", "--sets", "2", "--repeats", "1", "--q-dtype", "fp32", "--tune"])
     row = bi.cell_row(70, 2, index_dtype, args, bandwidth=1e12, seed=3, device="cpu", timer=host_us)
     assert row["checks_pass"] and row["score_tail_ok"] and row["append_equal"] and row["score_rel_err"] < 1e-5
     assert row["sets"] == 2 and row["score_bytes"] == bi.score_bytes(2, 70, 5, 16, index_dtype, 4)
     for key in ("score_us", "torch_fp32_us", "torch_bf16_us", "append_us", "append_torch_us"):
         assert row[key] > 0, (key, row.get(f"{key}_error"))
+    assert row["tune_all_equal_default"] and row["tune_worst_rel_err"] < 1e-5
+    assert row["tuned_best"] in ("t16_s2_w4_p1", "t32_s2_w4_p1") and row["tuned_us"] > 0
     assert "| 70 | 2 |" in bi.table([row])

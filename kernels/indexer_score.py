@@ -17,7 +17,10 @@ from .sparse_decode import _check_device, _interpreting, _num_sms
 QUERY_DTYPES = (torch.bfloat16, torch.float32)
 MAX_INDEX_HEADS = 128
 DEFAULT_BLOCK_T = 64  # a [64, d_I] key tile: one warpgroup's wgmma M on Hopper
-PROGRAMS_PER_SM = 4  # enough programs per SM that several key tiles are in flight on each
+# Programs per SM by default: all resident at once (one wave; compiled for sm_90, the default tile
+# takes ~66 KB of shared memory with bf16 keys, ~34 KB with fp8, so 3 resident a SM; 4 a SM would
+# leave a partial second wave), each streaming its tiles NUM_STAGES - 1 ahead.
+PROGRAMS_PER_SM = 2
 
 
 def indexer_scores(

@@ -39,13 +39,16 @@ def _bytes(keys: torch.Tensor) -> torch.Tensor:
 def _wide_keys(rows: int, dim: int, seed: int) -> torch.Tensor:
     """Keys over a wide dynamic range (scales 2^-12 .. 2^12) with planted values: entry 3 the absmax
     448 · scale (scale a power of two, so k / scale is exact), entries 2, 4, 5 exact ties
-    (8.5 -> 8, 9.5 -> 10, 1.5 · 2^-9 -> 2^-8: to even), entry 1 in e4m3's subnormal range; row 0 zero."""
+    (8.5 -> 8, 9.5 -> 10, 1.5 · 2^-9 -> 2^-8: to even), entry 1 in e4m3's subnormal range, entries 6, 7
+    bf16 ties; row 0 zero."""
     g = torch.Generator().manual_seed(seed)
     scale = 2.0 ** torch.randint(-12, 13, (rows, 1), generator=g).float()
     k = (torch.randn(rows, dim, generator=g) * 60).clamp(-440, 440) * scale
     k[:, 1] = torch.randn(rows, generator=g) * 2**-8 * scale[:, 0]
     k[:, 2], k[:, 3], k[:, 4] = 8.5 * scale[:, 0], -448.0 * scale[:, 0], 9.5 * scale[:, 0]
     k[:, 5] = 1.5 * 2**-9 * scale[:, 0]
+    # bf16 ties (8 significand bits): 1 + 2^-8 -> 1, -(1 + 3 · 2^-8) -> -(1 + 2^-6)
+    k[:, 6], k[:, 7] = (1 + 2**-8) * scale[:, 0], -(1 + 3 * 2**-8) * scale[:, 0]
     k[0] = 0.0
     return k
 
@@ -116,15 +119,22 @@ def _run_append(device: str, index_dtype: str, new_dtype: torch.dtype, head_dim:
     assert torch.equal(_bytes(keys), before)
 
 
-def test_append_fp8_bytes_equal_reference_over_a_wide_range():
-    """The kernel's quantization (its own round-to-nearest-even onto the e4m3 grid, so the interpreter's
-    and the GPU's conversions never round) equals torch's bytes and scales over a wide dynamic range,
-    subnormals, exact ties and a zero key."""
+@pytest.mark.parametrize("index_dtype", ["bf16", "fp8"])
+def test_append_bytes_equal_reference_over_a_wide_range(index_dtype):
+    """The kernel's rounding (its own round-to-nearest-even onto the bf16 / e4m3 grid, so that the
+    conversion after it is exact: Triton's interpreter truncates fp32 -> bf16 and mis-rounds fp32 -> fp8
+    where the mantissa carries, the GPU rounds to nearest even) equals torch's bytes and scales over a
+    wide dynamic range, subnormals, exact ties and a zero key."""
     k = _wide_keys(96, 16, seed=11)
-    keys, scales = empty_index_cache(96, 1, 16, "fp8")
+    keys, scales = empty_index_cache(96, 1, 16, index_dtype)
     index_key_append(keys, scales, k, torch.zeros(96, dtype=torch.int32))
-    fp8, scale = quantize_index_keys_reference(k)
-    assert torch.equal(keys[:, 0].view(torch.uint8), fp8.view(torch.uint8)) and torch.equal(scales[:, 0], scale)
+    ref_keys, ref_scales = empty_index_cache(96, 1, 16, index_dtype)
+    index_key_append_reference(ref_keys, ref_scales, k, torch.zeros(96, dtype=torch.int32))
+    assert torch.equal(_bytes(keys), _bytes(ref_keys))
+    assert scales is None or torch.equal(scales, ref_scales)
+    if index_dtype == "bf16":  # the planted ties went to even
+        assert torch.equal(keys[1:, 0, 6].float(), k[1:, 6] / (1 + 2**-8))
+        assert torch.equal(keys[1:, 0, 7].float(), k[1:, 7] / (1 + 3 * 2**-8) * (1 + 2**-6))
 
 
 # --- the score kernel against the reference (interpreter) ----------------------------------------

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .indexer_keys_jit import _index_key_append_kernel
 from .pdl import launch_kwargs
+from .sparse_decode import _check_device
 
 INDEX_KEY_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 NEW_KEY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,8 +68,7 @@ def index_key_append(key_cache: Tensor, key_scales: Tensor | None, k_new: Tensor
         raise ValueError(f"k_new must be [B, d_I]=[{batch}, {index_dim}]; got {tuple(k_new.shape)}")
     if k_new.dtype not in NEW_KEY_DTYPES:
         raise ValueError(f"k_new must be fp16, bf16 or fp32; got {k_new.dtype}")
-    if k_new.device != key_cache.device:
-        raise ValueError(f"k_new is on {k_new.device}, the index keys on {key_cache.device}; put them on one device")
+    _check_device(key_cache, k_new, positions, *([] if key_scales is None else [key_scales]))
     check_per_row("positions", positions, batch, key_cache.device)
     if batch == 0:
         return

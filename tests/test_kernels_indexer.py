@@ -237,13 +237,28 @@ def test_rejects_bad_input():
         block_t = args.pop("block_t", 16)
         with pytest.raises(ValueError, match=needle):
             indexer_scores(**args, out=out, block_t=block_t)
+    with pytest.raises(ValueError, match="all inputs must be on one device; got cpu and meta"):
+        indexer_scores(x.q.to("meta"), x.weights, x.keys, None, x.lengths)
     keys, scales = empty_index_cache(2, 8, 16, "fp8")
+    with pytest.raises(ValueError, match="all inputs must be on one device; got cpu and meta"):
+        index_key_append(keys, scales, torch.zeros(2, 16, device="meta"), torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"k_new must be \[B, d_I\]=\[2, 16\]"):
         index_key_append(keys, scales, torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"the scales must be fp32 \[B, T_max\]"):
         index_key_append(keys, scales[:, :4], torch.zeros(2, 16), torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="positions must be an int32 tensor"):
         index_key_append(keys, scales, torch.zeros(2, 16), torch.zeros(3, dtype=torch.int32))
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    """Without TRITON_INTERPRET a CPU tensor cannot reach a Triton kernel: one error naming the fix."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = random_indexer_inputs(1, [20], num_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="inputs are on cpu: the Triton kernels need CUDA tensors"):
+        indexer_scores(*x.args())
+    keys, scales = empty_index_cache(1, 8, 16, "bf16")
+    with pytest.raises(ValueError, match="inputs are on cpu: the Triton kernels need CUDA tensors"):
+        index_key_append(keys, scales, torch.zeros(1, 16), torch.zeros(1, dtype=torch.int32))
 
 
 # --- GPU: the DeepSeek shape, compiled kernels, a CUDA graph -------------------------------------

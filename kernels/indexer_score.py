@@ -19,7 +19,8 @@ MAX_INDEX_HEADS = 128
 DEFAULT_BLOCK_T = 64  # a [64, d_I] key tile: one warpgroup's wgmma M on Hopper
 # Programs per SM by default: all resident at once (one wave; compiled for sm_90, the default tile
 # takes ~66 KB of shared memory with bf16 keys, ~34 KB with fp8, so 3 resident a SM; 4 a SM would
-# leave a partial second wave), each streaming its tiles NUM_STAGES - 1 ahead.
+# leave a partial second wave), each streaming its tiles NUM_STAGES - 1 ahead. Chosen from the compiled
+# shared memory, not yet timed: experiments/bench_indexer.py --tune times 1, 2, 4 and 8 a SM.
 PROGRAMS_PER_SM = 2
 
 

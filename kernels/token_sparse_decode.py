@@ -24,6 +24,8 @@ flag: the list's head axis says which it is.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -89,7 +91,7 @@ def token_sparse_decode(
 
     merge_splits=False: the splits' partial states unmerged, (out [B, Hq, S, D] fp32,
     lse [B, Hq, S] fp32), for a caller that merges them with other partials in its own launch
-    (prr_merge.merge_speculation); S = token_sparse_decode_num_splits(...).
+    (prr_merge.merge_speculation); S = token_sparse_decode_plan(...).num_splits.
     out_dtype (merged output only): the model's 16-bit dtype saves the caller a cast launch.
     fuse_merge=True: the last split of each (row, KV head) to finish merges the row (an arrival
     counter, no merge launch). arrivals: an int32 workspace of B * Hkv zeros that every launch
@@ -135,8 +137,8 @@ def token_sparse_decode(
         return (torch.zeros(0, num_q_heads, head_dim, dtype=out_dtype, device=device),
                 torch.zeros(0, num_q_heads, device=device))
     rows = batch * num_kv_heads
-    tile, entries, num_splits = _split_plan(capacity, rows, 1, head_dim, k_cache.element_size(), tile_tokens,
-                                            tokens_per_split, device)
+    tile, entries, num_splits = token_sparse_decode_plan(capacity, batch, num_kv_heads, device, tile_tokens,
+                                                         tokens_per_split, head_dim=head_dim, cache_dtype=k_cache.dtype)
     if num_splits == 1 and merge_splits:
         out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
         lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
@@ -187,12 +189,23 @@ def token_sparse_decode(
     return merge_partials(out, lse, out_dtype=out_dtype)
 
 
-def token_sparse_decode_num_splits(
+class TokenSplitPlan(NamedTuple):
+    """How token_sparse_decode splits each (batch row, KV head)'s list: grid (num_splits, B * Hkv)."""
+
+    tile_tokens: int  # K/V rows a program gathers per step
+    tokens_per_split: int  # list entries per program (whole tiles)
+    num_splits: int
+
+
+def token_sparse_decode_plan(
     capacity: int, batch: int, num_kv_heads: int, device: torch.device | str = "cuda",
     tile_tokens: int | None = None, tokens_per_split: int | None = None, *, head_dim: int, cache_dtype: torch.dtype,
-) -> int:
-    """How many splits (programs per (batch, KV head)) token_sparse_decode launches for lists of
-    C = capacity entries over a [B, Hkv, T, head_dim] cache of cache_dtype."""
+) -> TokenSplitPlan:
+    """The launch token_sparse_decode makes for lists of C = capacity entries over a
+    [B, Hkv, T, head_dim] cache of cache_dtype (static shapes only): the block kernel's plan at block
+    size 1 (sparse_decode._split_plan): about SPLIT_PROGRAMS_PER_SM programs per SM, at least
+    MIN_TOKENS_PER_SPLIT tokens a split, tile 32, or 128 for a 16-bit cache with D <= 128 when every
+    split gets an SM of its own."""
     elem_size = torch.empty((), dtype=cache_dtype).element_size()
-    return _split_plan(capacity, batch * num_kv_heads, 1, head_dim, elem_size, tile_tokens, tokens_per_split,
-                       torch.device(device))[2]
+    return TokenSplitPlan(*_split_plan(capacity, batch * num_kv_heads, 1, head_dim, elem_size, tile_tokens,
+                                       tokens_per_split, torch.device(device)))

@@ -139,11 +139,12 @@ def test_fused_merge_and_unmerged_splits_equal_the_merge_launch(lengths, hq, hkv
     inputs = ref.random_token_sparse_decode_inputs(len(lengths) + hq, lengths, hq, hkv, d, topk, capacity,
                                                    dtype=dtype, shared=shared, empty_rows=((0, 0),))
     kw = dict(tokens_per_split=16, tile_tokens=16)
-    splits = tsd.token_sparse_decode_num_splits(capacity, len(lengths), hkv, "cpu", **kw, head_dim=d,
-                                                cache_dtype=dtype)
+    splits = tsd.token_sparse_decode_plan(capacity, len(lengths), hkv, "cpu", **kw, head_dim=d,
+                                          cache_dtype=dtype).num_splits
     assert splits == -(-capacity // 16) > 1
-    assert tsd.token_sparse_decode_num_splits(capacity, len(lengths), hkv, "cpu", tokens_per_split=16, head_dim=d,
-                                              cache_dtype=dtype) == -(-capacity // 32)  # whole tiles of 32
+    plan = tsd.token_sparse_decode_plan(capacity, len(lengths), hkv, "cpu", tokens_per_split=16, head_dim=d,
+                                        cache_dtype=dtype)
+    assert plan == (32, 32, -(-capacity // 32))  # split size rounded up to whole tiles of 32
     want = tsd.token_sparse_decode(*inputs.args(), **kw)
     parts = tsd.token_sparse_decode(*inputs.args(), merge_splits=False, **kw)
     assert parts[0].shape == (len(lengths), hq, splits, d) and parts[1].shape == (len(lengths), hq, splits)
@@ -226,13 +227,18 @@ def test_input_checks_name_the_problem():
 
 def test_split_plan_is_the_block_kernels_at_block_size_1():
     """Same splits as the block kernel for the same number of tokens (static shapes only): at the
-    8B shape, batch 1, 2,048 tokens make 16 splits of 128 tokens per KV head."""
+    8B shape, batch 1, 2,048 tokens make 16 splits of 128 tokens per KV head, one tile of 128 each
+    (128 programs: one per SM)."""
     for capacity, batch in ((2048, 1), (2048, 8), (4096, 32), (256, 1), (0, 1)):
-        tokens = tsd.token_sparse_decode_num_splits(capacity, batch, 8, "cpu", head_dim=128, cache_dtype=torch.bfloat16)
+        tokens = tsd.token_sparse_decode_plan(capacity, batch, 8, "cpu", head_dim=128, cache_dtype=torch.bfloat16)
         blocks = sd.sparse_decode_num_splits(capacity // 16, batch, 8, 16, "cpu", head_dim=128,
                                              cache_dtype=torch.bfloat16)
-        assert tokens == blocks, (capacity, batch)
-    assert tsd.token_sparse_decode_num_splits(2048, 1, 8, "cpu", head_dim=128, cache_dtype=torch.bfloat16) == 16
+        assert tokens.num_splits == blocks, (capacity, batch)
+    assert tsd.token_sparse_decode_plan(2048, 1, 8, "cpu", head_dim=128, cache_dtype=torch.bfloat16) == (128, 128, 16)
+    inputs = ref.random_token_sparse_decode_inputs(2, [300, 200], 4, 2, 64, 150, 157, dtype=torch.float16)
+    plan = tsd.token_sparse_decode_plan(157, 2, 2, "cpu", head_dim=64, cache_dtype=torch.float16)
+    out, _ = tsd.token_sparse_decode(*inputs.args(), merge_splits=False)  # the launch the plan describes
+    assert out.shape[2] == plan.num_splits == -(-157 // plan.tokens_per_split)
 
 
 # ------------------------------------------------------------------------- GPU

@@ -98,11 +98,11 @@ def token_sparse_decode(
     leaves zeroed (default: allocated); one per stream, never shared by launches that can run at
     once. Off by default, as in sparse_decode (measured there: faster only when the splits fit
     the SMs once, `sparse_decode.sparse_decode_one_wave`).
-    Tuning (defaults from static shapes and the SM count, as sparse_decode at block size 1):
-    tokens_per_split (list entries per program, rounded up to whole tiles), tile_tokens (K/V rows gathered per step, a power
-    of two >= 16), native_dot (16-bit tl.dot with fp32 accumulate; default on for fp16/bf16 when q
-    and the cache share a dtype, off in the interpreter for bf16), precise_pv (native_dot only:
-    P·V as hi·V + lo·V), num_warps, num_stages.
+    Tuning (defaults from static shapes and the SM count: `token_sparse_decode_plan`):
+    tokens_per_split (list entries per program, rounded up to whole tiles), tile_tokens (K/V rows
+    gathered per step, a power of two >= 16), native_dot (16-bit tl.dot with fp32 accumulate;
+    default on for fp16/bf16 when q and the cache share a dtype, off in the interpreter for bf16),
+    precise_pv (native_dot only: P·V as hi·V + lo·V), num_warps, num_stages.
     """
     _check_device(q, k_cache, v_cache, token_ids, token_counts, lengths)
     batch, num_q_heads, num_kv_heads, head_dim, group = check_decode_operands(q, k_cache, v_cache,

@@ -100,6 +100,53 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size={block_size} must be a power of two >= {MIN_BLOCK_SIZE} (e.g. 16, 32, 64)")
 
 
+def check_decode_operands(q: Tensor, k_cache: Tensor, v_cache: Tensor, kernel: str) -> tuple[int, int, int, int, int]:
+    """q [B, Hq, D] and k_cache, v_cache [B, Hkv, T_max, D] as the decode kernels take them (dtypes,
+    shapes, head_dim, GQA group) -> (B, Hq, Hkv, D, G = Hq / Hkv); `kernel` names the caller in errors."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} is not supported; use one of fp16, bf16, fp32")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {list(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [B, Hkv, T_max, D]; got {list(k_cache.shape)} and {list(v_cache.shape)}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
+    batch, num_q_heads, head_dim = q.shape
+    cache_batch, num_kv_heads, _max_tokens, cache_head_dim = k_cache.shape
+    if cache_batch != batch or cache_head_dim != head_dim:
+        raise ValueError(
+            f"q [B={batch}, Hq={num_q_heads}, D={head_dim}] does not match the cache "
+            f"[B={cache_batch}, Hkv={num_kv_heads}, T_max={_max_tokens}, D={cache_head_dim}]"
+        )
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim D={head_dim} is not supported by {kernel}; supported: {SUPPORTED_HEAD_DIMS}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} must be a positive multiple of Hkv={num_kv_heads} (GQA)")
+    group = num_q_heads // num_kv_heads
+    if group > MAX_GROUP:
+        raise ValueError(f"GQA group Hq/Hkv={group} is not supported; at most {MAX_GROUP} query heads per KV head")
+    return batch, num_q_heads, num_kv_heads, head_dim, group
+
+
+def dot_mode(q: Tensor, k_cache: Tensor, native_dot: bool | None) -> tuple[bool, str]:
+    """-> (native_dot, input_precision) of the decode kernels' dots: native 16-bit tl.dot by default
+    when q and the cache share fp16 / bf16 (not for bf16 in the interpreter); "ieee" with fp32 data."""
+    sixteen_bit = (torch.float16, torch.bfloat16)
+    native_ok = q.dtype == k_cache.dtype and k_cache.dtype in sixteen_bit
+    if native_dot is None:
+        native_dot = native_ok and not (_interpreting() and k_cache.dtype == torch.bfloat16)
+    elif native_dot and not native_ok:
+        raise ValueError(
+            f"native_dot=True needs q and the cache in one 16-bit dtype; got q {q.dtype}, cache {k_cache.dtype}"
+        )
+    return bool(native_dot), "ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32"
+
+
 def sparse_decode(
     q: Tensor,
     k_cache: Tensor,
@@ -170,33 +217,7 @@ def sparse_decode(
     P·V as hi·V + lo·V so probabilities are not rounded to 16 bits), num_warps, num_stages.
     """
     _check_device(q, k_cache, v_cache, block_ids, block_counts, lengths)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} is not supported; use one of fp16, bf16, fp32")
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, Hq, D], got shape {list(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [B, Hkv, T_max, D]; got {list(k_cache.shape)} and {list(v_cache.shape)}"
-        )
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
-    batch, num_q_heads, head_dim = q.shape
-    cache_batch, num_kv_heads, _max_tokens, cache_head_dim = k_cache.shape
-    if cache_batch != batch or cache_head_dim != head_dim:
-        raise ValueError(
-            f"q [B={batch}, Hq={num_q_heads}, D={head_dim}] does not match the cache "
-            f"[B={cache_batch}, Hkv={num_kv_heads}, T_max={_max_tokens}, D={cache_head_dim}]"
-        )
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim D={head_dim} is not supported by sparse_decode; supported: {SUPPORTED_HEAD_DIMS}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"Hq={num_q_heads} must be a positive multiple of Hkv={num_kv_heads} (GQA)")
-    group = num_q_heads // num_kv_heads
-    if group > MAX_GROUP:
-        raise ValueError(f"GQA group Hq/Hkv={group} is not supported; at most {MAX_GROUP} query heads per KV head")
+    batch, num_q_heads, num_kv_heads, head_dim, group = check_decode_operands(q, k_cache, v_cache, "sparse_decode")
     _check_block_size(block_size)
     if block_ids.dim() != 3:
         raise ValueError(f"block_ids must be [B, Hkv, C], got shape {list(block_ids.shape)}")
@@ -209,15 +230,7 @@ def sparse_decode(
     if isinstance(scale, Tensor) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a Python number (a tensor would sync), got {type(scale).__name__}")
 
-    sixteen_bit = (torch.float16, torch.bfloat16)
-    native_ok = q.dtype == k_cache.dtype and k_cache.dtype in sixteen_bit
-    if native_dot is None:
-        native_dot = native_ok and not (_interpreting() and k_cache.dtype == torch.bfloat16)
-    elif native_dot and not native_ok:
-        raise ValueError(
-            f"native_dot=True needs q and the cache in one 16-bit dtype; got q {q.dtype}, cache {k_cache.dtype}"
-        )
-    input_precision = "ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32"
+    native_dot, input_precision = dot_mode(q, k_cache, native_dot)
     if out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not supported; use one of fp16, bf16, fp32")
     if out_dtype != torch.float32 and (per_block or not merge_splits):

@@ -28,9 +28,7 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from prr.paths import cache_dir
+from prr.paths import cache_dir, write_safetensors_atomic
 
 FORMAT_VERSION = 2  # 2: learned temperatures and a per-layer `enabled` flag
 TRAIN_HINT = "make train-less"
@@ -118,21 +116,11 @@ class TrainedFeatureMap(nn.Module):
     # --- files ---------------------------------------------------------------------------------
     def save(self, path: Path, meta: dict) -> None:
         """Atomic safetensors write (never pickle)."""
-        from safetensors.torch import save_file
-
-        path.parent.mkdir(parents=True, exist_ok=True)
         header = {"format_version": str(FORMAT_VERSION), "num_layers": str(len(self.layers)),
                   "head_dim": str(self.head_dim), "num_features": str(self.num_features), "hidden": str(self.hidden),
                   "meta": json.dumps(meta)}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
-            save_file(tensors, tmp, metadata=header)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        write_safetensors_atomic(path, tensors, header)
 
     @classmethod
     def load(cls, path: Path) -> TrainedFeatureMap:

@@ -49,10 +49,6 @@ from prr.paths import cache_dir, write_safetensors_atomic
 FORMAT_VERSION = 1
 
 
-def train_hint(model: str) -> str:
-    return f"make train-indexer MODEL={model}"
-
-
 @dataclass(frozen=True)
 class IndexerConfig:
     """The indexer's shape (DeepSeek-V3.2's: 64 heads × 128 dims, RoPE on 64 of them)."""
@@ -78,6 +74,12 @@ class IndexerConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "dense_layers": list(self.dense_layers)}
+
+
+def train_hint(model: str, config: IndexerConfig) -> str:
+    """The command that distils the indexer of `model` with `config`."""
+    return (f"make train-indexer MODEL={model} ARGS='--index-heads {config.index_heads} --index-dim {config.index_dim} "
+            f"--rope-dim {config.rope_dim} --dense-layers {','.join(map(str, config.dense_layers))}'")
 
 
 def index_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, rope_dim: int) -> Tensor:
@@ -247,11 +249,11 @@ def load_indexer(model: str, model_config: ModelConfig, config: IndexerConfig) -
     path = indexer_weights_file(model, config)
     if not path.is_file():
         raise FileNotFoundError(f"no distilled indexer for model {model!r} with {config} at {path}; "
-                                f"train it with `{train_hint(model)}`")
-    weights = IndexerWeights.load(path, train_hint(model))
+                                f"train it with `{train_hint(model, config)}`")
+    weights = IndexerWeights.load(path, train_hint(model, config))
     want = {"hidden_size": model_config.hidden_size, "num_layers": model_config.num_layers,
             "rope_theta": model_config.rope_theta, "rope_scaling": model_config.rope_scaling}
     if weights.model_shape() != want or weights.config != config:
         raise ValueError(f"{path}: made for {weights.model_shape()} with {weights.config}, not model {model!r} "
-                         f"{want} with {config}; rerun `{train_hint(model)}`")
+                         f"{want} with {config}; rerun `{train_hint(model, config)}`")
     return weights

@@ -34,7 +34,7 @@ from prr.model.dense import _sdpa
 from prr.model.layer_math import pre_attention, rms_norm
 from prr.model.rope import apply_rope
 from prr.selectors.indexer_weights import IndexerConfig, IndexerWeights, indexer_weights_file, train_hint
-from prr.selectors.less_training import text_windows
+from prr.selectors.less_training import parse_training_args, text_windows
 
 Window = dict[int, tuple[Tensor, Tensor]]  # layer -> (x [T, hidden] normed hidden states, target [T, T])
 
@@ -207,13 +207,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--lr", type=float, default=1e-3, help="DeepSeek-V3.2's warm-up rate")
     p.add_argument("--eval-k", default="32,64", help="tokens selected for the held-out recall (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
-    if args.held_out < 1 or args.windows <= args.held_out:
-        raise ValueError(f"--windows {args.windows} must exceed --held-out {args.held_out} >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_training_args(p, argv)
     from prr.model.loading import load_model
 
     t0 = time.perf_counter()

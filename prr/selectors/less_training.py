@@ -379,6 +379,18 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def parse_training_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """A training CLI's arguments (it defines --windows and --held-out), with --threads added:
+    the windows checked and torch's threads set."""
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.held_out < 1 or args.windows <= args.held_out:
+        raise ValueError(f"--windows {args.windows} must exceed --held-out {args.held_out} >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description="Train the LESS feature map (selector.feature_map=trained).")
     p.add_argument("--model", default="smollm2-135m")
@@ -398,12 +410,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--temp", type=float, default=0.7, help="initial kernel temperature τ (learned)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0, help="the random-feature draw the map starts from (selector.seed)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = p.parse_args(argv)
-    if args.held_out < 1 or args.windows <= args.held_out:
-        raise ValueError(f"--windows {args.windows} must exceed --held-out {args.held_out} >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_training_args(p, argv)
     from prr.model.loading import load_model
 
     t0 = time.perf_counter()

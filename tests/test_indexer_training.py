@@ -104,6 +104,12 @@ def test_random_init_is_seeded_and_shaped_by_the_model():
         a.layer(0)
     with pytest.raises(ValueError, match="rope_dim=3 must be even"):
         IndexerConfig(rope_dim=3)
+    # The 8B shape for latency studies (shapes only here): 30 sparse layers of DeepSeek's 64 x 128.
+    from prr.model.zoo import LLAMA31_8B_SHAPE
+
+    big = IndexerWeights.for_model(LLAMA31_8B_SHAPE.config, IndexerConfig(), seed=0, dtype=torch.bfloat16, device="meta")
+    assert big.sparse_layers == list(range(2, 32))
+    assert big.layer(2).wq.shape == (64 * 128, 4096) and big.layer(2).wq.dtype == torch.bfloat16
 
 
 def test_capture_is_the_model_forward_and_the_target_a_distribution():

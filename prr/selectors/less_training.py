@@ -28,9 +28,7 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from prr.paths import cache_dir
+from prr.paths import cache_dir, write_safetensors_atomic
 
 FORMAT_VERSION = 2  # 2: learned temperatures and a per-layer `enabled` flag
 TRAIN_HINT = "make train-less"
@@ -118,21 +116,11 @@ class TrainedFeatureMap(nn.Module):
     # --- files ---------------------------------------------------------------------------------
     def save(self, path: Path, meta: dict) -> None:
         """Atomic safetensors write (never pickle)."""
-        from safetensors.torch import save_file
-
-        path.parent.mkdir(parents=True, exist_ok=True)
         header = {"format_version": str(FORMAT_VERSION), "num_layers": str(len(self.layers)),
                   "head_dim": str(self.head_dim), "num_features": str(self.num_features), "hidden": str(self.hidden),
                   "meta": json.dumps(meta)}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
-            save_file(tensors, tmp, metadata=header)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        write_safetensors_atomic(path, tensors, header)
 
     @classmethod
     def load(cls, path: Path) -> TrainedFeatureMap:
@@ -391,6 +379,18 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def parse_training_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """A training CLI's arguments (it defines --windows and --held-out), with --threads added:
+    the windows checked and torch's threads set."""
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.held_out < 1 or args.windows <= args.held_out:
+        raise ValueError(f"--windows {args.windows} must exceed --held-out {args.held_out} >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description="Train the LESS feature map (selector.feature_map=trained).")
     p.add_argument("--model", default="smollm2-135m")
@@ -410,12 +410,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--temp", type=float, default=0.7, help="initial kernel temperature τ (learned)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0, help="the random-feature draw the map starts from (selector.seed)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = p.parse_args(argv)
-    if args.held_out < 1 or args.windows <= args.held_out:
-        raise ValueError(f"--windows {args.windows} must exceed --held-out {args.held_out} >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_training_args(p, argv)
     from prr.model.loading import load_model
 
     t0 = time.perf_counter()

@@ -98,25 +98,45 @@ def _resolve_histogram(hist_ptr, state_ptr, k, CAP: tl.constexpr, LEVEL: tl.cons
 
 
 @triton.jit
-def _resolve_candidates(
-    state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr,
-    CHUNK: tl.constexpr, CAP: tl.constexpr, CAND_RADIX: tl.constexpr,
+def _threshold_among_candidates(
+    state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket,
+    CHUNK: tl.constexpr, LANES: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
-    """The last program of a row at a COMPACT level: T among the bucket's keys (cand_*_ptr: the
-    row's [CAP] int32 buffers, ST_BUCKET of them written, in no particular order), then each chunk's
-    count of keys > T (gt_ptr: [chunks] int32, holding the keys above the bucket) and == T (eq_ptr)."""
-    lane = tl.arange(0, CAP)
-    live = lane < tl.load(state_ptr + ST_BUCKET)
+    """`_resolve_candidates` over LANES >= bucket lanes."""
+    lane = tl.arange(0, LANES)
+    live = lane < bucket
     keys = tl.load(cand_keys_ptr + lane, mask=live, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
     ids = tl.load(cand_ids_ptr + lane, mask=live, other=0, cache_modifier=".cg")
     need = tl.load(state_ptr + ST_K_EFF) - tl.load(state_ptr + ST_ABOVE)  # 1 .. bucket keys
-    threshold, _ = _kth_key(keys, live, need, CAND_RADIX)
+    threshold, _ = _kth_key(keys, live, need, RADIX_BITS)
     greater = live & (keys > threshold)
     tl.atomic_add(gt_ptr + ids // CHUNK, 1, mask=greater, sem="relaxed")
     tl.atomic_add(eq_ptr + ids // CHUNK, 1, mask=live & (keys == threshold), sem="relaxed")
     tl.store(state_ptr + ST_T, threshold.to(tl.int32, bitcast=True))
     tl.store(state_ptr + ST_NEED_EQ, need - tl.sum(greater.to(tl.int32), axis=0))
     tl.store(state_ptr + ST_MODE, MODE_DONE)
+
+
+@triton.jit
+def _resolve_candidates(
+    state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr,
+    CHUNK: tl.constexpr, CAP: tl.constexpr, CAND_RADIX: tl.constexpr,
+):
+    """The last program of a row at a COMPACT level: T among the bucket's keys (cand_*_ptr: the
+    row's [CAP] int32 buffers, ST_BUCKET of them written, in no particular order), then each chunk's
+    count of keys > T (gt_ptr: [chunks] int32, holding the keys above the bucket) and == T (eq_ptr).
+    A bucket of at most 512 keys (the usual one: a digit past the first two leaves few) is selected
+    over 512 lanes with 4-bit passes (topk.candidate_filter_shape's rule), not over all CAP lanes."""
+    bucket = tl.load(state_ptr + ST_BUCKET)
+    if CAP > 512:
+        if bucket <= 512:
+            _threshold_among_candidates(state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket, CHUNK, 512, 4)
+        else:
+            _threshold_among_candidates(state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket, CHUNK, CAP,
+                                        CAND_RADIX)
+    else:
+        _threshold_among_candidates(state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket, CHUNK, CAP,
+                                    CAND_RADIX)
 
 
 @triton.jit

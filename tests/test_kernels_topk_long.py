@@ -75,6 +75,10 @@ def test_multi_program_topk_every_way_to_the_threshold():
     u = torch.rand(1, 1, n, generator=g)
     spread = torch.exp2(u * 120 - 60)  # over 120 octaves: the top digit's bucket (2 octaves) holds ~n / 60
     assert check_long(spread, 64, nb, 0, 1, multi_program_chunk=1024, multi_program_cap=512).item() == 2
+    # a buffer past 512: buckets of <= 512 keys are selected over 512 lanes, larger ones over all
+    assert check_long(spread, 64, nb, 0, 1, multi_program_chunk=1024, multi_program_cap=1024).item() == 2
+    half_spread = torch.exp2(u * 60 - 30)  # ~n / 30 = 667 keys in the bucket
+    assert check_long(half_spread, 64, nb, 0, 1, multi_program_chunk=1024, multi_program_cap=1024).item() == 2
     normal = torch.randn(1, 1, n, generator=g) * 10  # a 2-octave bucket holds too many, 1/128 octave few
     assert check_long(normal, 64, nb, 0, 1, multi_program_chunk=1024, multi_program_cap=256).item() == 3
     narrow = 1.0 + u * 2.0**-7  # one top 16 bits; the third digit splits them into 256 buckets of ~78

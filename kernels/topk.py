@@ -29,7 +29,16 @@ from torch import Tensor
 
 from .pdl import launch_kwargs
 from .topk_jit import _topk_row_kernel, _topk_tiled_kernel
-from .topk_radix_jit import BINS, LEVELS, STATE, _radix_emit_kernel, _radix_level_kernel
+from .topk_radix_jit import (
+    ARRIVALS,
+    BINS,
+    HINT_COUNTS,
+    LEVELS,
+    STATE,
+    _radix_emit_kernel,
+    _radix_hint_kernel,
+    _radix_level_kernel,
+)
 from .topk_split_jit import _topk_chunk_kernel, _topk_merge_kernel
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -306,33 +315,50 @@ def _check_pow2_in(value: int | None, default: int, name: str) -> int:
 
 def multi_program_workspace_ints(rows: int, n: int, chunk: int) -> int:
     """int32 entries of the multi-program path's zeroed workspace for `rows` (B * Hkv) rows of n
-    blocks: per row its state, LEVELS histograms of BINS bins, LEVELS arrival counters, a candidate
-    count and two per-chunk counts (the candidate buffers, 2 x CAP a row, are not zeroed)."""
-    return rows * (int(STATE) + int(LEVELS) * int(BINS) + int(LEVELS) + 1 + 2 * triton.cdiv(n, chunk))
+    blocks: per row its state, LEVELS histograms of BINS bins, ARRIVALS arrival counters, a
+    candidate count and two per-chunk counts (the candidate buffers, 2 x cap a row, are not zeroed;
+    a hint round adds HINT_COUNTS int64 a row)."""
+    return rows * (int(STATE) + int(LEVELS) * int(BINS) + int(ARRIVALS) + 1 + 2 * triton.cdiv(n, chunk))
 
 
 def topk_select_multi_program(
     scores: Tensor, k: int, num_blocks: Tensor, sink_blocks: int, recent_blocks: int,
     indices: Tensor, counts: Tensor, chunk: int, cap: int, num_warps: int | None,
-    hint_out: Tensor | None = None, path: Tensor | None = None,
+    hint: Tensor | None = None, hint_out: Tensor | None = None, path: Tensor | None = None,
 ) -> None:
     """topk_select's multi-program path (arguments checked and clamped by the caller, k >= 1,
-    B, Hkv >= 1): fills indices [B, Hkv, K_out] and counts [B, Hkv] in place; hint_out: None or a
-    [B, Hkv] fp32 contiguous tensor receiving each row's k-th largest score (-inf when none:
-    kernels/hinted_topk.py's next hint); path: None or topk_select's multi_program_path. Launches: a memset, LEVELS level passes, the emit; the
-    workspace is sized from host ints only (no synchronisation: capturable in CUDA graphs)."""
+    B, Hkv >= 1): fills indices [B, Hkv, K_out] and counts [B, Hkv] in place.
+    hint: None, or a [B, Hkv] fp32 contiguous guess of each row's k-th score (kernels/hinted_topk.py):
+    a round around it first, whose candidates, when they fit the buffer, replace the histogram levels.
+    hint_out: None or a [B, Hkv] fp32 contiguous tensor receiving each row's k-th largest score (-inf
+    when none; may be `hint`: read before written); path: None or topk_select's multi_program_path
+    (1: the hint round's candidates held T). Launches: a memset, the hint round (with a hint),
+    LEVELS level passes, the emit; the workspace is sized from host ints only (no synchronisation:
+    capturable in CUDA graphs)."""
     batch, num_kv_heads, n = scores.shape
     rows = batch * num_kv_heads
     k_out = indices.shape[-1]
     chunks = triton.cdiv(n, chunk)
-    workspace = torch.zeros(multi_program_workspace_ints(rows, n, chunk), dtype=torch.int32, device=scores.device)
+    ints = multi_program_workspace_ints(rows, n, chunk)
+    hint_int64 = rows * int(HINT_COUNTS) if hint is not None else 0
+    workspace = torch.zeros(hint_int64 + triton.cdiv(ints, 2), dtype=torch.int64, device=scores.device)  # one memset
+    hint_counts = workspace[:hint_int64]
     state, hist, arrivals, cand_count, gt, eq = torch.split(
-        workspace, [rows * int(STATE), rows * int(LEVELS) * int(BINS), rows * int(LEVELS), rows, rows * chunks,
-                    rows * chunks])
+        workspace[hint_int64:].view(torch.int32)[:ints],
+        [rows * int(STATE), rows * int(LEVELS) * int(BINS), rows * int(ARRIVALS), rows, rows * chunks, rows * chunks])
     candidates = torch.empty(2, rows, cap, dtype=torch.int32, device=scores.device)
     grid = (chunks, num_kv_heads, batch)
     pdl = launch_kwargs(scores.device)
     warps = num_warps or _default_num_warps(max(chunk, cap))
+    if hint is not None:
+        _radix_hint_kernel[grid](
+            scores, num_blocks, hint, n, num_kv_heads, chunks, k, sink_blocks, recent_blocks,
+            *scores.stride(),
+            state, hint_counts, arrivals,
+            CHUNK=chunk, CAP=cap,
+            num_warps=num_warps or _default_num_warps(chunk),
+            **pdl,
+        )
     for level in range(1, int(LEVELS) + 1):
         _radix_level_kernel[grid](
             scores, num_blocks, n, num_kv_heads, chunks, k, sink_blocks, recent_blocks,

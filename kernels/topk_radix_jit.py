@@ -8,12 +8,15 @@ context and -inf scores invalid, key 0). The k_eff-th largest valid key T (k_eff
 blocks)) is found one 8-bit digit at a time, most significant first, by up to four level passes
 (`_radix_level_kernel`, LEVEL = 1..4, one launch each, grid (chunks, Hkv, B): every program keys
 one chunk of CHUNK blocks). A row's state (`ST_*`, per (row, KV head)) says what its next level does:
-- HIST: the keys of the bucket (the keys whose higher digits equal the T digits known so far,
-  `prefix`; every valid key at level 1) are histogrammed over their next digit (tl.histogram, 256
+- HIST: the keys of the bucket (the valid keys in [lo, hi]: those whose higher digits equal the
+  T digits known so far; every valid key at level 1) are histogrammed over their next digit (tl.histogram, 256
   bins, added to the row's histogram with atomics);
 - COMPACT (the bucket holds at most CAP keys): the bucket's keys and block ids are appended to a
   per-row candidate buffer (one atomic per program for its slot), and each chunk stores how many
   of its keys lie above the bucket.
+With a hint (kernels/hinted_topk.py), a round before level 1 (`_radix_hint_kernel`) counts the
+keys at or above thresholds around it; when those at or above the best one fit the buffer, level 1
+compacts them (bucket [a, all ones]) and the histogram levels do nothing.
 The last program of a row to finish a level (a per-row arrival counter; its acq_rel atomic orders
 the other programs' writes before its reads) resolves it: from a histogram, the digit of T is the
 highest bin whose count from the top reaches the keys still needed; the row goes on to HIST or
@@ -37,7 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .hinted_topk_jit import _key_score
+from .hinted_topk_jit import _count_round, _key_score, _narrow, _score_key
 from .pdl import pdl_prologue
 from .topk_jit import _emit, _kth_key, _order_keys, _pad_and_count
 
@@ -45,19 +48,22 @@ from .topk_jit import _emit, _kth_key, _order_keys, _pad_and_count
 # (tl.constexpr: jit code reads module globals only as constexprs; the launcher takes int() of them.)
 ST_MODE = tl.constexpr(0)  # what the row's next level does (MODE_*)
 ST_LEVEL = tl.constexpr(1)  # the level that does it (level 1: every row, HIST)
-ST_PREFIX = tl.constexpr(2)  # T's digits known so far (8 bits a level)
-ST_BUCKET = tl.constexpr(3)  # valid keys whose top digits equal the prefix
-ST_ABOVE = tl.constexpr(4)  # valid keys above the bucket (all > T)
-ST_K_EFF = tl.constexpr(5)  # min(k, valid blocks)
-ST_T = tl.constexpr(6)  # the k_eff-th largest key (DONE, SERIAL), as int32 bits
-ST_NEED_EQ = tl.constexpr(7)  # ties == T to take, the lowest block ids first
-STATE = tl.constexpr(8)
+ST_LO = tl.constexpr(2)  # the bucket is the valid keys in [lo, hi] (uint32 bits; level 1's HIST: all)
+ST_HI = tl.constexpr(3)
+ST_BUCKET = tl.constexpr(4)  # valid keys in the bucket
+ST_ABOVE = tl.constexpr(5)  # valid keys above it (> hi: all > T)
+ST_K_EFF = tl.constexpr(6)  # min(k, valid blocks)
+ST_T = tl.constexpr(7)  # the k_eff-th largest key (DONE, SERIAL), as int32 bits
+ST_NEED_EQ = tl.constexpr(8)  # ties == T to take, the lowest block ids first
+STATE = tl.constexpr(9)
 MODE_HIST = tl.constexpr(0)
 MODE_COMPACT = tl.constexpr(1)
 MODE_DONE = tl.constexpr(2)
 MODE_SERIAL = tl.constexpr(3)
 LEVELS = tl.constexpr(4)  # 8-bit digits: tl.histogram's per-element cost grows with its bins
 BINS = tl.constexpr(256)
+ARRIVALS = tl.constexpr(5)  # arrival counters per row: the hint round (level 0) and levels 1..4
+HINT_COUNTS = tl.constexpr(5)  # int64 per row of the hint round: valid keys, then 4 x 2 threshold counts
 
 
 @triton.jit
@@ -69,29 +75,32 @@ def _resolve_histogram(hist_ptr, state_ptr, k, CAP: tl.constexpr, LEVEL: tl.cons
     if LEVEL == 1:
         k_eff = tl.minimum(tl.sum(h, axis=0), k)  # every valid key is counted at level 1
         above = tl.zeros([], dtype=tl.int32)
-        prefix = tl.zeros([], dtype=tl.uint32)
+        lo = tl.zeros([], dtype=tl.uint32)
     else:
         k_eff = tl.load(state_ptr + ST_K_EFF)
         above = tl.load(state_ptr + ST_ABOVE)
-        prefix = tl.load(state_ptr + ST_PREFIX).to(tl.uint32, bitcast=True)
+        lo = tl.load(state_ptr + ST_LO).to(tl.uint32, bitcast=True)
     need = k_eff - above  # >= 1 here unless k_eff = 0 (level 1)
     at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # [256] keys with digit >= bin, non-increasing
     digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
     bucket = tl.sum(tl.where(bins == digit, h, 0), axis=0)
     above += tl.sum(tl.where(bins > digit, h, 0), axis=0)
-    prefix = (prefix << 8) | digit.to(tl.uint32)
+    SHIFT: tl.constexpr = 32 - 8 * LEVEL
+    lo = lo | (digit.to(tl.uint32) << SHIFT)  # T's digits down to this level's, zeros below
+    hi = lo | ((1 << SHIFT) - 1)
     if need <= 0:  # nothing selectable: no key is above the all-ones T and no tie is taken
         tl.store(state_ptr + ST_MODE, MODE_DONE)
         tl.store(state_ptr + ST_T, -1)
         tl.store(state_ptr + ST_NEED_EQ, 0)
     elif LEVEL == 4:  # all 32 bits: T, with more than CAP keys sharing its top 24 bits
         tl.store(state_ptr + ST_MODE, MODE_SERIAL)
-        tl.store(state_ptr + ST_T, prefix.to(tl.int32, bitcast=True))
+        tl.store(state_ptr + ST_T, lo.to(tl.int32, bitcast=True))
         tl.store(state_ptr + ST_NEED_EQ, k_eff - above)
     else:
         tl.store(state_ptr + ST_MODE, tl.where(bucket <= CAP, MODE_COMPACT, MODE_HIST))
         tl.store(state_ptr + ST_LEVEL, LEVEL + 1)
-    tl.store(state_ptr + ST_PREFIX, prefix.to(tl.int32, bitcast=True))
+    tl.store(state_ptr + ST_LO, lo.to(tl.int32, bitcast=True))
+    tl.store(state_ptr + ST_HI, hi.to(tl.int32, bitcast=True))
     tl.store(state_ptr + ST_BUCKET, bucket)
     tl.store(state_ptr + ST_ABOVE, above)
     tl.store(state_ptr + ST_K_EFF, k_eff)
@@ -152,7 +161,7 @@ def _radix_level_kernel(
     stride_sb, stride_sh, stride_sn,
     state_ptr,  # [B * Hkv, STATE] int32 (zeroed before level 1)
     hist_ptr,  # [B * Hkv, LEVELS, BINS] int32 (zeroed)
-    arrivals_ptr,  # [B * Hkv, LEVELS] int32 (zeroed): programs of the row done with each level
+    arrivals_ptr,  # [B * Hkv, ARRIVALS] int32 (zeroed): programs of the row done with each level
     gt_ptr,  # [B * Hkv, C] int32 (zeroed): per chunk, keys > T once DONE
     eq_ptr,  # [B * Hkv, C] int32 (zeroed): per chunk, keys == T once DONE
     cand_count_ptr,  # [B * Hkv] int32 (zeroed): candidates appended
@@ -170,11 +179,10 @@ def _radix_level_kernel(
     batch = tl.program_id(2)
     row = batch * num_kv_heads + kv_head
     state = state_ptr + row * STATE
-    if LEVEL == 1:
-        mode = MODE_HIST
-        active = True
+    mode = tl.load(state + ST_MODE)
+    if LEVEL == 1:  # every row (state zeroed: HIST at "level 0"), or COMPACT after a hint round that fit
+        active = (mode <= MODE_COMPACT) & (tl.load(state + ST_LEVEL) <= 1)
     else:
-        mode = tl.load(state + ST_MODE)
         active = (mode <= MODE_COMPACT) & (tl.load(state + ST_LEVEL) == LEVEL)
     if active:
         num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
@@ -182,14 +190,12 @@ def _radix_level_kernel(
         offs = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] block ids; >= N past the row's end (invalid)
         keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
                                   num_cols, False)
-        if LEVEL == 1:
-            in_bucket = valid
-            higher = keys  # unused: no digit is known yet
-            prefix = tl.zeros([], dtype=tl.uint32)
+        lo = tl.load(state + ST_LO).to(tl.uint32, bitcast=True)
+        hi = tl.load(state + ST_HI).to(tl.uint32, bitcast=True)
+        if LEVEL == 1:  # HIST: lo = 0 (every valid key); COMPACT after a hint round: [lo, all ones]
+            in_bucket = valid & (keys >= lo)
         else:
-            prefix = tl.load(state + ST_PREFIX).to(tl.uint32, bitcast=True)
-            higher = keys >> (40 - 8 * LEVEL)  # the digits above this level's
-            in_bucket = valid & (higher == prefix)
+            in_bucket = valid & (keys >= lo) & (keys <= hi)
         n_in = tl.sum(in_bucket.to(tl.int32), axis=0)
         if mode == MODE_HIST:
             # Keys outside the bucket are counted in bin 0 and taken out again (no histogram mask:
@@ -201,14 +207,14 @@ def _radix_level_kernel(
             hist_row = hist_ptr + (row.to(tl.int64) * LEVELS + (LEVEL - 1)) * 256
             tl.atomic_add(hist_row + bins, h, mask=h > 0, sem="relaxed")
         else:
-            above = valid & (higher > prefix)  # all > T
+            above = valid & (keys > hi)  # all > T
             tl.store(gt_ptr + row.to(tl.int64) * num_chunks + chunk, tl.sum(above.to(tl.int32), axis=0))
             base = tl.atomic_add(cand_count_ptr + row, n_in, sem="relaxed")
             slot = row.to(tl.int64) * CAP + base + tl.cumsum(in_bucket.to(tl.int32), axis=0) - 1
             tl.store(cand_keys_ptr + slot, keys.to(tl.int32, bitcast=True), mask=in_bucket)
             tl.store(cand_ids_ptr + slot, offs, mask=in_bucket)
         tl.debug_barrier()  # every thread's writes precede the arrival (released by its acq_rel atomic)
-        arrived = tl.atomic_add(arrivals_ptr + row * LEVELS + (LEVEL - 1), 1, sem="acq_rel")
+        arrived = tl.atomic_add(arrivals_ptr + row * ARRIVALS + LEVEL, 1, sem="acq_rel")
         if arrived == num_chunks - 1:  # the row's last program: every other one's writes are visible
             tl.debug_barrier()
             if mode == MODE_HIST:
@@ -217,6 +223,76 @@ def _radix_level_kernel(
                 counts = row.to(tl.int64) * num_chunks
                 _resolve_candidates(state, cand_keys_ptr + row.to(tl.int64) * CAP, cand_ids_ptr + row.to(tl.int64) * CAP,
                                     gt_ptr + counts, eq_ptr + counts, CHUNK, CAP, CAND_RADIX)
+
+
+@triton.jit
+def _radix_hint_kernel(
+    scores_ptr,  # [B, Hkv, N] fp32 (fp16/bf16 are widened exactly)
+    num_blocks_ptr,  # [B] int32/int64
+    hint_ptr,  # [B * Hkv] fp32: a guess of each row's k-th largest score (any value)
+    num_cols,  # N
+    num_kv_heads,
+    num_chunks,  # C
+    k,
+    sink_blocks,
+    recent_blocks,
+    stride_sb, stride_sh, stride_sn,
+    state_ptr,  # [B * Hkv, STATE] int32 (zeroed)
+    hint_counts_ptr,  # [B * Hkv, HINT_COUNTS] int64 (zeroed)
+    arrivals_ptr,  # [B * Hkv, ARRIVALS] int32 (zeroed)
+    CHUNK: tl.constexpr,  # < 65536 (the round's 16-bit partial counts)
+    CAP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The hint round before level 1 (kernels/hinted_topk.py, rows past its register row): every
+    program counts its chunk's valid keys at or above 8 thresholds around the hint
+    (hinted_topk_jit's `_count_round`, round 0), added up per row with atomics; the row's last
+    program narrows the bracket (`_narrow`) to a, the highest threshold with >= k_eff keys at or above
+    it. When those keys fit the buffer (<= CAP), level 1 compacts them (COMPACT, bucket [a, all ones])
+    and selects T among them; else the row takes the histogram levels as without a hint. Exact either
+    way: T >= a, so the keys >= a hold every key > T and every tie."""
+    pdl_prologue(PDL)
+    chunk = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
+    row = batch * num_kv_heads + kv_head
+    num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
+    row_base = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
+                              num_cols, False)
+    hint_key = _score_key(tl.load(hint_ptr + row).to(tl.float32)).to(tl.int64)
+    a = tl.full([], 1, tl.int64)  # the bracket [a, b) before the round: every valid key
+    b = tl.full([], 0xFF800001, tl.int64)  # +inf's key + 1
+    n_valid, c01, c23, c45, c67 = _count_round(keys, a, b, hint_key, True)
+    counts = hint_counts_ptr + row.to(tl.int64) * HINT_COUNTS
+    tl.atomic_add(counts, n_valid.to(tl.int64), sem="relaxed")
+    tl.atomic_add(counts + 1, c01, sem="relaxed")  # 32-bit count fields: a row has < 2^21 blocks, no carries
+    tl.atomic_add(counts + 2, c23, sem="relaxed")
+    tl.atomic_add(counts + 3, c45, sem="relaxed")
+    tl.atomic_add(counts + 4, c67, sem="relaxed")
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + row * ARRIVALS, 1, sem="acq_rel")
+    if arrived == num_chunks - 1:
+        tl.debug_barrier()
+        n_valid = tl.load(counts, cache_modifier=".cg").to(tl.int32)
+        k_eff = tl.minimum(n_valid, k)
+        a, count_a, b = _narrow(tl.load(counts + 1, cache_modifier=".cg"), tl.load(counts + 2, cache_modifier=".cg"),
+                                tl.load(counts + 3, cache_modifier=".cg"), tl.load(counts + 4, cache_modifier=".cg"),
+                                a, n_valid, b, hint_key, k_eff, True)
+        state = state_ptr + row * STATE
+        if k_eff == 0:  # nothing selectable: no key is above the all-ones T and no tie is taken
+            tl.store(state + ST_MODE, MODE_DONE)
+            tl.store(state + ST_T, -1)
+            tl.store(state + ST_NEED_EQ, 0)
+            tl.store(state + ST_K_EFF, 0)
+        elif count_a <= CAP:
+            tl.store(state + ST_MODE, MODE_COMPACT)
+            tl.store(state + ST_LO, a.to(tl.uint32).to(tl.int32, bitcast=True))
+            tl.store(state + ST_HI, -1)  # all ones: no key above the bucket
+            tl.store(state + ST_BUCKET, count_a)
+            tl.store(state + ST_K_EFF, k_eff)
+        tl.store(state + ST_LEVEL, 1)  # (a row left HIST takes level 1 as without a hint)
 
 
 @triton.jit

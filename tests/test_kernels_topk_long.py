@@ -11,7 +11,9 @@ import os
 
 import pytest
 import torch
-from prr.kernels.reference_selection import make_topk_scores, topk_select_reference
+from prr.kernels.hinted_topk import hinted_topk_select
+from prr.kernels.reference_hinted_topk import kth_scores, make_hinted_scores
+from prr.kernels.reference_selection import forced_scores, make_topk_scores, topk_select_reference
 from prr.kernels.topk import MAX_BLOCKS_PER_ROW, MULTI_PROGRAM_MIN_BLOCKS, topk_select
 
 gpu = pytest.mark.skipif(
@@ -130,6 +132,50 @@ def test_multi_program_errors():
         topk_select(too_long, 3, torch.tensor([1], dtype=torch.int32))
 
 
+def forced_kth(scores, k, num_blocks, sink, recent) -> torch.Tensor:
+    """[B, Hkv] the k_eff-th largest forced / masked score (-inf where nothing is selectable):
+    the next hint hinted_topk_select writes."""
+    forced = forced_scores(scores.cpu(), num_blocks.cpu(), sink, recent)
+    ordered = forced.sort(-1, descending=True).values
+    k_eff = torch.minimum((forced > float("-inf")).sum(-1), torch.tensor(k))  # [B, Hkv]
+    kth = torch.gather(ordered, -1, (k_eff - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(k_eff > 0, kth, float("-inf"))
+
+
+def check_hinted_long(scores, k, num_blocks, hint, sink, recent, **kw) -> torch.Tensor:
+    """hinted_topk_select on the multi-program path == the reference, next hint == the k-th
+    forced score; -> its path [B, Hkv] (1: the hint round's candidates fit; -1: radix levels)."""
+    path = torch.full(hint.shape, -9, dtype=torch.int32, device=scores.device)
+    kw.setdefault("multi_program", True)
+    idx, cnt = hinted_topk_select(scores, k, num_blocks, hint, sink, recent, path=path, **kw)
+    ref_idx, ref_cnt = topk_select_reference(scores.cpu(), k, num_blocks.cpu(), sink, recent)
+    assert torch.equal(cnt.cpu(), ref_cnt) and torch.equal(idx.cpu(), ref_idx)
+    assert torch.equal(hint.cpu(), forced_kth(scores, k, num_blocks, sink, recent))  # written in place
+    return path.cpu()
+
+
+def test_hinted_multi_program_topk():
+    """Hinted top-k's multi-program path: a good hint's round fits the buffer (path 1), garbage
+    hints (±inf, NaN, 0) and heavy ties leave it to the radix levels (-1); the same set either way,
+    and the k-th score written as the next hint; an empty row writes -inf."""
+    n, k = 20001, 100
+    previous, scores = make_hinted_scores(1, 3, n, k, 0.7, seed=11)
+    nb = torch.tensor([n - 5], dtype=torch.int32)
+    small = dict(multi_program_chunk=2048, candidate_cap=512)
+    assert (check_hinted_long(scores, k, nb, kth_scores(previous, k), 1, 2, **small) == 1).all()
+    garbage = torch.tensor([[float("inf"), float("nan"), 0.0]])
+    assert (check_hinted_long(scores, k, nb, garbage, 1, 2, **small) == -1).all()
+    ties, _ = make_topk_scores(2, 1, n, [n, 0], "ties", seed=12)
+    ties_path = check_hinted_long(ties, k, torch.tensor([n, 0], dtype=torch.int32), torch.zeros(2, 1), 0, 1, **small)
+    assert ties_path.tolist() == [[-1], [0]]
+    # rows past the register row take it by default (multi_program=None)
+    long_scores, _ = make_topk_scores(1, 1, MULTI_PROGRAM_MIN_BLOCKS, None, "randn", seed=13)
+    full = torch.tensor([MULTI_PROGRAM_MIN_BLOCKS], dtype=torch.int32)
+    hint = kth_scores(long_scores, 20).contiguous()
+    assert check_hinted_long(long_scores, 20, full, hint, 0, 1, multi_program=None, multi_program_chunk=4096,
+                             candidate_cap=64).item() == 1
+
+
 # --- GPU, real sizes: 16K-1M candidates, k 32-4096, 1-64 rows, default chunk and buffer --------
 
 
@@ -177,3 +223,17 @@ def test_gpu_multi_program_topk_cuda_graph():
         graph.replay()
         ref_idx, ref_cnt = topk_select_reference(scores.cpu(), k, nb.cpu(), 1, 2)
         assert torch.equal(idx.cpu(), ref_idx) and torch.equal(cnt.cpu(), ref_cnt)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [32768, 131072 + 5, 1 << 20])
+@pytest.mark.parametrize("k", [32, 2048, 4096])
+def test_gpu_hinted_multi_program_topk(n, k):
+    for batch, heads in ((1, 1), (8, 8)):
+        nb = torch.tensor([n - 37 * i for i in range(batch)], dtype=torch.int32, device="cuda")
+        previous, current = make_hinted_scores(batch, heads, n, k, 0.7, seed=n + k, device="cuda")
+        path = check_hinted_long(current, k, nb, kth_scores(previous, k).contiguous(), 1, 2, multi_program=None)
+        assert (path == 1).float().mean() > 0.9  # the previous step's k-th score: the round fits
+        garbage = torch.full((batch, heads), float("nan"), device="cuda")
+        assert (check_hinted_long(current, k, nb, garbage, 1, 2, multi_program=None) == -1).all()

@@ -10,7 +10,7 @@ distribution (`make_topk_scores`, kind randn), every block in context, no forced
 - one-program: `topk_select(..., multi_program=False)`, the path every row took before (one program
   per row: the row in registers up to MAX_ROW_BLOCK = 16384, the tiled kernel beyond);
 - multi-program: `topk_select(..., multi_program=True)` (kernels/topk_radix_jit.py), with --chunk /
-  --cap when given (else the launcher's defaults), and how each row found its threshold (its
+  --cap when given (else the launcher's defaults; the row records the ones used), and how each row found its threshold (its
   `multi_program_path`: candidates at level 2/3/4, or all histograms);
 - auto: which of the two `topk_select`'s rule (multi_program=None, what the selectors call) takes;
 - torch.topk(scores, k, dim=-1).
@@ -176,7 +176,12 @@ def cell_row(rows: int, n: int, k: int, sets: int, repeats: int, chunk: int | No
              bandwidth: float, seed: int) -> dict:
     import torch
     from prr.kernels.reference_selection import make_topk_scores
-    from prr.kernels.topk import MULTI_PROGRAM_MIN_BLOCKS, topk_select
+    from prr.kernels.topk import (
+        MULTI_PROGRAM_CAP,
+        MULTI_PROGRAM_MIN_BLOCKS,
+        multi_program_chunk_for,
+        topk_select,
+    )
 
     from prr.benchmarking import graph_time_us
 
@@ -187,7 +192,8 @@ def cell_row(rows: int, n: int, k: int, sets: int, repeats: int, chunk: int | No
     knobs = dict(multi_program_chunk=chunk, multi_program_cap=cap)
     nbytes = topk_bytes(rows, n, k)
     row = dict(rows=rows, batch=batch, kv_heads=heads, candidates=n, k=k, sets=sets, bytes=nbytes,
-               floor_us=nbytes / bandwidth * 1e6, chunk=chunk, cap=cap,
+               floor_us=nbytes / bandwidth * 1e6, chunk=chunk or multi_program_chunk_for(rows, n),
+               cap=cap or MULTI_PROGRAM_CAP,
                auto_path="multi-program" if n >= MULTI_PROGRAM_MIN_BLOCKS else "one-program")
 
     equal = True

@@ -18,13 +18,13 @@ from .pdl import launch_kwargs
 from .topk import (
     MAX_ROW_BLOCK,
     MULTI_PROGRAM_CAP,
-    MULTI_PROGRAM_CHUNK,
     MULTI_PROGRAM_MIN_BLOCKS,
     PAD_BLOCK,
     TILE,
     _check_pow2_in,
     _check_topk_args,
     _default_num_warps,
+    multi_program_chunk_for,
     topk_select_multi_program,
 )
 
@@ -93,7 +93,7 @@ def hinted_topk_select(
     they are compacted and selected, else the radix levels run as in topk_select), shorter ones the
     one-program kernel; True / False: that path (tests, benchmarks). There the buffer is
     candidate_cap, or the larger of `hint_candidate_cap` and topk.MULTI_PROGRAM_CAP; the chunk
-    multi_program_chunk (None: topk.MULTI_PROGRAM_CHUNK); rounds and radix_bits do not apply, and
+    multi_program_chunk (None: topk.multi_program_chunk_for); rounds and radix_bits do not apply, and
     path is 1 where the hint round's candidates fit, -1 where the radix levels ran, 0 where nothing
     is selectable. (The tiled one-program kernel stays reachable with multi_program=False.)
     """
@@ -112,8 +112,9 @@ def hinted_topk_select(
         raise ValueError(f"candidate_cap={candidate_cap!r} must be None or a power of two in [16, {MAX_ROW_BLOCK}]")
     if multi_program not in (None, True, False):
         raise ValueError(f"multi_program={multi_program!r} must be None, True or False")
-    chunk = _check_pow2_in(multi_program_chunk, MULTI_PROGRAM_CHUNK, "multi_program_chunk")
     batch, num_kv_heads, n = scores.shape
+    chunk = _check_pow2_in(multi_program_chunk, multi_program_chunk_for(batch * num_kv_heads, n),
+                           "multi_program_chunk")
     k_out = min(k, n)
     indices = torch.empty(batch, num_kv_heads, k_out, dtype=torch.int32, device=scores.device)
     counts = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=scores.device)

@@ -48,7 +48,8 @@ MAX_BLOCKS_PER_ROW = (1 << 21) - 1  # the 2-bit passes pack three counts into 21
 PAD_BLOCK = 256
 MIN_SPLIT = 16  # smallest chunk of the split-row kernels (smaller ones only add programs)
 MULTI_PROGRAM_MIN_BLOCKS = MAX_ROW_BLOCK + 1  # rows this long and longer: the multi-program path (module doc)
-MULTI_PROGRAM_CHUNK = 4096  # blocks per program of the multi-program path (16 KB of fp32 scores)
+MULTI_PROGRAM_CHUNK = 4096  # blocks per program of the multi-program path, at least (16 KB of fp32 scores)
+MULTI_PROGRAM_PROGRAMS = 4096  # programs per launch the chunk grows to stay under (multi_program_chunk_for)
 MULTI_PROGRAM_CAP = 4096  # candidates the multi-program path selects among in one program's registers
 
 
@@ -158,7 +159,7 @@ def topk_select(
     multi_program: None (default): the module doc's rule (rows of MULTI_PROGRAM_MIN_BLOCKS blocks
     or more); True / False: that path whatever the length (benchmarks and tests). The multi-program
     radix select (kernels/topk_radix_jit.py) runs cdiv(N, multi_program_chunk) programs per row
-    (None: MULTI_PROGRAM_CHUNK; a power of two, 16 .. MAX_ROW_BLOCK) and selects among at most
+    (None: `multi_program_chunk_for`; a power of two, 16 .. MAX_ROW_BLOCK) and selects among at most
     multi_program_cap candidates in one program (None: MULTI_PROGRAM_CAP; a power of two,
     16 .. MAX_ROW_BLOCK); same result. num_warps, when given, applies to its kernels.
     multi_program_path: None, or a [B, Hkv] int32 contiguous tensor receiving how the multi-program
@@ -185,9 +186,10 @@ def topk_select(
                 or multi_program_path.device != scores.device:
             raise ValueError(f"multi_program_path must be a contiguous int32 tensor [B, Hkv]=[{b}, {h}] on "
                              f"{scores.device}; got {multi_program_path!r:.80}")
-    chunk = _check_pow2_in(multi_program_chunk, MULTI_PROGRAM_CHUNK, "multi_program_chunk")
-    cap = _check_pow2_in(multi_program_cap, MULTI_PROGRAM_CAP, "multi_program_cap")
     batch, num_kv_heads, n = scores.shape
+    chunk = _check_pow2_in(multi_program_chunk, multi_program_chunk_for(batch * num_kv_heads, n),
+                           "multi_program_chunk")
+    cap = _check_pow2_in(multi_program_cap, MULTI_PROGRAM_CAP, "multi_program_cap")
     k_out = min(k, n)
     indices = torch.empty(batch, num_kv_heads, k_out, dtype=torch.int32, device=scores.device)
     counts = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=scores.device)
@@ -311,6 +313,17 @@ def _check_pow2_in(value: int | None, default: int, name: str) -> int:
             or value & (value - 1):
         raise ValueError(f"{name}={value!r} must be None or a power of two in [{MIN_SPLIT}, {MAX_ROW_BLOCK}]")
     return value
+
+
+def multi_program_chunk_for(rows: int, n: int) -> int:
+    """The multi-program path's default chunk for `rows` (B * Hkv) rows of n blocks: MULTI_PROGRAM_CHUNK,
+    doubled (up to MAX_ROW_BLOCK) while a launch would run more than MULTI_PROGRAM_PROGRAMS programs.
+    Every launch runs all of them, also the level passes that only read a row's state and return
+    (the usual row finds its threshold at level 2 or 3 of 4): at 64 rows of 1M blocks, chunks of
+    4096 would be 16,384 programs a launch, chunks of 16,384 are 4,096 (about 4 waves of 8 programs
+    on each of 132 SMs), each reading 64 KB. Unmeasured (experiments/bench_topk_long.py --chunk)."""
+    wanted = triton.next_power_of_2(max(1, triton.cdiv(rows * n, MULTI_PROGRAM_PROGRAMS)))
+    return min(MAX_ROW_BLOCK, max(MULTI_PROGRAM_CHUNK, wanted))
 
 
 def multi_program_workspace_ints(rows: int, n: int, chunk: int) -> int:

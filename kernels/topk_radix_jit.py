@@ -9,8 +9,8 @@ blocks)) is found one 8-bit digit at a time, most significant first, by up to fo
 (`_radix_level_kernel`, LEVEL = 1..4, one launch each, grid (chunks, Hkv, B): every program keys
 one chunk of CHUNK blocks). A row's state (`ST_*`, per (row, KV head)) says what its next level does:
 - HIST: the keys of the bucket (the valid keys in [lo, hi]: those whose higher digits equal the
-  T digits known so far; every valid key at level 1) are histogrammed over their next digit (tl.histogram, 256
-  bins, added to the row's histogram with atomics);
+  T digits known so far; every valid key at level 1) are histogrammed over their next digit
+  (tl.histogram, 256 bins, added to the row's histogram with atomics);
 - COMPACT (the bucket holds at most CAP keys): the bucket's keys and block ids are appended to a
   per-row candidate buffer (one atomic per program for its slot), and each chunk stores how many
   of its keys lie above the bucket.
@@ -30,7 +30,7 @@ heavy ties) have no per-chunk counts: one program emits the whole row, tile by t
 Why it is exact: every pass keeps the invariant "the keys above the bucket number `above` <
 k_eff <= above + bucket keys" (the resolve picks the digit so), so T lies in the bucket and the
 row's top k_eff are the keys above it plus the bucket's top (k_eff - above), ties to the lower
-block id, as `_emit` takes them. Blocks in no chunk's range are invalid. Programs that find their
+block id, as `_emit` takes them. Lanes past N are invalid (key 0). Programs that find their
 row resolved (or at another level) do nothing, so the grid is static (CUDA graphs) and the host
 never reads a count.
 """

@@ -50,6 +50,9 @@ MIN_SPLIT = 16  # smallest chunk of the split-row kernels (smaller ones only add
 MULTI_PROGRAM_MIN_BLOCKS = MAX_ROW_BLOCK + 1  # rows this long and longer: the multi-program path (module doc)
 MULTI_PROGRAM_CHUNK = 4096  # blocks per program of the multi-program path, at least (16 KB of fp32 scores)
 MULTI_PROGRAM_PROGRAMS = 4096  # programs per launch the chunk grows to stay under (multi_program_chunk_for)
+MULTI_PROGRAM_TILE = 2048  # blocks a program holds in registers at a time (its chunk, tile by tile)
+MULTI_PROGRAM_WARPS = 8  # at TILE 2048 (triton 3.6, sm_90): 106-112 registers a thread, 2 programs an SM;
+# whole 4096-block chunks took 118 (level passes) and 198 (emit: 1 program an SM), 16K chunks spilled
 MULTI_PROGRAM_CAP = 4096  # candidates the multi-program path selects among in one program's registers
 
 
@@ -331,7 +334,7 @@ def multi_program_workspace_ints(rows: int, n: int, chunk: int) -> int:
     blocks: per row its state, LEVELS histograms of BINS bins, ARRIVALS arrival counters, a
     candidate count and two per-chunk counts (the candidate buffers, 2 x cap a row, are not zeroed;
     a hint round adds HINT_COUNTS int64 a row)."""
-    return rows * (int(STATE) + int(LEVELS) * int(BINS) + int(ARRIVALS) + 1 + 2 * triton.cdiv(n, chunk))
+    return rows * (STATE.value + LEVELS.value * BINS.value + ARRIVALS.value + 1 + 2 * triton.cdiv(n, chunk))
 
 
 def topk_select_multi_program(
@@ -353,31 +356,32 @@ def topk_select_multi_program(
     k_out = indices.shape[-1]
     chunks = triton.cdiv(n, chunk)
     ints = multi_program_workspace_ints(rows, n, chunk)
-    hint_int64 = rows * int(HINT_COUNTS) if hint is not None else 0
+    hint_int64 = rows * HINT_COUNTS.value if hint is not None else 0
     workspace = torch.zeros(hint_int64 + triton.cdiv(ints, 2), dtype=torch.int64, device=scores.device)  # one memset
     hint_counts = workspace[:hint_int64]
     state, hist, arrivals, cand_count, gt, eq = torch.split(
         workspace[hint_int64:].view(torch.int32)[:ints],
-        [rows * int(STATE), rows * int(LEVELS) * int(BINS), rows * int(ARRIVALS), rows, rows * chunks, rows * chunks])
+        [rows * STATE.value, rows * LEVELS.value * BINS.value, rows * ARRIVALS.value, rows, rows * chunks, rows * chunks])
     candidates = torch.empty(2, rows, cap, dtype=torch.int32, device=scores.device)
     grid = (chunks, num_kv_heads, batch)
     pdl = launch_kwargs(scores.device)
-    warps = num_warps or _default_num_warps(max(chunk, cap))
+    tile = min(chunk, MULTI_PROGRAM_TILE)
+    warps = num_warps or MULTI_PROGRAM_WARPS
     if hint is not None:
         _radix_hint_kernel[grid](
             scores, num_blocks, hint, n, num_kv_heads, chunks, k, sink_blocks, recent_blocks,
             *scores.stride(),
             state, hint_counts, arrivals,
-            CHUNK=chunk, CAP=cap,
-            num_warps=num_warps or _default_num_warps(chunk),
+            CHUNK=chunk, TILE=tile, CAP=cap,
+            num_warps=warps,
             **pdl,
         )
-    for level in range(1, int(LEVELS) + 1):
+    for level in range(1, LEVELS.value + 1):
         _radix_level_kernel[grid](
             scores, num_blocks, n, num_kv_heads, chunks, k, sink_blocks, recent_blocks,
             *scores.stride(),
             state, hist, arrivals, gt, eq, cand_count, candidates[0], candidates[1],
-            LEVEL=level, CHUNK=chunk, CAP=cap, CAND_RADIX=4 if cap <= 512 else 2,
+            LEVEL=level, CHUNK=chunk, TILE=tile, CAP=cap, CAND_RADIX=4 if cap <= 512 else 2,
             num_warps=warps,
             **pdl,
         )
@@ -385,8 +389,8 @@ def topk_select_multi_program(
         scores, num_blocks, indices, counts, n, num_kv_heads, chunks, k_out, sink_blocks, recent_blocks,
         *scores.stride(),
         state, gt, eq, counts if hint_out is None else hint_out, counts if path is None else path,
-        CHUNK=chunk, CHUNKS_BLOCK=triton.next_power_of_2(chunks), PAD_BLOCK=PAD_BLOCK,
+        CHUNK=chunk, TILE=tile, CHUNKS_BLOCK=triton.next_power_of_2(chunks), PAD_BLOCK=PAD_BLOCK,
         WRITE_HINT=hint_out is not None, WRITE_PATH=path is not None,
-        num_warps=num_warps or _default_num_warps(chunk),
+        num_warps=warps,
         **pdl,
     )

@@ -7,7 +7,7 @@ Keys are `_order_keys`' order-preserving uint32 images (forced blocks +inf; bloc
 context and -inf scores invalid, key 0). The k_eff-th largest valid key T (k_eff = min(k, valid
 blocks)) is found one 8-bit digit at a time, most significant first, by up to four level passes
 (`_radix_level_kernel`, LEVEL = 1..4, one launch each, grid (chunks, Hkv, B): every program keys
-one chunk of CHUNK blocks). A row's state (`ST_*`, per (row, KV head)) says what its next level does:
+one chunk of CHUNK blocks, TILE at a time). A row's state (`ST_*`, per (row, KV head)) says what its next level does:
 - HIST: the keys of the bucket (the valid keys in [lo, hi]: those whose higher digits equal the
   T digits known so far; every valid key at level 1) are histogrammed over their next digit
   (tl.histogram, 256 bins, added to the row's histogram with atomics);
@@ -45,7 +45,7 @@ from .pdl import pdl_prologue
 from .topk_jit import _emit, _kth_key, _order_keys, _pad_and_count
 
 # Per-(row, KV head) state, int32 fields of the workspace (zeroed by the launcher).
-# (tl.constexpr: jit code reads module globals only as constexprs; the launcher takes int() of them.)
+# (tl.constexpr: jit code reads module globals only as constexprs; the launcher reads their .value.)
 ST_MODE = tl.constexpr(0)  # what the row's next level does (MODE_*)
 ST_LEVEL = tl.constexpr(1)  # the level that does it (level 1: every row, HIST)
 ST_LO = tl.constexpr(2)  # the bucket is the valid keys in [lo, hi] (uint32 bits; level 1's HIST: all)
@@ -64,6 +64,16 @@ LEVELS = tl.constexpr(4)  # 8-bit digits: tl.histogram's per-element cost grows 
 BINS = tl.constexpr(256)
 ARRIVALS = tl.constexpr(5)  # arrival counters per row: the hint round (level 0) and levels 1..4
 HINT_COUNTS = tl.constexpr(5)  # int64 per row of the hint round: valid keys, then 4 x 2 threshold counts
+
+
+@triton.jit
+def _in_bucket(keys, valid, lo, hi, LEVEL: tl.constexpr):
+    """The valid keys in the row's bucket [lo, hi]. Level 1: HIST has lo = 0 (every valid key);
+    COMPACT after a hint round, [lo, all ones]."""
+    if LEVEL == 1:
+        return valid & (keys >= lo)
+    else:
+        return valid & (keys >= lo) & (keys <= hi)
 
 
 @triton.jit
@@ -169,6 +179,7 @@ def _radix_level_kernel(
     cand_ids_ptr,  # [B * Hkv, CAP] int32 workspace
     LEVEL: tl.constexpr,  # 1..4: this launch fixes digit LEVEL (bits 32 - 8 LEVEL .. 39 - 8 LEVEL) of T
     CHUNK: tl.constexpr,  # blocks per program (a power of two)
+    TILE: tl.constexpr,  # blocks in registers at a time (a power of two dividing CHUNK)
     CAP: tl.constexpr,  # candidate buffer per row (a power of two)
     CAND_RADIX: tl.constexpr,  # bits per pass of the select over the candidates (2 or 4)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
@@ -187,32 +198,37 @@ def _radix_level_kernel(
     if active:
         num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
         row_base = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
-        offs = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] block ids; >= N past the row's end (invalid)
-        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
-                                  num_cols, False)
         lo = tl.load(state + ST_LO).to(tl.uint32, bitcast=True)
         hi = tl.load(state + ST_HI).to(tl.uint32, bitcast=True)
-        if LEVEL == 1:  # HIST: lo = 0 (every valid key); COMPACT after a hint round: [lo, all ones]
-            in_bucket = valid & (keys >= lo)
-        else:
-            in_bucket = valid & (keys >= lo) & (keys <= hi)
-        n_in = tl.sum(in_bucket.to(tl.int32), axis=0)
         if mode == MODE_HIST:
-            # Keys outside the bucket are counted in bin 0 and taken out again (no histogram mask:
-            # the GPU's triton may predate it).
             bins = tl.arange(0, 256)
-            digit = ((keys >> (32 - 8 * LEVEL)) & 0xFF).to(tl.int32)
-            h = tl.histogram(tl.where(in_bucket, digit, 0), 256)  # [256]
-            h = tl.where(bins == 0, h - (CHUNK - n_in), h)
+            h = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, CHUNK, TILE):
+                offs = chunk * CHUNK + start + tl.arange(0, TILE)  # [TILE] block ids; >= N: invalid
+                keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks,
+                                          recent_blocks, num_cols, False)
+                in_bucket = _in_bucket(keys, valid, lo, hi, LEVEL)
+                # Keys outside the bucket are counted in bin 0 and taken out again (no histogram mask:
+                # the GPU's triton may predate it).
+                digit = ((keys >> (32 - 8 * LEVEL)) & 0xFF).to(tl.int32)
+                tile_h = tl.histogram(tl.where(in_bucket, digit, 0), 256)  # [256]
+                h += tl.where(bins == 0, tile_h - (TILE - tl.sum(in_bucket.to(tl.int32), axis=0)), tile_h)
             hist_row = hist_ptr + (row.to(tl.int64) * LEVELS + (LEVEL - 1)) * 256
             tl.atomic_add(hist_row + bins, h, mask=h > 0, sem="relaxed")
         else:
-            above = valid & (keys > hi)  # all > T
-            tl.store(gt_ptr + row.to(tl.int64) * num_chunks + chunk, tl.sum(above.to(tl.int32), axis=0))
-            base = tl.atomic_add(cand_count_ptr + row, n_in, sem="relaxed")
-            slot = row.to(tl.int64) * CAP + base + tl.cumsum(in_bucket.to(tl.int32), axis=0) - 1
-            tl.store(cand_keys_ptr + slot, keys.to(tl.int32, bitcast=True), mask=in_bucket)
-            tl.store(cand_ids_ptr + slot, offs, mask=in_bucket)
+            n_above = tl.zeros([], dtype=tl.int32)
+            for start in range(0, CHUNK, TILE):
+                offs = chunk * CHUNK + start + tl.arange(0, TILE)
+                keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks,
+                                          recent_blocks, num_cols, False)
+                in_bucket = _in_bucket(keys, valid, lo, hi, LEVEL)
+                n_above += tl.sum((valid & (keys > hi)).to(tl.int32), axis=0)  # all > T
+                as_int = in_bucket.to(tl.int32)
+                base = tl.atomic_add(cand_count_ptr + row, tl.sum(as_int, axis=0), sem="relaxed")
+                slot = row.to(tl.int64) * CAP + base + tl.cumsum(as_int, axis=0) - 1
+                tl.store(cand_keys_ptr + slot, keys.to(tl.int32, bitcast=True), mask=in_bucket)
+                tl.store(cand_ids_ptr + slot, offs, mask=in_bucket)
+            tl.store(gt_ptr + row.to(tl.int64) * num_chunks + chunk, n_above)
         tl.debug_barrier()  # every thread's writes precede the arrival (released by its acq_rel atomic)
         arrived = tl.atomic_add(arrivals_ptr + row * ARRIVALS + LEVEL, 1, sem="acq_rel")
         if arrived == num_chunks - 1:  # the row's last program: every other one's writes are visible
@@ -240,7 +256,8 @@ def _radix_hint_kernel(
     state_ptr,  # [B * Hkv, STATE] int32 (zeroed)
     hint_counts_ptr,  # [B * Hkv, HINT_COUNTS] int64 (zeroed)
     arrivals_ptr,  # [B * Hkv, ARRIVALS] int32 (zeroed)
-    CHUNK: tl.constexpr,  # < 65536 (the round's 16-bit partial counts)
+    CHUNK: tl.constexpr,
+    TILE: tl.constexpr,  # < 65536 (the round's 16-bit partial counts), dividing CHUNK
     CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -258,16 +275,26 @@ def _radix_hint_kernel(
     row = batch * num_kv_heads + kv_head
     num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
     row_base = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
-                              num_cols, False)
     hint_key = _score_key(tl.load(hint_ptr + row).to(tl.float32)).to(tl.int64)
     a = tl.full([], 1, tl.int64)  # the bracket [a, b) before the round: every valid key
     b = tl.full([], 0xFF800001, tl.int64)  # +inf's key + 1
-    n_valid, c01, c23, c45, c67 = _count_round(keys, a, b, hint_key, True)
+    n_valid = tl.zeros([], dtype=tl.int32)
+    c01 = tl.zeros([], dtype=tl.int64)  # 32-bit count fields: a row has < 2^21 blocks, no carries
+    c23 = tl.zeros([], dtype=tl.int64)
+    c45 = tl.zeros([], dtype=tl.int64)
+    c67 = tl.zeros([], dtype=tl.int64)
+    for start in range(0, CHUNK, TILE):
+        keys, valid = _order_keys(scores_ptr, row_base, chunk * CHUNK + start + tl.arange(0, TILE), stride_sn,
+                                  num_blocks, sink_blocks, recent_blocks, num_cols, False)
+        t_valid, t01, t23, t45, t67 = _count_round(keys, a, b, hint_key, True)
+        n_valid += t_valid
+        c01 += t01
+        c23 += t23
+        c45 += t45
+        c67 += t67
     counts = hint_counts_ptr + row.to(tl.int64) * HINT_COUNTS
     tl.atomic_add(counts, n_valid.to(tl.int64), sem="relaxed")
-    tl.atomic_add(counts + 1, c01, sem="relaxed")  # 32-bit count fields: a row has < 2^21 blocks, no carries
+    tl.atomic_add(counts + 1, c01, sem="relaxed")
     tl.atomic_add(counts + 2, c23, sem="relaxed")
     tl.atomic_add(counts + 3, c45, sem="relaxed")
     tl.atomic_add(counts + 4, c67, sem="relaxed")
@@ -314,6 +341,7 @@ def _radix_emit_kernel(
     hint_out_ptr,  # [B * Hkv] fp32 out (WRITE_HINT): the k_eff-th largest score, -inf when none
     path_ptr,  # [B * Hkv] int32 out (WRITE_PATH): the level whose candidates held T, -1 SERIAL, 0 nothing to select
     CHUNK: tl.constexpr,
+    TILE: tl.constexpr,  # blocks in registers at a time (dividing CHUNK)
     CHUNKS_BLOCK: tl.constexpr,  # next power of two >= C
     PAD_BLOCK: tl.constexpr,
     WRITE_HINT: tl.constexpr,  # hinted top-k's next hint (kernels/hinted_topk.py)
@@ -332,29 +360,28 @@ def _radix_emit_kernel(
     threshold = tl.load(state + ST_T).to(tl.uint32, bitcast=True)
     need_eq = tl.load(state + ST_NEED_EQ)
     k_eff = tl.load(state + ST_K_EFF)
-    lane = tl.arange(0, CHUNK)
     mode = tl.load(state + ST_MODE)
     if mode == MODE_DONE:
-        # Taken blocks before this chunk: from the per-chunk counts of keys > T and == T.
+        # This chunk, with the blocks taken before it from the per-chunk counts of keys > T and == T.
         earlier = tl.arange(0, CHUNKS_BLOCK)
         counts = row.to(tl.int64) * num_chunks + earlier
         base_gt = tl.sum(tl.load(gt_ptr + counts, mask=earlier < chunk, other=0), axis=0)
         base_eq = tl.sum(tl.load(eq_ptr + counts, mask=earlier < chunk, other=0), axis=0)
-        offs = chunk * CHUNK + lane
-        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
-                                  num_cols, False)
-        _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr, k_out)
-    elif chunk == 0:  # SERIAL: one program walks the row, counting as it goes
+        first = chunk * CHUNK
+        last = first + CHUNK
+    else:  # SERIAL: program 0 walks the whole context, counting as it goes
         base_gt = tl.zeros([], dtype=tl.int32)
         base_eq = tl.zeros([], dtype=tl.int32)
-        for start in range(0, num_blocks, CHUNK):
-            offs = start + lane
-            keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
-                                      num_cols, False)
-            tile_gt, tile_eq = _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr,
-                                     k_out)
-            base_gt += tile_gt
-            base_eq += tile_eq
+        first = 0
+        last = tl.where(chunk == 0, num_blocks, 0)
+    for start in range(first, last, TILE):
+        offs = start + tl.arange(0, TILE)
+        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
+                                  num_cols, False)
+        tile_gt, tile_eq = _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr,
+                                 k_out)
+        base_gt += tile_gt
+        base_eq += tile_eq
     if chunk == 0:
         _pad_and_count(idx_out_ptr, count_out_ptr, out_row, row, k_eff, k_out, PAD_BLOCK)
         if WRITE_HINT:

@@ -91,6 +91,23 @@ def test_multi_program_topk_every_way_to_the_threshold():
     assert check_long(normal, 64, empty, 2, 1, multi_program_chunk=1024, multi_program_cap=256).item() == 0
 
 
+def test_multi_program_topk_several_tiles_a_program(monkeypatch):
+    """Programs walk their chunk tile by tile (MULTI_PROGRAM_TILE): 4 tiles a chunk here, every
+    way to the threshold, and the hint round."""
+    from prr.kernels import topk as topk_launcher
+
+    monkeypatch.setattr(topk_launcher, "MULTI_PROGRAM_TILE", 256)
+    g = torch.Generator().manual_seed(4)
+    n, nb = 9001, torch.tensor([9001, 8000], dtype=torch.int32)
+    normal = torch.randn(2, 1, n, generator=g) * 10
+    tied = torch.randint(0, 3, (2, 1, n), generator=g).float()
+    knobs = dict(multi_program_chunk=1024, multi_program_cap=128)
+    assert (check_long(normal, 50, nb, 1, 2, **knobs) >= 2).all()
+    assert (check_long(tied, 50, nb, 1, 2, **knobs) == -1).all()
+    hint = kth_scores(normal, 50).contiguous()
+    assert (check_hinted_long(normal, 50, nb, hint, 0, 0, multi_program_chunk=1024, candidate_cap=128) == 1).all()
+
+
 def test_multi_program_topk_half_precision_strided_and_default_path():
     scores, nb = make_topk_scores(2, 1, 20001, [20001, 15000], "integers", seed=3)
     check_long(scores.bfloat16(), 700, nb, 1, 1, multi_program_chunk=2048, multi_program_cap=1024)

@@ -175,10 +175,10 @@ def test_hinted_multi_program_topk():
     """Hinted top-k's multi-program path: a good hint's round fits the buffer (path 1), garbage
     hints (±inf, NaN, 0) and heavy ties leave it to the radix levels (-1); the same set either way,
     and the k-th score written as the next hint; an empty row writes -inf."""
-    n, k = 20001, 100
+    n, k = 6001, 60
     previous, scores = make_hinted_scores(1, 3, n, k, 0.7, seed=11)
     nb = torch.tensor([n - 5], dtype=torch.int32)
-    small = dict(multi_program_chunk=2048, candidate_cap=512)
+    small = dict(multi_program_chunk=1024, candidate_cap=256)
     assert (check_hinted_long(scores, k, nb, kth_scores(previous, k), 1, 2, **small) == 1).all()
     garbage = torch.tensor([[float("inf"), float("nan"), 0.0]])
     assert (check_hinted_long(scores, k, nb, garbage, 1, 2, **small) == -1).all()

@@ -27,11 +27,11 @@ def check_long(scores, k, num_blocks, sink, recent, **kw) -> torch.Tensor:
     path = torch.full(scores.shape[:2], -9, dtype=torch.int32, device=scores.device)
     kw.setdefault("multi_program", True)
     idx, cnt = topk_select(scores, k, num_blocks, sink, recent, multi_program_path=path, **kw)
-    ref_idx, ref_cnt = topk_select_reference(scores.cpu(), k, num_blocks.cpu(), sink, recent)
+    ref_idx, ref_cnt = topk_select_reference(scores, k, num_blocks, sink, recent)  # on the scores' device
     assert idx.dtype == torch.int32 and cnt.dtype == torch.int32
     assert idx.shape == ref_idx.shape and cnt.shape == ref_cnt.shape
-    assert torch.equal(cnt.cpu(), ref_cnt)
-    assert torch.equal(idx.cpu(), ref_idx)  # same set, ascending, padding 0
+    assert torch.equal(cnt.cpu(), ref_cnt.cpu())
+    assert torch.equal(idx.cpu(), ref_idx.cpu())  # same set, ascending, padding 0
     return path.cpu()
 
 
@@ -152,11 +152,11 @@ def test_multi_program_errors():
 def forced_kth(scores, k, num_blocks, sink, recent) -> torch.Tensor:
     """[B, Hkv] the k_eff-th largest forced / masked score (-inf where nothing is selectable):
     the next hint hinted_topk_select writes."""
-    forced = forced_scores(scores.cpu(), num_blocks.cpu(), sink, recent)
+    forced = forced_scores(scores, num_blocks, sink, recent)
     ordered = forced.sort(-1, descending=True).values
-    k_eff = torch.minimum((forced > float("-inf")).sum(-1), torch.tensor(k))  # [B, Hkv]
+    k_eff = (forced > float("-inf")).sum(-1).clamp(max=k)  # [B, Hkv]
     kth = torch.gather(ordered, -1, (k_eff - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(k_eff > 0, kth, float("-inf"))
+    return torch.where(k_eff > 0, kth, float("-inf")).cpu()
 
 
 def check_hinted_long(scores, k, num_blocks, hint, sink, recent, **kw) -> torch.Tensor:
@@ -165,8 +165,8 @@ def check_hinted_long(scores, k, num_blocks, hint, sink, recent, **kw) -> torch.
     path = torch.full(hint.shape, -9, dtype=torch.int32, device=scores.device)
     kw.setdefault("multi_program", True)
     idx, cnt = hinted_topk_select(scores, k, num_blocks, hint, sink, recent, path=path, **kw)
-    ref_idx, ref_cnt = topk_select_reference(scores.cpu(), k, num_blocks.cpu(), sink, recent)
-    assert torch.equal(cnt.cpu(), ref_cnt) and torch.equal(idx.cpu(), ref_idx)
+    ref_idx, ref_cnt = topk_select_reference(scores, k, num_blocks, sink, recent)
+    assert torch.equal(cnt.cpu(), ref_cnt.cpu()) and torch.equal(idx.cpu(), ref_idx.cpu())
     assert torch.equal(hint.cpu(), forced_kth(scores, k, num_blocks, sink, recent))  # written in place
     return path.cpu()
 
@@ -238,8 +238,8 @@ def test_gpu_multi_program_topk_cuda_graph():
     for seed in (1, 2):
         scores.copy_(make_topk_scores(2, 4, n, None, "randn", seed=seed, device="cuda")[0])
         graph.replay()
-        ref_idx, ref_cnt = topk_select_reference(scores.cpu(), k, nb.cpu(), 1, 2)
-        assert torch.equal(idx.cpu(), ref_idx) and torch.equal(cnt.cpu(), ref_cnt)
+        ref_idx, ref_cnt = topk_select_reference(scores, k, nb, 1, 2)
+        assert torch.equal(idx, ref_idx) and torch.equal(cnt, ref_cnt)
 
 
 @pytest.mark.gpu

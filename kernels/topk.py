@@ -9,14 +9,15 @@ registers; longer rows, the multi-program radix select. On an H100
 (experiments/results/h100/hinted_topk_20261207) the register row takes 10-22 µs at 8,192 blocks
 (torch.topk 46-61 µs), while past MAX_ROW_BLOCK the row leaves registers and the one program
 re-reads it on every counting pass (`_topk_tiled_kernel`): 205 µs at 32K, 1.05 ms at 128K, 3-14x
-torch.topk. The multi-program path costs 6 launches (a memset, up to 4 level passes, the emit)
-and 3-4 reads of the row spread over the whole GPU; below 16K a launch-bound path of that many
-launches is not expected to beat the single register-row program, so the cut stays at the
-register limit until experiments/bench_topk_long.py measures the two side by side at 8K/16K.
-The split path (split=CHUNK) is not chosen automatically: its merge is one program over up to
-MAX_ROW_BLOCK candidates (as slow as the register row at 16K: results/h200/bench_flashinfer_topk_chunks.md,
-slower than the row kernel up to 8K), and it cannot hold k = 2048 of a 256K row
-(chunks x min(k, CHUNK) > MAX_ROW_BLOCK).
+torch.topk. The multi-program path costs 6 launches (a memset, 4 level passes of which the usual
+row needs 2-3, the emit; 7 with hinted top-k's round) and 3-4 reads of the row spread over the
+whole GPU; below 16K a launch-bound path of that many launches is not expected to beat the single
+register-row program, so the cut stays at the register limit until experiments/bench_topk_long.py
+measures the two side by side at 8K/16K (not yet run).
+The split path (split=CHUNK) is not chosen automatically: its merge is again one program over up
+to MAX_ROW_BLOCK candidates (a register row of up to 16K), it was timed only up to 8,192 blocks
+(results/h200/bench_flashinfer_topk_chunks.md: 0.82-1.59x the row kernel), and it cannot hold
+k = 2048 of a 256K row (chunks x min(k, CHUNK) > MAX_ROW_BLOCK).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ For every cell (rows = batch x KV heads, candidates N, k < N, hit rate h):
   previous step's top-k ids (P = the last A: at least k scores are >= it), its gather and min timed
   with the kernel. The rows whose candidates fit the buffer, and the rounds they ran, are recorded
   (the `path` output, outside the timing).
-- prr: `prr.kernels.topk.topk_select`, the function the selectors call today (one program per row,
-  tiled above 16384 candidates), same arguments; torch.topk; FlashInfer's `flashinfer.top_k` (radix)
+- prr: `prr.kernels.topk.topk_select`, the function the selectors call today (one program per row
+  up to 16384 candidates, the multi-program radix select above: bench_topk_long.py compares the
+  two), same arguments; the hinted kernel likewise takes the multi-program path above 16384; torch.topk; FlashInfer's `flashinfer.top_k` (radix)
   when importable, else "not installed" (bench_flashinfer.py's docstring says how its wheels are
   carried to the GPU machine). No forced blocks (FlashInfer's top-k has none): sink = recent = 0.
 

@@ -15,7 +15,18 @@ from torch import Tensor
 
 from .hinted_topk_jit import _hinted_topk_row_kernel, _hinted_topk_tiled_kernel
 from .pdl import launch_kwargs
-from .topk import MAX_ROW_BLOCK, PAD_BLOCK, TILE, _check_topk_args, _default_num_warps
+from .topk import (
+    MAX_ROW_BLOCK,
+    MULTI_PROGRAM_CAP,
+    MULTI_PROGRAM_MIN_BLOCKS,
+    PAD_BLOCK,
+    TILE,
+    _check_pow2_in,
+    _check_topk_args,
+    _default_num_warps,
+    multi_program_chunk_for,
+    topk_select_multi_program,
+)
 
 DEFAULT_ROUNDS = 3  # bracket rounds of the register-row kernel before its full-row fallback
 MAX_ROUNDS = 8
@@ -56,6 +67,8 @@ def hinted_topk_select(
     num_warps: int | None = None,
     path: Tensor | None = None,
     next_hint: Tensor | None = None,
+    multi_program: bool | None = None,
+    multi_program_chunk: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), exactly `topk_select`'s, from a threshold guess.
 
@@ -74,6 +87,15 @@ def hinted_topk_select(
     candidates fit the buffer (-1: the full row), for tests and benchmarks.
     next_hint: None (the k-th scores overwrite `hint`), or a [B, Hkv] fp32 contiguous tensor that
     receives them, `hint` left as it was (benchmarks replaying one step with one guess).
+    multi_program: None (default): rows of topk.MULTI_PROGRAM_MIN_BLOCKS blocks or more (past the
+    register row) take the multi-program path (kernels/topk_radix_jit.py: a round around the hint
+    counted by many programs per row; when the keys at or above its best threshold fit the buffer,
+    they are compacted and selected, else the radix levels run as in topk_select), shorter ones the
+    one-program kernel; True / False: that path (tests, benchmarks). There the buffer is
+    candidate_cap, or the larger of `hint_candidate_cap` and topk.MULTI_PROGRAM_CAP; the chunk
+    multi_program_chunk (None: topk.multi_program_chunk_for); rounds and radix_bits do not apply, and
+    path is 1 where the hint round's candidates fit, -1 where the radix levels ran, 0 where nothing
+    is selectable. (The tiled one-program kernel stays reachable with multi_program=False.)
     """
     _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
     _check_hint(hint, scores, "hint", torch.float32)
@@ -88,7 +110,11 @@ def hinted_topk_select(
                                       or candidate_cap < 16 or candidate_cap & (candidate_cap - 1)
                                       or candidate_cap > MAX_ROW_BLOCK):
         raise ValueError(f"candidate_cap={candidate_cap!r} must be None or a power of two in [16, {MAX_ROW_BLOCK}]")
+    if multi_program not in (None, True, False):
+        raise ValueError(f"multi_program={multi_program!r} must be None, True or False")
     batch, num_kv_heads, n = scores.shape
+    chunk = _check_pow2_in(multi_program_chunk, multi_program_chunk_for(batch * num_kv_heads, n),
+                           "multi_program_chunk")
     k_out = min(k, n)
     indices = torch.empty(batch, num_kv_heads, k_out, dtype=torch.int32, device=scores.device)
     counts = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=scores.device)
@@ -103,6 +129,13 @@ def hinted_topk_select(
     k = k_out  # scalars passed to the kernels must fit int32
     sink_blocks = min(sink_blocks, n)
     recent_blocks = min(recent_blocks, n)
+    if multi_program or (multi_program is None and n >= MULTI_PROGRAM_MIN_BLOCKS):
+        cap = candidate_cap or max(hint_candidate_cap(k, n), MULTI_PROGRAM_CAP)
+        topk_select_multi_program(scores, k, num_blocks, sink_blocks, recent_blocks, indices, counts, chunk, cap,
+                                  num_warps, hint=hint, hint_out=next_hint, path=path)
+        if path is not None:  # the multi-program path's codes -> this function's: 1 round, or -1
+            path.copy_(torch.where((path >= 2) | (path == -1), -1, path))
+        return indices, counts
     block = triton.next_power_of_2(n)
     cap = min(candidate_cap or hint_candidate_cap(k, n), block)
     scratch = torch.empty(2, batch * num_kv_heads, cap, dtype=torch.int32, device=scores.device)

@@ -1,6 +1,23 @@
 """Launcher for block top-K selection (checks, allocation, grid); the kernels are in
-`prr.kernels.topk_jit` (one program per row) and `prr.kernels.topk_split_jit` (split rows),
-the torch reference in `prr.kernels.reference_selection`.
+`prr.kernels.topk_jit` (one program per row), `prr.kernels.topk_radix_jit` (many programs per
+row: long rows) and `prr.kernels.topk_split_jit` (split rows), the torch reference in
+`prr.kernels.reference_selection`.
+
+Which path a row length takes (multi_program=None), the rule and why: rows of up to
+MULTI_PROGRAM_MIN_BLOCKS - 1 = MAX_ROW_BLOCK blocks, one program per row with the row in
+registers; longer rows, the multi-program radix select. On an H100
+(experiments/results/h100/hinted_topk_20261207) the register row takes 10-22 µs at 8,192 blocks
+(torch.topk 46-61 µs), while past MAX_ROW_BLOCK the row leaves registers and the one program
+re-reads it on every counting pass (`_topk_tiled_kernel`): 205 µs at 32K, 1.05 ms at 128K, 3-14x
+torch.topk. The multi-program path costs 6 launches (a memset, 4 level passes of which the usual
+row needs 2-3, the emit; 7 with hinted top-k's round) and 3-4 reads of the row spread over the
+whole GPU; below 16K a launch-bound path of that many launches is not expected to beat the single
+register-row program, so the cut stays at the register limit until experiments/bench_topk_long.py
+measures the two side by side at 8K/16K (not yet run).
+The split path (split=CHUNK) is not chosen automatically: its merge is again one program over up
+to MAX_ROW_BLOCK candidates (a register row of up to 16K), it was timed only up to 8,192 blocks
+(results/h200/bench_flashinfer_topk_chunks.md: 0.82-1.59x the row kernel), and it cannot hold
+k = 2048 of a 256K row (chunks x min(k, CHUNK) > MAX_ROW_BLOCK).
 """
 
 from __future__ import annotations
@@ -13,6 +30,16 @@ from torch import Tensor
 
 from .pdl import launch_kwargs
 from .topk_jit import _topk_row_kernel, _topk_tiled_kernel
+from .topk_radix_jit import (
+    ARRIVALS,
+    BINS,
+    HINT_COUNTS,
+    LEVELS,
+    STATE,
+    _radix_emit_kernel,
+    _radix_hint_kernel,
+    _radix_level_kernel,
+)
 from .topk_split_jit import _topk_chunk_kernel, _topk_merge_kernel
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -21,6 +48,13 @@ TILE = 4096  # tile of the tiled kernel (re-read from L2 on every counting pass)
 MAX_BLOCKS_PER_ROW = (1 << 21) - 1  # the 2-bit passes pack three counts into 21-bit fields
 PAD_BLOCK = 256
 MIN_SPLIT = 16  # smallest chunk of the split-row kernels (smaller ones only add programs)
+MULTI_PROGRAM_MIN_BLOCKS = MAX_ROW_BLOCK + 1  # rows this long and longer: the multi-program path (module doc)
+MULTI_PROGRAM_CHUNK = 4096  # blocks per program of the multi-program path, at least (16 KB of fp32 scores)
+MULTI_PROGRAM_PROGRAMS = 4096  # programs per launch the chunk grows to stay under (multi_program_chunk_for)
+MULTI_PROGRAM_TILE = 2048  # blocks a program holds in registers at a time (its chunk, tile by tile)
+MULTI_PROGRAM_WARPS = 8  # at TILE 2048 (triton 3.6, sm_90): 106-112 registers a thread, 2 programs an SM;
+# whole 4096-block chunks took 118 (level passes) and 198 (emit: 1 program an SM), 16K chunks spilled
+MULTI_PROGRAM_CAP = 4096  # candidates the multi-program path selects among in one program's registers
 
 
 def filter_groups(block: int, k: int) -> int:
@@ -96,6 +130,10 @@ def topk_select(
     candidate_cap: int | None = None,
     candidate_radix_bits: int | None = None,
     split: int | None = None,
+    multi_program: bool | None = None,
+    multi_program_chunk: int | None = None,
+    multi_program_cap: int | None = None,
+    multi_program_path: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), with forced blocks, by threshold select.
 
@@ -122,6 +160,16 @@ def topk_select(
     chunk of CHUNK blocks keeps its top min(k, CHUNK), then one program per row selects the
     top k of those candidates (cdiv(N, CHUNK) * min(k, CHUNK) <= MAX_ROW_BLOCK); same result.
     num_warps, when given, applies to both of its kernels; candidate_filter does not apply.
+    multi_program: None (default): the module doc's rule (rows of MULTI_PROGRAM_MIN_BLOCKS blocks
+    or more); True / False: that path whatever the length (benchmarks and tests). The multi-program
+    radix select (kernels/topk_radix_jit.py) runs cdiv(N, multi_program_chunk) programs per row
+    (None: `multi_program_chunk_for`; a power of two, 16 .. MAX_ROW_BLOCK) and selects among at most
+    multi_program_cap candidates in one program (None: MULTI_PROGRAM_CAP; a power of two,
+    16 .. MAX_ROW_BLOCK); same result. num_warps, when given, applies to its kernels.
+    multi_program_path: None, or a [B, Hkv] int32 contiguous tensor receiving how the multi-program
+    path found each row's threshold (tests and benchmarks): 2..4, among the candidates compacted
+    at that level; -1, by all four histograms (more than the cap share its top 24 bits: one
+    program emits the row); 0, nothing selectable. Requires that path to run.
     """
     _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
     if candidate_cap is not None and (isinstance(candidate_cap, bool) or not isinstance(candidate_cap, int)
@@ -131,7 +179,21 @@ def topk_select(
         raise ValueError(f"candidate_radix_bits={candidate_radix_bits!r} must be 2 or 4")
     if split is not None:
         _check_split(split, k, scores.shape[-1])
+    if multi_program not in (None, True, False):
+        raise ValueError(f"multi_program={multi_program!r} must be None, True or False")
+    if split is not None and multi_program:
+        raise ValueError("split and multi_program=True are two different paths; pass one of them")
+    if multi_program_path is not None:
+        b, h = scores.shape[:2]
+        if not isinstance(multi_program_path, Tensor) or multi_program_path.shape != (b, h) \
+                or multi_program_path.dtype != torch.int32 or not multi_program_path.is_contiguous() \
+                or multi_program_path.device != scores.device:
+            raise ValueError(f"multi_program_path must be a contiguous int32 tensor [B, Hkv]=[{b}, {h}] on "
+                             f"{scores.device}; got {multi_program_path!r:.80}")
     batch, num_kv_heads, n = scores.shape
+    chunk = _check_pow2_in(multi_program_chunk, multi_program_chunk_for(batch * num_kv_heads, n),
+                           "multi_program_chunk")
+    cap = _check_pow2_in(multi_program_cap, MULTI_PROGRAM_CAP, "multi_program_cap")
     k_out = min(k, n)
     indices = torch.empty(batch, num_kv_heads, k_out, dtype=torch.int32, device=scores.device)
     counts = torch.empty(batch, num_kv_heads, dtype=torch.int32, device=scores.device)
@@ -149,6 +211,13 @@ def topk_select(
         _topk_select_split(scores, k, num_blocks, sink_blocks, recent_blocks, indices, counts,
                            split, radix_bits, num_warps)
         return indices, counts
+    if multi_program or (multi_program is None and n >= MULTI_PROGRAM_MIN_BLOCKS):
+        topk_select_multi_program(scores, k, num_blocks, sink_blocks, recent_blocks, indices, counts,
+                                  chunk, cap, num_warps, path=multi_program_path)
+        return indices, counts
+    if multi_program_path is not None:
+        raise ValueError(f"multi_program_path is written by the multi-program path only, which rows of N={n} "
+                         f"do not take here; pass multi_program=True")
 
     grid = (num_kv_heads, batch)
     common = (
@@ -236,5 +305,93 @@ def _topk_select_split(
         RADIX_BITS=radix_bits,
         PAD_BLOCK=PAD_BLOCK,
         num_warps=num_warps or _default_num_warps(block),
+        **pdl,
+    )
+
+
+def _check_pow2_in(value: int | None, default: int, name: str) -> int:
+    """-> value (default when None) after checking it is a power of two in [MIN_SPLIT, MAX_ROW_BLOCK]."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_SPLIT <= value <= MAX_ROW_BLOCK \
+            or value & (value - 1):
+        raise ValueError(f"{name}={value!r} must be None or a power of two in [{MIN_SPLIT}, {MAX_ROW_BLOCK}]")
+    return value
+
+
+def multi_program_chunk_for(rows: int, n: int) -> int:
+    """The multi-program path's default chunk for `rows` (B * Hkv) rows of n blocks: MULTI_PROGRAM_CHUNK,
+    doubled (up to MAX_ROW_BLOCK) while a launch would run more than MULTI_PROGRAM_PROGRAMS programs.
+    Every launch runs all of them, also the level passes that only read a row's state and return
+    (the usual row finds its threshold at level 2 or 3 of 4): at 64 rows of 1M blocks, chunks of
+    4096 would be 16,384 programs a launch, chunks of 16,384 are 4,096 (about 4 waves of 8 programs
+    on each of 132 SMs), each reading 64 KB. Unmeasured (experiments/bench_topk_long.py --chunk)."""
+    wanted = triton.next_power_of_2(max(1, triton.cdiv(rows * n, MULTI_PROGRAM_PROGRAMS)))
+    return min(MAX_ROW_BLOCK, max(MULTI_PROGRAM_CHUNK, wanted))
+
+
+def multi_program_workspace_ints(rows: int, n: int, chunk: int) -> int:
+    """int32 entries of the multi-program path's zeroed workspace for `rows` (B * Hkv) rows of n
+    blocks: per row its state, LEVELS histograms of BINS bins, ARRIVALS arrival counters, a
+    candidate count and two per-chunk counts (the candidate buffers, 2 x cap a row, are not zeroed;
+    a hint round adds HINT_COUNTS int64 a row)."""
+    return rows * (STATE.value + LEVELS.value * BINS.value + ARRIVALS.value + 1 + 2 * triton.cdiv(n, chunk))
+
+
+def topk_select_multi_program(
+    scores: Tensor, k: int, num_blocks: Tensor, sink_blocks: int, recent_blocks: int,
+    indices: Tensor, counts: Tensor, chunk: int, cap: int, num_warps: int | None,
+    hint: Tensor | None = None, hint_out: Tensor | None = None, path: Tensor | None = None,
+) -> None:
+    """topk_select's multi-program path (arguments checked and clamped by the caller, k >= 1,
+    B, Hkv >= 1): fills indices [B, Hkv, K_out] and counts [B, Hkv] in place.
+    hint: None, or a [B, Hkv] fp32 contiguous guess of each row's k-th score (kernels/hinted_topk.py):
+    a round around it first, whose candidates, when they fit the buffer, replace the histogram levels.
+    hint_out: None or a [B, Hkv] fp32 contiguous tensor receiving each row's k-th largest score (-inf
+    when none; may be `hint`: read before written); path: None or topk_select's multi_program_path
+    (1: the hint round's candidates held T). Launches: a memset, the hint round (with a hint),
+    LEVELS level passes, the emit; the workspace is sized from host ints only (no synchronisation:
+    capturable in CUDA graphs)."""
+    batch, num_kv_heads, n = scores.shape
+    rows = batch * num_kv_heads
+    k_out = indices.shape[-1]
+    chunks = triton.cdiv(n, chunk)
+    ints = multi_program_workspace_ints(rows, n, chunk)
+    hint_int64 = rows * HINT_COUNTS.value if hint is not None else 0
+    workspace = torch.zeros(hint_int64 + triton.cdiv(ints, 2), dtype=torch.int64, device=scores.device)  # one memset
+    hint_counts = workspace[:hint_int64]
+    state, hist, arrivals, cand_count, gt, eq = torch.split(
+        workspace[hint_int64:].view(torch.int32)[:ints],
+        [rows * STATE.value, rows * LEVELS.value * BINS.value, rows * ARRIVALS.value, rows, rows * chunks, rows * chunks])
+    candidates = torch.empty(2, rows, cap, dtype=torch.int32, device=scores.device)
+    grid = (chunks, num_kv_heads, batch)
+    pdl = launch_kwargs(scores.device)
+    tile = min(chunk, MULTI_PROGRAM_TILE)
+    warps = num_warps or MULTI_PROGRAM_WARPS
+    if hint is not None:
+        _radix_hint_kernel[grid](
+            scores, num_blocks, hint, n, num_kv_heads, chunks, k, sink_blocks, recent_blocks,
+            *scores.stride(),
+            state, hint_counts, arrivals,
+            CHUNK=chunk, TILE=tile, CAP=cap,
+            num_warps=warps,
+            **pdl,
+        )
+    for level in range(1, LEVELS.value + 1):
+        _radix_level_kernel[grid](
+            scores, num_blocks, n, num_kv_heads, chunks, k, sink_blocks, recent_blocks,
+            *scores.stride(),
+            state, hist, arrivals, gt, eq, cand_count, candidates[0], candidates[1],
+            LEVEL=level, CHUNK=chunk, TILE=tile, CAP=cap, CAND_RADIX=4 if cap <= 512 else 2,
+            num_warps=warps,
+            **pdl,
+        )
+    _radix_emit_kernel[grid](
+        scores, num_blocks, indices, counts, n, num_kv_heads, chunks, k_out, sink_blocks, recent_blocks,
+        *scores.stride(),
+        state, gt, eq, counts if hint_out is None else hint_out, counts if path is None else path,
+        CHUNK=chunk, TILE=tile, CHUNKS_BLOCK=triton.next_power_of_2(chunks), PAD_BLOCK=PAD_BLOCK,
+        WRITE_HINT=hint_out is not None, WRITE_PATH=path is not None,
+        num_warps=warps,
         **pdl,
     )

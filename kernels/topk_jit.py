@@ -141,13 +141,10 @@ def _pad_and_count(idx_out_ptr, count_out_ptr, out_row, count_index, k_eff, k_ou
 
 
 @triton.jit
-def _select_row(
-    keys, valid, offs, k, k_out, out_row, count_index, idx_out_ptr, count_out_ptr,
-    RADIX_BITS: tl.constexpr, PAD_BLOCK: tl.constexpr,
-):
-    """Top-k of one row held in registers (keys/valid from _order_keys, block ids offs):
-    writes idx_out[out_row : out_row + k_out] and count_out[count_index]; -> (the threshold key T,
-    k_eff = min(k, valid keys))."""
+def _kth_key(keys, valid, k, RADIX_BITS: tl.constexpr):
+    """The k_eff-th largest valid key of a row held in registers (keys/valid from _order_keys),
+    k_eff = min(k, valid keys): -> (T, k_eff); T is +inf's key when k_eff = 0 (no key is above it,
+    and no tie is taken). Shared by `_select_row` and the multi-program path's candidate select."""
     # One reduction: valid keys, those of +inf (forced blocks), the smallest valid key lo and the
     # largest one below +inf hi. Valid keys are at most +inf's (NaN scores are invalid).
     INF_KEY: tl.constexpr = 0xFF800000
@@ -187,6 +184,18 @@ def _select_row(
             counts = _count_at_least(keys, threshold, shift, RADIX_BITS)
             threshold = _next_threshold(threshold, counts, shift, k_eff, RADIX_BITS)
     # threshold is now the k_eff-th largest valid key (+inf's when k_eff = 0: nothing taken)
+    return threshold, k_eff
+
+
+@triton.jit
+def _select_row(
+    keys, valid, offs, k, k_out, out_row, count_index, idx_out_ptr, count_out_ptr,
+    RADIX_BITS: tl.constexpr, PAD_BLOCK: tl.constexpr,
+):
+    """Top-k of one row held in registers (keys/valid from _order_keys, block ids offs):
+    writes idx_out[out_row : out_row + k_out] and count_out[count_index]; -> (the threshold key T,
+    k_eff = min(k, valid keys))."""
+    threshold, k_eff = _kth_key(keys, valid, k, RADIX_BITS)
     n_gt = tl.sum((keys > threshold).to(tl.int32), axis=0)  # invalid keys are 0 <= threshold
     _emit(keys, valid, offs, threshold, 0, 0, k_eff - n_gt, out_row, idx_out_ptr, k_out)
     _pad_and_count(idx_out_ptr, count_out_ptr, out_row, count_index, k_eff, k_out, PAD_BLOCK)

@@ -7,6 +7,7 @@ sizes with TRITON_INTERPRET=0."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -29,7 +30,7 @@ from prr.kernels.reference_selection import (
     top_k_blocks,
     topk_select_reference,
 )
-from prr.kernels.topk import topk_select
+from prr.kernels.topk import MAX_ROW_BLOCK, topk_select
 
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
@@ -235,7 +236,7 @@ def test_hinted_topk_errors():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("n", [2048, 8192, 40000])  # 40000: the tiled kernel
+@pytest.mark.parametrize("n", [2048, 8192, 40000])  # 40000: the multi-program path, and the tiled kernel
 @pytest.mark.parametrize("k", [32, 256, 2048])
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_gpu_hinted_topk(n, k, rows):
@@ -249,9 +250,10 @@ def test_gpu_hinted_topk(n, k, rows):
         forced = forced_scores(current, nb, 1, 2)
         k_eff = torch.minimum(nb.long(), torch.tensor(k, device="cuda")).view(batch, 1, 1).expand(batch, heads, 1)
         kth = torch.gather(forced.topk(k, dim=-1).values, -1, k_eff - 1).squeeze(-1)  # every row has >= 1 block
-        for kind in ("previous", "exact", "high", "low", "garbage"):
+        for kind, multi_program in itertools.product(("previous", "exact", "high", "low", "garbage"),
+                                                     (None, False) if n > MAX_ROW_BLOCK else (None,)):
             hint = hints_of(kind, previous.cpu(), current.cpu(), k).cuda()
-            idx, cnt = hinted_topk_select(current, k, nb, hint, 1, 2)
+            idx, cnt = hinted_topk_select(current, k, nb, hint, 1, 2, multi_program=multi_program)
             plain_idx, plain_cnt = topk_select(current, k, nb, 1, 2)
             assert torch.equal(idx, plain_idx) and torch.equal(cnt, plain_cnt)
             torch_idx, torch_cnt = topk_select_reference(current, k, nb, 1, 2)

@@ -578,12 +578,14 @@ def test_gpu_quest_update():
 @pytest.mark.parametrize("n,k", [(2048, 128), (2048, 32), (8192, 128), (8192, 512), (40000, 256)])
 @pytest.mark.parametrize("radix_bits", [1, 2])
 def test_gpu_topk_select(n, k, radix_bits):
+    # multi_program=False: rows past MAX_ROW_BLOCK take the multi-program path by default
+    # (tests/test_kernels_topk_long.py); here the one-program kernels, the tiled one at 40000
     for kind in ("randn", "ties"):
         scores, nb = make_topk_scores(1, 8, n, None, kind, seed=n, device="cuda")
-        check_topk(scores, k, nb, 1, 1, radix_bits=radix_bits)
+        check_topk(scores, k, nb, 1, 1, radix_bits=radix_bits, multi_program=False)
     scores, _ = make_topk_scores(2, 8, n, None, "integers", seed=1, device="cuda")
     nb = torch.tensor([n, n // 3], dtype=torch.int32, device="cuda")
-    check_topk(scores, k, nb, 1, 2, radix_bits=radix_bits)
+    check_topk(scores, k, nb, 1, 2, radix_bits=radix_bits, multi_program=False)
 
 
 @pytest.mark.gpu

@@ -16,12 +16,15 @@ ROUND_TO_INTEGER = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + it) - it rounds 
 
 @triton.jit
 def _round_to_e4m3_grid(v):
-    """v fp32 with |v| <= 448 -> the nearest float8_e4m3fn value (ties to even), as fp32.
+    """v fp32 with |v| <= 448 -> the nearest float8_e4m3fn value (ties to even), as fp32, with v's sign
+    (also where it rounds to zero: -0.0, byte 0x80, as torch stores it).
 
     Done in fp32 arithmetic that is exact on every backend (bit fields, a power-of-two scaling,
     one rounding to an integer), so that the conversion to fp8 after it never rounds: Triton's
     interpreter rounds fp32 -> fp8 wrongly where the mantissa carries into the exponent, the GPU
-    rounds to nearest even; the stored bytes are torch's `.to(torch.float8_e4m3fn)` on both."""
+    rounds to nearest even; the stored bytes are torch's `.to(torch.float8_e4m3fn)` on both.
+    The sign is put back as a bit, not by a float negation: Triton <= 3.6 lowers `-x` to `0 - x`
+    (PTX `neg.f32` + `fma.rn.f32 ..., 0f00000000`), which turns -0.0 into +0.0."""
     bits = v.to(tl.int32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, -6)  # e4m3's smallest normal exponent: below it the spacing stays 2^-9
@@ -30,8 +33,9 @@ def _round_to_e4m3_grid(v):
     inverse = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
     steps = tl.abs(v) * inverse  # exact, < 16
     steps = (steps + ROUND_TO_INTEGER) - ROUND_TO_INTEGER
-    magnitude = steps * spacing  # exact
-    return tl.where(bits < 0, -magnitude, magnitude)  # the sign bit (also of -0.0 and of values rounded to 0)
+    magnitude = steps * spacing  # exact, >= +0.0
+    sign = (bits >> 31) << 31  # v's sign bit alone (an arithmetic shift: 0 or 0x80000000)
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -73,7 +77,7 @@ def _index_key_append_kernel(
         # Correctly rounded divisions (Triton's `/` may approximate) so the bytes equal torch's quantization.
         scale = tl.math.div_rn(tl.max(tl.abs(k), axis=0), FP8_MAX)
         safe = tl.where(scale > 0, scale, 1.0)  # an all-zero key: scale 0, fp8 zeros
-        scaled = tl.where(scale > 0, tl.math.div_rn(k, tl.zeros_like(k) + safe), 0.0)
+        scaled = tl.where(scale > 0, tl.math.div_rn(k, tl.broadcast_to(safe, (BLOCK_D,))), 0.0)
         scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)  # one rounding of the division past 448
         tl.store(slot, _round_to_e4m3_grid(scaled).to(tl.float8e4nv), mask=write_d)
         tl.store(key_scales_ptr + batch * stride_sb + position * stride_st, scale, mask=in_cache)

@@ -23,15 +23,19 @@ INDEX_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 def quantize_index_keys_reference(k: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token fp8 e4m3 quantization of index keys: k [N, d_I] (any float dtype; any leading
-    dims) -> (fp8 [N, d_I] float8_e4m3fn, scale [N] fp32) with scale = max_i |k_i| / 448 and
-    fp8 = round-to-nearest-even(k / scale) (computed in fp32), so k ≈ fp8 · scale. An all-zero key
-    gets scale 0 and fp8 zeros (no 0 / 0). kernels/indexer_keys.index_key_append stores the same
-    bytes and scales."""
+    dims) -> (fp8 [N, d_I] float8_e4m3fn, scale [N] fp32), so k ≈ fp8 · scale. The arithmetic, in
+    fp32 on every device: scale = fp32(k).abs().max() / 448 and fp8 = e4m3(clamp(fp32(k) / scale, ±448)),
+    each division IEEE-rounded to fp32, e4m3() torch's round to nearest even (the sign kept: a negative
+    entry that rounds to zero is -0.0, byte 0x80). An all-zero key gets scale 0 and fp8 zeros (no 0 / 0).
+    kernels/indexer_keys.index_key_append stores the same bytes and scales."""
     k32 = k.float()
-    scale = k32.abs().amax(-1) / FP8_MAX  # [N]
-    scaled = torch.where(scale.unsqueeze(-1) > 0, k32 / scale.unsqueeze(-1), torch.zeros_like(k32))
+    absmax = k32.abs().amax(-1, keepdim=True)  # [N, 1]
+    # The divisor a tensor on k's device: torch's CUDA `tensor / python float` multiplies by the
+    # rounded reciprocal instead (a scale one ulp off for about half the tokens, and other bytes).
+    scale = absmax / torch.full_like(absmax, FP8_MAX)  # [N, 1]
+    scaled = torch.where(scale > 0, k32 / scale, torch.zeros_like(k32))
     # |k / scale| <= 448 up to one rounding of the division: the clamp keeps it finite in e4m3.
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
 def dequantize_index_keys_reference(keys: Tensor, scales: Tensor | None) -> Tensor:

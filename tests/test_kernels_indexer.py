@@ -7,7 +7,9 @@ exact). GPU tests (marked gpu) run the DeepSeek shape (H_I = 64, d_I = 128) and 
 
 from __future__ import annotations
 
+import math
 import os
+from fractions import Fraction
 
 import pytest
 import torch
@@ -85,6 +87,89 @@ def test_quantization_round_trip_properties():
     assert fp8.element_size() * 128 + scale.element_size() == 132  # DeepSeek's bytes a token at d_I = 128
 
 
+def _nearest_binary(x: Fraction, significant_bits: int, min_exponent: int) -> Fraction:
+    """x rounded to the nearest binary float of `significant_bits` bits whose exponent is at least
+    min_exponent (evenly spaced subnormals below it), ties to the even significand; exact rationals."""
+    if x == 0:
+        return x
+    magnitude = abs(x)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()  # floor(log2) or one above
+    exponent -= Fraction(2) ** exponent > magnitude
+    spacing = Fraction(2) ** (max(exponent, min_exponent) - significant_bits + 1)
+    steps = math.floor(magnitude / spacing)
+    past_half = magnitude / spacing - steps - Fraction(1, 2)
+    steps += past_half > 0 or (past_half == 0 and steps % 2 == 1)
+    return (-1 if x < 0 else 1) * steps * spacing
+
+
+def _fp32(x: Fraction) -> Fraction:
+    return _nearest_binary(x, 24, -126)
+
+
+def _e4m3_code(x: Fraction, negative: bool) -> int:
+    """The float8_e4m3fn byte of x (clamped to ±448 first), -0.0 (0x80) where a negative x rounds to 0."""
+    value = _nearest_binary(min(max(x, Fraction(-448)), Fraction(448)), 4, -6)
+    return E4M3_CODES[(float(value), negative)]
+
+
+E4M3_CODES = {(v, math.copysign(1, v) < 0): code for code, v in
+              enumerate(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist())
+              if not math.isnan(v)}
+
+
+def _quantize_exactly(key: list[float], reciprocal_scale: bool = False) -> tuple[list[int], float]:
+    """The defined quantization of one fp32 key in exact rational arithmetic, rounded to fp32 where fp32
+    rounds: scale = fp32(absmax / 448), code = e4m3(fp32(k / scale)) -> (the bytes, the scale).
+    reciprocal_scale: scale = fp32(absmax · fp32(1 / 448)) instead (torch's CUDA `tensor / 448.0`)."""
+    absmax = max(abs(Fraction(v)) for v in key)
+    scale = _fp32(absmax * _fp32(Fraction(1, 448))) if reciprocal_scale else _fp32(absmax / 448)
+    if scale == 0:
+        return [0] * len(key), 0.0
+    return [_e4m3_code(_fp32(Fraction(v) / scale), math.copysign(1, v) < 0) for v in key], float(scale)
+
+
+def _hard_keys() -> torch.Tensor:
+    """[5, 16] fp32 keys on the edges of the quantization: row 0 scale 2^-3 (exact) with e4m3 ties
+    (8.5 -> 8, 9.5 -> 10, 432 -> 448, the subnormal 1.5 · 2^-9 -> 2^-8 and 15 · 2^-10 -> 2^-6), values near
+    448 (440 -> 448, 420 -> 416), the smallest and largest subnormals, ties to zero and negatives that
+    round to -0.0; rows 1 and 2 absmax 1 and 3, whose scales absmax / 448 are not fp32 numbers, with
+    an entry that is an exact tie in real numbers (448 · k / absmax = 7 · 2^-10) but not in fp32; row 3
+    zero; row 4 a negative absmax with tiny negative entries."""
+    s = 2.0**-3
+    edge = [448, 8.5, 9.5, -8.5, 432, -440, 420, 1.5 * 2**-9, 0.5 * 2**-9, -0.5 * 2**-9, -(2**-12), 7 * 2**-9,
+            15 * 2**-10, -15 * 2**-10, -0.0, 2**-9]
+    inexact_1 = [1.0, 2**-16, -(2**-16), -1.0, 0.5, 0.3, -0.7, 1e-3, -1e-3, 0.1, 2**-20, -(2**-20), 0.999,
+                 0.0045, -0.0, 0.0]
+    inexact_3 = [3.0, 3 * 2**-16, -3 * 2**-16, 2.9, -1.5, 0.3, 1e-4, -1e-4, 2.0, -2.0, 3 * 2**-20, 0.0137, 0.75,
+                 -0.1, 1.0, 3 * 2**-10]
+    tiny_negatives = [-5.0, -1e-9, -1e-6, -2e-3, 5 * 2**-10, -0.0, 1.25, -4.99, 0.01, -0.01, 3.3, 2e-2, -2e-2,
+                      4e-3, -4e-3, 0.0]
+    return torch.tensor([[v * s for v in edge], inexact_1, inexact_3, [0.0] * 16, tiny_negatives])
+
+
+def test_quantization_of_hard_values_is_the_defined_fp32_arithmetic():
+    """The reference's bytes and scales are those of the defined arithmetic (scale = fp32(absmax / 448),
+    code = e4m3(fp32(k / scale)), ties to even, the sign of zero kept) computed in exact rationals, on
+    ties, values near 448, subnormals, scales that are not fp32 numbers and negatives rounding to -0.0.
+    The fp32 roundings decide: row 1's tie goes down where the real-number result goes up, row 2's goes
+    up where torch's CUDA `absmax / 448.0` (a multiplication by fp32(1 / 448)) sends it down."""
+    k = _hard_keys()
+    fp8, scale = quantize_index_keys_reference(k)
+    for row in range(k.shape[0]):
+        codes, want_scale = _quantize_exactly(k[row].tolist())
+        assert fp8[row].view(torch.uint8).tolist() == codes, row
+        assert scale[row].item() == want_scale, row
+    codes = fp8.view(torch.uint8)
+    assert codes[0, :7].tolist() == [0x7E, 0x50, 0x52, 0xD0, 0x7E, 0xFE, 0x7D]  # 448, 8, 10, -8, 448, -448, 416
+    assert codes[0, 7:14].tolist() == [0x02, 0x00, 0x80, 0x80, 0x07, 0x08, 0x88]  # 2^-8, +0, -0, -0, 7·2^-9, ±2^-6
+    assert codes[0, 14:].tolist() == [0x80, 0x01] and codes[4, 1:3].tolist() == [0x80, 0x80]  # -0.0 stays -0.0
+    assert codes[1, 1] == 0x03 and codes[2, 1] == 0x04  # 3 · 2^-9 and 2^-7 (from the same real-number tie)
+    assert codes[1, 0] == codes[2, 0] == 0x7E and codes[1, 3] == 0xFE  # ±absmax -> ±448 (the clamp)
+    assert _e4m3_code(Fraction(7, 2**10), False) == 0x04  # the real-number answer of row 1 (not the fp32 one)
+    assert _quantize_exactly(k[2].tolist(), reciprocal_scale=True)[0][1] == 0x03  # the reciprocal's answer
+    assert scale[3] == 0 and codes[3].sum() == 0
+
+
 # --- the append kernel against the reference (interpreter) ---------------------------------------
 
 
@@ -135,6 +220,17 @@ def test_append_bytes_equal_reference_over_a_wide_range(index_dtype):
     if index_dtype == "bf16":  # the planted ties went to even
         assert torch.equal(keys[1:, 0, 6].float(), k[1:, 6] / (1 + 2**-8))
         assert torch.equal(keys[1:, 0, 7].float(), k[1:, 7] / (1 + 3 * 2**-8) * (1 + 2**-6))
+
+
+def test_append_of_hard_values_equals_reference():
+    """The kernel on the hard keys (ties, near 448, subnormals, inexact scales, negatives rounding to
+    -0.0: Triton <= 3.6's `-x` = 0 - x stored +0.0 there) stores the reference's bytes and scales."""
+    k = _hard_keys()
+    keys, scales = empty_index_cache(5, 2, 16, "fp8")
+    index_key_append(keys, scales, k, torch.ones(5, dtype=torch.int32))
+    ref_keys, ref_scales = empty_index_cache(5, 2, 16, "fp8")
+    index_key_append_reference(ref_keys, ref_scales, k, torch.ones(5, dtype=torch.int32))
+    assert torch.equal(_bytes(keys), _bytes(ref_keys)) and torch.equal(scales, ref_scales)
 
 
 # --- the score kernel against the reference (interpreter) ----------------------------------------
@@ -291,6 +387,21 @@ def test_gpu_append_equals_reference(index_dtype):
     index_key_append_reference(ref_keys, ref_scales, k, torch.ones(512, dtype=torch.int32))
     assert torch.equal(_bytes(keys).cpu(), _bytes(ref_keys))
     assert scales is None or torch.equal(scales.cpu(), ref_scales)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_reference_quantization_equals_the_cpu_one():
+    """The reference quantizes to the same bytes and scales on the GPU as on the CPU (the CUDA graph test
+    checks the kernel against it there): bf16 keys, whose quotients often sit on e4m3 ties, wide keys, hard keys."""
+    bf16 = torch.randn(4096, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    for k in (bf16, _wide_keys(512, 128, seed=6), _hard_keys()):
+        fp8, scale = quantize_index_keys_reference(k)
+        fp8_gpu, scale_gpu = quantize_index_keys_reference(k.cuda())
+        assert torch.equal(_bytes(fp8_gpu).cpu(), _bytes(fp8)) and torch.equal(scale_gpu.cpu(), scale)
+    keys, scales = empty_index_cache(5, 1, 16, "fp8", "cuda")
+    index_key_append(keys, scales, _hard_keys().cuda(), torch.zeros(5, dtype=torch.int32, device="cuda"))
+    assert torch.equal(_bytes(keys[:, 0]).cpu(), _bytes(quantize_index_keys_reference(_hard_keys())[0]))
 
 
 @pytest.mark.gpu

@@ -4,7 +4,9 @@ prr.kernels.indexer_keys_jit are compiled ahead of time for their constexpr vari
 keys, bf16 / fp32 q, padded and full head counts), in a subprocess without TRITON_INTERPRET, once
 with every int argument an i32 and once with the unit strides as the constexpr 1 Triton specialises
 them to (with the pointers and other strides 16-divisible). The score kernel must come out as Hopper tensor-core dots (warp_group_dot) fed by
-pipelined asynchronous copies of the key tiles: what makes it byte-bound."""
+pipelined asynchronous copies of the key tiles: what makes it byte-bound. The fp8 append's PTX must
+quantize with torch's arithmetic (fp8_quantization_ptx_problems: IEEE divisions, no sign-losing
+negation, no inexact FMA contraction), the bytes the GPU tests compare with the reference's."""
 
 from __future__ import annotations
 
@@ -29,6 +31,23 @@ SCRIPT = textwrap.dedent('''
     F, B16, F8, I32 = "*fp32", "*bf16", "*fp8e4nv", "*i32"
     UNIT = ("stride_qd", "stride_wh", "stride_kd", "stride_st", "stride_ot", "stride_cd", "stride_kd")
     failed = []
+
+    def fp8_quantization_ptx_problems(ptx):
+        """The fp8 append's PTX must do torch's arithmetic: IEEE-rounded divisions (scale = absmax / 448,
+        k / scale), no float negation (Triton <= 3.6 lowers -x to 0 - x, which makes -0.0 +0.0: the sign
+        goes back as a bit), no FMA contraction but the exact |v| * 2^k + 1.5 * 2^23 of the rounding to
+        the e4m3 grid, and the hardware's satfinite round-to-nearest conversion of on-grid values."""
+        problems = []
+        if ptx.count("div.rn.f32") < 2:
+            problems.append("fewer than 2 div.rn.f32 (the scale, k / scale)")
+        problems += [f"approximate division {op}" for op in ("div.approx", "div.full", "rcp.approx") if op in ptx]
+        if "neg.f32" in ptx:
+            problems.append("neg.f32: a float negation (0 - x in Triton <= 3.6 loses the sign of -0.0)")
+        problems += [f"FMA contraction {line.strip()}" for line in ptx.splitlines()
+                     if "fma.rn.f32" in line and not line.rstrip().endswith("0f4B400000;")]  # 1.5 * 2^23, ROUND_TO_INTEGER
+        if "cvt.rn.satfinite.e4m3x2.f32" not in ptx:
+            problems.append("no cvt.rn.satfinite.e4m3x2.f32 (the fp32 -> e4m3 store)")
+        return problems
 
     def build(fn, types, constexprs, **options):
         """-> the kernel compiled as the launchers' contiguous tensors arrive (unit strides the constexpr 1,
@@ -61,8 +80,10 @@ SCRIPT = textwrap.dedent('''
                     if "warp_group_dot" not in ttgir or "async_copy_global_to_local" not in ttgir:
                         failed.append(f"score kernel keys {keys} q {q} block_t {block_t}: no wgmma fed by async copies")
         for new in (B16, F):
-            build(K._index_key_append_kernel, {"key_cache_ptr": keys, "key_scales_ptr": F, "k_new_ptr": new,
-                  "positions_ptr": I32}, {"FP8": scales, "BLOCK_D": 128, "PDL": False}, num_warps=1)
+            built = build(K._index_key_append_kernel, {"key_cache_ptr": keys, "key_scales_ptr": F, "k_new_ptr": new,
+                          "positions_ptr": I32}, {"FP8": scales, "BLOCK_D": 128, "PDL": False}, num_warps=1)
+            if built is not None and scales:
+                failed += [f"append kernel k_new {new}: {p}" for p in fp8_quantization_ptx_problems(built.asm["ptx"])]
     print("\\n".join(failed) if failed else "all compiled")
     sys.exit(1 if failed else 0)
 ''')

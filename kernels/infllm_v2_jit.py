@@ -145,7 +145,8 @@ def _pool_kernel(
     part_sum = tl.load(sum_ptr + part + offs_g[None, :], mask=live_s, other=0.0)
     top = tl.max(part_max, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    lse = top + tl.log(tl.sum(part_sum * tl.exp(part_max - top[None, :]), axis=0))  # [G_PAD]; -inf: no window
+    total = tl.sum(part_sum * tl.exp(part_max - top[None, :]), axis=0)  # [G_PAD]; 0: no complete window
+    lse = top + tl.log(tl.maximum(total, 1e-30))  # (a row without windows scores none of them)
     real_head = (offs_g < GROUP)[:, None]
 
     q_row = q_ptr + batch.to(tl.int64) * stride_qb + (kv_head * GROUP).to(tl.int64) * stride_qh

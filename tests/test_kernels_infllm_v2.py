@@ -2,13 +2,18 @@
 (prr.kernels.reference_infllm_v2) on fresh random inputs at odd sizes: D not a power of two, G = 1,
 3, 5, rows shorter than one window, of exactly one, ending mid-block, several lse splits; fp32
 compressed keys within 1e-6, scores within 1e-5 relative, -inf exactly past the context. Then the
-selector's Triton path against its torch path while decoding. CPU: TRITON_INTERPRET=1 (conftest).
-GPU (-m gpu): the 8B shape at 32K and 128K in bf16, and one CUDA-graph capture."""
+selector's Triton path against its torch path while decoding, and each kernel compiled for sm_90.
+CPU: TRITON_INTERPRET=1 (conftest). GPU (-m gpu): the 8B shape at 32K and 128K in bf16, and one
+CUDA-graph capture."""
 
 from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ from prr.kernels.reference_infllm_v2 import (
 from prr.cache import PagedKVCache
 from prr.selectors.infllm_v2 import InfLLMV2Selector
 
+ROOT = Path(__file__).resolve().parents[1]
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device and TRITON_INTERPRET=0")
 
@@ -195,3 +201,47 @@ def test_triton_path_replays_in_a_cuda_graph():
         assert torch.equal(out["sel"].scores, want.scores), t
     for name, ref in eager.metadata[0].items():
         assert torch.equal(graphed.metadata[0][name], ref), name
+
+
+# --- compiles for the H100 / H200 -----------------------------------------------------------------
+
+SCRIPT = textwrap.dedent('''
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import prr.kernels.infllm_v2_jit as K
+
+    F, B16, I32 = "*fp32", "*bf16", "*i32"
+    failed = []
+
+    def build(fn, types, constexprs):
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+        try:
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4})
+        except Exception as e:  # noqa: BLE001 - reported below
+            failed.append(f"{fn.__name__} {constexprs}: {type(e).__name__}: {str(e)[:1500]}")
+
+    build(K._compress_append_kernel, {"compressed_ptr": B16, "keys_ptr": B16, "positions_ptr": I32},
+          {"WINDOW": 32, "STRIDE": 16, "BLOCK_D": 128})
+    sizes = {"GROUP": 4, "GROUP_PAD": 4, "WINDOW": 32, "STRIDE": 16, "BLOCK_D": 128, "D_CHUNK": 32}
+    build(K._lse_kernel, {"q_ptr": B16, "compressed_ptr": B16, "lengths_ptr": I32, "max_ptr": F, "sum_ptr": F,
+                          "scale": "fp32"}, {**sizes, "WINDOWS_PER_SPLIT": 128, "BLOCK_W": 32})
+    build(K._pool_kernel, {"q_ptr": B16, "compressed_ptr": B16, "lengths_ptr": I32, "max_ptr": F, "sum_ptr": F,
+                           "out_ptr": F, "scale": "fp32"}, {**sizes, "BLOCK": 64, "SPLITS_PAD": 64, "BLOCK_N": 32})
+    print("\\n".join(failed) if failed else "all compiled")
+    sys.exit(1 if failed else 0)
+''')
+
+
+def test_infllm_v2_kernels_compile_for_sm90():
+    """The interpreter accepts code a GPU compile rejects: each kernel compiled ahead of time for
+    sm_90 (through ptxas) at the 8B shape, in a subprocess without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
+    assert "all compiled" in done.stdout

@@ -132,3 +132,27 @@ def test_a_block_size_other_than_64_is_refused_before_the_model_loads():
     compose_config([*base, "runtime.block_size=64"])  # accepted
     with pytest.raises(ValueError, match="add runtime.block_size=64"):  # and outside run.py, on first use
         InfLLMV2Selector(topk_blocks=4).update_metadata(PagedKVCache(1, 1, 1, 8, 16, 64), 0, 0, 64)
+
+
+def test_hinted_topk_selects_the_same_blocks_and_its_slot_exists_after_the_prefill():
+    """selector.hinted_topk (the top-K from the last step's k-th score) changes no A over 40 decode
+    steps crossing a block; its slot is allocated by the prefill's update (an engine checkpoint)."""
+    from prr.selectors.base import TOPK_HINT
+
+    d, prompt = 16, 1000
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 2, prompt + 40, d, generator=g)
+    runs = []
+    for hinted in (False, True):
+        sel = InfLLMV2Selector(topk_blocks=5, hinted_topk=hinted)
+        cache = PagedKVCache(1, 2, 2, d, BS, prompt + 40)
+        cache.append(0, keys[:, :, :prompt], keys[:, :, :prompt])
+        sel.update_metadata(cache, 0, 0, prompt)
+        assert (TOPK_HINT in cache.metadata[0]) == hinted
+        picks, qg = [], torch.Generator().manual_seed(6)
+        for pos in range(prompt, prompt + 40):
+            cache.append(0, keys[:, :, pos : pos + 1], keys[:, :, pos : pos + 1])
+            sel.append_metadata(cache, 0, torch.full((2,), pos))
+            picks.append(sel.select(torch.randn(2, 2, 3, d, generator=qg) * 3, cache, 0).blocks.indices)
+        runs.append(torch.stack(picks))
+    assert torch.equal(runs[0], runs[1])

@@ -9,8 +9,8 @@ Prompts: the first --prompts files of PROMPT_FILES (the standard library's own s
 text: one prompt each, no tokenizer-free shortcut). Variants (VARIANTS): infllm_v2 (blocks of 64),
 Quest over the same 64-token blocks with the same forced blocks (1 initial + 1 local + the newest),
 the exact top-K over those blocks (the ceiling of any selector of those units), and Quest over its
-paper's 16-token pages (its defaults: 1 sink page + the newest). Budgets are tokens: K = budget /
-block size. Writes OUT.csv (variant x budget: each rate's mean over prompts with its 95% bootstrap
+paper's 16-token pages (its defaults: 1 sink page + the newest); and infllm_v2 with the paper's
+proportions (a third of K local). Budgets are tokens: K = budget / block size. Writes OUT.csv (variant x budget: each rate's mean over prompts with its 95% bootstrap
 interval over prompts), OUT_per_prompt.csv and OUT.json (command, device, versions). Each run is an
 ordinary run dir under --runs-dir (finished ones are skipped on a re-run: prr's resume rule).
 """
@@ -43,6 +43,9 @@ VARIANTS: dict[str, tuple[int, list[str]]] = {
     "quest_b64": (64, ["selector=quest", *FORCED_64]),
     "exact_b64": (64, ["selector=exact", *FORCED_64]),
     "quest_b16": (16, ["selector=quest"]),
+    # the paper's proportions (sec. 4.1: 1 initial + 32 local of 96 blocks): a third of K local, the
+    # newest block included; at K = 8 that is the default's 1 + 1
+    "infllm_v2_local_third": (64, ["selector=infllm_v2", "selector.sink_blocks=1", "selector.local_blocks={third}"]),
 }
 RATES = ("mean_mass_recall", "mean_output_relerr", "last_step_overlap")
 
@@ -69,7 +72,8 @@ def main() -> None:
         for variant in variants:
             block, selector = VARIANTS[variant]
             for budget in budgets:
-                overrides = [*selector, f"selector.topk_blocks={budget // block}", f"runtime.block_size={block}",
+                k = budget // block
+                overrides = [*(o.format(third=max(k // 3 - 1, 0)) for o in selector), f"selector.topk_blocks={k}", f"runtime.block_size={block}",
                              "selector.dense_layers=[]", "runtime=cpu", "runtime.mode=shadow", "predictor=ema",
                              "budget=fixed", "logger=none", f"task.prompt_file={STDLIB / prompt}",
                              f"task.prompt_tokens={args.prompt_tokens}", f"task.max_new_tokens={args.steps}",

@@ -156,3 +156,31 @@ def test_hinted_topk_selects_the_same_blocks_and_its_slot_exists_after_the_prefi
             picks.append(sel.select(torch.randn(2, 2, 3, d, generator=qg) * 3, cache, 0).blocks.indices)
         runs.append(torch.stack(picks))
     assert torch.equal(runs[0], runs[1])
+
+
+def test_a_one_token_prefill_tail_leaves_serial_dsa_as_a_full_tail_does():
+    """bulk_metadata_equals_stepwise end to end (what the graph engine's serial requests rely on,
+    prr/runtime/graph_requests.py; tests/test_runtime.py holds it for the selectors of 16-token
+    blocks): a prefill replayed with a 1-token tail and with a 40-token one leave the same last
+    selection, and the decode steps after it select and output the same."""
+    from prr.budget.fixed import FixedBudget
+    from prr.predictors import NoPredictor
+    from prr.runtime.dsa_backend import DSABackend
+
+    g = torch.Generator().manual_seed(11)
+    prompt, steps, hkv, group, d = 717, 20, 2, 3, 16
+    q = torch.randn(1, hkv * group, prompt + steps, d, generator=g)
+    k, v = (torch.randn(1, hkv, prompt + steps, d, generator=g) for _ in range(2))
+    runs = []
+    for tail in (40, 1):
+        sel = InfLLMV2Selector(topk_blocks=5)
+        cache = PagedKVCache(1, 1, hkv, d, BS, prompt + steps)
+        backend = DSABackend(cache, hkv * group, sel, NoPredictor(), FixedBudget(), calibration_tokens=tail)
+        backend.prefill(0, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt])
+        backend.finish_prefill()
+        chosen = [backend.history[0][-1].blocks.mask(cache.max_blocks)]
+        outs = [backend.decode(0, q[:, :, t], k[:, :, t], v[:, :, t]) for t in range(prompt, prompt + steps)]
+        runs.append((chosen + [backend.previous[0].clone()], outs))
+    (want_sets, want_outs), (got_sets, got_outs) = runs
+    assert all(torch.equal(a, b) for a, b in zip(want_sets, got_sets, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(want_outs, got_outs, strict=True))

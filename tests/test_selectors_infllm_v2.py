@@ -184,3 +184,13 @@ def test_a_one_token_prefill_tail_leaves_serial_dsa_as_a_full_tail_does():
     (want_sets, want_outs), (got_sets, got_outs) = runs
     assert all(torch.equal(a, b) for a, b in zip(want_sets, got_sets, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(want_outs, got_outs, strict=True))
+
+
+def test_the_kernels_sizes_are_the_options():
+    """kernels/ imports nothing from prr, so the reference keeps its own copy of the paper's sizes."""
+    from prr.kernels import reference_infllm_v2 as ref
+
+    from prr.selectors import options
+
+    assert (ref.BLOCK, ref.WINDOW, ref.STRIDE) == (options.INFLLM_V2_BLOCK_TOKENS, options.INFLLM_V2_WINDOW_TOKENS,
+                                                   options.INFLLM_V2_WINDOW_STRIDE)

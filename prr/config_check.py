@@ -49,6 +49,7 @@ CHECKED_BEFORE_TORCH = {
     "prr.selectors.exact.ExactSelector": _SELECTOR_OPTIONS + "SelectorOptions",
     "prr.selectors.quest.QuestSelector": _SELECTOR_OPTIONS + "SelectorOptions",
     "prr.selectors.infllm.InfLLMSelector": _SELECTOR_OPTIONS + "InfLLMSelectorOptions",
+    "prr.selectors.infllm_v2.InfLLMV2Selector": _SELECTOR_OPTIONS + "InfLLMV2SelectorOptions",
     "prr.predictors.bench_hit_rate.BenchHitRatePredictor": _PREDICTOR_OPTIONS + "BenchHitRatePredictorOptions",
     "prr.predictors.cross_layer.CrossLayerPredictor": _PREDICTOR_OPTIONS + "CrossLayerPredictorOptions",
     "prr.predictors.ema.EmaPredictor": _PREDICTOR_OPTIONS + "EmaPredictorOptions",
@@ -275,6 +276,7 @@ def prompt_size_checks(built: dict[str, Any]) -> list[str]:
     prompt = getattr(task, "prompt_tokens", task.prompt_tokens_upper_bound())
     if runtime.block_size > prompt:
         problems.append(f"runtime.block_size={runtime.block_size} exceeds the prompt of {prompt} tokens")
+    problems += selector.block_size_problems(runtime.block_size)  # a selector whose paper fixes its blocks
     prompt_blocks = prompt // runtime.block_size
     if not selector.selects_every_block and selector.topk_blocks >= prompt_blocks:
         problems.append(f"selector.topk_blocks={selector.topk_blocks} ({selector.topk_blocks * runtime.block_size} tokens) "

@@ -61,6 +61,7 @@ def test_unknown_option_lists_choices():
         ("runtime.projections=fused", "applies to runtime.engine=graph only"),
         ("task.max_new_tokens=100000", "exceeds the model's context"),
         ("selector.dense_layers=[7]", "outside the model's layers"),
+        ("selector=infllm_v2", "selects InfLLM-v2's blocks of 64 tokens .* add runtime.block_size=64"),
     ],
 )
 def test_bad_input_is_one_clear_error(override, message):
@@ -217,7 +218,7 @@ def test_every_option_is_checked_before_torch_without_importing_it():
     ["selector.dense_layers=[7]"], ["task.max_new_tokens=100000"], ["model.name_or_path=/no/such/model"],
     ["+selector.topk=4"], ["selector.topk_blocks=abc"], ["predictor=oracle", "budget=profiled"],
     ["budget.ratio=-1"], ["logger=wandb", "logger.project=7"], ["runtime.block_size=24"],
-    ["runtime.engine=fast", "runtime.batch_size=0"],
+    ["runtime.engine=fast", "runtime.batch_size=0"], ["selector=infllm_v2"],
 ])
 def test_the_checks_before_torch_find_what_validate_finds(overrides):
     from prr.config_check import problems_before_torch

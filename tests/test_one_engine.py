@@ -36,6 +36,10 @@ COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration
 # run its Triton kernels under the interpreter (the eager runtime's step then runs them too).
 # CURATED pairs the built-in options; an option of conf/ it leaves out (a new one) runs with the
 # default partner below, so a new option is tested here with no line of this file edited.
+# Selectors whose paper fixes the block size (they refuse TINY's 16), sized for it in every case:
+# InfLLM-v2's 64-token blocks, 9 prompt blocks, 2 forced + 2 chosen.
+SIZED = {"infllm_v2": ["runtime.block_size=64", "task.prompt_tokens=600", "selector.topk_blocks=4",
+                       "selector.local_blocks=0"]}
 CURATED = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
          ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),
          ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3"),
@@ -49,6 +53,7 @@ CASES = CURATED + [(s, "ema") for s in SELECTORS if s not in {c[0] for c in CURA
 # both engines here, 30 s under the interpreter, in `make test-full`.)
 MORE_CASES = [c for c in [(s, "ema") for s in SELECTORS] + [("quest", p) for p in PREDICTORS] if c not in CASES]
 MORE_CASES.append(("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"))
+MORE_CASES.append(("infllm_v2", "ema", "backend=triton"))  # its kernels (prr.kernels.infllm_v2) in both engines
 # exact on the kernels: the graph engine speculates inside the q·K launch, the eager runtime beside it
 MORE_CASES.append(("exact", "ema", "backend=triton"))
 # the predictors whose kernels the graph engine runs layer range at once (last_step, spin) and
@@ -57,7 +62,7 @@ MORE_CASES += [("quest", p, "backend=triton") for p in ("last_step", "spin", "qu
 
 
 def overrides(selector: str, predictor: str, *extra: str) -> list[str]:
-    out = [*TINY, f"selector={selector}", f"predictor={predictor}", *extra, *COMMON]
+    out = [*TINY, *SIZED.get(selector, []), f"selector={selector}", f"predictor={predictor}", *extra, *COMMON]
     if selector == "dense":  # no top-K: every block (|P| = every block too)
         out = [o for o in out if not o.startswith("selector.topk_blocks")]
     return out

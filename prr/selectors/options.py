@@ -14,6 +14,11 @@ from typing import Any
 GQA_REDUCTIONS = ("max", "sum", "union")
 SCORINGS = ("position_agnostic", "rope")  # InfLLM's
 REPRESENTATIVES_FROM = ("window_attention", "one_query")  # InfLLM's
+# InfLLM-v2's sizes (arXiv 2509.24663, sec. 3.3 and 4.1; MiniCPM4's sparse_config): selection blocks of
+# B = 64 tokens, keys mean-pooled over windows of B/2 = 32 tokens at a stride of B/4 = 16.
+INFLLM_V2_BLOCK_TOKENS = 64
+INFLLM_V2_WINDOW_TOKENS = 32
+INFLLM_V2_WINDOW_STRIDE = 16
 
 
 class SelectorOptions:
@@ -58,6 +63,11 @@ class SelectorOptions:
         # The top-k from a threshold guess per (row, KV head): the previous decode step's k-th score
         # (Selector.topk_hint, prr.kernels.hinted_topk). The same A, exactly; only its time changes.
         self.hinted_topk = hinted_topk
+
+    def block_size_problems(self, block_size: int) -> list[str]:
+        """What this selector cannot take of `runtime.block_size` (prr.config_check runs it before
+        torch is imported); [] for selectors whose blocks are the cache's, whatever their size."""
+        return []
 
 
 class DenseSelectorOptions(SelectorOptions):
@@ -104,3 +114,27 @@ class InfLLMSelectorOptions(SelectorOptions):
         self.scoring = scoring
         self.representatives_from = representatives_from
         self.inv_freq: Any = None  # [D/2] fp32 tensor: the RoPE the cache's keys carry (InfLLMSelector.bind_model)
+
+
+class InfLLMV2SelectorOptions(SelectorOptions):
+    """`infllm_v2`: InfLLM-v2's block selection (prr.selectors.infllm_v2). The group's scores are
+    summed (the paper's Eq. 6) before the max-pooling onto blocks, inside the scoring: no
+    `gqa_reduce` option. Its blocks are the paper's 64 tokens: `runtime.block_size` must be 64."""
+
+    def __init__(
+        self,
+        topk_blocks: int,
+        sink_blocks: int = 1,
+        local_blocks: int = 1,
+        force_newest: bool = True,
+        dense_layers: Sequence[int] = (),
+        hinted_topk: bool = False,
+    ) -> None:
+        super().__init__(topk_blocks, sink_blocks, local_blocks, force_newest, "sum", dense_layers, hinted_topk)
+
+    def block_size_problems(self, block_size: int) -> list[str]:
+        if block_size == INFLLM_V2_BLOCK_TOKENS:
+            return []
+        return [f"selector=infllm_v2 selects InfLLM-v2's blocks of {INFLLM_V2_BLOCK_TOKENS} tokens (keys pooled over "
+                f"{INFLLM_V2_WINDOW_TOKENS} at stride {INFLLM_V2_WINDOW_STRIDE}) but runtime.block_size={block_size}; "
+                f"add runtime.block_size={INFLLM_V2_BLOCK_TOKENS}"]

@@ -53,7 +53,8 @@ from prr.bench_args import int_list
 from prr.intervals import median_ratio_interval
 from prr.paths import strict_json_dumps
 
-SELECTORS = ("dense", "exact", "quest", "infllm", "infllm_prr", "less")
+SELECTORS = ("dense", "exact", "quest", "infllm", "infllm_prr", "less")  # the default matrix's
+NAMED_ONLY = ("infllm_v2",)  # runs when named (its blocks are 64 tokens: --blocks 64)
 PREDICTORS = ("none", "last_step", "ema")
 OFF = "runtime.dense_metrics_every=1000000"  # the first step only
 EVERY_16 = "runtime.dense_metrics_every=16"
@@ -194,7 +195,7 @@ def main() -> None:
     p.add_argument("--contexts", type=int_list, help="matrix: prompt tokens, e.g. 32000,128000")
     p.add_argument("--blocks", type=int_list, help="matrix: runtime.block_size values, e.g. 16,64")
     p.add_argument("--topk", type=int_list, help="matrix: selector.topk_blocks values, e.g. 32,128")
-    p.add_argument("--selectors", type=name_list(SELECTORS), default=SELECTORS)
+    p.add_argument("--selectors", type=name_list(SELECTORS + NAMED_ONLY), default=SELECTORS)
     p.add_argument("--predictors", type=name_list(("none", "last_step", "ema", "spin", "ema_membership",
                                                    "ema_calibrated", "query_similarity", "cross_layer")),
                    default=PREDICTORS)

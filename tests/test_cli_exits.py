@@ -43,7 +43,7 @@ def test_an_unknown_group_option_is_one_line_naming_the_options(tmp_path):
     assert not (tmp_path / "r").exists()
     helped = cli("--help", cwd=tmp_path)  # the check before Hydra leaves --help to Hydra, which lists them too
     assert helped.returncode == 0, helped.stderr
-    assert "selector: dense, exact, infllm, infllm_prr, less, quest" in helped.stdout
+    assert f"selector: {options}" in helped.stdout
 
 
 def test_an_unknown_option_in_a_sweep_is_refused_before_any_job_runs(tmp_path):

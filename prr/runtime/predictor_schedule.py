@@ -49,6 +49,8 @@ class PredictorSchedule:
         self.oracle = predictor is not None and predictor.needs_current_selection
         self.history_only = predictor is not None and predictor.history_only
         self.passes_query = predictor is not None and predictor.needs_query  # propose gets this step's query
+        # learns a range of layers in one launch (on the backend set before the schedule is built)
+        self.learns_in_one_launch = predictor is not None and predictor.learns_layers_at_once()
         cap = selection_capacity if self.oracle else predicted_blocks
         # P of every layer in one buffer ([L, B, Hkv, cap], [L, B, Hkv]; a layer's P a view of it), so
         # learning of a range of layers writes all of theirs in one copy (learn_layers_at_once)
@@ -154,7 +156,7 @@ class PredictorSchedule:
         once (the graph engine's step, a predictor that can, whose update completes only its own
         next P or none, over a contiguous range of sparse layers)."""
         return (propose_next and not eager and self.learn_range is not None and self.pred_all is not None
-                and self.predictor.learns_layers_at_once()
+                and self.learns_in_one_launch
                 and self.predictor.proposals_after_update(self.state, layer) in ([(layer, True)], []))
 
     def learn(self, layer: int, query: Tensor, selection: Selection, lengths: Tensor, num_blocks: Tensor,

@@ -95,6 +95,7 @@ class PRRStep:
         # can run every variant over the same cache.
         self.sparse = [not selector.is_dense_layer(i) for i in range(cache.num_layers)]
         selector.set_backend(backend)  # (their kernels where they have them, on backend triton)
+        self.selection_speculates = backend == "triton" and selector.speculates_in_selection()  # decided once
         if predictor is not None:
             predictor.set_backend(backend)
         # Selectors whose whole metadata is Quest's key max / min let the append kernels update it
@@ -292,8 +293,7 @@ class PRRStep:
     def speculates_in_selection(self) -> bool:
         """Whether P's per-block states come from the selection's own launch (plan.speculate_in_selection,
         exact mode, a selector that can: exact on the kernels) instead of the side stream."""
-        return (self.plan.speculate_in_selection and self.plan.repair_mode == "exact" and self.backend == "triton"
-                and self.selector.speculates_in_selection())
+        return self.plan.speculate_in_selection and self.plan.repair_mode == "exact" and self.selection_speculates
 
     def _repair(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, spec_out: Tensor,
                 spec_lse: Tensor, fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:

@@ -42,7 +42,6 @@ prints the short table last.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import statistics
@@ -50,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list, markdown
+from prr.bench_args import OneLineParser, int_list, markdown, write_bench_outputs
 
 HKV = 8  # rows are batch x 8 KV heads (the 8B shape) from 8 rows up; fewer rows: batch 1, that many heads
 L2_ROTATION_BYTES = 128 << 20  # scores a timing graph reads over its sets, 2.5x the H200's 50 MB L2
@@ -177,18 +176,7 @@ def report(record: dict) -> str:
 
 def write_outputs(record: dict, out: Path) -> str:
     """OUT.json, OUT.csv (one row per cell, the command in each), OUT.md -> the markdown."""
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    rows = record.get("rows", [])
-    if rows:
-        keys = list(dict.fromkeys(key for r in rows for key in r))
-        with out.with_suffix(".csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["command", *keys])
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({"command": record["command"], **r})
-    text = report(record)
-    out.with_suffix(".md").write_text(text + "\n")
-    return text
+    return write_bench_outputs(record, out, report)
 
 
 # --- measurement ---------------------------------------------------------------------------------

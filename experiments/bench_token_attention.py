@@ -36,13 +36,12 @@ OUT.md; prints the table last.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import sys
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list, markdown
+from prr.bench_args import OneLineParser, int_list, markdown, write_bench_outputs
 
 HQ, HKV, D, BF16 = 32, 8, 128, 2
 BLOCK = 16  # the block kernel's column: blocks of 16 tokens
@@ -154,18 +153,7 @@ def report(record: dict) -> str:
 
 def write_outputs(record: dict, out: Path) -> str:
     """OUT.json, OUT.csv (one row per cell, the command in each), OUT.md -> the markdown."""
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    rows = record.get("rows", [])
-    if rows:
-        keys = list(dict.fromkeys(key for r in rows for key in r))
-        with out.with_suffix(".csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["command", *keys])
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({"command": record["command"], **r})
-    text = report(record)
-    out.with_suffix(".md").write_text(text + "\n")
-    return text
+    return write_bench_outputs(record, out, report)
 
 
 # --- measurement (GPU) ---------------------------------------------------------------------------

@@ -1,12 +1,17 @@
 """What the benchmark scripts in experiments/ share besides timing: a parser whose errors are one
-line, the type of a comma-separated list of positive integers (grid axes), and their markdown
-tables."""
+line, the type of a comma-separated list of positive integers (grid axes), their markdown
+tables, and their three output files."""
 
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from prr.paths import strict_json_dumps
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -45,3 +50,22 @@ def markdown(header: list[str], body: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in body]
     return "\n".join(lines)
+
+
+def write_bench_outputs(record: dict, out: Path, report: Callable[[dict], str]) -> str:
+    """OUT.json (strict JSON), OUT.csv (one row per cell of record["rows"], the command in each) and
+    OUT.md (report(record)), its folder made -> the markdown. Rewritten whole after every cell, so
+    a cut run keeps the cells it finished."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(strict_json_dumps(record, indent=1) + "\n")
+    rows = record.get("rows", [])
+    if rows:
+        keys = list(dict.fromkeys(key for r in rows for key in r))
+        with out.with_suffix(".csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["command", *keys])
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({"command": record["command"], **r})
+    text = report(record)
+    out.with_suffix(".md").write_text(text + "\n")
+    return text

@@ -266,3 +266,20 @@ def test_selection_disagreement_tells_a_tie_from_a_worse_set():
     assert bf.selection_disagreement(scores, prr, worse) == dict(rows_differ=1, score_margin=1.0)
     both = bf.selection_disagreement(scores, worse, tie)  # row 0: prr's 3 vs 3 (tie); row 1: prr's 7 vs 8
     assert both == dict(rows_differ=2, score_margin=-1.0)
+
+
+def test_the_benchmarks_outputs_are_strict_json_a_csv_with_the_command_and_the_report(tmp_path):
+    """write_bench_outputs: a NaN cell is null in the JSON (strict), every CSV row carries the
+    command, the markdown is the report's, and a missing folder is made."""
+    import csv
+    import json
+
+    from prr.bench_args import write_bench_outputs
+
+    record = {"command": "python x.py", "rows": [{"us": 1.5, "ratio": float("nan")}, {"us": 2.0, "extra": "a"}]}
+    out = tmp_path / "new" / "bench"
+    text = write_bench_outputs(record, out, lambda r: f"{len(r['rows'])} cells")
+    assert text == "2 cells" == out.with_suffix(".md").read_text().strip()
+    assert json.loads(out.with_suffix(".json").read_text(), parse_constant=lambda c: 1 / 0)["rows"][0]["ratio"] is None
+    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
+    assert [r["command"] for r in rows] == ["python x.py"] * 2 and rows[1]["extra"] == "a" and rows[0]["us"] == "1.5"

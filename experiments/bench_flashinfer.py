@@ -64,7 +64,7 @@ import re
 import sys
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list, markdown
+from prr.bench_args import L2_ROTATION_BYTES, OneLineParser, int_list, markdown, ratio, topk_bytes
 from prr.benchmarking import BF16, HEADROOM, HKV, HQ, D  # the 8B decode shape
 from prr.paths import strict_json_dumps
 
@@ -74,7 +74,6 @@ NOMINAL_BANDWIDTH = 4.8e12  # bytes/s, the H200's HBM3e figure
 PAPER_BLOCKSPARSE_SPEEDUP = 2.22  # the paper: its sparse kernel vs FlashInfer BlockSparse at an 8K budget
 PARTS = ("attention", "topk", "stage", "prr")
 OTHER_RADIX_BITS = (1,)  # topk_select's radix_bits other than its default 2 (threshold bits per counting pass)
-L2_ROTATION_BYTES = 128 << 20  # bytes a timing graph reads over its sets, 2.5x the H200's 50 MB L2
 PRR_HIT_RATE = 0.9  # the prr part's controlled hit rate: |A \\ P| = 10% of A in every row
 FULL_GRID = dict(batches=[1, 8], contexts=[32768, 131072], blocks=[16, 64], budgets=[2048, 8192],
                  topk_blocks=[2048, 8192], topk_k=[32, 128], topk_rows=[8, 64], topk_split=[1024, 2048],
@@ -211,9 +210,6 @@ def attention_bytes(batch: int, budget_tokens: int, block: int) -> int:
     return kv + q_out + ids
 
 
-def topk_bytes(rows: int, n: int, k: int) -> int:
-    """fp32 scores read once + int32 indices written."""
-    return rows * n * 4 + rows * k * 4
 
 
 def stage_bytes(batch: int, context: int, budget_tokens: int, block: int, meta_bytes_per_block: int) -> int:
@@ -262,10 +258,6 @@ def floor_us(nbytes: int, bandwidth: float) -> float:
     return nbytes / bandwidth * 1e6
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or not (isinstance(a, (int, float)) and isinstance(b, (int, float))) or b <= 0:
-        return None
-    return a / b
 
 
 

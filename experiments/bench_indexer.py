@@ -38,9 +38,8 @@ import os
 import sys
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list, markdown, write_bench_outputs
+from prr.bench_args import OneLineParser, int_list, markdown, ratio, rotation_sets, write_bench_outputs
 
-L2_ROTATION_BYTES = 128 << 20  # bytes a timing graph reads over its sets, 2.5x the H100's 50 MB L2
 MAX_SETS = 64
 INDEX_DTYPES = ("bf16", "fp8")
 Q_DTYPES = ("bf16", "fp32")
@@ -121,7 +120,7 @@ def append_bytes(batch: int, dim: int, index_dtype: str) -> int:
 
 def timing_sets(nbytes: int, sets: int) -> int:
     """Sets per graph: at least `sets`, and enough that the graph reads L2_ROTATION_BYTES."""
-    return min(MAX_SETS, max(sets, math.ceil(L2_ROTATION_BYTES / max(nbytes, 1))))
+    return rotation_sets(nbytes, sets, MAX_SETS)
 
 
 def tune_configs(batch: int, num_sms: int) -> dict[str, dict]:
@@ -131,8 +130,6 @@ def tune_configs(batch: int, num_sms: int) -> dict[str, dict]:
             for bt, st, nw, pps in itertools.product(*TUNE_GRID.values())}
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 def table(rows: list[dict]) -> str:

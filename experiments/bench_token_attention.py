@@ -37,15 +37,13 @@ OUT.md; prints the table last.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list, markdown, write_bench_outputs
+from prr.bench_args import OneLineParser, int_list, markdown, ratio, rotation_sets, write_bench_outputs
 
 HQ, HKV, D, BF16 = 32, 8, 128, 2
 BLOCK = 16  # the block kernel's column: blocks of 16 tokens
-L2_ROTATION_BYTES = 128 << 20  # K/V rows one timing graph reads over its sets, 2.5x the H200's 50 MB L2
 MAX_SETS = 128
 OUT_BOUND, LSE_BOUND = 1e-2, 1e-3
 FULL_GRID = dict(tokens=[256, 1024, 2048, 4096], batches=[1, 8, 32], contexts=[32768, 131072], tiles=[64, 128])
@@ -102,11 +100,9 @@ def attention_bytes(batch: int, tokens: int) -> int:
 
 def timing_sets(batch: int, tokens: int, sets: int) -> int:
     """Sets per graph: at least `sets`, and enough that the graph reads L2_ROTATION_BYTES of K/V rows."""
-    return min(MAX_SETS, max(sets, math.ceil(L2_ROTATION_BYTES / attention_bytes(batch, tokens))))
+    return rotation_sets(attention_bytes(batch, tokens), sets, MAX_SETS)
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 def best_tile(row: dict) -> tuple[int | None, float | None]:

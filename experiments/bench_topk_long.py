@@ -32,15 +32,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list, markdown, write_bench_outputs
+from prr.bench_args import (
+    TOPK_KV_HEADS,
+    OneLineParser,
+    int_list,
+    markdown,
+    ratio,
+    rotation_sets,
+    topk_bytes,
+    write_bench_outputs,
+)
+from prr.bench_args import topk_row_shape as row_shape
 
-HKV = 8  # rows are batch x 8 KV heads (the 8B shape) from 8 rows up; fewer rows: batch 1, that many heads
-L2_ROTATION_BYTES = 128 << 20  # scores a timing graph reads over its sets, 2.5x the H100's / H200's 50 MB L2
 MAX_SETS = 64
 GRID = dict(candidates=[8192, 16384, 32768, 131072, 1 << 20], k=[32, 256, 2048], rows=[1, 8, 64])
 
@@ -52,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--candidates", type=int_list, default=GRID["candidates"], help="candidates per row")
     parser.add_argument("--k", type=int_list, default=GRID["k"], help="top-k; cells with k >= candidates are skipped")
-    parser.add_argument("--rows", type=int_list, default=GRID["rows"], help=f"rows = batch x KV heads: < {HKV}, or a multiple")
+    parser.add_argument("--rows", type=int_list, default=GRID["rows"], help=f"rows = batch x KV heads: < {TOPK_KV_HEADS}, or a multiple")
     parser.add_argument("--sets", type=int, default=4, help="input sets per timing graph (at least; L2 rotation)")
     parser.add_argument("--repeats", type=int, default=20, help="graph replays (the median is reported)")
     parser.add_argument("--chunk", type=int, default=None, help="blocks per program of the multi-program path")
@@ -69,8 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> list[str]:
     problems = []
     for r in args.rows:
-        if r > HKV and r % HKV:
-            problems.append(f"--rows: {r} is neither < {HKV} nor a multiple of {HKV} (rows are batch x {HKV} KV heads)")
+        if r > TOPK_KV_HEADS and r % TOPK_KV_HEADS:
+            problems.append(f"--rows: {r} is neither < {TOPK_KV_HEADS} nor a multiple of {TOPK_KV_HEADS} (rows are batch x {TOPK_KV_HEADS} KV heads)")
     if not cells(args):
         problems.append(f"--k {args.k} --candidates {args.candidates}: no cell has k < candidates")
     for name in ("sets", "repeats"):
@@ -88,23 +95,15 @@ def cells(args: argparse.Namespace) -> list[tuple[int, int, int]]:
     return [(r, n, k) for r in args.rows for n in args.candidates for k in args.k if k < n]
 
 
-def row_shape(rows: int) -> tuple[int, int]:
-    """rows -> (batch, KV heads) of the scores [B, Hkv, N]."""
-    return (1, rows) if rows <= HKV else (rows // HKV, HKV)
 
 
-def topk_bytes(rows: int, n: int, k: int) -> int:
-    """fp32 scores read once + int32 indices written."""
-    return rows * n * 4 + rows * k * 4
 
 
 def timing_sets(rows: int, n: int, sets: int) -> int:
-    """Sets per graph: at least `sets`, and enough that the graph reads L2_ROTATION_BYTES of scores."""
-    return min(MAX_SETS, max(sets, math.ceil(L2_ROTATION_BYTES / (rows * n * 4))))
+    """Sets per graph for rows x n fp32 scores (rotation_sets)."""
+    return rotation_sets(rows * n * 4, sets, MAX_SETS)
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 def table(rows: list[dict]) -> str:

@@ -1,6 +1,7 @@
 """What the benchmark scripts in experiments/ share besides timing: a parser whose errors are one
-line, the type of a comma-separated list of positive integers (grid axes), their markdown
-tables, and their three output files."""
+line, the type of a comma-separated list of positive integers (grid axes), how many input sets a
+timing graph rotates through, ratios of optional times, the top-k cells' shape and bytes, their
+markdown tables, and their three output files."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prr.paths import strict_json_dumps
+
+L2_ROTATION_BYTES = 128 << 20  # bytes a timing graph reads over its input sets: 2.5x an H100's / H200's 50 MB L2
+TOPK_KV_HEADS = 8  # top-k benchmark rows are batch x 8 KV heads (the 8B shape) from 8 rows up
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -69,3 +73,26 @@ def write_bench_outputs(record: dict, out: Path, report: Callable[[dict], str]) 
     text = report(record)
     out.with_suffix(".md").write_text(text + "\n")
     return text
+
+
+def rotation_sets(set_bytes: int, at_least: int, most: int = 64) -> int:
+    """Input sets a timing graph rotates through: at least `at_least`, and enough (up to `most`)
+    that the graph reads L2_ROTATION_BYTES, so its reads miss L2 as a decode step's would."""
+    return min(most, max(at_least, math.ceil(L2_ROTATION_BYTES / max(set_bytes, 1))))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b of two measured times; None where either is missing (None, an error string) or b <= 0."""
+    if a is None or b is None or not (isinstance(a, (int, float)) and isinstance(b, (int, float))) or b <= 0:
+        return None
+    return a / b
+
+
+def topk_row_shape(rows: int) -> tuple[int, int]:
+    """Top-k rows -> (batch, KV heads) of the scores [B, Hkv, N]: fewer than 8 rows are batch 1."""
+    return (1, rows) if rows <= TOPK_KV_HEADS else (rows // TOPK_KV_HEADS, TOPK_KV_HEADS)
+
+
+def topk_bytes(rows: int, n: int, k: int) -> int:
+    """A top-k's bytes: fp32 scores read once + int32 indices written."""
+    return rows * n * 4 + rows * k * 4

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prr.runtime.graph_decode import GraphDecoder
-from prr.runtime.graph_run import engine_backend, graph_plan, resolved_plan, scoring_problems
+from prr.runtime.graph_run import engine_backend, scoring_problems
+from prr.runtime.graph_session import GraphSession, session_plan
 from prr.runtime.run_strategy import Steps, topk_label
-from prr.runtime.timing import timed_steps
 
 
 class GraphRequests:
@@ -60,29 +59,27 @@ class GraphRequests:
         self.backend = engine_backend(settings.device, owner.ops.name, owner.ops.graph_on_gpu)
         # The engine's cache, its capacity the longest request: every request prefills into it.
         self.cache = kv_cache(decoder, self.rows, settings.block_size, owner.max_tokens, owner.dtype, self.device)
-        max_blocks = self.cache.max_blocks
-        plan = graph_plan(settings, selector, predictor, owner.budget, max_blocks)
-        self.budget_info: dict[str, Any] = {"policy": type(owner.budget).__name__,
-                                            "predicted_blocks": plan.predicted_blocks}
         # |P| is static for the captured step: decided once, at the longest request's context
-        plan, info = resolved_plan(plan, owner.budget, predictor, decoder, self.rows, self.cache.max_tokens, selector,
-                                   self.backend, max_blocks)
-        self.budget_info.update(info)
-        self.plan = plan
-        self.speculating = plan.variant == "prr"
+        self.plan, self.budget_info = session_plan(settings, selector, predictor, owner.budget, decoder, self.rows,
+                                                   self.cache.max_tokens, self.backend, self.cache.max_blocks)
+        self.speculating = self.plan.variant == "prr"
         self.selection_backend = selector.set_backend(self.backend)
         self.topk_blocks = topk_label(selector)
         self.device_name = device_name(self.device)
         # Steps between host looks while generating (EOS, stop strings); scoring looks once per request.
         self.window = 16
-        self.engine: GraphDecoder | None = None
-        self.positions = [0] * self.rows  # per row: the position of the token the next step reads
+        self.session: GraphSession | None = None
         # pooled device counters over requests (|A|, |P|, |P ∩ A|, |A_t ∩ A_t-1| per layer)
         self.totals: Tensor | None = None
         self.request_counts: dict[str, float] = {}  # the last batch's, pooled over sparse layers and rows (_pooled)
         # the last batch's per row (padding rows too), pooled over sparse layers and KV heads; a row's
         # steps past its own end (while the batch's other rows decode on) are counted
         self.row_counts: list[dict[str, float]] = []
+
+    @property
+    def engine(self) -> Any:
+        """The session's GraphDecoder (None before the first request)."""
+        return None if self.session is None else self.session.engine
 
     # --- a request ----------------------------------------------------------------------
     def open(self, total_tokens: int) -> Any:
@@ -105,94 +102,58 @@ class GraphRequests:
 
     def begin(self, eager: Any, lengths: list[int]) -> None:
         """After the prefill of lengths[b] tokens into row b of the cache: the engine takes over
-        (built and captured on the first batch), its state set for this batch in place."""
+        (the session built and its step captured on the first batch), its state set for this batch
+        in place."""
         # the prefill ran the selector and predictor on the prefill's ops: back to the engine's
         self.selector.set_backend(self.backend)
         self.predictor.set_backend(self.backend)
-        first = self.engine is None
+        first = self.session is None
         if first:
-            self._build()
-        engine = self.engine
-        engine.take_over(lengths, torch.zeros(self.rows, dtype=torch.long),
-                         eager.backend.predictor_state if self.speculating else None, eager.backend.previous)
-        self.forced.fill_(-1)
-        self.positions = list(lengths)
+            o = self.owner
+            plan = dataclasses.replace(self.plan, projections=o.settings.graph_projections())  # (fused GEMVs: GPU, batch 1)
+            self.session = GraphSession(o.model.decoder, plan, self.rows, self.cache, selector=self.selector,
+                                        predictor=self.predictor, backend=self.backend,
+                                        compile=self.device.type == "cuda", scores=True)
+            self.session.forcing()  # (before the capture: the step reads the table it was captured with)
+        self.session.take_over(eager.backend, lengths, torch.zeros(self.rows, dtype=torch.long))
         if first:  # (CUDA: one capture, rewound)
-            self.replay = engine.capture_all({"step": self.replay})["step"]
-
-    def _build(self) -> None:
-        """The engine, its step view, the output buffers and the forced-token table, once."""
-        o = self.owner
-        self.plan = dataclasses.replace(self.plan, projections=o.settings.graph_projections())  # (fused GEMVs: GPU, batch 1)
-        engine = self.engine = GraphDecoder(
-            o.model.decoder, self.plan, self.rows, self.cache.max_tokens, compile=self.device.type == "cuda",
-            selector=self.selector, predictor=self.predictor if self.speculating else None, cache=self.cache,
-            backend=self.backend)
-        cap = engine.max_tokens + 1
-        # Per row, indexed by the position of the token a step chose ([B, capacity + 1]): the same
-        # captured step serves every request, whatever its prompt length.
-        B = self.rows
-        self.tokens = torch.zeros(B, cap, dtype=torch.long, device=self.device)
-        self.logprobs = torch.zeros(B, cap, dtype=torch.float32, device=self.device)
-        self.greedy = torch.zeros(B, cap, dtype=torch.bool, device=self.device)
-        self.margins = torch.zeros(B, cap, dtype=torch.float32, device=self.device)
-        # [B, max_tokens]: the token that follows each position (-1: the step's greedy token)
-        self.forced = engine.forced_tokens = torch.full((B, engine.max_tokens), -1, dtype=torch.long,
-                                                         device=self.device)
-        view = engine.with_plan(count_hits=True, measure_dense=False)
-
-        def step() -> None:
-            logits = view.step(advance=True).float()  # [B, V]; view.token: the chosen tokens [B, 1]
-            at = view.pos.long().view(-1, 1)  # [B, 1]: each row's chosen token's position
-            top2 = logits.topk(2, -1).values  # [B, 2]
-            self.tokens.scatter_(1, at, view.token)
-            self.logprobs.scatter_(1, at, logits.log_softmax(-1).gather(1, view.token))
-            self.greedy.scatter_(1, at, logits.argmax(-1, keepdim=True) == view.token)
-            self.margins.scatter_(1, at, top2[:, :1] - top2[:, 1:])
-
-        self.replay = step
+            self.session.capture({"step": {"count_hits": True, "measure_dense": False}})
 
     def steps(self, first: list[int], n: int, forced: list[list[int]] | None, step: int = 0) -> list[Steps]:
         """n steps of the batch from each row's position: step 0 reads first[b], step i > 0 the
         token step i - 1 chose: forced[b][i - 1] (teacher forcing; -1: greedy) or the greedy
         token. Rows past len(first) (a short batch's padding) repeat the last row's.
         -> one Steps per row given."""
-        engine, given = self.engine, len(first)
+        session, given = self.session, len(first)
         pad = self.rows - given
         first = first + first[-1:] * pad
-        p0 = self.positions
-        if max(p0) + n > engine.max_tokens:  # (step i writes row b's K/V at p0[b] + i)
-            raise ValueError(f"{n} steps from positions {p0} exceed the engine's {engine.max_tokens} tokens")
         with torch.inference_mode():  # (the engine was built, and its tensors made, under the prefill's)
-            engine.token.copy_(torch.tensor(first, dtype=torch.long).view(-1, 1))
-            if forced is not None:
-                for b, row in enumerate(forced + forced[-1:] * pad):
-                    self.forced[b, p0[b] : p0[b] + n] = torch.tensor(row, dtype=torch.long)
-            wall = timed_steps([self.replay] * n, self.device)  # device time per step on CUDA
-            # each row's n chosen tokens sit at p0[b] + 1 ... p0[b] + n: one gather and one read each
-            at = (torch.tensor(p0)[:, None] + 1 + torch.arange(n)).to(self.device)  # [B, n]
-            chosen, logprobs, greedy, margins = (t.gather(1, at).tolist() for t in (self.tokens, self.logprobs,
-                                                                                       self.greedy, self.margins))
-        self.positions = [p + n for p in p0]
-        return [Steps(read=[first[b], *chosen[b][:-1]], chosen=chosen[b], logprobs=logprobs[b], greedy=greedy[b],
-                      margins=margins[b], wall_s=wall, measure_s=[0.0] * n) for b in range(given)]
+            session.engine.token.copy_(torch.tensor(first, dtype=torch.long).view(-1, 1))
+        if forced is not None:
+            session.force(forced + forced[-1:] * pad, n)
+        wall = session.run(["step"] * n)  # device time per step on CUDA
+        out = session.read()  # each row's n chosen tokens, at its positions + 1 ... + n
+        return [Steps(read=[first[b], *out["tokens"][b][:-1]], chosen=out["tokens"][b], logprobs=out["logprobs"][b],
+                      greedy=out["greedy"][b], margins=out["margins"][b], wall_s=wall, measure_s=[0.0] * n)
+                for b in range(given)]
 
     def end(self) -> None:
         """A request done: its device counters pooled (read once per request)."""
-        if self.engine is None:
+        if self.session is None:
             return
-        read = self.engine.counters()  # one host read (it was one per counter name)
-        counts = torch.tensor([read[c] for c in self.engine.COUNTERS], dtype=torch.float64)
+        engine = self.session.engine
+        read = engine.counters()  # one host read (it was one per counter name)
+        counts = torch.tensor([read[c] for c in engine.COUNTERS], dtype=torch.float64)
         self.totals = counts if self.totals is None else self.totals + counts
         self.request_counts = self._pooled(counts)
-        sparse = torch.tensor(self.engine.sparse, dtype=torch.bool)
-        rows = self.engine.study_counters(per_row=True)  # name -> [L, B, Hkv]
+        sparse = torch.tensor(engine.sparse, dtype=torch.bool)
+        rows = engine.study_counters(per_row=True)  # name -> [L, B, Hkv]
         per_row = {c: rows[c][sparse].sum((0, 2)).tolist() for c in ("selected", "predicted", "hits", "overlap")}
         self.row_counts = [{c: per_row[c][b] for c in per_row} for b in range(self.rows)]
-
     def _pooled(self, counts: Tensor) -> dict[str, float]:
         """|A|, |P|, |P ∩ A| and |A_t ∩ A_t-1| summed over sparse layers, from counters [7, L]."""
-        names, sparse = self.engine.COUNTERS, [i for i, s in enumerate(self.engine.sparse) if s]
+        engine = self.session.engine
+        names, sparse = engine.COUNTERS, [i for i, s in enumerate(engine.sparse) if s]
         return {c: float(counts[names.index(c)][sparse].sum()) for c in ("selected", "predicted", "hits", "overlap")}
 
     def results(self) -> dict[str, Any]:

@@ -37,9 +37,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import Tensor
 
-from prr.runtime.graph_decode import StaticPlan
+from prr.runtime.graph_session import (  # noqa: F401 - graph_plan, resolved_plan: imported from here by scripts
+    GraphSession,
+    graph_plan,
+    graph_topk,
+    resolved_plan,
+    session_plan,
+)
 from prr.runtime.run_strategy import Results, Window
-from prr.runtime.timing import timed_steps
 
 log = logging.getLogger("prr")
 
@@ -123,56 +128,6 @@ def engine_backend(device: str, backend: str, graph_on_gpu: str | None = None) -
     return graph_on_gpu if graph_on_gpu is not None and str(device).startswith("cuda") else backend
 
 
-def graph_topk(selector: Any, max_blocks: int) -> int:
-    """The run's top-K on the engine, in blocks: the selector's, at most the cache's `max_blocks`
-    (what the budgets size |P| from and the summary records)."""
-    return min(selector.topk_blocks, max_blocks)
-
-
-def graph_plan(settings: Any, selector: Any, predictor: Any, budget: Any, max_blocks: int) -> StaticPlan:
-    """The engine's plan for this run's objects: serial DSA for a predictor that never
-    speculates, else PRR with a static |P| (every block for `dense`; the budget's size before
-    anything is measured, `engine_blocks`; the oracle's P is sized by the engine).
-    The objects themselves go to the engine (GraphDecoder's selector= / predictor=)."""
-    k = graph_topk(selector, max_blocks)
-    if not predictor.speculates:
-        size = 0
-    elif selector.selects_every_block:
-        size = max_blocks
-    elif not predictor.uses_budget:
-        size = k
-    else:
-        size = budget.engine_blocks(k, max_blocks)
-    return StaticPlan(variant="prr" if predictor.speculates else "serial", predicted_blocks=size,
-                      repair_mode=settings.repair_mode, mode=settings.mode, block_size=settings.block_size)
-
-
-def resolved_plan(plan: StaticPlan, budget: Any, predictor: Any, decoder: Any, batch: int, capacity: int,
-                  selector: Any, backend: str, context: int) -> tuple[StaticPlan, dict[str, Any]]:
-    """The budget's |P| for the decode (`resolve_engine_blocks`, at `context` blocks; a budget that
-    measures times the engine's own stages, GraphProbe) -> (the plan with it, serial DSA for
-    |P| = 0; what the budget decided). A plan that does not speculate, or a predictor that sizes
-    its own P, is kept as it is."""
-    if plan.variant != "prr" or not predictor.uses_budget:
-        return plan, {}
-    from prr.runtime.graph_budget import GraphProbe
-    from prr.runtime.graph_decode import GraphDecoder
-
-    max_blocks = -(-capacity // plan.block_size)
-    k = graph_topk(selector, max_blocks)
-
-    def make_probe() -> GraphProbe:
-        return GraphProbe(lambda n: GraphDecoder(decoder, dataclasses.replace(plan, predicted_blocks=n), batch,
-                                                 capacity, selector=selector, predictor=None, backend=backend),
-                          first_size=k)
-
-    size, info = budget.resolve_engine_blocks(make_probe, plan.predicted_blocks, k, max_blocks, context)
-    if size == plan.predicted_blocks:
-        return plan, info
-    plan = dataclasses.replace(plan, variant="prr" if size else "serial", predicted_blocks=size)
-    return plan, {**info, "choice": plan.variant, "predicted_blocks": size}
-
-
 def tensor_parallel_group(settings: Any):
     """runtime.tensor_parallel > 1: join torchrun's process group (gloo on a CPU, NCCL on GPUs,
     one GPU per rank: cuda:LOCAL_RANK) -> this rank's TensorParallel; None for one process."""
@@ -217,18 +172,14 @@ class GraphDecode:
         if max(row_tokens) > prompt_len:  # (graph_problems refuses rows above task.prompt_tokens before any work)
             raise ValueError(f"runtime.row_tokens={settings.row_tokens}: a row cannot hold more than the prompt's "
                              f"{prompt_len} tokens")
-        self.max_blocks = max_blocks = -(-capacity // settings.block_size)
-        plan = graph_plan(settings, selector, predictor, budget, max_blocks)
+        self.max_blocks = -(-capacity // settings.block_size)
         ops = instantiate(cfg.backend)
         self.ops = ops.name  # the prefill's ops; the engine's: engine_backend
         self.ops_backend = engine_backend(settings.device, ops.name, ops.graph_on_gpu)
-        self.budget_info: dict[str, Any] = {"policy": type(budget).__name__, "predicted_blocks": plan.predicted_blocks}
-        # |P| decided at the first decode step's context (the longest row + 1 tokens), static for the
-        # decode; before the prefill (a profile's engines and the run's are never in memory at once).
+        # |P| decided at the first decode step's context (the longest row + 1 tokens), static for the decode
         context = (max(row_tokens) + settings.block_size) // settings.block_size
-        plan, info = resolved_plan(plan, budget, predictor, decoder, settings.batch_size, capacity, selector,
-                                   self.ops_backend, context)
-        self.budget_info.update(info)
+        plan, self.budget_info = session_plan(settings, selector, predictor, budget, decoder, settings.batch_size,
+                                              capacity, self.ops_backend, context)
         self.plan = plan
         self.variants = budget.engine_variants(plan.variant)  # the views captured (one per variant)
         # Steps run back to back; the host looks at tokens (EOS) every window of steps, and on a
@@ -240,7 +191,6 @@ class GraphDecode:
         the warmed predictor state are what the engine decodes from), then the engine, its views
         and (on a GPU) their captures."""
         from prr.runtime.eager_run import EagerRuntime
-        from prr.runtime.graph_decode import GraphDecoder
 
         r, settings, tp = self.inputs, self.inputs.settings, self.tp
         selector, predictor, budget, decoder = r.selector, r.predictor, r.budget, self.decoder
@@ -271,52 +221,35 @@ class GraphDecode:
         if calibration:
             self.budget_info["calibration"] = calibration
 
-        speculating = plan.variant == "prr"
         plan = self.plan = dataclasses.replace(plan, projections=settings.graph_projections())
-        device = r.device
-        engine = self.engine = GraphDecoder(decoder, plan, settings.batch_size, self.capacity,
-                                            compile=device.type == "cuda" and tp is None, selector=selector,
-                                            predictor=predictor if speculating else None, cache=cache,
-                                            backend=self.ops_backend)
+        session = self.session = GraphSession(decoder, plan, settings.batch_size, cache, selector=selector,
+                                              predictor=predictor, backend=self.ops_backend,
+                                              compile=r.device.type == "cuda" and tp is None)
         first = logits.argmax(-1)  # [B] greedy
-        engine.take_over(row_tokens, first, eager.backend.predictor_state if speculating else None,
-                         eager.backend.previous)
+        session.take_over(eager.backend, row_tokens, first)
         del eager
         log.info("prompt: %s (%d tokens); engine=graph, %s", r.prompt.description, prompt_len, plan)
-
         if len(self.variants) > 1:
             log.info("engine=graph budget=%s: %s (|P| = %d blocks) chosen per window of %d steps", type(budget).__name__,
                      " or ".join(self.variants), plan.predicted_blocks, self.window)
-        steps = r.task.max_new_tokens
-        self.outputs = outputs = torch.zeros(settings.batch_size, steps + 2, dtype=torch.long, device=device)
-
         # One view of the engine per variant this run can take (a budget that switches: both, over the
         # same cache).
         # Steps that also measure against dense attention (runtime.dense_metrics_every; shadow mode
         # measures every step) are a second view of each variant. Every view counts |A|, |P|, hits
         # and last-step overlap on the device (a few small reductions per sparse layer), read once
         # per window.
-        variants = self.variants
         self.every = 1 if plan.mode == "shadow" else settings.dense_metrics_every
         measures = (True,) if self.every == 1 else (True, False)
-
-        def stepper(view: GraphDecoder):
-            def run() -> None:  # one decode step of this view; its greedy token lands in outputs[:, step index]
-                view.step(advance=True)
-                outputs.index_copy_(1, (view.pos[:1] - row_tokens[0] - 1).long(), view.token)
-            return run
-
         # (serial windows between PRR ones keep the predictor learning, as the eager runtime's serial steps do)
-        switches = len(variants) > 1
-        self.replays = {(variant, m): stepper(engine.with_plan(variant=variant, measure_dense=m, count_hits=True,
-                                                               learn_in_serial=switches))
-                        for variant in variants for m in measures}
-        self.replays = engine.capture_all(self.replays)  # (CUDA: one graph each, rewound to the prompt's end)
+        switches = len(self.variants) > 1
+        session.capture({(variant, m): {"variant": variant, "measure_dense": m, "count_hits": True,
+                                        "learn_in_serial": switches}
+                         for variant in self.variants for m in measures})  # (CUDA: one graph each, rewound)
         self.latencies: list[float] = []
         self.ran: list[str] = []  # the variant of each step
-        self.sparse = [i for i in range(mc.num_layers) if engine.sparse[i]]
+        self.sparse = [i for i in range(mc.num_layers) if session.engine.sparse[i]]
         # Hit counters summed over PRR steps only (serial steps count |A|, no hits).
-        self.totals = {v: torch.zeros(len(engine.COUNTERS), mc.num_layers, dtype=torch.float64)
+        self.totals = {v: torch.zeros(len(session.engine.COUNTERS), mc.num_layers, dtype=torch.float64)
                        for v in ("serial", "prr")}
         self.done = 0
         return first
@@ -324,12 +257,12 @@ class GraphDecode:
     def decode(self, n: int) -> Window:
         """n steps of the variant the budget chooses for this window, then the window's counters;
         the budget learns from its median step time and hit rate (`end_window`)."""
-        engine, names, done, budget = self.engine, self.engine.COUNTERS, self.done, self.inputs.budget
+        engine, names, done, budget = self.session.engine, self.session.engine.COUNTERS, self.done, self.inputs.budget
         variant = budget.window_variant(self.plan.variant)
-        window_replays = [self.replays[variant, (done + i) % self.every == 0] for i in range(n)]
         # copies: on the CPU .cpu() would alias the counters the steps add to in place
         before = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64)
-        latencies = timed_steps(window_replays, self.inputs.device)
+        latencies = self.session.run([(variant, (done + i) % self.every == 0) for i in range(n)])
+        tokens = torch.tensor(self.session.read()["tokens"])  # [B, n]
         self.done += n
         self.latencies += latencies
         self.ran += [variant] * n
@@ -340,7 +273,7 @@ class GraphDecode:
             d_hits, d_sel = window[names.index("hits"), self.sparse].sum(), window[names.index("selected"), self.sparse].sum()
             window_hit = float(d_hits / d_sel) if d_sel > 0 else None
         budget.end_window(variant, statistics.median(latencies), window_hit)
-        return Window(self.outputs[:, done : done + n].cpu(), latencies, [0.0] * n, [variant] * n)
+        return Window(tokens, latencies, [0.0] * n, [variant] * n)
 
     def results(self, token_ids: Tensor) -> Results:
         """Hit rate and precision over PRR steps; overlap and the dense-reference metrics over every step."""
@@ -348,7 +281,7 @@ class GraphDecode:
 
         from prr.runtime.probe import device_name
 
-        r, settings, plan, engine, sparse = self.inputs, self.inputs.settings, self.plan, self.engine, self.sparse
+        r, settings, plan, engine, sparse = self.inputs, self.inputs.settings, self.plan, self.session.engine, self.sparse
         steps = token_ids.shape[1]
         latencies, ran = self.latencies[:steps], self.ran[:steps]
         totals, names = self.totals, engine.COUNTERS

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from prr.runtime.eager_run import EagerRuntime
-from prr.runtime.graph_decode import GraphDecoder
-from prr.runtime.graph_run import engine_backend, graph_plan
+from prr.runtime.graph_run import engine_backend
+from prr.runtime.graph_session import GraphSession, graph_plan
 
 
 @dataclass
@@ -60,39 +60,24 @@ def graph_study_decode(runtime: EagerRuntime, last_logits: Tensor, steps: int, r
     options = SimpleNamespace(mode=backend.mode, repair_mode=backend.repair_mode, block_size=cache.block_size)
     plan = dataclasses.replace(graph_plan(options, selector, predictor, budget, cache.max_blocks), count_hits=True,
                                study_counters=True, study_ratios=tuple(ratios))
-    speculating = plan.variant == "prr"
-    engine = GraphDecoder(runtime.decoder, plan, 1, cache.max_tokens, selector=selector,
-                          predictor=predictor if speculating else None, cache=cache,
-                          backend=engine_backend(str(runtime.device), runtime.backend_name, "triton"))  # kernels on a GPU, as backend=auto
-    device = engine.device
+    session = GraphSession(runtime.decoder, plan, 1, cache, selector=selector, predictor=predictor,
+                           backend=engine_backend(str(runtime.device), runtime.backend_name, "triton"),  # kernels on a GPU, as backend=auto
+                           scores=True)
     first = tokens[0] if tokens is not None else int(last_logits[0].argmax())
     disagreements = int(first != int(last_logits[0].argmax()))
-    engine.take_over(prompt_len, torch.tensor([first], device=device), backend.predictor_state if speculating else None,
-                     backend.previous)
-    if tokens is not None:  # step t at position prompt_len + t feeds tokens[t + 1] to the next
-        engine.forced_tokens = torch.full((1, cache.max_tokens), -1, dtype=torch.long, device=device)
-        engine.forced_tokens[0, prompt_len : prompt_len + steps - 1] = torch.tensor(tokens[1:steps], device=device)
-    greedy = torch.zeros(1, steps, dtype=torch.long, device=device)  # [1, steps]: argmax after each step
-
-    def stepper(view: GraphDecoder):
-        def run() -> None:
-            logits = view.step(advance=True)  # [1, V]; pos advanced
-            greedy.index_copy_(1, (view.pos - prompt_len - 1).long(), logits.argmax(-1, keepdim=True))
-        return run
-
+    if tokens is not None:
+        session.forcing()  # (before the capture: the step reads the table it was captured with)
+    session.take_over(backend, [prompt_len], torch.tensor([first], device=session.device))
+    if tokens is not None:  # step t feeds tokens[t + 1] to the next (the last step: its greedy token)
+        session.force([list(tokens[1:steps])], steps - 1)
     every = 1 if plan.mode == "shadow" else backend.dense_metrics_every
-    replays = {m: stepper(engine.with_plan(measure_dense=m)) for m in ((True,) if every == 1 else (True, False))}
-    replays = engine.capture_all(replays)  # (CUDA: one graph per view, rewound)
-    with torch.inference_mode():  # (the prefill's tensors are inference tensors)
-        for step in range(steps):
-            replays[step % every == 0]()
-        counters = engine.study_counters()
-        chosen = greedy[0].tolist()
-    if tokens is None:
-        followed = [first, *chosen[: steps - 1]]
-    else:
-        followed = list(tokens[:steps])
-        disagreements += sum(int(a != b) for a, b in zip(followed[1:], chosen, strict=False))
+    session.capture({m: {"measure_dense": m} for m in ((True,) if every == 1 else (True, False))})
+    session.run([step % every == 0 for step in range(steps)])
+    out = session.read()  # the token each step chose (forced or greedy) and whether it was the argmax
+    with torch.inference_mode():
+        counters = session.engine.study_counters()
+    followed = [first, *out["tokens"][0][: steps - 1]]
+    disagreements += sum(not g for g in out["greedy"][0][: steps - 1])
     return StudyDecode(counters, followed, disagreements, plan)
 
 

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             for row, (j, gen) in enumerate(zip(need, gens, strict=True)):
                 steps = pd.DataFrame(runner.request_rows)
                 if args.engine == "graph":  # the row's own device counters (its steps past its EOS included)
-                    counts = runner.runtime.row_counts[row]
+                    counts = runner.pipeline.row_counts[row]
                     steps = pd.DataFrame([{"hits": counts["hits"], "selected_blocks": counts["selected"]}]
                                          if counts["selected"] else [])  # (no sparse layer: no rows, as eager)
                 ran.append({

@@ -1,5 +1,5 @@
 """Seconds per sample of scored tasks on the research runtime (`runtime.engine=eager`) and on
-the CUDA-graph engine (`runtime.engine=graph`, prr/runtime/graph_requests.py), same config.
+the CUDA-graph engine (`runtime.engine=graph`, prr/runtime/graph_pipeline.py), same config.
 
     python experiments/bench_scoring.py --device cuda --dtype bfloat16 --backend triton \\
         --context 32512 --samples 3 --out experiments/results/h200/bench_scoring

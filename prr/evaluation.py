@@ -2,10 +2,11 @@
 (RULER-style generators, perplexity, lm-eval) and the `prr` lm-eval model.
 
 `Engine` is the one driver of a request (prefill, the greedy loop with EOS and stop strings,
-scoring, records); a request strategy runs its steps, chosen by runtime.engine:
-- `EagerRequests` (eager): the research runtime, a fresh KV cache, selector and predictor per
+scoring, records); the run's pipeline (prr/runtime/pipeline.py, `build_pipeline`, chosen by
+runtime.engine) prefills and runs the steps:
+- `EagerPipeline` (eager): the research runtime, a fresh KV cache, selector and predictor per
   request, one step per host look, per-(step, layer, row, KV head) records;
-- `GraphRequests` (graph, prr/runtime/graph_requests.py): one CUDA-graph engine per Engine,
+- `GraphPipeline` (graph, prr/runtime/graph_pipeline.py): one CUDA-graph engine per Engine,
   its cache and state reset in place per request, windows of captured steps.
 Samples never share state; the model and the speculation budget are set up once. The
 prefill is dense (as in the runner), so sparse attention and PRR act on every decoded token:
@@ -32,8 +33,8 @@ from torch import Tensor
 from prr.eos import eos_ids
 from prr.run_inputs import DTYPES
 from prr.run_records import RunRecords, step_rows, token_row
-from prr.runtime.eager_run import EagerRuntime, eager_budget_setup
-from prr.runtime.run_strategy import Steps, topk_label
+from prr.runtime.pipeline import build_pipeline
+from prr.runtime.run_strategy import Steps
 from prr.tasks.base import Task
 from prr.tasks.samples import ByteTokenizer
 
@@ -87,77 +88,11 @@ class Generation:
     margins: list[float]  # top-1 minus top-2 logit at each generated token: near-ties explain flips
 
 
-class EagerRequests:
-    """Engine's request strategy on the research runtime (`runtime.engine=eager`): a fresh
-    EagerRuntime per request (its own cache, selector and predictor), one request at a time, one
-    step per host look, per-(step, layer, row, KV head) records. (The graph engine's:
-    prr/runtime/graph_requests.py.)"""
-
-    label = "eager"
-    window = 1
-    rows = 1  # requests decoded together
-
-    def __init__(self, owner: Engine) -> None:
-        if owner.settings.batch_size != 1:
-            raise ValueError(f"runtime.batch_size={owner.settings.batch_size}: the research runtime decodes one "
-                             "request at a time; use runtime.batch_size=1 (or runtime.engine=graph)")
-        self.owner = owner
-        selector = owner.new_selector()
-        self.selection_backend = selector.set_backend(owner.ops.name)
-        self.budget_info, self.device_name = eager_budget_setup(owner.budget, selector, owner.settings,
-                                                                owner.model.decoder, owner.max_tokens, owner.dtype,
-                                                                owner.ops.name)
-        self.topk_blocks = topk_label(selector)
-        self.runtime: EagerRuntime | None = None
-        self.position = 0  # the position of the token the next step reads
-
-    def open(self, total_tokens: int) -> EagerRuntime:
-        """A fresh runtime for one request of total_tokens."""
-        o = self.owner
-        selector = o.new_selector()
-        selector.set_backend(o.ops.name)
-        self.runtime = EagerRuntime(o.model.decoder, o.settings, selector, instantiate(o.cfg.predictor), o.budget,
-                                    o.ops.name, total_tokens, o.dtype)
-        return self.runtime
-
-    def begin(self, eager: EagerRuntime, lengths: list[int]) -> None:
-        self.position = lengths[0]
-
-    def steps(self, first: list[int], n: int, forced: list[list[int]] | None, step: int = 0) -> list[Steps]:
-        """n steps of the request: step 0 reads first[0], step i > 0 the token step i - 1 chose
-        (forced[0][i - 1], or its greedy token); `step`: the first one's index (records)."""
-        out, token = Steps(records=[]), first[0]
-        for i in range(n):
-            with torch.inference_mode():
-                logits, records, wall, measure_s = self.runtime.step(torch.tensor([token]), self.position, step + i)
-                row = logits[0].float()  # [V]
-                top2 = row.topk(2).values
-                best = int(row.argmax())
-                chosen = forced[0][i] if forced is not None else best
-                out.logprobs.append(float(torch.log_softmax(row, -1)[chosen]))
-            out.read.append(token)
-            out.chosen.append(chosen)
-            out.greedy.append(best == chosen)
-            out.margins.append(float(top2[0] - top2[1]))
-            out.wall_s.append(wall)
-            out.measure_s.append(measure_s)
-            out.records.append(records)
-            self.position += 1
-            token = chosen
-        return [out]
-
-    def end(self) -> None:
-        self.runtime = None
-
-    def results(self) -> dict[str, Any]:
-        return {"engine": "eager"}  # (hit rates and timings: from the step records)
-
-
 class Engine:
     """Decode requests under one config (model, selector, predictor, budget, runtime, backend):
     the prefill, the greedy / EOS / stop-string loop, scoring and the records, over a request
-    strategy chosen by runtime.engine: `EagerRequests` (the research runtime, one request at a
-    time) or `GraphRequests` (the CUDA-graph engine, prr/runtime/graph_requests.py: batches of
+    pipeline chosen by runtime.engine: `EagerPipeline` (the research runtime, one request at a
+    time) or `GraphPipeline` (the CUDA-graph engine, prr/runtime/graph_pipeline.py: batches of
     runtime.batch_size requests, ragged rows)."""
 
     def __init__(self, cfg: DictConfig, model: Any, max_tokens: int, run_dir: Path | None = None) -> None:
@@ -180,24 +115,11 @@ class Engine:
         self.run_dir = run_dir
         self.collect = False  # True: keep the current request's step rows in self.request_rows (studies)
         self.request_rows: list[dict[str, Any]] = []
-        engine = self.settings.engine
-        if engine == "graph":
-            from prr.runtime.graph_requests import GraphRequests
-
-            self.runtime: EagerRequests | GraphRequests = GraphRequests(self)
-        elif engine == "eager":
-            self.runtime = EagerRequests(self)
-        else:
-            raise ValueError(f"runtime.engine={engine!r} is not one of ['eager', 'graph']")
-        self.selection_backend = self.runtime.selection_backend
-        self.budget_info, self.device_name = self.runtime.budget_info, self.runtime.device_name
-        self.topk_blocks = self.runtime.topk_blocks
+        self.pipeline = build_pipeline(cfg, model, self.settings, self.budget, self.ops, self.max_tokens, self.dtype)
+        self.selection_backend = self.pipeline.selection_backend
+        self.budget_info, self.device_name = self.pipeline.budget_info, self.pipeline.device_name
+        self.topk_blocks = self.pipeline.topk_blocks
         self.records = RunRecords(run_dir, samples=True) if run_dir is not None else None
-
-    def new_selector(self) -> Any:
-        selector = instantiate(self.cfg.selector)
-        selector.bind_model(self.model.config)
-        return selector
 
     def close(self) -> None:
         if self.records is not None:
@@ -205,7 +127,7 @@ class Engine:
 
     def results(self) -> dict[str, Any]:
         """The request strategy's own numbers for the summary (the graph engine's pooled counters)."""
-        return self.runtime.results()
+        return self.pipeline.results()
 
     # --- text ---------------------------------------------------------------------------
     def encode_prompt(self, text: str, chat_template: bool, gen_prefix: str = "") -> Tensor:
@@ -224,7 +146,7 @@ class Engine:
     @property
     def rows(self) -> int:
         """Requests decoded together (runtime.batch_size on the graph engine; 1 on the eager one)."""
-        return self.runtime.rows
+        return self.pipeline.rows
 
     def log_sample(self, row: dict[str, Any], sample: int | None = None) -> None:
         """samples.jsonl's row of request `sample` (default: the last one started)."""
@@ -245,7 +167,7 @@ class Engine:
                 raise ValueError(f"a request of {t + n} tokens exceeds this engine's {self.max_tokens} (model "
                                  f"context {self.model.config.max_position_embeddings}); shorten the prompt")
             last = out[-1] if out else None
-            if last is None or len(last) == self.runtime.rows or \
+            if last is None or len(last) == self.pipeline.rows or \
                     max(t, *(prompt_lengths[j] for j in last)) + max(n, *(new_tokens[j] for j in last)) > self.max_tokens:
                 out.append([i])
             else:
@@ -262,24 +184,14 @@ class Engine:
         for ids, prefill in zip(prompts, prefills, strict=True):
             if prefill is not None and not torch.equal(prefill.input_ids, ids):
                 raise ValueError("the Prefill given was made from other input_ids")
-        runtime = self.runtime.open(max(p.shape[1] for p in prompts) + max(new_tokens))
-        rows = self.runtime.rows
-        with torch.inference_mode():
-            if rows == 1:
-                history = None
-                if prefills[0] is None:
-                    logits = runtime.prefill(prompts[0], last_logits_only=True)  # [1, V]
-                else:
-                    runtime.replay_prefill(prefills[0].qkv)  # same q/k/v: selector metadata and tail rebuilt
-                    logits = prefills[0].last_logits
-            else:  # a ragged batch, row by row
-                pad = rows - len(prompts)
-                prompts, prefills = prompts + prompts[-1:] * pad, prefills + prefills[-1:] * pad
-                computed, history = runtime.prefill_rows(prompts, [p.qkv if p is not None else None for p in prefills])
-                logits = torch.cat([c if c is not None else p.last_logits
-                                    for c, p in zip(computed, prefills, strict=True)])[: rows - pad]  # [R, V]
-            runtime.finish_prefill(history)
-            self.runtime.begin(runtime, [p.shape[1] for p in prompts])
+        rows, given = self.pipeline.rows, len(prompts)
+        pad = rows - given if rows > 1 else 0  # (rows past the batch repeat its last prompt)
+        prompts, prefills = prompts + prompts[-1:] * pad, prefills + prefills[-1:] * pad
+        kept = [p.qkv if p is not None else None for p in prefills]
+        logits = self.pipeline.prefill(prompts, kept, max(new_tokens))
+        if isinstance(logits, list):  # a kept prefill's rows: its logits
+            logits = torch.cat([c if c is not None else p.last_logits for c, p in zip(logits, prefills, strict=True)])
+        logits = logits[:given]  # [R, V]
         return logits.float()
 
     def _record(self, steps: Steps, kept: int, sample: int, first_step: int) -> None:
@@ -287,7 +199,7 @@ class Engine:
         if self.records is None and not self.collect:
             return
         if self.collect and steps.records is None:
-            raise ValueError(f"collect=True keeps per-head step records, which runtime.engine={self.runtime.label} "
+            raise ValueError(f"collect=True keeps per-head step records, which runtime.engine={self.pipeline.label} "
                              "does not write; use runtime.engine=eager")
         rows = [] if steps.records is None else step_rows([r for rs in steps.records[:kept] for r in rs],
                                                           sample=sample)
@@ -330,8 +242,8 @@ class Engine:
         made = 1  # tokens each row has had (the last one needs no decode step of its own)
         try:
             while not all(ended) and made < max_new_tokens:
-                n = min(self.runtime.window, max_new_tokens - made)
-                for r, steps in enumerate(self.runtime.steps([t[-1] for t in tokens], n, None, made - 1)):
+                n = min(self.pipeline.window, max_new_tokens - made)
+                for r, steps in enumerate(self.pipeline.steps([t[-1] for t in tokens], n, None, made - 1)):
                     kept = 0
                     for token, margin in zip(steps.chosen, steps.margins, strict=True):
                         if ended[r]:
@@ -343,7 +255,7 @@ class Engine:
                     self._record(steps, kept, self.requests[r], made - 1)
                 made += n
         finally:
-            self.runtime.end()
+            self.pipeline.end()
         out = []
         for ids, m in zip(tokens, margins, strict=True):
             text = self.decode_text(ids)
@@ -401,11 +313,11 @@ class Engine:
             if n > 0:  # rows with shorter continuations run greedy steps past theirs, not kept
                 forced = [c[1:] + [-1] * (n - len(c[1:])) for _, c, _ in rows]
                 first = [c[0] if c else ids[0, -1].item() for ids, c, _ in rows]
-                for r, steps in enumerate(self.runtime.steps(first, n, forced)):
+                for r, steps in enumerate(self.pipeline.steps(first, n, forced)):
                     kept = max(len(rows[r][1]) - 1, 0)
                     logprobs[r] += steps.logprobs[:kept]
                     greedy[r] += steps.greedy[:kept]
                     self._record(steps, kept, self.requests[r], 0 if rows[r][2] is None else 1)
         finally:
-            self.runtime.end()
+            self.pipeline.end()
         return [(sum(lp), all(g), lp) for lp, g in zip(logprobs, greedy, strict=True)]

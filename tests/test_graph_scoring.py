@@ -1,4 +1,4 @@
-"""Scored requests on the graph engine (`runtime.engine=graph`, prr/runtime/graph_requests.py)
+"""Scored requests on the graph engine (`runtime.engine=graph`, prr/runtime/graph_pipeline.py)
 equal the research runtime's (`runtime.engine=eager`) on a tiny random Llama in fp32: the same
 generated tokens (EOS and stop strings cut alike, across windows of steps), log-likelihoods of
 given continuations within 1e-5, one engine reused across requests of different lengths; exact
@@ -151,7 +151,7 @@ def test_prr_lm_eval_model_on_the_graph_engine_equals_the_eager_one():
             "selector.topk_blocks": 4, "runtime.block_size": 16, "task.context_tokens": 200}
     lms = [PRRLM(model="tiny-random", **args, **{"runtime.engine": e, "runtime.batch_size": b})
            for e, b in (("eager", 1), ("graph", 1), ("graph", 2))]  # (the last: batches of 2 ragged requests)
-    assert lms[1].engine.runtime.label == "graph" and lms[2].engine.rows == 2
+    assert lms[1].engine.pipeline.label == "graph" and lms[2].engine.rows == 2
     context = "Sparse attention keeps the blocks that matter; the predictor guesses them early. " * 2
     requests = [SimpleNamespace(args=(context[:n], " The magic number is 1234567.")) for n in (160, 100, 130)]
     eager, *graph = [lm.loglikelihood(requests) for lm in lms]

@@ -115,7 +115,7 @@ def test_prefill_tail_selections_are_causal():
 @pytest.mark.parametrize("selector", ["quest", "infllm", "infllm_prr", "less", "exact"])
 def test_a_one_token_prefill_tail_leaves_serial_dsa_as_a_full_tail_does(selector):
     # The graph engine's serial requests keep a one-token tail where the selector claims
-    # bulk_metadata_equals_stepwise (prr/runtime/graph_requests.py): then A_t-1 and every later
+    # bulk_metadata_equals_stepwise (prr/runtime/graph_pipeline.py): then A_t-1 and every later
     # selection and output are unchanged; the others differ here, so the claim is not too modest.
     from hydra.utils import instantiate
 

@@ -160,7 +160,7 @@ def test_hinted_topk_selects_the_same_blocks_and_its_slot_exists_after_the_prefi
 
 def test_a_one_token_prefill_tail_leaves_serial_dsa_as_a_full_tail_does():
     """bulk_metadata_equals_stepwise end to end (what the graph engine's serial requests rely on,
-    prr/runtime/graph_requests.py; tests/test_runtime.py holds it for the selectors of 16-token
+    prr/runtime/graph_pipeline.py; tests/test_runtime.py holds it for the selectors of 16-token
     blocks): a prefill replayed with a 1-token tail and with a 40-token one leave the same last
     selection, and the decode steps after it select and output the same."""
     from prr.budget.fixed import FixedBudget

@@ -1,5 +1,5 @@
 """`runtime.engine=graph`: a run.py decode through the CUDA-graph engine (graph_decode.py).
-(Scored tasks' requests on the same engine: graph_requests.py.)
+(Its pipeline, also scored tasks': graph_pipeline.py; the engine over the cache: graph_session.py.)
 
 The prompt is prefilled by the research runtime (dense attention over the prompt, as with
 engine=eager); the engine takes the cache, rebuilds the Quest metadata from it and decodes
@@ -23,7 +23,6 @@ so both propose the same P from the first step.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import statistics
@@ -37,12 +36,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import Tensor
 
-from prr.runtime.graph_session import (  # noqa: F401 - graph_plan, resolved_plan: imported from here by scripts
-    GraphSession,
+from prr.runtime.graph_pipeline import GraphPipeline
+from prr.runtime.graph_session import (  # noqa: F401 - engine_backend, graph_plan, resolved_plan: imported from here
+    engine_backend,
     graph_plan,
     graph_topk,
     resolved_plan,
-    session_plan,
 )
 from prr.runtime.run_strategy import Results, Window
 
@@ -87,7 +86,7 @@ def graph_problems(built: dict[str, Any], model: Any) -> list[str]:
     if getattr(task, "temperature", 0.0) != 0.0:
         out.append(f"{head} decodes greedily (the step writes its argmax token): set task.temperature=0 "
                    f"(got {task.temperature})")
-    if callable(getattr(task, "evaluate", None)):  # scored tasks: prr/runtime/graph_requests.py
+    if callable(getattr(task, "evaluate", None)):  # scored tasks: prr/runtime/graph_pipeline.py
         out += scoring_problems(runtime, predictor, budget)
     else:
         out += budget.engine_problems(predictor.speculates, "decode", runtime.tensor_parallel)
@@ -120,12 +119,6 @@ def scoring_problems(settings: Any, predictor: Any, budget: Any) -> list[str]:
     if settings.tensor_parallel != 1:
         out.append(f"{head}: runtime.tensor_parallel={settings.tensor_parallel}: not yet; use runtime.tensor_parallel=1")
     return out
-
-
-def engine_backend(device: str, backend: str, graph_on_gpu: str | None = None) -> str:
-    """The engine's ops: `backend` (backend.name: backend=torch runs torch ops on a GPU too), or
-    on a GPU `graph_on_gpu` where the backend group names one (backend=auto: triton)."""
-    return graph_on_gpu if graph_on_gpu is not None and str(device).startswith("cuda") else backend
 
 
 def tensor_parallel_group(settings: Any):
@@ -173,107 +166,36 @@ class GraphDecode:
             raise ValueError(f"runtime.row_tokens={settings.row_tokens}: a row cannot hold more than the prompt's "
                              f"{prompt_len} tokens")
         self.max_blocks = -(-capacity // settings.block_size)
-        ops = instantiate(cfg.backend)
-        self.ops = ops.name  # the prefill's ops; the engine's: engine_backend
-        self.ops_backend = engine_backend(settings.device, ops.name, ops.graph_on_gpu)
-        # |P| decided at the first decode step's context (the longest row + 1 tokens), static for the decode
+        # |P| decided at the first decode step's context (the longest row + 1 tokens), static for the
+        # decode; before the prefill (a profile's engines and the run's are never in memory at once).
         context = (max(row_tokens) + settings.block_size) // settings.block_size
-        plan, self.budget_info = session_plan(settings, selector, predictor, budget, decoder, settings.batch_size,
-                                              capacity, self.ops_backend, context)
-        self.plan = plan
-        self.variants = budget.engine_variants(plan.variant)  # the views captured (one per variant)
-        # Steps run back to back; the host looks at tokens (EOS) every window of steps, and on a
-        # GPU each step's time is its replay's device time (CUDA events): no host sync per token.
-        self.window = budget.window_steps_or(16 if r.device.type == "cuda" else 1)
+        self.pipeline = GraphPipeline(settings, decoder, selector, predictor, budget, instantiate(cfg.backend),
+                                      rows=settings.batch_size, capacity=capacity, dtype=r.dtype, purpose="decode",
+                                      context=context, tp=tp)
+        self.window = self.pipeline.window
 
     def prefill(self) -> Tensor:
-        """The research runtime's prefill into a paged cache (its K/V, the selector's metadata and
-        the warmed predictor state are what the engine decodes from), then the engine, its views
-        and (on a GPU) their captures."""
-        from prr.runtime.eager_run import EagerRuntime
-
-        r, settings, tp = self.inputs, self.inputs.settings, self.tp
-        selector, predictor, budget, decoder = r.selector, r.predictor, r.budget, self.decoder
-        row_tokens, prompt_len, plan = self.row_tokens, self.prompt_len, self.plan
-        mc = decoder.config
-        # A ragged batch prefills its rows one by one, each into its row of the cache
-        # (`PagedKVCache.row`: its own length and metadata), then calibrates and warms the predictor
-        # on every row's prefill tail at once, as a uniform batch does.
-        selector.set_backend(self.ops)
-        eager = EagerRuntime(decoder, settings, selector, predictor, budget, self.ops, self.capacity, r.dtype,
-                             mode="sparse", dense_metrics_every=1, check_serial=False)
-        cache = eager.cache
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            if settings.row_tokens is None:
-                logits = eager.prefill(r.input_ids)  # [B, V]
-                history = None
-            else:
-                row_logits, history = eager.prefill_rows([r.input_ids[b : b + 1, prompt_len - n :]
-                                                          for b, n in enumerate(row_tokens)])
-                logits = torch.cat(row_logits)  # [B, V]
-            calibrate_on = None
-            if tp is not None:  # calibration fits every rank's heads (all ranks choose alike, as one process would)
-                own = history if history is not None else eager.backend.history
-                calibrate_on = [None if h is None else [tp.gather_heads(s) for s in h] for h in own]
-            calibration = eager.finish_prefill(history, calibrate_on)  # calibrates and warms the predictor
-            self.prefill_s = time.perf_counter() - t0
-        if calibration:
-            self.budget_info["calibration"] = calibration
-
-        plan = self.plan = dataclasses.replace(plan, projections=settings.graph_projections())
-        session = self.session = GraphSession(decoder, plan, settings.batch_size, cache, selector=selector,
-                                              predictor=predictor, backend=self.ops_backend,
-                                              compile=r.device.type == "cuda" and tp is None)
-        first = logits.argmax(-1)  # [B] greedy
-        session.take_over(eager.backend, row_tokens, first)
-        del eager
-        log.info("prompt: %s (%d tokens); engine=graph, %s", r.prompt.description, prompt_len, plan)
-        if len(self.variants) > 1:
-            log.info("engine=graph budget=%s: %s (|P| = %d blocks) chosen per window of %d steps", type(budget).__name__,
-                     " or ".join(self.variants), plan.predicted_blocks, self.window)
-        # One view of the engine per variant this run can take (a budget that switches: both, over the
-        # same cache).
-        # Steps that also measure against dense attention (runtime.dense_metrics_every; shadow mode
-        # measures every step) are a second view of each variant. Every view counts |A|, |P|, hits
-        # and last-step overlap on the device (a few small reductions per sparse layer), read once
-        # per window.
-        self.every = 1 if plan.mode == "shadow" else settings.dense_metrics_every
-        measures = (True,) if self.every == 1 else (True, False)
-        # (serial windows between PRR ones keep the predictor learning, as the eager runtime's serial steps do)
-        switches = len(self.variants) > 1
-        session.capture({(variant, m): {"variant": variant, "measure_dense": m, "count_hits": True,
-                                        "learn_in_serial": switches}
-                         for variant in self.variants for m in measures})  # (CUDA: one graph each, rewound)
-        self.latencies: list[float] = []
-        self.ran: list[str] = []  # the variant of each step
-        self.sparse = [i for i in range(mc.num_layers) if session.engine.sparse[i]]
-        # Hit counters summed over PRR steps only (serial steps count |A|, no hits).
-        self.totals = {v: torch.zeros(len(session.engine.COUNTERS), mc.num_layers, dtype=torch.float64)
-                       for v in ("serial", "prr")}
-        self.done = 0
-        return first
+        """The research runtime's prefill into the pipeline's paged cache (its K/V, the selector's
+        metadata and the warmed predictor state are what the engine decodes from; a ragged batch
+        row by row), then the engine, its views and (on a GPU) their captures."""
+        r, p = self.inputs, self.pipeline
+        t0 = time.perf_counter()
+        if r.settings.row_tokens is None:
+            logits = p.prefill(r.input_ids)  # [B, V]
+        else:
+            logits = p.prefill([r.input_ids[b : b + 1, self.prompt_len - n :] for b, n in enumerate(self.row_tokens)])
+        self.prefill_s = time.perf_counter() - t0
+        log.info("prompt: %s (%d tokens); engine=graph, %s", r.prompt.description, self.prompt_len, p.plan)
+        if len(p.variants) > 1:
+            log.info("engine=graph budget=%s: %s (|P| = %d blocks) chosen per window of %d steps",
+                     type(r.budget).__name__, " or ".join(p.variants), p.plan.predicted_blocks, self.window)
+        return logits.argmax(-1)  # [B] greedy
 
     def decode(self, n: int) -> Window:
-        """n steps of the variant the budget chooses for this window, then the window's counters;
-        the budget learns from its median step time and hit rate (`end_window`)."""
-        engine, names, done, budget = self.session.engine, self.session.engine.COUNTERS, self.done, self.inputs.budget
-        variant = budget.window_variant(self.plan.variant)
-        # copies: on the CPU .cpu() would alias the counters the steps add to in place
-        before = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64)
-        latencies = self.session.run([(variant, (done + i) % self.every == 0) for i in range(n)])
-        tokens = torch.tensor(self.session.read()["tokens"])  # [B, n]
-        self.done += n
-        self.latencies += latencies
-        self.ran += [variant] * n
-        window = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64) - before
-        self.totals[variant] += window
-        window_hit = None
-        if variant == "prr":
-            d_hits, d_sel = window[names.index("hits"), self.sparse].sum(), window[names.index("selected"), self.sparse].sum()
-            window_hit = float(d_hits / d_sel) if d_sel > 0 else None
-        budget.end_window(variant, statistics.median(latencies), window_hit)
-        return Window(tokens, latencies, [0.0] * n, [variant] * n)
+        """n steps of the variant the budget chooses for this window (the pipeline's `steps`)."""
+        rows = self.pipeline.steps(None, n)
+        return Window(torch.tensor([row.chosen for row in rows]), rows[0].wall_s, [0.0] * n,
+                      self.pipeline.ran[-n:])
 
     def results(self, token_ids: Tensor) -> Results:
         """Hit rate and precision over PRR steps; overlap and the dense-reference metrics over every step."""
@@ -281,10 +203,12 @@ class GraphDecode:
 
         from prr.runtime.probe import device_name
 
-        r, settings, plan, engine, sparse = self.inputs, self.inputs.settings, self.plan, self.session.engine, self.sparse
+        r, settings, p = self.inputs, self.inputs.settings, self.pipeline
+        plan, engine = p.plan, p.engine
+        sparse = [i for i, s in enumerate(engine.sparse) if s]
         steps = token_ids.shape[1]
-        latencies, ran = self.latencies[:steps], self.ran[:steps]
-        totals, names = self.totals, engine.COUNTERS
+        latencies, ran = p.latencies[:steps], p.ran[:steps]
+        totals, names = p.variant_totals, engine.COUNTERS
         if self.tp is not None:  # each rank counted its own KV heads: the run's counts are their sums
             for variant in totals:
                 totals[variant] = self.tp.sum_on_host(totals[variant])
@@ -302,9 +226,9 @@ class GraphDecode:
                                                  for i in sparse]})
         command = "python " + " ".join(sys.argv)  # provenance travels with copies of either file
         total_selected = float(selected[sparse].sum())  # over PRR steps
-        switches = len(self.variants) > 1
+        switches = len(p.variants) > 1
         if switches:
-            self.budget_info.update(steps_prr=ran.count("prr"), steps_serial=ran.count("serial"))
+            p.budget_info.update(steps_prr=ran.count("prr"), steps_serial=ran.count("serial"))
         median_ms = 1e3 * statistics.median(latencies)
         summary = dict(
             # how this file was produced (results copied elsewhere keep their provenance)
@@ -320,7 +244,7 @@ class GraphDecode:
             rows={"row_tokens": self.row_tokens},  # tokens of the prompt each row holds (a ragged batch's differ)
             block_size=plan.block_size, topk_blocks=graph_topk(r.selector, self.max_blocks),
             sizes={"predicted_blocks": plan.predicted_blocks}, timing={"prefill_s": self.prefill_s},
-            budget_setup=self.budget_info,
+            budget_setup=p.budget_info,
             results={
                 "decode_steps": len(latencies),
                 # GPU: device time of each step's graph replay (CUDA events); CPU: wall time of eager steps.
@@ -333,7 +257,7 @@ class GraphDecode:
                 "last_step_overlap": ratio(both["overlap"][sparse], both["selected"][sparse]),
                 "mean_mass_recall": ratio(both["mass_recall"][sparse], both["measured"][sparse]),
                 "mean_output_relerr": ratio(both["output_relerr"][sparse], both["measured"][sparse]),
-                "dense_metrics_every": self.every,
+                "dense_metrics_every": p.every,
                 "generated_token_ids": token_ids.tolist(),
             })
         return Results(summary, layers, pd.DataFrame(), layers.assign(command=command))

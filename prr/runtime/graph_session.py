@@ -1,6 +1,6 @@
 """The graph engine's one pipeline from a prefilled cache to decoded steps, for every caller:
-run.py's decode (`GraphDecode`, graph_run.py), scored requests (`GraphRequests`,
-graph_requests.py) and the studies (`graph_study_decode`, study_decode.py).
+run.py's decode and scored requests (`GraphPipeline`, graph_pipeline.py) and the studies
+(`graph_study_decode`, study_decode.py).
 
 - `session_plan`: the run's plan (`graph_plan`) with the budget's |P| resolved (`resolved_plan`)
   and what the budget decided;
@@ -28,6 +28,12 @@ from torch import Tensor
 from prr.runtime.graph_decode import GraphDecoder
 from prr.runtime.static_plan import StaticPlan
 from prr.runtime.timing import timed_steps
+
+
+def engine_backend(device: str, backend: str, graph_on_gpu: str | None = None) -> str:
+    """The engine's ops: `backend` (backend.name: backend=torch runs torch ops on a GPU too), or
+    on a GPU `graph_on_gpu` where the backend group names one (backend=auto: triton)."""
+    return graph_on_gpu if graph_on_gpu is not None and str(device).startswith("cuda") else backend
 
 
 def graph_topk(selector: Any, max_blocks: int) -> int:

@@ -100,7 +100,7 @@ class Selector(SelectorOptions, ABC):
 
     # True when the prefill's bulk metadata update leaves what token-by-token updates would
     # (and the last prefill-tail selection with it): a serial request then keeps a one-token
-    # tail (prr/runtime/graph_requests.py). Tested for every selector in tests/test_runtime.py.
+    # tail (prr/runtime/graph_pipeline.py). Tested for every selector in tests/test_runtime.py.
     bulk_metadata_equals_stepwise = False
     # --- backends ---------------------------------------------------------------------------
     # Selectors with Triton kernels override `triton_problems` and `select_triton`; the others

@@ -3,7 +3,7 @@
 `prr.evaluation.Engine`), and the studies.
 
 A decode run goes through a runtime strategy:
-- `EagerDecode` (prr/runtime/eager_run.py): the research runtime, one step per host look,
+- `EagerDecode` (prr/runtime/eager_decode.py): the research runtime, one step per host look,
   per-(step, layer, row, KV head) records, sampling;
 - `GraphDecode` (prr/runtime/graph_run.py, `runtime.engine=graph`): the CUDA-graph engine,
   windows of replays, device counters read once per window.
@@ -75,7 +75,7 @@ def decode(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
         tp = tensor_parallel_group(instantiate(cfg.runtime))  # (first: each rank loads onto its own GPU)
         runtime: DecodeStrategy = GraphDecode(cfg, build_run(cfg), tp)
     else:
-        from prr.runtime.eager_run import EagerDecode
+        from prr.runtime.eager_decode import EagerDecode
 
         runtime = EagerDecode(cfg, build_run(cfg), run_dir)
     return decode_with(runtime, cfg, run_dir, logger)

@@ -1,9 +1,11 @@
-"""The research runtime's pipeline for scored requests (`runtime.engine=eager`): prefill ->
-steps, behind the same interface as the graph engine's (prr/runtime/graph_pipeline.py), so
-`prr.evaluation.Engine` drives either.
+"""The research runtime's pipeline (`runtime.engine=eager`): prefill -> steps, behind the same
+interface as the graph engine's (prr/runtime/graph_pipeline.py), for run.py's eager decode
+(`EagerDecode`, eager_decode.py: the run's own selector and predictor, a uniform batch, sampling)
+and scored requests (`prr.evaluation.Engine`: a fresh selector and predictor per request, so
+samples never share state; one request at a time).
 
-A fresh `EagerRuntime` per request (its own cache, selector and predictor: samples never share
-state), one request at a time, one step per host look, per-(step, layer, row, KV head) records.
+Each prefill makes a fresh `EagerRuntime` (its own cache); steps run one at a time (one host look
+each) with per-(step, layer, row, KV head) records.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ class EagerPipeline:
     rows = 1  # requests decoded together
 
     def __init__(self, cfg: Any, model: Any, settings: Any, budget: Any, ops: Any, max_tokens: int,
-                 dtype: torch.dtype) -> None:
-        """cfg: the run's config (its selector and predictor groups, instantiated per request);
+                 dtype: torch.dtype, selector: Any = None, predictor: Any = None) -> None:
+        """cfg: the run's config (its selector and predictor groups, instantiated per request
+        unless selector / predictor give the objects every prefill uses: a decode run's);
         settings: the runtime group; ops: the backend group; max_tokens: the longest request."""
-        if settings.batch_size != 1:
+        if selector is None and settings.batch_size != 1:
             raise ValueError(f"runtime.batch_size={settings.batch_size}: the research runtime decodes one "
                              "request at a time; use runtime.batch_size=1 (or runtime.engine=graph)")
         self.cfg, self.model, self.settings, self.budget, self.ops, self.dtype = cfg, model, settings, budget, ops, dtype
+        self.selector, self.predictor = selector, predictor
+        self.calibration: dict[str, Any] = {}
         selector = self.new_selector()
         self.selection_backend = selector.set_backend(ops.name)
         self.budget_info, self.device_name = eager_budget_setup(budget, selector, settings, model.decoder, max_tokens,
@@ -42,55 +47,78 @@ class EagerPipeline:
         self.position = 0  # the position of the token the next step reads
 
     def new_selector(self) -> Any:
+        if self.selector is not None:
+            return self.selector
         selector = instantiate(self.cfg.selector)
         selector.bind_model(self.model.config)
         return selector
 
-    def prefill(self, prompts: list[Tensor], kept: list[Any] | None = None,
-                new_tokens: int = 0) -> Tensor | list[Tensor | None]:
-        """One request's prompt [1, T] through a fresh runtime of T + new_tokens tokens (kept[0]: a
-        kept dense prefill's q/k/v replayed instead), the predictor calibrated and warmed on its
-        tail -> logits [1, V] at its last position ([None] where a kept prefill was replayed: the
-        caller has them)."""
-        if len(prompts) != 1:
+    def prefill(self, prompts: Tensor | list[Tensor], kept: list[Any] | None = None, new_tokens: int = 0,
+                progress: Any = None) -> Tensor | list[Tensor | None]:
+        """A request's prompt ([1, T] in a list; a decode run's batch: [B, T]) through a fresh
+        runtime of T + new_tokens tokens (kept[0]: a kept dense prefill's q/k/v replayed instead),
+        the predictor calibrated and warmed on its tail -> logits [B, V] at the last position
+        ([None] where a kept prefill was replayed: the caller has them). progress: a tqdm bar of
+        the prefill's layers."""
+        from prr.progress import PrefillProgress
+
+        if isinstance(prompts, list) and len(prompts) != 1:
             raise ValueError(f"the research runtime prefills one request at a time, got {len(prompts)}")
+        ids = prompts[0] if isinstance(prompts, list) else prompts
         selector = self.new_selector()
         selector.set_backend(self.ops.name)
-        ids = prompts[0]
-        self.runtime = runtime = EagerRuntime(self.model.decoder, self.settings, selector, instantiate(self.cfg.predictor),
-                                              self.budget, self.ops.name, ids.shape[1] + new_tokens, self.dtype)
+        predictor = self.predictor if self.predictor is not None else instantiate(self.cfg.predictor)
+        self.runtime = runtime = EagerRuntime(self.model.decoder, self.settings, selector, predictor, self.budget,
+                                              self.ops.name, ids.shape[1] + new_tokens, self.dtype,
+                                              batch=ids.shape[0])
         with torch.inference_mode():
-            if kept is None or kept[0] is None:
-                logits = runtime.prefill(ids, last_logits_only=True)  # [1, V]
-            else:
+            if kept is not None and kept[0] is not None:
                 runtime.replay_prefill(kept[0])  # same q/k/v: selector metadata and tail rebuilt
                 logits = [None]
-            runtime.finish_prefill()
+            else:
+                attention = PrefillProgress(runtime.backend, progress) if progress is not None else None
+                # (a request's: the LM head at its last position only, as scoring always ran)
+                logits = runtime.prefill(ids, attention, last_logits_only=isinstance(prompts, list))  # [B, V]
+            if progress is not None:
+                progress.set_postfix_str("calibrating the predictor")
+            self.calibration = runtime.finish_prefill()
         self.position = ids.shape[1]
         return logits
 
-    def steps(self, first: list[int], n: int, forced: list[list[int]] | None = None, step: int = 0) -> list[Steps]:
-        """n steps of the request: step 0 reads first[0], step i > 0 the token step i - 1 chose
-        (forced[0][i - 1], or its greedy token); `step`: the first one's index (records)."""
-        out, token = Steps(records=[]), first[0]
+    def steps(self, first: list[int], n: int, forced: list[list[int]] | None = None, step: int = 0,
+              choose: Any = None) -> list[Steps]:
+        """n steps of every row: step 0 reads first[b], step i > 0 the token step i - 1 chose:
+        forced[b][i], choose(logits [B, V]) -> [B] (sampling), or the greedy token; `step`: the
+        first one's index (records). -> one Steps per row; the step records (every row's) on the
+        first row's."""
+        rows = len(first)
+        out = [Steps(records=[] if b == 0 else None) for b in range(rows)]
+        token = torch.tensor(first)
         for i in range(n):
             with torch.inference_mode():
-                logits, records, wall, measure_s = self.runtime.step(torch.tensor([token]), self.position, step + i)
-                row = logits[0].float()  # [V]
-                top2 = row.topk(2).values
-                best = int(row.argmax())
-                chosen = forced[0][i] if forced is not None else best
-                out.logprobs.append(float(torch.log_softmax(row, -1)[chosen]))
-            out.read.append(token)
-            out.chosen.append(chosen)
-            out.greedy.append(best == chosen)
-            out.margins.append(float(top2[0] - top2[1]))
-            out.wall_s.append(wall)
-            out.measure_s.append(measure_s)
-            out.records.append(records)
+                logits, records, wall, measure_s = self.runtime.step(token, self.position, step + i)  # [B, V]
+                scores = logits.float()
+                top2 = scores.topk(2, -1).values  # [B, 2]
+                best = scores.argmax(-1)  # [B]
+                if choose is not None:
+                    chosen = choose(logits).view(-1).cpu()
+                elif forced is not None:
+                    chosen = torch.tensor([row[i] for row in forced])
+                else:
+                    chosen = best.cpu()
+                logprobs = scores.log_softmax(-1).gather(1, chosen.to(scores.device).view(-1, 1))[:, 0]
+            for b, o in enumerate(out):
+                o.read.append(int(token[b]))
+                o.chosen.append(int(chosen[b]))
+                o.greedy.append(int(best[b]) == int(chosen[b]))
+                o.logprobs.append(float(logprobs[b]))
+                o.margins.append(float(top2[b, 0] - top2[b, 1]))
+                o.wall_s.append(wall)
+                o.measure_s.append(measure_s)
+            out[0].records.append(records)
             self.position += 1
             token = chosen
-        return [out]
+        return out
 
     def end(self) -> None:
         self.runtime = None

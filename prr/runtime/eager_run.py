@@ -1,9 +1,9 @@
-"""The research runtime as a run strategy: the model's eager forward over a paged KV cache,
+"""The research runtime: the model's eager forward over a paged KV cache,
 attention through `DSABackend` (prefill dense, decode through the PRR step, timed stage by
 stage, with per-(step, layer, row, KV head) records).
 
 The one place a run builds a `DSABackend`: the main command's eager decode, the graph engine's
-prefill (prr/runtime/graph_run.py), every request of a scored task (prr/evaluation.py) and the
+prefill and every scored request (the pipelines, prr/runtime/eager_pipeline.py and graph_pipeline.py) and the
 studies (experiments/) go through `EagerRuntime`.
 """
 
@@ -11,22 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch import Tensor
 
 from prr.cache import PagedKVCache
-from prr.metrics import per_layer, summarize
-from prr.progress import PrefillProgress, progress_bar
-from prr.run_records import step_rows
 from prr.runtime.dsa_backend import DSABackend, check_finite
 from prr.runtime.probe import StageProbe
-from prr.runtime.run_strategy import Results, Window, topk_label
-from prr.sinks import JsonlWriter, read_jsonl
 from prr.step_record import LayerStepRecord
 
 log = logging.getLogger("prr")
@@ -176,62 +168,3 @@ class EagerRuntime:
         records, measure_s = self.backend.end_step()
         check_finite(logits, step, self.backend)
         return logits, records, wall, measure_s
-
-
-class EagerDecode:
-    """The run driver's strategy for `runtime.engine=eager`: one step per host look, sampling
-    (task.temperature, top_p), steps.jsonl per step; the summary from the records."""
-
-    progress_label = "decode"
-    window = 1
-
-    def __init__(self, cfg: DictConfig, inputs: Any, run_dir: Path) -> None:
-        self.cfg, self.inputs, self.run_dir = cfg, inputs, run_dir
-        r, settings = inputs, inputs.settings
-        self.prompt_len = r.input_ids.shape[1]
-        self.ops = instantiate(cfg.backend).name
-        self.selection_backend = r.selector.set_backend(self.ops)
-        self.runtime = EagerRuntime(r.model.decoder, settings, r.selector, r.predictor, r.budget, self.ops,
-                                    self.prompt_len + r.task.max_new_tokens, r.dtype)
-        self.budget_info, self.device_name = eager_budget_setup(r.budget, r.selector, settings, r.model.decoder,
-                                                                self.runtime.cache.max_tokens, r.dtype, self.ops)
-        log.info("prompt: %s (%d tokens); model %s loaded in %.1f s", r.prompt.description, self.prompt_len,
-                 r.model.name, r.load_s)
-        self.steps_out = JsonlWriter(run_dir / "records" / "steps.jsonl")
-        self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.step = 0
-
-    def prefill(self) -> Tensor:
-        r = self.inputs
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            with progress_bar(r.model.config.num_layers, f"prefill ({self.prompt_len} tokens)", "layer") as bar:
-                logits = self.runtime.prefill(r.input_ids, PrefillProgress(self.runtime.backend, bar))  # [B, V]
-                bar.set_postfix_str("calibrating the predictor")
-                self.calibration = self.runtime.finish_prefill()
-            self.prefill_s = time.perf_counter() - t0
-            self.token = next_token(logits, r.task.temperature, r.task.top_p, self.generator)
-        return self.token
-
-    def decode(self, n: int) -> Window:
-        if n != 1:
-            raise ValueError(f"the eager runtime looks at every step's token: windows of 1 step, not {n}")
-        logits, records, wall, measure_s = self.runtime.step(self.token, self.prompt_len + self.step, self.step)
-        self.steps_out.write(step_rows(records))
-        self.token = next_token(logits, self.inputs.task.temperature, self.inputs.task.top_p, self.generator)
-        self.step += 1
-        return Window(self.token.view(-1, 1).cpu(), [wall], [measure_s])
-
-    def results(self, token_ids: Tensor) -> Results:
-        self.steps_out.close()
-        r, settings = self.inputs, self.inputs.settings
-        steps = read_jsonl(self.run_dir / "records" / "steps.jsonl")
-        tokens = read_jsonl(self.run_dir / "records" / "tokens.jsonl")
-        summary = dict(mode=settings.mode, repair_mode=settings.repair_mode,
-                       ops={"backend": self.ops, "selection_backend": self.selection_backend},
-                       device=self.device_name, prompt_tokens=self.prompt_len, block_size=settings.block_size,
-                       topk_blocks=topk_label(r.selector),
-                       timing={"prefill_s": self.prefill_s, "calibration": self.calibration},
-                       budget_setup=self.budget_info,
-                       results={"generated_token_ids": token_ids.tolist(), **summarize(steps, tokens)})
-        return Results(summary, per_layer(steps), steps)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,27 @@ from prr.runtime.graph_session import GraphSession, engine_backend, session_plan
 from prr.runtime.run_strategy import Steps, topk_label
 
 PURPOSES = ("decode", "scoring")
+
+
+@dataclass
+class DecodeLog:
+    """A decode's steps: seconds and variant of each; the device counters summed per variant
+    (serial steps count |A|, no hits), name -> [counters, L] fp64."""
+
+    latencies: list[float] = field(default_factory=list)
+    ran: list[str] = field(default_factory=list)
+    totals: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class RequestCounts:
+    """Scored requests' device counters: `totals` [counters, L] over every request; the last
+    batch's pooled over sparse layers and rows (`last`), and per row (`rows`, padding rows too;
+    a row's steps past its own end, while the batch's other rows decode on, are counted)."""
+
+    totals: Tensor | None = None
+    last: dict[str, float] = field(default_factory=dict)
+    rows: list[dict[str, float]] = field(default_factory=list)
 
 
 class GraphPipeline:
@@ -61,7 +83,6 @@ class GraphPipeline:
         # |P| is static for the captured step: decided once, before any prefill
         self.plan, self.budget_info = session_plan(settings, selector, predictor, budget, decoder, rows, capacity,
                                                    self.backend, self.cache.max_blocks if context is None else context)
-        self.speculating = self.plan.variant == "prr"
         self.variants = budget.engine_variants(self.plan.variant)  # the views captured (one per variant)
         self.every = (1 if self.plan.mode == "shadow" else settings.dense_metrics_every) if purpose == "decode" else 0
         # Steps between host looks (EOS, stop strings): a decode's budget may set them; scoring looks once per request.
@@ -70,17 +91,17 @@ class GraphPipeline:
         self.topk_blocks = topk_label(selector)
         self.device_name = device_name(self.device)
         self.session: GraphSession | None = None
-        self.calibration: dict[str, Any] = {}
         self.done = 0  # steps since the last prefill
-        self.latencies: list[float] = []  # a decode's, per step
-        self.ran: list[str] = []  # the variant of each of a decode's steps
-        # Counters summed per variant (a decode; serial steps count |A|, no hits), or over requests (scoring)
-        self.variant_totals: dict[str, Tensor] = {}
-        self.totals: Tensor | None = None
-        self.request_counts: dict[str, float] = {}  # the last batch's, pooled over sparse layers and rows (_pooled)
-        # the last batch's per row (padding rows too), pooled over sparse layers and KV heads; a row's
-        # steps past its own end (while the batch's other rows decode on) are counted
-        self.row_counts: list[dict[str, float]] = []
+        self.log, self.counts = DecodeLog(), RequestCounts()
+
+    @property
+    def speculating(self) -> bool:
+        return self.plan.variant == "prr"
+
+    @property
+    def row_counts(self) -> list[dict[str, float]]:
+        """The last scored batch's |A|, |P|, |P ∩ A| and |A_t ∩ A_t-1| per row (`RequestCounts.rows`)."""
+        return self.counts.rows
 
     @property
     def engine(self) -> Any:
@@ -135,9 +156,9 @@ class GraphPipeline:
             if self.tp is not None:  # calibration fits every rank's heads (all ranks choose alike, as one process would)
                 own = history if history is not None else eager.backend.history
                 calibrate_on = [None if h is None else [self.tp.gather_heads(x) for x in h] for h in own]
-            self.calibration = eager.finish_prefill(history, calibrate_on)  # calibrates and warms the predictor
-            if self.calibration:
-                self.budget_info["calibration"] = self.calibration
+            calibration = eager.finish_prefill(history, calibrate_on)  # calibrates and warms the predictor
+            if calibration:
+                self.budget_info["calibration"] = calibration
             # the prefill ran the selector and predictor on the prefill's ops: back to the engine's
             self.selector.set_backend(self.backend)
             self.predictor.set_backend(self.backend)
@@ -174,8 +195,8 @@ class GraphPipeline:
                                              "learn_in_serial": switches}
                               for variant in self.variants for m in measures})
         names = self.session.engine.COUNTERS
-        self.variant_totals = {v: torch.zeros(len(names), self.cache.num_layers, dtype=torch.float64)
-                               for v in ("serial", "prr")}
+        self.log.totals = {v: torch.zeros(len(names), self.cache.num_layers, dtype=torch.float64)
+                           for v in ("serial", "prr")}
 
     # --- steps ------------------------------------------------------------------------------
     def steps(self, first: list[int] | None, n: int, forced: list[list[int]] | None = None,
@@ -215,9 +236,9 @@ class GraphPipeline:
         before = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64)
         wall = self.session.run([(variant, (self.done + i) % self.every == 0) for i in range(n)])
         window = torch.tensor([engine.counters()[c] for c in names], dtype=torch.float64) - before
-        self.variant_totals[variant] += window
-        self.latencies += wall
-        self.ran += [variant] * n
+        self.log.totals[variant] += window
+        self.log.latencies += wall
+        self.log.ran += [variant] * n
         window_hit = None
         if variant == "prr":
             sparse = [i for i, s in enumerate(engine.sparse) if s]
@@ -233,12 +254,13 @@ class GraphPipeline:
         engine = self.session.engine
         read = engine.counters()  # one host read (it was one per counter name)
         counts = torch.tensor([read[c] for c in engine.COUNTERS], dtype=torch.float64)
-        self.totals = counts if self.totals is None else self.totals + counts
-        self.request_counts = self._pooled(counts)
+        kept = self.counts
+        kept.totals = counts if kept.totals is None else kept.totals + counts
+        kept.last = self._pooled(counts)
         sparse = torch.tensor(engine.sparse, dtype=torch.bool)
         rows = engine.study_counters(per_row=True)  # name -> [L, B, Hkv]
         per_row = {c: rows[c][sparse].sum((0, 2)).tolist() for c in ("selected", "predicted", "hits", "overlap")}
-        self.row_counts = [{c: per_row[c][b] for c in per_row} for b in range(self.rows)]
+        kept.rows = [{name: per_row[name][b] for name in per_row} for b in range(self.rows)]
 
     def _pooled(self, counts: Tensor) -> dict[str, float]:
         """|A|, |P|, |P ∩ A| and |A_t ∩ A_t-1| summed over sparse layers, from counters [7, L]."""
@@ -250,9 +272,9 @@ class GraphPipeline:
         """Scoring's engine numbers for the summary: hit rate and precision (PRR), last-step
         overlap, pooled over every request's decode steps and sparse layers."""
         out: dict[str, Any] = {"engine": "graph", "predicted_blocks": self.plan.predicted_blocks}
-        if self.totals is None:
+        if self.counts.totals is None:
             return out
-        total = self._pooled(self.totals)
+        total = self._pooled(self.counts.totals)
         if self.speculating:
             out["hit_rate"] = total["hits"] / total["selected"] if total["selected"] else None
             out["precision"] = total["hits"] / total["predicted"] if total["predicted"] else None

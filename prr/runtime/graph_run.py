@@ -195,7 +195,7 @@ class GraphDecode:
         """n steps of the variant the budget chooses for this window (the pipeline's `steps`)."""
         rows = self.pipeline.steps(None, n)
         return Window(torch.tensor([row.chosen for row in rows]), rows[0].wall_s, [0.0] * n,
-                      self.pipeline.ran[-n:])
+                      self.pipeline.log.ran[-n:])
 
     def results(self, token_ids: Tensor) -> Results:
         """Hit rate and precision over PRR steps; overlap and the dense-reference metrics over every step."""
@@ -207,8 +207,8 @@ class GraphDecode:
         plan, engine = p.plan, p.engine
         sparse = [i for i, s in enumerate(engine.sparse) if s]
         steps = token_ids.shape[1]
-        latencies, ran = p.latencies[:steps], p.ran[:steps]
-        totals, names = p.variant_totals, engine.COUNTERS
+        latencies, ran = p.log.latencies[:steps], p.log.ran[:steps]
+        totals, names = p.log.totals, engine.COUNTERS
         if self.tp is not None:  # each rank counted its own KV heads: the run's counts are their sums
             for variant in totals:
                 totals[variant] = self.tp.sum_on_host(totals[variant])

@@ -2,7 +2,8 @@
 # Issue 51's device call: the restructured engine (PRRStep, PredictorSchedule, observers, typed
 # ops) against the tree before it, both in this one call (< 600 s on an H100 / H200), then
 # issue 53's hinted top-k as far as the time goes:
-#  1. GPU tests of the step, its views, the typed ops and the one-engine equivalence (captured);
+#  1. GPU tests of the step, its views, the typed ops and the one-engine equivalence (captured;
+#     GPU_TESTS: other test files, e.g. the pipelines');
 #  2. whole runs of run.py at 32K, block 16, K = 32, 32 steps: quest, infllm, less, exact x
 #     {none, ema} (budget=fixed, |P| = K), first in the tree before the change (.xfer/before: the
 #     engine files of 0bc17a8, made by `git archive 0bc17a8 prr kernels conf run.py hydra_plugins
@@ -16,9 +17,9 @@ python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.w
 export PYTHONPATH=$ROOT/.site:$ROOT
 
 say "gpu tests"
-timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graph_decode.py \
-  tests/test_exact_speculation.py tests/test_less_side_summaries.py tests/test_study_counters.py \
-  tests/test_engine_ops.py tests/test_one_engine.py > "$OUT/gpu_tests.txt" 2>&1
+GPU_TESTS=${GPU_TESTS:-tests/test_graph_decode.py tests/test_exact_speculation.py tests/test_less_side_summaries.py \
+  tests/test_study_counters.py tests/test_engine_ops.py tests/test_one_engine.py}
+timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS > "$OUT/gpu_tests.txt" 2>&1
 tail -3 "$OUT/gpu_tests.txt" | tee -a "$LOG"
 
 matrix() {  # $1: the tree's dir, $2: the output name, $3: selectors, $4: predictors

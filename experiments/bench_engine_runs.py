@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from prr.bench_args import int_list
+from prr.cost_model import Variant, map_cell, map_rate_column, predict_token_ms
 from prr.intervals import median_ratio_interval
 from prr.paths import strict_json_dumps
 
@@ -124,37 +124,14 @@ def serial_of(case: str) -> str:
 
 def map_prediction(stage_map: pd.DataFrame, selector: str, context: int, block: int, topk_tokens: int,
                    hit_rate: float, serial_token_ms: float, sparse_layers: int) -> float:
-    """What the stage map predicts for a whole PRR run's per-token ms: serial_token_ms minus
-    sparse_layers x (serial stage - PRR stage at hit_rate) µs, from the batch-1 cell of the same
-    selector, block and budget at the context nearest `context` (PRR stage linear in the hit rate
-    between the map's rates, clamped to them). NaN where the map has no such cell.
-    The serial stage is the map's `serial_fused_merge`: the engine's serial DSA merges one-wave
-    split launches inside the split kernel (StaticPlan.fuse_merge "one_wave", every batch-1 cell
-    of the map), while the map's `serial` adds the merge launch (1.0 µs per layer in the Quest
-    32K block-16 cell; 1.5-4.3 µs per layer in a whole step, experiments/step_breakdown.py's
-    serial_merge_launch view)."""
+    """What the stage map predicts for a whole PRR run's per-token ms (prr.cost_model: serial_token_ms
+    minus sparse_layers x (serial stage - PRR stage at hit_rate) µs), from the batch-1 cell of the
+    same selector, block and budget at the context nearest `context`. NaN where the map has no
+    such cell or the run no hit rate."""
     cell = map_cell(stage_map, selector, context, block, topk_tokens)
     if cell.empty or not math.isfinite(hit_rate):
         return math.nan
-    # PRR's stage at each of the map's rates (requested rates that round to one rate: their mean)
-    by_rate = cell.groupby(map_rate_column(cell))["prr"].mean()
-    prr_us = float(np.interp(hit_rate, by_rate.index, by_rate.to_numpy()))
-    if "serial_fused_merge" not in cell:
-        raise ValueError("the stage map has no serial_fused_merge column (the engine's serial stage): "
-                         "re-run experiments/bench_decode.py --parts stage")
-    serial_us = float(cell["serial_fused_merge"].median())  # one serial timing per cell, on each hit-rate row
-    return serial_token_ms - sparse_layers * (serial_us - prr_us) * 1e-3
-
-
-def map_cell(stage_map: pd.DataFrame, selector: str, context: int, block: int, topk_tokens: int) -> pd.DataFrame:
-    """The stage map's batch-1 rows of one selector, block and budget at the context nearest
-    `context` (every hit rate the map timed there); empty where the map has no such cell."""
-    cell = stage_map[(stage_map["batch"] == 1) & (stage_map["selector"] == selector)
-                     & (stage_map["block"] == block) & (stage_map["topk_tokens"] == topk_tokens)]
-    if cell.empty:
-        return cell
-    nearest = cell.loc[(cell["context"] - context).abs().idxmin(), "context"]
-    return cell[cell["context"] == nearest]
+    return predict_token_ms(cell, serial_token_ms, sparse_layers, Variant(speculates=True, hit_rate=hit_rate))
 
 
 def run_case(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
@@ -291,12 +268,6 @@ def map_hit_outside(stage_map: pd.DataFrame, row) -> bool | None:
         return None
     rates = cell[map_rate_column(cell)]
     return not rates.min() <= float(hit) <= rates.max()
-
-
-def map_rate_column(stage_map: pd.DataFrame) -> str:
-    """The stage map's hit rates as its P had them (round(rate·K) of K blocks: 0.9375 of 32 for a
-    requested 0.95), where the map records them; older maps only the requested ones."""
-    return "hit_rate" if "hit_rate" in stage_map else "target_hit_rate"
 
 
 def write(rows: list[dict], args: argparse.Namespace, stage_map: pd.DataFrame | None = None) -> pd.DataFrame:

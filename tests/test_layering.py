@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cache", ("prr.cache", "prr.block_attention")),
     ("selectors", ("prr.selectors",)),
     ("policies", ("prr.predictors", "prr.budget")),
-    ("measurement", ("prr.metrics", "prr.run_records")),  # a step's records -> rows and aggregates
+    ("measurement", ("prr.metrics", "prr.run_records", "prr.cost_model")),  # a step's records -> rows and aggregates
     ("runtime", ("prr.runtime",)),
     ("run", ("prr.evaluation", "prr.config_check", "prr.summary_table", "prr.results_store", "prr.provenance")),
     ("driver", ("prr.driver",)),

@@ -50,6 +50,7 @@ CHECKED_BEFORE_TORCH = {
     "prr.selectors.quest.QuestSelector": _SELECTOR_OPTIONS + "SelectorOptions",
     "prr.selectors.infllm.InfLLMSelector": _SELECTOR_OPTIONS + "InfLLMSelectorOptions",
     "prr.selectors.infllm_v2.InfLLMV2Selector": _SELECTOR_OPTIONS + "InfLLMV2SelectorOptions",
+    "prr.selectors.indexer.IndexerSelector": _SELECTOR_OPTIONS + "IndexerSelectorOptions",
     "prr.predictors.bench_hit_rate.BenchHitRatePredictor": _PREDICTOR_OPTIONS + "BenchHitRatePredictorOptions",
     "prr.predictors.cross_layer.CrossLayerPredictor": _PREDICTOR_OPTIONS + "CrossLayerPredictorOptions",
     "prr.predictors.ema.EmaPredictor": _PREDICTOR_OPTIONS + "EmaPredictorOptions",

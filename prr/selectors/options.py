@@ -26,6 +26,7 @@ class SelectorOptions:
 
     # True for `dense`: A is every block of the context, |A| grows with it (no fixed top-K).
     selects_every_block = False
+    topk_option = "topk_blocks"  # the config key of the top-K (`indexer`'s counts tokens: topk_tokens)
 
     def __init__(
         self,
@@ -149,6 +150,8 @@ class IndexerSelectorOptions(SelectorOptions):
     selection is one token, so it runs with `runtime.block_size=1`: every "block" of the engine
     (A, P, repair, merge, counters, predictors) is then a token. One selection per row, shared by
     every KV head (the indexer's scores have no head of the model's): no `gqa_reduce` option."""
+
+    topk_option = "topk_tokens"
 
     def __init__(
         self,

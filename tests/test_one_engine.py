@@ -38,8 +38,13 @@ COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration
 # default partner below, so a new option is tested here with no line of this file edited.
 # Selectors whose paper fixes the block size (they refuse TINY's 16), sized for it in every case:
 # InfLLM-v2's 64-token blocks, 9 prompt blocks, 2 forced + 2 chosen.
+# The lightning indexer selects tokens (block_size 1; its top-K key is topk_tokens): 24 of ~316 tokens,
+# 2 sinks + the newest 6 forced, a small indexer.
 SIZED = {"infllm_v2": ["runtime.block_size=64", "task.prompt_tokens=600", "selector.topk_blocks=4",
-                       "selector.local_blocks=0"]}
+                       "selector.local_blocks=0"],
+         "indexer": ["runtime.block_size=1", "selector.topk_tokens=24", "selector.sink_tokens=2",
+                     "selector.local_tokens=5", "selector.index_heads=4", "selector.index_dim=16",
+                     "selector.rope_dim=8"]}
 CURATED = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
          ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),
          ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3"),
@@ -63,7 +68,8 @@ MORE_CASES += [("quest", p, "backend=triton") for p in ("last_step", "spin", "qu
 
 def overrides(selector: str, predictor: str, *extra: str) -> list[str]:
     out = [*TINY, *SIZED.get(selector, []), f"selector={selector}", f"predictor={predictor}", *extra, *COMMON]
-    if selector == "dense":  # no top-K: every block (|P| = every block too)
+    # dense: no top-K, every block (|P| = every block too); the indexer's is topk_tokens (SIZED)
+    if selector == "dense" or any(o.startswith("selector.topk_tokens") for o in SIZED.get(selector, [])):
         out = [o for o in out if not o.startswith("selector.topk_blocks")]
     return out
 

@@ -88,7 +88,7 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         if self.weights == "trained":
             self.indexer = load_indexer(self.model, config, self.indexer_config())
         else:
-            self.indexer = IndexerWeights.for_model(config, self.indexer_config(), seed=self.seed)
+            self.indexer = IndexerWeights.for_model(config, self.indexer_config(), seed=self.seed).requires_grad_(False)
         self._weights_on: dict[tuple[torch.device, torch.dtype], IndexerWeights] = {}  # its copies where used
 
     def _layer(self, layer: int, like: Tensor) -> tuple[LayerIndexer, Tensor]:

@@ -39,11 +39,11 @@ COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration
 # Selectors whose paper fixes the block size (they refuse TINY's 16), sized for it in every case:
 # InfLLM-v2's 64-token blocks, 9 prompt blocks, 2 forced + 2 chosen.
 # The lightning indexer selects tokens (block_size 1; its top-K key is topk_tokens): 24 of ~316 tokens,
-# 2 sinks + the newest 6 forced, a small indexer.
+# 2 sinks + the newest 6 forced, a small indexer (16 heads: few tokens score exactly 0, every ReLU 0, a tie).
 SIZED = {"infllm_v2": ["runtime.block_size=64", "task.prompt_tokens=600", "selector.topk_blocks=4",
                        "selector.local_blocks=0"],
          "indexer": ["runtime.block_size=1", "selector.topk_tokens=24", "selector.sink_tokens=2",
-                     "selector.local_tokens=5", "selector.index_heads=4", "selector.index_dim=16",
+                     "selector.local_tokens=5", "selector.index_heads=16", "selector.index_dim=16",
                      "selector.rope_dim=8"]}
 CURATED = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
          ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),

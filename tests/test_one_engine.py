@@ -59,6 +59,8 @@ CASES = CURATED + [(s, "ema") for s in SELECTORS if s not in {c[0] for c in CURA
 MORE_CASES = [c for c in [(s, "ema") for s in SELECTORS] + [("quest", p) for p in PREDICTORS] if c not in CASES]
 MORE_CASES.append(("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"))
 MORE_CASES.append(("infllm_v2", "ema", "backend=triton"))  # its kernels (prr.kernels.infllm_v2) in both engines
+# the indexer's kernels (index keys, scores, top-K) and token-list attention at block size 1 in both engines
+MORE_CASES.append(("indexer", "ema", "backend=triton"))
 # exact on the kernels: the graph engine speculates inside the q·K launch, the eager runtime beside it
 MORE_CASES.append(("exact", "ema", "backend=triton"))
 # the predictors whose kernels the graph engine runs layer range at once (last_step, spin) and

@@ -65,7 +65,8 @@ class Selector(SelectorOptions, ABC):
         [B, Hkv, G, max_blocks] (entries past each row's context are ignored). Static shapes."""
 
     # Selectors that score from the layer's normed hidden state, not from q and the cache (the lightning
-    # indexer) set `needs_hidden`; the decoder then hands it each layer's through `take_hidden`.
+    # indexer) set `needs_hidden` and say their `hidden_size`; the decoder then hands it each layer's
+    # through `take_hidden` (and the graph engine's random contexts random ones: graph_context).
     needs_hidden = False
 
     def take_hidden(self, cache: PagedKVCache, layer: int, x: Tensor, prefill: bool) -> None:

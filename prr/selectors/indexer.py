@@ -91,6 +91,13 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
             self.indexer = IndexerWeights.for_model(config, self.indexer_config(), seed=self.seed).requires_grad_(False)
         self._weights_on: dict[tuple[torch.device, torch.dtype], IndexerWeights] = {}  # its copies where used
 
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size (the indexer's input), known once bound (bind_model)."""
+        if self.indexer is None:
+            raise RuntimeError("selector=indexer has no weights: call selector.bind_model(model.config) first")
+        return self.indexer.hidden_size
+
     def _layer(self, layer: int, like: Tensor) -> tuple[LayerIndexer, Tensor]:
         """The layer's indexer on like's device and dtype, and the RoPE frequencies [rope_dim // 2] fp32."""
         if self.indexer is None:

@@ -84,7 +84,11 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
 
     def bind_model(self, config: Any) -> None:
         """config: prr.model.config.ModelConfig -> the indexer's weights for that shape (fp32, CPU;
-        moved to the hidden states' device and dtype on first use)."""
+        moved to the hidden states' device and dtype on first use). Bound again to the same model (the
+        graph engine after the eager prefill): kept, not reloaded."""
+        if self.indexer is not None and self.__dict__.get("_bound_to") == config:
+            return
+        self._bound_to = config
         if self.weights == "trained":
             self.indexer = load_indexer(self.model, config, self.indexer_config())
         else:

@@ -149,3 +149,18 @@ def test_exact_prr_over_token_sets_is_serial_dsa_token_for_token(tmp_path, predi
     assert prr["generated_token_ids"] == serial["generated_token_ids"]
     assert 0 < prr["hit_rate"] < 1 and prr["mean_predicted_blocks"] == 64
     assert prr["topk_blocks"] == 64 and prr["block_size"] == 1
+
+
+@pytest.mark.slow
+def test_every_budget_decodes_serial_dsas_tokens_with_the_indexer_in_the_graph_engine(tmp_path, monkeypatch):
+    """fixed, profiled (its probe fills random contexts: random hidden states make their index keys)
+    and adaptive over token sets, last_step's P, exact repair: serial DSA's tokens."""
+    monkeypatch.setenv("PRR_CACHE_DIR", str(tmp_path / "cache"))
+    serial = run_tokens(tmp_path, "predictor=none", name="serial")
+    for budget, extra in (("fixed", []), ("profiled", ["budget.ratios=[1.0]", "budget.max_rounds=1"]),
+                          ("adaptive", [])):
+        graph = run_tokens(tmp_path, "predictor=last_step", f"budget={budget}", *extra, "runtime.engine=graph",
+                           name=budget)
+        assert graph["generated_token_ids"] == serial["generated_token_ids"], budget
+        want = graph["budget_setup"]["choice"] if budget == "profiled" else {"fixed": "prr", "adaptive": "adaptive"}[budget]
+        assert graph["variant"] == want

@@ -164,3 +164,14 @@ def test_every_budget_decodes_serial_dsas_tokens_with_the_indexer_in_the_graph_e
         assert graph["generated_token_ids"] == serial["generated_token_ids"], budget
         want = graph["budget_setup"]["choice"] if budget == "profiled" else {"fixed": "prr", "adaptive": "adaptive"}[budget]
         assert graph["variant"] == want
+
+
+@pytest.mark.slow
+def test_a_ragged_batch_decodes_each_row_as_alone(tmp_path):
+    """The index-key cache, query and hidden-state slots are per row: rows of the prompt's last 300 and
+    170 tokens decode in one graph-engine batch what each decodes alone."""
+    common = ["predictor=ema", "runtime.engine=graph", "runtime.calibration_tokens=24"]
+    both = run_tokens(tmp_path, *common, "runtime.batch_size=2", "runtime.row_tokens=[300,170]", name="both")
+    alone = [run_tokens(tmp_path, *common, f"runtime.row_tokens=[{n}]", name=f"alone{n}") for n in (300, 170)]
+    assert both["generated_token_ids"] == [a["generated_token_ids"][0] for a in alone]
+    assert both["generated_token_ids"][0] != both["generated_token_ids"][1]  # the rows' contexts differ

@@ -247,7 +247,8 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         indices, counts = topk_select(scores.unsqueeze(1), self.topk_blocks, num_blocks.to(torch.int32),
                                       sink_blocks=self.sink_blocks, recent_blocks=self.local_blocks + int(self.force_newest))
         blocks = BlockSet(indices.expand(b, h, indices.shape[-1]).contiguous(), counts.expand(b, h).contiguous())
-        return Selection(blocks=blocks, scores=scores.unsqueeze(1).expand(b, h, scores.shape[-1]))
+        # (scores per KV head as the predictors' kernels read them: contiguous, as the torch path's)
+        return Selection(blocks=blocks, scores=scores.unsqueeze(1).expand(b, h, scores.shape[-1]).contiguous())
 
 
 def rotate_leading(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int) -> Tensor:

@@ -66,11 +66,11 @@ NO_HIDDEN = ("selector=indexer needs layer {layer}'s normed hidden states of the
 
 
 class IndexerSelector(IndexerSelectorOptions, Selector):
-    # the constructor is IndexerSelectorOptions' (no torch: run.py checks it before importing torch)
+    # the constructor is IndexerSelectorOptions' (no torch: run.py checks it before importing torch, and
+    # the keys against its signature), so the per-run state below is made on first use
     needs_hidden = True  # the decoder hands it each sparse layer's normed hidden state (`take_hidden`)
     bulk_metadata_equals_stepwise = False  # (a one-token tail would need the prompt's last hidden state kept)
 
-    # (the constructor stays IndexerSelectorOptions': run.py checks the keys against its signature)
     indexer: IndexerWeights | None = None  # fp32 on the CPU (bind_model)
 
     def _pending(self) -> dict[int, Tensor]:

@@ -12,7 +12,8 @@ one selection per row, shared by every KV head (the indexer has no head of the m
 Token granularity end to end: the selector runs with `runtime.block_size=1` (refused otherwise,
 before the model loads), so a "block id" of the engine IS a token id: A and P are token lists,
 repair is A \\ P over tokens, merge folds per-token states, counters count tokens, and every
-predictor ranks tokens (its state is [L, B, Hkv, T_max]: EMA over the token's membership of A).
+predictor ranks tokens (its state is [L, B, Hkv, T_max]: ema, an EMA of each token's standardised
+index score; ema_membership, of its membership of A).
 docs/design.md ("Token-level selection") says why and what it costs.
 
 Where x comes from: the decoder hands each layer's normed hidden state to the attention backend's

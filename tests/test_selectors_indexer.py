@@ -162,8 +162,11 @@ def test_every_budget_decodes_serial_dsas_tokens_with_the_indexer_in_the_graph_e
         graph = run_tokens(tmp_path, "predictor=last_step", f"budget={budget}", *extra, "runtime.engine=graph",
                            name=budget)
         assert graph["generated_token_ids"] == serial["generated_token_ids"], budget
-        want = graph["budget_setup"]["choice"] if budget == "profiled" else {"fixed": "prr", "adaptive": "adaptive"}[budget]
-        assert graph["variant"] == want
+        if budget == "profiled":  # its timed choice (on the CPU by the host clock: the machinery, not a speed claim)
+            assert graph["budget_setup"]["profile_source"] in ("measured", "cache")
+            assert (graph["predicted_blocks"] > 0) == (graph["variant"] == "prr")
+        else:
+            assert graph["variant"] == {"fixed": "prr", "adaptive": "adaptive"}[budget]
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ CHECKED_BEFORE_TORCH = {
     "prr.selectors.quest.QuestSelector": _SELECTOR_OPTIONS + "SelectorOptions",
     "prr.selectors.infllm.InfLLMSelector": _SELECTOR_OPTIONS + "InfLLMSelectorOptions",
     "prr.selectors.infllm_v2.InfLLMV2Selector": _SELECTOR_OPTIONS + "InfLLMV2SelectorOptions",
+    "prr.selectors.indexer.IndexerSelector": _SELECTOR_OPTIONS + "IndexerSelectorOptions",
     "prr.predictors.bench_hit_rate.BenchHitRatePredictor": _PREDICTOR_OPTIONS + "BenchHitRatePredictorOptions",
     "prr.predictors.cross_layer.CrossLayerPredictor": _PREDICTOR_OPTIONS + "CrossLayerPredictorOptions",
     "prr.predictors.ema.EmaPredictor": _PREDICTOR_OPTIONS + "EmaPredictorOptions",
@@ -279,8 +280,9 @@ def prompt_size_checks(built: dict[str, Any]) -> list[str]:
     problems += selector.block_size_problems(runtime.block_size)  # a selector whose paper fixes its blocks
     prompt_blocks = prompt // runtime.block_size
     if not selector.selects_every_block and selector.topk_blocks >= prompt_blocks:
-        problems.append(f"selector.topk_blocks={selector.topk_blocks} ({selector.topk_blocks * runtime.block_size} tokens) "
-                        f"covers the whole prompt of {prompt_blocks} blocks: nothing is sparse; lower topk_blocks "
+        name = selector.topk_option
+        problems.append(f"selector.{name}={selector.topk_blocks} ({selector.topk_blocks * runtime.block_size} tokens) "
+                        f"covers the whole prompt of {prompt_blocks} blocks: nothing is sparse; lower {name} "
                         "or use selector=dense")
     if getattr(predictor, "calibrate_on_prefill", False) and runtime.calibration_tokens <= predictor.burn_in_steps + 1:
         problems.append(f"runtime.calibration_tokens={runtime.calibration_tokens} leaves nothing to calibrate on after "

@@ -38,8 +38,13 @@ COMMON = ["++model.num_layers=2", "task.max_new_tokens=16", "runtime.calibration
 # default partner below, so a new option is tested here with no line of this file edited.
 # Selectors whose paper fixes the block size (they refuse TINY's 16), sized for it in every case:
 # InfLLM-v2's 64-token blocks, 9 prompt blocks, 2 forced + 2 chosen.
+# The lightning indexer selects tokens (block_size 1; its top-K key is topk_tokens): 24 of ~316 tokens,
+# 2 sinks + the newest 6 forced, a small indexer (16 heads: few tokens score exactly 0, every ReLU 0, a tie).
 SIZED = {"infllm_v2": ["runtime.block_size=64", "task.prompt_tokens=600", "selector.topk_blocks=4",
-                       "selector.local_blocks=0"]}
+                       "selector.local_blocks=0"],
+         "indexer": ["runtime.block_size=1", "selector.topk_tokens=24", "selector.sink_tokens=2",
+                     "selector.local_tokens=5", "selector.index_heads=16", "selector.index_dim=16",
+                     "selector.rope_dim=8"]}
 CURATED = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
          ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),
          ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3"),
@@ -54,6 +59,12 @@ CASES = CURATED + [(s, "ema") for s in SELECTORS if s not in {c[0] for c in CURA
 MORE_CASES = [c for c in [(s, "ema") for s in SELECTORS] + [("quest", p) for p in PREDICTORS] if c not in CASES]
 MORE_CASES.append(("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"))
 MORE_CASES.append(("infllm_v2", "ema", "backend=triton"))  # its kernels (prr.kernels.infllm_v2) in both engines
+# the indexer's kernels (index keys, scores, top-K) and token-list attention at block size 1 in both engines
+MORE_CASES.append(("indexer", "ema", "backend=triton"))
+# every predictor over token sets; spin's learning sums in another order on its kernel (the graph engine's
+# layer-range update) than in torch, and over ~316 tokens a near-tie of its rank falls the other way once in
+# 768 proposals (quest at block size 1 too): docs/design.md, "Token-level selection"
+MORE_CASES += [("indexer", p) for p in PREDICTORS if p not in ("ema", "spin")]
 # exact on the kernels: the graph engine speculates inside the q·K launch, the eager runtime beside it
 MORE_CASES.append(("exact", "ema", "backend=triton"))
 # the predictors whose kernels the graph engine runs layer range at once (last_step, spin) and
@@ -63,7 +74,8 @@ MORE_CASES += [("quest", p, "backend=triton") for p in ("last_step", "spin", "qu
 
 def overrides(selector: str, predictor: str, *extra: str) -> list[str]:
     out = [*TINY, *SIZED.get(selector, []), f"selector={selector}", f"predictor={predictor}", *extra, *COMMON]
-    if selector == "dense":  # no top-K: every block (|P| = every block too)
+    # dense: no top-K, every block (|P| = every block too); the indexer's is topk_tokens (SIZED)
+    if selector == "dense" or any(o.startswith("selector.topk_tokens") for o in SIZED.get(selector, [])):
         out = [o for o in out if not o.startswith("selector.topk_blocks")]
     return out
 

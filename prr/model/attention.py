@@ -27,3 +27,7 @@ class AttentionBackend(Protocol):
         q: [B, Hq, D], k, v: [B, Hkv, D] (post-RoPE) -> out [B, Hq, D].
         """
         ...
+
+    # Optional: `hidden_hook(prefill) -> Callable[[int, Tensor], None] | None`. A backend whose
+    # selector reads each layer's normed hidden state (the lightning indexer) returns a callback
+    # `(layer, x [B, T, hidden])` the decoder calls before that layer's attention; None: not needed.

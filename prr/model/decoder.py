@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from prr.model.attention import AttentionBackend
 from prr.model.config import ModelConfig
-from prr.model.layer_math import final_norm, fuse_layer_weights, post_attention, pre_attention
+from prr.model.layer_math import final_norm, fuse_layer_weights, post_attention, pre_attention, rms_norm
 from prr.model.rope import RopeTable, apply_rope
 
 
@@ -188,13 +188,17 @@ class Decoder(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             return attention.decode(layer, q, k, v).reshape(B, 1, -1)
 
-        hidden = self.layers(x, attend)  # [B, T, H]
+        # A backend whose selector reads the layer's normed hidden state (the lightning indexer) hands
+        # the layer loop a callback; the others none (no extra norm).
+        hidden_hook = getattr(attention, "hidden_hook", None)
+        hidden = self.layers(x, attend, normed=hidden_hook(prefill) if hidden_hook else None)  # [B, T, H]
         if last_logits_only:
             hidden = hidden[:, -1:]  # [B, 1, H]
         return self.lm_head(hidden)  # [B, T, V]
 
     def layers(self, x: Tensor, attend: Callable[[int, Tensor, Tensor, Tensor], Tensor], delta: Tensor | None = None,
-               pre: Callable = pre_attention, post: Callable = post_attention, final: Callable = final_norm) -> Tensor:
+               pre: Callable = pre_attention, post: Callable = post_attention, final: Callable = final_norm,
+               normed: Callable[[int, Tensor], None] | None = None) -> Tensor:
         """Every decoder layer, then the final norm: x [B, T, H] embeddings -> [B, T, H] (the
         model's forward once, for the eager runtime and the graph engine alike).
         attend(layer, q, k, v): q [B, T, Hq, D], k, v [B, T, Hkv, D] before RoPE -> [B, T, Hq*D]
@@ -202,7 +206,10 @@ class Decoder(nn.Module):
         delta: zeros [B, T, H] for the first layer's residual add (default: allocated here; the
         graph engine passes a static buffer). pre / post / final: layer_math's functions, or
         the same functions compiled (the engine's torch.compile). A tensor-parallel shard
-        all-reduces post's o_proj and down outputs (`tensor_parallel`)."""
+        all-reduces post's o_proj and down outputs (`tensor_parallel`).
+        normed(layer, x_normed): called before each layer's attend with its normed input [B, T, H]
+        (RMSNorm with the layer's weight: what the q|k|v projection sees), for selectors that read
+        it (the lightning indexer); None: not computed."""
         c = self.config
         split = [c.num_heads, c.num_kv_heads, c.num_kv_heads]
         delta = torch.zeros_like(x) if delta is None else delta
@@ -211,6 +218,8 @@ class Decoder(nn.Module):
         for i, w in enumerate(fuse_layer_weights(self)):
             x, qkv = pre(x, delta, w.ln1, w.wqkv, w.bqkv, c.rms_norm_eps, sum(split), c.head_dim)
             q, k, v = qkv.split(split, dim=-2)
+            if normed is not None:
+                normed(i, rms_norm(x, w.ln1, c.rms_norm_eps))
             x, delta = post(x, attend(i, q, k, v), w.wo, w.bo, w.ln2, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down,
                             c.rms_norm_eps)
         return final(x, delta, self.model.norm.weight, self.model.norm.eps)

@@ -87,6 +87,13 @@ class DSABackend:
         """q: [B, Hq, ...D] -> [B, Hkv, G, ...D]."""
         return q.view(q.shape[0], self.cache.num_kv_heads, self.group, *q.shape[2:])
 
+    def hidden_hook(self, prefill: bool):
+        """The decoder's callback for each layer's normed hidden state, where the selector reads it
+        (`Selector.needs_hidden`: the lightning indexer); else None."""
+        if not self.selector.needs_hidden:
+            return None
+        return lambda layer, x: self.selector.take_hidden(self.cache, layer, x, prefill)
+
     # --- prefill ------------------------------------------------------------------------
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: [B, Hq, T, D], k, v: [B, Hkv, T, D] -> [B, Hq, T, D] (dense, causal)."""

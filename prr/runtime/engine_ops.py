@@ -62,8 +62,9 @@ def triton_shape_problems(head_dim: int, block_size: int) -> list[str]:
     out = []
     if head_dim not in SUPPORTED_HEAD_DIMS:
         out.append(f"head_dim={head_dim} is not one of the Triton kernels' {list(SUPPORTED_HEAD_DIMS)}")
-    if block_size < MIN_BLOCK_SIZE:
-        out.append(f"the Triton kernels need runtime.block_size >= {MIN_BLOCK_SIZE}, got {block_size}")
+    if block_size != 1 and block_size < MIN_BLOCK_SIZE:
+        out.append(f"the Triton kernels need runtime.block_size >= {MIN_BLOCK_SIZE}, or 1 (token lists: "
+                   f"prr.kernels.token_sparse_decode), got {block_size}")
     return out
 
 
@@ -307,9 +308,12 @@ class TritonOps(EngineOps):
             qkv_append,
             sparse_decode,
             step_counters,
+            token_sparse_decode,
         )
 
         self._attention: ModuleType = sparse_decode
+        self._token_attention: ModuleType = token_sparse_decode  # block_size 1: a block is a token
+        self._token_scratch: dict[tuple, Tensor] = {}  # block_size 1's repair_plan scratch per shape
         self._append: ModuleType = cache_append
         self._merge: ModuleType = prr_merge
         self._repair: ModuleType = prr_repair
@@ -322,6 +326,13 @@ class TritonOps(EngineOps):
                       merge_splits: bool = True, out_dtype: torch.dtype = torch.float32, fuse_merge: bool = False,
                       arrivals: Tensor | None = None,
                       tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
+        if block_size == 1:  # token lists (selector=indexer): the token kernel
+            if per_block:  # one state a token: (v, scale q·k); no kernel of its own yet, the reference's ops
+                return sparse_decode_reference(q, k_cache, v_cache, block_ids, block_counts, lengths, 1, scale,
+                                               per_block=True, compute_dtype=torch.float32)
+            return self._token_attention.token_sparse_decode(
+                q, k_cache, v_cache, block_ids, block_counts, lengths, scale, merge_splits=merge_splits,
+                out_dtype=out_dtype, fuse_merge=fuse_merge, arrivals=arrivals, tokens_per_split=tokens_per_split)
         return self._attention.sparse_decode(q, k_cache, v_cache, block_ids, block_counts, lengths, block_size, scale,
                                              per_block, merge_splits=merge_splits, out_dtype=out_dtype,
                                              fuse_merge=fuse_merge, arrivals=arrivals,
@@ -330,6 +341,8 @@ class TritonOps(EngineOps):
     def sparse_decode_one_wave(self, capacity: int, batch: int, num_kv_heads: int, block_size: int,
                                device: torch.device | str = "cuda", *, head_dim: int,
                                cache_dtype: torch.dtype) -> bool:
+        if block_size == 1:  # (the token kernel's merge stays a launch of its own: not timed fused yet)
+            return False
         return self._attention.sparse_decode_one_wave(capacity, batch, num_kv_heads, block_size, device,
                                                       head_dim=head_dim, cache_dtype=cache_dtype)
 
@@ -355,6 +368,16 @@ class TritonOps(EngineOps):
                          block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
                          arrivals: Tensor | None = None,
                          tokens_per_split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        if block_size == 1:  # no fused token-list repair kernel: its three launches (the same result)
+            b, h, t_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+            key = (b, h, t_max, k_cache.device)
+            if key not in self._token_scratch:
+                self._token_scratch[key] = self.repair_scratch(b, h, t_max, k_cache.device)
+            miss_idx, miss_cnt, keep = self.repair_plan(sel_idx, sel_cnt, pred_idx, pred_cnt, self._token_scratch[key])
+            rep_out, rep_lse = self.sparse_decode(q, k_cache, v_cache, miss_idx, miss_cnt, lengths, 1, scale,
+                                                  merge_splits=False, tokens_per_split=tokens_per_split)
+            out, lse = self.merge_speculation(part_out, part_lse, keep, rep_out, rep_lse, out_dtype=out_dtype)
+            return out, lse, keep
         return self._repair.repair_and_merge(q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths,
                                              part_out, part_lse, block_size, scale, out_dtype=out_dtype,
                                              arrivals=arrivals, tokens_per_split=tokens_per_split)

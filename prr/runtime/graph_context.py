@@ -80,7 +80,12 @@ def rebuild_metadata(selector: Selector, cache: PagedKVCache, sparse: list[bool]
         q = query if query is not None else torch.randn(cache.batch, cache.num_kv_heads, group, d, generator=gen,
                                                         device=device)
         q = q.to(device, cache.dtype)
+        # a selector whose metadata comes from the layer's hidden states (the indexer): random ones, as the K/V
+        hidden = torch.randn(cache.batch, max(rows), selector.hidden_size, generator=gen, device=device).to(
+            cache.dtype) if selector.needs_hidden else None  # [B, T, hidden]
         if not ragged:
+            if hidden is not None:
+                selector.take_hidden(cache, layer, hidden, prefill=True)
             selector.update_metadata(cache, layer, 0, rows[0])
             every = q.unsqueeze(3).expand(*q.shape[:3], rows[0], d)  # [B, Hkv, G, T, D]
             selector.catch_up(q, cache, layer, rows[0], queries=every)
@@ -88,6 +93,8 @@ def rebuild_metadata(selector: Selector, cache: PagedKVCache, sparse: list[bool]
         for b, n in enumerate(rows):  # each row from its own first n tokens
             view = cache.row(b)
             view.set_length(layer, n)
+            if hidden is not None:
+                selector.take_hidden(view, layer, hidden[b : b + 1], prefill=True)
             selector.update_metadata(view, layer, 0, n)
             qb = q[b : b + 1]
             selector.catch_up(qb, view, layer, n, queries=qb.unsqueeze(3).expand(*qb.shape[:3], n, d))

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from prr.cache import PagedKVCache
 from prr.model.decoder import Decoder
-from prr.model.layer_math import final_norm, post_attention, pre_attention
+from prr.model.layer_math import final_norm, post_attention, pre_attention, rms_norm
 from prr.model.rope import rope_cos_sin
 from prr.predictors import Predictor
 from prr.runtime.engine_state import EngineState
@@ -210,7 +210,8 @@ class GraphDecoder(EngineState):
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, 1, H*, D] before RoPE
             return self.attention(layer, q[:, 0], k[:, 0], v[:, 0], positions, rope=True).view(B, 1, -1)
         hidden = m.layers(m.model.embed_tokens(self.token), attend, delta=self.no_delta,  # [B, 1, H]
-                          pre=self.dense_parts[0], post=self.dense_parts[1], final=self.dense_parts[2])
+                          pre=self.dense_parts[0], post=self.dense_parts[1], final=self.dense_parts[2],
+                          normed=self.take_hidden if self.attn.selector.needs_hidden else None)
         return m.lm_head(hidden)[:, 0]  # [B, V]
 
     def _fused_layers(self, positions: tuple[Tensor, Tensor], split: list[int]) -> Tensor:
@@ -221,6 +222,8 @@ class GraphDecoder(EngineState):
         paired = self.paired_qkv_weights() if self.appends_in_projection() else None
         x = m.model.embed_tokens(self.token).view(B, -1)  # [B, H]: a fresh buffer, ours to update
         for i, w in enumerate(self.weights.layers):
+            if self.attn.selector.needs_hidden:  # (the lightning indexer) the layer's normed input [B, 1, H]
+                self.take_hidden(i, rms_norm(x, w.ln1, self.weights.eps).unsqueeze(1))
             if paired is not None:  # batch 1: projection, RoPE and append in one launch
                 q = self.attn.ops.qkv_rope_append(
                     x, *paired[i], w.ln1, self.weights.eps, self.keys[i], self.values[i], self.pos, self.cos, self.sin,
@@ -235,6 +238,10 @@ class GraphDecoder(EngineState):
             gemv(h, w.w_down, w.b_down, residual=x)  # x += down(h)
         head = m.lm_head
         return gemv(x, head.weight, head.bias, norm_weight=m.model.norm.weight, eps=m.model.norm.eps)  # [B, V]
+
+    def take_hidden(self, layer: int, x: Tensor) -> None:
+        """The layer's normed hidden state x [B, 1, H] for a selector that reads it (`needs_hidden`)."""
+        self.attn.selector.take_hidden(self.cache, layer, x, prefill=False)
 
     def appends_in_projection(self) -> bool:
         return self.plan.projections == "fused" and self.batch == 1 and self.plan.fuse_append

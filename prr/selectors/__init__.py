@@ -12,6 +12,7 @@ _HOMES = {
     "DenseSelector": "prr.selectors.dense",
     "ExactSelector": "prr.selectors.exact",
     "InfLLMSelector": "prr.selectors.infllm",
+    "IndexerSelector": "prr.selectors.indexer",
     "InfLLMV2Selector": "prr.selectors.infllm_v2",
     "LessSelector": "prr.selectors.less",
     "QuestSelector": "prr.selectors.quest",

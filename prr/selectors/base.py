@@ -64,6 +64,16 @@ class Selector(SelectorOptions, ABC):
         """q: [B, Hkv, G, D], lengths [B] int64 tokens per row -> block scores per query head
         [B, Hkv, G, max_blocks] (entries past each row's context are ignored). Static shapes."""
 
+    # Selectors that score from the layer's normed hidden state, not from q and the cache (the lightning
+    # indexer) set `needs_hidden` and say their `hidden_size`; the decoder then hands it each layer's
+    # through `take_hidden` (and the graph engine's random contexts random ones: graph_context).
+    needs_hidden = False
+
+    def take_hidden(self, cache: PagedKVCache, layer: int, x: Tensor, prefill: bool) -> None:
+        """x: [B, T, hidden] the normed input of `layer`'s attention (the prompt's, or T = 1 at decode),
+        before its K/V reach the cache."""
+        raise NotImplementedError(f"{type(self).__name__} reads no hidden state (needs_hidden is False)")
+
     # Selectors that change the attention output beyond choosing blocks (LESS's low-rank
     # compensation of the unselected blocks) set `compensates` and implement `compensation`;
     # the runtime merges its state after repair, in the timed merge stage.

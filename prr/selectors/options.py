@@ -26,6 +26,7 @@ class SelectorOptions:
 
     # True for `dense`: A is every block of the context, |A| grows with it (no fixed top-K).
     selects_every_block = False
+    topk_option = "topk_blocks"  # the config key of the top-K (`indexer`'s counts tokens: topk_tokens)
 
     def __init__(
         self,
@@ -138,3 +139,60 @@ class InfLLMV2SelectorOptions(SelectorOptions):
         return [f"selector=infllm_v2 selects InfLLM-v2's blocks of {INFLLM_V2_BLOCK_TOKENS} tokens (keys pooled over "
                 f"{INFLLM_V2_WINDOW_TOKENS} at stride {INFLLM_V2_WINDOW_STRIDE}) but runtime.block_size={block_size}; "
                 f"add runtime.block_size={INFLLM_V2_BLOCK_TOKENS}"]
+
+
+INDEX_DTYPE_NAMES = ("bf16", "fp8", "fp32")  # fp32: torch backend only (the kernels keep bf16 or fp8 e4m3)
+INDEXER_WEIGHTS = ("random", "trained")
+
+
+class IndexerSelectorOptions(SelectorOptions):
+    """`indexer`: a DeepSeek-V3.2-style lightning indexer (prr.selectors.indexer). Its unit of
+    selection is one token, so it runs with `runtime.block_size=1`: every "block" of the engine
+    (A, P, repair, merge, counters, predictors) is then a token. One selection per row, shared by
+    every KV head (the indexer's scores have no head of the model's): no `gqa_reduce` option."""
+
+    topk_option = "topk_tokens"
+
+    def __init__(
+        self,
+        topk_tokens: int = 2048,
+        sink_tokens: int = 4,
+        local_tokens: int = 63,
+        force_newest: bool = True,
+        dense_layers: Sequence[int] = (0, 1),
+        index_heads: int = 64,
+        index_dim: int = 128,
+        rope_dim: int = 64,
+        index_dtype: str = "bf16",
+        weights: str = "random",
+        seed: int = 0,
+        model: str | None = None,
+        hinted_topk: bool = False,
+    ) -> None:
+        super().__init__(topk_tokens, sink_tokens, local_tokens, force_newest, "max", dense_layers, hinted_topk)
+        for name, value in (("index_heads", index_heads), ("index_dim", index_dim), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1):
+                raise ValueError(f"selector.{name}={value!r} must be a {'non-negative' if name == 'seed' else 'positive'}"
+                                 " integer")
+        if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 0 <= rope_dim <= index_dim \
+                or rope_dim % 2:
+            raise ValueError(f"selector.rope_dim={rope_dim!r} must be even and in [0, index_dim={index_dim}]")
+        if index_dtype not in INDEX_DTYPE_NAMES:
+            raise ValueError(f"selector.index_dtype={index_dtype!r} is not one of {list(INDEX_DTYPE_NAMES)}")
+        if weights not in INDEXER_WEIGHTS:
+            raise ValueError(f"selector.weights={weights!r} is not one of {list(INDEXER_WEIGHTS)}")
+        if hinted_topk:
+            raise ValueError("selector.hinted_topk=true is not built for selector=indexer yet (its hint slot is per KV "
+                             "head, the indexer's top-K one per row); use selector.hinted_topk=false")
+        if weights == "trained" and not model:
+            raise ValueError("selector.weights=trained loads the indexer distilled for a model: set selector.model "
+                             "(conf/selector/indexer.yaml sets ${model.name_or_path})")
+        self.topk_tokens = topk_tokens
+        self.index_heads, self.index_dim, self.rope_dim = index_heads, index_dim, rope_dim
+        self.index_dtype, self.weights, self.seed, self.model = index_dtype, weights, seed, model
+
+    def block_size_problems(self, block_size: int) -> list[str]:
+        if block_size == 1:
+            return []
+        return [f"selector=indexer selects tokens (a selection unit of one token) but runtime.block_size={block_size};"
+                " add runtime.block_size=1"]

@@ -54,7 +54,8 @@ from prr.intervals import median_ratio_interval
 from prr.paths import strict_json_dumps
 
 SELECTORS = ("dense", "exact", "quest", "infllm", "infllm_prr", "less")  # the default matrix's
-NAMED_ONLY = ("infllm_v2",)  # runs when named (its blocks are 64 tokens: --blocks 64)
+NAMED_ONLY = ("infllm_v2", "indexer")  # run when named (infllm_v2's blocks are 64 tokens: --blocks 64; the
+# indexer selects tokens: --blocks 1, its --topk in tokens)
 PREDICTORS = ("none", "last_step", "ema")
 OFF = "runtime.dense_metrics_every=1000000"  # the first step only
 EVERY_16 = "runtime.dense_metrics_every=16"
@@ -97,6 +98,8 @@ def cases(kind: str, settings: list[Setting] | None = None, selectors: tuple[str
                     extra = setting.overrides() if setting else []
                     if selector == "dense" and setting:  # dense has no top-K: the block size alone
                         extra = [o for o in extra if not o.startswith("selector.topk_blocks")]
+                    if selector == "indexer":  # its top-K is in tokens (one block = one token)
+                        extra = [o.replace("selector.topk_blocks=", "selector.topk_tokens=") for o in extra]
                     out[name] = [f"selector={selector}", f"predictor={predictor}", OFF, *extra]
                 at = f"@{setting.tag}" if setting else ""
                 for rate in hit_rates:

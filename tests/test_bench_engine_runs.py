@@ -167,3 +167,9 @@ def test_intervals_and_the_map_only_at_its_own_p():
                                                                                 errors="ignore"),
                               stage_map()[lambda m: m["target_hit_rate"] >= 0.9])
     assert low.set_index("case").loc["quest-hit0.5", "map_hit_clamped"]  # 0.2 below the map's lowest rate, 0.9
+
+
+def test_the_indexer_takes_its_top_k_in_tokens():
+    names = er.cases("matrix", [er.Setting(32000, 1, 2048)], ("indexer",), ("none",))
+    assert names["indexer-none@32k_b1_k2048"][-1] == "selector.topk_tokens=2048"
+    assert "runtime.block_size=1" in names["indexer-none@32k_b1_k2048"]

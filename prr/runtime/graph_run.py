@@ -277,7 +277,7 @@ class GraphDecode:
         engine = self.engine = GraphDecoder(decoder, plan, settings.batch_size, self.capacity,
                                             compile=device.type == "cuda" and tp is None, selector=selector,
                                             predictor=predictor if speculating else None, cache=cache,
-                                            backend=self.ops_backend)
+                                            backend=self.ops_backend, reuse=r.reuse)
         first = logits.argmax(-1)  # [B] greedy
         engine.take_over(row_tokens, first, eager.backend.predictor_state if speculating else None,
                          eager.backend.previous)

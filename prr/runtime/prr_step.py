@@ -34,8 +34,10 @@ import copy
 import torch
 from torch import Tensor
 
+from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
 from prr.predictors import Predictor
+from prr.reuse import NoReuse, SelectionReuse
 from prr.runtime.cache_attention import CacheAttention
 from prr.runtime.dense_metrics import DenseMetrics
 from prr.runtime.engine_ops import engine_ops
@@ -52,6 +54,20 @@ from prr.selectors import Selection, Selector
 MISSING_SELECTOR = ("{owner} needs the run's selector object: pass selector= (a prr.selectors object, e.g. "
                     "QuestSelector(topk_blocks=...); benchmarks build conf/'s with "
                     "prr.benchmarking.configured('selector', 'quest', topk_blocks=...))")
+
+
+def reuse_problems(reuse: SelectionReuse, predictor: Predictor | None, sized_per_step: bool) -> list[str]:
+    """Why a PRRStep cannot run `reuse` (empty: it can; prr.config_check refuses these before any work)."""
+    out = []
+    if reuse.varies_by_step and not sized_per_step:
+        out.append(f"reuse={reuse.name} needs the step number, which the graph engine's captured step does not take: "
+                   "use the eager step (runtime.engine=eager)")
+    if reuse.name != "none" and predictor is not None and predictor.needs_current_selection:
+        out.append(f"reuse={reuse.name} with predictor=oracle: the oracle's P is the A a reusing layer or step does not "
+                   "compute")
+    if getattr(reuse, "between", None) == "predicted" and (predictor is None or not predictor.speculates):
+        out.append("reuse.between=predicted needs a predictor that proposes (predictor=none proposes nothing)")
+    return out
 
 
 def step_problems(plan: StaticPlan, cache: PagedKVCache, num_heads: int, selector: Selector | None) -> list[str]:
@@ -71,7 +87,7 @@ class PRRStep:
 
     def __init__(self, plan: StaticPlan, cache: PagedKVCache, num_heads: int, *, selector: Selector,
                  predictor: Predictor | None, backend: str = "triton", timer: StageTimer | None = None,
-                 sized_per_step: bool = False) -> None:
+                 sized_per_step: bool = False, reuse: SelectionReuse | None = None) -> None:
         """selector / predictor (required): the run's prr.selectors / prr.predictors objects (the
         plan names neither); predictor=None: P set from outside (`schedule.set_predictions`), or
         none needed (serial, dense).
@@ -81,8 +97,11 @@ class PRRStep:
         timer: time each stage (the eager runtime; stages then run one after the other).
         sized_per_step: the research runtime's step (`eager`): |P| given by each call
         (`sparse_attention(predicted_blocks=)`), P proposed at the step's start at that size; else
-        the graph engine's: the plan's variant and |P|, P written ahead into the buffers."""
-        problems = step_problems(plan, cache, num_heads, selector)
+        the graph engine's: the plan's variant and |P|, P written ahead into the buffers.
+        reuse: selection reuse (prr.reuse; default none): which layers attend an A selected
+        elsewhere instead of selecting, decided here once per layer (`reused_from`)."""
+        reuse = reuse if reuse is not None else NoReuse()
+        problems = step_problems(plan, cache, num_heads, selector) + reuse_problems(reuse, predictor, sized_per_step)
         if problems:
             raise ValueError("; ".join(problems))
         self.ops = engine_ops(backend)
@@ -119,13 +138,18 @@ class PRRStep:
                                                      NB, dev))
         self.streams = SideStream(dev, plan.overlap)
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * cache.num_layers
+        # Selection reuse, decided once: per layer the anchor whose A of this step it attends (reuse=layers),
+        # and whether selection also depends on the step number (reuse=steps: the eager step only)
+        self.reuse = reuse
+        self.reused_from = reuse.anchors(self.sparse)
+        self.reused: list[Selection | None] = [None] * cache.num_layers  # each layer's last A attended (with scores)
 
     @classmethod
     def eager(cls, cache: PagedKVCache, num_heads: int, selector: Selector, predictor: Predictor | None,
-              backend: str, repair_mode: str, timer: StageTimer | None) -> PRRStep:
+              backend: str, repair_mode: str, timer: StageTimer | None, reuse: SelectionReuse | None = None) -> PRRStep:
         """The research runtime's step (DSABackend): stages one after the other, |P| per step."""
         return cls(StaticPlan.eager(repair_mode, cache.block_size), cache, num_heads, selector=selector,
-                   predictor=predictor, backend=backend, timer=timer, sized_per_step=True)
+                   predictor=predictor, backend=backend, timer=timer, sized_per_step=True, reuse=reuse)
 
     def with_plan(self, plan: StaticPlan) -> PRRStep:
         """This step running another plan over the same buffers, state and counters."""
@@ -179,7 +203,7 @@ class PRRStep:
     # --- one layer's attention ------------------------------------------------------------
     def sparse_attention(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor,
                          predicted_blocks: int | None = None, fp32: bool = False,
-                         summarise: Tensor | None = None) -> tuple[Tensor, Selection]:
+                         summarise: Tensor | None = None, step: int | None = None) -> tuple[Tensor, Selection]:
         """The DSA step of a sparse layer (serial or PRR): q [B, Hq, D] post-RoPE, this step's
         token in the cache and its metadata; lengths, num_blocks [B] int32 -> (out [B, Hq, D] in
         the model dtype, fp32 with fp32=True; A).
@@ -187,11 +211,16 @@ class PRRStep:
         step here: P is proposed now at that size (0: a serial step, the predictor still learns).
         The graph engine's step gives none: the plan's variant, P from the buffers.
         summarise: positions [B] of this step's token whose summaries (`summaries_beside`) this step
-        updates, beside selection and attention (serial) or the repair (PRR); None: already done."""
+        updates, beside selection and attention (serial) or the repair (PRR); None: already done.
+        step: the decode step's number from 0, which reuse=steps needs (the eager runtime gives it).
+        A layer that reuses (`reused_selection`) attends the reused A instead (`_attend_reused`)."""
         eager = self.eager_sized
         if eager != (predicted_blocks is not None):
             raise ValueError("a step sized per step (the eager runtime's) takes predicted_blocks= at every step, "
                              f"the graph engine's takes none (sized_per_step={eager}, got {predicted_blocks})")
+        reused = self.reused_selection(layer, q, num_blocks, step)
+        if reused is not None:
+            return self._attend_reused(layer, q, lengths, num_blocks, reused, predicted_blocks, fp32, summarise)
         if predicted_blocks == 0 or (not eager and self.plan.variant == "serial"):
             return self._serial(layer, q, lengths, num_blocks, fp32, summarise)
         return self._speculative(layer, q, lengths, num_blocks, predicted_blocks, fp32, summarise)
@@ -249,6 +278,74 @@ class PRRStep:
         if schedule.predictor is None:  # P is set from outside: nothing to learn
             return out, selection
         self._learn(layer, q, selection, lengths, num_blocks, planned, propose_next=not eager)
+        return out, selection
+
+    # --- selection reuse (prr.reuse: approximations) ---------------------------------------------
+    def reused_selection(self, layer: int, q: Tensor, num_blocks: Tensor, step: int | None) -> Selection | None:
+        """The A `layer` attends without selecting, or None (it selects): reuse=layers, the A its
+        anchor selected earlier in this step; reuse=steps off a selection step, its last selected A
+        (between=last) or its predictor's top-|A| proposal (between=predicted), with this step's
+        newest block added (the token's own key; a new block starts every block_size steps).
+        q: [B, Hq, D]; num_blocks [B] int32."""
+        anchor = self.reused_from[layer]
+        if anchor is not None:
+            if self.reused[anchor] is None:
+                raise RuntimeError(f"layer {layer} reuses layer {anchor}'s A, which has not selected yet: run the layers "
+                                   "of a step in order")
+            return self.reused[anchor]
+        if not self.reuse.varies_by_step:
+            return None
+        if step is None:
+            raise ValueError(f"reuse={self.reuse.name} needs the decode step's number: sparse_attention(step=)")
+        last = self.reused[layer]
+        if self.reuse.selects_at(step) or last is None:  # (None: no A selected yet in this decode)
+            return None
+        if self.reuse.between == "predicted":
+            schedule = self.schedule
+            extra = {"query": self._grouped(q)} if schedule.passes_query else {}
+            with self._stage("predict"):
+                blocks = schedule.predictor.propose(schedule.state, layer, num_blocks, self.topk_capacity, None, **extra)
+        else:
+            blocks = last.blocks
+        return Selection(self._with_newest(blocks, num_blocks), last.scores)
+
+    def _with_newest(self, blocks: BlockSet, num_blocks: Tensor) -> BlockSet:
+        """blocks [B, Hkv, C] with each row's newest block (num_blocks [B] - 1) -> [B, Hkv, C + 1] int32."""
+        mask = blocks.mask(self.cache.max_blocks)  # [B, Hkv, NB]
+        newest = (num_blocks.long() - 1).view(-1, 1, 1).expand(*mask.shape[:2], 1)
+        with_newest = BlockSet.from_mask(mask.scatter(-1, newest, True), blocks.capacity + 1)
+        return BlockSet(with_newest.indices.to(torch.int32), with_newest.count.to(torch.int32))
+
+    def _attend_reused(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor, selection: Selection,
+                       predicted_blocks: int | None, fp32: bool, summarise: Tensor | None) -> tuple[Tensor, Selection]:
+        """A layer or step that reuses A: attention over it, serially (no selection runs, so there is
+        nothing to hide speculation behind). Where the step speculates, P is still proposed as it
+        would be and counted against this A; the predictor learns from this A (the one attended)."""
+        schedule, eager = self.schedule, self.eager_sized
+        speculating = bool(predicted_blocks) if eager else self.plan.variant == "prr"
+        if speculating and schedule.predictor is not None:
+            if eager:
+                schedule.size_for_step(layer, predicted_blocks, self._ensure_scratch)
+            if eager or schedule.proposes_in_step(layer, eager):
+                with self._stage("predict"):
+                    schedule.propose(layer, self._grouped(q), num_blocks)
+        summarised = self.compensation.summarise_beside(self.streams, layer, summarise)
+        idx, cnt = selection.blocks.indices, selection.blocks.count
+        with self._stage("repair"):
+            if not self.compensation.active:
+                out = self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0]
+            else:
+                out, lse = self.attend(layer, q, idx, cnt, lengths, merge_splits=False)
+        if self.compensation.active:
+            out = self.compensation.compensated(layer, self._grouped(q), out, lse, selection, lengths,
+                                                torch.float32 if fp32 else self.dtype, self._stage, summarised)
+        self._note(layer, selection, speculating=speculating, selected=False)
+        if not schedule.has_state():
+            return out, selection
+        if speculating:
+            self._learn(layer, q, selection, lengths, num_blocks, self.streams.mark(), propose_next=not eager)
+        elif eager or self.plan.learn_in_serial:
+            self._learn(layer, q, selection, lengths, num_blocks, propose_next=not eager, same_step=False)
         return out, selection
 
     def _ensure_scratch(self) -> None:
@@ -333,9 +430,12 @@ class PRRStep:
         return bool(mode)
 
     # --- the hooks -------------------------------------------------------------------------
-    def _note(self, layer: int, selection: Selection, speculating: bool) -> None:
-        """Keep A for callers (benchmarks) and call the observers' hook after A is known."""
+    def _note(self, layer: int, selection: Selection, speculating: bool, selected: bool = True) -> None:
+        """Keep A for callers (benchmarks) and, where this layer `selected` it, for reuse; call the
+        observers' hook after A is known."""
         self.last_selection[layer] = (selection.blocks.indices, selection.blocks.count)
+        if selected:
+            self.reused[layer] = selection
         self.observers.selected(self.plan, layer, selection, speculating, self.schedule, self.streams,
                                 at_end=self.plan.count_hits and self._counts_at_end(layer, speculating))
 

@@ -34,14 +34,14 @@ import copy
 import torch
 from torch import Tensor
 
-from prr.blocks import BlockSet
 from prr.cache import PagedKVCache
 from prr.predictors import Predictor
-from prr.reuse import NoReuse, SelectionReuse
+from prr.reuse import SelectionReuse
 from prr.runtime.cache_attention import CacheAttention
 from prr.runtime.dense_metrics import DenseMetrics
 from prr.runtime.engine_ops import engine_ops
 from prr.runtime.predictor_schedule import PredictorSchedule
+from prr.runtime.selection_reuse import ReusedSelections
 from prr.runtime.side_stream import SideStream
 from prr.runtime.static_plan import StaticPlan
 from prr.runtime.step_counting import StepCounters
@@ -56,9 +56,11 @@ MISSING_SELECTOR = ("{owner} needs the run's selector object: pass selector= (a 
                     "prr.benchmarking.configured('selector', 'quest', topk_blocks=...))")
 
 
-def reuse_problems(reuse: SelectionReuse, predictor: Predictor | None, sized_per_step: bool) -> list[str]:
+def reuse_problems(reuse: SelectionReuse | None, predictor: Predictor | None, sized_per_step: bool) -> list[str]:
     """Why a PRRStep cannot run `reuse` (empty: it can; prr.config_check refuses these before any work)."""
     out = []
+    if reuse is None:
+        return out
     if reuse.varies_by_step and not sized_per_step:
         out.append(f"reuse={reuse.name} needs the step number, which the graph engine's captured step does not take: "
                    "use the eager step (runtime.engine=eager)")
@@ -98,9 +100,7 @@ class PRRStep:
         sized_per_step: the research runtime's step (`eager`): |P| given by each call
         (`sparse_attention(predicted_blocks=)`), P proposed at the step's start at that size; else
         the graph engine's: the plan's variant and |P|, P written ahead into the buffers.
-        reuse: selection reuse (prr.reuse; default none): which layers attend an A selected
-        elsewhere instead of selecting, decided here once per layer (`reused_from`)."""
-        reuse = reuse if reuse is not None else NoReuse()
+        reuse: selection reuse (prr.reuse; default none), decided here once per layer."""
         problems = step_problems(plan, cache, num_heads, selector) + reuse_problems(reuse, predictor, sized_per_step)
         if problems:
             raise ValueError("; ".join(problems))
@@ -138,11 +138,7 @@ class PRRStep:
                                                      NB, dev))
         self.streams = SideStream(dev, plan.overlap)
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * cache.num_layers
-        # Selection reuse, decided once: per layer the anchor whose A of this step it attends (reuse=layers),
-        # and whether selection also depends on the step number (reuse=steps: the eager step only)
-        self.reuse = reuse
-        self.reused_from = reuse.anchors(self.sparse)
-        self.reused: list[Selection | None] = [None] * cache.num_layers  # each layer's last A attended (with scores)
+        self.reuse = ReusedSelections(reuse, self.sparse, NB, self.topk_capacity)  # decided here, per layer
 
     @classmethod
     def eager(cls, cache: PagedKVCache, num_heads: int, selector: Selector, predictor: Predictor | None,
@@ -180,9 +176,8 @@ class PRRStep:
 
     # --- the ops ---------------------------------------------------------------------------
     def select(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor | None = None) -> Selection:
-        """q: [B, Hq, D] post-RoPE, lengths [B] tokens (num_blocks [B] int32 their blocks) -> A of
-        the run's selector (indices [B, Hkv, K] int32 ascending, counts [B, Hkv] int32, scores
-        [B, Hkv, NB])."""
+        """q: [B, Hq, D] post-RoPE, lengths [B] tokens (num_blocks [B] int32) -> A of the run's selector
+        (indices [B, Hkv, K] int32 ascending, counts [B, Hkv] int32, scores [B, Hkv, NB])."""
         return self.selector.select(self._grouped(q), self.cache, layer, lengths, num_blocks=num_blocks)
 
     def attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
@@ -212,29 +207,33 @@ class PRRStep:
         The graph engine's step gives none: the plan's variant, P from the buffers.
         summarise: positions [B] of this step's token whose summaries (`summaries_beside`) this step
         updates, beside selection and attention (serial) or the repair (PRR); None: already done.
-        step: the decode step's number from 0, which reuse=steps needs (the eager runtime gives it).
-        A layer that reuses (`reused_selection`) attends the reused A instead (`_attend_reused`)."""
+        step: the decode step from 0, for reuse=steps (prr/runtime/selection_reuse.py; eager only)."""
         eager = self.eager_sized
         if eager != (predicted_blocks is not None):
             raise ValueError("a step sized per step (the eager runtime's) takes predicted_blocks= at every step, "
                              f"the graph engine's takes none (sized_per_step={eager}, got {predicted_blocks})")
-        reused = self.reused_selection(layer, q, num_blocks, step)
-        if reused is not None:
-            return self._attend_reused(layer, q, lengths, num_blocks, reused, predicted_blocks, fp32, summarise)
+        reused = self.reuse.selection(layer, step, num_blocks, self._grouped(q), self.schedule, self._stage)
+        if reused is not None:  # attended serially; P proposed beside it where the step speculates
+            speculating = self.reuse.propose_beside(self.schedule, layer, self._grouped(q), num_blocks, predicted_blocks,
+                                                    self.plan.variant == "prr", self._ensure_scratch, self._stage)
+            return self._serial(layer, q, lengths, num_blocks, fp32, summarise, reused, speculating)
         if predicted_blocks == 0 or (not eager and self.plan.variant == "serial"):
             return self._serial(layer, q, lengths, num_blocks, fp32, summarise)
         return self._speculative(layer, q, lengths, num_blocks, predicted_blocks, fp32, summarise)
 
     def _serial(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor, fp32: bool,
-                summarise: Tensor | None) -> tuple[Tensor, Selection]:
-        """Serial DSA: select, then attend A (the predictor still learns where asked)."""
+                summarise: Tensor | None, reused: Selection | None = None,
+                speculating: bool = False) -> tuple[Tensor, Selection]:
+        """Serial DSA: select, then attend A (the predictor still learns where asked). reused: A
+        without selecting (selection reuse), its step `speculating`: P counted and learned as PRR's."""
         summarised = self.compensation.summarise_beside(self.streams, layer, summarise)
-        with self._stage("select"):
-            selection = self.select(layer, q, lengths, num_blocks)
-        self._note(layer, selection, speculating=False)
+        with self._stage("select") if reused is None else contextlib.nullcontext():
+            selection = self.select(layer, q, lengths, num_blocks) if reused is None else reused
+        self._note(layer, selection, speculating)
         idx, cnt = selection.blocks.indices, selection.blocks.count
-        if self.schedule.has_state() and (self.eager_sized or self.plan.learn_in_serial):
-            self._learn(layer, q, selection, lengths, num_blocks, propose_next=not self.eager_sized, same_step=False)
+        if self.schedule.has_state() and (speculating or self.eager_sized or self.plan.learn_in_serial):
+            self._learn(layer, q, selection, lengths, num_blocks, self.streams.mark() if speculating else None,
+                        propose_next=not self.eager_sized, same_step=speculating)
         with self._stage("repair"):
             if not self.compensation.active:
                 return self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0], selection
@@ -278,74 +277,6 @@ class PRRStep:
         if schedule.predictor is None:  # P is set from outside: nothing to learn
             return out, selection
         self._learn(layer, q, selection, lengths, num_blocks, planned, propose_next=not eager)
-        return out, selection
-
-    # --- selection reuse (prr.reuse: approximations) ---------------------------------------------
-    def reused_selection(self, layer: int, q: Tensor, num_blocks: Tensor, step: int | None) -> Selection | None:
-        """The A `layer` attends without selecting, or None (it selects): reuse=layers, the A its
-        anchor selected earlier in this step; reuse=steps off a selection step, its last selected A
-        (between=last) or its predictor's top-|A| proposal (between=predicted), with this step's
-        newest block added (the token's own key; a new block starts every block_size steps).
-        q: [B, Hq, D]; num_blocks [B] int32."""
-        anchor = self.reused_from[layer]
-        if anchor is not None:
-            if self.reused[anchor] is None:
-                raise RuntimeError(f"layer {layer} reuses layer {anchor}'s A, which has not selected yet: run the layers "
-                                   "of a step in order")
-            return self.reused[anchor]
-        if not self.reuse.varies_by_step:
-            return None
-        if step is None:
-            raise ValueError(f"reuse={self.reuse.name} needs the decode step's number: sparse_attention(step=)")
-        last = self.reused[layer]
-        if self.reuse.selects_at(step) or last is None:  # (None: no A selected yet in this decode)
-            return None
-        if self.reuse.between == "predicted":
-            schedule = self.schedule
-            extra = {"query": self._grouped(q)} if schedule.passes_query else {}
-            with self._stage("predict"):
-                blocks = schedule.predictor.propose(schedule.state, layer, num_blocks, self.topk_capacity, None, **extra)
-        else:
-            blocks = last.blocks
-        return Selection(self._with_newest(blocks, num_blocks), last.scores)
-
-    def _with_newest(self, blocks: BlockSet, num_blocks: Tensor) -> BlockSet:
-        """blocks [B, Hkv, C] with each row's newest block (num_blocks [B] - 1) -> [B, Hkv, C + 1] int32."""
-        mask = blocks.mask(self.cache.max_blocks)  # [B, Hkv, NB]
-        newest = (num_blocks.long() - 1).view(-1, 1, 1).expand(*mask.shape[:2], 1)
-        with_newest = BlockSet.from_mask(mask.scatter(-1, newest, True), blocks.capacity + 1)
-        return BlockSet(with_newest.indices.to(torch.int32), with_newest.count.to(torch.int32))
-
-    def _attend_reused(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor, selection: Selection,
-                       predicted_blocks: int | None, fp32: bool, summarise: Tensor | None) -> tuple[Tensor, Selection]:
-        """A layer or step that reuses A: attention over it, serially (no selection runs, so there is
-        nothing to hide speculation behind). Where the step speculates, P is still proposed as it
-        would be and counted against this A; the predictor learns from this A (the one attended)."""
-        schedule, eager = self.schedule, self.eager_sized
-        speculating = bool(predicted_blocks) if eager else self.plan.variant == "prr"
-        if speculating and schedule.predictor is not None:
-            if eager:
-                schedule.size_for_step(layer, predicted_blocks, self._ensure_scratch)
-            if eager or schedule.proposes_in_step(layer, eager):
-                with self._stage("predict"):
-                    schedule.propose(layer, self._grouped(q), num_blocks)
-        summarised = self.compensation.summarise_beside(self.streams, layer, summarise)
-        idx, cnt = selection.blocks.indices, selection.blocks.count
-        with self._stage("repair"):
-            if not self.compensation.active:
-                out = self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0]
-            else:
-                out, lse = self.attend(layer, q, idx, cnt, lengths, merge_splits=False)
-        if self.compensation.active:
-            out = self.compensation.compensated(layer, self._grouped(q), out, lse, selection, lengths,
-                                                torch.float32 if fp32 else self.dtype, self._stage, summarised)
-        self._note(layer, selection, speculating=speculating, selected=False)
-        if not schedule.has_state():
-            return out, selection
-        if speculating:
-            self._learn(layer, q, selection, lengths, num_blocks, self.streams.mark(), propose_next=not eager)
-        elif eager or self.plan.learn_in_serial:
-            self._learn(layer, q, selection, lengths, num_blocks, propose_next=not eager, same_step=False)
         return out, selection
 
     def _ensure_scratch(self) -> None:
@@ -406,8 +337,7 @@ class PRRStep:
                 return self.ops.repair_and_merge(
                     q, self.cache.keys[layer], self.cache.values[layer], idx, cnt, pred_idx, pred_cnt, lengths,
                     spec_out, spec_lse, p.block_size, self.attention.scale, out_dtype=out_dtype,
-                    arrivals=self.attention.merge_arrivals,
-                    tokens_per_split=p.repair_tokens_per_split)
+                    arrivals=self.attention.merge_arrivals, tokens_per_split=p.repair_tokens_per_split)
         with self._stage("repair"):
             miss_idx, miss_cnt, keep = self.ops.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)
             # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
@@ -430,23 +360,11 @@ class PRRStep:
         return bool(mode)
 
     # --- the hooks -------------------------------------------------------------------------
-    def _note(self, layer: int, selection: Selection, speculating: bool, selected: bool = True) -> None:
-        """Keep A for callers (benchmarks) and, where this layer `selected` it, for reuse; call the
-        observers' hook after A is known."""
+    def _note(self, layer: int, selection: Selection, speculating: bool) -> None:
+        """Keep A for callers (benchmarks) and for reuse, and call the observers' hook after A is known."""
         self.last_selection[layer] = (selection.blocks.indices, selection.blocks.count)
-        if selected:
-            self.reused[layer] = selection
-        self.observers.selected(self.plan, layer, selection, speculating, self.schedule, self.streams,
-                                at_end=self.plan.count_hits and self._counts_at_end(layer, speculating))
-
-    def _counts_at_end(self, layer: int, speculating: bool) -> bool:
-        """Whether this step's counters wait for the last sparse layer and count every layer in
-        one launch on the side stream (plan.count_at_step_end, the graph engine's step over a
-        contiguous range of sparse layers), where each layer's P stays what the layer speculated
-        over until then (`PredictorSchedule.keeps_p_until_step_end`)."""
-        if not self.plan.count_at_step_end or self.eager_sized or self.schedule.learn_range is None:
-            return False
-        return not speculating or self.schedule.keeps_p_until_step_end(layer, self.plan.learn_layers_at_once)
+        self.reuse.keep(layer, selection)
+        self.observers.selected(self.plan, layer, selection, speculating, self.schedule, self.streams, self.eager_sized)
 
     def _learn(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, num_blocks: Tensor,
                planned: torch.cuda.Event | None = None, propose_next: bool = True, same_step: bool = True) -> None:

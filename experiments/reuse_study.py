@@ -2,7 +2,7 @@
 `reuse=steps`, named approximations; prr/reuse.py):
 
     python experiments/reuse_study.py [--model smollm2-135m] [--context 1024] [--tasks niah_single_1,qa_1,vt] \
-        [--samples 7] [--steps 16] [--topk 8] [--variants none,layers:2,layers:4,steps:4,steps:4:predicted] \
+        [--samples 7] [--steps 8] [--topk 8] [--variants none,layers:2,layers:4,steps:4,steps:4:predicted] \
         [--out experiments/results/cpu/reuse_smollm2]
 
 How: per RULER prompt (task=ruler, `make ruler-data`; --samples per task), one dense prefill is kept
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="RULER context tokens (>= 1024)")
     p.add_argument("--tasks", default="niah_single_1,qa_1,vt")
     p.add_argument("--samples", type=int, default=7, help="prompts per task")
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--topk", type=int, default=8, help="Quest's top-K blocks (of 16 tokens)")
     p.add_argument("--variants", default="none,layers:2,layers:4,steps:4,steps:4:predicted")
     p.add_argument("--out", default="experiments/results/cpu/reuse_smollm2")
@@ -138,11 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     first = compose_config(common + ["task.name=" + args.tasks.split(",")[0]])
     model = instantiate(first.model).load("float32", "cpu")
     results: list[dict[str, Any]] = []
+    tasks = {}  # task -> (cfg, engine, task, its samples)
     for task_name in args.tasks.split(","):
         cfg = compose_config(common + [f"task.name={task_name}"])
-        engine = Engine(cfg, model, args.context + 256 + args.steps)
-        task = instantiate(cfg.task)
-        for index, sample in enumerate(task.samples(engine.tokenizer)[: args.samples]):
+        engine, task = Engine(cfg, model, args.context + 256 + args.steps), instantiate(cfg.task)
+        tasks[task_name] = (cfg, engine, task, task.samples(engine.tokenizer)[: args.samples])
+    for index in range(args.samples):  # sample-major: a run cut short keeps every task alike
+        for task_name, (cfg, engine, task, samples) in tasks.items():
+            sample = samples[index]
             ids = engine.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
             prefill = engine.prefill(ids)
             for variant, reuse in args.reuse.items():

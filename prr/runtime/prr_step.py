@@ -11,7 +11,9 @@ rest sits at fixed hooks, each decided when the step is built:
   predictor learns, from the predictor's timing class; it owns P and the predictor state;
 - observers (`StepObservers`): `StepCounters` (|A|, |P|, hits, last-step overlap), `DenseMetrics`
   (mass recall and output error against dense attention), `StudyCounters` (the studies' per-head counts);
-- `SideStream`: the second CUDA stream.
+- `SideStream`: the second CUDA stream;
+- `ReusedSelections` (prr/runtime/selection_reuse.py): the layers (reuse=layers) or steps (reuse=steps)
+  that attend a reused A instead of selecting, serially (approximations; default reuse=none).
 
 Two callers run this same step:
 - the graph engine (`GraphDecoder`, which holds one and adds the model's forward) captures it in a

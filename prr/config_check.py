@@ -30,7 +30,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from prr.cli_exits import ConfigError as ConfigError  # callers import it from here too
 from prr.model.describe import is_random_init
 
-GROUPS = ("model", "selector", "predictor", "budget", "task", "logger", "runtime", "backend")
+GROUPS = ("model", "selector", "predictor", "budget", "reuse", "task", "logger", "runtime", "backend")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 # `_target_` -> the class its options are checked as before torch is imported: the target itself
@@ -62,6 +62,7 @@ CHECKED_BEFORE_TORCH = {
     "prr.predictors.spin.SpinPredictor": _PREDICTOR_OPTIONS + "SpinPredictorOptions",
     **{t: t for t in (
         "prr.budget.adaptive.AdaptiveBudget", "prr.budget.fixed.FixedBudget", "prr.budget.profiled.ProfiledBudget",
+        "prr.reuse.NoReuse", "prr.reuse.LayerReuse", "prr.reuse.StepReuse",
         "prr.sinks.AutoLogger", "prr.sinks.NoLogger", "prr.sinks.WandbLogger",
         "prr.tasks.lm_eval_task.LmEvalTask", "prr.tasks.long_text.LongTextTask", "prr.tasks.niah.NeedleTask",
         "prr.tasks.perplexity.PerplexityTask", "prr.tasks.qa.ClozeQATask", "prr.tasks.ruler.RulerTask",
@@ -186,6 +187,7 @@ def problems_before_torch(cfg: DictConfig) -> list[str]:
     problems = model_cross_checks(cfg, built, model)
     if "runtime" in built:  # the runtime's values against the prompt, and a device this machine cannot have
         problems += prompt_size_checks(built) + device_checks_before_torch(cfg, built["runtime"])
+        problems += reuse_checks(cfg, built, model)
     return problems
 
 
@@ -293,6 +295,18 @@ def prompt_size_checks(built: dict[str, Any]) -> list[str]:
     return problems
 
 
+def reuse_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> list[str]:
+    """The reuse group against the model's sparse layers, the predictor, the engine and the task
+    (`prr.reuse.SelectionReuse.problems`), run before torch is imported too."""
+    reuse = built.get("reuse")
+    if reuse is None or not hasattr(reuse, "problems"):  # a reuse class of your own: its constructor checks it
+        return []
+    dense = set(built["selector"].dense_layers)
+    sparse = [i not in dense for i in range(model.num_layers)]
+    return reuse.problems(sparse, option_name(cfg, "predictor"), getattr(built["runtime"], "engine", "eager"),
+                          callable(getattr(built["task"], "evaluate", None)))
+
+
 def device_checks_before_torch(cfg: DictConfig, runtime: Any) -> list[str]:
     """runtime.device=cuda on a machine with no GPU driver, and backend=triton off CUDA, found
     without importing torch (prr.gpu_probe): importing torch to ask took 1-1.5 s of a 2-3 s refusal.
@@ -325,7 +339,7 @@ def installed(module: str) -> bool:
 def runtime_cross_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> list[str]:
     """The groups against the runtime and backend groups (prr/runtime/*, which import torch)."""
     runtime, selector, task, predictor = built["runtime"], built["selector"], built["task"], built["predictor"]
-    problems = prompt_size_checks(built)
+    problems = prompt_size_checks(built) + reuse_checks(cfg, built, model)
     if runtime.device.startswith("cuda"):
         import torch
 

@@ -37,11 +37,15 @@ def run_summary(cfg: DictConfig, model: str, *, mode: str, repair_mode: str, dev
                 budget_setup: dict[str, Any], provenance: dict[str, Any] | None = None, task: str | None = None,
                 ops: dict[str, Any] | None = None, rows: dict[str, Any] | None = None,
                 sizes: dict[str, Any] | None = None, timing: dict[str, Any] | None = None,
-                results: dict[str, Any] | None = None) -> dict[str, Any]:
+                results: dict[str, Any] | None = None, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
     """summary.json of a complete run, its keys in one order for every runtime; the optional
     sections are a runtime's own (provenance before the model, ops after the repair mode, rows
-    after the prompt, sizes after top-K, timing after the load, results last)."""
+    after the prompt, sizes after top-K, timing after the load, results last). reuse: the
+    selection reuse's counts (`prr.reuse.SelectionReuse.summary`), after the budget, with the
+    reuse group's options; a run without reuse (reuse=none) has no such key."""
     groups = {g: OmegaConf.to_container(cfg[g], resolve=True) for g in ("selector", "predictor", "budget")}
+    if reuse is not None and reuse["policy"] != "none":
+        groups["reuse"] = {**OmegaConf.to_container(cfg.reuse, resolve=True), **reuse}
     return {"status": "complete", **(provenance or {}), "model": model, **({"task": task} if task else {}),
             **groups, "mode": mode, "repair_mode": repair_mode, **(ops or {}), "device": device,
             "prompt_tokens": prompt_tokens, **(rows or {}), "block_size": block_size, "topk_blocks": topk_blocks,
@@ -109,10 +113,19 @@ def decode_with(runtime: DecodeStrategy, cfg: DictConfig, run_dir: Path, logger:
     token_ids = torch.cat(read, 1)[:, :done]  # [B, steps]: the token each step read
     write_generation(run_dir, inputs.model.tokenizer, inputs.prompt.description, token_ids)
     results = runtime.results(token_ids)
-    summary = run_summary(cfg, inputs.model.name, model_load_s=inputs.load_s, **results.summary)
+    summary = run_summary(cfg, inputs.model.name, model_load_s=inputs.load_s, reuse=reuse_counts(inputs, done),
+                          **results.summary)
     finish(run_dir, summary, results.layers, results.steps, logger, results.layers_csv)
     print(format_summary(summary, results.layers))
     return summary
+
+
+def reuse_counts(inputs: Any, steps: int) -> dict[str, Any] | None:
+    """The selections the decode's `steps` steps made and skipped by its selection reuse (None: none)."""
+    if inputs.reuse is None:
+        return None
+    sparse = [not inputs.selector.is_dense_layer(i) for i in range(inputs.model.config.num_layers)]
+    return inputs.reuse.summary(sparse, steps)
 
 
 def score(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:

@@ -37,11 +37,13 @@ import pandas as pd
 import yaml
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("model", "task", "selector", "predictor", "budget", "runtime", "backend", "logger")
+GROUPS = ("model", "task", "selector", "predictor", "budget", "reuse", "runtime", "backend", "logger")
 KEY_COLUMNS = ("run_dir", "sweep", "status", *GROUPS)
 # The summary repeats the selector/predictor/budget configs (taken from config.yaml); token ids are not a metric.
 SUMMARY_SKIP = {"status", "selector", "predictor", "budget", "generated_token_ids"}
 SKIP_DIRS = {"wandb", ".submitit", ".hydra", "records", "__pycache__"}
+# Groups added after runs were committed: the option those runs ran (their config has no such group).
+ABSENT_OPTION = {"reuse": "none"}
 
 
 class ResultsError(ValueError):
@@ -66,6 +68,8 @@ def _option(group: str, node: Any, choices: dict[str, str] | None = None) -> str
     match the run's config; a class with no option file keeps its class name."""
     if choices and isinstance(choices.get(group), str):
         return choices[group]
+    if node is None and group in ABSENT_OPTION:
+        return ABSENT_OPTION[group]
     if not isinstance(node, dict) or not node.get("_target_"):
         return None
     if group == "model":  # one class for every model: its name (zoo name, HF id or path) says which

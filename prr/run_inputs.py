@@ -30,6 +30,7 @@ class RunInputs:
     load_s: float
     prompt: Any
     input_ids: torch.Tensor  # [B, T_prompt] on the device
+    reuse: Any = None  # the reuse group's prr.reuse object (None: none)
 
 
 def build_run(cfg: DictConfig) -> RunInputs:
@@ -45,5 +46,6 @@ def build_run(cfg: DictConfig) -> RunInputs:
     prompt = task.build(model.tokenizer, model.config.vocab_size, settings.batch_size)
     selector = instantiate(cfg.selector)
     selector.bind_model(model.config)  # (InfLLM: the RoPE its scoring undoes)
+    reuse = instantiate(cfg.reuse) if "reuse" in cfg else None
     return RunInputs(settings, task, selector, instantiate(cfg.predictor), instantiate(cfg.budget),
-                     device, dtype, model, load_s, prompt, prompt.input_ids.to(device))
+                     device, dtype, model, load_s, prompt, prompt.input_ids.to(device), reuse)

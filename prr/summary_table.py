@@ -27,6 +27,7 @@ def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
             f"  per-token latency          median {num('token_latency_median_ms', '{:.2f}')} ms, p90 "
             f"{num('token_latency_p90_ms', '{:.2f}')} ms ({num('tokens_per_s', '{:.1f}')} tok/s), "
             f"{summary.get('decode_steps')} steps",
+            *reuse_lines(summary),
         ]
         if not layers.empty and layers["hit_rate"].notna().any():
             lines += ["", "  per layer:", layers.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
@@ -50,8 +51,19 @@ def format_summary(summary: dict[str, Any], layers: pd.DataFrame) -> str:
         f"  per-token latency          median {num('token_latency_median_ms', '{:.1f}')} ms "
         f"({num('tokens_per_s', '{:.1f}')} tok/s), {summary.get('decode_steps')} steps; "
         f"measurement work excluded ({num('measurement_overhead_ms', '{:.1f}')} ms/token)",
+        *reuse_lines(summary),
     ]
     if not layers.empty:
         cols = [c for c in ("layer", "hit_rate", "hit_rate_at_k", "precision", "last_step_overlap", "mass_recall", "output_relerr") if c in layers]
         lines += ["", "  per layer:", layers[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}")]
     return "\n".join(lines)
+
+
+def reuse_lines(summary: dict[str, Any]) -> list[str]:
+    """The selection reuse's line (an approximation: selections skipped), or none without reuse."""
+    reuse = summary.get("reuse")
+    if not reuse:
+        return []
+    total = reuse["selections_made"] + reuse["selections_skipped"]
+    return [f"  selection reuse            {reuse['policy']} (an approximation): {reuse['selections_skipped']} of {total} "
+            "layer selections skipped; hit rates against the A attended"]

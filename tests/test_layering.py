@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tasks", ("prr.tasks",)),  # prompts, samples and their scoring: they know the model's tokenizer only
     ("cache", ("prr.cache", "prr.block_attention")),
     ("selectors", ("prr.selectors",)),
-    ("policies", ("prr.predictors", "prr.budget")),
+    ("policies", ("prr.predictors", "prr.budget", "prr.reuse")),
     ("measurement", ("prr.metrics", "prr.run_records", "prr.cost_model")),  # a step's records -> rows and aggregates
     ("runtime", ("prr.runtime",)),
     ("run", ("prr.evaluation", "prr.config_check", "prr.summary_table", "prr.results_store", "prr.provenance")),

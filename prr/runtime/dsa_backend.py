@@ -27,6 +27,7 @@ from prr.blocks import BlockSet
 from prr.budget.base import SpeculationBudget
 from prr.cache import PagedKVCache
 from prr.predictors.base import Predictor
+from prr.reuse import SelectionReuse
 from prr.runtime.engine_ops import BACKENDS
 from prr.runtime.prr_step import PRRStep
 from prr.runtime.settings import REPAIR_MODES, RUN_MODES
@@ -51,9 +52,11 @@ class DSABackend:
         dense_metrics_every: int = 1,
         check_serial: bool = False,
         backend: str = "torch",
+        reuse: SelectionReuse | None = None,
     ) -> None:
         """backend: the op backend of the step (prr/runtime/engine_ops.py): "torch" (any
-        device) or "triton" (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+        device) or "triton" (CUDA, or the CPU under TRITON_INTERPRET=1).
+        reuse: selection reuse (prr.reuse, an approximation; default none: every layer selects)."""
         if mode not in RUN_MODES:
             raise ValueError(f"runtime.mode={mode!r} is not one of {list(RUN_MODES)}")
         if repair_mode not in REPAIR_MODES:
@@ -72,8 +75,7 @@ class DSABackend:
         self.check_serial = check_serial
         self.backend = backend
         self.timer = StageTimer(cache.device)
-        self.engine = PRRStep.eager(cache, num_heads, selector, predictor, backend, repair_mode,
-                                                 self.timer)
+        self.engine = PRRStep.eager(cache, num_heads, selector, predictor, backend, repair_mode, self.timer, reuse)
         self.step = 0
         self.history: list[list[Selection] | None] = [None] * cache.num_layers  # prefill-tail selections
         self.previous: list[Tensor | None] = [None] * cache.num_layers
@@ -195,7 +197,7 @@ class DSABackend:
         ranking = self.predictor.propose_best_first(self.predictor_state, layer, num_blocks, capacity, current, **query)
         self.measure_s += time.perf_counter() - measure_start
         out, selection = self.engine.sparse_attention(layer, q, lengths, block_counts, predicted_blocks=budget_blocks,
-                                                      fp32=True)  # [B, Hq, D] fp32
+                                                      fp32=True, step=self.step)  # [B, Hq, D] fp32
         predicted = self.engine.schedule.prediction(layer) if budget_blocks else None
         result_out = out.view_as(qg)  # [B, Hkv, G, D]
         marks = self.timer.take()  # resolved in end_step: no synchronisation inside the step

@@ -40,7 +40,7 @@ class EagerDecode:
         ops = instantiate(cfg.backend)
         self.ops = ops.name
         self.pipeline = EagerPipeline(cfg, r.model, r.settings, r.budget, ops, self.prompt_len + r.task.max_new_tokens,
-                                      r.dtype, selector=r.selector, predictor=r.predictor)
+                                      r.dtype, selector=r.selector, predictor=r.predictor, reuse=r.reuse)
         log.info("prompt: %s (%d tokens); model %s loaded in %.1f s", r.prompt.description, self.prompt_len,
                  r.model.name, r.load_s)
         self.steps_out = JsonlWriter(run_dir / "records" / "steps.jsonl")

@@ -28,15 +28,16 @@ class EagerPipeline:
     rows = 1  # requests decoded together
 
     def __init__(self, cfg: Any, model: Any, settings: Any, budget: Any, ops: Any, max_tokens: int,
-                 dtype: torch.dtype, selector: Any = None, predictor: Any = None) -> None:
+                 dtype: torch.dtype, selector: Any = None, predictor: Any = None, reuse: Any = None) -> None:
         """cfg: the run's config (its selector and predictor groups, instantiated per request
         unless selector / predictor give the objects every prefill uses: a decode run's);
-        settings: the runtime group; ops: the backend group; max_tokens: the longest request."""
+        settings: the runtime group; ops: the backend group; max_tokens: the longest request;
+        reuse: the decode's selection reuse (prr.reuse; default none)."""
         if selector is None and settings.batch_size != 1:
             raise ValueError(f"runtime.batch_size={settings.batch_size}: the research runtime decodes one "
                              "request at a time; use runtime.batch_size=1 (or runtime.engine=graph)")
         self.cfg, self.model, self.settings, self.budget, self.ops, self.dtype = cfg, model, settings, budget, ops, dtype
-        self.selector, self.predictor = selector, predictor
+        self.selector, self.predictor, self.reuse = selector, predictor, reuse
         self.calibration: dict[str, Any] = {}
         selector = self.new_selector()
         self.selection_backend = selector.set_backend(ops.name)
@@ -70,7 +71,7 @@ class EagerPipeline:
         predictor = self.predictor if self.predictor is not None else instantiate(self.cfg.predictor)
         self.runtime = runtime = EagerRuntime(self.model.decoder, self.settings, selector, predictor, self.budget,
                                               self.ops.name, ids.shape[1] + new_tokens, self.dtype,
-                                              batch=ids.shape[0])
+                                              batch=ids.shape[0], reuse=self.reuse)
         with torch.inference_mode():
             if kept is not None and kept[0] is not None:
                 runtime.replay_prefill(kept[0])  # same q/k/v: selector metadata and tail rebuilt

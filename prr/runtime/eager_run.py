@@ -75,11 +75,12 @@ class EagerRuntime:
     per row, the run's selector / predictor / budget objects, its settings (runtime group) and
     op backend. `changes` override settings for this runtime (the graph engine's prefill, the
     studies' shadow decodes). cache: an empty PagedKVCache to prefill into instead of a new one
-    (the graph engine's scored requests reuse one cache, and the graphs captured over it)."""
+    (the graph engine's scored requests reuse one cache, and the graphs captured over it).
+    reuse: the decode's selection reuse (prr.reuse; default none)."""
 
     def __init__(self, decoder: Any, settings: Any, selector: Any, predictor: Any, budget: Any, backend: str,
                  max_tokens: int, dtype: torch.dtype, batch: int | None = None, cache: PagedKVCache | None = None,
-                 **changes: Any) -> None:
+                 reuse: Any = None, **changes: Any) -> None:
         self.decoder, self.backend_name = decoder, backend
         self.device = torch.device(settings.device)
         self.cache = cache if cache is not None else kv_cache(decoder, settings.batch_size if batch is None else batch,
@@ -87,7 +88,7 @@ class EagerRuntime:
         options = {"mode": settings.mode, "repair_mode": settings.repair_mode,
                    "calibration_tokens": settings.calibration_tokens,
                    "dense_metrics_every": settings.dense_metrics_every, "check_serial": settings.check_serial,
-                   **changes}
+                   "reuse": reuse, **changes}
         self.parts = (selector, predictor, budget, options)
         self.backend = self.attention(self.cache)
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from prr.cache import PagedKVCache
 from prr.model.decoder import Decoder
 from prr.predictors import Predictor
+from prr.reuse import SelectionReuse
 from prr.runtime import graph_context
 from prr.runtime.prr_step import PRRStep
 from prr.runtime.static_plan import StaticPlan
@@ -33,12 +34,13 @@ class EngineState:
     """The device state of one graph engine for `batch` rows over `cache`, shared by its views."""
 
     def __init__(self, model: Decoder, plan: StaticPlan, batch: int, cache: PagedKVCache, *, selector: Selector,
-                 predictor: Predictor | None, backend: str) -> None:
-        """The step's buffers over `cache` (validated by the subclass: `GraphDecoder`)."""
+                 predictor: Predictor | None, backend: str, reuse: SelectionReuse | None = None) -> None:
+        """The step's buffers over `cache` (validated by the subclass: `GraphDecoder`); reuse: the
+        step's selection reuse (prr.reuse; default none)."""
         # The attention of every layer (selection, speculation, repair, merge, the predictor, P and the
         # counters) is the step's; this object adds the position, the input token and the hand-offs.
         self.attn = PRRStep(plan, cache, model.config.num_heads, selector=selector, predictor=predictor,
-                            backend=backend)
+                            backend=backend, reuse=reuse)
         self.model, self.cache, self.batch, self.device, self.dtype = model, cache, batch, model.device, model.dtype
         # Tokens in the cache before this step, per row (rows may differ: ragged batches).
         self.pos = torch.zeros(batch, dtype=torch.int32, device=self.device)

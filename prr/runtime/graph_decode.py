@@ -48,6 +48,7 @@ from prr.model.decoder import Decoder
 from prr.model.layer_math import final_norm, post_attention, pre_attention, rms_norm
 from prr.model.rope import rope_cos_sin
 from prr.predictors import Predictor
+from prr.reuse import SelectionReuse
 from prr.runtime.engine_state import EngineState
 from prr.runtime.fused_weights import FusedWeights
 from prr.runtime.prr_step import MISSING_SELECTOR
@@ -71,7 +72,7 @@ class GraphDecoder(EngineState):
 
     def __init__(self, model: Decoder, plan: StaticPlan, batch: int, max_tokens: int, compile: bool = False, *,
                  selector: Selector, predictor: Predictor | None, cache: PagedKVCache | None = None,
-                 backend: str = "triton") -> None:
+                 backend: str = "triton", reuse: SelectionReuse | None = None) -> None:
         """compile: torch.compile the dense parts of each layer (residual adds, norms, SiLU around
         the fused GEMVs) into a few kernels; compiled on the first step (seconds to a minute).
         (RoPE runs in the cache-append kernel, or at batch 1 with plan.projections="fused" in the
@@ -89,7 +90,10 @@ class GraphDecoder(EngineState):
         A tensor-parallel shard as `model` (prr.model.tensor_parallel.shard_decoder): the engine
         attends the rank's KV heads only, and the model's forward all-reduces o_proj's and down's
         outputs (one all-reduce each per layer); every rank computes the same logits and token.
-        For now the torch projections only, uncompiled."""
+        For now the torch projections only, uncompiled.
+        reuse: selection reuse (prr.reuse; default none). reuse=layers is a static choice per layer,
+        captured as such: a reusing layer attends its anchor's A of the step and never selects;
+        reuse=steps is refused (its choice depends on the step number)."""
         c, bs, dtype, device = model.config, plan.block_size, model.dtype, model.device
         problems = decoder_problems(model, plan, batch, cache, selector, backend, compile, max_tokens)
         if problems:  # (before a new cache is allocated: GBs on a GPU)
@@ -97,7 +101,7 @@ class GraphDecoder(EngineState):
         if cache is None:
             cache = PagedKVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, bs, max_tokens, dtype, device)
         selector.bind_model(c)  # (InfLLM: the RoPE its scoring undoes)
-        super().__init__(model, plan, batch, cache, selector=selector, predictor=predictor, backend=backend)
+        super().__init__(model, plan, batch, cache, selector=selector, predictor=predictor, backend=backend, reuse=reuse)
         self.compiled = compile
         cos, sin = rope_cos_sin(torch.arange(self.max_tokens, device=device), model.rope.inv_freq.to(device))
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)  # [T_max, D]

@@ -63,19 +63,20 @@ class GraphPipeline:
 
     def __init__(self, settings: Any, decoder: Any, selector: Any, predictor: Any, budget: Any, ops: Any, *,
                  rows: int, capacity: int, dtype: torch.dtype, purpose: str, context: int | None = None,
-                 tp: Any = None) -> None:
+                 tp: Any = None, reuse: Any = None) -> None:
         """settings: the runtime group; decoder: the model's (or a tensor-parallel rank's shard);
         ops: the backend group (the prefill's ops; the engine's `engine_backend`); rows: requests
         (or a decode's batch) decoded together; capacity: tokens a row holds; purpose: "decode"
         (run.py: the budget's variants per window, dense-measured steps) or "scoring" (one view,
-        each step's scores); context: blocks at which the budget decides |P| (default: the cache's)."""
+        each step's scores); context: blocks at which the budget decides |P| (default: the cache's);
+        reuse: the engine's selection reuse (prr.reuse; default none)."""
         from prr.runtime.eager_run import kv_cache
         from prr.runtime.probe import device_name
 
         if purpose not in PURPOSES:
             raise ValueError(f"purpose={purpose!r} is not one of {list(PURPOSES)}")
         self.settings, self.decoder, self.selector, self.predictor, self.budget = settings, decoder, selector, predictor, budget
-        self.ops, self.dtype, self.purpose, self.tp, self.rows = ops.name, dtype, purpose, tp, rows
+        self.ops, self.dtype, self.purpose, self.tp, self.rows, self.reuse = ops.name, dtype, purpose, tp, rows, reuse
         self.device = torch.device(settings.device)
         self.backend = engine_backend(settings.device, ops.name, ops.graph_on_gpu)
         # The engine's cache, its capacity the longest request: every request prefills into it.
@@ -177,7 +178,7 @@ class GraphPipeline:
         self.session = GraphSession(self.decoder, self.plan, self.rows, self.cache, selector=self.selector,
                                     predictor=self.predictor, backend=self.backend,
                                     compile=self.device.type == "cuda" and self.tp is None,
-                                    scores=self.purpose == "scoring")
+                                    scores=self.purpose == "scoring", reuse=self.reuse)
         if self.purpose == "scoring":
             self.session.forcing()  # (before the capture: the step reads the table it was captured with)
 

@@ -171,7 +171,7 @@ class GraphDecode:
         context = (max(row_tokens) + settings.block_size) // settings.block_size
         self.pipeline = GraphPipeline(settings, decoder, selector, predictor, budget, instantiate(cfg.backend),
                                       rows=settings.batch_size, capacity=capacity, dtype=r.dtype, purpose="decode",
-                                      context=context, tp=tp)
+                                      context=context, tp=tp, reuse=r.reuse)
         self.window = self.pipeline.window
 
     def prefill(self) -> Tensor:

@@ -100,14 +100,15 @@ class GraphSession:
     """The graph engine over a prefilled paged cache (see the module docstring)."""
 
     def __init__(self, decoder: Any, plan: StaticPlan, rows: int, cache: Any, *, selector: Any, predictor: Any,
-                 backend: str, compile: bool = False, scores: bool = False) -> None:
+                 backend: str, compile: bool = False, scores: bool = False, reuse: Any = None) -> None:
         """plan: the session's (serial or PRR, |P|); the predictor is the engine's only for PRR.
         scores: each step also writes its chosen token's log-probability, whether it is the argmax
-        and the top-1 minus top-2 logit (scored requests, studies); else the token only (run.py)."""
+        and the top-1 minus top-2 logit (scored requests, studies); else the token only (run.py).
+        reuse: the engine's selection reuse (prr.reuse; default none)."""
         self.plan, self.speculating, self.scores = plan, plan.variant == "prr", scores
         self.engine = engine = GraphDecoder(decoder, plan, rows, cache.max_tokens, compile=compile, selector=selector,
                                             predictor=predictor if self.speculating else None, cache=cache,
-                                            backend=backend)
+                                            backend=backend, reuse=reuse)
         self.device, self.rows = engine.device, rows
         cap = engine.max_tokens + 1  # indexed by the position of the token a step chose
         self.tokens = torch.zeros(rows, cap, dtype=torch.long, device=self.device)

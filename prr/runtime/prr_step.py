@@ -11,7 +11,9 @@ rest sits at fixed hooks, each decided when the step is built:
   predictor learns, from the predictor's timing class; it owns P and the predictor state;
 - observers (`StepObservers`): `StepCounters` (|A|, |P|, hits, last-step overlap), `DenseMetrics`
   (mass recall and output error against dense attention), `StudyCounters` (the studies' per-head counts);
-- `SideStream`: the second CUDA stream.
+- `SideStream`: the second CUDA stream;
+- `ReusedSelections` (prr/runtime/selection_reuse.py): the layers (reuse=layers) or steps (reuse=steps)
+  that attend a reused A instead of selecting, serially (approximations; default reuse=none).
 
 Two callers run this same step:
 - the graph engine (`GraphDecoder`, which holds one and adds the model's forward) captures it in a
@@ -36,10 +38,12 @@ from torch import Tensor
 
 from prr.cache import PagedKVCache
 from prr.predictors import Predictor
+from prr.reuse import SelectionReuse
 from prr.runtime.cache_attention import CacheAttention
 from prr.runtime.dense_metrics import DenseMetrics
 from prr.runtime.engine_ops import engine_ops
 from prr.runtime.predictor_schedule import PredictorSchedule
+from prr.runtime.selection_reuse import ReusedSelections
 from prr.runtime.side_stream import SideStream
 from prr.runtime.static_plan import StaticPlan
 from prr.runtime.step_counting import StepCounters
@@ -52,6 +56,22 @@ from prr.selectors import Selection, Selector
 MISSING_SELECTOR = ("{owner} needs the run's selector object: pass selector= (a prr.selectors object, e.g. "
                     "QuestSelector(topk_blocks=...); benchmarks build conf/'s with "
                     "prr.benchmarking.configured('selector', 'quest', topk_blocks=...))")
+
+
+def reuse_problems(reuse: SelectionReuse | None, predictor: Predictor | None, sized_per_step: bool) -> list[str]:
+    """Why a PRRStep cannot run `reuse` (empty: it can; prr.config_check refuses these before any work)."""
+    out = []
+    if reuse is None:
+        return out
+    if reuse.varies_by_step and not sized_per_step:
+        out.append(f"reuse={reuse.name} needs the step number, which the graph engine's captured step does not take: "
+                   "use the eager step (runtime.engine=eager)")
+    if reuse.name != "none" and predictor is not None and predictor.needs_current_selection:
+        out.append(f"reuse={reuse.name} with predictor=oracle: the oracle's P is the A a reusing layer or step does not "
+                   "compute")
+    if getattr(reuse, "between", None) == "predicted" and (predictor is None or not predictor.speculates):
+        out.append("reuse.between=predicted needs a predictor that proposes (predictor=none proposes nothing)")
+    return out
 
 
 def step_problems(plan: StaticPlan, cache: PagedKVCache, num_heads: int, selector: Selector | None) -> list[str]:
@@ -71,7 +91,7 @@ class PRRStep:
 
     def __init__(self, plan: StaticPlan, cache: PagedKVCache, num_heads: int, *, selector: Selector,
                  predictor: Predictor | None, backend: str = "triton", timer: StageTimer | None = None,
-                 sized_per_step: bool = False) -> None:
+                 sized_per_step: bool = False, reuse: SelectionReuse | None = None) -> None:
         """selector / predictor (required): the run's prr.selectors / prr.predictors objects (the
         plan names neither); predictor=None: P set from outside (`schedule.set_predictions`), or
         none needed (serial, dense).
@@ -81,8 +101,9 @@ class PRRStep:
         timer: time each stage (the eager runtime; stages then run one after the other).
         sized_per_step: the research runtime's step (`eager`): |P| given by each call
         (`sparse_attention(predicted_blocks=)`), P proposed at the step's start at that size; else
-        the graph engine's: the plan's variant and |P|, P written ahead into the buffers."""
-        problems = step_problems(plan, cache, num_heads, selector)
+        the graph engine's: the plan's variant and |P|, P written ahead into the buffers.
+        reuse: selection reuse (prr.reuse; default none), decided here once per layer."""
+        problems = step_problems(plan, cache, num_heads, selector) + reuse_problems(reuse, predictor, sized_per_step)
         if problems:
             raise ValueError("; ".join(problems))
         self.ops = engine_ops(backend)
@@ -119,13 +140,14 @@ class PRRStep:
                                                      NB, dev))
         self.streams = SideStream(dev, plan.overlap)
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * cache.num_layers
+        self.reuse = ReusedSelections(reuse, self.sparse, NB, self.topk_capacity)  # decided here, per layer
 
     @classmethod
     def eager(cls, cache: PagedKVCache, num_heads: int, selector: Selector, predictor: Predictor | None,
-              backend: str, repair_mode: str, timer: StageTimer | None) -> PRRStep:
+              backend: str, repair_mode: str, timer: StageTimer | None, reuse: SelectionReuse | None = None) -> PRRStep:
         """The research runtime's step (DSABackend): stages one after the other, |P| per step."""
         return cls(StaticPlan.eager(repair_mode, cache.block_size), cache, num_heads, selector=selector,
-                   predictor=predictor, backend=backend, timer=timer, sized_per_step=True)
+                   predictor=predictor, backend=backend, timer=timer, sized_per_step=True, reuse=reuse)
 
     def with_plan(self, plan: StaticPlan) -> PRRStep:
         """This step running another plan over the same buffers, state and counters."""
@@ -156,9 +178,8 @@ class PRRStep:
 
     # --- the ops ---------------------------------------------------------------------------
     def select(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor | None = None) -> Selection:
-        """q: [B, Hq, D] post-RoPE, lengths [B] tokens (num_blocks [B] int32 their blocks) -> A of
-        the run's selector (indices [B, Hkv, K] int32 ascending, counts [B, Hkv] int32, scores
-        [B, Hkv, NB])."""
+        """q: [B, Hq, D] post-RoPE, lengths [B] tokens (num_blocks [B] int32) -> A of the run's selector
+        (indices [B, Hkv, K] int32 ascending, counts [B, Hkv] int32, scores [B, Hkv, NB])."""
         return self.selector.select(self._grouped(q), self.cache, layer, lengths, num_blocks=num_blocks)
 
     def attend(self, layer: int, q: Tensor, idx: Tensor, cnt: Tensor, lengths: Tensor, per_block: bool = False,
@@ -179,7 +200,7 @@ class PRRStep:
     # --- one layer's attention ------------------------------------------------------------
     def sparse_attention(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor,
                          predicted_blocks: int | None = None, fp32: bool = False,
-                         summarise: Tensor | None = None) -> tuple[Tensor, Selection]:
+                         summarise: Tensor | None = None, step: int | None = None) -> tuple[Tensor, Selection]:
         """The DSA step of a sparse layer (serial or PRR): q [B, Hq, D] post-RoPE, this step's
         token in the cache and its metadata; lengths, num_blocks [B] int32 -> (out [B, Hq, D] in
         the model dtype, fp32 with fp32=True; A).
@@ -187,25 +208,34 @@ class PRRStep:
         step here: P is proposed now at that size (0: a serial step, the predictor still learns).
         The graph engine's step gives none: the plan's variant, P from the buffers.
         summarise: positions [B] of this step's token whose summaries (`summaries_beside`) this step
-        updates, beside selection and attention (serial) or the repair (PRR); None: already done."""
+        updates, beside selection and attention (serial) or the repair (PRR); None: already done.
+        step: the decode step from 0, for reuse=steps (prr/runtime/selection_reuse.py; eager only)."""
         eager = self.eager_sized
         if eager != (predicted_blocks is not None):
             raise ValueError("a step sized per step (the eager runtime's) takes predicted_blocks= at every step, "
                              f"the graph engine's takes none (sized_per_step={eager}, got {predicted_blocks})")
+        reused = self.reuse.selection(layer, step, num_blocks, self._grouped(q), self.schedule, self._stage)
+        if reused is not None:  # attended serially; P proposed beside it where the step speculates
+            speculating = self.reuse.propose_beside(self.schedule, layer, self._grouped(q), num_blocks, predicted_blocks,
+                                                    self.plan.variant == "prr", self._ensure_scratch, self._stage)
+            return self._serial(layer, q, lengths, num_blocks, fp32, summarise, reused, speculating)
         if predicted_blocks == 0 or (not eager and self.plan.variant == "serial"):
             return self._serial(layer, q, lengths, num_blocks, fp32, summarise)
         return self._speculative(layer, q, lengths, num_blocks, predicted_blocks, fp32, summarise)
 
     def _serial(self, layer: int, q: Tensor, lengths: Tensor, num_blocks: Tensor, fp32: bool,
-                summarise: Tensor | None) -> tuple[Tensor, Selection]:
-        """Serial DSA: select, then attend A (the predictor still learns where asked)."""
+                summarise: Tensor | None, reused: Selection | None = None,
+                speculating: bool = False) -> tuple[Tensor, Selection]:
+        """Serial DSA: select, then attend A (the predictor still learns where asked). reused: A
+        without selecting (selection reuse), its step `speculating`: P counted and learned as PRR's."""
         summarised = self.compensation.summarise_beside(self.streams, layer, summarise)
-        with self._stage("select"):
-            selection = self.select(layer, q, lengths, num_blocks)
-        self._note(layer, selection, speculating=False)
+        with self._stage("select") if reused is None else contextlib.nullcontext():
+            selection = self.select(layer, q, lengths, num_blocks) if reused is None else reused
+        self._note(layer, selection, speculating)
         idx, cnt = selection.blocks.indices, selection.blocks.count
-        if self.schedule.has_state() and (self.eager_sized or self.plan.learn_in_serial):
-            self._learn(layer, q, selection, lengths, num_blocks, propose_next=not self.eager_sized, same_step=False)
+        if self.schedule.has_state() and (speculating or self.eager_sized or self.plan.learn_in_serial):
+            self._learn(layer, q, selection, lengths, num_blocks, self.streams.mark() if speculating else None,
+                        propose_next=not self.eager_sized, same_step=speculating)
         with self._stage("repair"):
             if not self.compensation.active:
                 return self.attend(layer, q, idx, cnt, lengths, final=not fp32)[0], selection
@@ -309,8 +339,7 @@ class PRRStep:
                 return self.ops.repair_and_merge(
                     q, self.cache.keys[layer], self.cache.values[layer], idx, cnt, pred_idx, pred_cnt, lengths,
                     spec_out, spec_lse, p.block_size, self.attention.scale, out_dtype=out_dtype,
-                    arrivals=self.attention.merge_arrivals,
-                    tokens_per_split=p.repair_tokens_per_split)
+                    arrivals=self.attention.merge_arrivals, tokens_per_split=p.repair_tokens_per_split)
         with self._stage("repair"):
             miss_idx, miss_cnt, keep = self.ops.repair_plan(idx, cnt, pred_idx, pred_cnt, self.scratch)
             # The repair's split partials stay unmerged: merge_speculation folds them in (one launch fewer).
@@ -334,19 +363,10 @@ class PRRStep:
 
     # --- the hooks -------------------------------------------------------------------------
     def _note(self, layer: int, selection: Selection, speculating: bool) -> None:
-        """Keep A for callers (benchmarks) and call the observers' hook after A is known."""
+        """Keep A for callers (benchmarks) and for reuse, and call the observers' hook after A is known."""
         self.last_selection[layer] = (selection.blocks.indices, selection.blocks.count)
-        self.observers.selected(self.plan, layer, selection, speculating, self.schedule, self.streams,
-                                at_end=self.plan.count_hits and self._counts_at_end(layer, speculating))
-
-    def _counts_at_end(self, layer: int, speculating: bool) -> bool:
-        """Whether this step's counters wait for the last sparse layer and count every layer in
-        one launch on the side stream (plan.count_at_step_end, the graph engine's step over a
-        contiguous range of sparse layers), where each layer's P stays what the layer speculated
-        over until then (`PredictorSchedule.keeps_p_until_step_end`)."""
-        if not self.plan.count_at_step_end or self.eager_sized or self.schedule.learn_range is None:
-            return False
-        return not speculating or self.schedule.keeps_p_until_step_end(layer, self.plan.learn_layers_at_once)
+        self.reuse.keep(layer, selection)
+        self.observers.selected(self.plan, layer, selection, speculating, self.schedule, self.streams, self.eager_sized)
 
     def _learn(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, num_blocks: Tensor,
                planned: torch.cuda.Event | None = None, propose_next: bool = True, same_step: bool = True) -> None:

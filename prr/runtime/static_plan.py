@@ -100,7 +100,7 @@ class StaticPlan:
     # A held until then, instead of one launch per layer on the main stream right after its selection
     # (3.4 µs a layer on the H200: 176 µs of a 4.7 ms token). Where P could change before the step's
     # end (a predictor that proposes after each layer's learning) the counters stay per layer
-    # (PRRStep._counts_at_end). The same counters either way; False: after each layer.
+    # (StepObservers.counts_at_end). The same counters either way; False: after each layer.
     # Checked on the H200 (GPU twins in tests/test_graph_decode.py): 4.69 against 4.80 ms a token,
     # Quest serial at 32K (experiments/results/h200/step_breakdown_counters_1a15dde.csv).
     count_at_step_end: bool = True

@@ -31,19 +31,29 @@ class StepObservers:
         return StepObservers(self.counting.view(), self.metrics, self.study)
 
     def selected(self, plan: StaticPlan, layer: int, selection: Selection, speculating: bool,
-                 schedule: PredictorSchedule, streams: SideStream, at_end: bool) -> None:
+                 schedule: PredictorSchedule, streams: SideStream, eager: bool) -> None:
         """The hook after A is known (after the repair in PRR: the counters read P before the side
         stream may rewrite it). With plan.count_hits: count this step now, or hold A for the count
-        of every layer at the step's end (at_end)."""
+        of every layer at the step's end (`counts_at_end`). eager: the eager runtime's step."""
         if not plan.count_hits:
             return
         if plan.study_counters:
             self.study.count_step(layer)
-        if at_end:
+        if self.counts_at_end(plan, layer, speculating, schedule, eager):
             if self.counting.hold(layer, selection.blocks, speculating):
                 self.counting.count_layers(streams, schedule.pred_all, schedule.pred_cnt_all)
             return
         self.counting.count(layer, selection.blocks, schedule.prediction(layer) if speculating else None)
+
+    @staticmethod
+    def counts_at_end(plan: StaticPlan, layer: int, speculating: bool, schedule: PredictorSchedule, eager: bool) -> bool:
+        """Whether this step's counters wait for the last sparse layer and count every layer in
+        one launch on the side stream (plan.count_at_step_end, the graph engine's step over a
+        contiguous range of sparse layers), where each layer's P stays what the layer speculated
+        over until then (`PredictorSchedule.keeps_p_until_step_end`)."""
+        if not plan.count_at_step_end or eager or schedule.learn_range is None:
+            return False
+        return not speculating or schedule.keeps_p_until_step_end(layer, plan.learn_layers_at_once)
 
     def measure(self, plan: StaticPlan, attend: Callable[..., tuple[Tensor, Tensor]], all_blocks: Tensor,
                 layer: int, q: Tensor, out: Tensor, selection: Selection, lengths: Tensor, num_blocks: Tensor) -> None:

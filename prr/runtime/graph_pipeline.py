@@ -77,20 +77,20 @@ class GraphPipeline:
             raise ValueError(f"purpose={purpose!r} is not one of {list(PURPOSES)}")
         self.settings, self.decoder, self.selector, self.predictor, self.budget = settings, decoder, selector, predictor, budget
         self.ops, self.dtype, self.purpose, self.tp, self.rows, self.reuse = ops.name, dtype, purpose, tp, rows, reuse
-        self.device = torch.device(settings.device)
+        device = torch.device(settings.device)
         self.backend = engine_backend(settings.device, ops.name, ops.graph_on_gpu)
         # The engine's cache, its capacity the longest request: every request prefills into it.
-        self.cache = kv_cache(decoder, rows, settings.block_size, capacity, dtype, self.device)
+        self.cache = kv_cache(decoder, rows, settings.block_size, capacity, dtype, device)
         # |P| is static for the captured step: decided once, before any prefill
         self.plan, self.budget_info = session_plan(settings, selector, predictor, budget, decoder, rows, capacity,
                                                    self.backend, self.cache.max_blocks if context is None else context)
         self.variants = budget.engine_variants(self.plan.variant)  # the views captured (one per variant)
         self.every = (1 if self.plan.mode == "shadow" else settings.dense_metrics_every) if purpose == "decode" else 0
         # Steps between host looks (EOS, stop strings): a decode's budget may set them; scoring looks once per request.
-        self.window = budget.window_steps_or(16 if self.device.type == "cuda" else 1) if purpose == "decode" else 16
+        self.window = budget.window_steps_or(16 if device.type == "cuda" else 1) if purpose == "decode" else 16
         self.selection_backend = selector.set_backend(self.backend)
         self.topk_blocks = topk_label(selector)
-        self.device_name = device_name(self.device)
+        self.device_name = device_name(device)
         self.session: GraphSession | None = None
         self.done = 0  # steps since the last prefill
         self.log, self.counts = DecodeLog(), RequestCounts()
@@ -177,7 +177,7 @@ class GraphPipeline:
         self.plan = dataclasses.replace(self.plan, projections=self.settings.graph_projections())  # (fused GEMVs: GPU, batch 1)
         self.session = GraphSession(self.decoder, self.plan, self.rows, self.cache, selector=self.selector,
                                     predictor=self.predictor, backend=self.backend,
-                                    compile=self.device.type == "cuda" and self.tp is None,
+                                    compile=self.cache.device.type == "cuda" and self.tp is None,
                                     scores=self.purpose == "scoring", reuse=self.reuse)
         if self.purpose == "scoring":
             self.session.forcing()  # (before the capture: the step reads the table it was captured with)

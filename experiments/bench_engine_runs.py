@@ -80,7 +80,7 @@ class Setting:
 
 def cases(kind: str, settings: list[Setting] | None = None, selectors: tuple[str, ...] = SELECTORS,
           predictors: tuple[str, ...] = PREDICTORS, hit_rates: tuple[float, ...] = (),
-          profiled_hit_rates: tuple[float, ...] = ()) -> dict[str, list[str]]:
+          profiled_hit_rates: tuple[float, ...] = (), reuse_anchors: tuple[int, ...] = ()) -> dict[str, list[str]]:
     """name -> overrides. Matrix names are selector-predictor@setting; a single default setting
     (None) keeps the overrides out and the names short (selector-predictor). hit_rates: also
     predictor=bench_hit_rate at each (selector-hit0.7); profiled_hit_rates: that predictor under
@@ -104,6 +104,9 @@ def cases(kind: str, settings: list[Setting] | None = None, selectors: tuple[str
                 at = f"@{setting.tag}" if setting else ""
                 for rate in hit_rates:
                     out[f"{selector}-hit{rate:g}{at}"] = [f"selector={selector}", *replay(rate), OFF, *extra]
+                for anchors in reuse_anchors:
+                    out[f"{selector}-none+anchors{anchors}{at}"] = [
+                        f"selector={selector}", "predictor=none", "reuse=layers", f"reuse.anchors={anchors}", OFF, *extra]
                 for rate in profiled_hit_rates:
                     out[f"{selector}-hit{rate:g}+profiled{at}"] = [
                         f"selector={selector}", *replay(rate), "budget=profiled", f"budget.hit_rate={rate}",
@@ -159,7 +162,7 @@ def run_case(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
     keep = ("engine", "variant", "device", "torch", "prompt_tokens", "block_size", "topk_blocks", "predicted_blocks",
             "decode_steps",
             "token_latency_median_ms", "token_latency_mean_ms", "token_latency_p90_ms", "hit_rate", "precision",
-            "last_step_overlap", "mean_mass_recall", "mean_output_relerr", "budget_setup")
+            "last_step_overlap", "mean_mass_recall", "mean_output_relerr", "budget_setup", "reuse")
     row.update({k: summary.get(k) for k in keep})
     return row
 
@@ -184,6 +187,8 @@ def main() -> None:
                    help="runtime.dtype of every run (a --stage-map must be timed in the same: bench_decode.py --dtype)")
     p.add_argument("--hit-rates", type=rate_list, default=(),
                    help="matrix: also predictor=bench_hit_rate (a benchmark tool) at each rate, e.g. 0.5,0.7,0.9")
+    p.add_argument("--reuse-anchors", type=int_list, default=[],
+                   help="matrix: also serial DSA under reuse=layers with reuse.anchors=N for each N, e.g. 2,4")
     p.add_argument("--profiled-hit-rates", type=rate_list, default=(),
                    help="matrix: also predictor=bench_hit_rate at each rate under budget=profiled (budget.hit_rate "
                         "the same)")
@@ -202,7 +207,7 @@ def main() -> None:
                     for k in args.topk or [32]]
     rows = []
     for name, overrides in cases(args.cases, settings, args.selectors, args.predictors, args.hit_rates,
-                                 args.profiled_hit_rates).items():
+                                 args.profiled_hit_rates, tuple(args.reuse_anchors)).items():
         rows.append(run_case(name, overrides, args))
         write(rows, args, stage_map)  # after every case: a cut session keeps what ran
     table = write(rows, args, stage_map)
@@ -236,27 +241,46 @@ def name_list(allowed: tuple[str, ...]):
 
 
 def with_predictions(table: pd.DataFrame, stage_map: pd.DataFrame) -> pd.DataFrame:
-    """Adds map_predicted_ms and median_over_map to PRR rows (see the module docstring)."""
+    """Adds map_predicted_ms and median_over_map to PRR rows and to rows that reuse selections
+    (see the module docstring; prr.cost_model)."""
     by_case = table.set_index("case")
     predicted, outside = [], []
     for row in table.itertuples(index=False):
         serial = serial_of(row.case)
         outside.append(map_hit_outside(stage_map, row))
         at_map_size = int(getattr(row, "predicted_blocks", row.topk_blocks)) == int(row.topk_blocks)  # the map's |P|
-        ok = (getattr(row, "variant", None) == "prr" and serial in by_case.index and at_map_size
-              and pd.notna(by_case.loc[serial].get("token_latency_median_ms")))
+        speculates = getattr(row, "variant", None) == "prr"
+        selecting = selecting_share(getattr(row, "reuse", None))
+        ok = ((speculates and at_map_size) or selecting is not None) and serial in by_case.index \
+            and pd.notna(by_case.loc[serial].get("token_latency_median_ms"))
         if not ok:
             predicted.append(math.nan)
             continue
         selector = row.case.split("-", 1)[0]
         layers = int(NUM_LAYERS - (0 if selector == "dense" else DENSE_LAYERS))
-        predicted.append(map_prediction(stage_map, selector, int(row.prompt_tokens), int(row.block_size),
-                                        int(row.topk_blocks) * int(row.block_size), float(row.hit_rate),
-                                        float(by_case.loc[serial, "token_latency_median_ms"]), layers))
+        cell = map_cell(stage_map, selector, int(row.prompt_tokens), int(row.block_size),
+                        int(row.topk_blocks) * int(row.block_size))
+        hit = float(row.hit_rate) if speculates and pd.notna(row.hit_rate) else math.nan
+        if cell.empty or (speculates and not math.isfinite(hit)):
+            predicted.append(math.nan)
+            continue
+        variant = Variant(speculates=speculates, hit_rate=hit,
+                          **({"reuse": "layers", "anchors": max(1, round(selecting * layers))} if selecting is not None
+                             else {}))
+        predicted.append(predict_token_ms(cell, float(by_case.loc[serial, "token_latency_median_ms"]), layers, variant))
     table["map_predicted_ms"] = predicted
     table["median_over_map"] = table["token_latency_median_ms"] / table["map_predicted_ms"]
     table["map_hit_clamped"] = outside  # the run's hit rate lies outside the map's: its nearest rate stood in
     return table
+
+
+def selecting_share(reuse) -> float | None:
+    """The share of sparse-layer steps that selected in a run that reuses selections (its summary's
+    reuse counts), None for a run without reuse."""
+    if not isinstance(reuse, dict) or not reuse.get("selections_made"):
+        return None
+    made, skipped = reuse["selections_made"], reuse.get("selections_skipped", 0)
+    return made / (made + skipped)
 
 
 def map_hit_outside(stage_map: pd.DataFrame, row) -> bool | None:

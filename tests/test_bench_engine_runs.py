@@ -173,3 +173,12 @@ def test_the_indexer_takes_its_top_k_in_tokens():
     names = er.cases("matrix", [er.Setting(32000, 1, 2048)], ("indexer",), ("none",))
     assert names["indexer-none@32k_b1_k2048"][-1] == "selector.topk_tokens=2048"
     assert "runtime.block_size=1" in names["indexer-none@32k_b1_k2048"]
+
+
+def test_reuse_cases_run_serial_dsa_with_anchors_and_are_priced_by_their_share_of_selections():
+    names = er.cases("matrix", [er.Setting(32000, 16, 32)], ("quest",), ("none",), reuse_anchors=(4,))
+    assert names["quest-none+anchors4@32k_b16_k32"][:4] == ["selector=quest", "predictor=none", "reuse=layers",
+                                                          "reuse.anchors=4"]
+    assert er.serial_of("quest-none+anchors4@32k_b16_k32") == "quest-none@32k_b16_k32"
+    assert er.selecting_share({"policy": "layers", "selections_made": 8, "selections_skipped": 24}) == 0.25
+    assert er.selecting_share(None) is None

@@ -135,3 +135,38 @@ def test_ema_calibration_of_rows_with_different_contexts_does_not_depend_on_thei
     infos = [EmaPredictor(**grid).calibrate([[stack_rows([a, b]) for a, b in zip(x, y, strict=True)]])
              for x, y in ((short, long), (long, short))]
     assert infos[0] == infos[1] and infos[0]["recency"] == 4.0
+
+
+def test_ema_calibrations_grid_hits_equal_ranking_each_triple_apart():
+    """EmaPredictor._grid_hits (one EMA per α, membership by the |A_t|-th rank) against the
+    definition: every (α, β, γ) replayed apart, P = the top |A_t| by a stable descending sort
+    (ties to the lower block id). Scores on a coarse grid (ties in the EMA), |A_t| differing per
+    row and head, rows of different contexts, three layers."""
+    g = torch.Generator().manual_seed(5)
+    steps, layers, batch, heads, n = 12, 3, 2, 2, N
+    nb = torch.tensor([n, 15])  # context blocks per row
+    scores = (torch.randn(steps, layers, batch, heads, n, generator=g) * 2).round() / 2
+    scores = scores.masked_fill(torch.arange(n) >= nb.view(batch, 1, 1), float("-inf"))
+    size = 1 + (torch.rand(steps, layers, batch, heads, 1, generator=g) * nb.view(batch, 1, 1)).long()
+    rank_noise = torch.rand(steps, layers, batch, heads, n, generator=g).masked_fill(torch.arange(n) >= nb.view(batch, 1, 1), 2)
+    selected = rank_noise.argsort(-1).argsort(-1) < size  # |A_t| random blocks of the context per row and head
+    p = EmaPredictor(alpha_grid=(0.0, 0.5, 0.9), stickiness_grid=(0.0, 0.5, 4.0), recency_grid=(0.0, 1.0),
+                     burn_in_steps=2)
+    finite = torch.isfinite(scores)
+    hits, wanted = p._grid_hits(standardise(scores), finite, selected, finite[..., 0, :].sum(-1))
+
+    ids = torch.arange(n)
+    for c, (a, s, r) in enumerate(torch.tensor(p.grid)):  # (fp32, as the predictor's state)
+        ema, expected, total = torch.zeros(layers, batch, heads, n), torch.zeros(layers), torch.zeros(layers)
+        for t in range(steps):
+            if t > p.burn_in_steps:
+                recent = (ids == nb.view(batch, 1, 1) - 1).float()  # [B, 1, N]
+                rank = (ema + s * selected[t - 1] + r * recent).masked_fill(~finite[t], float("-inf"))
+                order = rank.sort(dim=-1, descending=True, stable=True).indices
+                in_p = torch.zeros_like(selected[t]).scatter_(-1, order, ids < selected[t].sum(-1, keepdim=True))
+                expected += (in_p & selected[t]).sum((-1, -2, -3))
+                total += selected[t].sum((-1, -2, -3))
+            z = standardise(scores[t])
+            ema = torch.where(finite[t], a * ema + (1 - a) * z, ema)
+        assert hits[c].tolist() == expected.tolist(), p.grid[c]
+    assert wanted.tolist() == total.tolist()

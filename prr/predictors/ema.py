@@ -134,25 +134,7 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
         z = standardise(scores)
         finite = torch.isfinite(scores)
         num_blocks = finite[..., 0, :].sum(-1)  # [T, L', B] context blocks per step and row (rows may differ)
-        dev = scores.device
-        grid = torch.tensor(self.grid, device=dev).view(-1, 3, 1, 1, 1, 1)  # [C, 3, 1, 1, 1, 1]
-        alphas, sticks, recs = grid[:, 0], grid[:, 1], grid[:, 2]  # [C, 1, 1, 1, 1] each
-        ema = torch.zeros(len(self.grid), *scores.shape[1:], device=dev)  # [C, L', B, Hkv, N]
-        hits = torch.zeros(len(self.grid), len(layers), device=dev)
-        wanted = torch.zeros(len(layers), device=dev)
-        ids = torch.arange(n, device=dev)
-        for t in range(steps):
-            if t > self.burn_in_steps:
-                nb = num_blocks[t].view(1, *num_blocks.shape[1:], 1, 1)  # [1, L', B, 1, 1]
-                recent = (ids >= nb - self.recent_blocks) & (ids < nb)
-                rank = ema + sticks * selected[t - 1] + recs * recent
-                rank = rank.masked_fill(ids >= nb, NEVER)
-                size = selected[t].sum(-1, keepdim=True)  # |A_t| per row: predict that many
-                order = torch.sort(rank, dim=-1, descending=True, stable=True).indices
-                in_p = torch.zeros(rank.shape, dtype=torch.bool, device=dev).scatter_(-1, order, ids.expand_as(order) < size)
-                hits += (in_p & selected[t]).sum((-1, -2, -3)).float()
-                wanted += selected[t].sum((-1, -2, -3)).float()
-            ema = torch.where(finite[t], alphas * ema + (1 - alphas) * z[t], ema)
+        hits, wanted = self._grid_hits(z, finite, selected, num_blocks)
         hit_rate = hits / wanted.clamp(min=1)  # [C, L']
         num_layers = len(history)
         hit_rate, best = hit_rate.cpu(), (hit_rate.argmax(0) if self.per_layer else hit_rate.mean(1).argmax().expand(len(layers))).cpu()
@@ -169,3 +151,44 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
             "calibration_hit_rate": float(hit_rate.gather(0, best.view(1, -1)).mean()),
             "kept": list(self.kept),  # the parameters the config gave (not searched)
         }
+
+    def _grid_hits(self, z: Tensor, finite: Tensor, selected: Tensor, num_blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """The tail replayed under every (α, β, γ) of the grid: z, finite, selected [T, L', B, Hkv, N]
+        (z-scores, in-context blocks, A_t), num_blocks [T, L', B] -> (hits [C, L'] of P = the top
+        |A_t| blocks of each rank at steps past the burn-in, wanted [L']: their Σ|A_t|).
+
+        The same sums as ranking each triple apart and taking the top |A_t| by a stable descending
+        sort (ties to the lower block id), computed cheaper: the EMA depends on α alone (one per α,
+        not per triple), and P's members are those ranked above the |A_t|-th largest rank plus the
+        lowest-id blocks tied with it (one top-k of the largest |A_t|, no full sort)."""
+        dev, n = z.device, z.shape[-1]
+        alphas, sticks, recs = (torch.tensor(axis, device=dev) for axis in self.grid_axes)
+        na, ns, nr = len(alphas), len(sticks), len(recs)
+        alphas = alphas.view(na, 1, 1, 1, 1)  # [A, 1, 1, 1, 1]
+        sticks = sticks.view(1, ns, 1, 1, 1, 1, 1)  # [1, S, 1, 1, 1, 1, 1]
+        recs = recs.view(1, 1, nr, 1, 1, 1, 1)  # [1, 1, R, 1, 1, 1, 1]
+        ema = torch.zeros(na, *z.shape[1:], device=dev)  # [A, L', B, Hkv, N]
+        hits = torch.zeros(na, ns, nr, z.shape[1], device=dev)
+        wanted = torch.zeros(z.shape[1], device=dev)
+        ids = torch.arange(n, device=dev)
+        for t in range(z.shape[0]):
+            if t > self.burn_in_steps:
+                nb = num_blocks[t].view(*num_blocks.shape[1:], 1, 1)  # [L', B, 1, 1]
+                recent = (ids >= nb - self.recent_blocks) & (ids < nb)  # [L', B, 1, N]
+                # (ema + β·A_{t-1}) + γ·recent, as one triple's rank; out of context: NEVER (+ 0: recent is
+                # false there)
+                sticky = (ema.unsqueeze(1) + sticks[:, :, 0] * selected[t - 1]).masked_fill(ids >= nb, NEVER)
+                rank = sticky.unsqueeze(2) + recs * recent  # [A, S, R, L', B, Hkv, N]
+                size = selected[t].sum(-1, keepdim=True)  # [L', B, Hkv, 1] |A_t| per row: predict that many
+                largest = int(size.max())
+                if largest:
+                    top = rank.topk(largest, dim=-1).values  # [A, S, R, L', B, Hkv, largest], descending
+                    kth = top.gather(-1, (size - 1).clamp(min=0).expand(*top.shape[:-1], 1))  # the |A_t|-th rank
+                    above = rank > kth
+                    tied = rank == kth
+                    room = size - above.sum(-1, keepdim=True)  # tied blocks P still takes, lowest ids first
+                    in_p = (above | (tied & (tied.cumsum(-1) <= room))) & (size > 0)
+                    hits += (in_p & selected[t]).sum((-1, -2, -3)).float()
+                wanted += selected[t].sum((-1, -2, -3)).float()
+            ema = torch.where(finite[t], alphas * ema + (1 - alphas) * z[t], ema)
+        return hits.flatten(0, 2), wanted  # [C, L'] in the grid's order (α-major)

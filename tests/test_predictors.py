@@ -170,3 +170,27 @@ def test_ema_calibrations_grid_hits_equal_ranking_each_triple_apart():
             ema = torch.where(finite[t], a * ema + (1 - a) * z, ema)
         assert hits[c].tolist() == expected.tolist(), p.grid[c]
     assert wanted.tolist() == total.tolist()
+
+
+def test_ema_learns_the_prefill_tail_batched_over_layers_as_update_does_step_by_step():
+    """EmaPredictor.learn_tail (layers of one tail length at once) leaves the state `update`
+    leaves layer by layer, step by step (Predictor.learn_tail), bit for bit: per-layer α, a dense
+    layer, a layer with a shorter tail, selections of different capacities."""
+    from prr.predictors.base import Predictor
+
+    g = torch.Generator().manual_seed(7)
+
+    def step(capacity: int) -> Selection:
+        scores = torch.randn(2, 3, N, generator=g).masked_fill(torch.arange(N) >= 19, float("-inf"))
+        count = torch.randint(1, capacity + 1, (2, 3), generator=g)
+        return Selection(BlockSet(torch.randint(0, 19, (2, 3, capacity), generator=g), count), scores)
+
+    history = [None, [step(5) for _ in range(9)], [step(7) for _ in range(9)], [step(5) for _ in range(4)]]
+    p = EmaPredictor(calibrate=False)
+    states = [p.init_state(4, 2, 3, N, "cpu") for _ in range(2)]
+    for st in states:
+        st.alpha.copy_(torch.tensor([0.8, 0.5, 0.9, 0.7]))
+    p.learn_tail(states[0], history)
+    Predictor.learn_tail(p, states[1], history)
+    assert torch.equal(states[0].ema, states[1].ema) and torch.equal(states[0].last_selected, states[1].last_selected)
+    assert states[0].ema[1:].abs().sum() > 0 and not states[0].ema[0].any()

@@ -50,6 +50,14 @@ def newest_mask(num_blocks: Tensor, recent_blocks: int, max_blocks: int) -> Tens
     return (ids >= nb - recent_blocks) & (ids < nb)
 
 
+def memberships(blocks: list[BlockSet], max_blocks: int) -> Tensor:
+    """X block sets ([B, Hkv, C_x] each) -> their masks [X, B, Hkv, max_blocks] bool, made at once
+    (one `mask` of the stack, capacities padded to the widest: entries past a count are padding)."""
+    width = max(b.indices.shape[-1] for b in blocks)
+    indices = torch.stack([torch.nn.functional.pad(b.indices, (0, width - b.indices.shape[-1])) for b in blocks])
+    return BlockSet(indices, torch.stack([b.count for b in blocks])).mask(max_blocks)
+
+
 class EmaPredictor(EmaPredictorOptions, Predictor):
     # the constructor is EmaPredictorOptions' (prr.predictors.options: no torch, checked before torch is imported)
 
@@ -95,6 +103,21 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
         state.ema[layer] = torch.where(torch.isfinite(selection.scores), a * state.ema[layer] + (1 - a) * z, state.ema[layer])
         state.last_selected[layer] = selection.blocks.mask(state.ema.shape[-1])
 
+    def learn_tail(self, state: EmaState, history: list[list[Selection] | None]) -> None:
+        """`update` of every layer and tail step, batched over the layers whose tails have one
+        length (T steps of [L', B, Hkv, N] ops instead of L'·T of [B, Hkv, N]; equal, tested)."""
+        layers = [i for i, h in enumerate(history) if h]
+        for length in sorted({len(history[i]) for i in layers}):
+            group = [i for i in layers if len(history[i]) == length]
+            at = torch.tensor(group, device=state.ema.device)
+            a = state.alpha[at].view(-1, 1, 1, 1)  # [L', 1, 1, 1]
+            ema = state.ema[at]  # [L', B, Hkv, N]
+            for t in range(length):
+                scores = torch.stack([history[i][t].scores for i in group])  # [L', B, Hkv, N]
+                ema = torch.where(torch.isfinite(scores), a * ema + (1 - a) * standardise(scores), ema)
+            state.ema[at] = ema
+            state.last_selected[at] = memberships([history[i][-1].blocks for i in group], state.ema.shape[-1])
+
     layer_range_kernels = True  # (the torch definition learns layer by layer)
 
     def update_layers(self, state: EmaState, first: int, selections: list[Selection],
@@ -130,7 +153,8 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
         # Stack the tail: scores/selected [T, L', B, Hkv, N]
         scores = torch.stack([torch.stack([history[i][t].scores for i in layers]) for t in range(steps)])
         n = scores.shape[-1]
-        selected = torch.stack([torch.stack([history[i][t].blocks.mask(n) for i in layers]) for t in range(steps)])
+        selected = memberships([history[i][t].blocks for t in range(steps) for i in layers], n)
+        selected = selected.unflatten(0, (steps, len(layers)))
         z = standardise(scores)
         finite = torch.isfinite(scores)
         num_blocks = finite[..., 0, :].sum(-1)  # [T, L', B] context blocks per step and row (rows may differ)

@@ -149,10 +149,9 @@ class DSABackend:
         for first, layers in self._warm_runs():  # layers' states are independent: a step of a run at once
             for t in range(len(self.history[first])):
                 self.predictor.update_layers(self.predictor_state, first, [self.history[i][t] for i in layers])
+        if not self.predictor.learns_layers_at_once():
+            self.predictor.learn_tail(self.predictor_state, self.history)
         for layer, selections in enumerate(self.history):
-            if selections and not self.predictor.learns_layers_at_once():
-                for selection in selections:
-                    self.predictor.update(self.predictor_state, layer, selection)
             if selections:
                 self.previous[layer] = selections[-1].blocks.mask(c.max_blocks)
 

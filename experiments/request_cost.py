@@ -1,6 +1,7 @@
 """Where a scored request's PRR cost goes beside serial DSA's, phase by phase, on the research
-runtime (`runtime.engine=eager`): the work before the first decode step that PRR adds (issue 53,
-item 5), then the decode.
+runtime (`runtime.engine=eager`) or the graph engine's request path (`--engine graph`, on a CPU its
+steps uncaptured): the work before the first decode step that PRR adds (issue 53, item 5), then
+the decode.
 
     python experiments/request_cost.py --context-tokens 4096 --repeats 5 \\
         --out experiments/results/cpu/request_cost_smollm2_4096
@@ -12,12 +13,14 @@ config, in turn, timing each phase of a request (wall clock, synchronised on CUD
   prefill tail's selections (runtime.calibration_tokens positions per sparse layer);
 - `calibrate`: `DSABackend.calibrate_predictor` (ema: the grid search of α, β, γ on the tail);
 - `warm`: `DSABackend.warm_predictor` (the predictor's state, warmed by replaying the tail);
-- `decode`: --new-tokens greedy steps (`EagerRuntime.step`), less the steps' own untimed
-  measurement work (the records' predictor ranking), which no scoring needs.
+- `begin`: the request strategy's `begin` (graph engine: its state taken over from the prefill);
+- `decode`: --new-tokens greedy steps (the strategy's `steps`: eager, wall time per step less
+  its untimed measurement work, the records' predictor ranking, which no scoring needs; graph,
+  the steps' timed replays).
 
-Configs: `serial` (predictor=none) with the graph engine's one-token tail (GraphRequests.open:
-serial learns nothing from the tail but its last selection), `serial_tail` with the full tail (what
-the eager path does), `prr` (predictor=ema, calibrated: the default) and `prr_uncalibrated`
+Configs: `serial` (predictor=none) with the graph engine's one-token tail (GraphRequests.open
+gives serial that tail itself: it learns nothing from the tail but its last selection),
+`serial_tail` with the full tail (what the eager path gives serial), `prr` (predictor=ema, calibrated: the default) and `prr_uncalibrated`
 (predictor.calibrate=false). Repeats alternate the configs, so machine load falls on each alike;
 each phase is reported as the median over repeats with its min–max.
 
@@ -48,7 +51,7 @@ from prr.paths import strict_json_dumps, write_text_atomic
 from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("replay", "calibrate", "warm", "decode")
+PHASES = ("replay", "calibrate", "warm", "begin", "decode")
 CONFIGS = {  # name -> overrides beside the common ones
     "serial": ["predictor=none", "runtime.calibration_tokens=1"],
     "serial_tail": ["predictor=none"],
@@ -67,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps per request (RULER's answers: 16-128)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--engine", default="eager", choices=["eager", "graph"], help="runtime.engine")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
@@ -81,39 +85,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def common_overrides(args: argparse.Namespace) -> list[str]:
     model = [f"model={args.model}"] if args.model else []
     return [*model, "logger=none", f"runtime.device={args.device}", f"runtime.dtype={args.dtype}",
-            "runtime.engine=eager", f"selector={args.selector}", "runtime.dense_metrics_every=1000000",
+            f"runtime.engine={args.engine}", f"selector={args.selector}", "runtime.dense_metrics_every=1000000",
             "runtime.check_serial=false", *task_overrides(args.task), f"task.context_tokens={args.context_tokens}",
             *args.extra]
 
 
 def one_request(engine: Engine, prefill: Any, new_tokens: int) -> tuple[dict[str, float], dict[str, Any], list[int]]:
-    """One scored request of `engine`'s config from a kept prefill -> (seconds per phase, the
-    calibration's choice, the greedy tokens)."""
+    """One request of `engine`'s config from a kept prefill, phase by phase as Engine's own
+    request start runs them (its request strategy's open, begin and steps) -> (seconds per phase,
+    the calibration's choice, the greedy tokens)."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     prompt_len = prefill.input_ids.shape[1]
-    seconds: dict[str, float] = {}
+    strategy = engine.runtime  # EagerRequests or GraphRequests
+    marks = [time.perf_counter()]
+
+    def mark() -> None:
+        sync()
+        marks.append(time.perf_counter())
+
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        runtime = engine.runtime.open(prompt_len + new_tokens)
+        runtime = strategy.open(prompt_len + new_tokens)
         runtime.replay_prefill(prefill.qkv)
-        sync()
-        t1 = time.perf_counter()
+        mark()
         info = runtime.backend.calibrate_predictor()
-        sync()
-        t2 = time.perf_counter()
+        mark()
         runtime.backend.warm_predictor()
-        sync()
-        t3 = time.perf_counter()
-        seconds.update(replay=t1 - t0, calibrate=t2 - t1, warm=t3 - t2)
-        token = int(prefill.last_logits.argmax())
-        tokens, decode_s = [token], 0.0
-        for step in range(new_tokens):
-            logits, _, wall, measure_s = runtime.step(torch.tensor([token]), prompt_len + step, step)
-            decode_s += wall - measure_s
-            token = int(logits[0].argmax())
-            tokens.append(token)
-        seconds["decode"] = decode_s
-    return seconds, info, tokens
+        mark()
+        strategy.begin(runtime, [prompt_len])
+        mark()
+    token = int(prefill.last_logits.argmax())
+    steps = strategy.steps([token], new_tokens, None)[0]  # greedy
+    strategy.end()
+    seconds = dict(zip(PHASES[:-1], (b - a for a, b in zip(marks, marks[1:], strict=False)), strict=True))
+    seconds["decode"] = sum(steps.wall_s) - sum(steps.measure_s)
+    return seconds, info, [token, *steps.chosen]
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -167,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             "threads": torch.get_num_threads(), "model": model.name, "task": args.task, "sample": args.sample,
             "prompt_tokens": int(ids.shape[1]), "new_tokens": args.new_tokens, "repeats": args.repeats,
             "selector": args.selector, "topk_blocks": int(first.selector.get("topk_blocks", 0) or 0),
-            "calibration_tokens": int(first.runtime.calibration_tokens), "device": args.device, "dtype": args.dtype}
+            "calibration_tokens": int(first.runtime.calibration_tokens), "engine": args.engine, "device": args.device,
+            "dtype": args.dtype}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(Path(f"{out}.csv"), frame.assign(command=command).to_csv(index=False))

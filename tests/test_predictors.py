@@ -137,17 +137,21 @@ def test_ema_calibration_of_rows_with_different_contexts_does_not_depend_on_thei
     assert infos[0] == infos[1] and infos[0]["recency"] == 4.0
 
 
-def test_ema_calibrations_grid_hits_equal_ranking_each_triple_apart():
+@pytest.mark.parametrize("one_size", [False, True])
+def test_ema_calibrations_grid_hits_equal_ranking_each_triple_apart(one_size):
     """EmaPredictor._grid_hits (one EMA per α, membership by the |A_t|-th rank) against the
     definition: every (α, β, γ) replayed apart, P = the top |A_t| by a stable descending sort
     (ties to the lower block id). Scores on a coarse grid (ties in the EMA), |A_t| differing per
-    row and head, rows of different contexts, three layers."""
+    row and head (one_size: one |A_t| for all, the k-th value path), rows of different contexts,
+    three layers."""
     g = torch.Generator().manual_seed(5)
     steps, layers, batch, heads, n = 12, 3, 2, 2, N
     nb = torch.tensor([n, 15])  # context blocks per row
     scores = (torch.randn(steps, layers, batch, heads, n, generator=g) * 2).round() / 2
     scores = scores.masked_fill(torch.arange(n) >= nb.view(batch, 1, 1), float("-inf"))
     size = 1 + (torch.rand(steps, layers, batch, heads, 1, generator=g) * nb.view(batch, 1, 1)).long()
+    if one_size:
+        size = torch.full_like(size, 6)
     rank_noise = torch.rand(steps, layers, batch, heads, n, generator=g).masked_fill(torch.arange(n) >= nb.view(batch, 1, 1), 2)
     selected = rank_noise.argsort(-1).argsort(-1) < size  # |A_t| random blocks of the context per row and head
     p = EmaPredictor(alpha_grid=(0.0, 0.5, 0.9), stickiness_grid=(0.0, 0.5, 4.0), recency_grid=(0.0, 1.0),

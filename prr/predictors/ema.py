@@ -203,16 +203,21 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
                 # false there)
                 sticky = (ema.unsqueeze(1) + sticks[:, :, 0] * selected[t - 1]).masked_fill(ids >= nb, NEVER)
                 rank = sticky.unsqueeze(2) + recs * recent  # [A, S, R, L', B, Hkv, N]
-                size = selected[t].sum(-1, keepdim=True)  # [L', B, Hkv, 1] |A_t| per row: predict that many
-                largest = int(size.max())
+                # |A_t| per row: predict that many (int32 sums and cumsums: a bool's int64 default is
+                # a slow cast on the CPU)
+                size = selected[t].sum(-1, keepdim=True, dtype=torch.int32)  # [L', B, Hkv, 1]
+                smallest, largest = int(size.min()), int(size.max())
                 if largest:
-                    top = rank.topk(largest, dim=-1).values  # [A, S, R, L', B, Hkv, largest], descending
-                    kth = top.gather(-1, (size - 1).clamp(min=0).expand(*top.shape[:-1], 1))  # the |A_t|-th rank
-                    above = rank > kth
+                    if smallest == largest:  # (the usual case: one |A_t| for every row) the k-th largest
+                        kth = rank.kthvalue(n - largest + 1, dim=-1, keepdim=True).values
+                    else:
+                        top = rank.topk(largest, dim=-1).values  # [A, S, R, L', B, Hkv, largest], descending
+                        kth = top.gather(-1, (size.long() - 1).clamp(min=0).expand(*top.shape[:-1], 1))
+                    above = rank > kth  # kth: [A, S, R, L', B, Hkv, 1], the |A_t|-th largest rank
                     tied = rank == kth
-                    room = size - above.sum(-1, keepdim=True)  # tied blocks P still takes, lowest ids first
-                    in_p = (above | (tied & (tied.cumsum(-1) <= room))) & (size > 0)
-                    hits += (in_p & selected[t]).sum((-1, -2, -3)).float()
+                    room = size - above.sum(-1, keepdim=True, dtype=torch.int32)  # tied blocks P still takes
+                    in_p = (above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= room))) & (size > 0)
+                    hits += (in_p & selected[t]).sum((-1, -2, -3), dtype=torch.int32).float()
                 wanted += selected[t].sum((-1, -2, -3)).float()
             ema = torch.where(finite[t], alphas * ema + (1 - alphas) * z[t], ema)
         return hits.flatten(0, 2), wanted  # [C, L'] in the grid's order (α-major)

@@ -105,7 +105,11 @@ class EmaPredictor(EmaPredictorOptions, Predictor):
 
     def learn_tail(self, state: EmaState, history: list[list[Selection] | None]) -> None:
         """`update` of every layer and tail step, batched over the layers whose tails have one
-        length (T steps of [L', B, Hkv, N] ops instead of L'·T of [B, Hkv, N]; equal, tested)."""
+        length (T steps of [L', B, Hkv, N] ops instead of L'·T of [B, Hkv, N]; equal, tested). On
+        backend triton, `update`'s kernel layer by layer (where `update_layers` is not asked for)."""
+        if self.backend == "triton":
+            super().learn_tail(state, history)
+            return
         layers = [i for i, h in enumerate(history) if h]
         for length in sorted({len(history[i]) for i in layers}):
             group = [i for i in layers if len(history[i]) == length]

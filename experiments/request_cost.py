@@ -20,9 +20,10 @@ config, in turn, timing each phase of a request (wall clock, synchronised on CUD
 
 Configs: `serial` (predictor=none) with the graph engine's one-token tail (GraphRequests.open
 gives serial that tail itself: it learns nothing from the tail but its last selection),
-`serial_tail` with the full tail (what the eager path gives serial), `prr` (predictor=ema, calibrated: the default) and `prr_uncalibrated`
-(predictor.calibrate=false). Repeats alternate the configs, so machine load falls on each alike;
-each phase is reported as the median over repeats with its min–max.
+`serial_tail` with the full tail (what the eager path gives serial), `prr` (predictor=ema
+calibrated, predictor.calibrate=true: the default before issue 53) and `prr_uncalibrated`
+(predictor.calibrate=false: the default since). Repeats alternate the configs, so machine load
+falls on each alike; each phase is reported as the median over repeats with its min–max.
 
 Writes <out>.csv (one row per repeat, config and phase) and <out>.json (command, date, versions,
 prompt, per config and phase: median, min, max seconds; the PRR / serial ratios of the medians of
@@ -55,7 +56,7 @@ PHASES = ("replay", "calibrate", "warm", "begin", "decode")
 CONFIGS = {  # name -> overrides beside the common ones
     "serial": ["predictor=none", "runtime.calibration_tokens=1"],
     "serial_tail": ["predictor=none"],
-    "prr": ["predictor=ema", "runtime.repair_mode=exact"],
+    "prr": ["predictor=ema", "predictor.calibrate=true", "runtime.repair_mode=exact"],
     "prr_uncalibrated": ["predictor=ema", "predictor.calibrate=false", "runtime.repair_mode=exact"],
 }
 

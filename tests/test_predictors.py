@@ -63,7 +63,7 @@ def test_ema_calibration_prefers_stickiness_on_a_static_selection():
         scores = torch.randn(1, 1, N, generator=g)
         scores[0, 0, [2, 11, 17]] = -3.0
         history.append(selection([2, 11, 17], scores))
-    p = EmaPredictor(alpha_grid=(0.0, 0.5), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,))
+    p = EmaPredictor(alpha_grid=(0.0, 0.5), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,), calibrate=True)
     info = p.calibrate([None, history])
     assert info["stickiness"] == 4.0 and info["calibration_hit_rate"] == 1.0
     st = p.init_state(2, 1, 1, N, "cpu")
@@ -83,7 +83,8 @@ def static_history() -> list[Selection]:
 
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_ema_calibration_keeps_an_alpha_the_config_gives_and_fits_an_unset_one(per_layer):
-    grids = dict(alpha_grid=(0.0, 0.5), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,), per_layer=per_layer)
+    grids = dict(alpha_grid=(0.0, 0.5), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,), per_layer=per_layer,
+                 calibrate=True)
     kept = EmaPredictor(alpha=0.9, **grids)  # predictor.alpha=0.9: not in the grid, kept all the same
     info = kept.calibrate([None, static_history()])
     assert info["kept"] == ["alpha"] and info["alpha"] == pytest.approx([0.9, 0.9] if per_layer else 0.9)
@@ -94,6 +95,7 @@ def test_ema_calibration_keeps_an_alpha_the_config_gives_and_fits_an_unset_one(p
     info = fitted.calibrate([None, static_history()])
     assert info["kept"] == [] and float(fitted.init_state(2, 1, 1, N, "cpu").alpha[1]) in (0.0, 0.5)
     assert EmaPredictor(calibrate=False).init_state(1, 1, 1, N, "cpu").alpha.tolist() == pytest.approx([0.8])
+    assert EmaPredictor().calibrate([None, static_history()]) == {}  # opt-in since issue 53
 
 
 def test_the_calibration_log_line_marks_kept_values():
@@ -111,7 +113,8 @@ def test_ema_calibration_is_causal():
         scores = torch.zeros(1, 1, N)
         scores[0, 0, ids] = 5.0
         history.append(selection(ids, scores))
-    info = EmaPredictor(alpha_grid=(0.0, 0.5, 0.9), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,)).calibrate([history])
+    info = EmaPredictor(alpha_grid=(0.0, 0.5, 0.9), stickiness_grid=(0.0, 4.0), recency_grid=(0.0,),
+                        calibrate=True).calibrate([history])
     assert info["calibration_hit_rate"] < 0.9
 
 
@@ -131,7 +134,7 @@ def test_ema_calibration_of_rows_with_different_contexts_does_not_depend_on_thei
         return out
 
     short, long = row(12), row(N)
-    grid = dict(alpha_grid=(0.0, 0.9), stickiness_grid=(0.0,), recency_grid=(0.0, 4.0))
+    grid = dict(alpha_grid=(0.0, 0.9), stickiness_grid=(0.0,), recency_grid=(0.0, 4.0), calibrate=True)
     infos = [EmaPredictor(**grid).calibrate([[stack_rows([a, b]) for a, b in zip(x, y, strict=True)]])
              for x, y in ((short, long), (long, short))]
     assert infos[0] == infos[1] and infos[0]["recency"] == 4.0

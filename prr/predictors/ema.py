@@ -6,9 +6,10 @@ stickiness and a recency bonus. The paper's exact formula is not public; ours:
     e_t(b)    = α · e_{t−1}(b) + (1 − α) · z_t(b)            (new blocks start at e = 0: average)
     rank_{t+1}(b) = e_t(b) + β · 1[b ∈ A_t] + γ · 1[b among the `recent_blocks` newest]
 
-P = the top-|P| blocks by rank (ties to the lower block id). α, β, γ are calibrated per prompt by grid search: replay
-the selections of the prefill tail and keep the triple with the highest hit rate at
-|P| = |A| (one triple per run, or one per layer with per_layer=True). One given in the config
+P = the top-|P| blocks by rank (ties to the lower block id). With calibrate=True (opt-in since issue 53: it
+costs about a decode step per request on the CPU for +1.5 points of hit rate at |P| = K) α, β, γ are
+calibrated per prompt by grid search: replay the selections of the prefill tail and keep the triple
+with the highest hit rate at |P| = |A| (one triple per run, or one per layer with per_layer=True). One given in the config
 (`predictor.alpha=0.5`) is kept: the search runs over the others' grids only (null, the
 default, means calibrate it).
 

@@ -40,7 +40,7 @@ class EmaPredictorOptions(PredictorOptions):
         stickiness: float | None = None,
         recency: float | None = None,
         recent_blocks: int = 1,
-        calibrate: bool = True,
+        calibrate: bool = False,
         per_layer: bool = False,
         burn_in_steps: int = 4,
         alpha_grid: Sequence[float] = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95),

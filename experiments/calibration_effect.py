@@ -1,5 +1,6 @@
-"""What EMA's calibration on the prefill tail buys: the hit rate of `ema` (calibrated, the
-default) against `ema_fixed` (predictor.calibrate=false: α, β, γ = 0.8, 1, 1) on the same prompts,
+"""What EMA's calibration on the prefill tail buys: the hit rate of the study's `ema`
+(predictor.calibrate=true, opt-in since issue 53) against `ema_fixed` (predictor.calibrate=false,
+the default since: α, β, γ = 0.8, 1, 1) on the same prompts,
 from experiments/predictor_study.py's per-prompt results (no new decode).
 
     python experiments/calibration_effect.py \\
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         label, path = run.split("=", 1)
         rows += effect(label, per_prompt(Path(path)))
     command = " ".join(["python experiments/calibration_effect.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
-    table = markdown(["run", "|P| / K", "n", "uncalibrated", "calibrated (default)", "gain, points (paired)",
+    table = markdown(["run", "|P| / K", "n", "uncalibrated (default)", "calibrated (calibrate=true)", "gain, points (paired)",
                       "prompts ahead / behind"],
                      [[r["run"], r["ratio"], r["prompts"], cell(r, "uncalibrated"), cell(r, "calibrated"),
                        cell(r, "gain", points=True), f"{r['prompts_ahead']} / {r['prompts_behind']}"] for r in rows])

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
             runs.append((f"{sel}-none-{b}", sel, "none", b, [f"selector={sel}", "predictor=none", k, *dense]))
             if b in ema_budgets:
                 check = ["runtime.check_serial=true"] if args.engine == "eager" else []  # (eager records only)
-                runs.append((f"{sel}-ema-{b}", sel, "ema", b, [f"selector={sel}", "predictor=ema", k, *dense,
+                runs.append((f"{sel}-ema-{b}", sel, "ema", b, [f"selector={sel}", "predictor=ema",
+                                                            "predictor.calibrate=true", k, *dense,  # (as committed)
                                                             "runtime.repair_mode=exact", *check]))
 
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])

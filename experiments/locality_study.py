@@ -272,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     runtime = [f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", "runtime.engine=eager",
                f"runtime.block_size={args.block_size}", f"backend={args.backend}"]
     # (value overrides apply after the group choices: dense_layers=[] holds for every selector variant)
-    common = [f"model={args.model}", "logger=none", *runtime, "task=ruler", "predictor=ema", "budget=fixed",
+    common = [f"model={args.model}", "logger=none", *runtime, "task=ruler", "predictor=ema",
+              "predictor.calibrate=true",  # (predictor=ema's default before issue 53: the committed results)
+              "budget=fixed",
               "budget.ratio=1.0", "runtime.mode=shadow", "selector.dense_layers=[]"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -78,12 +78,13 @@ from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> Hydra overrides of the predictor group. `ema` is the default (one calibrated
-# triple for all layers); ema_fixed is the same EMA uncalibrated, ema_calibrated per layer.
+# name -> Hydra overrides of the predictor group. `ema`: one calibrated triple for all layers
+# (predictor=ema's default before issue 53, the results' "ema (default)"); ema_fixed: the same EMA
+# uncalibrated (plain predictor=ema since issue 53); ema_calibrated: per layer.
 PREDICTORS: dict[str, list[str]] = {
     "last_step": ["predictor=last_step"],
     "ema_fixed": ["predictor=ema", "predictor.calibrate=false"],
-    "ema": ["predictor=ema"],
+    "ema": ["predictor=ema", "predictor.calibrate=true"],  # (the default before issue 53)
     "ema_calibrated": ["predictor=ema_calibrated"],
     "spin": ["predictor=spin"],
     "spin_no_explore": ["predictor=spin", "predictor.explore=0.0"],

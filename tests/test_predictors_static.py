@@ -49,7 +49,7 @@ STRUCTURAL = {"updated_layers"}
 
 def calibrated_ema() -> EmaPredictor:
     p = EmaPredictor(per_layer=True, burn_in_steps=1, alpha_grid=(0.0, 0.8), stickiness_grid=(0.0, 2.0),
-                     recency_grid=(0.0, 1.0))
+                     recency_grid=(0.0, 1.0), calibrate=True)
     g = torch.Generator().manual_seed(11)
     history = [[selection(torch.randn(1, H, N, generator=g), torch.tensor([N - 2])) for _ in range(5)]
                for _ in range(L - 1)]

@@ -178,7 +178,7 @@ def test_run_py_under_torchrun_with_two_ranks_decodes_the_single_process_run(tmp
     root = Path(__file__).resolve().parents[1]
     common = ["model=tiny-random-d64", "logger=none", "runtime.engine=graph", "selector.dense_layers=[0]",
               "selector.topk_blocks=6", "task.prompt_tokens=300", "task.max_new_tokens=6", "task.stop_at_eos=false",
-              "predictor=ema", "runtime.calibration_tokens=24"]  # (EMA calibrates on the prefill tail)
+              "predictor=ema", "predictor.calibrate=true", "runtime.calibration_tokens=24"]  # (EMA calibrates on the tail)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, str(root / "run.py"), *common, f"hydra.run.dir={tmp_path / 'one'}"],
                          capture_output=True, text=True, timeout=300, env=env)

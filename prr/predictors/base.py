@@ -118,6 +118,14 @@ class Predictor(PredictorOptions, ABC):
         `capacity` ids here, before an engine captures its step (a checkpoint taken then holds
         every buffer the captured step writes)."""
 
+    def learn_tail(self, state: Any, history: list[list[Selection] | None]) -> None:
+        """Learn the prefill tail's selections (history[layer]: A over its steps, None for dense
+        layers) after calibration, where `learns_layers_at_once` is False. Default: `update`
+        layer by layer, step by step (L·T calls); a predictor may batch them, equal to that."""
+        for layer, selections in enumerate(history):
+            for selection in selections or []:
+                self.update(state, layer, selection)
+
     def calibrate(self, history: list[list[Selection] | None]) -> dict[str, Any]:
         """Fit parameters to selections of the prefill tail (history[layer] = A over steps,
         None for dense layers), on the host before decoding. Returns what was chosen, for

@@ -40,7 +40,7 @@ class EmaPredictorOptions(PredictorOptions):
         stickiness: float | None = None,
         recency: float | None = None,
         recent_blocks: int = 1,
-        calibrate: bool = True,
+        calibrate: bool = False,
         per_layer: bool = False,
         burn_in_steps: int = 4,
         alpha_grid: Sequence[float] = (0.0, 0.5, 0.7, 0.8, 0.9, 0.95),
@@ -65,7 +65,9 @@ class EmaPredictorOptions(PredictorOptions):
         self.per_layer = per_layer
         self.burn_in_steps = burn_in_steps
         grids = {"alpha": alpha_grid, "stickiness": stickiness_grid, "recency": recency_grid}
-        self.grid = list(itertools.product(*([given[name]] if name in self.kept else grids[name] for name in grids)))
+        # the searched values of α, β, γ (a kept one: its value alone); the grid is their product, α-major
+        self.grid_axes = [[given[name]] if name in self.kept else list(grids[name]) for name in grids]
+        self.grid = list(itertools.product(*self.grid_axes))
         self._fitted: Any = None  # per-layer (alpha, stickiness, recency) tensors from EmaPredictor.calibrate
 
 

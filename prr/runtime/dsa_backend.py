@@ -135,24 +135,34 @@ class DSABackend:
         passes theirs, stacked: `prr.selectors.base.stack_rows`).
         calibrate_on: what calibration fits instead (default: history) — a tensor-parallel rank
         passes every rank's KV heads, so each fits what one process would."""
+        info = self.calibrate_predictor(history, calibrate_on)
+        self.warm_predictor()
+        return info
+
+    def calibrate_predictor(self, history: list[list[Selection] | None] | None = None,
+                            calibrate_on: list[list[Selection] | None] | None = None) -> dict[str, Any]:
+        """`finish_prefill`'s first half (the predictor's `calibrate`, timed apart by
+        experiments/request_cost.py) -> what calibration chose."""
         if history is not None:
             if len(history) != self.cache.num_layers:
                 raise ValueError(f"history has {len(history)} layers, the cache {self.cache.num_layers}")
             self.history = history
-        info = self.predictor.calibrate(self.history if calibrate_on is None else calibrate_on)
+        return self.predictor.calibrate(self.history if calibrate_on is None else calibrate_on)
+
+    def warm_predictor(self) -> None:
+        """`finish_prefill`'s second half: the predictor's state made and warmed by replaying the
+        prefill tail (after `calibrate_predictor`)."""
         c = self.cache
         self.predictor_state = self.predictor.init_state(c.num_layers, c.batch, c.num_kv_heads, c.max_blocks, c.device)
         self.engine.schedule.adopt_state(self.predictor_state)
         for first, layers in self._warm_runs():  # layers' states are independent: a step of a run at once
             for t in range(len(self.history[first])):
                 self.predictor.update_layers(self.predictor_state, first, [self.history[i][t] for i in layers])
+        if not self.predictor.learns_layers_at_once():
+            self.predictor.learn_tail(self.predictor_state, self.history)
         for layer, selections in enumerate(self.history):
-            if selections and not self.predictor.learns_layers_at_once():
-                for selection in selections:
-                    self.predictor.update(self.predictor_state, layer, selection)
             if selections:
                 self.previous[layer] = selections[-1].blocks.mask(c.max_blocks)
-        return info
 
     def _warm_runs(self) -> list[tuple[int, range]]:
         """Where the predictor learns layers at once (`learns_layers_at_once`: one launch, equal

@@ -55,14 +55,16 @@ class EagerPipeline:
         return selector
 
     def prefill(self, prompts: Tensor | list[Tensor], kept: list[Any] | None = None, new_tokens: int = 0,
-                progress: Any = None) -> Tensor | list[Tensor | None]:
+                progress: Any = None, phase: Any = None) -> Tensor | list[Tensor | None]:
         """A request's prompt ([1, T] in a list; a decode run's batch: [B, T]) through a fresh
         runtime of T + new_tokens tokens (kept[0]: a kept dense prefill's q/k/v replayed instead),
         the predictor calibrated and warmed on its tail -> logits [B, V] at the last position
         ([None] where a kept prefill was replayed: the caller has them). progress: a tqdm bar of
-        the prefill's layers."""
+        the prefill's layers; phase(name): called after each of "replay" (the prefill), "calibrate",
+        "warm" and "begin" (experiments/request_cost.py times them)."""
         from prr.progress import PrefillProgress
 
+        phase = phase or (lambda name: None)
         if isinstance(prompts, list) and len(prompts) != 1:
             raise ValueError(f"the research runtime prefills one request at a time, got {len(prompts)}")
         ids = prompts[0] if isinstance(prompts, list) else prompts
@@ -80,10 +82,12 @@ class EagerPipeline:
                 attention = PrefillProgress(runtime.backend, progress) if progress is not None else None
                 # (a request's: the LM head at its last position only, as scoring always ran)
                 logits = runtime.prefill(ids, attention, last_logits_only=isinstance(prompts, list))  # [B, V]
+            phase("replay")
             if progress is not None:
                 progress.set_postfix_str("calibrating the predictor")
-            self.calibration = runtime.finish_prefill()
+            self.calibration = runtime.finish_prefill(phase=phase)
         self.position = ids.shape[1]
+        phase("begin")
         return logits
 
     def steps(self, first: list[int], n: int, forced: list[list[int]] | None = None, step: int = 0,

@@ -100,6 +100,11 @@ class GraphPipeline:
         return self.plan.variant == "prr"
 
     @property
+    def calibration(self) -> dict[str, Any]:
+        """What the last prefill's predictor calibration chose (empty: none ran)."""
+        return self.budget_info.get("calibration", {})
+
+    @property
     def row_counts(self) -> list[dict[str, float]]:
         """The last scored batch's |A|, |P|, |P ∩ A| and |A_t ∩ A_t-1| per row (`RequestCounts.rows`)."""
         return self.counts.rows
@@ -111,13 +116,14 @@ class GraphPipeline:
 
     # --- prefill and hand-off ---------------------------------------------------------------
     def prefill(self, prompts: Tensor | list[Tensor], kept: list[Any] | None = None,
-                new_tokens: int = 0) -> Tensor | list[Tensor | None]:
+                new_tokens: int = 0, phase: Any = None) -> Tensor | list[Tensor | None]:
         """The prompts prefilled into the engine's cache (emptied in place), the predictor
         calibrated and warmed on their tails, then the engine takes over (built and captured on
         the first prefill). prompts: [B, T] (every row the same length, prefilled at once) or one
         [1, T_b] per row (rows, ragged; kept[b]: a kept dense prefill's q/k/v to replay instead,
         `EagerRuntime.prefill_rows`); new_tokens: the steps to follow (checked against the
-        capacity). -> logits [B, V] at each row's last position, or where a
+        capacity); phase(name): called after each of "replay" (the prefill), "calibrate", "warm" and
+        "begin" (the hand-off; experiments/request_cost.py times them). -> logits [B, V] at each row's last position, or where a
         kept prefill was replayed a list of [1, V] per row with None there (the caller has those)."""
         from prr.runtime.eager_run import EagerRuntime
 
@@ -125,7 +131,7 @@ class GraphPipeline:
         if longest + new_tokens > self.cache.max_tokens:
             raise ValueError(f"{longest} prompt tokens + {new_tokens} new ones exceed the pipeline's "
                              f"{self.cache.max_tokens} tokens")
-        s = self.settings
+        s, phase = self.settings, phase or (lambda name: None)
         with torch.inference_mode():  # (slots the prefill allocated are inference tensors)
             for layer in range(self.cache.num_layers):
                 self.cache.set_length(layer, 0)
@@ -153,13 +159,16 @@ class GraphPipeline:
                 rows, history = eager.prefill_rows(prompts, kept)
                 logits = rows if any(r is None for r in rows) else torch.cat(rows)
                 lengths = [p.shape[1] for p in prompts]
+            phase("replay")
             calibrate_on = None
             if self.tp is not None:  # calibration fits every rank's heads (all ranks choose alike, as one process would)
                 own = history if history is not None else eager.backend.history
                 calibrate_on = [None if h is None else [self.tp.gather_heads(x) for x in h] for h in own]
-            calibration = eager.finish_prefill(history, calibrate_on)  # calibrates and warms the predictor
+            calibration = eager.finish_prefill(history, calibrate_on, phase)  # calibrates and warms the predictor
             if calibration:
                 self.budget_info["calibration"] = calibration
+            else:
+                self.budget_info.pop("calibration", None)
             # the prefill ran the selector and predictor on the prefill's ops: back to the engine's
             self.selector.set_backend(self.backend)
             self.predictor.set_backend(self.backend)
@@ -170,6 +179,7 @@ class GraphPipeline:
             self.session.take_over(eager.backend, lengths, greedy)
             if first:  # (CUDA: one graph per view, rewound to the prompt's end)
                 self._capture()
+        phase("begin")
         self.done = 0
         return logits
 

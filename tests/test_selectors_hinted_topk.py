@@ -131,7 +131,9 @@ def run_tiny(tmp_path: Path, name: str, *overrides: str) -> dict:
 
 @pytest.mark.parametrize("case", [
     ("quest", "last_step"),
-    ("quest", "ema", "backend=triton"),
+    # (slow: a minute under the interpreter; the hinted kernels' own sets are tested in make test, and
+    # test_one_engine runs the same triton quest-ema engine unhinted)
+    pytest.param(("quest", "ema", "backend=triton"), marks=pytest.mark.slow),
     ("exact", "ema"),
     ("infllm", "last_step"),
     ("quest", "ema", "runtime.engine=eager"),  # the research runtime: the same selector objects, op by op

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 # standard library only
-from prr.cli_exits import interrupted, refuse, refuse_without_teardown, storage_refused
+from prr.cli_exits import interrupted, refuse, refuse_without_teardown, storage_refused, watch_ctrl_c
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 STARTED = time.time()  # before Hydra makes the run dir: an empty run dir newer than this is this process's
@@ -56,6 +56,7 @@ def hydra_app() -> None:
 
 
 if __name__ == "__main__":
+    watch_ctrl_c()
     try:
         from prr.front_door import BadOverride, ConfigError, preflight
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -41,10 +42,29 @@ def refuse(*problems: str) -> NoReturn:
     sys.exit(EXIT_REFUSED)
 
 
+_ctrl_c_seen = False
+
+
+def watch_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: OmegaConf
+    turns a KeyboardInterrupt that lands mid-compose into another error (an AttributeError of its
+    half-built node), which the checks before Hydra would report as a refused override."""
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        global _ctrl_c_seen
+        _ctrl_c_seen = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+
+
 def refuse_without_teardown(*problems: str) -> NoReturn:
     """`refuse`, for a process that has started nothing (run.py's checks before Hydra): it exits
     at once (os._exit), skipping the interpreter's teardown, which takes about 0.45 s once torch
-    is imported (2-core CPU): nothing is open, no atexit handler of prr's or Hydra's is set."""
+    is imported (2-core CPU): nothing is open, no atexit handler of prr's or Hydra's is set.
+    After a Ctrl-C (watch_ctrl_c) the problems are the interrupt's wreckage: it ends as a Ctrl-C."""
+    if _ctrl_c_seen:
+        interrupted(KeyboardInterrupt(), None)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     sys.stdout.flush()

@@ -424,3 +424,26 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="time each refusal of tests/test_front_door.py")
     parser.add_argument("--repeats", type=int, default=5)
     time_refusals(parser.parse_args().repeats)
+
+
+# OmegaConf, interrupted mid-compose, raises an AttributeError of its half-built node; run.py's
+# checks then refuse that error: the process must still end as the Ctrl-C it was
+CTRL_C_TURNED_INTO_ANOTHER_ERROR = """
+import os, signal
+from prr.cli_exits import refuse_without_teardown, watch_ctrl_c
+watch_ctrl_c()
+try:
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        raise AttributeError("'NoneType' object has no attribute '_invalidate_flags_cache'")
+except AttributeError as err:
+    refuse_without_teardown(str(err))
+"""
+
+
+def test_a_ctrl_c_that_a_library_turned_into_another_error_still_exits_130_in_one_line():
+    done = subprocess.run([sys.executable, "-c", CTRL_C_TURNED_INTO_ANOTHER_ERROR], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 130 and len(lines) == 1 and "interrupted (Ctrl-C)" in lines[0], done.stderr

@@ -49,7 +49,7 @@ from pathlib import Path
 import pandas as pd
 
 from prr.bench_args import int_list
-from prr.cost_model import Variant, map_cell, map_rate_column, predict_token_ms
+from prr.cost_model import Variant, map_cell, map_rate_column, predict_token_ms, sparse_layer_count
 from prr.intervals import median_ratio_interval
 from prr.paths import strict_json_dumps
 
@@ -59,8 +59,7 @@ NAMED_ONLY = ("infllm_v2", "indexer")  # run when named (infllm_v2's blocks are 
 PREDICTORS = ("none", "last_step", "ema")
 OFF = "runtime.dense_metrics_every=1000000"  # the first step only
 EVERY_16 = "runtime.dense_metrics_every=16"
-NUM_LAYERS = 32  # conf/model/llama-3.1-8b-shape.yaml
-DENSE_LAYERS = 2  # conf/selector/*.yaml: dense_layers [0, 1] (dense: every layer is "sparse" over all blocks)
+NUM_LAYERS = 32  # conf/model/llama-3.1-8b-shape.yaml (the sparse ones: each selector's, prr.cost_model.sparse_layer_count)
 
 
 @dataclass(frozen=True)
@@ -257,7 +256,7 @@ def with_predictions(table: pd.DataFrame, stage_map: pd.DataFrame) -> pd.DataFra
             predicted.append(math.nan)
             continue
         selector = row.case.split("-", 1)[0]
-        layers = int(NUM_LAYERS - (0 if selector == "dense" else DENSE_LAYERS))
+        layers = run_sparse_layers(selector, row)
         cell = map_cell(stage_map, selector, int(row.prompt_tokens), int(row.block_size),
                         int(row.topk_blocks) * int(row.block_size))
         hit = float(row.hit_rate) if speculates and pd.notna(row.hit_rate) else math.nan
@@ -272,6 +271,19 @@ def with_predictions(table: pd.DataFrame, stage_map: pd.DataFrame) -> pd.DataFra
     table["median_over_map"] = table["token_latency_median_ms"] / table["map_predicted_ms"]
     table["map_hit_clamped"] = outside  # the run's hit rate lies outside the map's: its nearest rate stood in
     return table
+
+
+def run_sparse_layers(selector: str, row) -> int:
+    """The sparse layers a run's selector has (its YAML's; InfLLM-v2 32, the others 30), checked
+    against the run's own count where it has one (a reusing run's selections per step)."""
+    layers = sparse_layer_count(selector, NUM_LAYERS)
+    reuse, steps = getattr(row, "reuse", None), getattr(row, "decode_steps", None)
+    if isinstance(reuse, dict) and reuse.get("selections_made") and steps:
+        counted = (reuse["selections_made"] + reuse.get("selections_skipped", 0)) / int(steps)
+        if counted != layers:
+            raise ValueError(f"{row.case}: the run selected in {counted:g} layers a step, conf/selector/{selector}.yaml "
+                             f"leaves {layers} of {NUM_LAYERS} sparse: price it with the run's model and selector config")
+    return layers
 
 
 def selecting_share(reuse) -> float | None:

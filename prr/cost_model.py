@@ -17,17 +17,39 @@ sparse layers, (serial stage - that layer's stage under the variant):
 
 where "base" is serial or prr(h). Reusing layers attend serially over the reused A (nothing to
 hide), so their stage is serial's without its selection whatever the base.
+
+The sparse layers are the selector's own (`sparse_layer_count`: all but its YAML's dense_layers):
+Quest's 30 of the 8B shape's 32, InfLLM-v2's 32. Pricing InfLLM-v2 with 30 under-predicted its
+reuse=layers saving by 2-6% (docs/results/cost_model.md).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
 
 REUSE_KINDS = ("none", "layers", "steps")
+SELECTOR_CONF = Path(__file__).resolve().parents[1] / "conf" / "selector"
+
+
+def sparse_layer_count(selector: str, num_layers: int, conf_dir: Path = SELECTOR_CONF) -> int:
+    """The layers of a `num_layers`-layer model that `selector` (conf/selector/<selector>.yaml)
+    leaves sparse: all but its `dense_layers` (selector=dense lists none: every layer attends
+    through the sparse path over all blocks). The layers whose stage a variant changes."""
+    path = Path(conf_dir) / f"{selector}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in Path(conf_dir).glob("*.yaml"))
+        raise ValueError(f"selector {selector!r} has no {path}: one of {known}")
+    dense = (yaml.safe_load(path.read_text()) or {}).get("dense_layers", [])
+    outside = [layer for layer in dense if not 0 <= int(layer) < num_layers]
+    if outside:
+        raise ValueError(f"{path.name}: dense_layers {outside} lie outside a {num_layers}-layer model")
+    return num_layers - len(set(dense))
 
 
 @dataclass(frozen=True)

@@ -182,3 +182,25 @@ def test_reuse_cases_run_serial_dsa_with_anchors_and_are_priced_by_their_share_o
     assert er.serial_of("quest-none+anchors4@32k_b16_k32") == "quest-none@32k_b16_k32"
     assert er.selecting_share({"policy": "layers", "selections_made": 8, "selections_skipped": 24}) == 0.25
     assert er.selecting_share(None) is None
+
+
+def test_reuse_runs_are_priced_over_their_selectors_sparse_layers():
+    """InfLLM-v2 selects in all 32 layers (its YAML's dense_layers: []), Quest in 30: a run of each
+    with reuse.anchors=2 skips 16 and 15 selections a step, each saving the map's stage_select."""
+    rows = []
+    for selector, layers in (("quest", 30), ("infllm_v2", 32)):
+        base = {"prompt_tokens": 32000, "block_size": 16, "topk_blocks": 32, "hit_rate": math.nan,
+                "predicted_blocks": 0, "variant": "serial", "decode_steps": 4}
+        made = -(-layers // 2)
+        rows += [{**base, "case": f"{selector}-none", "token_latency_median_ms": 5.0, "reuse": None},
+                 {**base, "case": f"{selector}-none+anchors2", "token_latency_median_ms": 4.9,
+                  "reuse": {"policy": "layers", "selections_made": 4 * made, "selections_skipped": 4 * (layers - made)}}]
+    stage_map = pd.concat([pd.DataFrame([{"batch": 1, "selector": s, "block": 16, "topk_tokens": 512, "context": 32512,
+                                          "target_hit_rate": 1.0, "serial_fused_merge": 25.0, "stage_select": 10.0,
+                                          "prr": 20.0}]) for s in ("quest", "infllm_v2")])
+    out = er.with_predictions(pd.DataFrame(rows), stage_map).set_index("case")
+    assert out.loc["quest-none+anchors2", "map_predicted_ms"] == pytest.approx(5.0 - 15 * 10e-3)
+    assert out.loc["infllm_v2-none+anchors2", "map_predicted_ms"] == pytest.approx(5.0 - 16 * 10e-3)
+    wrong = pd.DataFrame(rows[2:]).assign(reuse=[None, {"selections_made": 60, "selections_skipped": 60}])
+    with pytest.raises(ValueError, match="selected in 30 layers a step, conf/selector/infllm_v2.yaml leaves 32"):
+        er.with_predictions(wrong, stage_map)

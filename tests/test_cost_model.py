@@ -72,3 +72,18 @@ def test_the_nearest_context_and_a_missing_cell():
 def test_a_variant_it_cannot_price_is_refused_by_name(cell, variant, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         predict_token_ms(cell, 5.0, 30, variant)
+
+
+def test_sparse_layers_are_the_selectors_own(tmp_path):
+    from prr.cost_model import sparse_layer_count
+
+    assert sparse_layer_count("quest", 32) == 30  # dense_layers [0, 1]
+    assert sparse_layer_count("infllm_v2", 32) == 32  # dense_layers []: it selects in every layer
+    assert sparse_layer_count("dense", 32) == 32
+    (tmp_path / "odd.yaml").write_text("dense_layers: [0, 5, 5]\n")
+    assert sparse_layer_count("odd", 32, tmp_path) == 30
+    with pytest.raises(ValueError, match=r"dense_layers \[40\] lie outside a 32-layer model"):
+        (tmp_path / "far.yaml").write_text("dense_layers: [40]\n")
+        sparse_layer_count("far", 32, tmp_path)
+    with pytest.raises(ValueError, match="selector 'nsa' has no"):
+        sparse_layer_count("nsa", 32, tmp_path)

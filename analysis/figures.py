@@ -35,6 +35,7 @@ from .style import (
     new_figure,
     stage_color,
 )
+from .technique_map import read_technique_runs, technique_map, technique_table
 
 
 def require(frame: pd.DataFrame, columns: list[str], figure: str) -> pd.DataFrame:
@@ -897,6 +898,14 @@ LOCALITY_INPUTS = (f"{CPU}/locality_long_smollm2.csv", f"{CPU}/locality_long_qwe
                    "experiments/results/h200/locality_long_qwen_32768.csv")
 LOCALITY_COMMAND = ("the commands in docs/results/locality.md (locality_study.py on the CPU; "
                     "experiments/h200_long_context.sh locality on an H200)")
+H100 = "experiments/results/h100"
+TECHNIQUE_MAP_INPUTS = (f"{H100}/issue52_followup_20261207/bench_decode_stage_infllm_v2_stage.csv",
+                        f"{H100}/issue52_followup_20261207/bench_decode_stage_infllm_v2.json",
+                        f"{H100}/selection_runs_20261207/engine_reuse_layers.json",
+                        f"{H100}/issue52_followup_20261207/engine_matrix_infllm_v2.json",
+                        f"{H100}/hinted_topk_20261207/bench_hinted_topk.csv")
+TECHNIQUE_MAP_COMMAND = ("the device calls in experiments/results/h100/{issue52_followup,selection_runs,hinted_topk}"
+                         "_20261207/README.md (bench_decode.py --parts stage, bench_engine_runs.py, bench_hinted_topk.py)")
 FIGURES: list[Figure] = [
     Figure("locality_overlap_per_layer", overlap_per_layer, (f"{CPU}/locality_smollm2_per_layer.csv",), pd.read_csv,
            f"python run.py -m +experiment=locality && {COLLECT} multirun/locality {CPU}/locality_smollm2 --per-layer "
@@ -1012,6 +1021,17 @@ FIGURES: list[Figure] = [
            (f"{CPU}/accuracy_smollm2_ruler.csv", f"{CPU}/accuracy_smollm2_ruler_samples.csv"), read_accuracy,
            "the command in docs/results/accuracy.md (accuracy_study.py --model smollm2-135m --tasks ruler:...)",
            "Accuracy on RULER's own tasks (string match, mean over 2 samples), SmolLM2-135M at 4K and 8K on the CPU"),
+    Figure("technique_map_h100", technique_map, TECHNIQUE_MAP_INPUTS, read_technique_runs, TECHNIQUE_MAP_COMMAND,
+           "Which technique pays where: per-token time over serial DSA of each way of taking selection off the "
+           "critical path, as prr.cost_model prices it from the stage map's measured stage times (bars from 1×: filled "
+           "where it pays, by the whole run where one was measured, else by the model), and the whole runs (diamonds, "
+           "95% bootstrap over 24 steps); Llama-3.1-8B shape, random bf16 weights, batch 1, block 64, K = 8 blocks, "
+           "H100 (docs/results/cost_model.md)"),
+    Figure("technique_map_h100_table", technique_table, TECHNIQUE_MAP_INPUTS, read_technique_runs,
+           TECHNIQUE_MAP_COMMAND,
+           "Which technique pays where (H100, 8B shape, batch 1, block 64, K = 512 tokens): prr.cost_model's per-token "
+           "time over serial DSA from the stage map, the whole run's (median over 24 steps, 95% bootstrap) where one "
+           "ran, run / model, and whether it pays (< 1×: by the run where measured, else by the model)"),
     Figure("selector_fidelity", selector_fidelity, (f"{CPU}/selector_fidelity.csv",), pd.read_csv,
            "python experiments/selector_fidelity.py",
            "Selector fidelity against the top-K budget, shadow mode, SmolLM2-135M"),

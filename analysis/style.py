@@ -55,7 +55,7 @@ METHOD_COLORS = {
 METHOD_ALIASES = {"serial": "none"}  # bench_decode's word for serial DSA
 RESERVE = ("#8DA0CB", "#E78AC3", "#A6D854", "#66C2A5", "#FC8D62", "#B3B3B3", "#E5C494", "#1B9E77", "#7570B3", "#4D4D4D")
 
-METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)", "infllm": "InfLLM",
+METHOD_LABELS = {"last_step": "last step", "ema": "EMA", "none": "serial (none)", "infllm": "InfLLM", "infllm_v2": "InfLLM-v2",
                  "quest": "Quest", "less": "LESS", "exact": "exact top-K", "dense": "dense", "oracle": "oracle",
                  "spin": "SPIN", "query_similarity": "query similarity", "cross_layer": "cross-layer", "cross_layer_ema": "cross-layer + EMA",
                  "ema_calibrated": "EMA (per-layer cal.)", "ema_fixed": "EMA (fixed)",

@@ -26,7 +26,7 @@ from prr.runtime.selection_reuse import ReusedSelections
 from prr.runtime.static_plan import StaticPlan
 from prr.runtime.timing import StageTimer
 from prr.selectors.quest import QuestSelector
-from tests.test_one_engine import overrides, run_case
+from tests.test_one_engine import GPU, overrides, run_case
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, B, HKV, G, D, BS, PROMPT, STEPS = 6, 1, 2, 2, 16, 4, 45, 7  # odd sizes; a new block every 4 steps
@@ -276,6 +276,24 @@ def test_both_engines_decode_the_same_with_step_reuse_on_the_kernels(tmp_path, r
     check_same_step_reuse(runs, reuse_log, 3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("between", ["last", "predicted"])
+def test_captured_engine_decodes_the_same_with_step_reuse_on_a_gpu(tmp_path, reuse_log, between):
+    """The same with the views captured as CUDA graphs (fp32, the kernels in both engines): the host
+    replays the selecting or the between-selections graph per step. (The spy sees the captures, not
+    the replays: the A attended is compared through the counters.)"""
+    runs = step_reuse_runs(tmp_path, reuse_log, ["reuse=steps", "reuse.every=3", f"reuse.between={between}",
+                                                 "runtime=cuda", "runtime.dtype=float32",
+                                                 "runtime.dense_metrics_every=1", "backend=triton"])
+    eager, graph = runs["eager"], runs["graph"]
+    assert graph["generated_token_ids"] == eager["generated_token_ids"]
+    for key in ("hit_rate", "precision", "last_step_overlap"):
+        assert graph[key] == pytest.approx(eager[key], abs=1e-12), key
+    assert graph["mean_mass_recall"] == pytest.approx(eager["mean_mass_recall"], abs=1e-4)
+    assert graph["reuse"] == eager["reuse"]
+
+
 def test_step_reuse_every_step_is_no_reuse_on_the_graph_engine(tmp_path, reuse_log):
     """reuse=steps with every=1 selects at every step: the graph engine decodes as with reuse=none."""
     every_step = step_reuse_runs(tmp_path / "every", reuse_log, ["reuse=steps", "reuse.every=1"], ("graph",))["graph"]
@@ -299,6 +317,12 @@ def test_step_reuse_every_step_is_no_reuse_on_the_graph_engine(tmp_path, reuse_l
 def test_bad_reuse_is_refused_in_one_line_before_torch(args, message):
     problems = problems_before_torch(compose_config(args, check=False))
     assert len(problems) == 1 and message in problems[0], problems
+
+
+@pytest.mark.parametrize("between", ["last", "predicted"])
+def test_step_reuse_on_the_graph_engine_is_not_refused(between):
+    args = ["reuse=steps", f"reuse.between={between}", "runtime.engine=graph"]
+    assert problems_before_torch(compose_config(args, check=False)) == []
 
 
 def test_run_py_refuses_bad_reuse_with_exit_code_2():

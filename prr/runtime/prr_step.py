@@ -381,5 +381,5 @@ class PRRStep:
 
     def mutable_tensors(self) -> list[Tensor]:
         """Every tensor a step mutates besides K/V and the selector's metadata: counters, A_{t-1},
-        P and the predictor state (a checkpoint's share)."""
+        P, the predictor state and reuse=steps' last A of every layer (a checkpoint's share)."""
         return [*self.observers.tensors(), *self.schedule.tensors(), *self.reuse.tensors()]

@@ -129,9 +129,6 @@ class StepReuse(SelectionReuse):
 
     def problems(self, sparse: list[bool], predictor_name: str, engine: str, scored: bool) -> list[str]:
         out = super().problems(sparse, predictor_name, engine, scored)
-        if engine == "graph":
-            out.append("reuse=steps runs on runtime.engine=eager only for now (the graph engine would need a captured "
-                       "select-step and reuse-step variant); use runtime.engine=eager, or reuse=layers")
         if self.between == "predicted" and predictor_name == "none":
             out.append(f"reuse.between=predicted needs a predictor (predictor={predictor_name} proposes nothing); "
                        "use reuse.between=last or a predictor such as ema")

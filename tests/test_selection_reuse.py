@@ -1,12 +1,15 @@
 """Selection reuse (prr/reuse.py, prr/runtime/selection_reuse.py; issue 53), named approximations:
 - reuse=layers: a reusing layer's A is its anchor's A of the same step, and its selector never runs;
 - reuse=steps: A changes only on selection steps (between them: the last A plus the blocks begun since);
+  on the graph engine a selecting and a between-selections view of the step, replayed by step number
+  (prr/runtime/step_views.py), decide and attend what the eager step does;
 - reuse=none: the step is the one without reuse, bit for bit;
 in the eager step (the research runtime's) and the graph engine's step, through whole runs of both
 engines, and the config refusals before any work."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +22,11 @@ from prr.config_check import compose_config, problems_before_torch
 from prr.predictors.last_step import LastStepPredictor
 from prr.reuse import LayerReuse, NoReuse, StepReuse
 from prr.runtime.prr_step import PRRStep
+from prr.runtime.selection_reuse import ReusedSelections
 from prr.runtime.static_plan import StaticPlan
 from prr.runtime.timing import StageTimer
 from prr.selectors.quest import QuestSelector
-from tests.test_one_engine import overrides, run_case
+from tests.test_one_engine import GPU, overrides, run_case
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, B, HKV, G, D, BS, PROMPT, STEPS = 6, 1, 2, 2, 16, 4, 45, 7  # odd sizes; a new block every 4 steps
@@ -74,6 +78,8 @@ def decode(reuse, eager: bool, predictor=None, predicted_blocks: int = 3,
     else:  # the graph engine's step (uncaptured on the CPU): serial, the plan's variant
         step = PRRStep(StaticPlan(variant="serial", block_size=BS), cache, HKV * G, selector=selector, predictor=None,
                        backend="torch", reuse=reuse)
+    # the graph engine's views (reuse=steps: the host replays the one between selections where the policy does not select)
+    views = {False: step, True: step.with_plan(dataclasses.replace(step.plan, between_selections=True))}
     selections, selected, outs, predictions = [], [], [], []
     for t in range(STEPS):
         calls.clear()
@@ -87,8 +93,12 @@ def decode(reuse, eager: bool, predictor=None, predicted_blocks: int = 3,
             selector.append_metadata(cache, layer, torch.full((B,), start))
             lengths = torch.full((B,), end, dtype=torch.int32)
             num_blocks = torch.full((B,), cache.num_blocks(layer), dtype=torch.int32)
-            out, a = step.sparse_attention(layer, q, lengths, num_blocks, step=t,
-                                           **({"predicted_blocks": predicted_blocks if predictor else 0} if eager else {}))
+            if eager:
+                out, a = step.sparse_attention(layer, q, lengths, num_blocks, step=t,
+                                               predicted_blocks=predicted_blocks if predictor else 0)
+            else:  # (no step number: the view decides)
+                between = reuse is not None and reuse.varies_by_step and not reuse.selects_at(t)
+                out, a = views[between].sparse_attention(layer, q, lengths, num_blocks)
             row_a.append((a.blocks.indices.clone(), a.blocks.count.clone()))
             row_out.append(out.clone())
             p = step.schedule.prediction(layer) if predictor is not None else None
@@ -163,11 +173,22 @@ def test_reuse_none_is_the_step_without_reuse_bit_for_bit(eager):
             assert torch.equal(x, y)
 
 
-def test_the_graph_engines_step_refuses_reuse_across_steps():
-    cache, selector, _ = context()
-    with pytest.raises(ValueError, match="reuse=steps needs the step number"):
-        PRRStep(StaticPlan(variant="serial", block_size=BS), cache, HKV * G, selector=selector, predictor=None,
-                backend="torch", reuse=StepReuse())
+@pytest.mark.parametrize("every", [2, 3])
+def test_the_graph_engines_step_views_reuse_across_steps_as_the_eager_step_does(every):
+    """The graph engine's step with no step number: its view between selections attends the A the
+    eager step attends at that step (the last one, kept in static buffers, plus the newest block),
+    bit for bit, and only the selecting view runs the selector."""
+    eager, eager_selected, eager_out, _ = decode(StepReuse(every=every), True)
+    graph, graph_selected, graph_out, _ = decode(StepReuse(every=every), False)
+    assert graph_selected == eager_selected == [list(range(1, LAYERS)) if t % every == 0 else [] for t in range(STEPS)]
+    for t in range(STEPS):
+        for a, b in zip(eager[t], graph[t], strict=True):
+            assert members(a) == members(b)
+        for x, y in zip(eager_out[t], graph_out[t], strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    # A grows between selections exactly where a block begins (step 3 here: every=2 reuses there, every=3 selects)
+    grown = [t for t in range(1, STEPS) if t % every and members(graph[t][0]) != members(graph[t - 1][0])]
+    assert grown == [t for t in range(1, STEPS) if t % every and (PROMPT + t) % BS == 0] == ([3] if every == 2 else [])
 
 
 @pytest.mark.parametrize("extra", [("reuse=layers", "reuse.anchors=1"), ("reuse=layers", "reuse.anchors=[1]")],
@@ -187,6 +208,103 @@ def test_both_engines_decode_the_same_with_layer_reuse(tmp_path, extra):
     assert eager["reuse"]["selections_made"] + skipped == 3 * 16
 
 
+@pytest.fixture
+def reuse_log(monkeypatch) -> dict[str, list]:
+    """Per engine (log["engine"] names the one running), in order, every reuse=steps layer's
+    (layer, whether it attended a reused A instead of selecting) and (layer, the A it attended
+    as [row, KV head, block] members): spied on `ReusedSelections`, which both runtimes' steps ask."""
+    log: dict[str, list] = {"engine": None}
+    instead, keep = ReusedSelections.instead_of_selecting, ReusedSelections.keep
+
+    def spy_instead(self, layer, *args):
+        out = instead(self, layer, *args)
+        if self.policy.name == "steps":
+            log[log["engine"]].append(("reused", layer, out[0] is not None))
+        return out
+
+    def spy_keep(self, layer, selection):
+        if self.policy.name == "steps":
+            log[log["engine"]].append(("attended", layer, selection.blocks.mask(self.max_blocks).nonzero().tolist()))
+        return keep(self, layer, selection)
+    monkeypatch.setattr(ReusedSelections, "instead_of_selecting", spy_instead)
+    monkeypatch.setattr(ReusedSelections, "keep", spy_keep)
+    return log
+
+
+REUSE_STEPS = 7  # decode steps of the whole runs below (3 layers: dense 0, sparse 1 and 2; a block begins at step 4)
+
+
+def step_reuse_runs(tmp_path: Path, log: dict, extra: list[str], engines=("eager", "graph")) -> dict[str, dict]:
+    """The whole run of each engine with ema, tiny and fp32 on the CPU (torch ops unless extra says)."""
+    args = [*overrides("quest", "ema"), "++model.num_layers=3", f"task.max_new_tokens={REUSE_STEPS}", *extra]
+    out = {}
+    for engine in engines:
+        log["engine"], log[engine] = engine, []
+        out[engine] = run_case(tmp_path, [*args, f"runtime.engine={engine}"], engine)
+    return out
+
+
+def check_same_step_reuse(runs: dict[str, dict], log: dict, every: int) -> None:
+    eager, graph = runs["eager"], runs["graph"]
+    assert graph["generated_token_ids"] == eager["generated_token_ids"]
+    assert log["graph"] == log["eager"]  # the same layers reuse at the same steps, attending the same A
+    reused = [r[2] for r in log["graph"] if r[0] == "reused"]  # per step, per sparse layer
+    assert reused == [t % every != 0 for t in range(REUSE_STEPS) for _ in (1, 2)]
+    for key in ("hit_rate", "precision", "last_step_overlap"):
+        assert graph[key] == pytest.approx(eager[key], abs=1e-12), key
+    assert graph["mean_mass_recall"] == pytest.approx(eager["mean_mass_recall"], abs=1e-6)
+    assert graph["reuse"] == eager["reuse"]
+    assert graph["reuse"]["selections_made"] == reused.count(False)
+    assert graph["reuse"]["selections_skipped"] == reused.count(True)
+
+
+@pytest.mark.parametrize("every, between", [
+    (3, "last"), (2, "predicted"),
+    pytest.param(2, "last", marks=pytest.mark.slow), pytest.param(3, "predicted", marks=pytest.mark.slow)])
+def test_both_engines_decode_the_same_with_step_reuse(tmp_path, reuse_log, every, between):
+    """reuse=steps on the graph engine (its selecting and between-selections views, replayed by step
+    number) decodes what the eager runtime decodes: the same tokens, the same layers reusing at the
+    same steps and attending the same A, the same counters; the summary counts what ran."""
+    runs = step_reuse_runs(tmp_path, reuse_log, ["reuse=steps", f"reuse.every={every}", f"reuse.between={between}"])
+    check_same_step_reuse(runs, reuse_log, every)
+
+
+@pytest.mark.slow  # (40 s: the Triton kernels under the interpreter, both engines)
+def test_both_engines_decode_the_same_with_step_reuse_on_the_kernels(tmp_path, reuse_log):
+    """The same on the Triton kernels (the step counters and sparse attention at the reuse buffers' width)."""
+    runs = step_reuse_runs(tmp_path, reuse_log, ["reuse=steps", "reuse.every=3", "backend=triton"])
+    check_same_step_reuse(runs, reuse_log, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("between", ["last", "predicted"])
+def test_captured_engine_decodes_the_same_with_step_reuse_on_a_gpu(tmp_path, reuse_log, between):
+    """The same with the views captured as CUDA graphs (fp32, the kernels in both engines): the host
+    replays the selecting or the between-selections graph per step. (The spy sees the captures, not
+    the replays: the A attended is compared through the counters.)"""
+    runs = step_reuse_runs(tmp_path, reuse_log, ["reuse=steps", "reuse.every=3", f"reuse.between={between}",
+                                                 "runtime=cuda", "runtime.dtype=float32",
+                                                 "runtime.dense_metrics_every=1", "backend=triton"])
+    eager, graph = runs["eager"], runs["graph"]
+    assert graph["generated_token_ids"] == eager["generated_token_ids"]
+    for key in ("hit_rate", "precision", "last_step_overlap"):
+        assert graph[key] == pytest.approx(eager[key], abs=1e-12), key
+    assert graph["mean_mass_recall"] == pytest.approx(eager["mean_mass_recall"], abs=1e-4)
+    assert graph["reuse"] == eager["reuse"]
+
+
+def test_step_reuse_every_step_is_no_reuse_on_the_graph_engine(tmp_path, reuse_log):
+    """reuse=steps with every=1 selects at every step: the graph engine decodes as with reuse=none."""
+    every_step = step_reuse_runs(tmp_path / "every", reuse_log, ["reuse=steps", "reuse.every=1"], ("graph",))["graph"]
+    assert [r[2] for r in reuse_log["graph"] if r[0] == "reused"] == [False] * (2 * REUSE_STEPS)
+    none = step_reuse_runs(tmp_path / "none", reuse_log, ["reuse=none"], ("graph",))["graph"]
+    assert every_step["generated_token_ids"] == none["generated_token_ids"]
+    for key in ("hit_rate", "precision", "last_step_overlap", "mean_mass_recall", "mean_output_relerr"):
+        assert every_step[key] == none[key], key
+    assert every_step["reuse"]["selections_skipped"] == 0 and "reuse" not in none
+
+
 @pytest.mark.parametrize("args, message", [
     (["reuse=steps", "reuse.every=0"], "reuse.every=0 must be an int >= 1"),
     (["reuse=steps", "reuse.between=sometimes"], "reuse.between='sometimes' is not one of ['last', 'predicted']"),
@@ -194,12 +312,17 @@ def test_both_engines_decode_the_same_with_layer_reuse(tmp_path, extra):
     (["reuse=layers", "reuse.anchors=0"], "reuse.anchors=0 must be >= 1"),
     (["reuse=layers", "predictor=oracle"], "reuse=layers with predictor=oracle"),
     (["reuse=steps", "reuse.between=predicted", "predictor=none"], "reuse.between=predicted needs a predictor"),
-    (["reuse=steps", "runtime.engine=graph"], "reuse=steps runs on runtime.engine=eager only"),
     (["reuse=layers", "task=ruler_niah"], "reuse=layers runs on decode tasks only"),
 ])
 def test_bad_reuse_is_refused_in_one_line_before_torch(args, message):
     problems = problems_before_torch(compose_config(args, check=False))
     assert len(problems) == 1 and message in problems[0], problems
+
+
+@pytest.mark.parametrize("between", ["last", "predicted"])
+def test_step_reuse_on_the_graph_engine_is_not_refused(between):
+    args = ["reuse=steps", f"reuse.between={between}", "runtime.engine=graph"]
+    assert problems_before_torch(compose_config(args, check=False)) == []
 
 
 def test_run_py_refuses_bad_reuse_with_exit_code_2():

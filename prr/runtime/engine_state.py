@@ -194,7 +194,7 @@ class EngineState:
     def set_previous_selections(self, masks: list[Tensor | None]) -> None:
         """A_{t-1} per layer ([B, Hkv, NB] bool, None for dense layers; e.g. the eager prefill's
         last prompt-tail selections), for the last-step overlap counter."""
-        self.attn.observers.counting.set_previous(masks, self.attn.topk_capacity)
+        self.attn.observers.counting.set_previous(masks, self.attn.reuse.width)  # (|A| as counted)
 
     def checkpoint(self) -> list[Tensor]:
         """Copies of every tensor a step mutates besides K/V (a step writes K/V only at pos and

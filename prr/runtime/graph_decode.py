@@ -93,7 +93,9 @@ class GraphDecoder(EngineState):
         For now the torch projections only, uncompiled.
         reuse: selection reuse (prr.reuse; default none). reuse=layers is a static choice per layer,
         captured as such: a reusing layer attends its anchor's A of the step and never selects;
-        reuse=steps is refused (its choice depends on the step number)."""
+        reuse=steps depends on the step number: a view with plan.between_selections is the step
+        between selections, the others select; the caller replays one per step (GraphSession does,
+        prr/runtime/step_views.py)."""
         c, bs, dtype, device = model.config, plan.block_size, model.dtype, model.device
         problems = decoder_problems(model, plan, batch, cache, selector, backend, compile, max_tokens)
         if problems:  # (before a new cache is allocated: GBs on a GPU)

@@ -8,7 +8,9 @@ run.py's decode and scored requests (`GraphPipeline`, graph_pipeline.py) and the
   research runtime's prefill: lengths, first token, the warmed predictor state, A_{t-1}); `capture`
   (the views a caller runs, each a `with_plan` of the engine, captured once on CUDA and rewound);
   `force` (teacher forcing); `run` (steps back to back, one timing window: `timed_steps`); `read`
-  (what the steps wrote, one host read).
+  (what the steps wrote, one host read). Under reuse=steps each view is captured as a selecting
+  step and a step between selections, and `run` replays the one of each step's number
+  (`StepViews`, step_views.py).
 
 Each step writes, at the position of the token it chose, that token, and with `scores` its
 log-probability, whether it is the argmax and the top-1 minus top-2 logit, into device buffers
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from prr.runtime.graph_decode import GraphDecoder
 from prr.runtime.static_plan import StaticPlan
+from prr.runtime.step_views import StepViews
 from prr.runtime.timing import timed_steps
 
 
@@ -118,6 +121,7 @@ class GraphSession:
             self.margins = torch.zeros(rows, cap, dtype=torch.float32, device=self.device)
         self.forced: Tensor | None = None  # [B, max_tokens]: the token after each position (-1: greedy)
         self.replays: dict[Hashable, Any] = {}
+        self.step_views = StepViews(reuse)  # (reuse=steps: a selecting and a reusing view of each)
         self.positions = [0] * rows  # per row: the position of the token the next unread step read
         self.pending = 0  # steps run since the last read
 
@@ -129,6 +133,7 @@ class GraphSession:
         self.engine.take_over(lengths, first, backend.predictor_state if self.speculating else None,
                               backend.previous)
         self.positions, self.pending = list(lengths), 0
+        self.step_views.restart()
         if self.forced is not None:
             with torch.inference_mode():
                 self.forced.fill_(-1)
@@ -136,7 +141,8 @@ class GraphSession:
     def capture(self, views: dict[Hashable, dict[str, Any]]) -> None:
         """The steps this session runs: key -> the engine's plan changes of that view
         (`GraphDecoder.with_plan`); on CUDA each captured once, the state rewound to the hand-off."""
-        steppers = {key: self._stepper(self.engine.with_plan(**changes)) for key, changes in views.items()}
+        steppers = {key: self._stepper(self.engine.with_plan(**changes))
+                    for key, changes in self.step_views.views(views).items()}
         with torch.inference_mode():  # (the prefill's tensors are inference tensors)
             self.replays = self.engine.capture_all(steppers)
 
@@ -176,7 +182,7 @@ class GraphSession:
         of its replay, no host sync until the last; elsewhere wall time)."""
         self._check(len(keys))
         with torch.inference_mode():
-            wall = timed_steps([self.replays[k] for k in keys], self.device)
+            wall = timed_steps([self.replays[k] for k in self.step_views.keys(keys)], self.device)
         self.pending += len(keys)
         return wall
 

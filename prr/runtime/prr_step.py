@@ -58,19 +58,17 @@ MISSING_SELECTOR = ("{owner} needs the run's selector object: pass selector= (a 
                     "prr.benchmarking.configured('selector', 'quest', topk_blocks=...))")
 
 
-def reuse_problems(reuse: SelectionReuse | None, predictor: Predictor | None, sized_per_step: bool) -> list[str]:
+def reuse_problems(reuse: SelectionReuse | None, predictor: Predictor | None) -> list[str]:
     """Why a PRRStep cannot run `reuse` (empty: it can; prr.config_check refuses these before any work)."""
     out = []
     if reuse is None:
         return out
-    if reuse.varies_by_step and not sized_per_step:
-        out.append(f"reuse={reuse.name} needs the step number, which the graph engine's captured step does not take: "
-                   "use the eager step (runtime.engine=eager)")
     if reuse.name != "none" and predictor is not None and predictor.needs_current_selection:
         out.append(f"reuse={reuse.name} with predictor=oracle: the oracle's P is the A a reusing layer or step does not "
                    "compute")
     if getattr(reuse, "between", None) == "predicted" and (predictor is None or not predictor.speculates):
-        out.append("reuse.between=predicted needs a predictor that proposes (predictor=none proposes nothing)")
+        out.append("reuse.between=predicted needs the step's predictor, and it has none (predictor=none, or a graph "
+                   "engine built serial: a budget that chose |P| = 0); use reuse.between=last")
     return out
 
 
@@ -103,7 +101,7 @@ class PRRStep:
         (`sparse_attention(predicted_blocks=)`), P proposed at the step's start at that size; else
         the graph engine's: the plan's variant and |P|, P written ahead into the buffers.
         reuse: selection reuse (prr.reuse; default none), decided here once per layer."""
-        problems = step_problems(plan, cache, num_heads, selector) + reuse_problems(reuse, predictor, sized_per_step)
+        problems = step_problems(plan, cache, num_heads, selector) + reuse_problems(reuse, predictor)
         if problems:
             raise ValueError("; ".join(problems))
         self.ops = engine_ops(backend)
@@ -115,6 +113,7 @@ class PRRStep:
         # Sparse layers keep metadata whatever the variant, so views of one step (`with_plan`)
         # can run every variant over the same cache.
         self.sparse = [not selector.is_dense_layer(i) for i in range(cache.num_layers)]
+        self.reuse = ReusedSelections(reuse, self.sparse, B, H, NB, self.topk_capacity, dev)  # decided here, per layer
         selector.set_backend(backend)  # (their kernels where they have them, on backend triton)
         self.selection_speculates = backend == "triton" and selector.speculates_in_selection()  # decided once
         if predictor is not None:
@@ -129,18 +128,17 @@ class PRRStep:
         self.schedule = PredictorSchedule(
             predictor, speculates=speculates, sparse=self.sparse, batch=B, num_kv_heads=H, max_blocks=NB,
             group=self.group, head_dim=cache.head_dim, block_size=plan.block_size,
-            predicted_blocks=plan.predicted_blocks, selection_capacity=self.topk_capacity, learn_range=learn_range,
+            predicted_blocks=plan.predicted_blocks, selection_capacity=self.reuse.width, learn_range=learn_range,
             device=dev)
         self.scratch = self.ops.repair_scratch(B, H, NB, dev) if speculates else None
         self.attention = CacheAttention(self.ops, cache, plan)
         self.compensation = SummaryCompensation(selector, cache)
-        self.observers = StepObservers(StepCounters(self.ops, self.sparse, B, H, NB, self.topk_capacity, learn_range, dev),
+        self.observers = StepObservers(StepCounters(self.ops, self.sparse, B, H, NB, self.reuse.width, learn_range, dev),
                                        DenseMetrics(cache.num_layers, dev),
                                        StudyCounters(plan.study_ratios, selector.topk_blocks, cache.num_layers, B, H,
                                                      NB, dev))
         self.streams = SideStream(dev, plan.overlap)
         self.last_selection: list[tuple[Tensor, Tensor] | None] = [None] * cache.num_layers
-        self.reuse = ReusedSelections(reuse, self.sparse, NB, self.topk_capacity)  # decided here, per layer
 
     @classmethod
     def eager(cls, cache: PagedKVCache, num_heads: int, selector: Selector, predictor: Predictor | None,
@@ -165,9 +163,7 @@ class PRRStep:
     def device(self) -> torch.device:
         return self.cache.keys[0].device
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.cache.dtype
+    dtype = property(lambda self: self.cache.dtype, doc="the cache's dtype")
 
     def _grouped(self, q: Tensor) -> Tensor:
         """q: [B, Hq, D] -> [B, Hkv, G, D] (a view)."""
@@ -209,15 +205,15 @@ class PRRStep:
         The graph engine's step gives none: the plan's variant, P from the buffers.
         summarise: positions [B] of this step's token whose summaries (`summaries_beside`) this step
         updates, beside selection and attention (serial) or the repair (PRR); None: already done.
-        step: the decode step from 0, for reuse=steps (prr/runtime/selection_reuse.py; eager only)."""
+        step: the eager step's number from 0, for reuse=steps (graph engine views: plan.between_selections)."""
         eager = self.eager_sized
         if eager != (predicted_blocks is not None):
             raise ValueError("a step sized per step (the eager runtime's) takes predicted_blocks= at every step, "
                              f"the graph engine's takes none (sized_per_step={eager}, got {predicted_blocks})")
-        reused = self.reuse.selection(layer, step, num_blocks, self._grouped(q), self.schedule, self._stage)
+        reused, speculating = self.reuse.instead_of_selecting(layer, step, self.plan, num_blocks, self._grouped(q),
+                                                              predicted_blocks, self.schedule, self._ensure_scratch,
+                                                              self._stage)
         if reused is not None:  # attended serially; P proposed beside it where the step speculates
-            speculating = self.reuse.propose_beside(self.schedule, layer, self._grouped(q), num_blocks, predicted_blocks,
-                                                    self.plan.variant == "prr", self._ensure_scratch, self._stage)
             return self._serial(layer, q, lengths, num_blocks, fp32, summarise, reused, speculating)
         if predicted_blocks == 0 or (not eager and self.plan.variant == "serial"):
             return self._serial(layer, q, lengths, num_blocks, fp32, summarise)
@@ -231,10 +227,10 @@ class PRRStep:
         summarised = self.compensation.summarise_beside(self.streams, layer, summarise)
         with self._stage("select") if reused is None else contextlib.nullcontext():
             selection = self.select(layer, q, lengths, num_blocks) if reused is None else reused
-        self._note(layer, selection, speculating)
+        kept = self._note(layer, selection, speculating)  # (reuse=steps: A at the reuse buffers' width)
         idx, cnt = selection.blocks.indices, selection.blocks.count
         if self.schedule.has_state() and (speculating or self.eager_sized or self.plan.learn_in_serial):
-            self._learn(layer, q, selection, lengths, num_blocks, self.streams.mark() if speculating else None,
+            self._learn(layer, q, kept, lengths, num_blocks, self.streams.mark() if speculating else None,
                         propose_next=not self.eager_sized, same_step=speculating)
         with self._stage("repair"):
             if not self.compensation.active:
@@ -271,14 +267,14 @@ class PRRStep:
         compensates = self.compensation.active
         out, lse, _ = self._repair(layer, q, selection, lengths, spec_out, spec_lse, fp32=compensates or fp32)
         # P may be overwritten (next step's prediction) once the repair has read it.
-        self._note(layer, selection, speculating=True)  # (its counters read P: before the side stream may rewrite it)
+        kept = self._note(layer, selection, speculating=True)  # (its counters read P: before the side stream rewrites it)
         planned = self.streams.mark()
         if compensates:
             out = self.compensation.compensated(layer, self._grouped(q), out, lse, selection, lengths,
                                                  torch.float32 if fp32 else self.dtype, self._stage, summarised)
         if schedule.predictor is None:  # P is set from outside: nothing to learn
             return out, selection
-        self._learn(layer, q, selection, lengths, num_blocks, planned, propose_next=not eager)
+        self._learn(layer, q, kept, lengths, num_blocks, planned, propose_next=not eager)
         return out, selection
 
     def _ensure_scratch(self) -> None:
@@ -362,11 +358,12 @@ class PRRStep:
         return bool(mode)
 
     # --- the hooks -------------------------------------------------------------------------
-    def _note(self, layer: int, selection: Selection, speculating: bool) -> None:
-        """Keep A for callers (benchmarks) and for reuse, and call the observers' hook after A is known."""
+    def _note(self, layer: int, selection: Selection, speculating: bool) -> Selection:
+        """Keep A (benchmarks, reuse), call the observers' hook after A is known -> A as counted and learned."""
         self.last_selection[layer] = (selection.blocks.indices, selection.blocks.count)
-        self.reuse.keep(layer, selection)
-        self.observers.selected(self.plan, layer, selection, speculating, self.schedule, self.streams, self.eager_sized)
+        kept = self.reuse.keep(layer, selection)
+        self.observers.selected(self.plan, layer, kept, speculating, self.schedule, self.streams, self.eager_sized)
+        return kept
 
     def _learn(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, num_blocks: Tensor,
                planned: torch.cuda.Event | None = None, propose_next: bool = True, same_step: bool = True) -> None:
@@ -384,5 +381,5 @@ class PRRStep:
 
     def mutable_tensors(self) -> list[Tensor]:
         """Every tensor a step mutates besides K/V and the selector's metadata: counters, A_{t-1},
-        P and the predictor state (a checkpoint's share)."""
-        return [*self.observers.tensors(), *self.schedule.tensors()]
+        P, the predictor state and reuse=steps' last A of every layer (a checkpoint's share)."""
+        return [*self.observers.tensors(), *self.schedule.tensors(), *self.reuse.tensors()]

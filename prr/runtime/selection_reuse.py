@@ -2,6 +2,15 @@
 53): which layers attend an A selected elsewhere instead of selecting, decided once when the
 step is built (`anchors`: static per layer, so the graph engine captures it), and that A.
 
+reuse=steps depends on the step number: the eager step is given it (`sparse_attention(step=)`);
+the graph engine captures two views of its step, a selecting one and one between selections
+(`StaticPlan.between_selections`), and the host replays one or the other per step
+(prr/runtime/step_views.py). Each layer's last attended A lives in static buffers of one
+capacity (`width`: |A| plus the blocks it can gain before the next selection), which both
+runtimes' steps write after every layer and the step between selections reads: every A of such an
+engine, selected or reused, is counted and learned at that capacity (the graph engine's counters
+and learning at once stack one capacity).
+
 A reusing layer or step runs no selection, so there is nothing for speculation to hide behind:
 `PRRStep` attends the reused A serially. Where the step speculates, P is still proposed as it
 would have been and counted against the A attended (hit rates are against the A used), and the
@@ -18,57 +27,115 @@ from torch import Tensor
 from prr.blocks import BlockSet, Selection
 from prr.reuse import NoReuse, SelectionReuse
 from prr.runtime.predictor_schedule import PredictorSchedule
+from prr.runtime.static_plan import StaticPlan
+
+
+def reused_width(policy: SelectionReuse, capacity: int) -> int:
+    """|A| at most as a layer attends it (capacity: the selector's): reuse=steps adds the newest
+    block at each step between selections (between=last: to the last A, every - 1 steps in a row;
+    between=predicted: to a top-|A| proposal, once)."""
+    if not policy.varies_by_step or policy.every == 1:
+        return capacity
+    return capacity + (policy.every - 1 if policy.between == "last" else 1)
 
 
 class ReusedSelections:
     """The step's reuse: per layer its anchor (reuse=layers) and the A it attended last (shared by
-    the step's views: one list)."""
+    the step's views: one object)."""
 
-    def __init__(self, reuse: SelectionReuse | None, sparse: list[bool], max_blocks: int, capacity: int) -> None:
+    def __init__(self, reuse: SelectionReuse | None, sparse: list[bool], batch: int, num_kv_heads: int,
+                 max_blocks: int, capacity: int, device: torch.device) -> None:
         """sparse: per layer; capacity: |A| at most (the selector's), between=predicted's proposal size."""
         self.policy = reuse if reuse is not None else NoReuse()
         self.anchor = self.policy.anchors(sparse)  # per layer: the layer whose A of the step it attends, or None
         self.max_blocks, self.capacity = max_blocks, capacity
-        self.selected: list[Selection | None] = [None] * len(sparse)  # each layer's last selected A
+        self.width = reused_width(self.policy, capacity)  # |A| at most as attended
+        self.selected: list[Selection | None] = [None] * len(sparse)  # reuse=layers: each layer's A of this step
+        # reuse=steps: each sparse layer's last attended A ([B, Hkv, width] int32 zero-padded, [B, Hkv]
+        # int32) and the scores it was selected with ([B, Hkv, NB] fp32), static (a captured step reads them)
+        self.kept: list[Selection | None] = [None] * len(sparse)
+        self.buffers: list[Tensor] = []
+        if self.policy.varies_by_step:
+            L = len(sparse)
+            self.buffers = [torch.zeros(L, batch, num_kv_heads, self.width, dtype=torch.int32, device=device),
+                            torch.zeros(L, batch, num_kv_heads, dtype=torch.int32, device=device),
+                            torch.zeros(L, batch, num_kv_heads, max_blocks, dtype=torch.float32, device=device)]
+            idx, cnt, scores = self.buffers
+            self.kept = [Selection(BlockSet(idx[i], cnt[i]), scores[i]) if s else None for i, s in enumerate(sparse)]
+        self.kept_once = [False] * len(sparse)  # (host: the eager step's check that a layer selected first)
 
-    def keep(self, layer: int, selection: Selection) -> None:
-        """`layer` attended `selection` (A [B, Hkv, C] with the scores [B, Hkv, NB] it came from)."""
-        self.selected[layer] = selection
+    def keep(self, layer: int, selection: Selection) -> Selection:
+        """`layer` attended `selection` (A [B, Hkv, C] with the scores [B, Hkv, NB] it came from)
+        -> A as counted and learned: reuse=steps, its copy in the layer's static buffers (width
+        `width`, zero-padded); else `selection` itself."""
+        kept = self.kept[layer]
+        if kept is None:
+            self.selected[layer] = selection
+            return selection
+        blocks, width = selection.blocks, self.width
+        if blocks.capacity > width:  # (static shapes: a host check, never a device read)
+            raise RuntimeError(f"layer {layer}'s A holds {blocks.capacity} blocks, the reuse buffers {width}")
+        if blocks.indices is not kept.blocks.indices:
+            kept.blocks.indices[..., : blocks.capacity].copy_(blocks.indices)
+            if blocks.capacity < width:
+                kept.blocks.indices[..., blocks.capacity :].zero_()
+            kept.blocks.count.copy_(blocks.count)
+        if selection.scores is not kept.scores:
+            kept.scores.copy_(selection.scores)
+        self.kept_once[layer] = True
+        return kept
 
-    def selection(self, layer: int, step: int | None, num_blocks: Tensor, query: Tensor, schedule: PredictorSchedule,
-                  stage: Callable[[str], AbstractContextManager]) -> Selection | None:
+    def selection(self, layer: int, step: int | None, between_view: bool, num_blocks: Tensor, query: Tensor,
+                  schedule: PredictorSchedule, stage: Callable[[str], AbstractContextManager]) -> Selection | None:
         """The A `layer` attends without selecting, or None (it selects): reuse=layers, the A its
-        anchor selected earlier in this step; reuse=steps off a selection step, the A it attended
+        anchor selected earlier in this step; reuse=steps between selections, the A it attended
         last step (between=last: its last selected A and every block begun since) or its predictor's
         top-|A| proposal (between=predicted), with this step's newest block added (the token's own
         key: a new block starts every block_size steps).
-        step: the decode step from 0 (reuse=steps); num_blocks [B] int32; query [B, Hkv, G, D]."""
+        step: the eager step's decode step from 0; None: the graph engine's, whose view says
+        whether it runs between selections (`between_view`: plan.between_selections).
+        num_blocks [B] int32; query [B, Hkv, G, D]."""
         anchor = self.anchor[layer]
         if anchor is not None:
             if self.selected[anchor] is None:
                 raise RuntimeError(f"layer {layer} reuses layer {anchor}'s A, which has not selected yet: run the "
                                    "layers of a step in order")
             return self.selected[anchor]
-        if not self.policy.varies_by_step:
+        if self.kept[layer] is None or not (between_view if step is None else not self.policy.selects_at(step)):
             return None
-        if step is None:
-            raise ValueError(f"reuse={self.policy.name} needs the decode step's number: sparse_attention(step=)")
-        last = self.selected[layer]  # what it attended last step
-        if self.policy.selects_at(step) or last is None:  # (None: nothing selected yet in this decode)
-            return None
-        blocks = last.blocks
+        if step is not None and not self.kept_once[layer]:
+            raise RuntimeError(f"reuse={self.policy.name}: layer {layer} reuses its last A at decode step {step}, "
+                               "before it selected one: decode from step 0")
+        blocks = self.kept[layer].blocks
         if self.policy.between == "predicted":
             extra = {"query": query} if schedule.passes_query else {}
             with stage("predict"):
                 blocks = schedule.predictor.propose(schedule.state, layer, num_blocks, self.capacity, None, **extra)
-        return Selection(self.with_newest(blocks, num_blocks), last.scores)
+        return Selection(self.with_newest(blocks, num_blocks), self.kept[layer].scores)
 
     def with_newest(self, blocks: BlockSet, num_blocks: Tensor) -> BlockSet:
-        """blocks [B, Hkv, C] and each row's newest block (num_blocks [B] - 1) -> [B, Hkv, C + 1] int32."""
+        """blocks [B, Hkv, C] and each row's newest block (num_blocks [B] - 1) -> [B, Hkv, width] int32
+        (the union fits: `reused_width`)."""
         mask = blocks.mask(self.max_blocks)  # [B, Hkv, NB]
         newest = (num_blocks.long() - 1).view(-1, 1, 1).expand(*mask.shape[:2], 1)
-        union = BlockSet.from_mask(mask.scatter(-1, newest, True), blocks.capacity + 1)
+        union = BlockSet.from_mask(mask.scatter(-1, newest, True), self.width)
         return BlockSet(union.indices.to(torch.int32), union.count.to(torch.int32))
+
+    def tensors(self) -> list[Tensor]:
+        """What a step mutates here (a checkpoint's share): reuse=steps' last A of every layer."""
+        return list(self.buffers)
+
+    def instead_of_selecting(self, layer: int, step: int | None, plan: StaticPlan, num_blocks: Tensor, query: Tensor,
+                             predicted_blocks: int | None, schedule: PredictorSchedule, scratch: Callable[[], None],
+                             stage: Callable[[str], AbstractContextManager]) -> tuple[Selection | None, bool]:
+        """`PRRStep.sparse_attention`'s first question -> (the A `layer` attends without selecting, or
+        None: it selects (`selection`, of the step's plan); whether its step speculates, P proposed
+        beside it (`propose_beside`))."""
+        reused = self.selection(layer, step, plan.between_selections, num_blocks, query, schedule, stage)
+        if reused is None:
+            return None, False
+        return reused, self.propose_beside(schedule, layer, query, num_blocks, predicted_blocks,
+                                           plan.variant == "prr", scratch, stage)
 
     @staticmethod
     def propose_beside(schedule: PredictorSchedule, layer: int, query: Tensor, num_blocks: Tensor,

@@ -108,6 +108,11 @@ class StaticPlan:
     # learns from each A on the side stream, as the eager runtime's serial steps do, so PRR
     # windows speculate over a P that has seen every step.
     learn_in_serial: bool = False
+    # reuse=steps (prr/runtime/selection_reuse.py): this view's step is one between selection steps, where
+    # every sparse layer attends its reused A (its last A, or its predictor's proposal, with the newest
+    # block) and no selector runs; the graph engine captures a view of each and the host replays one per
+    # step (prr/runtime/step_views.py). False: the step selects. Without reuse=steps: no effect.
+    between_selections: bool = False
     # Selectors whose decode-token summaries only their compensation reads (`summaries_apart`:
     # LESS with Quest's scores), backend triton: Quest's key max / min ride in the cache append
     # kernel (as Quest's do) and the summaries (LESS's less_append without them) run on the side

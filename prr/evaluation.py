@@ -89,7 +89,7 @@ class Generation:
 
 
 class Engine:
-    """Decode requests under one config (model, selector, predictor, budget, runtime, backend):
+    """Decode requests under one config (model, selector, predictor, budget, runtime, backend, reuse):
     the prefill, the greedy / EOS / stop-string loop, scoring and the records, over a request
     pipeline chosen by runtime.engine: `EagerPipeline` (the research runtime, one request at a
     time) or `GraphPipeline` (the CUDA-graph engine, prr/runtime/graph_pipeline.py: batches of
@@ -115,7 +115,12 @@ class Engine:
         self.run_dir = run_dir
         self.collect = False  # True: keep the current request's step rows in self.request_rows (studies)
         self.request_rows: list[dict[str, Any]] = []
-        self.pipeline = build_pipeline(cfg, model, self.settings, self.budget, self.ops, self.max_tokens, self.dtype)
+        self.reuse = instantiate(cfg.reuse) if "reuse" in cfg else None  # the selection reuse (prr.reuse), as run.py's
+        selector = instantiate(cfg.selector)
+        self.sparse = [not selector.is_dense_layer(i) for i in range(mc.num_layers)]  # per layer: whether it selects
+        self.reused = {"selections_made": 0, "selections_skipped": 0}  # the reuse's counts over every batch so far
+        self.pipeline = build_pipeline(cfg, model, self.settings, self.budget, self.ops, self.max_tokens, self.dtype,
+                                       self.reuse)
         self.selection_backend = self.pipeline.selection_backend
         self.budget_info, self.device_name = self.pipeline.budget_info, self.pipeline.device_name
         self.topk_blocks = self.pipeline.topk_blocks
@@ -128,6 +133,19 @@ class Engine:
     def results(self) -> dict[str, Any]:
         """The request strategy's own numbers for the summary (the graph engine's pooled counters)."""
         return self.pipeline.results()
+
+    def reuse_counts(self) -> dict[str, Any] | None:
+        """The layer selections every batch's decode steps made and skipped by the selection reuse
+        (`prr.reuse.SelectionReuse.summary`, summed over batches: each decodes from step 0), or
+        None without a reuse group. A batch's rows and KV heads count as one, as in run.py's decode."""
+        return None if self.reuse is None else {"policy": self.reuse.name, **self.reused}
+
+    def _count_reuse(self, steps: int) -> None:
+        """A batch ran `steps` decode steps (from step 0): the selections its reuse made and skipped."""
+        if self.reuse is not None and steps > 0:
+            counts = self.reuse.summary(self.sparse, steps)
+            for key in self.reused:
+                self.reused[key] += counts[key]
 
     # --- text ---------------------------------------------------------------------------
     def encode_prompt(self, text: str, chat_template: bool, gen_prefix: str = "") -> Tensor:
@@ -256,6 +274,7 @@ class Engine:
                 made += n
         finally:
             self.pipeline.end()
+        self._count_reuse(made - 1)
         out = []
         for ids, m in zip(tokens, margins, strict=True):
             text = self.decode_text(ids)
@@ -320,4 +339,5 @@ class Engine:
                     self._record(steps, kept, self.requests[r], 0 if rows[r][2] is None else 1)
         finally:
             self.pipeline.end()
+        self._count_reuse(n)
         return [(sum(lp), all(g), lp) for lp, g in zip(logprobs, greedy, strict=True)]

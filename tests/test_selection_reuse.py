@@ -195,11 +195,16 @@ def test_both_engines_decode_the_same_with_layer_reuse(tmp_path, extra):
     (["reuse=layers", "predictor=oracle"], "reuse=layers with predictor=oracle"),
     (["reuse=steps", "reuse.between=predicted", "predictor=none"], "reuse.between=predicted needs a predictor"),
     (["reuse=steps", "runtime.engine=graph"], "reuse=steps runs on runtime.engine=eager only"),
-    (["reuse=layers", "task=ruler_niah"], "reuse=layers runs on decode tasks only"),
 ])
 def test_bad_reuse_is_refused_in_one_line_before_torch(args, message):
     problems = problems_before_torch(compose_config(args, check=False))
     assert len(problems) == 1 and message in problems[0], problems
+
+
+@pytest.mark.parametrize("args", [["reuse=layers"], ["reuse=steps"], ["reuse=layers", "runtime.engine=graph"]])
+def test_scored_tasks_take_reuse(args):
+    """(tests/test_scored_reuse.py: the selections they make and the tokens they decode)"""
+    assert problems_before_torch(compose_config([*args, "task=ruler_niah"], check=False)) == []
 
 
 def test_run_py_refuses_bad_reuse_with_exit_code_2():

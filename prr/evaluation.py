@@ -46,20 +46,42 @@ def is_evaluation_task(task: Task) -> bool:
 
 @dataclass
 class Prefill:
-    """A dense prefill, kept so several configs can decode from it without recomputing it.
-    qkv[layer] = (q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, D]), post-RoPE."""
+    """A dense prefill, kept so several configs can decode from it without recomputing it
+    (`EagerRuntime.replay_prefill`). qkv[layer] = (q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv,
+    T, D]), post-RoPE; hidden[layer] = the layer's normed hidden states [1, T, H] (its attention
+    input after RMSNorm), kept only for the layers asked for (`hidden_layers`: a selector that
+    reads them, the lightning indexer, needs its sparse layers')."""
 
     input_ids: Tensor  # [1, T]
     last_logits: Tensor  # [1, V]
     qkv: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
+    hidden: dict[int, Tensor] = field(default_factory=dict)
+
+
+def hidden_layers(selector: Any, num_layers: int) -> list[int]:
+    """The layers whose normed hidden states a kept prefill must keep for `selector` to replay
+    it: its sparse layers where it reads them (`Selector.needs_hidden`), else none."""
+    if not selector.needs_hidden:
+        return []
+    return [i for i in range(num_layers) if not selector.is_dense_layer(i)]
 
 
 class CapturingAttention:
-    """Dense causal attention that keeps every layer's q/k/v (for Prefill replay)."""
+    """Dense causal attention that keeps every layer's q/k/v, and the normed hidden states of
+    `hidden_layers` (for Prefill replay)."""
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, hidden_layers: list[int] | tuple[int, ...] = ()) -> None:
         self.scale = scale
         self.qkv: list[tuple[Tensor, Tensor, Tensor]] = []
+        self.keep = set(hidden_layers)
+        self.hidden: dict[int, Tensor] = {}
+
+    def hidden_hook(self, prefill: bool):
+        """The decoder's callback for each layer's normed hidden state x [B, T, H] (kept for the
+        layers asked for), or None: no layer asked, no extra norm."""
+        if not self.keep:
+            return None
+        return lambda layer, x: self.hidden.__setitem__(layer, x) if layer in self.keep else None
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [B, Hq, T, D], k, v: [B, Hkv, T, D] -> [B, Hq, T, D]; the same op as DSABackend.prefill
@@ -70,15 +92,18 @@ class CapturingAttention:
         raise RuntimeError("CapturingAttention only prefills")
 
 
-def kept_prefill(model: Any, input_ids: Tensor, device: torch.device | str) -> Prefill:
+def kept_prefill(model: Any, input_ids: Tensor, device: torch.device | str,
+                 hidden_layers: list[int] | tuple[int, ...] = ()) -> Prefill:
     """Dense prefill of input_ids [1, T] (T >= 2) through model's decoder on `device`, q/k/v kept
-    for replay into any config (EagerRuntime.replay_prefill, prefill_rows)."""
+    for replay into any config (EagerRuntime.replay_prefill, prefill_rows), and the normed hidden
+    states of `hidden_layers` ([1, T, H] each: only for configs whose selector reads them,
+    `hidden_layers(selector, L)`)."""
     if input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
         raise ValueError(f"prefill needs input_ids [1, T >= 2], got {tuple(input_ids.shape)}")
-    capture = CapturingAttention(1.0 / model.config.head_dim ** 0.5)
+    capture = CapturingAttention(1.0 / model.config.head_dim ** 0.5, hidden_layers)
     with torch.inference_mode():
         logits = model.decoder(input_ids.to(device), 0, capture, last_logits_only=True)[:, -1]
-    return Prefill(input_ids, logits, capture.qkv)
+    return Prefill(input_ids, logits, capture.qkv, capture.hidden)
 
 
 @dataclass
@@ -118,6 +143,7 @@ class Engine:
         self.reuse = instantiate(cfg.reuse) if "reuse" in cfg else None  # the selection reuse (prr.reuse), as run.py's
         selector = instantiate(cfg.selector)
         self.sparse = [not selector.is_dense_layer(i) for i in range(mc.num_layers)]  # per layer: whether it selects
+        self.hidden_layers = hidden_layers(selector, mc.num_layers)  # what this config's replay needs kept
         self.reused = {"selections_made": 0, "selections_skipped": 0}  # the reuse's counts over every batch so far
         self.pipeline = build_pipeline(cfg, model, self.settings, self.budget, self.ops, self.max_tokens, self.dtype,
                                        self.reuse)
@@ -172,9 +198,11 @@ class Engine:
             self.records.samples.write([{"sample": self.request if sample is None else sample, **row}])
 
     # --- prefill ------------------------------------------------------------------------
-    def prefill(self, input_ids: Tensor) -> Prefill:
-        """Dense prefill of input_ids [1, T] (T >= 2), q/k/v kept for replay into any config."""
-        return kept_prefill(self.model, input_ids, self.device)
+    def prefill(self, input_ids: Tensor, hidden: list[int] | None = None) -> Prefill:
+        """Dense prefill of input_ids [1, T] (T >= 2), q/k/v kept for replay into any config, and
+        the normed hidden states of the layers `hidden` (default: those this config's selector
+        reads, `hidden_layers`; a study replaying into other configs names theirs)."""
+        return kept_prefill(self.model, input_ids, self.device, self.hidden_layers if hidden is None else hidden)
 
     def _batches(self, prompt_lengths: list[int], new_tokens: list[int]) -> list[list[int]]:
         """Requests (in order) grouped into batches of at most the strategy's rows whose longest
@@ -205,7 +233,7 @@ class Engine:
         rows, given = self.pipeline.rows, len(prompts)
         pad = rows - given if rows > 1 else 0  # (rows past the batch repeat its last prompt)
         prompts, prefills = prompts + prompts[-1:] * pad, prefills + prefills[-1:] * pad
-        kept = [p.qkv if p is not None else None for p in prefills]
+        kept = list(prefills)  # (the pipeline replays each kept prefill's q/k/v and hidden states)
         logits = self.pipeline.prefill(prompts, kept, max(new_tokens))
         if isinstance(logits, list):  # a kept prefill's rows: its logits
             logits = torch.cat([c if c is not None else p.last_logits for c, p in zip(logits, prefills, strict=True)])

@@ -81,7 +81,12 @@ class CapturingAttention:
         layers asked for), or None: no layer asked, no extra norm."""
         if not self.keep:
             return None
-        return lambda layer, x: self.hidden.__setitem__(layer, x) if layer in self.keep else None
+
+        def keep(layer: int, x: Tensor) -> None:
+            if layer in self.keep:
+                self.hidden[layer] = x
+
+        return keep
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [B, Hq, T, D], k, v: [B, Hkv, T, D] -> [B, Hq, T, D]; the same op as DSABackend.prefill

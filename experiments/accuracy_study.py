@@ -12,10 +12,12 @@ predictor state per config), greedy, through the sparse runtime:
   dense                                 the accuracy reference
   {quest, infllm, less, exact} x budget predictor=none: serial DSA
   {quest, infllm, less, exact} x budget predictor=ema, repair_mode=exact: PRR
+  {quest, infllm, less, exact} x budget x --reuse predictor=none with a selection reuse (issue 53, an
+                                        approximation): serial DSA beside it, e.g. --reuse layers:4,steps:4
 Reported (a) PRR (ema, exact repair) vs serial DSA (none): token-identical samples, and for
 every differing sample the first divergent step with serial DSA's top-1/top-2 logit margin
 there and the largest PRR-vs-serial attention error of the run (runtime.check_serial);
-(b) accuracy (RULER string match) of each selector and budget against dense, and the
+(b) accuracy (RULER string match) of each selector, budget and reuse against dense, and the
 fraction of samples whose tokens equal dense's.
 
 Samples run sample-major (sample 0 of every task and context, then sample 1, ...), so a run
@@ -26,7 +28,7 @@ task and context (the graph engine captures its step once).
 Writes <out>_samples.csv, the results store (one row per task, context, sample and config, each
 with the command that made it; rewritten after every sample; --resume continues it across
 runs, e.g. separate GPU sessions), <out>.csv (one row per task, context, selector, predictor,
-budget: accuracy with its 95% interval and n) and <out>.json (sizes, timings, the differences).
+budget, reuse: accuracy with its 95% interval and n) and <out>.json (sizes, timings, the differences).
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ from prr.tasks.ruler import task_overrides
 ROOT = Path(__file__).resolve().parents[1]
 
 SPARSE = ("quest", "infllm", "infllm_prr", "less", "exact")
+REUSE_KEYS = {"layers": "anchors", "steps": "every"}  # --reuse NAME:N sets reuse.<key>=N
+
+
+def reuse_overrides(spec: str) -> list[str]:
+    """--reuse's NAME or NAME:N (layers:4: every 4th sparse layer selects; steps:4: every 4th step)
+    -> the config overrides of that reuse (prr/reuse.py)."""
+    name, _, n = spec.partition(":")
+    if name not in REUSE_KEYS or (n and not n.isdigit()):
+        raise ValueError(f"--reuse {spec!r}: give NAME or NAME:N with NAME one of {list(REUSE_KEYS)} (e.g. layers:4)")
+    return [f"reuse={name}", *([f"reuse.{REUSE_KEYS[name]}={n}"] if n else [])]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default="256,512", help="top-K budgets in tokens (selector.topk_blocks x block_size)")
     p.add_argument("--ema-budgets", default="256", help="budgets that also run predictor=ema ('' for none)")
     p.add_argument("--selectors", default="quest,infllm,less,exact")
+    p.add_argument("--reuse", default="",
+                   help="selection reuses (issue 53) that also run with each selector and budget as serial DSA "
+                        "(predictor=none), comma-separated NAME or NAME:N: layers:4 (every 4th sparse layer selects), "
+                        "steps:4 (every 4th step; eager engine); '' for none")
     p.add_argument("--max-new-tokens", type=lambda v: 0 if v == "task" else int(v), default=10,
                    help="greedy tokens per sample (EOS ends it sooner); 'task': each task's own (RULER's "
                         "tokens_to_generate: niah 128, vt 30, cwe 120, fwe 50, qa 32)")
@@ -93,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only rebuild OUT.csv/.json from a cut-short run's _samples.csv (no model; --out required); "
                         "several stores (parallel runs over disjoint cells) are merged into OUT_samples.csv first")
     args = p.parse_args(argv)
+    for spec in filter(None, args.reuse.split(",")):
+        try:
+            reuse_overrides(spec)
+        except ValueError as err:
+            p.error(str(err))
     if args.report is not None and args.out is None:
         p.error("--report needs --out (where the rebuilt tables go; never the committed default)")
     if args.batch_size < 1 or (args.batch_size > 1 and args.engine != "graph"):
@@ -123,15 +144,19 @@ def main(argv: list[str] | None = None) -> None:
               f"runtime.engine={args.engine}", f"runtime.batch_size={args.batch_size}"]
 
     dense = [] if args.dense_layers is None else [f"selector.dense_layers=[{args.dense_layers}]"]
-    # (name, selector, predictor, budget tokens, overrides)
-    runs: list[tuple[str, str, str, int | None, list[str]]] = [("dense", "dense", "none", None, ["selector=dense", "predictor=none"])]
+    reuses = [spec for spec in args.reuse.split(",") if spec]
+    # (name, selector, predictor, reuse, budget tokens, overrides)
+    runs: list[tuple[str, str, str, str, int | None, list[str]]] = [
+        ("dense", "dense", "none", "none", None, ["selector=dense", "predictor=none"])]
     for sel in selectors:
         for b in budgets:
             k = f"selector.topk_blocks={b // args.block_size}"
-            runs.append((f"{sel}-none-{b}", sel, "none", b, [f"selector={sel}", "predictor=none", k, *dense]))
+            runs.append((f"{sel}-none-{b}", sel, "none", "none", b, [f"selector={sel}", "predictor=none", k, *dense]))
+            runs += [(f"{sel}-none-{b}-{spec.replace(':', '')}", sel, "none", spec, b,
+                      [f"selector={sel}", "predictor=none", k, *dense, *reuse_overrides(spec)]) for spec in reuses]
             if b in ema_budgets:
                 check = ["runtime.check_serial=true"] if args.engine == "eager" else []  # (eager records only)
-                runs.append((f"{sel}-ema-{b}", sel, "ema", b, [f"selector={sel}", "predictor=ema",
+                runs.append((f"{sel}-ema-{b}", sel, "ema", "none", b, [f"selector={sel}", "predictor=ema",
                                                             "predictor.calibrate=true", k, *dense,  # (as committed)
                                                             "runtime.repair_mode=exact", *check]))
 
@@ -186,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         prefills = [base.prefill(x) for x in ids]
         prefill_s = (time.perf_counter() - t0) / len(ids)
         ran = []
-        for name, sel, pred, budget, over in runs:
+        for name, sel, pred, reuse, budget, over in runs:
             need = [j for j, index in enumerate(indices) if (task_name, ctx, index, name) not in done]
             if (budget is not None and budget >= ctx) or not need:
                 continue  # the budget covers the whole context (nothing sparse), or finished earlier
@@ -204,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                                          if counts["selected"] else [])  # (no sparse layer: no rows, as eager)
                 ran.append({
                     "task": task_name, "context_tokens": ctx, "sample": indices[j], "prompt_tokens": ids[j].shape[1],
-                    "config": name, "selector": sel, "predictor": pred, "budget_tokens": budget,
+                    "config": name, "selector": sel, "predictor": pred, "reuse": reuse, "budget_tokens": budget,
                     "score": task.score(gen.text, samples[j]), "prediction": gen.text,
                     "token_ids": json.dumps(gen.token_ids), "margins": json.dumps([round(m, 5) for m in gen.margins]),
                     "max_serial_relerr": float(steps["serial_relerr"].max()) if "serial_relerr" in steps else None,
@@ -227,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     write_results(Path(args.out), per_sample.drop(columns="command", errors="ignore"), command, {
         "model": args.model, "tasks": tasks, "contexts": contexts, "samples_per_task_context": args.samples,
         "finished_samples": {f"{t} {c}": int(n) for (t, c), n in finished.items()},
-        "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors],
+        "budgets_tokens": budgets, "ema_budgets_tokens": ema_budgets, "selectors": ["dense", *selectors], "reuse": reuses,
         "max_new_tokens": args.max_new_tokens or "each task's own", "block_size": args.block_size, "decoding": "greedy",
         "device": (f"{torch.cuda.get_device_name()} torch {torch.__version__}" if args.device.startswith("cuda") else
                    f"cpu {platform.machine()} torch {torch.__version__}, {torch.get_num_threads()} threads"),
@@ -288,15 +313,19 @@ def report(stores: list[Path], out: Path, argv: list[str] | None) -> None:
 def summarize(per_sample: pd.DataFrame) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     """-> (one row per task/context/config, every PRR-vs-serial difference explained)."""
     key = ["task", "context_tokens", "sample"]
+    # (rows of stores from before --reuse: none)
+    per_sample = per_sample.assign(reuse=per_sample["reuse"].fillna("none") if "reuse" in per_sample else "none")
     dense = per_sample[per_sample.config == "dense"].set_index(key)["token_ids"]
-    serial = per_sample[per_sample.predictor == "none"].set_index(key + ["selector", "budget_tokens"])
+    serial = per_sample[(per_sample.predictor == "none") & (per_sample.reuse == "none")].set_index(
+        key + ["selector", "budget_tokens"])
     differences = []
     table = []
     for (task, ctx, _), group in per_sample.groupby(["task", "context_tokens", "config"], sort=False):
         first = group.iloc[0]
         same_dense = [tok == dense[(task, ctx, s)] for s, tok in zip(group["sample"], group["token_ids"], strict=True)]
         row = {"task": task, "context_tokens": ctx, "selector": first.selector, "predictor": first.predictor,
-               "budget_tokens": first.budget_tokens, "samples": len(group), "accuracy": group["score"].mean(),
+               "reuse": first.reuse, "budget_tokens": first.budget_tokens, "samples": len(group),
+               "accuracy": group["score"].mean(),
                "same_tokens_as_dense": sum(same_dense) / len(group), "identical_to_serial": math.nan,
                "max_serial_relerr": group["max_serial_relerr"].max(), "hit_rate": group["hit_rate"].mean(),
                "decode_s_per_sample": group["decode_s"].mean()}
@@ -319,6 +348,10 @@ def summarize(per_sample: pd.DataFrame) -> tuple[pd.DataFrame, list[dict[str, An
                     "prr_max_serial_relerr": r["max_serial_relerr"], "prr_tokens": a, "serial_tokens": b,
                 })
             row["identical_to_serial"] = same / len(group)
+        elif first.reuse != "none":  # a reuse beside serial DSA: the samples whose tokens are serial's
+            row["identical_to_serial"] = sum(
+                tok == serial.loc[(task, ctx, s, first.selector, first.budget_tokens)]["token_ids"]
+                for s, tok in zip(group["sample"], group["token_ids"], strict=True)) / len(group)
         table.append(row)
     return pd.DataFrame(table), differences
 

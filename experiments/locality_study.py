@@ -172,7 +172,7 @@ def variant_runtime(model: Any, prefill: Any, cfg: Any, steps: int, probe: bool)
                            prompt_len + steps, DTYPES[settings.dtype], batch=1, mode="shadow", repair_mode="exact",
                            dense_metrics_every=1, check_serial=False)
     with torch.inference_mode():
-        runtime.replay_prefill(prefill.qkv)
+        runtime.replay_prefill(prefill)
         runtime.finish_prefill()
     return runtime
 

@@ -237,7 +237,7 @@ def graph_capture(task: str, steps: int, overrides: list[str], sample: int, name
     `replay`'s columns (propose_us / update_us: not timed here, NaN)}, {(predictor, ratio): state
     bytes and calibration}, a description with each predictor's check: the engine's own |P| = K
     hits equal the study counters' at ratio 1.0)."""
-    from prr.evaluation import kept_prefill
+    from prr.evaluation import hidden_layers, kept_prefill
     from prr.runtime.study_decode import graph_study_decode
 
     frames, extras, checks = {}, {}, {}
@@ -253,9 +253,11 @@ def graph_capture(task: str, steps: int, overrides: list[str], sample: int, name
             raise ValueError(f"--engine graph decodes greedily; task {task} samples (task.temperature="
                              f"{task_obj.temperature})")
         if prefill is None:  # one dense prefill per prompt; each predictor's runtime replays it
-            prefill = kept_prefill(model, prompt.input_ids, runtime.device)
+            # (with the normed hidden states of the selector's sparse layers where it reads them: the indexer)
+            prefill = kept_prefill(model, prompt.input_ids, runtime.device,
+                                   hidden_layers(runtime.backend.selector, model.config.num_layers))
         with torch.inference_mode():
-            runtime.replay_prefill(prefill.qkv)
+            runtime.replay_prefill(prefill)
             calibration = runtime.finish_prefill()
         run = graph_study_decode(runtime, prefill.last_logits, task_obj.max_new_tokens, tuple(ratios), tokens)
         tokens = tokens or run.tokens

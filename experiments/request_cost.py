@@ -104,7 +104,7 @@ def one_request(engine: Engine, prefill: Any, new_tokens: int) -> tuple[dict[str
         sync()
         marks.append(time.perf_counter())
 
-    pipeline.prefill([prefill.input_ids], [prefill.qkv], new_tokens, phase=mark)
+    pipeline.prefill([prefill.input_ids], [prefill], new_tokens, phase=mark)
     info = dict(pipeline.calibration)
     token = int(prefill.last_logits.argmax())
     steps = pipeline.steps([token], new_tokens, None)[0]  # greedy

@@ -95,7 +95,7 @@ def decode(model: Any, prefill: Any, cfg: Any, reuse: SelectionReuse, steps: int
                            repair_mode="exact", dense_metrics_every=1, check_serial=False)
     rows = []
     with torch.inference_mode():
-        runtime.replay_prefill(prefill.qkv)
+        runtime.replay_prefill(prefill)
         runtime.finish_prefill()
         logits = prefill.last_logits
         for step in range(steps):  # shadow mode: the dense trajectory, the same in every variant

@@ -296,15 +296,14 @@ def prompt_size_checks(built: dict[str, Any]) -> list[str]:
 
 
 def reuse_checks(cfg: DictConfig, built: dict[str, Any], model: Any) -> list[str]:
-    """The reuse group against the model's sparse layers, the predictor, the engine and the task
+    """The reuse group against the model's sparse layers, the predictor and the engine
     (`prr.reuse.SelectionReuse.problems`), run before torch is imported too."""
     reuse = built.get("reuse")
     if reuse is None or not hasattr(reuse, "problems"):  # a reuse class of your own: its constructor checks it
         return []
     dense = set(built["selector"].dense_layers)
     sparse = [i not in dense for i in range(model.num_layers)]
-    return reuse.problems(sparse, option_name(cfg, "predictor"), getattr(built["runtime"], "engine", "eager"),
-                          callable(getattr(built["task"], "evaluate", None)))
+    return reuse.problems(sparse, option_name(cfg, "predictor"), getattr(built["runtime"], "engine", "eager"))
 
 
 def device_checks_before_torch(cfg: DictConfig, runtime: Any) -> list[str]:

@@ -157,7 +157,7 @@ def score(cfg: DictConfig, run_dir: Path, logger: Any) -> dict[str, Any]:
         cfg, model.name, task=cfg.task._target_.rsplit(".", 1)[-1], mode=settings.mode,
         repair_mode=settings.repair_mode, ops={"backend": engine.ops.name, "selection_backend": engine.selection_backend},
         device=engine.device_name, prompt_tokens=getattr(task, "prompt_tokens", None), block_size=settings.block_size,
-        topk_blocks=engine.topk_blocks, model_load_s=load_s, timing={"eval_s": eval_s},
+        topk_blocks=engine.topk_blocks, model_load_s=load_s, timing={"eval_s": eval_s}, reuse=engine.reuse_counts(),
         budget_setup=engine.budget_info, results={**metrics, **summarize(steps, tokens), **engine.results()})
     layers = per_layer(steps)
     finish(run_dir, summary, layers, steps, logger)

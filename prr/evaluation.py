@@ -46,20 +46,47 @@ def is_evaluation_task(task: Task) -> bool:
 
 @dataclass
 class Prefill:
-    """A dense prefill, kept so several configs can decode from it without recomputing it.
-    qkv[layer] = (q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, D]), post-RoPE."""
+    """A dense prefill, kept so several configs can decode from it without recomputing it
+    (`EagerRuntime.replay_prefill`). qkv[layer] = (q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv,
+    T, D]), post-RoPE; hidden[layer] = the layer's normed hidden states [1, T, H] (its attention
+    input after RMSNorm), kept only for the layers asked for (`hidden_layers`: a selector that
+    reads them, the lightning indexer, needs its sparse layers')."""
 
     input_ids: Tensor  # [1, T]
     last_logits: Tensor  # [1, V]
     qkv: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
+    hidden: dict[int, Tensor] = field(default_factory=dict)
+
+
+def hidden_layers(selector: Any, num_layers: int) -> list[int]:
+    """The layers whose normed hidden states a kept prefill must keep for `selector` to replay
+    it: its sparse layers where it reads them (`Selector.needs_hidden`), else none."""
+    if not selector.needs_hidden:
+        return []
+    return [i for i in range(num_layers) if not selector.is_dense_layer(i)]
 
 
 class CapturingAttention:
-    """Dense causal attention that keeps every layer's q/k/v (for Prefill replay)."""
+    """Dense causal attention that keeps every layer's q/k/v, and the normed hidden states of
+    `hidden_layers` (for Prefill replay)."""
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, hidden_layers: list[int] | tuple[int, ...] = ()) -> None:
         self.scale = scale
         self.qkv: list[tuple[Tensor, Tensor, Tensor]] = []
+        self.keep = set(hidden_layers)
+        self.hidden: dict[int, Tensor] = {}
+
+    def hidden_hook(self, prefill: bool):
+        """The decoder's callback for each layer's normed hidden state x [B, T, H] (kept for the
+        layers asked for), or None: no layer asked, no extra norm."""
+        if not self.keep:
+            return None
+
+        def keep(layer: int, x: Tensor) -> None:
+            if layer in self.keep:
+                self.hidden[layer] = x
+
+        return keep
 
     def prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [B, Hq, T, D], k, v: [B, Hkv, T, D] -> [B, Hq, T, D]; the same op as DSABackend.prefill
@@ -70,15 +97,18 @@ class CapturingAttention:
         raise RuntimeError("CapturingAttention only prefills")
 
 
-def kept_prefill(model: Any, input_ids: Tensor, device: torch.device | str) -> Prefill:
+def kept_prefill(model: Any, input_ids: Tensor, device: torch.device | str,
+                 hidden_layers: list[int] | tuple[int, ...] = ()) -> Prefill:
     """Dense prefill of input_ids [1, T] (T >= 2) through model's decoder on `device`, q/k/v kept
-    for replay into any config (EagerRuntime.replay_prefill, prefill_rows)."""
+    for replay into any config (EagerRuntime.replay_prefill, prefill_rows), and the normed hidden
+    states of `hidden_layers` ([1, T, H] each: only for configs whose selector reads them,
+    `hidden_layers(selector, L)`)."""
     if input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
         raise ValueError(f"prefill needs input_ids [1, T >= 2], got {tuple(input_ids.shape)}")
-    capture = CapturingAttention(1.0 / model.config.head_dim ** 0.5)
+    capture = CapturingAttention(1.0 / model.config.head_dim ** 0.5, hidden_layers)
     with torch.inference_mode():
         logits = model.decoder(input_ids.to(device), 0, capture, last_logits_only=True)[:, -1]
-    return Prefill(input_ids, logits, capture.qkv)
+    return Prefill(input_ids, logits, capture.qkv, capture.hidden)
 
 
 @dataclass
@@ -89,7 +119,7 @@ class Generation:
 
 
 class Engine:
-    """Decode requests under one config (model, selector, predictor, budget, runtime, backend):
+    """Decode requests under one config (model, selector, predictor, budget, runtime, backend, reuse):
     the prefill, the greedy / EOS / stop-string loop, scoring and the records, over a request
     pipeline chosen by runtime.engine: `EagerPipeline` (the research runtime, one request at a
     time) or `GraphPipeline` (the CUDA-graph engine, prr/runtime/graph_pipeline.py: batches of
@@ -115,7 +145,13 @@ class Engine:
         self.run_dir = run_dir
         self.collect = False  # True: keep the current request's step rows in self.request_rows (studies)
         self.request_rows: list[dict[str, Any]] = []
-        self.pipeline = build_pipeline(cfg, model, self.settings, self.budget, self.ops, self.max_tokens, self.dtype)
+        self.reuse = instantiate(cfg.reuse) if "reuse" in cfg else None  # the selection reuse (prr.reuse), as run.py's
+        selector = instantiate(cfg.selector)
+        self.sparse = [not selector.is_dense_layer(i) for i in range(mc.num_layers)]  # per layer: whether it selects
+        self.hidden_layers = hidden_layers(selector, mc.num_layers)  # what this config's replay needs kept
+        self.reused = {"selections_made": 0, "selections_skipped": 0}  # the reuse's counts over every batch so far
+        self.pipeline = build_pipeline(cfg, model, self.settings, self.budget, self.ops, self.max_tokens, self.dtype,
+                                       self.reuse)
         self.selection_backend = self.pipeline.selection_backend
         self.budget_info, self.device_name = self.pipeline.budget_info, self.pipeline.device_name
         self.topk_blocks = self.pipeline.topk_blocks
@@ -128,6 +164,19 @@ class Engine:
     def results(self) -> dict[str, Any]:
         """The request strategy's own numbers for the summary (the graph engine's pooled counters)."""
         return self.pipeline.results()
+
+    def reuse_counts(self) -> dict[str, Any] | None:
+        """The layer selections every batch's decode steps made and skipped by the selection reuse
+        (`prr.reuse.SelectionReuse.summary`, summed over batches: each decodes from step 0), or
+        None without a reuse group. A batch's rows and KV heads count as one, as in run.py's decode."""
+        return None if self.reuse is None else {"policy": self.reuse.name, **self.reused}
+
+    def _count_reuse(self, steps: int) -> None:
+        """A batch ran `steps` decode steps (from step 0): the selections its reuse made and skipped."""
+        if self.reuse is not None and steps > 0:
+            counts = self.reuse.summary(self.sparse, steps)
+            for key in self.reused:
+                self.reused[key] += counts[key]
 
     # --- text ---------------------------------------------------------------------------
     def encode_prompt(self, text: str, chat_template: bool, gen_prefix: str = "") -> Tensor:
@@ -154,9 +203,11 @@ class Engine:
             self.records.samples.write([{"sample": self.request if sample is None else sample, **row}])
 
     # --- prefill ------------------------------------------------------------------------
-    def prefill(self, input_ids: Tensor) -> Prefill:
-        """Dense prefill of input_ids [1, T] (T >= 2), q/k/v kept for replay into any config."""
-        return kept_prefill(self.model, input_ids, self.device)
+    def prefill(self, input_ids: Tensor, hidden: list[int] | None = None) -> Prefill:
+        """Dense prefill of input_ids [1, T] (T >= 2), q/k/v kept for replay into any config, and
+        the normed hidden states of the layers `hidden` (default: those this config's selector
+        reads, `hidden_layers`; a study replaying into other configs names theirs)."""
+        return kept_prefill(self.model, input_ids, self.device, self.hidden_layers if hidden is None else hidden)
 
     def _batches(self, prompt_lengths: list[int], new_tokens: list[int]) -> list[list[int]]:
         """Requests (in order) grouped into batches of at most the strategy's rows whose longest
@@ -187,7 +238,7 @@ class Engine:
         rows, given = self.pipeline.rows, len(prompts)
         pad = rows - given if rows > 1 else 0  # (rows past the batch repeat its last prompt)
         prompts, prefills = prompts + prompts[-1:] * pad, prefills + prefills[-1:] * pad
-        kept = [p.qkv if p is not None else None for p in prefills]
+        kept = list(prefills)  # (the pipeline replays each kept prefill's q/k/v and hidden states)
         logits = self.pipeline.prefill(prompts, kept, max(new_tokens))
         if isinstance(logits, list):  # a kept prefill's rows: its logits
             logits = torch.cat([c if c is not None else p.last_logits for c, p in zip(logits, prefills, strict=True)])
@@ -256,6 +307,7 @@ class Engine:
                 made += n
         finally:
             self.pipeline.end()
+        self._count_reuse(made - 1)
         out = []
         for ids, m in zip(tokens, margins, strict=True):
             text = self.decode_text(ids)
@@ -320,4 +372,5 @@ class Engine:
                     self._record(steps, kept, self.requests[r], 0 if rows[r][2] is None else 1)
         finally:
             self.pipeline.end()
+        self._count_reuse(n)
         return [(sum(lp), all(g), lp) for lp, g in zip(logprobs, greedy, strict=True)]

@@ -36,16 +36,13 @@ class SelectionReuse:
         """Whether the sparse layers without an anchor select at decode step `step` (0-based)."""
         return True
 
-    def problems(self, sparse: list[bool], predictor_name: str, engine: str, scored: bool) -> list[str]:
-        """Why this reuse cannot run with these groups (empty: it can). sparse: per model layer;
-        predictor_name: the predictor option (none, ema, ...); engine: runtime.engine; scored:
-        the task is scored (prr.evaluation), which does not take a reuse yet."""
+    def problems(self, sparse: list[bool], predictor_name: str, engine: str) -> list[str]:
+        """Why this reuse cannot run with these groups (empty: it can), in decode runs and scored
+        tasks alike. sparse: per model layer; predictor_name: the predictor option (none, ema, ...);
+        engine: runtime.engine."""
         if self.name == "none":
             return []
         out = []
-        if scored:
-            out.append(f"reuse={self.name} runs on decode tasks only for now (the scored tasks' engine, prr/evaluation.py, "
-                       "does not take it yet); use reuse=none")
         if predictor_name == "oracle":
             out.append(f"reuse={self.name} with predictor=oracle: the oracle's P is the A a reusing layer or step does "
                        "not compute; use another predictor or reuse=none")
@@ -97,8 +94,8 @@ class LayerReuse(SelectionReuse):
             out.append(anchor if s and i not in chosen else None)
         return out
 
-    def problems(self, sparse: list[bool], predictor_name: str, engine: str, scored: bool) -> list[str]:
-        out = super().problems(sparse, predictor_name, engine, scored)
+    def problems(self, sparse: list[bool], predictor_name: str, engine: str) -> list[str]:
+        out = super().problems(sparse, predictor_name, engine)
         if isinstance(self.anchor_layers, list):
             bad = [a for a in self.anchor_layers if not (0 <= a < len(sparse)) or not sparse[a]]
             if bad:
@@ -127,8 +124,8 @@ class StepReuse(SelectionReuse):
     def selects_at(self, step: int) -> bool:
         return step % self.every == 0
 
-    def problems(self, sparse: list[bool], predictor_name: str, engine: str, scored: bool) -> list[str]:
-        out = super().problems(sparse, predictor_name, engine, scored)
+    def problems(self, sparse: list[bool], predictor_name: str, engine: str) -> list[str]:
+        out = super().problems(sparse, predictor_name, engine)
         if self.between == "predicted" and predictor_name == "none":
             out.append(f"reuse.between=predicted needs a predictor (predictor={predictor_name} proposes nothing); "
                        "use reuse.between=last or a predictor such as ema")

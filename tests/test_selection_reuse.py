@@ -312,7 +312,6 @@ def test_step_reuse_every_step_is_no_reuse_on_the_graph_engine(tmp_path, reuse_l
     (["reuse=layers", "reuse.anchors=0"], "reuse.anchors=0 must be >= 1"),
     (["reuse=layers", "predictor=oracle"], "reuse=layers with predictor=oracle"),
     (["reuse=steps", "reuse.between=predicted", "predictor=none"], "reuse.between=predicted needs a predictor"),
-    (["reuse=layers", "task=ruler_niah"], "reuse=layers runs on decode tasks only"),
 ])
 def test_bad_reuse_is_refused_in_one_line_before_torch(args, message):
     problems = problems_before_torch(compose_config(args, check=False))
@@ -323,6 +322,13 @@ def test_bad_reuse_is_refused_in_one_line_before_torch(args, message):
 def test_step_reuse_on_the_graph_engine_is_not_refused(between):
     args = ["reuse=steps", f"reuse.between={between}", "runtime.engine=graph"]
     assert problems_before_torch(compose_config(args, check=False)) == []
+
+
+@pytest.mark.parametrize("args", [["reuse=layers"], ["reuse=steps"], ["reuse=layers", "runtime.engine=graph"],
+                                  ["reuse=steps", "runtime.engine=graph"]])
+def test_scored_tasks_take_reuse(args):
+    """(tests/test_scored_reuse.py: the selections they make and the tokens they decode)"""
+    assert problems_before_torch(compose_config([*args, "task=ruler_niah"], check=False)) == []
 
 
 def test_run_py_refuses_bad_reuse_with_exit_code_2():

@@ -107,7 +107,7 @@ def sparse_runtime(model, prefill, cfg, steps: int, every: int, ratios=None) -> 
                            prefill.input_ids.shape[1] + steps, DTYPES[settings.dtype], batch=1, mode="sparse",
                            dense_metrics_every=every, check_serial=False)
     with torch.inference_mode():
-        runtime.replay_prefill(prefill.qkv)
+        runtime.replay_prefill(prefill)
         runtime.finish_prefill()
     return runtime
 

@@ -57,7 +57,8 @@ class EagerPipeline:
     def prefill(self, prompts: Tensor | list[Tensor], kept: list[Any] | None = None, new_tokens: int = 0,
                 progress: Any = None, phase: Any = None) -> Tensor | list[Tensor | None]:
         """A request's prompt ([1, T] in a list; a decode run's batch: [B, T]) through a fresh
-        runtime of T + new_tokens tokens (kept[0]: a kept dense prefill's q/k/v replayed instead),
+        runtime of T + new_tokens tokens (kept[0]: a kept dense prefill replayed instead, its q/k/v and
+        the hidden states a selector reading them needs),
         the predictor calibrated and warmed on its tail -> logits [B, V] at the last position
         ([None] where a kept prefill was replayed: the caller has them). progress: a tqdm bar of
         the prefill's layers; phase(name): called after each of "replay" (the prefill), "calibrate",

@@ -59,6 +59,25 @@ def kv_cache(decoder: Any, batch: int, block_size: int, max_tokens: int, dtype: 
             "weights; lower task.prompt_tokens, runtime.batch_size or the model's num_layers") from err
 
 
+def replay_into(backend: DSABackend, kept: Any) -> None:
+    """A kept dense prefill (prr.evaluation.Prefill: `qkv` per layer, `hidden` {layer: [1, T, H]})
+    into `backend` (a runtime's, or a row view's), layer by layer as the prefill ran: the layer's
+    normed hidden states to a selector that reads them (`DSABackend.hidden_hook`: the lightning
+    indexer), then its q/k/v (`absorb_prefill`)."""
+    hook = backend.hidden_hook(True)
+    if hook is not None:
+        missing = [i for i in range(len(kept.qkv)) if not backend.selector.is_dense_layer(i) and i not in kept.hidden]
+        if missing:
+            raise ValueError(f"selector {type(backend.selector).__name__} reads each sparse layer's normed hidden "
+                             f"states, and this kept prefill has none for layers {missing}: keep them "
+                             "(prr.evaluation.kept_prefill(hidden_layers=hidden_layers(selector, L)); Engine.prefill "
+                             "keeps its own selector's)")
+    for layer, (q, k, v) in enumerate(kept.qkv):
+        if hook is not None and layer in kept.hidden:
+            hook(layer, kept.hidden[layer])
+        backend.absorb_prefill(layer, q, k, v)
+
+
 def eager_budget_setup(budget: Any, selector: Any, settings: Any, decoder: Any, max_tokens: int,
                        dtype: torch.dtype, backend: str) -> tuple[dict[str, Any], str]:
     """The budget set up for the eager step (its `StageProbe`: the eager stages, timed on this
@@ -110,8 +129,8 @@ class EagerRuntime:
 
     def prefill_rows(self, prompts: list[Tensor], kept: list[Any] | None = None) -> tuple[list[Tensor | None], list]:
         """A ragged batch prefilled row by row: prompts[b] [1, T_b] into row b of the cache
-        (`PagedKVCache.row`: its own length and metadata), or kept[b] (a kept dense prefill's
-        q/k/v per layer, `replay_prefill`'s) replayed there; the cache's host length is then the
+        (`PagedKVCache.row`: its own length and metadata), or kept[b] (a kept dense prefill,
+        `replay_prefill`'s) replayed there; the cache's host length is then the
         longest row's. -> (logits [1, V] at each row's last position, None for replayed rows;
         the prefill tails' selections per layer stacked over rows, the shortest tail's number of
         steps: `finish_prefill`'s history)."""
@@ -121,13 +140,12 @@ class EagerRuntime:
         if len(prompts) != self.cache.batch or len(kept) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts ({len(kept)} kept prefills) for a cache of {self.cache.batch} rows")
         rows, logits = [], []
-        for b, (ids, qkv) in enumerate(zip(prompts, kept, strict=True)):
+        for b, (ids, prefill) in enumerate(zip(prompts, kept, strict=True)):
             rows.append(self.attention(self.cache.row(b)))
-            if qkv is None:
+            if prefill is None:
                 logits.append(self.prefill(ids, rows[-1], last_logits_only=True))  # [1, V]
             else:
-                for layer, (q, k, v) in enumerate(qkv):
-                    rows[-1].absorb_prefill(layer, q, k, v)
+                replay_into(rows[-1], prefill)
                 logits.append(None)
         layers = self.cache.num_layers
         for layer in range(layers):
@@ -144,11 +162,10 @@ class EagerRuntime:
                             zip(*(r.history[layer][len(r.history[layer]) - steps :] for r in rows), strict=True)])
         return logits, history
 
-    def replay_prefill(self, qkv: list[tuple[Tensor, Tensor, Tensor]]) -> None:
-        """A kept dense prefill's q/k/v per layer into this runtime (cache, selector metadata and
-        the prefill tail's selections rebuilt as a prefill would)."""
-        for layer, (q, k, v) in enumerate(qkv):
-            self.backend.absorb_prefill(layer, q, k, v)
+    def replay_prefill(self, kept: Any) -> None:
+        """A kept dense prefill (prr.evaluation.Prefill) into this runtime: cache, selector
+        metadata and the prefill tail's selections rebuilt as a prefill would (`replay_into`)."""
+        replay_into(self.backend, kept)
 
     def finish_prefill(self, history: Any = None, calibrate_on: Any = None, phase: Any = None) -> dict[str, Any]:
         """Calibrate and warm the predictor on the prefill tail (DSABackend.finish_prefill); the

@@ -23,12 +23,13 @@ ENGINES = ("eager", "graph")
 
 
 def build_pipeline(cfg: Any, model: Any, settings: Any, budget: Any, ops: Any, max_tokens: int,
-                   dtype: torch.dtype) -> EagerPipeline | GraphPipeline:
+                   dtype: torch.dtype, reuse: Any = None) -> EagerPipeline | GraphPipeline:
     """Scored requests' pipeline for this config: settings (the runtime group), budget and ops (the
-    backend group) instantiated once by the caller; max_tokens: the longest request."""
+    backend group) instantiated once by the caller; max_tokens: the longest request; reuse: the
+    run's selection reuse (prr.reuse; None: none), as run.py's decode takes it."""
     engine = settings.engine
     if engine == "eager":
-        return EagerPipeline(cfg, model, settings, budget, ops, max_tokens, dtype)
+        return EagerPipeline(cfg, model, settings, budget, ops, max_tokens, dtype, reuse=reuse)
     if engine != "graph":
         raise ValueError(f"runtime.engine={engine!r} is not one of {list(ENGINES)}")
     from prr.runtime.graph_run import scoring_problems
@@ -40,4 +41,4 @@ def build_pipeline(cfg: Any, model: Any, settings: Any, budget: Any, ops: Any, m
     if problems:
         raise ValueError("; ".join(problems))
     return GraphPipeline(settings, model.decoder, selector, predictor, budget, ops, rows=settings.batch_size,
-                         capacity=max_tokens, dtype=dtype, purpose="scoring")
+                         capacity=max_tokens, dtype=dtype, purpose="scoring", reuse=reuse)

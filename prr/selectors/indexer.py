@@ -62,8 +62,9 @@ KEYS, SCALES = "indexer_keys", "indexer_key_scales"
 QUERY, HEAD_WEIGHTS, HIDDEN = "indexer_query", "indexer_head_weights", "indexer_hidden"
 SLOT_DTYPES = {**INDEX_DTYPES, "fp32": torch.float32}
 NO_HIDDEN = ("selector=indexer needs layer {layer}'s normed hidden states of the prefill (the decoder's hidden "
-             "hook, prr.model.decoder.Decoder.layers' `normed`), and this prefill gave only q/k/v (a kept prefill "
-             "replayed into the runtime cannot run the indexer: prefill through the model instead)")
+             "hook, prr.model.decoder.Decoder.layers' `normed`), and this prefill gave only q/k/v: prefill through "
+             "the model, or replay a kept prefill that kept them (prr.runtime.eager_run.replay_into; "
+             "prr.evaluation.kept_prefill(hidden_layers=))")
 
 
 class IndexerSelector(IndexerSelectorOptions, Selector):

@@ -63,7 +63,7 @@ def test_serial_with_every_block_selected_equals_dense():
 
 
 @pytest.mark.parametrize("selector,predictor,predicted", [
-    ("quest", "ema_membership", 8), ("infllm", "last_step", 6),
+    ("quest", "ema_membership", 8), pytest.param("infllm", "last_step", 6, marks=pytest.mark.slow),
     pytest.param("quest", "last_step", 6, marks=pytest.mark.slow), pytest.param("infllm", "ema_membership", 5, marks=pytest.mark.slow),
 ])
 def test_exact_prr_equals_serial_dsa(selector, predictor, predicted):
@@ -93,7 +93,8 @@ def test_fused_merge_decodes_like_the_merge_launch(variant, fuse_merge):
     assert int(engine.attn.attention.merge_arrivals.abs().sum()) == 0  # re-armed
 
 
-@pytest.mark.parametrize("selector,predictor", [("quest", "ema_membership"),
+# (the fused repair against the three launches, kernel by kernel: test_kernels_prr_repair.py in make test)
+@pytest.mark.parametrize("selector,predictor", [pytest.param("quest", "ema_membership", marks=pytest.mark.slow),
                                                 pytest.param("infllm", "last_step", marks=pytest.mark.slow)])
 def test_fused_repair_decodes_like_the_three_launches(selector, predictor):
     """plan.fused_repair (repair plan, repair and merge in one launch): the same logits as the
@@ -296,7 +297,10 @@ def _no_append_launch(*args, **kwargs):
     raise AssertionError("append_token launched: the q|k|v projection should have appended")
 
 
-@pytest.mark.parametrize("variant,selector", [pytest.param("serial", "quest", marks=pytest.mark.slow), ("prr", "quest"),
+# (make test: the fused append through test_fused_append_follows_in_place_edits_of_the_model_weights and,
+# kernel by kernel, test_kernels_qkv_append.py)
+@pytest.mark.parametrize("variant,selector", [pytest.param("serial", "quest", marks=pytest.mark.slow),
+                                              pytest.param("prr", "quest", marks=pytest.mark.slow),
                                               pytest.param("dense", "infllm", marks=pytest.mark.slow)])
 def test_fused_append_at_batch_one_decodes_like_the_two_launches(variant, selector):
     """Batch 1, projections="fused": the q|k|v GEMV also rotates q and k and appends K/V and the
@@ -559,7 +563,8 @@ def replaying(hit_rate: float):
 # launches are checked bit for bit against its per-layer ones in test_kernels_predict.py;
 # bench_hit_rate's at-once path runs in make test through test_bench_hit_rate.py's graph-engine
 # runs, whose hit rates and tokens are exact)
-@pytest.mark.parametrize("name", ["last_step", pytest.param("ema_membership", marks=pytest.mark.slow),
+@pytest.mark.parametrize("name", [pytest.param("last_step", marks=pytest.mark.slow),
+                                  pytest.param("ema_membership", marks=pytest.mark.slow),
                                   pytest.param("spin", marks=pytest.mark.slow),
                                   pytest.param("bench_hit_rate", marks=pytest.mark.slow), "query_similarity"])
 def test_predictors_learning_every_layer_at_once_equal_learning_after_each_layer(name, monkeypatch):

@@ -47,7 +47,8 @@ def with_neg_inf(scores: torch.Tensor, fraction: float, seed: int) -> torch.Tens
         ("randn", 20001, [20001, 13001], 100, 1, 2, 1024, 256),  # N not a multiple of the chunk; a short context
         ("randn", 70003, [70003], 2048, 1, 2, 4096, 512),  # k = 2048 of 70K
         ("ties", 20001, [20001, 19999], 333, 2, 1, 1024, 64),  # three values: heavy ties at T
-        ("integers", 20001, [20001, 5000], 1500, 0, 1, 2048, 4096),  # nine values, ±0.0 as one
+        pytest.param("integers", 20001, [20001, 5000], 1500, 0, 1, 2048, 4096,  # nine values, ±0.0 as one
+                     marks=pytest.mark.slow),
         ("extremes", 20001, [20001, 20000], 50, 0, 0, 512, 128),  # ±inf, ±FLT_MAX, denormals, ±0
         ("randn", 20001, [20001, 40], 100, 3, 2, 1024, 256),  # k > the valid blocks of the short row
         ("randn", 20001, [0, 20001], 7, 8, 2, 1024, 16),  # an empty row; more forced blocks than k
@@ -91,6 +92,7 @@ def test_multi_program_topk_every_way_to_the_threshold():
     assert check_long(normal, 64, empty, 2, 1, multi_program_chunk=1024, multi_program_cap=256).item() == 0
 
 
+@pytest.mark.slow  # 13 s under the interpreter: make test-full
 def test_multi_program_topk_several_tiles_a_program(monkeypatch):
     """Programs walk their chunk tile by tile (MULTI_PROGRAM_TILE): 4 tiles a chunk here, every
     way to the threshold, and the hint round."""

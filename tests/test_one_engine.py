@@ -45,7 +45,7 @@ SIZED = {"infllm_v2": ["runtime.block_size=64", "task.prompt_tokens=600", "selec
          "indexer": ["runtime.block_size=1", "selector.topk_tokens=24", "selector.sink_tokens=2",
                      "selector.local_tokens=5", "selector.index_heads=16", "selector.index_dim=16",
                      "selector.rope_dim=8"]}
-CURATED = [("quest", "ema", "backend=triton"), ("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
+CURATED = [("quest", "ema"), ("quest", "none"), ("quest", "spin", "runtime.mode=shadow"),
          ("quest", "cross_layer", "selector.gqa_reduce=sum"), ("quest", "oracle", "selector.gqa_reduce=union"),
          ("exact", "last_step"), ("infllm", "ema_membership", "runtime.dense_metrics_every=3"),
          ("infllm", "query_similarity"), ("infllm_prr", "last_step", "selector.per_head=true"),
@@ -57,6 +57,9 @@ CASES = CURATED + [(s, "ema") for s in SELECTORS if s not in {c[0] for c in CURA
 # (InfLLM's Triton kernels against its torch ops: tests/test_kernels_infllm.py in `make test`; through
 # both engines here, 30 s under the interpreter, in `make test-full`.)
 MORE_CASES = [c for c in [(s, "ema") for s in SELECTORS] + [("quest", p) for p in PREDICTORS] if c not in CASES]
+# Quest with ema on the kernels: 55 s under the interpreter; make test runs the Triton engine through
+# test_graph_decode.py (ema and query_similarity learning at once, fused append and merge on the kernels)
+MORE_CASES.append(("quest", "ema", "backend=triton"))
 MORE_CASES.append(("infllm", "ema_membership", "runtime.dense_metrics_every=3", "backend=triton"))
 MORE_CASES.append(("infllm_v2", "ema", "backend=triton"))  # its kernels (prr.kernels.infllm_v2) in both engines
 # the indexer's kernels (index keys, scores, top-K) and token-list attention at block size 1 in both engines

@@ -61,32 +61,41 @@ def compress_append_reference(compressed: Tensor, keys: Tensor, positions: Tenso
     compressed.scatter_(2, index, torch.where(done.view(b, 1, 1, 1), mean, old))
 
 
-def window_probabilities(q: Tensor, compressed: Tensor, lengths: Tensor, scale: float | None = None) -> Tensor:
-    """S_shared (Eqs. 5-6): each query head's softmax over the complete windows of its row
-    (q·k_w·scale, scale 1/sqrt(D) as the reference kernel's default), summed over the GQA group.
-    q [B, Hq, D], compressed [B, Hkv, W, D], lengths [B] -> [B, Hkv, W] fp32, 0 past the complete
-    windows."""
+def window_logits(q: Tensor, compressed: Tensor, scale: float | None = None) -> Tensor:
+    """q·k_w·scale (scale 1/sqrt(D), the reference kernel's default) of each query head and window:
+    q [B, Hq, D], compressed [B, Hkv, W, D] -> [B, Hkv, G, W] fp32 (every window, complete or not)."""
     b, h, w_max, d = compressed.shape
     g = q.shape[1] // h
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    logits = torch.einsum("bhgd,bhwd->bhgw", q.float().view(b, h, g, d), compressed.float()) * scale
-    seen = torch.arange(w_max, device=q.device).view(1, w_max) < complete_windows(lengths).view(b, 1)  # [B, W]
+    return torch.einsum("bhgd,bhwd->bhgw", q.float().view(b, h, g, d), compressed.float()) * scale
+
+
+def window_probabilities(q: Tensor | None, compressed: Tensor | None, lengths: Tensor, scale: float | None = None,
+                         logits: Tensor | None = None) -> Tensor:
+    """S_shared (Eqs. 5-6): each query head's softmax over the complete windows of its row
+    (`window_logits`), summed over the GQA group. q [B, Hq, D], compressed [B, Hkv, W, D], lengths
+    [B] -> [B, Hkv, W] fp32, 0 past the complete windows. logits: `window_logits` when the caller has
+    them (a prefill tail folds its positions into the batch after each one's own q·K product)."""
+    logits = window_logits(q, compressed, scale) if logits is None else logits  # [B, Hkv, G, W]
+    b, _, _, w_max = logits.shape
+    seen = torch.arange(w_max, device=logits.device).view(1, w_max) < complete_windows(lengths).view(b, 1)  # [B, W]
     logits = logits.masked_fill(~seen.view(b, 1, 1, w_max), float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no complete window: all 0
     return probs.sum(2)
 
 
-def infllm_v2_score_reference(q: Tensor, compressed: Tensor, lengths: Tensor, max_blocks: int,
-                              scale: float | None = None) -> Tensor:
+def infllm_v2_score_reference(q: Tensor | None, compressed: Tensor | None, lengths: Tensor, max_blocks: int,
+                              scale: float | None = None, logits: Tensor | None = None) -> Tensor:
     """InfLLM-v2's block scores S_cmp (Eq. 7): per selection block the max of S_shared over the
     complete windows that overlap it; 0 for a block of the context with none complete (the newest,
     forced anyway), -inf past the context. q [B, Hq, D] (post-RoPE), compressed [B, Hkv, W, D],
-    lengths [B] tokens -> [B, Hkv, max_blocks] fp32."""
-    b, h, w_max, _ = compressed.shape
-    shared = window_probabilities(q, compressed, lengths, scale)  # [B, Hkv, W]
+    lengths [B] tokens -> [B, Hkv, max_blocks] fp32. logits: as `window_probabilities`' (then q and
+    compressed may be None)."""
+    shared = window_probabilities(q, compressed, lengths, scale, logits)  # [B, Hkv, W]
+    b, _, w_max = shared.shape
     seen = complete_windows(lengths).view(b, 1, 1, 1)
-    blocks = torch.arange(max_blocks, device=q.device)
-    windows = (blocks * WINDOWS_PER_BLOCK - 1).view(max_blocks, 1) + torch.arange(POOLED_WINDOWS, device=q.device)
+    blocks = torch.arange(max_blocks, device=shared.device)
+    windows = (blocks * WINDOWS_PER_BLOCK - 1).view(max_blocks, 1) + torch.arange(POOLED_WINDOWS, device=shared.device)
     inside = (windows >= 0) & (windows < w_max)  # [NB, 5]
     pooled = shared[:, :, windows.clamp(0, w_max - 1)]  # [B, Hkv, NB, 5]
     pooled = pooled.masked_fill(~inside | (windows >= seen), float("-inf")).amax(-1)

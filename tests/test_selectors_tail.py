@@ -1,5 +1,6 @@
-"""The batched prefill tail (`Selector.select_tail` of quest and exact: the T positions folded
-into the batch) equals the base class's loop of one metadata update and `select` per position:
+"""The batched prefill tail (`Selector.select_tail` of quest, exact and LESS's Quest scores: the T
+positions folded into the batch; LESS's feature scores: the loop itself) equals the base class's loop of one
+metadata update and `select` per position:
 same blocks, bitwise-equal fp32 scores, on both op backends (triton: CPU interpreter, small),
 at odd sizes (prompt not a multiple of the block, GQA group 1 and 3, batch 1 and 2)."""
 
@@ -7,10 +8,13 @@ import pytest
 import torch
 
 from prr.cache import PagedKVCache
-from prr.selectors import ExactSelector, QuestSelector
+from prr.selectors import ExactSelector, LessSelector, QuestSelector
 from prr.selectors.base import Selector
+from prr.selectors.infllm_v2 import InfLLMV2Selector
 
-SELECTORS = {"quest": QuestSelector, "exact": ExactSelector}
+SELECTORS = {"quest": QuestSelector, "exact": ExactSelector, "less_quest": LessSelector, "less_features": LessSelector,
+             "infllm_v2": InfLLMV2Selector}
+OPTIONS = {"less_quest": {"num_features": 8, "scores": "quest"}, "less_features": {"num_features": 8, "scores": "features"}}
 
 
 def tails(name, gqa_reduce, backend, batch, group, block, prompt, tail, dtype=torch.float32, seed=0):
@@ -22,7 +26,8 @@ def tails(name, gqa_reduce, backend, batch, group, block, prompt, tail, dtype=to
     start = prompt - tail
     out = []
     for select_tail in (Selector.select_tail, SELECTORS[name].select_tail):
-        sel = SELECTORS[name](topk_blocks=3, gqa_reduce=gqa_reduce, dense_layers=[])
+        options = {"gqa_reduce": gqa_reduce} if name != "infllm_v2" else {}  # (infllm_v2: its group sum)
+        sel = SELECTORS[name](topk_blocks=3, dense_layers=[], **options, **OPTIONS.get(name, {}))
         assert sel.set_backend(backend) == backend
         cache = PagedKVCache(1, batch, hkv, d, block, prompt + 5, dtype=dtype)  # spare room past the prompt
         cache.append(0, k, k)
@@ -47,6 +52,20 @@ def assert_same(loop, batched, max_blocks):
 def test_batched_tail_equals_the_loop_torch(name, gqa_reduce, batch, group, block, prompt, tail):
     # (2, 3, 8, 40, 39): the tail starts at position 1, inside the first block.
     assert_same(*tails(name, gqa_reduce, "torch", batch, group, block, prompt, tail))
+
+
+@pytest.mark.parametrize("name", ["less_quest", "less_features"])
+@pytest.mark.parametrize("gqa_reduce,batch,group,block,prompt,tail", [("max", 2, 3, 8, 45, 13), ("union", 1, 1, 16, 37, 11)])
+def test_less_tail_equals_the_loop(name, gqa_reduce, batch, group, block, prompt, tail):
+    # LESS's feature scores read the open block's summaries: the tail is the loop's, not Quest's bound.
+    assert_same(*tails(name, gqa_reduce, "torch", batch, group, block, prompt, tail))
+
+
+@pytest.mark.parametrize("batch,group,prompt,tail", [(2, 3, 333, 45), (1, 1, 131, 130)])
+def test_infllm_v2_tail_equals_the_loop(batch, group, prompt, tail):
+    # Blocks of 64 tokens, windows of 32 at stride 16: the first tail crosses block 320 and three
+    # window completions; the second starts at position 1 (no window complete: dense rows).
+    assert_same(*tails("infllm_v2", "sum", "torch", batch, group, 64, prompt, tail))
 
 
 @pytest.mark.parametrize("name", ["quest", "exact"])

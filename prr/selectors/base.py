@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from prr.attention_state import AttentionState, merge, merge_many
-from prr.blocks import BlockSet, Selection, block_counts, inside_context, top_blocks
+from prr.blocks import BlockSet, Selection, block_counts, inside_context, top_blocks, top_blocks_ascending
 from prr.cache import PagedKVCache
 from prr.kernels.reference_hinted_topk import hinted_top_k_blocks
 from prr.selectors.options import SelectorOptions
@@ -225,8 +225,8 @@ class Selector(SelectorOptions, ABC):
             blocks = BlockSet.from_mask(union, self.capacity(g, max_blocks))
         elif hint is not None:
             blocks = BlockSet(*hinted_top_k_blocks(reduced.masked_fill(forced, float("inf")), self.topk_blocks, hint))
-        else:
-            blocks = top_blocks(reduced.masked_fill(forced, float("inf")), self.topk_blocks)
+        else:  # the set of `top_blocks`, ascending already (without its full sort)
+            return Selection(top_blocks_ascending(reduced.masked_fill(forced, float("inf")), self.topk_blocks), reduced)
         return Selection(blocks=ascending(blocks), scores=reduced)
 
     def select_tail(self, q_tail: Tensor, cache: PagedKVCache, layer: int, start: int,

@@ -54,7 +54,7 @@ from prr.kernels.reference_indexer import (
     quantize_index_keys_reference,
 )
 from prr.model.rope import apply_rope, rope_cos_sin
-from prr.selectors.base import Selection, Selector
+from prr.selectors.base import Selection, Selector, tail_rows
 from prr.selectors.indexer_weights import IndexerConfig, IndexerWeights, LayerIndexer, load_indexer
 from prr.selectors.options import IndexerSelectorOptions
 
@@ -214,14 +214,16 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         q_i = indexer.queries(x[:, positions], positions, inv_freq).float()  # [B, T, H_I, d_I]
         w = indexer.head_weights(x[:, positions]).float()  # [B, T, H_I]
         b, h = q_tail.shape[:2]
-        selections = []
-        for i in range(tail):
-            lengths = torch.full((b,), start + i + 1, dtype=torch.int64, device=x.device)
-            scores = indexer_scores_reference(q_i[:, i], w[:, i], keys, scales, lengths, compute_dtype=torch.float32)
-            per_head = scores.view(b, 1, 1, -1).expand(b, h, 1, scores.shape[-1])
-            selections.append(self.selection_from(per_head, lengths, cache.max_blocks))
+        # Each position's scores the step's own call (its q·K product: CPU matmuls are not
+        # batch-invariant) on keys cast to fp32 once (the cast each call would make: the same
+        # values); the reduce / force / top-K one call over the positions folded into the batch.
+        keys32 = keys.float()  # [B, T_max, d_I]
+        lengths = torch.arange(start + 1, start + tail + 1, device=x.device).repeat_interleave(b)  # [T * B], rows (t, b)
+        scores = torch.cat([indexer_scores_reference(q_i[:, i], w[:, i], keys32, scales, lengths[i * b : (i + 1) * b],
+                                                     compute_dtype=torch.float32) for i in range(tail)])  # [T * B, T_max]
+        per_head = scores.view(tail * b, 1, 1, -1).expand(tail * b, h, 1, scores.shape[-1])
         del self._pending()[layer]  # decode reads its own hidden state from the slot
-        return selections
+        return tail_rows(self.selection_from(per_head, lengths, cache.max_blocks), tail)
 
     def triton_problems(self) -> list[str]:
         from prr.kernels.indexer_keys import MAX_INDEX_DIM

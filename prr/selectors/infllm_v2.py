@@ -60,8 +60,9 @@ from prr.kernels.reference_infllm_v2 import (
     compress_append_reference,
     compress_range_reference,
     infllm_v2_score_reference,
+    window_logits,
 )
-from prr.selectors.base import Selection, Selector
+from prr.selectors.base import Selection, Selector, tail_rows
 from prr.selectors.options import INFLLM_V2_BLOCK_TOKENS, InfLLMV2SelectorOptions
 
 COMPRESSED = "infllm_v2_compressed"
@@ -102,6 +103,28 @@ class InfLLMV2Selector(InfLLMV2SelectorOptions, Selector):
         scores = infllm_v2_score_reference(q.reshape(b, h * g, d), self.compressed(cache, layer), lengths,
                                            cache.max_blocks)
         return scores.unsqueeze(2)
+
+    def select_tail(self, q_tail: Tensor, cache: PagedKVCache, layer: int, start: int,
+                    queries: Tensor | None = None) -> list[Selection]:
+        """The base loop's selections from one metadata update: a window is written once, from its
+        complete keys, and position t reads only the windows complete by t (`complete_windows`), so
+        the final windows score every position as its own step's did. Each position's q·K product
+        is its own call, as `head_scores` makes it (CPU matmuls are not batch-invariant); the
+        softmax, pooling, reduce / force / top-K one call each over the T positions folded into the
+        batch (rows (t, b)). Backend triton: the base loop (the kernels' selection)."""
+        if self.backend == "triton":
+            return super().select_tail(q_tail, cache, layer, start, queries=queries)
+        b, h, g, num, d = q_tail.shape
+        self.topk_hint(cache, layer)  # allocated in the prefill (hinted_topk)
+        self.update_metadata(cache, layer, start, start + num)
+        lengths = torch.arange(start + 1, start + num + 1, device=q_tail.device).repeat_interleave(b)  # [T * B]
+        compressed = self.compressed(cache, layer)
+        logits = torch.cat([window_logits(q_tail[:, :, :, i].reshape(b, h * g, d), compressed)
+                            for i in range(num)])  # [T * B, Hkv, G, W]
+        scores = infllm_v2_score_reference(None, None, lengths, cache.max_blocks, logits=logits)  # [T * B, Hkv, NB]
+        per_head = scores.unsqueeze(2)  # as head_scores: the group summed inside
+        num_blocks = (lengths + cache.block_size - 1) // cache.block_size
+        return tail_rows(self.selection_from(per_head, num_blocks, cache.max_blocks), num)
 
     def select_triton(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor,
                       num_blocks: Tensor) -> Selection:

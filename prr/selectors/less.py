@@ -109,7 +109,7 @@ from torch import Tensor
 from prr.attention_state import AttentionState
 from prr.blocks import inside_context
 from prr.cache import PagedKVCache
-from prr.selectors.base import Selection, token_counts
+from prr.selectors.base import Selection, Selector, token_counts
 from prr.selectors.quest import QuestSelector
 
 SCORES = ("quest", "features")
@@ -387,6 +387,15 @@ class LessSelector(QuestSelector):
                 cache.state_slot(layer, "less_s_open", (b, h, m), torch.float32))
 
     # --- selection scores ------------------------------------------------------------------------
+    def select_tail(self, q_tail: Tensor, cache: PagedKVCache, layer: int, start: int,
+                    queries: Tensor | None = None) -> list[Selection]:
+        """Quest's batched tail where the scores are Quest's (they read only its key max / min);
+        the feature scores read the open block's summaries as each token grows them: the base
+        class's loop, one metadata update and `select` per position."""
+        if self.scores == "quest":
+            return super().select_tail(q_tail, cache, layer, start, queries=queries)
+        return Selector.select_tail(self, q_tail, cache, layer, start, queries=queries)
+
     def head_scores(self, q: Tensor, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
         if self.scores == "quest":
             return super().head_scores(q, cache, layer, lengths)

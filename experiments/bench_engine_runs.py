@@ -79,11 +79,14 @@ class Setting:
 
 def cases(kind: str, settings: list[Setting] | None = None, selectors: tuple[str, ...] = SELECTORS,
           predictors: tuple[str, ...] = PREDICTORS, hit_rates: tuple[float, ...] = (),
-          profiled_hit_rates: tuple[float, ...] = (), reuse_anchors: tuple[int, ...] = ()) -> dict[str, list[str]]:
+          profiled_hit_rates: tuple[float, ...] = (), reuse_anchors: tuple[int, ...] = (),
+          reuse_every: tuple[int, ...] = ()) -> dict[str, list[str]]:
     """name -> overrides. Matrix names are selector-predictor@setting; a single default setting
     (None) keeps the overrides out and the names short (selector-predictor). hit_rates: also
     predictor=bench_hit_rate at each (selector-hit0.7); profiled_hit_rates: that predictor under
-    budget=profiled (selector-hit0.9+profiled)."""
+    budget=profiled (selector-hit0.9+profiled); reuse_anchors / reuse_every: also serial DSA under
+    reuse=layers with reuse.anchors=N (selector-none+anchorsN) / reuse=steps with reuse.every=N
+    (selector-none+everyN)."""
     if kind == "acceptance":
         main = ["selector=quest", "predictor=ema", "budget=profiled"]
         return {"serial": ["selector=quest", "predictor=none", OFF], "main": [*main, OFF],
@@ -106,6 +109,9 @@ def cases(kind: str, settings: list[Setting] | None = None, selectors: tuple[str
                 for anchors in reuse_anchors:
                     out[f"{selector}-none+anchors{anchors}{at}"] = [
                         f"selector={selector}", "predictor=none", "reuse=layers", f"reuse.anchors={anchors}", OFF, *extra]
+                for every in reuse_every:
+                    out[f"{selector}-none+every{every}{at}"] = [
+                        f"selector={selector}", "predictor=none", "reuse=steps", f"reuse.every={every}", OFF, *extra]
                 for rate in profiled_hit_rates:
                     out[f"{selector}-hit{rate:g}+profiled{at}"] = [
                         f"selector={selector}", *replay(rate), "budget=profiled", f"budget.hit_rate={rate}",
@@ -188,6 +194,8 @@ def main() -> None:
                    help="matrix: also predictor=bench_hit_rate (a benchmark tool) at each rate, e.g. 0.5,0.7,0.9")
     p.add_argument("--reuse-anchors", type=int_list, default=[],
                    help="matrix: also serial DSA under reuse=layers with reuse.anchors=N for each N, e.g. 2,4")
+    p.add_argument("--reuse-every", type=int_list, default=[],
+                   help="matrix: also serial DSA under reuse=steps with reuse.every=N for each N, e.g. 2,4")
     p.add_argument("--profiled-hit-rates", type=rate_list, default=(),
                    help="matrix: also predictor=bench_hit_rate at each rate under budget=profiled (budget.hit_rate "
                         "the same)")
@@ -206,7 +214,8 @@ def main() -> None:
                     for k in args.topk or [32]]
     rows = []
     for name, overrides in cases(args.cases, settings, args.selectors, args.predictors, args.hit_rates,
-                                 args.profiled_hit_rates, tuple(args.reuse_anchors)).items():
+                                 args.profiled_hit_rates, tuple(args.reuse_anchors),
+                                 tuple(args.reuse_every)).items():
         rows.append(run_case(name, overrides, args))
         write(rows, args, stage_map)  # after every case: a cut session keeps what ran
     table = write(rows, args, stage_map)
@@ -263,9 +272,7 @@ def with_predictions(table: pd.DataFrame, stage_map: pd.DataFrame) -> pd.DataFra
         if cell.empty or (speculates and not math.isfinite(hit)):
             predicted.append(math.nan)
             continue
-        variant = Variant(speculates=speculates, hit_rate=hit,
-                          **({"reuse": "layers", "anchors": max(1, round(selecting * layers))} if selecting is not None
-                             else {}))
+        variant = Variant(speculates=speculates, hit_rate=hit, **reuse_variant(getattr(row, "reuse", None), layers))
         predicted.append(predict_token_ms(cell, float(by_case.loc[serial, "token_latency_median_ms"]), layers, variant))
     table["map_predicted_ms"] = predicted
     table["median_over_map"] = table["token_latency_median_ms"] / table["map_predicted_ms"]
@@ -284,6 +291,18 @@ def run_sparse_layers(selector: str, row) -> int:
             raise ValueError(f"{row.case}: the run selected in {counted:g} layers a step, conf/selector/{selector}.yaml "
                              f"leaves {layers} of {NUM_LAYERS} sparse: price it with the run's model and selector config")
     return layers
+
+
+def reuse_variant(reuse, layers: int) -> dict:
+    """prr.cost_model.Variant's reuse fields for a run's summary `reuse` counts over `layers` sparse
+    layers: reuse=layers as its anchor count, reuse=steps as one step in `every` (the run's share of
+    selecting steps: 24 steps at every 5 select in 5 of them, priced as every 5); {} without reuse."""
+    selecting = selecting_share(reuse)
+    if selecting is None:
+        return {}
+    if reuse.get("policy") == "steps":
+        return {"reuse": "steps", "every": max(1, round(1 / selecting))}
+    return {"reuse": "layers", "anchors": max(1, round(selecting * layers))}
 
 
 def selecting_share(reuse) -> float | None:

@@ -204,3 +204,22 @@ def test_reuse_runs_are_priced_over_their_selectors_sparse_layers():
     wrong = pd.DataFrame(rows[2:]).assign(reuse=[None, {"selections_made": 60, "selections_skipped": 60}])
     with pytest.raises(ValueError, match="selected in 30 layers a step, conf/selector/infllm_v2.yaml leaves 32"):
         er.with_predictions(wrong, stage_map)
+
+
+def test_step_reuse_cases_run_serial_dsa_every_n_steps_and_are_priced_as_one_step_in_n():
+    names = er.cases("matrix", [er.Setting(32000, 16, 32)], ("quest",), ("none",), reuse_every=(4,))
+    assert names["quest-none+every4@32k_b16_k32"][:4] == ["selector=quest", "predictor=none", "reuse=steps",
+                                                        "reuse.every=4"]
+    assert er.serial_of("quest-none+every4@32k_b16_k32") == "quest-none@32k_b16_k32"
+    base = {"prompt_tokens": 32000, "block_size": 16, "topk_blocks": 32, "hit_rate": math.nan, "predicted_blocks": 0,
+            "variant": "serial", "decode_steps": 8}
+    rows = [{**base, "case": "quest-none", "token_latency_median_ms": 5.0, "reuse": None},
+            {**base, "case": "quest-none+every4", "token_latency_median_ms": 4.8,  # steps 0 and 4 select
+             "reuse": {"policy": "steps", "selections_made": 2 * 30, "selections_skipped": 6 * 30}}]
+    stage_map = pd.DataFrame([{"batch": 1, "selector": "quest", "block": 16, "topk_tokens": 512, "context": 32512,
+                               "target_hit_rate": 1.0, "serial_fused_merge": 25.0, "stage_select": 10.0, "prr": 20.0}])
+    out = er.with_predictions(pd.DataFrame(rows), stage_map).set_index("case")
+    # 3 of 4 steps skip selection in each of Quest's 30 sparse layers: 30 x 10 us x 3/4 a token
+    assert out.loc["quest-none+every4", "map_predicted_ms"] == pytest.approx(5.0 - 30 * 10e-3 * 3 / 4)
+    assert er.reuse_variant({"policy": "layers", "selections_made": 8, "selections_skipped": 24}, 32) == \
+        {"reuse": "layers", "anchors": 8}

@@ -42,20 +42,25 @@ prints the short table last.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from prr.bench_args import (
     TOPK_KV_HEADS,
     OneLineParser,
+    bench_command,
+    fill_grid_defaults,
+    guarded,
+    host_time_us,
     int_list,
     markdown,
     ratio,
+    record_cell,
     rotation_sets,
+    timing_count_problems,
     topk_bytes,
+    topk_rows_problems,
     write_bench_outputs,
 )
 from prr.bench_args import topk_row_shape as row_shape
@@ -96,10 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("experiments/results/h200/bench_hinted_topk"),
                         help="results prefix: OUT.json, OUT.csv, OUT.md")
     args = parser.parse_args(argv)
-    grid = QUICK_GRID if args.quick else FULL_GRID
-    for key in ("candidates", "k", "rows", "hit_rates"):
-        if getattr(args, key) is None:
-            setattr(args, key, list(grid[key]))
+    fill_grid_defaults(args, QUICK_GRID if args.quick else FULL_GRID)
     problems = check_args(args)
     if problems:
         parser.error("; ".join(problems))
@@ -107,15 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
-    problems = []
-    for r in args.rows:
-        if r > TOPK_KV_HEADS and r % TOPK_KV_HEADS:
-            problems.append(f"--rows: {r} is neither < {TOPK_KV_HEADS} nor a multiple of {TOPK_KV_HEADS} (rows are batch x {TOPK_KV_HEADS} KV heads)")
+    problems = topk_rows_problems(args.rows)
     if not cells(args):
         problems.append(f"--k {args.k} --candidates {args.candidates}: no cell has k < candidates")
-    for name in ("sets", "repeats"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name}={getattr(args, name)} must be >= 1")
+    problems += timing_count_problems(args)
     return problems
 
 
@@ -187,27 +184,6 @@ def flashinfer_module():
     except ImportError:
         return None
     return flashinfer
-
-
-def host_time_us(make_call, sets: int, repeats: int) -> float:
-    """Median host wall-clock µs per call of `sets` calls (the CPU path: no CUDA graph)."""
-    calls = [make_call(i) for i in range(sets)]
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        samples.append((time.perf_counter() - start) * 1e6 / sets)
-    return statistics.median(samples)
-
-
-def guarded(row: dict, name: str, fn) -> None:
-    """row[name] = fn(); an exception is recorded in row[name + '_error'] instead (one cell's failure
-    must not lose the run)."""
-    try:
-        row[name] = fn()
-    except Exception as err:  # noqa: BLE001
-        row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
 
 
 def cell_row(rows: int, n: int, k: int, hit_rate: float, sets: int, repeats: int, device: str,
@@ -336,21 +312,15 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = max(bandwidths.values())
     print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | flashinfer {env['flashinfer']}"
           + (f" | floor bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""), flush=True)
-    record = {"command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]) if argv is None else
-              "python experiments/bench_hinted_topk.py " + " ".join(argv),
+    record = {"command": bench_command("experiments/bench_hinted_topk.py", argv),
               "environment": env, "timer": "cuda_graph_replay" if args.device == "cuda" else
               "cpu_wall_clock (TRITON_INTERPRET=1: times the interpreter, not the kernels)",
               "bandwidth_GBps": None if bandwidth is None else bandwidth / 1e9,
               "bandwidths_GBps": {key: v / 1e9 for key, v in bandwidths.items()}, "rows": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for index, (rows, n, k, rate) in enumerate(cells(args)):
-        try:
-            row = cell_row(rows, n, k, rate, args.sets, args.repeats, args.device, bandwidth, seed=1000 * index)
-        except Exception as err:  # noqa: BLE001
-            row = dict(rows=rows, candidates=n, k=k, hit_rate=rate, error=f"{type(err).__name__}: {err}"[:400])
-        record["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        write_outputs(record, args.out)
+        record_cell(record, args.out, write_outputs, dict(rows=rows, candidates=n, k=k, hit_rate=rate),
+                    cell_row, rows, n, k, rate, args.sets, args.repeats, args.device, bandwidth, seed=1000 * index)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     print("\n" + write_outputs(record, args.out))

@@ -32,13 +32,24 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import sys
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list, markdown, ratio, rotation_sets, write_bench_outputs
+from prr.bench_args import (
+    OneLineParser,
+    bench_command,
+    fill_grid_defaults,
+    guarded,
+    int_list,
+    markdown,
+    ratio,
+    record_cell,
+    rotation_sets,
+    timing_count_problems,
+    write_bench_outputs,
+)
 
 MAX_SETS = 64
 INDEX_DTYPES = ("bf16", "fp8")
@@ -79,10 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("experiments/results/h100/bench_indexer"),
                         help="results prefix: OUT.json, OUT.csv, OUT.md")
     args = parser.parse_args(argv)
-    grid = QUICK_GRID if args.quick else FULL_GRID
-    for key in ("contexts", "batch", "index_dtypes"):
-        if getattr(args, key) is None:
-            setattr(args, key, list(grid[key]))
+    fill_grid_defaults(args, QUICK_GRID if args.quick else FULL_GRID)
     problems = []
     if args.dim < 16 or args.dim & (args.dim - 1):
         problems.append(f"--dim={args.dim} must be a power of two >= 16")
@@ -90,9 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--heads={args.heads} must be in [1, 128]")
     if any(t < 2 for t in args.contexts):
         problems.append(f"--contexts {args.contexts}: every context must be >= 2 (one row is a token short)")
-    for name in ("sets", "repeats"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name}={getattr(args, name)} must be >= 1")
+    problems += timing_count_problems(args)
     if problems:
         parser.error("; ".join(problems))
     return args
@@ -175,15 +181,6 @@ def write_outputs(record: dict, out: Path) -> str:
 
 
 # --- measurement (CUDA) ---------------------------------------------------------------------------
-
-
-def guarded(row: dict, name: str, fn) -> None:
-    """row[name] = fn(); an exception is recorded in row[name + '_error'] instead (one timing's failure
-    must not lose the cell)."""
-    try:
-        row[name] = fn()
-    except Exception as err:  # noqa: BLE001
-        row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
 
 
 def cell_row(context: int, batch: int, index_dtype: str, args: argparse.Namespace, bandwidth: float,
@@ -279,27 +276,14 @@ def main(argv: list[str] | None = None) -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("bench_indexer times compiled kernels: unset TRITON_INTERPRET (or set it to 0)", file=sys.stderr)
         sys.exit(2)
-    from prr.benchmarking import copy_bandwidth, environment, read_bandwidth
+    from prr.benchmarking import announce_gpu, graph_bench_record
 
-    env = environment()
-    bandwidths = copy_bandwidth() | read_bandwidth()
-    bandwidth = max(bandwidths.values())
-    print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | floor bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s", flush=True)
-    command = "python " + " ".join([sys.argv[0], *sys.argv[1:]]) if argv is None else \
-        "python experiments/bench_indexer.py " + " ".join(argv)
-    record = {"command": command, "environment": env, "timer": "cuda_graph_replay",
-              "shape": dict(heads=args.heads, dim=args.dim, q_dtype=args.q_dtype),
-              "bandwidth_GBps": bandwidth / 1e9, "bandwidths_GBps": {k: v / 1e9 for k, v in bandwidths.items()},
-              "rows": []}
+    env, bandwidths, bandwidth = announce_gpu()
+    record = graph_bench_record(bench_command("experiments/bench_indexer.py", argv), env, bandwidths,
+                                shape=dict(heads=args.heads, dim=args.dim, q_dtype=args.q_dtype))
     for index, (context, batch, index_dtype) in enumerate(cells(args)):
-        try:
-            row = cell_row(context, batch, index_dtype, args, bandwidth, seed=1000 * index)
-        except Exception as err:  # noqa: BLE001
-            row = dict(context=context, batch=batch, index_dtype=index_dtype, error=f"{type(err).__name__}: {err}"[:400])
-        record["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        write_outputs(record, args.out)
+        record_cell(record, args.out, write_outputs, dict(context=context, batch=batch, index_dtype=index_dtype),
+                    cell_row, context, batch, index_dtype, args, bandwidth, seed=1000 * index)
         torch.cuda.empty_cache()
     print("\n" + write_outputs(record, args.out))
 

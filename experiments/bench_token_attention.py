@@ -36,11 +36,21 @@ OUT.md; prints the table last.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
-from prr.bench_args import OneLineParser, int_list, markdown, ratio, rotation_sets, write_bench_outputs
+from prr.bench_args import (
+    OneLineParser,
+    bench_command,
+    fill_grid_defaults,
+    guarded,
+    int_list,
+    markdown,
+    ratio,
+    record_cell,
+    rotation_sets,
+    timing_count_problems,
+    write_bench_outputs,
+)
 
 HQ, HKV, D, BF16 = 32, 8, 128, 2
 BLOCK = 16  # the block kernel's column: blocks of 16 tokens
@@ -65,10 +75,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--out", type=Path, default=Path("experiments/results/h200/bench_token_attention"),
                         help="results prefix: OUT.json, OUT.csv, OUT.md")
     args = parser.parse_args(argv)
-    grid = QUICK_GRID if args.quick else FULL_GRID
-    for key in ("tokens", "batches", "contexts", "tiles"):
-        if getattr(args, key) is None:
-            setattr(args, key, list(grid[key]))
+    fill_grid_defaults(args, QUICK_GRID if args.quick else FULL_GRID)
     problems = check_args(args)
     if problems:
         parser.error("; ".join(problems))
@@ -82,9 +89,7 @@ def check_args(args) -> list[str]:
     problems += [f"--tiles: {t} is not a power of two >= 16" for t in args.tiles if t < 16 or t & (t - 1)]
     if not cells(args):
         problems.append(f"--tokens {args.tokens} --contexts {args.contexts}: no cell lists at most its context")
-    for name in ("sets", "repeats"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name}={getattr(args, name)} must be >= 1")
+    problems += timing_count_problems(args)
     return problems
 
 
@@ -153,15 +158,6 @@ def write_outputs(record: dict, out: Path) -> str:
 
 
 # --- measurement (GPU) ---------------------------------------------------------------------------
-
-
-def guarded(row: dict, name: str, fn) -> None:
-    """row[name] = fn(); an exception is recorded in row[name + '_error'] instead (one column's failure
-    must not lose the cell)."""
-    try:
-        row[name] = fn()
-    except Exception as err:  # noqa: BLE001
-        row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
 
 
 def random_lists(batch: int, heads: int, candidates: int, k: int, gen):
@@ -265,17 +261,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         refuse("bench_token_attention needs a CUDA GPU (none here): run it on the GPU machine")
-    from prr.benchmarking import copy_bandwidth, environment, randn, read_bandwidth
+    from prr.benchmarking import announce_gpu, graph_bench_record, randn
 
-    env = environment()
-    bandwidths = copy_bandwidth() | read_bandwidth()
-    bandwidth = max(bandwidths.values())
-    print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | floor bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s", flush=True)
-    record = {"command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]) if argv is None else
-              "python experiments/bench_token_attention.py " + " ".join(argv),
-              "environment": env, "timer": "cuda_graph_replay", "bandwidth_GBps": bandwidth / 1e9,
-              "bandwidths_GBps": {key: v / 1e9 for key, v in bandwidths.items()}, "rows": []}
+    env, bandwidths, bandwidth = announce_gpu()
+    record = graph_bench_record(bench_command("experiments/bench_token_attention.py", argv), env, bandwidths)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     grid = cells(args)
@@ -283,13 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         k_cache, v_cache = randn(batch, HKV, context, D), randn(batch, HKV, context, D)
         q = randn(batch, HQ, D)
         for tokens in [c for t, b, c in grid if (t, b) == (context, batch)]:
-            try:
-                row = cell_row(k_cache, v_cache, q, tokens, args.tiles, args.sets, args.repeats, bandwidth, gen)
-            except Exception as err:  # noqa: BLE001
-                row = dict(batch=batch, context=context, tokens=tokens, error=f"{type(err).__name__}: {err}"[:400])
-            record["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            write_outputs(record, args.out)
+            record_cell(record, args.out, write_outputs, dict(batch=batch, context=context, tokens=tokens),
+                        cell_row, k_cache, v_cache, q, tokens, args.tiles, args.sets, args.repeats, bandwidth, gen)
         del k_cache, v_cache
         torch.cuda.empty_cache()
     print("\n" + write_outputs(record, args.out))

@@ -31,7 +31,6 @@ prints the short table last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -39,11 +38,16 @@ from pathlib import Path
 from prr.bench_args import (
     TOPK_KV_HEADS,
     OneLineParser,
+    bench_command,
+    guarded,
     int_list,
     markdown,
     ratio,
+    record_cell,
     rotation_sets,
+    timing_count_problems,
     topk_bytes,
+    topk_rows_problems,
     write_bench_outputs,
 )
 from prr.bench_args import topk_row_shape as row_shape
@@ -74,15 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
-    problems = []
-    for r in args.rows:
-        if r > TOPK_KV_HEADS and r % TOPK_KV_HEADS:
-            problems.append(f"--rows: {r} is neither < {TOPK_KV_HEADS} nor a multiple of {TOPK_KV_HEADS} (rows are batch x {TOPK_KV_HEADS} KV heads)")
+    problems = topk_rows_problems(args.rows)
     if not cells(args):
         problems.append(f"--k {args.k} --candidates {args.candidates}: no cell has k < candidates")
-    for name in ("sets", "repeats"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name}={getattr(args, name)} must be >= 1")
+    problems += timing_count_problems(args)
     for name in ("chunk", "cap"):
         value = getattr(args, name)
         if value is not None and (value < 16 or value & (value - 1)):
@@ -149,14 +148,6 @@ def describe_paths(counts: dict[int, int]) -> str:
 
 
 # --- measurement (CUDA) --------------------------------------------------------------------------
-
-
-def guarded(row: dict, name: str, fn) -> None:
-    """row[name] = fn(); an exception is recorded in row[name + '_error'] instead."""
-    try:
-        row[name] = fn()
-    except Exception as err:  # noqa: BLE001
-        row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
 
 
 def cell_row(rows: int, n: int, k: int, sets: int, repeats: int, chunk: int | None, cap: int | None,
@@ -231,26 +222,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     import torch
 
-    from prr.benchmarking import copy_bandwidth, environment, read_bandwidth
+    from prr.benchmarking import announce_gpu, graph_bench_record
 
-    env = environment()
-    bandwidths = copy_bandwidth() | read_bandwidth()
-    bandwidth = max(bandwidths.values())
-    print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | floor bandwidth {bandwidth / 1e12:.2f} TB/s",
-          flush=True)
-    record = {"command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]) if argv is None else
-              "python experiments/bench_topk_long.py " + " ".join(argv),
-              "environment": env, "timer": "cuda_graph_replay", "bandwidth_GBps": bandwidth / 1e9,
-              "bandwidths_GBps": {key: v / 1e9 for key, v in bandwidths.items()}, "rows": []}
+    env, bandwidths, bandwidth = announce_gpu()
+    record = graph_bench_record(bench_command("experiments/bench_topk_long.py", argv), env, bandwidths)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for index, (rows, n, k) in enumerate(cells(args)):
-        try:
-            row = cell_row(rows, n, k, args.sets, args.repeats, args.chunk, args.cap, bandwidth, seed=1000 * index)
-        except Exception as err:  # noqa: BLE001
-            row = dict(rows=rows, candidates=n, k=k, error=f"{type(err).__name__}: {err}"[:400])
-        record["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        write_outputs(record, args.out)
+        record_cell(record, args.out, write_outputs, dict(rows=rows, candidates=n, k=k),
+                    cell_row, rows, n, k, args.sets, args.repeats, args.chunk, args.cap, bandwidth, seed=1000 * index)
         torch.cuda.empty_cache()
     print("\n" + write_outputs(record, args.out))
 

@@ -1,14 +1,19 @@
 """What the benchmark scripts in experiments/ share besides timing: a parser whose errors are one
-line, the type of a comma-separated list of positive integers (grid axes), how many input sets a
-timing graph rotates through, ratios of optional times, the top-k cells' shape and bytes, their
-markdown tables, and their three output files."""
+line, the type of a comma-separated list of positive integers (grid axes), the grid's defaults and
+the checks every grid makes, how many input sets a timing graph rotates through, ratios of optional
+times, the top-k cells' shape and bytes, their markdown tables, the command a results file records,
+a measurement whose failure is recorded instead of raised, a host wall-clock timer (the CPU path), and their three output files (rewritten
+after every cell)."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,3 +101,69 @@ def topk_row_shape(rows: int) -> tuple[int, int]:
 def topk_bytes(rows: int, n: int, k: int) -> int:
     """A top-k's bytes: fp32 scores read once + int32 indices written."""
     return rows * n * 4 + rows * k * 4
+
+
+def fill_grid_defaults(args: argparse.Namespace, grid: dict[str, list]) -> None:
+    """Each axis of `grid` (an argument name -> its default values) left None on the command line
+    takes the grid's values (a copy), so --quick and the full grid share one parser."""
+    for key, values in grid.items():
+        if getattr(args, key) is None:
+            setattr(args, key, list(values))
+
+
+def topk_rows_problems(rows: list[int]) -> list[str]:
+    """The --rows values that are not a top-k benchmark's batch x TOPK_KV_HEADS (see topk_row_shape),
+    one problem each."""
+    return [f"--rows: {r} is neither < {TOPK_KV_HEADS} nor a multiple of {TOPK_KV_HEADS} "
+            f"(rows are batch x {TOPK_KV_HEADS} KV heads)" for r in rows if r > TOPK_KV_HEADS and r % TOPK_KV_HEADS]
+
+
+def timing_count_problems(args: argparse.Namespace) -> list[str]:
+    """--sets and --repeats below 1, one problem each."""
+    return [f"--{name}={getattr(args, name)} must be >= 1" for name in ("sets", "repeats") if getattr(args, name) < 1]
+
+
+def bench_command(script: str, argv: list[str] | None) -> str:
+    """The command a results file records: this process's own argv when run from the shell
+    (argv None), else `python <script> <argv>` (a test or a caller passing argv to main)."""
+    if argv is None:
+        return "python " + " ".join([sys.argv[0], *sys.argv[1:]])
+    return f"python {script} " + " ".join(argv)
+
+
+def guarded(row: dict, name: str, fn: Callable[[], object]) -> None:
+    """row[name] = fn(); an exception is recorded in row[name + '_error'] instead (its type and
+    message, 300 characters at most), so one measurement's failure does not lose the cell."""
+    try:
+        row[name] = fn()
+    except Exception as err:  # noqa: BLE001 - recorded in the row
+        row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
+
+
+def record_cell(record: dict, out: Path, write_outputs: Callable[[dict, Path], str], cell: dict,
+                measure: Callable[..., dict], *args, **kwargs) -> dict:
+    """One cell of a benchmark's grid: row = measure(*args, **kwargs), or `cell` (the grid's values
+    naming it) with an `error` (400 characters at most) where it raises; appended to record["rows"],
+    printed as one JSON line and the outputs rewritten (write_outputs(record, out)) -> the row."""
+    try:
+        row = measure(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - recorded in the results
+        row = {**cell, "error": f"{type(err).__name__}: {err}"[:400]}
+    record["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    write_outputs(record, out)
+    return row
+
+
+def host_time_us(make_call: Callable[[int], Callable[[], object]], sets: int, repeats: int) -> float:
+    """Median host wall-clock µs per call of `sets` calls (make_call(i) -> a zero-argument call),
+    over `repeats` rounds: the CPU stand-in for a CUDA-graph timer (no graph, no synchronisation;
+    under TRITON_INTERPRET=1 it times the interpreter)."""
+    calls = [make_call(i) for i in range(sets)]
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        samples.append((time.perf_counter() - start) * 1e6 / sets)
+    return statistics.median(samples)

@@ -75,6 +75,25 @@ def environment() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def announce_gpu() -> tuple[dict, dict[str, float], float]:
+    """(environment(), the copy and read bandwidths {name: bytes/s}, their best: the byte floors'
+    denominator), after printing them on one line (GPU | torch | triton | floor bandwidth)."""
+    env = environment()
+    bandwidths = copy_bandwidth() | read_bandwidth()
+    bandwidth = max(bandwidths.values())
+    print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | floor bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s", flush=True)
+    return env, bandwidths, bandwidth
+
+
+def graph_bench_record(command: str, env: dict, bandwidths: dict[str, float], **fields) -> dict:
+    """A CUDA-graph benchmark's results record before its first cell: command, environment, timer,
+    `fields` (e.g. the shape), the best and every bandwidth in GB/s, and an empty rows list."""
+    return {"command": command, "environment": env, "timer": "cuda_graph_replay", **fields,
+            "bandwidth_GBps": max(bandwidths.values()) / 1e9,
+            "bandwidths_GBps": {key: v / 1e9 for key, v in bandwidths.items()}, "rows": []}
+
+
 def model_of(layers: int, dtype: torch.dtype = torch.bfloat16) -> Decoder:
     """The Llama-3.1-8B shape with `layers` layers and random weights (bf16 unless said) on the GPU."""
     config = dataclasses.replace(ZOO["llama-3.1-8b-shape"].config, num_layers=layers)

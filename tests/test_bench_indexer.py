@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from prr.bench_args import host_time_us
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_indexer", ROOT / "experiments" / "bench_indexer.py")
 bi = importlib.util.module_from_spec(_spec)
@@ -83,22 +85,9 @@ def test_table_and_outputs(tmp_path):
 def test_one_cell_runs_on_the_cpu(index_dtype, monkeypatch):
     """cell_row's checks and timings end to end on the CPU (the kernels under TRITON_INTERPRET=1, a host
     timer): the scores match the float64 reference with the -inf tail, the append bytes equal the reference's."""
-    import statistics
-    import time
-
-    def host_us(make_call, sets, repeats):
-        calls = [make_call(i) for i in range(sets)]
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for call in calls:
-                call()
-            samples.append((time.perf_counter() - start) * 1e6 / sets)
-        return statistics.median(samples)
-
     monkeypatch.setattr(bi, "TUNE_GRID", dict(block_t=(16, 32), num_stages=(2,), num_warps=(4,), programs_per_sm=(1,)))
     args = bi.parse_args(["--heads", "5", "--dim", "16", "--sets", "2", "--repeats", "1", "--q-dtype", "fp32", "--tune"])
-    row = bi.cell_row(70, 2, index_dtype, args, bandwidth=1e12, seed=3, device="cpu", timer=host_us)
+    row = bi.cell_row(70, 2, index_dtype, args, bandwidth=1e12, seed=3, device="cpu", timer=host_time_us)
     assert row["checks_pass"] and row["score_tail_ok"] and row["append_equal"] and row["score_rel_err"] < 1e-5
     assert row["sets"] == 2 and row["score_bytes"] == bi.score_bytes(2, 70, 5, 16, index_dtype, 4)
     for key in ("score_us", "torch_fp32_us", "torch_bf16_us", "append_us", "append_torch_us"):

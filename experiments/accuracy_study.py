@@ -138,43 +138,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.report is not None:
-        return report(args.report, Path(args.out), argv)
-    tasks = args.tasks.split(",")
-    contexts = [int(x) for x in args.contexts.split(",")]
+def common_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides every config of the study shares (the selector's come after: `study_runs`)."""
+    return [f"model={args.model}", "logger=none", f"runtime.block_size={args.block_size}",
+            f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", f"backend={args.backend}",
+            "runtime.dense_metrics_every=1000000",  # no dense reference per step: accuracy is the point here
+            f"runtime.engine={args.engine}", f"runtime.batch_size={args.batch_size}"]
+
+
+def study_runs(args: argparse.Namespace) -> list[tuple[str, str, str, str, int | None, list[str]]]:
+    """Every config of the study: (name, selector, predictor, reuse, budget tokens, overrides after
+    `common_overrides`). Each selector's overrides at a budget come from one place, `selector_overrides`:
+    the same tokens for every selector (prr.selectors.study_overrides), the indexer's weights, --dense-layers.
+    A budget a selector's unit does not divide, or selector=indexer without trained weights (unless
+    --indexer-weights random), exits with one line naming the fix."""
     budgets = [int(x) for x in args.budgets.split(",")]
     ema_budgets = [int(x) for x in args.ema_budgets.split(",") if x]
     selectors = args.selectors.split(",")
     bad = [s for s in selectors if s not in SPARSE]
     if bad:
         raise SystemExit(f"--selectors {bad} not in {SPARSE}")
-    common = [f"model={args.model}", "logger=none", f"runtime.block_size={args.block_size}",
-              f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", f"backend={args.backend}",
-              "runtime.dense_metrics_every=1000000",  # no dense reference per step: accuracy is the point here
-              f"runtime.engine={args.engine}", f"runtime.batch_size={args.batch_size}"]
-    weights = []  # selector=indexer's (its trained shape and dense layers, or random ones when asked)
     try:
         for sel in selectors:
             for b in budgets + ema_budgets:
                 budget_overrides(sel, b, args.block_size)
     except ValueError as err:
         raise SystemExit(f"--budgets/--ema-budgets: {err}") from None
+    weights = []  # selector=indexer's (its trained shape and dense layers, or random ones when asked)
     if "indexer" in selectors:
+        model = compose_config(common_overrides(args) + task_overrides(args.tasks.split(",")[0])).model.name_or_path
         try:
-            weights = indexer_weight_overrides(compose_config(common + task_overrides(tasks[0])).model.name_or_path,
-                                               args.indexer_weights)
+            weights = indexer_weight_overrides(model, args.indexer_weights)
         except ValueError as err:
             raise SystemExit(f"--selectors indexer: {err}") from None
     dense = [] if args.dense_layers is None else [f"selector.dense_layers=[{args.dense_layers}]"]
 
     def selector_overrides(sel: str, budget: int) -> list[str]:
-        """Every config's selector at `budget` tokens: its unit, top-K and (indexer) weights, then --dense-layers."""
+        """`sel` at `budget` tokens: its unit, top-K and (indexer) weights, then --dense-layers."""
         return [*budget_overrides(sel, budget, args.block_size), *(weights if sel == "indexer" else []), *dense]
 
     reuses = [spec for spec in args.reuse.split(",") if spec]
-    # (name, selector, predictor, reuse, budget tokens, overrides)
     runs: list[tuple[str, str, str, str, int | None, list[str]]] = [
         ("dense", "dense", "none", "none", None, ["selector=dense", "predictor=none"])]
     for sel in selectors:
@@ -188,7 +191,21 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append((f"{sel}-ema-{b}", sel, "ema", "none", b, [*chosen, "predictor=ema",
                                                                         "predictor.calibrate=true",  # (as committed)
                                                                         "runtime.repair_mode=exact", *check]))
+    return runs
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report is not None:
+        return report(args.report, Path(args.out), argv)
+    tasks = args.tasks.split(",")
+    contexts = [int(x) for x in args.contexts.split(",")]
+    budgets = [int(x) for x in args.budgets.split(",")]
+    ema_budgets = [int(x) for x in args.ema_budgets.split(",") if x]
+    selectors = args.selectors.split(",")
+    reuses = [spec for spec in args.reuse.split(",") if spec]
+    common = common_overrides(args)
+    runs = study_runs(args)  # (name, selector, predictor, reuse, budget tokens, overrides)
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     store = Path(f"{args.out}_samples.csv")  # the results store: one row per (task, context, sample, config)
     rows: list[dict[str, Any]] = []
@@ -200,9 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = instantiate(first.runtime)
     model = instantiate(first.model).load(settings.dtype, settings.device)
     # the layers whose normed hidden states the dense prefill keeps: those a config's selector reads (indexer)
-    keep = sorted({layer for sel in selectors for layer in hidden_layers(
-        instantiate(compose_config(common + task_overrides(tasks[0]) + selector_overrides(sel, budgets[0])).selector),
-        model.config.num_layers)})
+    keep = sorted({layer for _, sel, *_, over in runs if sel != "dense" for layer in hidden_layers(
+        instantiate(compose_config(common + task_overrides(tasks[0]) + over).selector), model.config.num_layers)})
     # One Engine per config for every task and context (a graph engine captures its step once, at
     # the longest request: shorter ones run in the same graphs).
     capacity = max(contexts) + 64 + (args.max_new_tokens or 128)  # (128: RULER's longest tokens_to_generate)

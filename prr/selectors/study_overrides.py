@@ -51,7 +51,8 @@ def indexer_weight_overrides(model: str, weights: str) -> list[str]:
     stored = stored_indexer_configs(model)
     if not stored:
         raise ValueError(f"no trained indexer for model {model!r} in the cache: train one with `make train-indexer "
-                         f"MODEL={model}` (docs/results/indexer.md), or pass random weights explicitly")
+                         f"MODEL={model}` (docs/results/indexer.md); random weights (the studies' --indexer-weights random) check "
+                         "the plumbing only")
     if len(stored) > 1:
         raise ValueError(f"{len(stored)} trained indexers for model {model!r} in the cache ({stored}): keep one "
                          "(prr.selectors.indexer_weights.indexer_weights_file names each's file)")

@@ -87,6 +87,9 @@ def variant_overrides(variant: str, topk: int, block_size: int, indexer_weights:
     return [*budget_overrides(selector, topk * block_size, block_size), *extra,
             *(indexer_weights if selector == "indexer" else [])]
 RATIOS = (1.0, 1.25, 1.5, 2.0)
+# every variant's predictor (the dense prefill's config has none: a value override of predictor=ema there
+# would not compose)
+EMA = ["predictor=ema", "predictor.calibrate=true"]  # (predictor=ema's default before issue 53: the committed results)
 
 
 class RatioProbe(Predictor):
@@ -300,9 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime = [f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", "runtime.engine=eager",
                f"runtime.block_size={args.block_size}", f"backend={args.backend}"]
     # (value overrides apply after the group choices: dense_layers=[] holds for every selector variant)
-    common = [f"model={args.model}", "logger=none", *runtime, "task=ruler", "predictor=ema",
-              "predictor.calibrate=true",  # (predictor=ema's default before issue 53: the committed results)
-              "budget=fixed",
+    common = [f"model={args.model}", "logger=none", *runtime, "task=ruler", "budget=fixed",
               "budget.ratio=1.0", "runtime.mode=shadow", "selector.dense_layers=[]"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
             for index, sample in enumerate(task.samples(dense.tokenizer)[: args.samples]):
                 ids = dense.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
                 # K covering the context leaves nothing out: not measured
-                configs = {(variant, k): compose_config(common + task_over + variant_overrides(
+                configs = {(variant, k): compose_config(common + task_over + EMA + variant_overrides(
                     variant, k, args.block_size, weights)) for variant in variants for k in topks
                     if k * args.block_size < ids.shape[1]}
                 keep = sorted({layer for cfg in configs.values()  # the hidden states a variant's selector reads

@@ -14,6 +14,13 @@ predictor state per config), greedy, through the sparse runtime:
   {quest, infllm, less, exact} x budget predictor=ema, repair_mode=exact: PRR
   {quest, infllm, less, exact} x budget x --reuse predictor=none with a selection reuse (issue 53, an
                                         approximation): serial DSA beside it, e.g. --reuse layers:4,steps:4
+Every selector attends the same number of tokens at a budget: --budgets are tokens, in blocks of
+--block-size for quest, infllm, infllm_prr, less and exact; `indexer` (the lightning indexer, issue
+52) selects tokens (runtime.block_size=1, selector.topk_tokens = the budget) and `infllm_v2` its
+64-token blocks (runtime.block_size=64; a budget not a multiple of 64 is refused), both through
+prr.selectors.study_overrides. The indexer runs its model's trained weights (`make train-indexer
+MODEL=...`; refused without them) unless --indexer-weights random, and the dense prefill then
+keeps the normed hidden states of its sparse layers for the replay.
 Reported (a) PRR (ema, exact repair) vs serial DSA (none): token-identical samples, and for
 every differing sample the first divergent step with serial DSA's top-1/top-2 logit margin
 there and the largest PRR-vs-serial attention error of the run (runtime.check_serial);
@@ -48,15 +55,16 @@ import torch
 from hydra.utils import instantiate
 
 from prr.config_check import compose_config
-from prr.evaluation import Engine
+from prr.evaluation import Engine, hidden_layers
 from prr.intervals import score_interval
 from prr.paths import write_json_atomic, write_text_atomic
 from prr.run_inputs import DTYPES
+from prr.selectors.study_overrides import budget_overrides, indexer_weight_overrides
 from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SPARSE = ("quest", "infllm", "infllm_prr", "less", "exact")
+SPARSE = ("quest", "infllm", "infllm_prr", "less", "exact", "indexer", "infllm_v2")
 REUSE_KEYS = {"layers": "anchors", "steps": "every"}  # --reuse NAME:N sets reuse.<key>=N
 
 
@@ -78,7 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=3, help="samples per task and context length")
     p.add_argument("--budgets", default="256,512", help="top-K budgets in tokens (selector.topk_blocks x block_size)")
     p.add_argument("--ema-budgets", default="256", help="budgets that also run predictor=ema ('' for none)")
-    p.add_argument("--selectors", default="quest,infllm,less,exact")
+    p.add_argument("--selectors", default="quest,infllm,less,exact", help=f"comma-separated, of {list(SPARSE)}")
+    p.add_argument("--indexer-weights", default="trained", choices=["trained", "random"],
+                   help="selector=indexer's weights: the model's trained indexer (`make train-indexer MODEL=...`; "
+                        "refused when none is stored) or seeded random ones, whose accuracy is meaningless (an "
+                        "untrained indexer picks tokens at random): for checking the plumbing only")
     p.add_argument("--reuse", default="",
                    help="selection reuses (issue 53) that also run with each selector and budget as serial DSA "
                         "(predictor=none), comma-separated NAME or NAME:N: layers:4 (every 4th sparse layer selects), "
@@ -126,6 +138,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def common_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides every config of the study shares (the selector's come after: `study_runs`)."""
+    return [f"model={args.model}", "logger=none", f"runtime.block_size={args.block_size}",
+            f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", f"backend={args.backend}",
+            "runtime.dense_metrics_every=1000000",  # no dense reference per step: accuracy is the point here
+            f"runtime.engine={args.engine}", f"runtime.batch_size={args.batch_size}"]
+
+
+def study_runs(args: argparse.Namespace) -> list[tuple[str, str, str, str, int | None, list[str]]]:
+    """Every config of the study: (name, selector, predictor, reuse, budget tokens, overrides after
+    `common_overrides`). Each selector's overrides at a budget come from one place, `selector_overrides`:
+    the same tokens for every selector (prr.selectors.study_overrides), the indexer's weights, --dense-layers.
+    A budget a selector's unit does not divide, or selector=indexer without trained weights (unless
+    --indexer-weights random), exits with one line naming the fix."""
+    budgets = [int(x) for x in args.budgets.split(",")]
+    ema_budgets = [int(x) for x in args.ema_budgets.split(",") if x]
+    selectors = args.selectors.split(",")
+    bad = [s for s in selectors if s not in SPARSE]
+    if bad:
+        raise SystemExit(f"--selectors {bad} not in {SPARSE}")
+    try:
+        for sel in selectors:
+            for b in budgets + ema_budgets:
+                budget_overrides(sel, b, args.block_size)
+    except ValueError as err:
+        raise SystemExit(f"--budgets/--ema-budgets: {err}") from None
+    weights = []  # selector=indexer's (its trained shape and dense layers, or random ones when asked)
+    if "indexer" in selectors:
+        model = compose_config(common_overrides(args) + task_overrides(args.tasks.split(",")[0])).model.name_or_path
+        try:
+            weights = indexer_weight_overrides(model, args.indexer_weights)
+        except ValueError as err:
+            raise SystemExit(f"--selectors indexer: {err}") from None
+    dense = [] if args.dense_layers is None else [f"selector.dense_layers=[{args.dense_layers}]"]
+
+    def selector_overrides(sel: str, budget: int) -> list[str]:
+        """`sel` at `budget` tokens: its unit, top-K and (indexer) weights, then --dense-layers."""
+        return [*budget_overrides(sel, budget, args.block_size), *(weights if sel == "indexer" else []), *dense]
+
+    reuses = [spec for spec in args.reuse.split(",") if spec]
+    runs: list[tuple[str, str, str, str, int | None, list[str]]] = [
+        ("dense", "dense", "none", "none", None, ["selector=dense", "predictor=none"])]
+    for sel in selectors:
+        for b in budgets:
+            chosen = selector_overrides(sel, b)
+            runs.append((f"{sel}-none-{b}", sel, "none", "none", b, [*chosen, "predictor=none"]))
+            runs += [(f"{sel}-none-{b}-{spec.replace(':', '')}", sel, "none", spec, b,
+                      [*chosen, "predictor=none", *reuse_overrides(spec)]) for spec in reuses]
+            if b in ema_budgets:
+                check = ["runtime.check_serial=true"] if args.engine == "eager" else []  # (eager records only)
+                runs.append((f"{sel}-ema-{b}", sel, "ema", "none", b, [*chosen, "predictor=ema",
+                                                                        "predictor.calibrate=true",  # (as committed)
+                                                                        "runtime.repair_mode=exact", *check]))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.report is not None:
@@ -135,31 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     budgets = [int(x) for x in args.budgets.split(",")]
     ema_budgets = [int(x) for x in args.ema_budgets.split(",") if x]
     selectors = args.selectors.split(",")
-    bad = [s for s in selectors if s not in SPARSE]
-    if bad or any(b % args.block_size for b in budgets + ema_budgets):
-        raise SystemExit(f"--selectors {bad} not in {SPARSE}, or a budget not a multiple of --block-size {args.block_size}")
-    common = [f"model={args.model}", "logger=none", f"runtime.block_size={args.block_size}",
-              f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", f"backend={args.backend}",
-              "runtime.dense_metrics_every=1000000",  # no dense reference per step: accuracy is the point here
-              f"runtime.engine={args.engine}", f"runtime.batch_size={args.batch_size}"]
-
-    dense = [] if args.dense_layers is None else [f"selector.dense_layers=[{args.dense_layers}]"]
     reuses = [spec for spec in args.reuse.split(",") if spec]
-    # (name, selector, predictor, reuse, budget tokens, overrides)
-    runs: list[tuple[str, str, str, str, int | None, list[str]]] = [
-        ("dense", "dense", "none", "none", None, ["selector=dense", "predictor=none"])]
-    for sel in selectors:
-        for b in budgets:
-            k = f"selector.topk_blocks={b // args.block_size}"
-            runs.append((f"{sel}-none-{b}", sel, "none", "none", b, [f"selector={sel}", "predictor=none", k, *dense]))
-            runs += [(f"{sel}-none-{b}-{spec.replace(':', '')}", sel, "none", spec, b,
-                      [f"selector={sel}", "predictor=none", k, *dense, *reuse_overrides(spec)]) for spec in reuses]
-            if b in ema_budgets:
-                check = ["runtime.check_serial=true"] if args.engine == "eager" else []  # (eager records only)
-                runs.append((f"{sel}-ema-{b}", sel, "ema", "none", b, [f"selector={sel}", "predictor=ema",
-                                                            "predictor.calibrate=true", k, *dense,  # (as committed)
-                                                            "runtime.repair_mode=exact", *check]))
-
+    common = common_overrides(args)
+    runs = study_runs(args)  # (name, selector, predictor, reuse, budget tokens, overrides)
     command = " ".join(["python experiments/accuracy_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     store = Path(f"{args.out}_samples.csv")  # the results store: one row per (task, context, sample, config)
     rows: list[dict[str, Any]] = []
@@ -170,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     first = compose_config(common + task_overrides(tasks[0]))
     settings = instantiate(first.runtime)
     model = instantiate(first.model).load(settings.dtype, settings.device)
+    # the layers whose normed hidden states the dense prefill keeps: those a config's selector reads (indexer)
+    keep = sorted({layer for _, sel, *_, over in runs if sel != "dense" for layer in hidden_layers(
+        instantiate(compose_config(common + task_overrides(tasks[0]) + over).selector), model.config.num_layers)})
     # One Engine per config for every task and context (a graph engine captures its step once, at
     # the longest request: shorter ones run in the same graphs).
     capacity = max(contexts) + 64 + (args.max_new_tokens or 128)  # (128: RULER's longest tokens_to_generate)
@@ -208,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         samples = [task.make_sample(base.tokenizer, task.rng(index), index) for index in indices]
         ids = [base.encode_prompt(s.prompt, task.chat_template, s.gen_prefix) for s in samples]  # [1, T_b] each
         t0 = time.perf_counter()
-        prefills = [base.prefill(x) for x in ids]
+        prefills = [base.prefill(x, hidden=keep) for x in ids]
         prefill_s = (time.perf_counter() - t0) / len(ids)
         ran = []
         for name, sel, pred, reuse, budget, over in runs:

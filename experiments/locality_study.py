@@ -7,13 +7,18 @@
 
 How: per RULER task (task=ruler, `make ruler-data`) and context length, each of --samples
 prompts (samples 0..n-1) is prefilled once, dense, with its q/k/v kept (prr.evaluation.Engine.prefill). Every selector
-variant (quest with the GQA max and with the sum, infllm, exact) × K (blocks of 16) replays
-that prefill into a fresh cache and decodes --steps tokens through the research runtime
+variant (quest with the GQA max and with the sum, infllm, infllm_prr, exact, indexer, infllm_v2) × K
+(blocks of --block-size) replays that prefill into a fresh cache and decodes --steps tokens through the research runtime
 (DSABackend: the engine's step) in shadow mode: attention stays dense, so every variant sees
 the same trajectory (the first variant's greedy tokens; the others are fed those tokens and
 must reproduce its logits' argmax, which is checked), while the selector, the EMA predictor
 (calibrated on the prefill tail as in a run) at |P| = K and the dense reference run beside
-it. All layers are measured (selector.dense_layers=[]). A predictor wrapper asks EMA, before
+it. All layers are measured (selector.dense_layers=[]), but the trained indexer's dense layers (it has
+no weights there; --indexer-weights random measures every layer). Every variant attends K × --block-size
+tokens (prr.selectors.study_overrides): `indexer` (the lightning indexer, issue 52) selects tokens
+(runtime.block_size=1, topk_tokens), `infllm_v2` 64-token blocks (a K × block not a multiple of 64
+is refused); their rows count in those units (`unit_tokens`), their rates are fractions all the same.
+The dense prefill keeps the normed hidden states of the indexer's sparse layers for its replay. A predictor wrapper asks EMA, before
 each of its updates, for the P it would speculate at every |P|/K ratio, so one decode gives
 the hit rate of every ratio (its |P| = K hits must equal the run's own: checked).
 --engine graph decodes each variant through the graph engine instead (prr.runtime.study_decode:
@@ -48,7 +53,7 @@ from hydra.utils import instantiate
 from prr.blocks import BlockSet
 from prr.budget.fixed import FixedBudget
 from prr.config_check import compose_config
-from prr.evaluation import Engine
+from prr.evaluation import Engine, hidden_layers
 from prr.intervals import means_over_prompts
 from prr.metrics import layer_step_rows
 from prr.paths import write_json_atomic
@@ -56,19 +61,35 @@ from prr.predictors.base import Predictor
 from prr.run_inputs import DTYPES
 from prr.runtime.eager_run import EagerRuntime
 from prr.selectors.base import Selection
+from prr.selectors.study_overrides import budget_overrides, indexer_weight_overrides, selector_unit
 from prr.tasks.ruler import task_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# variant name -> selector overrides (all layers sparse: locality of every layer is measured)
-VARIANTS: dict[str, list[str]] = {
-    "quest_max": ["selector=quest", "selector.gqa_reduce=max"],
-    "quest_sum": ["selector=quest", "selector.gqa_reduce=sum"],
-    "infllm": ["selector=infllm"],
-    "infllm_prr": ["selector=infllm_prr"],
-    "exact": ["selector=exact"],
+# variant name -> (selector, its other overrides) (all layers sparse: locality of every layer is measured)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "quest_max": ("quest", ["selector.gqa_reduce=max"]),
+    "quest_sum": ("quest", ["selector.gqa_reduce=sum"]),
+    "infllm": ("infllm", []),
+    "infllm_prr": ("infllm_prr", []),
+    "exact": ("exact", []),
+    "indexer": ("indexer", []),  # + its weights' overrides (variant_overrides)
+    "infllm_v2": ("infllm_v2", []),
 }
+DEFAULT_VARIANTS = ("quest_max", "quest_sum", "infllm", "infllm_prr", "exact")  # (the committed tables')
+
+
+def variant_overrides(variant: str, topk: int, block_size: int, indexer_weights: list[str]) -> list[str]:
+    """The config overrides of `variant` at K = `topk` blocks of `block_size` tokens (the same tokens for
+    every variant: prr.selectors.study_overrides.budget_overrides). indexer_weights: the indexer's
+    (`indexer_weight_overrides`), applied after the study's selector.dense_layers=[]."""
+    selector, extra = VARIANTS[variant]
+    return [*budget_overrides(selector, topk * block_size, block_size), *extra,
+            *(indexer_weights if selector == "indexer" else [])]
 RATIOS = (1.0, 1.25, 1.5, 2.0)
+# every variant's predictor (the dense prefill's config has none: a value override of predictor=ema there
+# would not compose)
+EMA = ["predictor=ema", "predictor.calibrate=true"]  # (predictor=ema's default before issue 53: the committed results)
 
 
 class RatioProbe(Predictor):
@@ -130,7 +151,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64, help="decode steps per prompt (no stop at EOS)")
     p.add_argument("--samples", type=int, default=1, help="prompts per task and context (RULER samples 0..n-1)")
     p.add_argument("--topk", default="32,64,128", help="K in blocks of --block-size")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {list(VARIANTS)}")
+    p.add_argument("--indexer-weights", default="trained", choices=["trained", "random"],
+                   help="the indexer variant's weights: the model's trained indexer (`make train-indexer MODEL=...`; "
+                        "refused when none is stored) or seeded random ones, whose locality says nothing of a "
+                        "trained indexer's: for checking the plumbing only")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -152,6 +177,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--tasks/--contexts/--topk: {err}")
     if min(contexts) < 1024 or min(topks) < 1:
         p.error(f"--contexts {contexts} must be >= 1024 (RULER) and --topk {topks} >= 1")
+    try:
+        for variant in variants:
+            for k in topks:
+                budget_overrides(VARIANTS[variant][0], k * args.block_size, args.block_size)
+    except ValueError as err:
+        p.error(f"--topk x --block-size: {err}")
     return args
 
 
@@ -272,9 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime = [f"runtime.device={args.device}", f"runtime.dtype={args.dtype}", "runtime.engine=eager",
                f"runtime.block_size={args.block_size}", f"backend={args.backend}"]
     # (value overrides apply after the group choices: dense_layers=[] holds for every selector variant)
-    common = [f"model={args.model}", "logger=none", *runtime, "task=ruler", "predictor=ema",
-              "predictor.calibrate=true",  # (predictor=ema's default before issue 53: the committed results)
-              "budget=fixed",
+    common = [f"model={args.model}", "logger=none", *runtime, "task=ruler", "budget=fixed",
               "budget.ratio=1.0", "runtime.mode=shadow", "selector.dense_layers=[]"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -282,6 +311,12 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     first = compose_config(common + ["selector=dense", "predictor=none", f"task.context_tokens={contexts[0]}"])
     settings = instantiate(first.runtime)
+    weights = []  # the indexer variant's (its trained shape and dense layers, or random ones when asked)
+    if any(VARIANTS[v][0] == "indexer" for v in variants):
+        try:
+            weights = indexer_weight_overrides(first.model.name_or_path, args.indexer_weights)
+        except ValueError as err:
+            raise SystemExit(f"--variants indexer: {err}") from None
     model = instantiate(first.model).load(settings.dtype, settings.device)
     frames: list[pd.DataFrame] = []
     checks: list[dict[str, Any]] = []
@@ -293,31 +328,33 @@ def main(argv: list[str] | None = None) -> None:
             task = instantiate(dense.cfg.task)
             for index, sample in enumerate(task.samples(dense.tokenizer)[: args.samples]):
                 ids = dense.encode_prompt(sample.prompt, task.chat_template, sample.gen_prefix)  # [1, T]
+                # K covering the context leaves nothing out: not measured
+                configs = {(variant, k): compose_config(common + task_over + EMA + variant_overrides(
+                    variant, k, args.block_size, weights)) for variant in variants for k in topks
+                    if k * args.block_size < ids.shape[1]}
+                keep = sorted({layer for cfg in configs.values()  # the hidden states a variant's selector reads
+                               for layer in hidden_layers(instantiate(cfg.selector), model.config.num_layers)})
                 t0 = time.perf_counter()
-                prefill = dense.prefill(ids)
+                prefill = dense.prefill(ids, hidden=keep)
                 prefill_s = time.perf_counter() - t0
                 tokens: list[int] | None = None  # each prompt's dense trajectory, shared by its variants
-                for variant in variants:
-                    for k in topks:
-                        if k * args.block_size >= ids.shape[1]:
-                            continue  # K covers the context: nothing is left out
-                        t0 = time.perf_counter()
-                        cfg = compose_config(common + task_over + VARIANTS[variant] + [f"selector.topk_blocks={k}"])
-                        rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens,
-                                                                            args.engine)
-                        tokens = tokens or followed
-                        frames.append(pd.DataFrame(rows).assign(
-                            model=args.model, task=task_name, sample=index, context_tokens=ctx,
-                            prompt_tokens=ids.shape[1], variant=variant, topk_blocks=k))
-                        checks.append({"task": task_name, "sample": index, "context_tokens": ctx, "variant": variant,
-                                       "topk_blocks": k, "argmax_disagreements": disagree,
-                                       "probe_hit_mismatches": mismatch, "decode_s": round(time.perf_counter() - t0, 1),
-                                       "prefill_s": round(prefill_s, 1)})
-                        last = pooled(frames[-1], ["variant"]).iloc[0]
-                        print(f"{args.model} {task_name} #{index} {ctx} ({ids.shape[1]} prompt tokens) {variant} K={k}: "
-                              f"overlap {last.last_step_overlap:.3f} EMA hit x1 {last['ema_hit_x1.0']:.3f} "
-                              f"x2 {last['ema_hit_x2.0']:.3f} recall {last.mass_recall:.3f} "
-                              f"({checks[-1]['decode_s']}s, {time.perf_counter() - t_start:.0f}s so far)", flush=True)
+                for (variant, k), cfg in configs.items():
+                    t0 = time.perf_counter()
+                    rows, followed, disagree, mismatch = decode_variant(model, prefill, cfg, args.steps, tokens,
+                                                                        args.engine)
+                    tokens = tokens or followed
+                    frames.append(pd.DataFrame(rows).assign(
+                        model=args.model, task=task_name, sample=index, context_tokens=ctx,
+                        prompt_tokens=ids.shape[1], variant=variant, topk_blocks=k))
+                    checks.append({"task": task_name, "sample": index, "context_tokens": ctx, "variant": variant,
+                                   "topk_blocks": k, "argmax_disagreements": disagree,
+                                   "probe_hit_mismatches": mismatch, "decode_s": round(time.perf_counter() - t0, 1),
+                                   "prefill_s": round(prefill_s, 1)})
+                    last = pooled(frames[-1], ["variant"]).iloc[0]
+                    print(f"{args.model} {task_name} #{index} {ctx} ({ids.shape[1]} prompt tokens) {variant} K={k}: "
+                          f"overlap {last.last_step_overlap:.3f} EMA hit x1 {last['ema_hit_x1.0']:.3f} "
+                          f"x2 {last['ema_hit_x2.0']:.3f} recall {last.mass_recall:.3f} "
+                          f"({checks[-1]['decode_s']}s, {time.perf_counter() - t_start:.0f}s so far)", flush=True)
             finished.append(f"{task_name} {ctx}")
             if frames:
                 write(out, pd.concat(frames, ignore_index=True), checks, command, args, time.perf_counter() - t_start,
@@ -340,8 +377,9 @@ def write(out: Path, frame: pd.DataFrame, checks: list[dict[str, Any]], command:
               "_per_head": over_prompts(frame, key + ["layer", "kv_head"])}
     prompt_tokens = frame.groupby(["task", "context_tokens"])["prompt_tokens"].mean().rename("prompt_tokens")
     tables[""] = tables[""].join(prompt_tokens, on=["task", "context_tokens"])  # mean over the task's prompts
+    units = {v: selector_unit(VARIANTS[v][0], args.block_size) for v in VARIANTS}  # tokens a selected_block holds
     for suffix, table in tables.items():
-        table.assign(command=command).to_csv(f"{out}{suffix}.csv", index=False)
+        table.assign(unit_tokens=table["variant"].map(units), command=command).to_csv(f"{out}{suffix}.csv", index=False)
     weakest = {}
     for (model, ctx, variant, k), group in tables["_per_layer"].groupby(key):
         low = group.nsmallest(3, "last_step_overlap")

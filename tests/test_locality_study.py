@@ -95,7 +95,7 @@ def test_every_variant_decodes_the_same_dense_trajectory_and_its_probe_agrees(ti
     greedy = dense.generate(prefill.input_ids, steps, prefill=prefill).token_ids  # the dense trajectory, decoded apart
     tokens = None
     for variant in ("quest_max", "infllm", "exact"):
-        cfg = compose_config(common + ls.VARIANTS[variant] + ["selector.dense_layers=[]", "selector.topk_blocks=6"])
+        cfg = compose_config(common + ls.variant_overrides(variant, 6, 16, []))
         rows, followed, disagree, mismatch = ls.decode_variant(model, prefill, cfg, steps, tokens)
         tokens = tokens or followed
         assert (disagree, mismatch) == (0, 0) and followed == tokens and followed[:len(greedy)] == greedy
@@ -110,7 +110,7 @@ def test_every_variant_decodes_the_same_dense_trajectory_and_its_probe_agrees(ti
 @pytest.mark.parametrize("topk", [6, 12])  # 12 of 13-14 blocks: |P| = 2K is capped at the context
 def test_each_ratios_hits_are_what_a_run_at_that_ratio_speculates(tiny, topk):
     common, model, prefill = tiny
-    over = ls.VARIANTS["quest_max"] + ["selector.dense_layers=[]", f"selector.topk_blocks={topk}"]
+    over = ls.variant_overrides("quest_max", topk, 16, [])
     rows, tokens, _, _ = ls.decode_variant(model, prefill, compose_config(common + over), 5, None)
     probed = pd.DataFrame(rows)
     for r in ls.RATIOS[1:]:

@@ -81,7 +81,7 @@ def test_the_locality_studys_counters_equal_on_the_graph_engine(tiny, variant):
     counters): every (layer, KV head)'s counts at every ratio, its overlap, mass recall and
     output error, and both pooled into the same table."""
     model, prefill, common = tiny
-    cfg = compose_config(common + ls.VARIANTS[variant] + ["selector.dense_layers=[]", "selector.topk_blocks=6"])
+    cfg = compose_config(common + ls.variant_overrides(variant, 6, 16, []))
     rows, tokens, disagree, mismatch = ls.decode_variant(model, prefill, cfg, STEPS, None)
     assert (disagree, mismatch) == (0, 0)
     eager = pd.DataFrame(rows).assign(measured=1)
@@ -217,7 +217,7 @@ def test_the_study_counters_equal_the_eager_studys_on_the_kernels():
 
 def check_on_the_kernels(device: str, variant: str) -> None:
     model, prefill, common = prefilled(device, "tiny-random-d64", ("backend=triton",))
-    cfg = compose_config(common + ls.VARIANTS[variant] + ["selector.dense_layers=[]", "selector.topk_blocks=6"])
+    cfg = compose_config(common + ls.variant_overrides(variant, 6, 16, []))
     rows, tokens, disagree, mismatch = ls.decode_variant(model, prefill, cfg, STEPS, None)
     assert (disagree, mismatch) == (0, 0)
     g_rows, g_tokens, g_disagree, g_mismatch = ls.decode_variant(model, prefill, cfg, STEPS, tokens, engine="graph")

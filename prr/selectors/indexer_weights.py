@@ -268,3 +268,22 @@ def load_indexer(model: str, model_config: ModelConfig, config: IndexerConfig) -
         raise ValueError(f"{path}: made for {weights.model_shape()} with {weights.config}, not model {model!r} "
                          f"{want} with {config}; rerun `{train_hint(model, config)}`")
     return weights
+
+
+def stored_indexer_configs(model: str) -> list[IndexerConfig]:
+    """The configs of the distilled indexers of `model` in the cache (files `make train-indexer`
+    wrote: the name's hash is recomputed from the header's config, so another model's file or a
+    renamed one is not counted), in file-name order; [] when there is none."""
+    from safetensors import safe_open
+
+    found = []
+    for path in sorted((cache_dir() / "indexer").glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        if header.get("format_version") != str(FORMAT_VERSION) or "config" not in header:
+            continue
+        stored = json.loads(header["config"])
+        config = IndexerConfig(**{**stored, "dense_layers": tuple(stored["dense_layers"])})
+        if indexer_weights_file(model, config) == path:
+            found.append(config)
+    return found

@@ -3,7 +3,9 @@ selector and predictor objects the graph-engine tests decode with."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import yaml
@@ -112,3 +114,12 @@ def replays_selections(option: str) -> bool:
     from prr.config_check import resolve_target
 
     return bool(resolve_target(conf_target("predictor", option)).replays_selections)
+
+
+def load_experiment(name: str) -> ModuleType:
+    """experiments/<name>.py as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

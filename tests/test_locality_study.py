@@ -3,9 +3,7 @@ probe counts what the wrapped predictor would have proposed and changes nothing 
 every selector variant decodes the same dense trajectory. accuracy_study's --report rebuilds
 a cut-short run's tables."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,18 +16,9 @@ from prr.config_check import compose_config
 from prr.evaluation import Engine
 from prr.predictors.ema import EmaPredictor
 from prr.selectors.base import Selection
+from tests.helpers import load_experiment
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ls = load("locality_study")
+ls = load_experiment("locality_study")
 
 
 def random_selection(gen: torch.Generator, batch: int, heads: int, max_blocks: int, nb: int, k: int) -> Selection:
@@ -121,7 +110,7 @@ def test_each_ratios_hits_are_what_a_run_at_that_ratio_speculates(tiny, topk):
 
 
 def test_accuracy_report_rebuilds_the_tables_of_a_cut_short_run(tmp_path):
-    acc = load("accuracy_study")
+    acc = load_experiment("accuracy_study")
     rows = []
     for sample in range(2):
         for config, selector, predictor, budget, tokens in (("dense", "dense", "none", None, [1, 2, 3]),
@@ -172,7 +161,7 @@ def test_accuracy_study_resumes_its_results_store_and_never_overwrites_it(tmp_pa
     """The samples file is the store: a second run with --resume keeps every finished
     (task, context, sample, config) row and runs only the missing ones; without --resume an
     existing store is refused (exit 2) before any work."""
-    acc = load("accuracy_study")
+    acc = load_experiment("accuracy_study")
     out = str(tmp_path / "acc")
     args = ["--model", "tiny-random", "--tasks", "ruler_niah", "--contexts", "1000", "--budgets", "128",
             "--ema-budgets", "", "--selectors", "quest", "--max-new-tokens", "3", "--out", out]
@@ -196,7 +185,7 @@ def test_accuracy_study_decodes_a_batch_of_samples_as_it_decodes_each_alone(tmp_
     and config the tokens a batch-1 run gives; each row's hit rate is its own device counters'
     (a sample alone in its batch, beside a padding row, has batch 1's); the research runtime's
     batch > 1 is refused (exit 2)."""
-    acc = load("accuracy_study")
+    acc = load_experiment("accuracy_study")
     args = ["--model", "tiny-random", "--tasks", "ruler_niah", "--contexts", "700", "--budgets", "64",
             "--ema-budgets", "64", "--selectors", "quest", "--dense-layers", "0", "--max-new-tokens", "6",
             "--samples", "3", "--engine", "graph"]

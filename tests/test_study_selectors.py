@@ -3,8 +3,6 @@ study builds `indexer` and `infllm_v2` at the tokens Quest gets, refuses the ind
 trained weights, and the locality study measures an indexer variant from a kept prefill that
 kept its hidden states (tiny random model, CPU)."""
 
-import importlib.util
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -15,18 +13,9 @@ from prr.config_check import compose_config
 from prr.evaluation import Engine, hidden_layers
 from prr.selectors.indexer_weights import IndexerConfig, IndexerWeights, indexer_weights_file
 from prr.selectors.study_overrides import budget_overrides, indexer_weight_overrides
+from tests.helpers import load_experiment
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-acc, ls = load("accuracy_study"), load("locality_study")
+acc, ls = load_experiment("accuracy_study"), load_experiment("locality_study")
 
 
 def attended_tokens(cfg) -> int:

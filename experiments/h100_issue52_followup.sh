@@ -5,9 +5,7 @@
 # selection blocks are 64 tokens). Everything lands in $OUT.
 #   usage on the device: OUT=... bash experiments/h100_issue52_followup.sh
 . "$(dirname "$0")/h200_preamble.sh"
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.whl/*.whl 2>&1 | grep -v WARNING
-export PYTHONPATH=$ROOT/.site:$ROOT
+install_wheels
 say "gpu tests"
 timeout ${TESTS_S:-110} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_indexer.py \
   tests/test_kernels_infllm_v2.py tests/test_kernels_topk_long.py tests/test_selectors_infllm_v2.py \

@@ -5,9 +5,7 @@
 # bench_<part>.{md,csv,json}).
 #   usage on the device: OUT=... PARTS="indexer token" bash experiments/h100_issue52_kernels.sh
 . "$(dirname "$0")/h200_preamble.sh"
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.whl/*.whl 2>&1 | grep -v WARNING
-export PYTHONPATH=$ROOT/.site:$ROOT
+install_wheels
 PARTS=${PARTS:-indexer token topk infllm_v2}
 part() {  # $1: name, $2: test files, $3: test seconds, $4: bench seconds, $5...: the bench command
   local name=$1 tests=$2 test_s=$3 bench_s=$4; shift 4

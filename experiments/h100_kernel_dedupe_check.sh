@@ -7,9 +7,7 @@
 #     --quick there and in this tree (before / after on one GPU).
 #   usage on the device: OUT=... bash experiments/h100_kernel_dedupe_check.sh
 . "$(dirname "$0")/h200_preamble.sh"
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.whl/*.whl 2>&1 | grep -v WARNING
-export PYTHONPATH=$ROOT/.site:$ROOT
+install_wheels
 say "profile_infllm_v2"
 timeout ${PROFILE_S:-200} python3 experiments/profile_infllm_v2.py --batches 1 --layers 4,32 --out "$OUT/profile_infllm_v2_b1" \
   > /tmp/profile_b1.log 2>&1; echo "rc=$?" | tee -a "$LOG"; grep "µs/layer" /tmp/profile_b1.log | tee -a "$LOG"

@@ -7,9 +7,7 @@
 #     beside quest serial at the same token budget (block 16, K = 128).
 # Everything lands in $OUT.   usage on the device: OUT=... bash experiments/h100_selection_runs.sh
 . "$(dirname "$0")/h200_preamble.sh"
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.whl/*.whl 2>&1 | grep -v WARNING
-export PYTHONPATH=$ROOT/.site:$ROOT
+install_wheels
 STAGE_MAP=${STAGE_MAP:-experiments/results/h100/issue52_followup_20261207/bench_decode_stage_infllm_v2_stage.csv}
 say "reuse runs"
 timeout ${REUSE_S:-330} python3 experiments/bench_engine_runs.py --cases matrix --contexts 32000,128000 --blocks 64 \

@@ -10,9 +10,7 @@
 #     whole runs spend ~14 us more a layer on its selection than the 4-layer map; L2 the suspect).
 # Everything lands in $OUT.   usage on the device: OUT=... bash experiments/h100_session_checks.sh
 . "$(dirname "$0")/h200_preamble.sh"
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.whl/*.whl 2>&1 | grep -v WARNING
-export PYTHONPATH=$ROOT/.site:$ROOT
+install_wheels
 STAGE_MAP=${STAGE_MAP:-experiments/results/h100/issue52_followup_20261207/bench_decode_stage_infllm_v2_stage.csv}
 say "gpu tests"
 timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selection_reuse.py \

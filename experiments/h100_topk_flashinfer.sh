@@ -6,9 +6,8 @@
 # path above), the hinted top-k, torch.topk and flashinfer.top_k on the same rows; sets checked.
 #   usage on the device: OUT=... bash experiments/h100_topk_flashinfer.sh
 . "$(dirname "$0")/h200_preamble.sh"
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.whl/*.whl "$ROOT"/.xfer/fi/*.whl 2>&1 | grep -v WARNING
-export PYTHONPATH=$ROOT/.site:$ROOT PATH=$ROOT/.site/bin:$PATH FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
+install_wheels "$ROOT"/.xfer/fi/*.whl
+export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
 say "bench_hinted_topk with FlashInfer"
 timeout ${BENCH_S:-520} python3 experiments/bench_hinted_topk.py --candidates ${CANDIDATES:-8192,32768,131072} \

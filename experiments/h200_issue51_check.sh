@@ -12,9 +12,7 @@
 # Everything lands in $OUT (log.txt, gpu_tests.txt, matrix_before.json, matrix_after.json).
 #   usage on the device: OUT=... bash experiments/h200_issue51_check.sh
 . "$(dirname "$0")/h200_preamble.sh"
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --target "$ROOT/.site" "$ROOT"/.whl/*.whl 2>&1 | grep -v WARNING
-export PYTHONPATH=$ROOT/.site:$ROOT
+install_wheels
 
 say "gpu tests"
 GPU_TESTS=${GPU_TESTS:-tests/test_graph_decode.py tests/test_exact_speculation.py tests/test_less_side_summaries.py \

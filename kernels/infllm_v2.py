@@ -61,8 +61,8 @@ def infllm_v2_score(q: Tensor, compressed: Tensor, lengths: Tensor, max_blocks: 
     [B] int32 tokens per row -> [B, Hkv, max_blocks] fp32: per block of 64 tokens, the max over the
     complete windows overlapping it of the group's summed softmax probabilities (scale 1/sqrt(D) by
     default); 0 for a block with none complete, -inf past the context. Two launches (the lse pass
-    over split window ranges, then the pooled scores); equals `infllm_v2_score_reference` up to fp32
-    summation order."""
+    over split window ranges, storing each head's logits, then the pooled scores from those logits);
+    equals `infllm_v2_score_reference` up to fp32 summation order."""
     _check(compressed, lengths, "lengths")
     b, h, w_max, d = compressed.shape
     if q.dim() != 3 or q.shape[0] != b or q.shape[2] != d or q.shape[1] % h or q.dtype not in FLOAT_DTYPES:
@@ -84,14 +84,14 @@ def infllm_v2_score(q: Tensor, compressed: Tensor, lengths: Tensor, max_blocks: 
     splits = triton.cdiv(max(w_max, 1), per_split)
     part_max = torch.empty(b, h, splits, group_pad, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    common = dict(GROUP=group, GROUP_PAD=group_pad, WINDOW=WINDOW, STRIDE=STRIDE, BLOCK_D=block_d, D_CHUNK=d_chunk)
+    logits = torch.empty(b, h, group_pad, w_max, dtype=torch.float32, device=q.device)  # each window's, once
+    common = dict(GROUP=group, GROUP_PAD=group_pad, WINDOW=WINDOW, STRIDE=STRIDE)
     _lse_kernel[(splits, h, b)](
-        q, compressed, lengths, part_max, part_sum, w_max, d, scale, splits, *q.stride(), *compressed.stride(),
-        WINDOWS_PER_SPLIT=per_split, BLOCK_W=BLOCK_W, **common, num_warps=4,
+        q, compressed, lengths, part_max, part_sum, logits, w_max, d, scale, splits, *q.stride(), *compressed.stride(),
+        WINDOWS_PER_SPLIT=per_split, BLOCK_W=BLOCK_W, BLOCK_D=block_d, D_CHUNK=d_chunk, **common, num_warps=4,
     )
     _pool_kernel[(triton.cdiv(max_blocks, BLOCK_N), h, b)](
-        q, compressed, lengths, part_max, part_sum, out, w_max, max_blocks, d, scale, splits,
-        *q.stride(), *compressed.stride(), *out.stride(),
+        lengths, part_max, part_sum, logits, out, w_max, max_blocks, splits, *out.stride(),
         BLOCK=BLOCK, SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N, **common, num_warps=4,
     )
     return out

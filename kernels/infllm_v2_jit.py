@@ -4,10 +4,12 @@ block scores. Launchers with checks live in `prr.kernels.infllm_v2`, the torch r
 the complete windows summed over its group, max-pooled onto blocks).
 
 The scores take two launches: the softmax's normaliser needs every window of the row before any
-probability is known (the paper's two-pass stage 1), so `_lse_kernel` reduces split ranges of
-windows to per-head partial (max, sum of exp), and `_pool_kernel` merges those into each head's
-log-sum-exp and scores a tile of blocks from the five windows overlapping each (window 4k-1 .. 4k+3
-of block k: each window is read by two neighbouring tiles at most, 5/4 of the bytes).
+probability is known (the paper's two-pass stage 1), so `_lse_kernel` reads every complete window's
+key once, stores each head's scaled logit (fp32 [B, Hkv, GROUP_PAD, W]: G·4 bytes a window against
+the key's D·2, 1/32 of the keys' bytes at D = 128, G = 4) and reduces split ranges of windows to
+per-head partial (max, sum of exp); `_pool_kernel` merges those into each head's log-sum-exp and
+scores a tile of blocks from the stored logits of the five windows overlapping each (window
+4k-1 .. 4k+3 of block k). Recomputing the logits there instead re-read 5/4 of the keys.
 Products are fp32 broadcast-multiply-sums over D in chunks (no tensor cores: a group of G query
 heads is too small an M for a GEMM, as in Quest's FMA path).
 """
@@ -85,6 +87,7 @@ def _lse_kernel(
     lengths_ptr,  # [B] int32: tokens per row
     max_ptr,  # [B, Hkv, SPLITS, GROUP_PAD] fp32 out: per head the max scaled logit of the split
     sum_ptr,  # [B, Hkv, SPLITS, GROUP_PAD] fp32 out: Σ exp(logit - max) over the split
+    logits_ptr,  # [B, Hkv, GROUP_PAD, W] fp32 out: each head's scaled logit of each window (-inf if not complete)
     max_windows, head_dim, scale, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_ch, stride_cw, stride_cd,
@@ -99,6 +102,9 @@ def _lse_kernel(
     seen = _complete_windows(tl.load(lengths_ptr + batch).to(tl.int32), WINDOW, STRIDE)
     q_row = q_ptr + batch.to(tl.int64) * stride_qb + (kv_head * GROUP).to(tl.int64) * stride_qh
     comp = compressed_ptr + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch
+    offs_g = tl.arange(0, GROUP_PAD)
+    logit_rows = logits_ptr + ((batch * tl.num_programs(1) + kv_head).to(tl.int64) * GROUP_PAD
+                               + offs_g[:, None]) * max_windows  # [GROUP_PAD, 1]
     run_max = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     run_sum = tl.zeros((GROUP_PAD,), tl.float32)
     for w0 in range(split * WINDOWS_PER_SPLIT, (split + 1) * WINDOWS_PER_SPLIT, BLOCK_W):
@@ -107,11 +113,11 @@ def _lse_kernel(
         logits = _group_logits(q_row, stride_qh, stride_qd, comp + offs_w.to(tl.int64) * stride_cw, stride_cd, live,
                                head_dim, GROUP, GROUP_PAD, BLOCK_D, D_CHUNK) * scale
         logits = tl.where(live[None, :], logits, float("-inf"))  # [GROUP_PAD, BLOCK_W]
+        tl.store(logit_rows + offs_w[None, :], logits, mask=(offs_w < max_windows)[None, :])
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing seen yet: no rescale
         run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(logits - safe[:, None]), axis=1)
         run_max = new_max
-    offs_g = tl.arange(0, GROUP_PAD)
     out = ((batch * tl.num_programs(1) + kv_head) * num_splits + split).to(tl.int64) * GROUP_PAD + offs_g
     tl.store(max_ptr + out, run_max)
     tl.store(sum_ptr + out, run_sum)
@@ -119,16 +125,15 @@ def _lse_kernel(
 
 @triton.jit
 def _pool_kernel(
-    q_ptr, compressed_ptr, lengths_ptr,
+    lengths_ptr,
     max_ptr, sum_ptr,  # the split partials of _lse_kernel
+    logits_ptr,  # [B, Hkv, GROUP_PAD, W] fp32: _lse_kernel's scaled logits
     out_ptr,  # [B, Hkv, NB_max] fp32 S_cmp: 0 for a block with no complete window, -inf past the context
-    max_windows, max_blocks, head_dim, scale, num_splits,
-    stride_qb, stride_qh, stride_qd,
-    stride_cb, stride_ch, stride_cw, stride_cd,
+    max_windows, max_blocks, num_splits,
     stride_ob, stride_oh, stride_on,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     WINDOW: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,16 +154,15 @@ def _pool_kernel(
     lse = top + tl.log(tl.maximum(total, 1e-30))  # (a row without windows scores none of them)
     real_head = (offs_g < GROUP)[:, None]
 
-    q_row = q_ptr + batch.to(tl.int64) * stride_qb + (kv_head * GROUP).to(tl.int64) * stride_qh
-    comp = compressed_ptr + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch
+    logit_rows = logits_ptr + ((batch * tl.num_programs(1) + kv_head).to(tl.int64) * GROUP_PAD
+                               + offs_g[:, None]) * max_windows  # [GROUP_PAD, 1]
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     in_context = offs_n < num_blocks
     best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     for j in tl.static_range(BLOCK // STRIDE + 1):  # windows 4k - 1 .. 4k + 3 overlap block k
         offs_w = offs_n * (BLOCK // STRIDE) - 1 + j
         live = (offs_w >= 0) & (offs_w < seen) & (offs_w < max_windows) & in_context
-        logits = _group_logits(q_row, stride_qh, stride_qd, comp + offs_w.to(tl.int64) * stride_cw, stride_cd, live,
-                               head_dim, GROUP, GROUP_PAD, BLOCK_D, D_CHUNK) * scale
+        logits = tl.load(logit_rows + offs_w[None, :], mask=real_head & live[None, :], other=0.0)  # [G_PAD, BLOCK_N]
         probs = tl.where(real_head & live[None, :], tl.exp(logits - lse[:, None]), 0.0)
         best = tl.maximum(best, tl.where(live, tl.sum(probs, axis=0), float("-inf")))
     best = tl.where(best == float("-inf"), 0.0, best)

@@ -225,11 +225,12 @@ SCRIPT = textwrap.dedent('''
 
     build(K._compress_append_kernel, {"compressed_ptr": B16, "keys_ptr": B16, "positions_ptr": I32},
           {"WINDOW": 32, "STRIDE": 16, "BLOCK_D": 128})
-    sizes = {"GROUP": 4, "GROUP_PAD": 4, "WINDOW": 32, "STRIDE": 16, "BLOCK_D": 128, "D_CHUNK": 32}
+    sizes = {"GROUP": 4, "GROUP_PAD": 4, "WINDOW": 32, "STRIDE": 16}
     build(K._lse_kernel, {"q_ptr": B16, "compressed_ptr": B16, "lengths_ptr": I32, "max_ptr": F, "sum_ptr": F,
-                          "scale": "fp32"}, {**sizes, "WINDOWS_PER_SPLIT": 128, "BLOCK_W": 32})
-    build(K._pool_kernel, {"q_ptr": B16, "compressed_ptr": B16, "lengths_ptr": I32, "max_ptr": F, "sum_ptr": F,
-                           "out_ptr": F, "scale": "fp32"}, {**sizes, "BLOCK": 64, "SPLITS_PAD": 64, "BLOCK_N": 32})
+                          "logits_ptr": F, "scale": "fp32"},
+          {**sizes, "WINDOWS_PER_SPLIT": 128, "BLOCK_W": 32, "BLOCK_D": 128, "D_CHUNK": 32})
+    build(K._pool_kernel, {"lengths_ptr": I32, "max_ptr": F, "sum_ptr": F, "logits_ptr": F, "out_ptr": F},
+          {**sizes, "BLOCK": 64, "SPLITS_PAD": 64, "BLOCK_N": 32})
     print("\\n".join(failed) if failed else "all compiled")
     sys.exit(1 if failed else 0)
 ''')

@@ -223,7 +223,8 @@ def reuse_log(monkeypatch) -> dict[str, list]:
         return out
 
     def spy_keep(self, layer, selection):
-        if self.policy.name == "steps":
+        # (a captured step's A is a tensor to be: reading it would end the capture)
+        if self.policy.name == "steps" and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             log[log["engine"]].append(("attended", layer, selection.blocks.mask(self.max_blocks).nonzero().tolist()))
         return keep(self, layer, selection)
     monkeypatch.setattr(ReusedSelections, "instead_of_selecting", spy_instead)

@@ -15,7 +15,11 @@ backend triton. Per (batch, context, layers):
 - floors: InfLLM-v2's lse pass reads every complete window's compressed key (Hkv·W·D bf16,
   W = (n - 32) / 16 + 1), its pool pass 5/4 of them, its top-K the [Hkv, NB_max] fp32 scores;
   Quest reads its key max and min (2·Hkv·NB·D bf16). Bytes / the run's best bandwidth.
-Writes <out>.{md,csv,json}; prints the table last.
+With --sweep, InfLLM-v2's scores alone (`infllm_v2_score`, both passes, no append or top-K) per
+lse tiling (tl.dot or FMA chunks x windows per tile x window ranges x warps), over the same
+layers' caches (walking them keeps each layer's keys out of L2 as a decode step does), into the
+JSON's "sweep" and a second table.
+Writes <out>.{md,csv,json}; prints the tables last.
 """
 
 from __future__ import annotations
@@ -116,12 +120,44 @@ def profile_cell(selector_name: str, batch: int, context: int, layers: int, band
     return row
 
 
+SWEEP = [{"dot": dot, "block_w": block_w, "max_splits": splits, "num_warps": warps}
+         for dot in (True, False) for block_w in (32, 64) for splits in (64, 256, 1024) for warps in (4, 8)]
+
+
+def sweep_cell(batch: int, context: int, layers: int) -> list[dict]:
+    """InfLLM-v2's scores per lse tiling, µs per layer (module docstring), best first."""
+    from prr.kernels.infllm_v2 import infllm_v2_score
+
+    selector, cache, queries, _, lengths, _ = build("infllm_v2", batch, context, layers)
+    flat = [q.reshape(batch, HQ, D) for q in queries]
+    rows = lengths.to(torch.int32)
+    compressed = [selector.compressed(cache, layer) for layer in range(layers)]
+    want = infllm_v2_score(flat[0], compressed[0], rows, cache.max_blocks)
+    out = []
+    for tiling in SWEEP:
+        got = infllm_v2_score(flat[0], compressed[0], rows, cache.max_blocks, **tiling)
+        same = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-7))
+
+        def scores(tiling=tiling):
+            for layer in range(layers):
+                infllm_v2_score(flat[layer], compressed[layer], rows, cache.max_blocks, **tiling)
+        out.append({"batch": batch, "context": context, "layers": layers, **tiling,
+                    "scores_us": time_graph_us(scores) / layers, "equal_default": same})
+    torch.cuda.empty_cache()
+    return sorted(out, key=lambda r: r["scores_us"])
+
+
 def report(record: dict) -> str:
     header = ["selector", "batch", "context", "layers", "select µs/layer", "floor µs", "x floor", "kernels (µs/layer)"]
     body = [[r["selector"], r["batch"], r["context"], r["layers"], r["select_us"], r["floor_us"], r["select_over_floor"],
              "; ".join(f"{name[:40]} {us:.1f}" for name, us in list(r["kernels_us"].items())[:5])]
             for r in record["rows"]]
-    return markdown(header, body)
+    text = markdown(header, body)
+    if record.get("sweep"):
+        keys = ["batch", "context", "layers", "dot", "block_w", "max_splits", "num_warps", "scores_us", "equal_default"]
+        text += "\n\nInfLLM-v2's scores per lse tiling, µs per layer, best first per cell:\n\n"
+        text += markdown(keys, [[r[k] for k in keys] for r in record["sweep"]])
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int_list, default=[1, 8])
     parser.add_argument("--layers", type=int_list, default=[4, 32], help="layers' caches the step walks through")
     parser.add_argument("--selectors", default="quest,infllm_v2")
+    parser.add_argument("--sweep", action="store_true", help="also time InfLLM-v2's scores per lse tiling")
     parser.add_argument("--out", type=Path, required=True, help="results path without suffix")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -146,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{name} b{batch} n{context} L{layers}: {row['select_us']:.1f} µs/layer "
                           f"({row['select_over_floor']:.2f}x floor) {list(row['kernels_us'].items())[:4]}", flush=True)
                     write_bench_outputs(record, args.out, report)
+            if args.sweep:
+                record.setdefault("sweep", []).extend(sweep_cell(batch, context, max(args.layers)))
+                print(f"sweep b{batch} n{context}: best {record['sweep'][-len(SWEEP)]}", flush=True)
+                write_bench_outputs(record, args.out, report)
     print(write_bench_outputs(record, args.out, report))
 
 

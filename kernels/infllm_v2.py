@@ -19,8 +19,13 @@ from .reference_infllm_v2 import BLOCK, STRIDE, WINDOW
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
-MAX_SPLITS = 64  # window ranges of the lse pass; the pool pass merges them in registers
-BLOCK_W = 32  # windows per tile of the lse pass
+# The lse pass's default tiling (experiments/profile_infllm_v2.py --sweep on an H100, 2026-12-07:
+# docs/results/cost_model.md): ranges of windows per row and KV head (the pool pass merges their
+# partials in registers), windows per tile, warps, tl.dot or FMA chunks.
+MAX_SPLITS = 64
+BLOCK_W = 32
+LSE_WARPS = 4
+DOT = True
 BLOCK_N = 32  # blocks per program of the pool pass
 
 
@@ -56,13 +61,16 @@ def infllm_v2_compress_append(compressed: Tensor, keys: Tensor, positions: Tenso
 
 
 def infllm_v2_score(q: Tensor, compressed: Tensor, lengths: Tensor, max_blocks: int,
-                    scale: float | None = None) -> Tensor:
+                    scale: float | None = None, *, block_w: int = BLOCK_W, max_splits: int = MAX_SPLITS,
+                    num_warps: int = LSE_WARPS, dot: bool = DOT) -> Tensor:
     """InfLLM-v2's block scores S_cmp: q [B, Hq, D] (post-RoPE), compressed [B, Hkv, W, D], lengths
     [B] int32 tokens per row -> [B, Hkv, max_blocks] fp32: per block of 64 tokens, the max over the
     complete windows overlapping it of the group's summed softmax probabilities (scale 1/sqrt(D) by
     default); 0 for a block with none complete, -inf past the context. Two launches (the lse pass
     over split window ranges, storing each head's logits, then the pooled scores from those logits);
-    equals `infllm_v2_score_reference` up to fp32 summation order."""
+    equals `infllm_v2_score_reference` up to fp32 summation order. block_w (windows per tile),
+    max_splits (window ranges, one program each per row and KV head), num_warps and dot (tl.dot
+    or fp32 FMA chunks) are the lse pass's tiling (experiments/profile_infllm_v2.py sweeps them)."""
     _check(compressed, lengths, "lengths")
     b, h, w_max, d = compressed.shape
     if q.dim() != 3 or q.shape[0] != b or q.shape[2] != d or q.shape[1] % h or q.dtype not in FLOAT_DTYPES:
@@ -74,21 +82,25 @@ def infllm_v2_score(q: Tensor, compressed: Tensor, lengths: Tensor, max_blocks: 
     if b == 0 or h == 0 or max_blocks == 0:
         return out
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if block_w < 16 or block_w & (block_w - 1) or max_splits < 1:
+        raise ValueError(f"block_w={block_w} must be a power of two >= 16 and max_splits={max_splits} >= 1")
     group = q.shape[1] // h
-    group_pad = triton.next_power_of_2(group)
+    group_pad = max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
+    native_dot = q.dtype == compressed.dtype and q.dtype != torch.float32
     block_d = triton.next_power_of_2(d)
     d_chunk = min(32, block_d)
-    tiles = triton.cdiv(max(w_max, 1), BLOCK_W)
-    splits = min(MAX_SPLITS, tiles)
-    per_split = triton.cdiv(tiles, splits) * BLOCK_W
+    tiles = triton.cdiv(max(w_max, 1), block_w)
+    splits = min(max_splits, tiles)
+    per_split = triton.cdiv(tiles, splits) * block_w
     splits = triton.cdiv(max(w_max, 1), per_split)
     part_max = torch.empty(b, h, splits, group_pad, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    logits = torch.empty(b, h, group_pad, w_max, dtype=torch.float32, device=q.device)  # each window's, once
+    logits = torch.empty(b, h, group, w_max, dtype=torch.float32, device=q.device)  # each window's, once
     common = dict(GROUP=group, GROUP_PAD=group_pad, WINDOW=WINDOW, STRIDE=STRIDE)
     _lse_kernel[(splits, h, b)](
         q, compressed, lengths, part_max, part_sum, logits, w_max, d, scale, splits, *q.stride(), *compressed.stride(),
-        WINDOWS_PER_SPLIT=per_split, BLOCK_W=BLOCK_W, BLOCK_D=block_d, D_CHUNK=d_chunk, **common, num_warps=4,
+        WINDOWS_PER_SPLIT=per_split, BLOCK_W=block_w, BLOCK_D=block_d, D_CHUNK=d_chunk, DOT=dot,
+        NATIVE_DOT=native_dot, **common, num_warps=num_warps,
     )
     _pool_kernel[(triton.cdiv(max_blocks, BLOCK_N), h, b)](
         lengths, part_max, part_sum, logits, out, w_max, max_blocks, splits, *out.stride(),

@@ -5,13 +5,15 @@ the complete windows summed over its group, max-pooled onto blocks).
 
 The scores take two launches: the softmax's normaliser needs every window of the row before any
 probability is known (the paper's two-pass stage 1), so `_lse_kernel` reads every complete window's
-key once, stores each head's scaled logit (fp32 [B, Hkv, GROUP_PAD, W]: G·4 bytes a window against
+key once, stores each head's scaled logit (fp32 [B, Hkv, GROUP, W]: G·4 bytes a window against
 the key's D·2, 1/32 of the keys' bytes at D = 128, G = 4) and reduces split ranges of windows to
 per-head partial (max, sum of exp); `_pool_kernel` merges those into each head's log-sum-exp and
 scores a tile of blocks from the stored logits of the five windows overlapping each (window
 4k-1 .. 4k+3 of block k). Recomputing the logits there instead re-read 5/4 of the keys.
-Products are fp32 broadcast-multiply-sums over D in chunks (no tensor cores: a group of G query
-heads is too small an M for a GEMM, as in Quest's FMA path).
+Products: by default one tl.dot per tile of windows, the group's G query heads padded with zero rows
+to the dot's 16 (tensor cores idle on the padding, but one instruction stream instead of a
+broadcast-multiply-sum per D chunk); `DOT=False` keeps the fp32 FMA chunks. 16-bit q and keys
+enter the dot as they are (exact products, fp32 sums); fp32 ones as fp32 with ieee precision.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _lse_kernel(
     lengths_ptr,  # [B] int32: tokens per row
     max_ptr,  # [B, Hkv, SPLITS, GROUP_PAD] fp32 out: per head the max scaled logit of the split
     sum_ptr,  # [B, Hkv, SPLITS, GROUP_PAD] fp32 out: Σ exp(logit - max) over the split
-    logits_ptr,  # [B, Hkv, GROUP_PAD, W] fp32 out: each head's scaled logit of each window (-inf if not complete)
+    logits_ptr,  # [B, Hkv, GROUP, W] fp32 out: each head's scaled logit of each window (-inf if not complete)
     max_windows, head_dim, scale, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_ch, stride_cw, stride_cd,
@@ -95,6 +97,8 @@ def _lse_kernel(
     WINDOW: tl.constexpr, STRIDE: tl.constexpr,
     WINDOWS_PER_SPLIT: tl.constexpr,  # a multiple of BLOCK_W
     BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr,
+    DOT: tl.constexpr,  # q·k by tl.dot over [GROUP_PAD >= 16, BLOCK_D] x [BLOCK_D, BLOCK_W]; else FMA chunks
+    NATIVE_DOT: tl.constexpr,  # (DOT) q and keys in their 16-bit type; else fp32 operands, ieee products
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -103,17 +107,34 @@ def _lse_kernel(
     q_row = q_ptr + batch.to(tl.int64) * stride_qb + (kv_head * GROUP).to(tl.int64) * stride_qh
     comp = compressed_ptr + batch.to(tl.int64) * stride_cb + kv_head.to(tl.int64) * stride_ch
     offs_g = tl.arange(0, GROUP_PAD)
-    logit_rows = logits_ptr + ((batch * tl.num_programs(1) + kv_head).to(tl.int64) * GROUP_PAD
-                               + offs_g[:, None]) * max_windows  # [GROUP_PAD, 1]
+    real_head = (offs_g < GROUP)[:, None]  # [GROUP_PAD, 1]
+    logit_rows = logits_ptr + ((batch * tl.num_programs(1) + kv_head).to(tl.int64) * GROUP
+                               + offs_g[:, None]) * max_windows  # [GROUP_PAD, 1]: rows of the real heads
+    offs_d = tl.arange(0, BLOCK_D)
+    live_d = offs_d < head_dim
+    if DOT:  # the group's queries once, padded to the dot's 16 rows with zeros
+        q = tl.load(q_row + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=real_head & live_d[None, :],
+                    other=0.0)  # [GROUP_PAD, BLOCK_D]
+        if not NATIVE_DOT:
+            q = q.to(tl.float32)
     run_max = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     run_sum = tl.zeros((GROUP_PAD,), tl.float32)
     for w0 in range(split * WINDOWS_PER_SPLIT, (split + 1) * WINDOWS_PER_SPLIT, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         live = (offs_w < seen) & (offs_w < max_windows)
-        logits = _group_logits(q_row, stride_qh, stride_qd, comp + offs_w.to(tl.int64) * stride_cw, stride_cd, live,
-                               head_dim, GROUP, GROUP_PAD, BLOCK_D, D_CHUNK) * scale
+        rows = comp + offs_w.to(tl.int64) * stride_cw  # [BLOCK_W] pointers to windows
+        if DOT:
+            k = tl.load(rows[:, None] + offs_d[None, :] * stride_cd, mask=live[:, None] & live_d[None, :],
+                        other=0.0)  # [BLOCK_W, BLOCK_D]
+            if NATIVE_DOT:
+                logits = tl.dot(q, tl.trans(k)) * scale
+            else:
+                logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            logits = _group_logits(q_row, stride_qh, stride_qd, rows, stride_cd, live, head_dim, GROUP, GROUP_PAD,
+                                   BLOCK_D, D_CHUNK) * scale
         logits = tl.where(live[None, :], logits, float("-inf"))  # [GROUP_PAD, BLOCK_W]
-        tl.store(logit_rows + offs_w[None, :], logits, mask=(offs_w < max_windows)[None, :])
+        tl.store(logit_rows + offs_w[None, :], logits, mask=real_head & (offs_w < max_windows)[None, :])
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing seen yet: no rescale
         run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(logits - safe[:, None]), axis=1)
@@ -127,7 +148,7 @@ def _lse_kernel(
 def _pool_kernel(
     lengths_ptr,
     max_ptr, sum_ptr,  # the split partials of _lse_kernel
-    logits_ptr,  # [B, Hkv, GROUP_PAD, W] fp32: _lse_kernel's scaled logits
+    logits_ptr,  # [B, Hkv, GROUP, W] fp32: _lse_kernel's scaled logits
     out_ptr,  # [B, Hkv, NB_max] fp32 S_cmp: 0 for a block with no complete window, -inf past the context
     max_windows, max_blocks, num_splits,
     stride_ob, stride_oh, stride_on,
@@ -154,8 +175,8 @@ def _pool_kernel(
     lse = top + tl.log(tl.maximum(total, 1e-30))  # (a row without windows scores none of them)
     real_head = (offs_g < GROUP)[:, None]
 
-    logit_rows = logits_ptr + ((batch * tl.num_programs(1) + kv_head).to(tl.int64) * GROUP_PAD
-                               + offs_g[:, None]) * max_windows  # [GROUP_PAD, 1]
+    logit_rows = logits_ptr + ((batch * tl.num_programs(1) + kv_head).to(tl.int64) * GROUP
+                               + offs_g[:, None]) * max_windows  # [GROUP_PAD, 1]: rows of the real heads
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     in_context = offs_n < num_blocks
     best = tl.full((BLOCK_N,), float("-inf"), tl.float32)

@@ -60,11 +60,20 @@ def random_compressed(batch, kv_heads, head_dim, max_blocks, lengths, seed, devi
     (1, 2, 4, 32, 45, [2861]),        # 178 windows: several lse splits
 ])
 def test_scores_equal_the_reference(batch, kv_heads, group, head_dim, max_blocks, lengths):
+    """The default lse tiling (tl.dot) and the FMA chunks with other tiles and split counts."""
     compressed, _ = random_compressed(batch, kv_heads, head_dim, max_blocks, lengths, seed=max_blocks)
     q = torch.randn(batch, kv_heads * group, head_dim, generator=torch.Generator().manual_seed(1)) * 2
     rows = torch.tensor(lengths, dtype=torch.int32)
     want = infllm_v2_score_reference(q, compressed, rows, max_blocks)
     assert_scores_close(infllm_v2_score(q, compressed, rows, max_blocks), want, 1e-5)
+    tiled = infllm_v2_score(q, compressed, rows, max_blocks, block_w=16, max_splits=3, num_warps=2, dot=False)
+    assert_scores_close(tiled, want, 1e-5)
+
+
+def test_a_bad_lse_tiling_is_refused():
+    compressed, _ = random_compressed(1, 1, 8, 2, [100], seed=0)
+    with pytest.raises(ValueError, match="block_w=24 must be a power of two >= 16"):
+        infllm_v2_score(torch.randn(1, 1, 8), compressed, torch.tensor([100], dtype=torch.int32), 2, block_w=24)
 
 
 def test_compress_append_equals_the_reference_and_the_bulk_windows():
@@ -134,6 +143,8 @@ def test_scores_equal_the_reference_at_the_8b_shape(context, batch):
     rows = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     want = infllm_v2_score_reference(q, compressed, rows, blocks)
     assert_scores_close(infllm_v2_score(q, compressed, rows, blocks), want, 1e-4)
+    for tiling in ({"dot": False}, {"block_w": 64, "max_splits": 256, "num_warps": 8}, {"block_w": 16, "max_splits": 512}):
+        assert_scores_close(infllm_v2_score(q, compressed, rows, blocks, **tiling), want, 1e-4)
 
 
 @pytest.mark.gpu
@@ -226,9 +237,12 @@ SCRIPT = textwrap.dedent('''
     build(K._compress_append_kernel, {"compressed_ptr": B16, "keys_ptr": B16, "positions_ptr": I32},
           {"WINDOW": 32, "STRIDE": 16, "BLOCK_D": 128})
     sizes = {"GROUP": 4, "GROUP_PAD": 4, "WINDOW": 32, "STRIDE": 16}
-    build(K._lse_kernel, {"q_ptr": B16, "compressed_ptr": B16, "lengths_ptr": I32, "max_ptr": F, "sum_ptr": F,
-                          "logits_ptr": F, "scale": "fp32"},
-          {**sizes, "WINDOWS_PER_SPLIT": 128, "BLOCK_W": 32, "BLOCK_D": 128, "D_CHUNK": 32})
+    lse_types = {"q_ptr": B16, "compressed_ptr": B16, "lengths_ptr": I32, "max_ptr": F, "sum_ptr": F,
+                 "logits_ptr": F, "scale": "fp32"}
+    lse_sizes = {**sizes, "WINDOWS_PER_SPLIT": 128, "BLOCK_W": 32, "BLOCK_D": 128, "D_CHUNK": 32}
+    build(K._lse_kernel, lse_types, {**lse_sizes, "GROUP_PAD": 16, "DOT": True, "NATIVE_DOT": True})
+    build(K._lse_kernel, lse_types, {**lse_sizes, "GROUP_PAD": 16, "DOT": True, "NATIVE_DOT": False})
+    build(K._lse_kernel, lse_types, {**lse_sizes, "DOT": False, "NATIVE_DOT": False})
     build(K._pool_kernel, {"lengths_ptr": I32, "max_ptr": F, "sum_ptr": F, "logits_ptr": F, "out_ptr": F},
           {**sizes, "BLOCK": 64, "SPLITS_PAD": 64, "BLOCK_N": 32})
     print("\\n".join(failed) if failed else "all compiled")

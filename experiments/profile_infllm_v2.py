@@ -13,7 +13,8 @@ backend triton. Per (batch, context, layers):
 - per kernel: the device time of each kernel of that work (torch.profiler over eager calls, so
   the sum is below `select_us` by the launch gaps the graph removes), µs per layer;
 - floors: InfLLM-v2's lse pass reads every complete window's compressed key (Hkv·W·D bf16,
-  W = (n - 32) / 16 + 1), its pool pass 5/4 of them, its top-K the [Hkv, NB_max] fp32 scores;
+  W = (n - 32) / 16 + 1) and writes each query head's logit of it (Hq·W fp32), its pool pass reads
+  those logits, its top-K the [Hkv, NB_max] fp32 scores;
   Quest reads its key max and min (2·Hkv·NB·D bf16). Bytes / the run's best bandwidth.
 With --sweep, InfLLM-v2's scores alone (`infllm_v2_score`, both passes, no append or top-K) per
 lse tiling (tl.dot or FMA chunks x windows per tile x window ranges x warps), over the same
@@ -55,8 +56,8 @@ def floor_bytes(selector: str, batch: int, context: int, capacity_blocks: int) -
         return {"scores": 2 * batch * HKV * (context // BLOCK + 1) * D * BF16,
                 "topk": batch * HKV * capacity_blocks * 4}
     windows = (context - 32) // 16 + 1
-    lse = batch * HKV * windows * D * BF16
-    return {"lse": lse, "pool": lse * 5 // 4, "topk": batch * HKV * capacity_blocks * 4}
+    logits = batch * HQ * windows * 4  # fp32, one per query head and window: written once, read once
+    return {"lse": batch * HKV * windows * D * BF16 + logits, "pool": logits, "topk": batch * HKV * capacity_blocks * 4}
 
 
 def build(selector_name: str, batch: int, context: int, layers: int):

@@ -35,6 +35,26 @@ class SparseDecodeInputs:
                 self.block_size, self.scale)  # fmt: skip
 
 
+def random_decode_qkv(
+    g_data: torch.Generator, lengths: list[int], max_tokens: int, num_q_heads: int, num_kv_heads: int,
+    head_dim: int, dtype: torch.dtype, garbage: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The random tensors of one decode step, drawn from g_data on its device in the order k, v, q
+    (the input generators of the block and token kernels share it): q [B, Hq, D], k_cache and
+    v_cache [B, Hkv, max_tokens, D] in dtype, B = len(lengths); K has std 1.5, V and q std 1; cache
+    slots at or past a row's length are scaled by `garbage`, so a kernel that reads them is caught."""
+    device = g_data.device
+    batch = len(lengths)
+    shape = (batch, num_kv_heads, max_tokens, head_dim)
+    positions = torch.arange(max_tokens, device=device)
+    dead = positions.view(1, 1, -1, 1) >= torch.tensor(lengths, device=device).view(-1, 1, 1, 1)
+    cache_scale = torch.where(dead, garbage, 1.0)  # [B, 1, T_max, 1]
+    k = (torch.randn(shape, generator=g_data, device=device) * 1.5 * cache_scale).to(dtype)
+    v = (torch.randn(shape, generator=g_data, device=device) * cache_scale).to(dtype)
+    q = torch.randn(batch, num_q_heads, head_dim, generator=g_data, device=device).to(dtype)
+    return q, k, v
+
+
 def random_sparse_decode_inputs(
     seed: int,
     lengths: list[int],
@@ -68,13 +88,7 @@ def random_sparse_decode_inputs(
     capacity = topk_blocks if capacity is None else capacity
     max_blocks = -(-(max(lengths) + extra_tokens) // block_size)
     max_tokens = max(1, max_blocks) * block_size
-    shape = (batch, num_kv_heads, max_tokens, head_dim)
-    positions = torch.arange(max_tokens, device=device)
-    dead = positions.view(1, 1, -1, 1) >= torch.tensor(lengths, device=device).view(-1, 1, 1, 1)
-    cache_scale = torch.where(dead, garbage, 1.0)  # [B, 1, T_max, 1]
-    k = (torch.randn(shape, generator=g_data, device=device) * 1.5 * cache_scale).to(dtype)
-    v = (torch.randn(shape, generator=g_data, device=device) * cache_scale).to(dtype)
-    q = torch.randn(batch, num_q_heads, head_dim, generator=g_data, device=device).to(dtype)
+    q, k, v = random_decode_qkv(g_data, lengths, max_tokens, num_q_heads, num_kv_heads, head_dim, dtype, garbage)
 
     ids = torch.zeros(batch, num_kv_heads, capacity, dtype=torch.int64)
     counts = torch.zeros(batch, num_kv_heads, dtype=torch.int64)

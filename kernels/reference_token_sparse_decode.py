@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .reference_sparse_decode import SparseDecodeInputs, sparse_decode_reference
+from .reference_sparse_decode import SparseDecodeInputs, random_decode_qkv, sparse_decode_reference
 
 
 @dataclass
@@ -100,13 +100,7 @@ def random_token_sparse_decode_inputs(
     batch = len(lengths)
     capacity = topk_tokens if capacity is None else capacity
     max_tokens = max(1, max(lengths) + extra_tokens + beyond_length)
-    shape = (batch, num_kv_heads, max_tokens, head_dim)
-    positions = torch.arange(max_tokens, device=device)
-    dead = positions.view(1, 1, -1, 1) >= torch.tensor(lengths, device=device).view(-1, 1, 1, 1)
-    cache_scale = torch.where(dead, garbage, 1.0)  # [B, 1, T_max, 1]
-    k = (torch.randn(shape, generator=g_data, device=device) * 1.5 * cache_scale).to(dtype)
-    v = (torch.randn(shape, generator=g_data, device=device) * cache_scale).to(dtype)
-    q = torch.randn(batch, num_q_heads, head_dim, generator=g_data, device=device).to(dtype)
+    q, k, v = random_decode_qkv(g_data, lengths, max_tokens, num_q_heads, num_kv_heads, head_dim, dtype, garbage)
 
     list_heads = 1 if shared else num_kv_heads
     ids = torch.zeros(batch, list_heads, capacity, dtype=torch.int64)

@@ -262,9 +262,7 @@ def sparse_decode(
                                   (), {})
         return (torch.zeros(*shape, head_dim, dtype=out_dtype, device=device), torch.zeros(shape, device=device))
     ids = block_ids if capacity > 0 else block_counts  # never dereferenced when C = 0
-    launch = {"num_warps": num_warps, **launch_kwargs(device)}
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
+    launch = _launch_options(num_warps, num_stages, device)
     common = (
         q.stride(0), q.stride(1), q.stride(2),
         *k_cache.stride(), *v_cache.stride(),
@@ -292,6 +290,65 @@ def sparse_decode(
 
     tile_tokens, entries, num_splits = _split_plan(capacity, rows, block_size, head_dim, k_cache.element_size(),
                                                    tile_tokens, tokens_per_split, device)
+    states = _split_outputs(batch, num_q_heads, head_dim, group, num_splits, merge_splits, fuse_merge, out_dtype,
+                            arrivals, lengths, tokens_per_split)
+    sparse_decode_split_kernel[(num_splits, rows)](
+        q, k_cache, v_cache, ids, block_counts, lengths, states.out, states.lse,
+        qk_scale, num_kv_heads, capacity, entries,
+        *common,
+        *states.state_strides,
+        *states.merge_args,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE_TOKENS=tile_tokens,
+        NATIVE_DOT=bool(native_dot), INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
+        **states.merge_constexprs,
+        **launch,
+    )  # fmt: skip
+    return states.result(merge_splits, out_dtype)
+
+
+def _launch_options(num_warps: int, num_stages: int | None, device: torch.device) -> dict:
+    """The decode kernels' launch keywords: num_warps, PDL where the device takes it (pdl.launch_kwargs),
+    and num_stages where the caller chose it (else Triton's default)."""
+    launch = {"num_warps": num_warps, **launch_kwargs(device)}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    return launch
+
+
+@dataclass(frozen=True)
+class SplitOutputs:
+    """What a split launch (sparse_decode with per_block=False, token_sparse_decode: grid
+    (num_splits, B * Hkv)) writes, and the kernel arguments that describe it (`_split_outputs`)."""
+
+    out: Tensor  # [B, Hq, D] out_dtype where the one split is the result, else [B, Hq, S, D] fp32 partials
+    lse: Tensor  # [B, Hq] or [B, Hq, S] fp32
+    state_strides: tuple[int, ...]  # out's (b, h, s, d) then lse's (b, h, s) strides; s stride 0 for [B, Hq, D]
+    merge_args: tuple  # arrivals, merged_out, merged_lse and their 5 strides (placeholders, never read, unless fused)
+    merge_constexprs: dict  # FUSED_MERGE, SPLITS_PAD, MERGE_GROUP, SPLIT_CHUNK of the kernel's merge tail
+    num_splits: int
+    merged: tuple[Tensor, Tensor] | None  # fused: (out [B, Hq, D] out_dtype, lse [B, Hq] fp32) the last split fills
+
+    def result(self, merge_splits: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The launcher's return once the split kernel ran: the fused merge's state; the splits'
+        states (one split, or merge_splits=False); else their merge (merge_partials, a second launch)."""
+        if self.merged is not None:
+            return self.merged
+        if self.num_splits == 1 or not merge_splits:
+            return self.out, self.lse
+        return merge_partials(self.out, self.lse, out_dtype=out_dtype)
+
+
+def _split_outputs(
+    batch: int, num_q_heads: int, head_dim: int, group: int, num_splits: int, merge_splits: bool, fuse_merge: bool,
+    out_dtype: torch.dtype, arrivals: Tensor | None, lengths: Tensor, tokens_per_split: int | None,
+) -> SplitOutputs:
+    """Allocates a split launch's outputs on lengths' device: the result itself where one split
+    gives it (out_dtype), else fp32 partial states; with fuse_merge and several splits, the merged
+    state the row's last split writes and its arrival counters (`arrivals` checked, or new zeros).
+    lengths [B] stands in for the unused merge pointers (never dereferenced). More splits than
+    MAX_FUSED_MERGE_SPLITS with fuse_merge raise, naming tokens_per_split (the caller's value)."""
+    device = lengths.device
     if num_splits == 1 and merge_splits:
         out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
         lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
@@ -305,31 +362,20 @@ def sparse_decode(
     if fused and num_splits > MAX_FUSED_MERGE_SPLITS:
         raise ValueError(f"fuse_merge=True merges {num_splits} splits in an unrolled tail of at most "
                          f"{MAX_FUSED_MERGE_SPLITS}: raise tokens_per_split (now {tokens_per_split}) or use fuse_merge=False")
+    merged = None
     if fused:  # the row's last split merges: (out, lse) of the row, no second launch
         merged_out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
         merged_lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
-        arrivals = arrival_counters(arrivals, rows, device)
-        merged = (arrivals, merged_out, merged_lse, *merged_out.stride(), *merged_lse.stride())
+        arrivals = arrival_counters(arrivals, batch * (num_q_heads // group), device)  # [B * Hkv]
+        merge_args = (arrivals, merged_out, merged_lse, *merged_out.stride(), *merged_lse.stride())
+        merged = (merged_out, merged_lse)
     else:
-        merged = (lengths, out, lse, 0, 0, 0, 0, 0)  # never dereferenced
-    sparse_decode_split_kernel[(num_splits, rows)](
-        q, k_cache, v_cache, ids, block_counts, lengths, out, lse,
-        qk_scale, num_kv_heads, capacity, entries,
-        *common,
-        *out_strides, *lse_strides,
-        *merged,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_TOKENS=tile_tokens,
-        NATIVE_DOT=bool(native_dot), INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
-        FUSED_MERGE=fused, SPLITS_PAD=_next_power_of_two(num_splits), MERGE_GROUP=_next_power_of_two(group),
-        SPLIT_CHUNK=min(_next_power_of_two(num_splits), max(1, MERGE_TILE_ELEMENTS // (_next_power_of_two(group) * head_dim))),
-        **launch,
-    )  # fmt: skip
-    if fused:
-        return merged_out, merged_lse
-    if num_splits == 1 or not merge_splits:
-        return out, lse
-    return merge_partials(out, lse, out_dtype=out_dtype)
+        merge_args = (lengths, out, lse, 0, 0, 0, 0, 0)  # never dereferenced
+    merge_group = _next_power_of_two(group)
+    constexprs = {"FUSED_MERGE": fused, "SPLITS_PAD": _next_power_of_two(num_splits), "MERGE_GROUP": merge_group,
+                  "SPLIT_CHUNK": min(_next_power_of_two(num_splits),
+                                     max(1, MERGE_TILE_ELEMENTS // (merge_group * head_dim)))}
+    return SplitOutputs(out, lse, (*out_strides, *lse_strides), merge_args, constexprs, num_splits, merged)
 
 
 @dataclass(frozen=True)

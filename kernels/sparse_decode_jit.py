@@ -194,6 +194,63 @@ def _merge_row_splits(
 
 
 @triton.jit
+def _group_row(
+    row, q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, num_kv_heads, capacity,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_ib, stride_ih,
+    stride_cb, stride_ch, stride_len,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):
+    """What a program of grid row `row` = batch * Hkv + kv_head loads before walking its list (the
+    split kernels of both list kinds and per_block_program) -> (batch, kv_head) int64; count: the
+    row's list length counts[batch, kv_head] clamped to [0, capacity] (int32); length: its context
+    lengths[batch] (int64); q [GROUP_PAD, HEAD_DIM]: its query group (_load_query_group); and the
+    base pointers of its list ids[batch, kv_head, :] and of k/v[batch, kv_head, :, :]."""
+    batch = (row // num_kv_heads).to(tl.int64)
+    kv_head = (row % num_kv_heads).to(tl.int64)
+
+    count = tl.load(counts_ptr + batch * stride_cb + kv_head * stride_ch).to(tl.int32)
+    count = tl.minimum(tl.maximum(count, 0), capacity)
+    length = tl.load(lengths_ptr + batch * stride_len).to(tl.int64)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = _load_query_group(q_ptr, batch, kv_head, offs_g, offs_d, stride_qb, stride_qh, stride_qd,
+                          GROUP, NATIVE_DOT)
+
+    ids_row = ids_ptr + batch * stride_ib + kv_head * stride_ih
+    k_row = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_row = v_ptr + batch * stride_vb + kv_head * stride_vh
+    return batch, kv_head, count, length, q, ids_row, k_row, v_row
+
+
+@triton.jit
+def _store_split(
+    out_ptr, lse_ptr, batch, kv_head, split, row, m, l_sum, acc,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+    arrivals_ptr, merged_out_ptr, merged_lse_ptr, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_GROUP: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):
+    """The split kernels' tail (both list kinds): store one split's state (m, l_sum, acc of
+    _online_softmax_step) at out[batch, head, split, :] [B, Hq, S, D], lse[batch, head, split]; with
+    FUSED_MERGE, the row's last split to arrive (arrivals[row], an atomic count) merges all of the
+    row's splits into merged_out [B, Hq, D], merged_lse [B, Hq] and re-arms its arrival count."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    _store_state(out_ptr, lse_ptr, batch, kv_head, split, offs_g, offs_d, m, l_sum, acc,
+                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, GROUP)
+    if FUSED_MERGE:
+        tl.debug_barrier()  # every thread's stores precede the arrival (release covers them)
+        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            _merge_row_splits(out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, batch, kv_head, tl.num_programs(0),
+                              offs_d, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
+                              stride_ls, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
+                              GROUP, MERGE_GROUP, HEAD_DIM, SPLITS_PAD, SPLIT_CHUNK)
+            tl.store(arrivals_ptr + row, 0)  # re-armed for the next launch (all arrivals are in)
+
+
+@triton.jit
 def sparse_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, out_ptr, lse_ptr,
     qk_scale, num_kv_heads, capacity, entries_per_split,
@@ -228,38 +285,20 @@ def sparse_decode_split_kernel(
     pdl_prologue(PDL)
     split = tl.program_id(0)
     row = tl.program_id(1)
-    batch = (row // num_kv_heads).to(tl.int64)
-    kv_head = (row % num_kv_heads).to(tl.int64)
-
-    count = tl.load(counts_ptr + batch * stride_cb + kv_head * stride_ch).to(tl.int32)
-    count = tl.minimum(tl.maximum(count, 0), capacity)
-    length = tl.load(lengths_ptr + batch * stride_len).to(tl.int64)
+    batch, kv_head, count, length, q, ids_row, k_row, v_row = _group_row(
+        row, q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, num_kv_heads, capacity,
+        stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_ib, stride_ih,
+        stride_cb, stride_ch, stride_len, GROUP, GROUP_PAD, HEAD_DIM, NATIVE_DOT)
     entry_begin = split * entries_per_split
     entry_end = tl.minimum(entry_begin + entries_per_split, count)
-
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = _load_query_group(q_ptr, batch, kv_head, offs_g, offs_d, stride_qb, stride_qh, stride_qd,
-                          GROUP, NATIVE_DOT)
-
-    ids_row = ids_ptr + batch * stride_ib + kv_head * stride_ih
-    k_row = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_row = v_ptr + batch * stride_vb + kv_head * stride_vh
 
     m, l_sum, acc = _attend_list(q, ids_row, stride_ic, k_row, v_row, stride_kt, stride_kd, stride_vt, stride_vd,
                                  entry_begin, entry_end, capacity, length, qk_scale,
                                  GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE_TOKENS, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
-    _store_state(out_ptr, lse_ptr, batch, kv_head, split, offs_g, offs_d, m, l_sum, acc,
-                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, GROUP)
-    if FUSED_MERGE:
-        tl.debug_barrier()  # every thread's stores precede the arrival (release covers them)
-        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            _merge_row_splits(out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, batch, kv_head, tl.num_programs(0),
-                              offs_d, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
-                              stride_ls, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
-                              GROUP, MERGE_GROUP, HEAD_DIM, SPLITS_PAD, SPLIT_CHUNK)
-            tl.store(arrivals_ptr + row, 0)  # re-armed for the next launch (all arrivals are in)
+    _store_split(out_ptr, lse_ptr, batch, kv_head, split, row, m, l_sum, acc,
+                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                 arrivals_ptr, merged_out_ptr, merged_lse_ptr, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
+                 GROUP, GROUP_PAD, HEAD_DIM, FUSED_MERGE, SPLITS_PAD, MERGE_GROUP, SPLIT_CHUNK)
 
 
 @triton.jit
@@ -314,24 +353,16 @@ def per_block_program(
     blocks with no live token get lse = -inf, out = 0. A block is walked in SUB_TILE-token
     sub-tiles (SUB_TILE divides BLOCK_SIZE). Also run inside exact selection's q·K launch
     (kernels/exact_jit.py: P's speculation in the same launch)."""
-    batch = (row // num_kv_heads).to(tl.int64)
-    kv_head = (row % num_kv_heads).to(tl.int64)
-
-    count = tl.load(counts_ptr + batch * stride_cb + kv_head * stride_ch).to(tl.int32)
-    count = tl.minimum(tl.maximum(count, 0), capacity)
-    length = tl.load(lengths_ptr + batch * stride_len).to(tl.int64)
+    batch, kv_head, count, length, q, ids_row, k_row, v_row = _group_row(
+        row, q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, num_kv_heads, capacity,
+        stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_ib, stride_ih,
+        stride_cb, stride_ch, stride_len, GROUP, GROUP_PAD, HEAD_DIM, NATIVE_DOT)
     entry_begin = chunk * entries_per_program
     entry_stop = tl.minimum(entry_begin + entries_per_program, capacity)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_t = tl.arange(0, SUB_TILE)
-    q = _load_query_group(q_ptr, batch, kv_head, offs_g, offs_d, stride_qb, stride_qh, stride_qd,
-                          GROUP, NATIVE_DOT)
-
-    ids_row = ids_ptr + batch * stride_ib + kv_head * stride_ih
-    k_row = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_row = v_ptr + batch * stride_vb + kv_head * stride_vh
 
     for entry in range(entry_begin, entry_stop):
         valid = entry < count

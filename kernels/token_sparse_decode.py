@@ -29,20 +29,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .pdl import launch_kwargs
 from .sparse_decode import (
-    MAX_FUSED_MERGE_SPLITS,
-    MERGE_TILE_ELEMENTS,
     SUPPORTED_DTYPES,
     _check_device,
     _check_int_tensor,
     _is_power_of_two,
+    _launch_options,
     _next_power_of_two,
+    _split_outputs,
     _split_plan,
-    arrival_counters,
     check_decode_operands,
     dot_mode,
-    merge_partials,
 )
 from .sparse_decode_jit import LOG2E
 from .token_sparse_decode_jit import token_sparse_decode_split_kernel
@@ -139,54 +136,27 @@ def token_sparse_decode(
     rows = batch * num_kv_heads
     tile, entries, num_splits = token_sparse_decode_plan(capacity, batch, num_kv_heads, device, tile_tokens,
                                                          tokens_per_split, head_dim=head_dim, cache_dtype=k_cache.dtype)
-    if num_splits == 1 and merge_splits:
-        out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
-        lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
-        out_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
-        lse_strides = (lse.stride(0), lse.stride(1), 0)
-    else:
-        out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
-        lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
-        out_strides, lse_strides = out.stride(), lse.stride()
-    fused = fuse_merge and num_splits > 1
-    if fused and num_splits > MAX_FUSED_MERGE_SPLITS:
-        raise ValueError(f"fuse_merge=True merges {num_splits} splits in an unrolled tail of at most "
-                         f"{MAX_FUSED_MERGE_SPLITS}: raise tokens_per_split (now {tokens_per_split}) or use fuse_merge=False")
-    if fused:
-        merged_out = torch.empty(batch, num_q_heads, head_dim, dtype=out_dtype, device=device)
-        merged_lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
-        arrivals = arrival_counters(arrivals, rows, device)
-        merged = (arrivals, merged_out, merged_lse, *merged_out.stride(), *merged_lse.stride())
-    else:
-        merged = (lengths, out, lse, 0, 0, 0, 0, 0)  # never dereferenced
+    states = _split_outputs(batch, num_q_heads, head_dim, group, num_splits, merge_splits, fuse_merge, out_dtype,
+                            arrivals, lengths, tokens_per_split)
     shared = list_heads == 1  # one list per batch row: every KV head reads it (head stride 0)
     ids = token_ids if capacity > 0 else token_counts  # never dereferenced when C = 0
     id_strides = (token_ids.stride(0), 0 if shared else token_ids.stride(1), token_ids.stride(2)) if capacity else (0,) * 3
-    launch = {"num_warps": num_warps, **launch_kwargs(device)}
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
-    merge_group = _next_power_of_two(group)
     token_sparse_decode_split_kernel[(num_splits, rows)](
-        q, k_cache, v_cache, ids, token_counts, lengths, out, lse,
+        q, k_cache, v_cache, ids, token_counts, lengths, states.out, states.lse,
         float(scale) * LOG2E, num_kv_heads, capacity, entries,
         q.stride(0), q.stride(1), q.stride(2),
         *k_cache.stride(), *v_cache.stride(),
         *id_strides,
         token_counts.stride(0), 0 if shared else token_counts.stride(1),
         lengths.stride(0),
-        *out_strides, *lse_strides,
-        *merged,
+        *states.state_strides,
+        *states.merge_args,
         GROUP=group, GROUP_PAD=max(16, _next_power_of_two(group)), HEAD_DIM=head_dim, TILE_TOKENS=tile,
         NATIVE_DOT=native_dot, INPUT_PRECISION=input_precision, PRECISE_PV=bool(precise_pv),
-        FUSED_MERGE=fused, SPLITS_PAD=_next_power_of_two(num_splits), MERGE_GROUP=merge_group,
-        SPLIT_CHUNK=min(_next_power_of_two(num_splits), max(1, MERGE_TILE_ELEMENTS // (merge_group * head_dim))),
-        **launch,
+        **states.merge_constexprs,
+        **_launch_options(num_warps, num_stages, device),
     )  # fmt: skip
-    if fused:
-        return merged_out, merged_lse
-    if num_splits == 1 or not merge_splits:
-        return out, lse
-    return merge_partials(out, lse, out_dtype=out_dtype)
+    return states.result(merge_splits, out_dtype)
 
 
 class TokenSplitPlan(NamedTuple):

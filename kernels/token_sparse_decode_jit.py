@@ -2,8 +2,9 @@
 
 Launcher, input checks and the shapes at the Python boundary: kernels/token_sparse_decode.py.
 Everything but the walk over the list is the block kernel's (kernels/sparse_decode_jit.py): the
-query-group load, the K/V row gather, the online-softmax step, the state store and the fused
-merge tail are imported from there, so the two kernels share their numerics and conventions
+row prologue (_group_row: count, length, query group, row pointers), the K/V row gather, the
+online-softmax step and the split tail (_store_split: the state store and the fused merge) are
+imported from there, so the two kernels share their numerics and conventions
 (scores in log2 units inside, lse stored as a natural log; empty set -> lse = -inf, out = 0).
 
 GQA: query head `kv_head * GROUP + g` attends KV head `kv_head`; a program loads its KV head's
@@ -17,13 +18,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_prologue
-from .sparse_decode_jit import (
-    _load_kv_tile,
-    _load_query_group,
-    _merge_row_splits,
-    _online_softmax_step,
-    _store_state,
-)
+from .sparse_decode_jit import _group_row, _load_kv_tile, _online_softmax_step, _store_split
 
 
 @triton.jit
@@ -93,35 +88,17 @@ def token_sparse_decode_split_kernel(
     pdl_prologue(PDL)
     split = tl.program_id(0)
     row = tl.program_id(1)
-    batch = (row // num_kv_heads).to(tl.int64)
-    kv_head = (row % num_kv_heads).to(tl.int64)
-
-    count = tl.load(counts_ptr + batch * stride_cb + kv_head * stride_ch).to(tl.int32)
-    count = tl.minimum(tl.maximum(count, 0), capacity)
-    length = tl.load(lengths_ptr + batch * stride_len).to(tl.int64)
+    batch, kv_head, count, length, q, ids_row, k_row, v_row = _group_row(
+        row, q_ptr, k_ptr, v_ptr, ids_ptr, counts_ptr, lengths_ptr, num_kv_heads, capacity,
+        stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_vb, stride_vh, stride_ib, stride_ih,
+        stride_cb, stride_ch, stride_len, GROUP, GROUP_PAD, HEAD_DIM, NATIVE_DOT)
     begin = split * entries_per_split
     end = tl.minimum(begin + entries_per_split, count)
-
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = _load_query_group(q_ptr, batch, kv_head, offs_g, offs_d, stride_qb, stride_qh, stride_qd,
-                          GROUP, NATIVE_DOT)
-
-    ids_row = ids_ptr + batch * stride_ib + kv_head * stride_ih
-    k_row = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_row = v_ptr + batch * stride_vb + kv_head * stride_vh
 
     m, l_sum, acc = _attend_token_list(q, ids_row, stride_ic, k_row, v_row, stride_kt, stride_kd, stride_vt,
                                        stride_vd, begin, end, capacity, length, qk_scale,
                                        GROUP_PAD, HEAD_DIM, TILE_TOKENS, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
-    _store_state(out_ptr, lse_ptr, batch, kv_head, split, offs_g, offs_d, m, l_sum, acc,
-                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, GROUP)
-    if FUSED_MERGE:
-        tl.debug_barrier()  # every thread's stores precede the arrival (release covers them)
-        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            _merge_row_splits(out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, batch, kv_head, tl.num_programs(0),
-                              offs_d, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
-                              stride_ls, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
-                              GROUP, MERGE_GROUP, HEAD_DIM, SPLITS_PAD, SPLIT_CHUNK)
-            tl.store(arrivals_ptr + row, 0)  # re-armed for the next launch (all arrivals are in)
+    _store_split(out_ptr, lse_ptr, batch, kv_head, split, row, m, l_sum, acc,
+                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                 arrivals_ptr, merged_out_ptr, merged_lse_ptr, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
+                 GROUP, GROUP_PAD, HEAD_DIM, FUSED_MERGE, SPLITS_PAD, MERGE_GROUP, SPLIT_CHUNK)

@@ -98,7 +98,7 @@ def test_the_reference_is_the_mask_union_it_replaces(batch, heads, capacity, ext
 
 def test_cases_by_hand():
     """Ascending and best-first lists, the newest (block 9 of 10) a member, absent, the largest id;
-    an empty list; a full list at width C keeps its C smallest ids and counts C + 1."""
+    an empty list; a full list at width C keeps its C smallest ids and counts C + 1; block 0 the newest."""
     idx = torch.tensor([[[2, 9, 4], [7, 1, 0], [0, 0, 0], [3, 5, 8]]], dtype=torch.int32)
     cnt = torch.tensor([[3, 2, 0, 3]], dtype=torch.int32)
     nb = torch.tensor([10], dtype=torch.int32)
@@ -108,6 +108,10 @@ def test_cases_by_hand():
         assert size.tolist() == [[3, 3, 1, 4]]
         out, size = fn(idx, cnt, nb, 3)
         assert out[0, 3].tolist() == [3, 5, 8] and size[0, 3] == 4
+        # the first decode block (block 0): zero padding is not a member
+        out, size = fn(torch.zeros(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                       torch.ones(1, dtype=torch.int32), 2)
+        assert out.tolist() == [[[0, 0]]] and size.tolist() == [[1]]
 
 
 def test_int64_and_strided_inputs():

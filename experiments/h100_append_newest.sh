@@ -6,13 +6,17 @@
 #   usage on the device: OUT=... bash experiments/h100_append_newest.sh
 . "$(dirname "$0")/h200_preamble.sh"
 install_wheels
-say "gpu tests"
-timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_append_newest.py \
-  tests/test_selection_reuse.py > "$OUT/gpu_tests.txt" 2>&1
-tail -3 "$OUT/gpu_tests.txt" | tee -a "$LOG"
+say "gpu tests: the kernel"
+timeout ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_append_newest.py \
+  > "$OUT/gpu_tests_kernel.txt" 2>&1
+tail -3 "$OUT/gpu_tests_kernel.txt" | tee -a "$LOG"
 say "bench_append_newest"
 timeout ${BENCH_S:-90} python3 experiments/bench_append_newest.py --out "$OUT/append_newest" > /tmp/bench.log 2>&1
 echo "rc=$?" | tee -a "$LOG"; tail -22 /tmp/bench.log | tee -a "$LOG"
+say "gpu tests: reuse on the engine"
+timeout ${REUSE_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selection_reuse.py \
+  > "$OUT/gpu_tests_reuse.txt" 2>&1
+tail -3 "$OUT/gpu_tests_reuse.txt" | tee -a "$LOG"
 for tree in after before; do
   dir=$ROOT; [[ $tree == before ]] && dir=$ROOT/.xfer/before
   [[ -d $dir ]] || continue

@@ -14,6 +14,7 @@ import torch
 from prr.kernels.reference_sparse_decode import random_sparse_decode_inputs
 
 from prr.runtime.engine_ops import EngineOps, TorchOps, TritonOps, engine_ops
+from tests.test_kernels_append_newest import random_lists as random_newest_lists
 from tests.test_kernels_prr_merge import random_lists
 
 torch_ops, triton_ops = TorchOps(), TritonOps()
@@ -128,6 +129,17 @@ def test_append_token_torch_equals_the_kernel_with_rope():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="append_metadata"):
         torch_ops.append_token(*caches, k, v, pos, caches[0], caches[1])
+
+
+@pytest.mark.parametrize("batch,heads,capacity,width,seed", [(1, 1, 3, 3, 0), (3, 2, 7, 8, 1), (1, 5, 9, 12, 2)])
+def test_append_newest_block_torch_equals_the_kernel(batch, heads, capacity, width, seed):
+    """reuse=steps between selections: A ∪ {newest}, from ascending and best-first lists."""
+    g = torch.Generator().manual_seed(seed)
+    for best_first in (False, True):
+        idx, cnt, nb = random_newest_lists(g, batch, heads, capacity, 37, best_first)
+        want = triton_ops.append_newest_block(idx, cnt, nb, width)
+        got = torch_ops.append_newest_block(idx, cnt, nb, width)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_the_factory_gives_each_backend_its_class_and_refuses_others():

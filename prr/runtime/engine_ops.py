@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from prr.kernels.reference_append_newest import append_newest_reference
 from prr.kernels.reference_cache_append import append_token_reference
 from prr.kernels.reference_prr_merge import merge_speculation_reference, repair_plan_reference
 from prr.kernels.reference_prr_repair import repair_and_merge_reference
@@ -175,6 +176,15 @@ class EngineOps(ABC):
                              out: Tensor) -> None:
         """`step_counters` of each layer of the [L, ...] arguments (out [L, 4, B * Hkv])."""
 
+    # --- selection reuse (prr.kernels.append_newest) ------------------------------------------
+
+    @abstractmethod
+    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor,
+                            width: int) -> tuple[Tensor, Tensor]:
+        """A: indices [B, Hkv, C] (distinct ids, any order; the first count [B, Hkv] valid) with each
+        row's newest block (num_blocks [B] - 1) added -> (A ∪ {newest} [B, Hkv, width] int32 ascending,
+        zero padded; its size [B, Hkv] int32); width >= C."""
+
     # --- projections (Triton only: prr.kernels.dense_gemv, prr.kernels.qkv_append) -----------
 
     @abstractmethod
@@ -273,6 +283,10 @@ class TorchOps(EngineOps):
             self.step_counters(sel_idx[i], sel_cnt[i], None if pred_idx is None else pred_idx[i],
                                None if pred_cnt is None else pred_cnt[i], prev_idx[i], prev_cnt[i], scratch[i], out[i])
 
+    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor,
+                            width: int) -> tuple[Tensor, Tensor]:
+        return append_newest_reference(indices, count, num_blocks, width)
+
     def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                    norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,
                    swiglu: bool = False) -> Tensor:
@@ -301,6 +315,7 @@ class TritonOps(EngineOps):
 
     def __init__(self) -> None:
         from prr.kernels import (
+            append_newest,
             cache_append,
             dense_gemv,
             prr_merge,
@@ -320,6 +335,7 @@ class TritonOps(EngineOps):
         self._counters: ModuleType = step_counters
         self._gemv: ModuleType = dense_gemv
         self._qkv: ModuleType = qkv_append
+        self._newest: ModuleType = append_newest
 
     def sparse_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ids: Tensor, block_counts: Tensor,
                       lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
@@ -400,6 +416,10 @@ class TritonOps(EngineOps):
                              pred_cnt: Tensor | None, prev_idx: Tensor, prev_cnt: Tensor, scratch: Tensor,
                              out: Tensor) -> None:
         self._counters.step_counters_layers(sel_idx, sel_cnt, pred_idx, pred_cnt, prev_idx, prev_cnt, scratch, out)
+
+    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor,
+                            width: int) -> tuple[Tensor, Tensor]:
+        return self._newest.append_newest_block(indices, count, num_blocks, width)
 
     def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                    norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,

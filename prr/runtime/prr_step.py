@@ -113,7 +113,8 @@ class PRRStep:
         # Sparse layers keep metadata whatever the variant, so views of one step (`with_plan`)
         # can run every variant over the same cache.
         self.sparse = [not selector.is_dense_layer(i) for i in range(cache.num_layers)]
-        self.reuse = ReusedSelections(reuse, self.sparse, B, H, NB, self.topk_capacity, dev)  # decided here, per layer
+        self.reuse = ReusedSelections(reuse, self.sparse, B, H, NB, self.topk_capacity, dev,
+                                      self.ops)  # decided here, per layer
         selector.set_backend(backend)  # (their kernels where they have them, on backend triton)
         self.selection_speculates = backend == "triton" and selector.speculates_in_selection()  # decided once
         if predictor is not None:

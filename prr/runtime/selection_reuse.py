@@ -26,6 +26,7 @@ from torch import Tensor
 
 from prr.blocks import BlockSet, Selection
 from prr.reuse import NoReuse, SelectionReuse
+from prr.runtime.engine_ops import EngineOps
 from prr.runtime.predictor_schedule import PredictorSchedule
 from prr.runtime.static_plan import StaticPlan
 
@@ -44,8 +45,10 @@ class ReusedSelections:
     the step's views: one object)."""
 
     def __init__(self, reuse: SelectionReuse | None, sparse: list[bool], batch: int, num_kv_heads: int,
-                 max_blocks: int, capacity: int, device: torch.device) -> None:
-        """sparse: per layer; capacity: |A| at most (the selector's), between=predicted's proposal size."""
+                 max_blocks: int, capacity: int, device: torch.device, ops: EngineOps) -> None:
+        """sparse: per layer; capacity: |A| at most (the selector's), between=predicted's proposal size;
+        ops: the step's engine ops (the newest block is added by `ops.append_newest_block`)."""
+        self.ops = ops
         self.policy = reuse if reuse is not None else NoReuse()
         self.anchor = self.policy.anchors(sparse)  # per layer: the layer whose A of the step it attends, or None
         self.max_blocks, self.capacity = max_blocks, capacity
@@ -114,12 +117,10 @@ class ReusedSelections:
         return Selection(self.with_newest(blocks, num_blocks), self.kept[layer].scores)
 
     def with_newest(self, blocks: BlockSet, num_blocks: Tensor) -> BlockSet:
-        """blocks [B, Hkv, C] and each row's newest block (num_blocks [B] - 1) -> [B, Hkv, width] int32
-        (the union fits: `reused_width`)."""
-        mask = blocks.mask(self.max_blocks)  # [B, Hkv, NB]
-        newest = (num_blocks.long() - 1).view(-1, 1, 1).expand(*mask.shape[:2], 1)
-        union = BlockSet.from_mask(mask.scatter(-1, newest, True), self.width)
-        return BlockSet(union.indices.to(torch.int32), union.count.to(torch.int32))
+        """blocks [B, Hkv, C] and each row's newest block (num_blocks [B] - 1) -> their union
+        [B, Hkv, width] int32 ascending, zero padded (it fits: `reused_width`): one launch on
+        backend triton (prr.kernels.append_newest)."""
+        return BlockSet(*self.ops.append_newest_block(blocks.indices, blocks.count, num_blocks, self.width))
 
     def tensors(self) -> list[Tensor]:
         """What a step mutates here (a checkpoint's share): reuse=steps' last A of every layer."""

@@ -16,11 +16,12 @@ from torch import Tensor
 
 from .infllm_v2_jit import _compress_append_kernel, _lse_kernel, _pool_kernel
 from .reference_infllm_v2 import BLOCK, STRIDE, WINDOW
+from .sparse_decode import _interpreting
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 # The lse pass's default tiling (experiments/profile_infllm_v2.py --sweep on an H100, 2026-12-07:
-# docs/results/cost_model.md): ranges of windows per row and KV head (the pool pass merges their
+# experiments/results/h100/session5_20261207/profile_infllm_v2.md): ranges of windows per row and KV head (the pool pass merges their
 # partials in registers), windows per tile, warps, tl.dot or FMA chunks.
 MAX_SPLITS = 64
 BLOCK_W = 32
@@ -86,8 +87,10 @@ def infllm_v2_score(q: Tensor, compressed: Tensor, lengths: Tensor, max_blocks: 
         raise ValueError(f"block_w={block_w} must be a power of two >= 16 and max_splits={max_splits} >= 1")
     group = q.shape[1] // h
     group_pad = max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
-    native_dot = q.dtype == compressed.dtype and q.dtype != torch.float32
-    block_d = triton.next_power_of_2(d)
+    # 16-bit operands enter tl.dot as they are, except bf16 under the interpreter (its bf16 arithmetic is wrong)
+    native_dot = q.dtype == compressed.dtype and q.dtype != torch.float32 and not (
+        _interpreting() and q.dtype == torch.bfloat16)
+    block_d = max(16, triton.next_power_of_2(d)) if dot else triton.next_power_of_2(d)  # (tl.dot: K >= 16)
     d_chunk = min(32, block_d)
     tiles = triton.cdiv(max(w_max, 1), block_w)
     splits = min(max_splits, tiles)

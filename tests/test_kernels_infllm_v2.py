@@ -70,6 +70,18 @@ def test_scores_equal_the_reference(batch, kv_heads, group, head_dim, max_blocks
     assert_scores_close(tiled, want, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_scores_equal_the_reference(dtype):
+    """16-bit q and keys (fp16 enters tl.dot as it is; bf16 as fp32 under the interpreter), D = 8 (the dot
+    pads K to 16): within the reference's fp32 sums over the same 16-bit values."""
+    lengths = [700, 95]
+    compressed, _ = random_compressed(2, 2, 8, 12, lengths, seed=5, dtype=dtype)
+    q = (torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(2)) * 2).to(dtype)
+    rows = torch.tensor(lengths, dtype=torch.int32)
+    want = infllm_v2_score_reference(q, compressed, rows, 12)
+    assert_scores_close(infllm_v2_score(q, compressed, rows, 12), want, 1e-4)
+
+
 def test_a_bad_lse_tiling_is_refused():
     compressed, _ = random_compressed(1, 1, 8, 2, [100], seed=0)
     with pytest.raises(ValueError, match="block_w=24 must be a power of two >= 16"):
@@ -243,6 +255,8 @@ SCRIPT = textwrap.dedent('''
     build(K._lse_kernel, lse_types, {**lse_sizes, "GROUP_PAD": 16, "DOT": True, "NATIVE_DOT": True})
     build(K._lse_kernel, lse_types, {**lse_sizes, "GROUP_PAD": 16, "DOT": True, "NATIVE_DOT": False})
     build(K._lse_kernel, lse_types, {**lse_sizes, "DOT": False, "NATIVE_DOT": False})
+    build(K._lse_kernel, lse_types, {**lse_sizes, "BLOCK_D": 16, "D_CHUNK": 16, "GROUP_PAD": 16, "DOT": True,
+                                     "NATIVE_DOT": True})  # the smallest K tl.dot takes (D <= 16 pads to it)
     build(K._pool_kernel, {"lengths_ptr": I32, "max_ptr": F, "sum_ptr": F, "logits_ptr": F, "out_ptr": F},
           {**sizes, "BLOCK": 64, "SPLITS_PAD": 64, "BLOCK_N": 32})
     print("\\n".join(failed) if failed else "all compiled")

@@ -14,7 +14,8 @@ timeout ${MAP_S:-130} python3 experiments/bench_decode.py --parts stage --stage-
   --stage-cells quest:32768:64:512,infllm_v2:32768:64:512,quest:131072:64:512,infllm_v2:131072:64:512 \
   --hit-rates 1.0 --out "$OUT/bench_decode_stage" > /tmp/map.log 2>&1
 echo "rc=$?" | tee -a "$LOG"; grep "^stage " /tmp/map.log | tee -a "$LOG"
-MAP=$OUT/bench_decode_stage_stage.csv; [[ -f $MAP ]] || MAP=${FALLBACK_MAP:-experiments/results/h100/issue52_followup_20261207/bench_decode_stage_infllm_v2_stage.csv}
+MAP=$OUT/bench_decode_stage_stage.csv  # (no map, no runs: pricing them by another kernel's map would mislead)
+[[ -f $MAP ]] || { say "no stage map: the whole runs are not run"; exit 1; }
 say "whole runs, priced by $MAP"
 timeout ${RUNS_S:-170} python3 experiments/bench_engine_runs.py --cases matrix --contexts 32000 --blocks 64 --topk 8 \
   --selectors ${SELECTORS:-infllm_v2} --predictors none --reuse-every 2,4 --reuse-anchors 2,4 --steps 24 --timeout 100 \

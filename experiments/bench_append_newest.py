@@ -92,7 +92,7 @@ def main() -> None:
                     reuse = ReusedSelections(StepReuse(every=width - 7), [True], batch, HEADS, max_blocks, 8, dev,
                                              engine_ops(backend))
                     assert reuse.width == width, (reuse.width, width)
-                    ways[backend] = lambda r=reuse, b=blocks, n=num_blocks: r.with_newest(b, n)
+                    ways[backend] = lambda r=reuse, b=blocks, n=num_blocks: r.with_newest(0, b, n)
                 want = ways["mask"]()
                 for name, fn in ways.items():
                     got = fn()

@@ -1,7 +1,8 @@
 """Triton kernel adding each row's newest block to its block list (reuse=steps between
 selections): one program per (KV head, row) loads the row's C ids, tests whether the newest block
 is among the valid ones, and writes the union ascending by rank counting (an id's position is the
-number of smaller ids in the union: ids are distinct), then the zero padding. Launcher:
+number of smaller ids in the union: ids are distinct), then the zero padding; the row is loaded
+whole before the first store, so the output may be the input (in place). Launcher:
 `prr.kernels.append_newest`.
 """
 
@@ -61,6 +62,8 @@ def _append_newest_kernel(
     present = keys != ABSENT
     size = tl.sum(present.to(tl.int32), axis=0)
     out_row = out_idx_ptr + (batch * num_kv_heads + head).to(tl.int64) * width
+    # out may be the input (reuse=steps' buffer, in place): every thread's loads of the row precede any store
+    tl.debug_barrier()
     # ranks of the union are 0..size-1, the padding size..W-1: the two stores never meet
     tl.store(out_row + rank, keys, mask=present & (rank < width))
     pad = tl.arange(0, BLOCK_OUT)

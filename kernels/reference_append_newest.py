@@ -15,13 +15,16 @@ import torch
 from torch import Tensor
 
 
-def append_newest_reference(indices: Tensor, count: Tensor, num_blocks: Tensor, width: int) -> tuple[Tensor, Tensor]:
+def append_newest_reference(indices: Tensor, count: Tensor, num_blocks: Tensor, width: int,
+                            out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """indices [B, Hkv, C] int32 / int64 (distinct block ids in any order, the first count
     [B, Hkv] valid, the rest padding of any value); num_blocks [B] (>= 1: row b's newest block is
     num_blocks[b] - 1); width: the output's capacity.
     -> (A ∪ {newest} [B, Hkv, width] int32 in ascending block order, zero padded; its size
     [B, Hkv] int32). A union larger than width keeps its `width` smallest ids and its true size
-    (as the mask's `from_mask` does; callers size width to fit: prr.runtime.selection_reuse)."""
+    (as the mask's `from_mask` does; callers size width to fit: prr.runtime.selection_reuse).
+    out: (indices [B, Hkv, width] int32, count [B, Hkv] int32) written and returned instead, the
+    inputs themselves included (the union is whole before it is copied)."""
     batch, heads, capacity = indices.shape
     if width < capacity:
         raise ValueError(f"width={width} must be >= C={capacity} (the output holds A and the newest block)")
@@ -35,4 +38,9 @@ def append_newest_reference(indices: Tensor, count: Tensor, num_blocks: Tensor, 
         ordered = torch.cat([ordered, ordered.new_full((batch, heads, width - capacity - 1), absent)], -1)
     ordered = ordered[..., :width]
     union = torch.where(ordered == absent, 0, ordered).to(torch.int32)
-    return union, (candidates != absent).sum(-1).to(torch.int32)
+    size = (candidates != absent).sum(-1).to(torch.int32)
+    if out is None:
+        return union, size
+    out[0].copy_(union)
+    out[1].copy_(size)
+    return out

@@ -15,6 +15,7 @@ from prr.kernels.reference_sparse_decode import random_sparse_decode_inputs
 
 from prr.runtime.engine_ops import EngineOps, TorchOps, TritonOps, engine_ops
 from tests.test_kernels_append_newest import random_lists as random_newest_lists
+from tests.test_kernels_keep_selection import random_selection, stale_buffers
 from tests.test_kernels_prr_merge import random_lists
 
 torch_ops, triton_ops = TorchOps(), TritonOps()
@@ -140,6 +141,27 @@ def test_append_newest_block_torch_equals_the_kernel(batch, heads, capacity, wid
         want = triton_ops.append_newest_block(idx, cnt, nb, width)
         got = torch_ops.append_newest_block(idx, cnt, nb, width)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for ops in (torch_ops, triton_ops):  # in place into buffers of the width (between=last)
+            kept = (torch.zeros(batch, heads, width, dtype=torch.int32), cnt.clone())
+            kept[0][..., :capacity] = idx
+            ops.append_newest_block(*kept, nb, width, out=kept)
+            assert torch.equal(kept[0], want[0]) and torch.equal(kept[1], want[1]), ops.name
+
+
+@pytest.mark.parametrize("batch,heads,capacity,width,seed", [(1, 1, 3, 3, 0), (3, 5, 9, 12, 1)])
+def test_keep_selection_torch_equals_the_kernel(batch, heads, capacity, width, seed):
+    """reuse=steps' selecting step: A, its count and scores (or not) into stale buffers of the width."""
+    g = torch.Generator().manual_seed(seed)
+    for scores_kept in (True, False):
+        inputs = random_selection(g, batch, heads, capacity, 37, torch.int64, torch.float32 if scores_kept else None)
+        buffers = stale_buffers(g, batch, heads, width, 37)
+        results = []
+        for ops in (triton_ops, torch_ops):
+            out = [b.clone() for b in buffers]
+            ops.keep_selection(*inputs, *out)
+            results.append(out)
+        for want, got in zip(*results, strict=True):
+            assert torch.equal(got, want)
 
 
 def test_the_factory_gives_each_backend_its_class_and_refuses_others():

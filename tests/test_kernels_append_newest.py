@@ -2,7 +2,8 @@
 selections) against its torch reference on fresh random lists at odd sizes: B 1 and 3, Hkv 1, 2
 and 5, C 3, 7 and 9, width C, C + 1 and C + 3, ascending and best-first lists, the newest already a
 member, empty and full lists, the newest the largest id, padding of any value; and the reference
-against the membership-mask union it replaces (ReusedSelections.with_newest before the kernel).
+against the membership-mask union it replaces (ReusedSelections.with_newest before the kernel);
+out= apart from the input and in place (reuse=steps' buffers).
 CPU: TRITON_INTERPRET=1 (conftest). GPU (-m gpu): the 8B shape and one CUDA-graph capture; the
 kernel compiled for sm_90."""
 
@@ -125,6 +126,32 @@ def test_int64_and_strided_inputs():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("batch,heads,capacity", [(1, 1, 3), (3, 5, 9), (3, 2, 7)])
+def test_out_apart_and_in_place(batch, heads, capacity):
+    """out= writes reuse=steps' static buffers, whatever they held: apart from the input
+    (between=predicted's proposal) and the input itself (between=last: the kept A, two steps in a
+    row with the next block newest), kernel and reference alike: the fresh result each time."""
+    width = capacity + 2
+    for best_first in (False, True):
+        gen = torch.Generator().manual_seed(batch * 100 + heads * 10 + capacity + best_first)
+        idx, cnt, nb = random_lists(gen, batch, heads, capacity, 37, best_first, junk_padding=True)
+        nb = nb.clamp(max=36)  # the second step's newest block (nb + 1 - 1) is still below 37
+        first = append_newest_reference(idx, cnt, nb, width)
+        second = append_newest_reference(*first, nb + 1, width)
+        for fn in (append_newest_block, append_newest_reference):
+            out = (torch.full((batch, heads, width), 5, dtype=torch.int32), torch.full((batch, heads), 5, dtype=torch.int32))
+            got = fn(idx, cnt, nb, width, out=out)
+            assert got[0] is out[0] and got[1] is out[1]
+            assert torch.equal(out[0], first[0]) and torch.equal(out[1], first[1]), (fn.__name__, best_first)
+            kept_idx = torch.full((batch, heads, width), 7, dtype=torch.int32)  # the buffers: A, then stale ids
+            kept_idx[..., :capacity] = idx
+            kept_cnt = cnt.clone()
+            for num_blocks, want in ((nb, first), (nb + 1, second)):
+                got = fn(kept_idx, kept_cnt, num_blocks, width, out=(kept_idx, kept_cnt))
+                assert got[0] is kept_idx and got[1] is kept_cnt
+                assert torch.equal(kept_idx, want[0]) and torch.equal(kept_cnt, want[1]), (fn.__name__, best_first)
+
+
 def test_bad_arguments_are_refused():
     idx, cnt, nb = torch.zeros(1, 2, 4, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32), torch.ones(1)
     with pytest.raises(ValueError, match="width=3 must be"):
@@ -137,6 +164,17 @@ def test_bad_arguments_are_refused():
         append_newest_block(idx, cnt[0], nb.int(), 4)
     with pytest.raises(ValueError, match="indices must be"):
         append_newest_block(idx.float(), cnt, nb.int(), 4)
+    out = (torch.zeros(1, 2, 5, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"out\[0\] \(indices\) must be a contiguous int32 \[1, 2, 5\]"):
+        append_newest_block(idx, cnt, nb.int(), 5, out=(out[0][..., :4], out[1]))
+    with pytest.raises(ValueError, match=r"out\[0\] \(indices\) must be a contiguous"):
+        append_newest_block(idx, cnt, nb.int(), 5, out=(out[0].long(), out[1]))
+    with pytest.raises(ValueError, match=r"out\[1\] \(count\) must be"):
+        append_newest_block(idx, cnt, nb.int(), 5, out=(out[0], torch.zeros(1, 4, dtype=torch.int32)[:, ::2]))
+    with pytest.raises(ValueError, match="out must be a tuple"):
+        append_newest_block(idx, cnt, nb.int(), 5, out=list(out))
+    with pytest.raises(ValueError, match="starts where its input does but is not that input"):
+        append_newest_block(out[0][..., :4], cnt, nb.int(), 5, out=out)  # A a prefix view of the buffer
 
 
 # --- GPU ------------------------------------------------------------------------------------------

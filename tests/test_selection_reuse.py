@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from prr.blocks import BlockSet, Selection
 from prr.cache import PagedKVCache
 from prr.config_check import compose_config, problems_before_torch
 from prr.predictors.last_step import LastStepPredictor
 from prr.reuse import LayerReuse, NoReuse, StepReuse
+from prr.runtime.engine_ops import engine_ops
 from prr.runtime.prr_step import PRRStep
 from prr.runtime.selection_reuse import ReusedSelections
 from prr.runtime.static_plan import StaticPlan
@@ -159,6 +161,32 @@ def test_reuse_across_steps_between_predicted_attends_the_predictors_proposal():
     for t in range(STEPS):
         for a, b in zip(last[t], predicted[t], strict=True):
             assert members(a) == members(b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_keep_is_one_op_on_a_selecting_step_and_none_between_selections(backend):
+    """A selected A goes into the layer's buffers by `keep_selection` alone; between selections
+    (between=last) `with_newest` writes the buffers in place and `keep` copies nothing: one op a
+    layer either way (one launch each on backend triton)."""
+    calls = []
+    ops = engine_ops(backend)
+    for name in ("keep_selection", "append_newest_block"):
+        op = getattr(ops, name)
+        setattr(ops, name, lambda *a, op=op, name=name, **k: calls.append(name) or op(*a, **k))
+    reuse = ReusedSelections(StepReuse(every=3), [False, True], 1, HKV, 37, 4, torch.device("cpu"), ops)
+    assert reuse.kept[0] is None and reuse.width == 6
+    chosen = BlockSet(torch.tensor([[[0, 5, 9, 3], [0, 2, 7, 7]]]), torch.tensor([[4, 3]]))  # int64, best first
+    scores = torch.randn(1, HKV, 37)
+    kept = reuse.keep(1, Selection(chosen, scores))
+    assert calls == ["keep_selection"] and kept is reuse.kept[1]
+    assert kept.blocks.indices.tolist() == [[[0, 5, 9, 3, 0, 0], [0, 2, 7, 7, 0, 0]]] and torch.equal(kept.scores, scores)
+    for num_blocks in (11, 12):  # the two steps before the next selection, a new block each
+        between = reuse.with_newest(1, kept.blocks, torch.tensor([num_blocks], dtype=torch.int32))
+        assert between.indices is kept.blocks.indices and between.count is kept.blocks.count
+        assert reuse.keep(1, Selection(between, kept.scores)) is kept
+    assert calls == ["keep_selection", "append_newest_block", "append_newest_block"]
+    assert kept.blocks.indices.tolist() == [[[0, 3, 5, 9, 10, 11], [0, 2, 7, 10, 11, 0]]]
+    assert kept.blocks.count.tolist() == [[6, 5]]
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager_step", "graph_step"])

@@ -29,6 +29,7 @@ from types import ModuleType
 import torch
 from prr.kernels.reference_append_newest import append_newest_reference
 from prr.kernels.reference_cache_append import append_token_reference
+from prr.kernels.reference_keep_selection import keep_selection_reference
 from prr.kernels.reference_prr_merge import merge_speculation_reference, repair_plan_reference
 from prr.kernels.reference_prr_repair import repair_and_merge_reference
 from prr.kernels.reference_sparse_decode import sparse_decode_reference
@@ -176,14 +177,21 @@ class EngineOps(ABC):
                              out: Tensor) -> None:
         """`step_counters` of each layer of the [L, ...] arguments (out [L, 4, B * Hkv])."""
 
-    # --- selection reuse (prr.kernels.append_newest) ------------------------------------------
+    # --- selection reuse (prr.kernels.append_newest, prr.kernels.keep_selection) ----------------
 
     @abstractmethod
-    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor,
-                            width: int) -> tuple[Tensor, Tensor]:
+    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor, width: int,
+                            out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """A: indices [B, Hkv, C] (distinct ids, any order; the first count [B, Hkv] valid) with each
         row's newest block (num_blocks [B] - 1) added -> (A ∪ {newest} [B, Hkv, width] int32 ascending,
-        zero padded; its size [B, Hkv] int32); width >= C."""
+        zero padded; its size [B, Hkv] int32); width >= C. out: contiguous int32 ([B, Hkv, width],
+        [B, Hkv]) written and returned instead, the inputs themselves (in place) or apart from them."""
+
+    @abstractmethod
+    def keep_selection(self, indices: Tensor, count: Tensor, scores: Tensor | None, out_indices: Tensor,
+                       out_count: Tensor, out_scores: Tensor | None) -> None:
+        """A: indices [B, Hkv, C] -> out_indices [B, Hkv, width] int32 (zeros past C), count [B, Hkv]
+        -> out_count int32, scores [B, Hkv, NB] -> out_scores fp32 (None: skipped), in place."""
 
     # --- projections (Triton only: prr.kernels.dense_gemv, prr.kernels.qkv_append) -----------
 
@@ -283,9 +291,13 @@ class TorchOps(EngineOps):
             self.step_counters(sel_idx[i], sel_cnt[i], None if pred_idx is None else pred_idx[i],
                                None if pred_cnt is None else pred_cnt[i], prev_idx[i], prev_cnt[i], scratch[i], out[i])
 
-    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor,
-                            width: int) -> tuple[Tensor, Tensor]:
-        return append_newest_reference(indices, count, num_blocks, width)
+    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor, width: int,
+                            out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        return append_newest_reference(indices, count, num_blocks, width, out)
+
+    def keep_selection(self, indices: Tensor, count: Tensor, scores: Tensor | None, out_indices: Tensor,
+                       out_count: Tensor, out_scores: Tensor | None) -> None:
+        keep_selection_reference(indices, count, scores, out_indices, out_count, out_scores)
 
     def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                    norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,
@@ -318,6 +330,7 @@ class TritonOps(EngineOps):
             append_newest,
             cache_append,
             dense_gemv,
+            keep_selection,
             prr_merge,
             prr_repair,
             qkv_append,
@@ -336,6 +349,7 @@ class TritonOps(EngineOps):
         self._gemv: ModuleType = dense_gemv
         self._qkv: ModuleType = qkv_append
         self._newest: ModuleType = append_newest
+        self._keep: ModuleType = keep_selection
 
     def sparse_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ids: Tensor, block_counts: Tensor,
                       lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
@@ -417,9 +431,13 @@ class TritonOps(EngineOps):
                              out: Tensor) -> None:
         self._counters.step_counters_layers(sel_idx, sel_cnt, pred_idx, pred_cnt, prev_idx, prev_cnt, scratch, out)
 
-    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor,
-                            width: int) -> tuple[Tensor, Tensor]:
-        return self._newest.append_newest_block(indices, count, num_blocks, width)
+    def append_newest_block(self, indices: Tensor, count: Tensor, num_blocks: Tensor, width: int,
+                            out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        return self._newest.append_newest_block(indices, count, num_blocks, width, out)
+
+    def keep_selection(self, indices: Tensor, count: Tensor, scores: Tensor | None, out_indices: Tensor,
+                       out_count: Tensor, out_scores: Tensor | None) -> None:
+        self._keep.keep_selection(indices, count, scores, out_indices, out_count, out_scores)
 
     def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                    norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,

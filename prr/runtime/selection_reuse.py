@@ -70,7 +70,8 @@ class ReusedSelections:
     def keep(self, layer: int, selection: Selection) -> Selection:
         """`layer` attended `selection` (A [B, Hkv, C] with the scores [B, Hkv, NB] it came from)
         -> A as counted and learned: reuse=steps, its copy in the layer's static buffers (width
-        `width`, zero-padded); else `selection` itself."""
+        `width`, zero-padded: `ops.keep_selection`, nothing to copy for an A `with_newest` wrote
+        there); else `selection` itself."""
         kept = self.kept[layer]
         if kept is None:
             self.selected[layer] = selection
@@ -78,13 +79,12 @@ class ReusedSelections:
         blocks, width = selection.blocks, self.width
         if blocks.capacity > width:  # (static shapes: a host check, never a device read)
             raise RuntimeError(f"layer {layer}'s A holds {blocks.capacity} blocks, the reuse buffers {width}")
-        if blocks.indices is not kept.blocks.indices:
-            kept.blocks.indices[..., : blocks.capacity].copy_(blocks.indices)
-            if blocks.capacity < width:
-                kept.blocks.indices[..., blocks.capacity :].zero_()
-            kept.blocks.count.copy_(blocks.count)
-        if selection.scores is not kept.scores:
-            kept.scores.copy_(selection.scores)
+        fresh_scores = selection.scores if selection.scores is not kept.scores else None
+        if blocks.indices is not kept.blocks.indices:  # a selected A: one launch on backend triton
+            self.ops.keep_selection(blocks.indices, blocks.count, fresh_scores, kept.blocks.indices,
+                                    kept.blocks.count, kept.scores)
+        elif fresh_scores is not None:  # (with_newest wrote A in the buffers already)
+            kept.scores.copy_(fresh_scores)
         self.kept_once[layer] = True
         return kept
 
@@ -114,13 +114,16 @@ class ReusedSelections:
             extra = {"query": query} if schedule.passes_query else {}
             with stage("predict"):
                 blocks = schedule.predictor.propose(schedule.state, layer, num_blocks, self.capacity, None, **extra)
-        return Selection(self.with_newest(blocks, num_blocks), self.kept[layer].scores)
+        return Selection(self.with_newest(layer, blocks, num_blocks), self.kept[layer].scores)
 
-    def with_newest(self, blocks: BlockSet, num_blocks: Tensor) -> BlockSet:
+    def with_newest(self, layer: int, blocks: BlockSet, num_blocks: Tensor) -> BlockSet:
         """blocks [B, Hkv, C] and each row's newest block (num_blocks [B] - 1) -> their union
-        [B, Hkv, width] int32 ascending, zero padded (it fits: `reused_width`): one launch on
-        backend triton (prr.kernels.append_newest)."""
-        return BlockSet(*self.ops.append_newest_block(blocks.indices, blocks.count, num_blocks, self.width))
+        [B, Hkv, width] int32 ascending, zero padded (it fits: `reused_width`), written in `layer`'s
+        static buffers (in place under between=last: blocks are those buffers), so `keep` copies
+        nothing: one launch on backend triton (prr.kernels.append_newest)."""
+        kept = self.kept[layer].blocks
+        return BlockSet(*self.ops.append_newest_block(blocks.indices, blocks.count, num_blocks, self.width,
+                                                      out=(kept.indices, kept.count)))
 
     def tensors(self) -> list[Tensor]:
         """What a step mutates here (a checkpoint's share): reuse=steps' last A of every layer."""

@@ -223,6 +223,8 @@ def test_slow_commands_run(command, home, tmp_path):
         overrides += [] if "task.max_new_tokens" in keys else ["task.max_new_tokens=4"]
         if "task" not in keys and "task.prompt_tokens" not in keys:  # long_text: a shorter prefill
             overrides.append("task.prompt_tokens=1024")
+            if "selector=indexer" in overrides and "selector.topk_tokens" not in keys:  # (2048 would be dense)
+                overrides.append("selector.topk_tokens=256")
         argv, cwd = [sys.executable, str(ROOT / "run.py"), *overrides], tmp_path  # outputs/, multirun/ there
     done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=3600)
     assert done.returncode == command.expected_exit, done.stdout[-3000:] + done.stderr[-3000:]

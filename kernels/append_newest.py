@@ -1,7 +1,7 @@
 """Launcher for adding each row's newest block to a block list in one launch (checks, grid); the
 kernel is in `prr.kernels.append_newest_jit`. reuse=steps between selections attends a layer's
 last A plus the newest block: as torch ops (a membership mask over every block of the cache and
-a stable sort of it) that was ~15-20 launches per layer inside the captured step, and the step
+a stable sort of it) that was 26 launches per layer inside the captured step, and the step
 between selections ran slower than a selecting one (Quest, block 64, K = 8, 32K, H100).
 
 Torch reference: kernels/reference_append_newest.py.

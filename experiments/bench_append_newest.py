@@ -8,20 +8,20 @@ Three ways to compute A ∪ {newest} ([B, 8 KV heads, width] from a list of the 
 the cache, the newest set, a stable sort of it: prr.blocks' BlockSet.mask and from_mask), and
 `ReusedSelections.with_newest` on backend `torch` (the op's torch reference) and `triton` (the
 kernel). Per way: the CUDA kernels one call launches (torch.profiler over an eager call) and the
-device time of one call inside a CUDA graph (32 calls captured back to back, like 32 layers; the
-median of 20 replays over 32). Writes OUT.csv and prints it.
+device time of one call inside a CUDA graph (32 calls captured back to back, like 32 layers:
+prr.benchmarking.graph_time_us, the median of 20 replays over 32). Writes OUT.csv and prints it.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from prr.bench_args import int_list
+from prr.bench_args import OneLineParser, int_list
+from prr.benchmarking import graph_time_us
 from prr.blocks import BlockSet
 from prr.reuse import StepReuse
 from prr.runtime.engine_ops import engine_ops
@@ -45,31 +45,8 @@ def kernels_launched(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def graph_us(fn) -> float:
-    """Device µs of one call: LAYERS calls captured in one graph, the median replay over LAYERS."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAYERS):
-            fn()
-    times = []
-    for _ in range(REPLAYS + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAYERS)
-    return float(pd.Series(times[3:]).median())
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int_list, default=[32768, 131072])
     p.add_argument("--widths", type=int_list, default=[9, 11, 130], help="|A| as attended (K + blocks gained)")
     p.add_argument("--batches", type=int_list, default=[1, 8])
@@ -98,7 +75,8 @@ def main() -> None:
                     got = fn()
                     same = torch.equal(got.indices, want.indices) and torch.equal(got.count, want.count)
                     rows.append({"context": context, "max_blocks": max_blocks, "batch": batch, "width": width,
-                                 "way": name, "kernels": kernels_launched(fn), "us_per_call": round(graph_us(fn), 2),
+                                 "way": name, "kernels": kernels_launched(fn),
+                                 "us_per_call": round(graph_time_us(lambda _, fn=fn: fn, sets=LAYERS, reps=REPLAYS), 2),
                                  "equals_mask": same})
     table = pd.DataFrame(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

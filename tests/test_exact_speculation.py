@@ -129,6 +129,7 @@ def test_gpu_the_fused_launch_at_the_8b_shape_writes_what_the_two_launches_write
     assert torch.equal(got_lse[..., :n], want_lse[..., :n])
 
 
+@pytest.mark.slow  # (20 s; make test keeps the defining property above, the GPU test captures cross_layer's)
 def test_cross_layer_p_written_this_step_is_speculated_inside_selection_like_beside_it():
     """cross_layer writes a layer's P during the same step (the layer below's learning, on the side
     stream on a GPU): the fused path waits for it and decodes what the side-stream path decodes."""

@@ -625,7 +625,8 @@ def counting_engines(variant: str, at_end: bool, device: str = DEVICE, dtype=tor
 
 # (make test covers the count at the step's end through the ema at-once test's `once` engine)
 @pytest.mark.parametrize("variant", [pytest.param("serial", marks=pytest.mark.slow),
-                                     pytest.param("prr", marks=pytest.mark.slow), "qsim"])
+                                     pytest.param("prr", marks=pytest.mark.slow),
+                                     pytest.param("qsim", marks=pytest.mark.slow)])
 def test_counters_at_step_end_equal_counting_after_each_layer(monkeypatch, variant):
     """plan.count_at_step_end (on by default): the counters of every sparse layer in one launch after
     the last one (serial; PRR with ema learning at once, whose update reuses the count's stacked

@@ -4,9 +4,13 @@ selector and predictor objects the graph-engine tests decode with."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import yaml
 
@@ -123,3 +127,16 @@ def load_experiment(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assert_compiles_for_sm90(script: str, extra_env: dict[str, str] | None = None) -> None:
+    """Run `script` (it compiles kernels ahead of time for sm_90 through ptxas and prints "all
+    compiled", else what failed) in a subprocess without TRITON_INTERPRET: the interpreter accepts
+    code a GPU compile rejects. Skipped where triton has no NVIDIA backend."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (extra_env or {})
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
+    assert "all compiled" in done.stdout

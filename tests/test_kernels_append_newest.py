@@ -10,8 +10,6 @@ kernel compiled for sm_90."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from prr.kernels.append_newest import append_newest_block
 from prr.kernels.reference_append_newest import append_newest_reference
 
 from prr.blocks import BlockSet
+from tests.helpers import assert_compiles_for_sm90
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -249,9 +248,4 @@ SCRIPT = textwrap.dedent('''
 def test_append_newest_kernel_compiles_for_sm90():
     """The interpreter accepts code a GPU compile rejects: the kernel compiled ahead of time for sm_90
     (through ptxas) at the 8B shape's sizes, in a subprocess without TRITON_INTERPRET."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
-    assert "all compiled" in done.stdout
+    assert_compiles_for_sm90(SCRIPT)

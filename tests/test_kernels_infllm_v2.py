@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from prr.kernels.reference_infllm_v2 import (
 
 from prr.cache import PagedKVCache
 from prr.selectors.infllm_v2 import InfLLMV2Selector
+from tests.helpers import assert_compiles_for_sm90
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -267,10 +266,4 @@ SCRIPT = textwrap.dedent('''
 def test_infllm_v2_kernels_compile_for_sm90():
     """The interpreter accepts code a GPU compile rejects: each kernel compiled ahead of time for
     sm_90 (through ptxas) at the 8B shape, in a subprocess without TRITON_INTERPRET."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
-    assert "all compiled" in done.stdout
+    assert_compiles_for_sm90(SCRIPT, {"TRITON_DEFAULT_FP_FUSION": "1"})

@@ -57,6 +57,7 @@ from prr.paths import strict_json_dumps
 from prr.runtime.graph_budget import graph_samples_us
 from prr.runtime.graph_decode import GraphDecoder
 from prr.runtime.graph_run import graph_plan
+from prr.selectors.study_overrides import budget_overrides
 
 SEPARATOR_CYCLES = 2_000_000  # torch.cuda._sleep between traced replays: about 1 ms, a gap no step holds
 
@@ -73,8 +74,8 @@ def parse_cells(text: str) -> list[tuple[str, int, int, int]]:
 
 def objects(selector_name: str, predictor_name: str, block: int, k: int):
     """The selector and predictor run.py builds for these options (conf/ through Hydra)."""
-    overrides = [f"selector={selector_name}", f"predictor={predictor_name}", f"selector.topk_blocks={k}",
-                 f"runtime.block_size={block}", "budget=fixed"]
+    # (the top-K's key and unit as the studies give them: the indexer's counts tokens at block 1)
+    overrides = [*budget_overrides(selector_name, k * block, block), f"predictor={predictor_name}", "budget=fixed"]
     if predictor_name == "ema":
         overrides.append("predictor.calibrate=false")  # a random context has nothing to calibrate on
     if selector_name == "less":
@@ -150,7 +151,7 @@ def step_profile(steps: list[list[tuple]]) -> tuple[dict, dict]:
 
 
 def cell_rows(model, selector_name: str, context: int, block: int, k: int, replays: int, traced: int,
-              repair_tokens: tuple[int, ...] = ()):
+              repair_tokens: tuple[int, ...] = (), only: frozenset[str] | None = None):
     capacity = context + 256
     max_blocks = -(-capacity // block)
     settings = SimpleNamespace(repair_mode="exact", mode="sparse", block_size=block)
@@ -180,6 +181,8 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
 
     def measure(name: str, view: GraphDecoder, advance: bool, **extra) -> None:
         nonlocal base
+        if only is not None and name not in only and name != "serial":  # (serial: every ratio's base)
+            return
         start = view.checkpoint() if advance else None
         fn = (lambda: view.step(advance=advance))  # noqa: E731
         samples = graph_samples_us([fn], replays)
@@ -220,6 +223,8 @@ def cell_rows(model, selector_name: str, context: int, block: int, k: int, repla
             measure(f"prr_p=0.9a_repair{tokens}", eng.with_plan(repair_tokens_per_split=tokens), False)
     del eng, views
     torch.cuda.empty_cache()
+    if only is not None and not any(name.startswith("prr_ema") for name in only):
+        return rows, kernel_rows
     # ema decoding for real: its own engine (the predictor proposes and learns inside the step)
     selector, predictor, budget = objects(selector_name, "ema", block, k)
     plan = dataclasses.replace(graph_plan(settings, selector, predictor, budget, max_blocks), projections="fused")
@@ -245,8 +250,11 @@ def main() -> None:
     parser.add_argument("--traced", type=int, default=5, help="traced replays per view")
     parser.add_argument("--repair-tokens", default="", help="tokens of A per repair program, comma-separated "
                         "(views of the repair tail's split plan; multiples of the block size)")
+    parser.add_argument("--views", default="", help="only these views, comma-separated (serial is always timed: "
+                        "the ratios' base); default every view")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/h200"))
     args = parser.parse_args()
+    only = frozenset(v for v in args.views.split(",") if v) or None
     cells = parse_cells(args.cells)
     repair_tokens = tuple(int(t) for t in args.repair_tokens.split(",") if t)
     if not torch.cuda.is_available():
@@ -256,7 +264,8 @@ def main() -> None:
     model = model_of(32)
     rows, kernel_rows = [], []
     for cell in cells:
-        r, kr = cell_rows(model, *cell, replays=args.replays, traced=args.traced, repair_tokens=repair_tokens)
+        r, kr = cell_rows(model, *cell, replays=args.replays, traced=args.traced, repair_tokens=repair_tokens,
+                           only=only)
         rows += r
         kernel_rows += kr
         table = pd.DataFrame(rows).assign(command=command)

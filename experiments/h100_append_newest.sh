@@ -3,7 +3,7 @@
 # GPU tests and the reuse GPU tests; per-call kernels and µs of with_newest (mask before, torch, triton:
 # experiments/bench_append_newest.py); whole runs of reuse=steps (every 2 and 4) beside serial DSA for
 # quest at 32K, block 64, K = 8, here and in the tree before the op (the ignored .xfer/before, carried).
-# KERNEL_TESTS names the kernels' test files (default: the append's); BENCH=0 skips the per-call bench.
+# TREES (default "after before") names the trees run; KERNEL_TESTS names the kernels' test files (default: the append's); BENCH=0 skips the per-call bench.
 #   usage on the device: OUT=... bash experiments/h100_append_newest.sh
 . "$(dirname "$0")/h200_preamble.sh"
 install_wheels
@@ -20,7 +20,7 @@ say "gpu tests: reuse on the engine"
 timeout ${REUSE_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_selection_reuse.py \
   > "$OUT/gpu_tests_reuse.txt" 2>&1
 tail -3 "$OUT/gpu_tests_reuse.txt" | tee -a "$LOG"
-for tree in after before; do
+for tree in ${TREES:-after before}; do
   dir=$ROOT; [[ $tree == before ]] && dir=$ROOT/.xfer/before
   [[ -d $dir ]] || continue
   say "reuse=steps runs ($tree)"

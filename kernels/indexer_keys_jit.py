@@ -49,6 +49,29 @@ def _round_to_bf16_grid(v):
 
 
 @triton.jit
+def _store_index_key(key_cache_ptr, key_scales_ptr, k, batch, position, max_tokens, head_dim,
+                     stride_cb, stride_ct, stride_cd, stride_sb, stride_st,
+                     FP8: tl.constexpr, BLOCK_D: tl.constexpr):
+    """k [BLOCK_D] fp32 (lanes >= head_dim 0) -> the cache at (batch, position): rounded to bf16, or
+    quantized per token (FP8). Positions outside [0, T_max) write nothing (the caller's error; never
+    checked on the host: no sync)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    in_cache = (position >= 0) & (position < max_tokens)
+    write_d = offs_d < tl.where(in_cache, head_dim, 0)  # live_d in the cache, nothing outside
+    slot = key_cache_ptr + batch * stride_cb + position * stride_ct + offs_d * stride_cd
+    if FP8:
+        # Correctly rounded divisions (Triton's `/` may approximate) so the bytes equal torch's quantization.
+        scale = tl.math.div_rn(tl.max(tl.abs(k), axis=0), FP8_MAX)
+        safe = tl.where(scale > 0, scale, 1.0)  # an all-zero key: scale 0, fp8 zeros
+        scaled = tl.where(scale > 0, tl.math.div_rn(k, tl.broadcast_to(safe, (BLOCK_D,))), 0.0)
+        scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)  # one rounding of the division past 448
+        tl.store(slot, _round_to_e4m3_grid(scaled).to(tl.float8e4nv), mask=write_d)
+        tl.store(key_scales_ptr + batch * stride_sb + position * stride_st, scale, mask=in_cache)
+    else:
+        tl.store(slot, _round_to_bf16_grid(k).to(tl.bfloat16), mask=write_d)
+
+
+@triton.jit
 def _index_key_append_kernel(
     key_cache_ptr,  # [B, T_max, D] bf16 or float8e4nv
     key_scales_ptr,  # [B, T_max] fp32 per-token scales (FP8)
@@ -69,17 +92,5 @@ def _index_key_append_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     live_d = offs_d < head_dim
     k = tl.load(k_new_ptr + batch * stride_kb + offs_d * stride_kd, mask=live_d, other=0.0).to(tl.float32)
-    # Positions outside [0, T_max) write nothing (the caller's error; never checked on the host: no sync).
-    in_cache = (position >= 0) & (position < max_tokens)
-    write_d = offs_d < tl.where(in_cache, head_dim, 0)  # live_d in the cache, nothing outside
-    slot = key_cache_ptr + batch * stride_cb + position * stride_ct + offs_d * stride_cd
-    if FP8:
-        # Correctly rounded divisions (Triton's `/` may approximate) so the bytes equal torch's quantization.
-        scale = tl.math.div_rn(tl.max(tl.abs(k), axis=0), FP8_MAX)
-        safe = tl.where(scale > 0, scale, 1.0)  # an all-zero key: scale 0, fp8 zeros
-        scaled = tl.where(scale > 0, tl.math.div_rn(k, tl.broadcast_to(safe, (BLOCK_D,))), 0.0)
-        scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)  # one rounding of the division past 448
-        tl.store(slot, _round_to_e4m3_grid(scaled).to(tl.float8e4nv), mask=write_d)
-        tl.store(key_scales_ptr + batch * stride_sb + position * stride_st, scale, mask=in_cache)
-    else:
-        tl.store(slot, _round_to_bf16_grid(k).to(tl.bfloat16), mask=write_d)
+    _store_index_key(key_cache_ptr, key_scales_ptr, k, batch, position, max_tokens, head_dim,
+                     stride_cb, stride_ct, stride_cd, stride_sb, stride_st, FP8, BLOCK_D)

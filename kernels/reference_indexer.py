@@ -1,5 +1,6 @@
 """Torch references and seeded input generators for the lightning indexer's kernels
-(kernels/indexer_keys.py: the index-key append; kernels/indexer_score.py: the scores).
+(kernels/indexer_keys.py: the index-key append; kernels/indexer_score.py: the scores;
+kernels/indexer_step.py: a decode step's query, head weights and key from its projection).
 
 The indexer (DeepSeek-V3.2's DSA; GLM-5, DeepSeek-V4) scores every cached token t of a row b
 against H_I index heads with one index key per token, shared by the heads:
@@ -15,10 +16,60 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 INDEX_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def rope_leading(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int) -> Tensor:
+    """RoPE (rotate-half) on the first rope_dim dims of x [..., d] fp32, the rest unchanged.
+    cos, sin: [..., rope_dim] fp32, broadcast against x's leading dims (each frequency repeated
+    for both halves: prr.model.rope.rope_cos_sin's layout)."""
+    if rope_dim == 0:
+        return x
+    half = rope_dim // 2
+    x1, x2 = x[..., :half], x[..., half:rope_dim]
+    rotated = torch.cat((-x2, x1), dim=-1)  # rotate_half
+    return torch.cat((x[..., :rope_dim] * cos + rotated * sin, x[..., rope_dim:]), dim=-1)
+
+
+def index_rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """positions [...] int, inv_freq [rope_dim // 2] fp32 -> cos, sin [..., rope_dim] fp32 (the angle
+    position · inv_freq, one fp32 product, as kernels/indexer_step_jit.py forms it)."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(torch.float32)  # [..., rope_dim // 2]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def index_keys_from_projection(projected: Tensor, cos: Tensor, sin: Tensor, norm_weight: Tensor, norm_bias: Tensor,
+                               eps: float, rope_dim: int) -> Tensor:
+    """The index key of each token from its projection x W_kᵀ: projected [..., d_I] (any float
+    dtype), cos/sin [..., rope_dim] -> k_I [..., d_I] fp32 = RoPE(LayerNorm(projected)), in fp32."""
+    k = F.layer_norm(projected.float(), (projected.shape[-1],), norm_weight.float(), norm_bias.float(), eps)
+    return rope_leading(k, cos, sin, rope_dim)
+
+
+def indexer_step_reference(projection: Tensor, positions: Tensor, inv_freq: Tensor, norm_weight: Tensor,
+                           norm_bias: Tensor, eps: float, index_heads: int, index_dim: int,
+                           rope_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference for kernels.indexer_step.indexer_step_inputs: a decode step's indexer inputs from
+    one projection of each row's normed hidden state x by the stacked weights [W_q; W_k; W_w]:
+    projection [B, H_I·d_I + d_I + H_I] (the model's dtype), positions [B] int, inv_freq
+    [rope_dim // 2] fp32 -> (q_I [B, H_I, d_I], w [B, H_I], k_I [B, d_I]), all fp32, computed in
+    fp32: q_I = RoPE(x W_qᵀ), w = x W_wᵀ, k_I = RoPE(LayerNorm(x W_kᵀ)) (RoPE on the leading
+    rope_dim dims at each row's position)."""
+    b, q_width = projection.shape[0], index_heads * index_dim
+    if projection.shape[1] != q_width + index_dim + index_heads:
+        raise ValueError(f"projection must be [B, H_I*d_I + d_I + H_I]=[{b}, {q_width + index_dim + index_heads}]; "
+                         f"got {tuple(projection.shape)}")
+    cos, sin = index_rope_angles(positions, inv_freq[: rope_dim // 2])  # [B, rope_dim]
+    q = projection[:, :q_width].float().view(b, index_heads, index_dim)
+    q = rope_leading(q, cos.unsqueeze(1), sin.unsqueeze(1), rope_dim)
+    k = index_keys_from_projection(projection[:, q_width : q_width + index_dim], cos, sin, norm_weight, norm_bias,
+                                   eps, rope_dim)
+    return q, projection[:, q_width + index_dim :].float(), k
 
 
 def quantize_index_keys_reference(k: Tensor) -> tuple[Tensor, Tensor]:

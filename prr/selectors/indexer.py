@@ -20,13 +20,17 @@ Where x comes from: the decoder hands each layer's normed hidden state to the at
 `hidden_hook` (prr.model.decoder.Decoder.layers' `normed`), which calls `take_hidden`:
 - prefill: x [B, T, hidden] is kept for the layer until its tail selections; `update_metadata`
   writes the index keys of its host range, `select_tail` scores the tail positions;
-- decode: x [B, 1, hidden] is copied into the slot `indexer_hidden` (static: capturable);
-  `append_metadata` (after the K/V append, at the device positions) writes the token's index key and
-  the step's index query and head weights into their slots, which `select` reads.
+- decode: x [B, 1, hidden] is projected once by the stacked weights [W_q; W_k; W_w]
+  (LayerIndexer.step_weight) into the slot `indexer_projection` (static: capturable);
+  `append_metadata` (after the K/V append, at the device positions) turns it into the token's index
+  key and the step's index query and head weights (kernels.indexer_step: one launch; the torch
+  backend its reference), which `select` reads.
+The projections run in the model's dtype, the rest (LayerNorm, RoPE, the scores) in fp32.
 
 Slots (cache.state_slot, per row): `indexer_keys` [B, T_max, d_I] (bf16, fp8 e4m3 with
 `indexer_key_scales` [B, T_max] fp32, or fp32 on the torch backend), `indexer_query` [B, H_I, d_I]
-fp32, `indexer_head_weights` [B, H_I] fp32, `indexer_hidden` [B, hidden] in the cache's dtype.
+fp32, `indexer_head_weights` [B, H_I] fp32, `indexer_projection` [B, H_I·d_I + d_I + H_I] in the
+cache's dtype.
 
 Two op backends, one definition: torch (prr.kernels.reference_indexer: the scores in fp32) and,
 under runtime backend triton, prr.kernels.indexer_keys / indexer_score (bf16 or fp8 keys) + the
@@ -42,7 +46,6 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from prr.blocks import BlockSet
@@ -51,15 +54,15 @@ from prr.kernels.reference_indexer import (
     INDEX_DTYPES,
     index_key_append_reference,
     indexer_scores_reference,
+    indexer_step_reference,
     quantize_index_keys_reference,
 )
-from prr.model.rope import apply_rope, rope_cos_sin
 from prr.selectors.base import Selection, Selector, tail_rows
 from prr.selectors.indexer_weights import IndexerConfig, IndexerWeights, LayerIndexer, load_indexer
 from prr.selectors.options import IndexerSelectorOptions
 
 KEYS, SCALES = "indexer_keys", "indexer_key_scales"
-QUERY, HEAD_WEIGHTS, HIDDEN = "indexer_query", "indexer_head_weights", "indexer_hidden"
+QUERY, HEAD_WEIGHTS, PROJECTION = "indexer_query", "indexer_head_weights", "indexer_projection"
 SLOT_DTYPES = {**INDEX_DTYPES, "fp32": torch.float32}
 NO_HIDDEN = ("selector=indexer needs layer {layer}'s normed hidden states of the prefill (the decoder's hidden "
              "hook, prr.model.decoder.Decoder.layers' `normed`), and this prefill gave only q/k/v: prefill through "
@@ -133,8 +136,18 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         return (cache.state_slot(layer, QUERY, (b, self.index_heads, self.index_dim), torch.float32),
                 cache.state_slot(layer, HEAD_WEIGHTS, (b, self.index_heads), torch.float32))
 
-    def _hidden_slot(self, cache: PagedKVCache, layer: int, hidden_size: int) -> Tensor:
-        return cache.state_slot(layer, HIDDEN, (cache.batch, hidden_size), cache.dtype)
+    def _projection_slot(self, cache: PagedKVCache, layer: int) -> Tensor:
+        """[B, H_I·d_I + d_I + H_I]: this decode step's x [W_q; W_k; W_w]ᵀ (take_hidden's)."""
+        width = self.index_heads * self.index_dim + self.index_dim + self.index_heads
+        return cache.state_slot(layer, PROJECTION, (cache.batch, width), cache.dtype)
+
+    def _step_weight(self, layer: int, like: Tensor) -> Tensor:
+        """The layer's LayerIndexer.step_weight on like's device and dtype (stacked once)."""
+        stacked = self.__dict__.setdefault("_step_weights", {})
+        key = (layer, like.device, like.dtype)
+        if key not in stacked:
+            stacked[key] = self._layer(layer, like)[0].step_weight().contiguous()
+        return stacked[key]
 
     # --- the hidden states ------------------------------------------------------------------
     def take_hidden(self, cache: PagedKVCache, layer: int, x: Tensor, prefill: bool) -> None:
@@ -144,7 +157,8 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         if prefill:
             self._pending()[layer] = x
             return
-        self._hidden_slot(cache, layer, x.shape[-1]).copy_(x[:, 0])  # in place: a captured step's input
+        # in place: a captured step's input (one GEMV for the query heads, the key and the head weights)
+        torch.mm(x[:, 0], self._step_weight(layer, x).t(), out=self._projection_slot(cache, layer))
 
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
         if self.is_dense_layer(layer):
@@ -154,7 +168,7 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
             raise RuntimeError(NO_HIDDEN.format(layer=layer))
         keys, scales = self.index_cache(cache, layer)  # (every slot a decode step writes exists after the prefill)
         self.step_query(cache, layer)
-        self._hidden_slot(cache, layer, x.shape[-1])
+        self._projection_slot(cache, layer)
         if end <= start:
             return
         indexer, inv_freq = self._layer(layer, x)
@@ -165,25 +179,23 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
             keys[:, start:end], scales[:, start:end] = quantize_index_keys_reference(k)
 
     def append_metadata(self, cache: PagedKVCache, layer: int, positions: Tensor) -> None:
-        """The decode token's index key at positions [B], and this step's index query and head weights."""
+        """The decode token's index key at positions [B], and this step's index query and head weights,
+        from take_hidden's projection."""
         keys, scales = self.index_cache(cache, layer)
         query, head_weights = self.step_query(cache, layer)
-        x = cache.metadata[layer][HIDDEN]  # [B, hidden] (take_hidden's copy)
-        indexer, inv_freq = self._layer(layer, x)
-        c, b = indexer.config, x.shape[0]
-        cos, sin = rope_cos_sin(positions.long(), inv_freq)  # [B, rope_dim] fp32
-        k = F.layer_norm(F.linear(x, indexer.wk), (c.index_dim,), indexer.key_norm_weight, indexer.key_norm_bias,
-                         c.key_norm_eps)  # [B, d_I]
-        k = rotate_leading(k, cos, sin, c.rope_dim)
+        projection = cache.metadata[layer][PROJECTION]  # [B, H_I·d_I + d_I + H_I]
+        indexer, inv_freq = self._layer(layer, projection)
+        c = indexer.config
+        norm = (indexer.key_norm_weight, indexer.key_norm_bias, c.key_norm_eps)
         if self.backend == "triton":
-            from prr.kernels.indexer_keys import index_key_append
+            from prr.kernels.indexer_step import indexer_step_inputs
 
-            index_key_append(keys, scales, k, positions)
-        else:
-            index_key_append_reference(keys, scales, k, positions)
-        q = F.linear(x, indexer.wq).view(b, c.index_heads, c.index_dim)  # [B, H_I, d_I]
-        query.copy_(rotate_leading(q, cos.unsqueeze(1), sin.unsqueeze(1), c.rope_dim))
-        head_weights.copy_(F.linear(x, indexer.ww))
+            indexer_step_inputs(projection, positions, inv_freq, *norm, c.rope_dim, query, head_weights, keys, scales)
+            return
+        q, w, k = indexer_step_reference(projection, positions, inv_freq, *norm, c.index_heads, c.index_dim, c.rope_dim)
+        query.copy_(q)
+        head_weights.copy_(w)
+        index_key_append_reference(keys, scales, k, positions)
 
     # --- scores and selection ---------------------------------------------------------------
     def token_scores(self, cache: PagedKVCache, layer: int, lengths: Tensor) -> Tensor:
@@ -253,12 +265,3 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         blocks = BlockSet(indices.expand(b, h, indices.shape[-1]).contiguous(), counts.expand(b, h).contiguous())
         # (scores per KV head as the predictors' kernels read them: contiguous, as the torch path's)
         return Selection(blocks=blocks, scores=scores.unsqueeze(1).expand(b, h, scores.shape[-1]).contiguous())
-
-
-def rotate_leading(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int) -> Tensor:
-    """RoPE (rotate-half) on the first rope_dim dims of x [B, ..., d] with per-row cos, sin
-    [B, (1,) rope_dim] fp32 (broadcast over x's middle dims); the other dims unchanged."""
-    if rope_dim == 0:
-        return x
-    rotated = apply_rope(x[..., :rope_dim], cos.to(x.dtype), sin.to(x.dtype))
-    return torch.cat((rotated, x[..., rope_dim:]), dim=-1)

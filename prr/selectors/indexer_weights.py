@@ -45,8 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prr.kernels.reference_indexer import index_keys_from_projection, index_rope_angles, rope_leading
 from prr.model.config import ModelConfig
-from prr.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from prr.model.rope import rope_inv_freq
 from prr.paths import cache_dir, write_safetensors_atomic
 
 FORMAT_VERSION = 1
@@ -85,16 +86,6 @@ def train_hint(model: str, config: IndexerConfig) -> str:
             f"--rope-dim {config.rope_dim} --dense-layers {','.join(map(str, config.dense_layers))}'")
 
 
-def index_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, rope_dim: int) -> Tensor:
-    """RoPE (rotate-half) on the first rope_dim dims of x [..., T, d] at positions [T]; the other
-    dims unchanged. inv_freq: [rope_dim // 2] (the model's theta and scaling at rope_dim)."""
-    if rope_dim == 0:
-        return x
-    cos, sin = rope_cos_sin(positions, inv_freq)  # [T, rope_dim] fp32
-    rotated = apply_rope(x[..., :rope_dim], cos.to(x.dtype), sin.to(x.dtype))
-    return torch.cat((rotated, x[..., rope_dim:]), dim=-1)
-
-
 def index_scores(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
     """The indexer's score, unmasked: Σ_h w_h · ReLU(q_h · k_j). q: [B, Tq, H_I, d_I] (RoPE'd),
     w: [B, Tq, H_I], k: [B, T, d_I] (RoPE'd) -> [B, Tq, T] (a decode step: Tq = 1)."""
@@ -118,20 +109,27 @@ class LayerIndexer(nn.Module):
         self.key_norm_bias = nn.Parameter(torch.zeros(d_i, dtype=dtype, device=device))
 
     def queries(self, x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-        """x: [.., T, hidden], positions [T] -> q_I [.., T, H_I, d_I] (RoPE'd)."""
+        """x: [.., T, hidden], positions [T] -> q_I [.., T, H_I, d_I] fp32 (RoPE'd in fp32)."""
         c = self.config
         q = F.linear(x, self.wq).unflatten(-1, (c.index_heads, c.index_dim))  # [.., T, H_I, d_I]
-        return index_rope(q.transpose(-2, -3), positions, inv_freq, c.rope_dim).transpose(-2, -3)
+        cos, sin = index_rope_angles(positions, inv_freq)  # [T, rope_dim]
+        return rope_leading(q.float(), cos.unsqueeze(-2), sin.unsqueeze(-2), c.rope_dim)
 
     def head_weights(self, x: Tensor) -> Tensor:
-        """x: [.., T, hidden] -> w [.., T, H_I]."""
-        return F.linear(x, self.ww)
+        """x: [.., T, hidden] -> w [.., T, H_I] fp32."""
+        return F.linear(x, self.ww).float()
 
     def keys(self, x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-        """x: [.., T, hidden], positions [T] -> k_I [.., T, d_I] (LayerNorm'd, RoPE'd)."""
-        k = F.layer_norm(F.linear(x, self.wk), (self.config.index_dim,), self.key_norm_weight, self.key_norm_bias,
-                         self.config.key_norm_eps)
-        return index_rope(k, positions, inv_freq, self.config.rope_dim)
+        """x: [.., T, hidden], positions [T] -> k_I [.., T, d_I] fp32 (LayerNorm'd and RoPE'd in fp32)."""
+        c = self.config
+        cos, sin = index_rope_angles(positions, inv_freq)
+        return index_keys_from_projection(F.linear(x, self.wk), cos, sin, self.key_norm_weight, self.key_norm_bias,
+                                          c.key_norm_eps, c.rope_dim)
+
+    def step_weight(self) -> Tensor:
+        """[W_q; W_k; W_w] stacked: [H_I·d_I + d_I + H_I, hidden], one projection of a decode step's
+        hidden state for the three (kernels.indexer_step's layout)."""
+        return torch.cat((self.wq, self.wk, self.ww))
 
     def scores(self, x: Tensor, inv_freq: Tensor, query_positions: Tensor | None = None) -> Tensor:
         """A prefill's index scores. x: [B, T, hidden] (positions 0..T-1); query_positions: [Tq]

@@ -177,7 +177,7 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
             raise RuntimeError(NO_HIDDEN.format(layer=layer))
         keys, scales = self.index_cache(cache, layer)  # (every slot a decode step writes exists after the prefill)
         self.step_query(cache, layer)
-        self._projection_slot(cache, layer)
+        self._step_weight(layer, self._projection_slot(cache, layer))  # (stacked here: never inside a capture)
         if end <= start:
             return
         indexer, inv_freq = self._layer(layer, x)

@@ -53,8 +53,9 @@ def indexer_step_inputs(projection: Tensor, positions: Tensor, inv_freq: Tensor,
     for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
         if t.shape != (index_dim,) or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous [d_I]=[{index_dim}]; got {tuple(t.shape)}")
-    if query.stride(2) != 1:
-        raise ValueError("query must have unit stride in its last dim")
+    if query.stride(2) != 1 or head_weights.stride(1) != 1:
+        raise ValueError(f"query and head_weights must have unit stride in their last dim (the kernel's stores); got "
+                         f"strides {query.stride()} and {head_weights.stride()}")
     _check_device(key_cache, projection, positions, query, head_weights, norm_weight, norm_bias, inv_freq,
                   *([] if key_scales is None else [key_scales]))
     check_per_row("positions", positions, batch, key_cache.device)
@@ -62,7 +63,7 @@ def indexer_step_inputs(projection: Tensor, positions: Tensor, inv_freq: Tensor,
         return
     fp8 = key_scales is not None
     scales = key_scales if fp8 else key_cache  # never dereferenced without FP8
-    # (rope_dim 0: inv_freq is empty; any fp32 pointer stands in, never read)
+    # (rope_dim 0: inv_freq is empty; another pointer stands in, never read: every lane's load is masked)
     freqs = inv_freq if rope_dim else norm_weight
     _indexer_step_kernel[(batch, index_heads + 1)](
         projection, positions, freqs, norm_weight, norm_bias, query, head_weights, key_cache, scales,

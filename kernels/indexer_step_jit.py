@@ -66,9 +66,10 @@ def _indexer_step_kernel(
     else:
         key = row + INDEX_HEADS * INDEX_DIM
         k = tl.load(key + offs).to(tl.float32)
-        mean = tl.sum(k, axis=0) / INDEX_DIM
-        variance = tl.sum((k - mean) * (k - mean), axis=0) / INDEX_DIM  # biased, as F.layer_norm's
-        rstd = 1.0 / tl.sqrt_rn(variance + eps)
+        # (/ d_I as a product by 1 / d_I: exact for a power of two, where Triton's `/` is an approximate division)
+        mean = tl.sum(k, axis=0) * (1.0 / INDEX_DIM)
+        variance = tl.sum((k - mean) * (k - mean), axis=0) * (1.0 / INDEX_DIM)  # biased, as F.layer_norm's
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(variance + eps))  # correctly rounded, as torch's 1 / sqrt (`/` may approximate)
         normed = (k - mean) * rstd * tl.load(norm_weight_ptr + offs).to(tl.float32) + \
             tl.load(norm_bias_ptr + offs).to(tl.float32)
         k_partner = tl.load(key + partner, mask=rotated, other=0.0).to(tl.float32)

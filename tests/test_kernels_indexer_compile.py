@@ -1,6 +1,6 @@
 """The lightning indexer's kernels compile for an H100/H200 (sm_90, through ptxas) on a CPU: the
 interpreter accepts code a GPU compile rejects, so prr.kernels.indexer_score_jit and
-prr.kernels.indexer_keys_jit are compiled ahead of time for their constexpr variants (bf16 / fp8
+prr.kernels.indexer_keys_jit (and indexer_step_jit) are compiled ahead of time for their constexpr variants (bf16 / fp8
 keys, bf16 / fp32 q, padded and full head counts), in a subprocess without TRITON_INTERPRET, once
 with every int argument an i32 and once with the unit strides as the constexpr 1 Triton specialises
 them to (with the pointers and other strides 16-divisible). The score kernel must come out as Hopper tensor-core dots (warp_group_dot) fed by
@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
     import prr.kernels.indexer_keys_jit as K
     import prr.kernels.indexer_score_jit as S
+    import prr.kernels.indexer_step_jit as J
 
     F, B16, F8, I32 = "*fp32", "*bf16", "*fp8e4nv", "*i32"
     UNIT = ("stride_qd", "stride_wh", "stride_kd", "stride_st", "stride_ot", "stride_cd", "stride_kd")
@@ -84,6 +85,19 @@ SCRIPT = textwrap.dedent('''
                           "positions_ptr": I32}, {"FP8": scales, "BLOCK_D": 128, "PDL": False}, num_warps=1)
             if built is not None and scales:
                 failed += [f"append kernel k_new {new}: {p}" for p in fp8_quantization_ptx_problems(built.asm["ptx"])]
+    # the decode step's inputs (query heads, head weights, the key appended): rope_dim 0 (inv_freq's stand-in
+    # pointer) with bf16 keys, RoPE on half the dims with fp8 keys; H_I = 5 (the grid's, not a power of two)
+    for keys, scales, rope in ((B16, False, 0), (F8, True, 64)):
+        built = build(J._indexer_step_kernel, {"projection_ptr": B16, "positions_ptr": I32, "inv_freq_ptr": F,
+                      "norm_weight_ptr": B16, "norm_bias_ptr": B16, "query_ptr": F, "head_weights_ptr": F,
+                      "key_cache_ptr": keys, "key_scales_ptr": F, "eps": "fp32"},
+                      {"INDEX_HEADS": 5, "INDEX_DIM": 128, "ROPE_DIM": rope, "FP8": scales, "PDL": False}, num_warps=1)
+        if built is not None:
+            ptx = built.asm["ptx"]
+            failed += [f"step kernel keys {keys}: approximate division {op}" for op in ("div.approx", "div.full",
+                       "rcp.approx") if op in ptx]
+            if scales and "cvt.rn.satfinite.e4m3x2.f32" not in ptx:
+                failed.append("step kernel: no cvt.rn.satfinite.e4m3x2.f32 (the fp32 -> e4m3 store)")
     print("\\n".join(failed) if failed else "all compiled")
     sys.exit(1 if failed else 0)
 ''')

@@ -107,8 +107,27 @@ def test_far_positions_and_positions_outside_the_cache():
     batch, heads, dim, max_tokens = 4, 5, 16, 9
     got, ref = _run("cpu", batch, heads, dim, 16, torch.bfloat16, "fp8", max_tokens, [-1, max_tokens, 131_000, 3])
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], ref[1])  # head weights written for every row
     assert (got[2][:2].float() == 0).all() and (got[3][:2] == 0).all()  # rows 0, 1: outside
     assert (got[2][2].float() == 0).all()  # row 2: 131_000 is outside too
+    _assert_keys_close(got[2], got[3], ref[2], ref[3], "fp8", (torch.tensor([3]), torch.tensor([3])))  # row 3: inside
+
+
+def test_key_layer_norm_adds_eps_to_the_variance():
+    """A key projection of variance ~1e-6, eps 1e-6: the key differs from eps-less LayerNorm by ~1/sqrt(2),
+    so the comparison with the reference sees eps (the other tests' keys have variance ~4)."""
+    batch, heads, dim, rope_dim = 2, 3, 16, 6
+    projection, inv_freq, weight, bias = _inputs(batch, heads, dim, rope_dim, torch.float32, seed=5)
+    projection[:, heads * dim : heads * dim + dim] *= 5e-4  # (randn * 2 * 5e-4: std 1e-3)
+    pos = torch.tensor([2, 7])
+    keys, _ = empty_index_cache(batch, 8, dim, "bf16")
+    query, head_weights = torch.empty(batch, heads, dim), torch.empty(batch, heads)
+    indexer_step_inputs(projection, pos, inv_freq, weight, bias, 1e-6, rope_dim, query, head_weights, keys, None)
+    _, _, k = indexer_step_reference(projection, pos, inv_freq, weight, bias, 1e-6, heads, dim, rope_dim)
+    _, _, no_eps = indexer_step_reference(projection, pos, inv_freq, weight, bias, 0.0, heads, dim, rope_dim)
+    got = keys[torch.arange(batch), pos].float()
+    assert ((got - k).abs() <= k.abs() * 2**-7 + 1e-30).all()
+    assert ((got - no_eps).abs() > no_eps.abs() * 2**-5).any()
 
 
 def test_rejects_bad_input():
@@ -126,6 +145,8 @@ def test_rejects_bad_input():
                             None)
     with pytest.raises(ValueError, match=r"inv_freq must be fp32 \[rope_dim // 2\]=\[3\]"):
         indexer_step_inputs(projection, pos, inv_freq[:2], weight, bias, 1e-6, 6, query, head_weights, keys, None)
+    with pytest.raises(ValueError, match="query and head_weights must have unit stride"):
+        indexer_step_inputs(projection, pos, inv_freq, weight, bias, 1e-6, 6, query, torch.empty(5, 2).t(), keys, None)
 
 
 @pytest.mark.gpu

@@ -6,6 +6,8 @@ runtimes, with exact-mode PRR equal to serial DSA token for token."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from prr.kernels.reference_indexer import quantize_index_keys_reference
@@ -178,3 +180,53 @@ def test_a_ragged_batch_decodes_each_row_as_alone(tmp_path):
     alone = [run_tokens(tmp_path, *common, f"runtime.row_tokens=[{n}]", name=f"alone{n}") for n in (300, 170)]
     assert both["generated_token_ids"] == [a["generated_token_ids"][0] for a in alone]
     assert both["generated_token_ids"][0] != both["generated_token_ids"][1]  # the rows' contexts differ
+
+
+def prefill_then_decode(sel: IndexerSelector, x: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """x [B, T + 1, hidden]: T prefilled, the last decoded at position T -> (cache, T)."""
+    batch, prompt = x.shape[0], x.shape[1] - 1
+    cache = PagedKVCache(LAYERS, batch, HKV, HEAD_DIM, 1, prompt + 1, dtype=dtype)
+    sel.take_hidden(cache, 1, x[:, :prompt], prefill=True)
+    sel.update_metadata(cache, 1, 0, prompt)
+    sel.take_hidden(cache, 1, x[:, prompt:], prefill=False)
+    sel.append_metadata(cache, 1, torch.full((batch,), prompt))
+    return cache, prompt
+
+
+@pytest.mark.parametrize("backend,index_dtype", [("torch", "fp32"), ("triton", "bf16")])
+def test_a_decode_step_stores_what_the_prefill_would_at_its_position(backend, index_dtype):
+    """The decode path (one stacked projection, then kernels.indexer_step or its reference) gives the
+    prefill's LayerIndexer.keys / queries / head_weights for the same x and position, up to the
+    GEMM's fp32 rounding (bf16 keys: up to one bf16 step); the stacked weights are the copy's W_q,
+    W_k, W_w (one copy on the device, not two)."""
+    sel = indexer(index_dtype)
+    sel.backend = backend
+    x = torch.randn(2, 10, HIDDEN, generator=torch.Generator().manual_seed(5))
+    cache, t = prefill_then_decode(sel, x)
+    layer, inv_freq = sel._layer(1, x)
+    pos = torch.tensor([t])
+    want_key = layer.keys(x[:, t:], pos, inv_freq)[:, 0]  # [B, d_I]
+    got_key = sel.index_cache(cache, 1)[0][:, t].float()
+    if index_dtype == "bf16":
+        assert ((got_key - want_key.bfloat16().float()).abs() <= want_key.abs() * 2**-7).all()
+    else:
+        torch.testing.assert_close(got_key, want_key, rtol=1e-5, atol=1e-6)
+    query, head_weights = sel.step_query(cache, 1)
+    torch.testing.assert_close(query, layer.queries(x[:, t:], pos, inv_freq)[:, 0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head_weights, layer.head_weights(x[:, t]), rtol=1e-5, atol=1e-6)
+    stacked = sel._step_weight(1, x)
+    assert layer.wq.data_ptr() == stacked.data_ptr() and layer.ww.data_ptr() == stacked[-sel.index_heads :].data_ptr()
+
+
+def test_bound_to_another_model_the_decode_projects_by_its_weights():
+    """bind_model to another model (another hidden size, new weights): the stacked decode weights
+    are the new model's, not the first one's."""
+    sel = indexer()
+    prefill_then_decode(sel, torch.randn(1, 6, HIDDEN))
+    other = dataclasses.replace(MODEL, hidden_size=HIDDEN + 8)
+    sel.bind_model(other)
+    x = torch.randn(1, 6, HIDDEN + 8, generator=torch.Generator().manual_seed(6))
+    cache, t = prefill_then_decode(sel, x)
+    layer, inv_freq = sel._layer(1, x)
+    torch.testing.assert_close(sel.index_cache(cache, 1)[0][:, t], layer.keys(x[:, t:], torch.tensor([t]), inv_freq)[:, 0],
+                               rtol=1e-5, atol=1e-6)

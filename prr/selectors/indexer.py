@@ -99,6 +99,7 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         else:
             self.indexer = IndexerWeights.for_model(config, self.indexer_config(), seed=self.seed).requires_grad_(False)
         self._weights_on: dict[tuple[torch.device, torch.dtype], IndexerWeights] = {}  # its copies where used
+        self._step_weights: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}  # (of those copies: rebound, gone)
 
     @property
     def hidden_size(self) -> int:
@@ -142,12 +143,18 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         return cache.state_slot(layer, PROJECTION, (cache.batch, width), cache.dtype)
 
     def _step_weight(self, layer: int, like: Tensor) -> Tensor:
-        """The layer's LayerIndexer.step_weight on like's device and dtype (stacked once)."""
-        stacked = self.__dict__.setdefault("_step_weights", {})
+        """The layer's LayerIndexer.step_weight [H_I·d_I + d_I + H_I, hidden] on like's device and dtype,
+        stacked once; that copy's W_q, W_k, W_w become views of it (one copy of the weights, not two:
+        ~2 GiB at the 8B shape in bf16)."""
+        indexer = self._layer(layer, like)[0]  # (raises, by name, before bind_model)
         key = (layer, like.device, like.dtype)
-        if key not in stacked:
-            stacked[key] = self._layer(layer, like)[0].step_weight().contiguous()
-        return stacked[key]
+        if key not in self._step_weights:
+            stacked = indexer.step_weight().contiguous()
+            q_rows, k_rows = indexer.wq.shape[0], indexer.wk.shape[0]
+            indexer.wq.data, indexer.wk.data = stacked[:q_rows], stacked[q_rows : q_rows + k_rows]
+            indexer.ww.data = stacked[q_rows + k_rows :]
+            self._step_weights[key] = stacked
+        return self._step_weights[key]
 
     # --- the hidden states ------------------------------------------------------------------
     def take_hidden(self, cache: PagedKVCache, layer: int, x: Tensor, prefill: bool) -> None:
@@ -157,8 +164,10 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         if prefill:
             self._pending()[layer] = x
             return
-        # in place: a captured step's input (one GEMV for the query heads, the key and the head weights)
-        torch.mm(x[:, 0], self._step_weight(layer, x).t(), out=self._projection_slot(cache, layer))
+        # in place: a captured step's input (one GEMV for the query heads, the key and the head weights), in
+        # the slot's dtype (mm's out= takes no other: x cast as the copy into the slot did before)
+        slot = self._projection_slot(cache, layer)  # [B, H_I·d_I + d_I + H_I]
+        torch.mm(x[:, 0].to(slot.dtype), self._step_weight(layer, slot).t(), out=slot)
 
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
         if self.is_dense_layer(layer):
@@ -168,7 +177,7 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
             raise RuntimeError(NO_HIDDEN.format(layer=layer))
         keys, scales = self.index_cache(cache, layer)  # (every slot a decode step writes exists after the prefill)
         self.step_query(cache, layer)
-        self._projection_slot(cache, layer)
+        self._step_weight(layer, self._projection_slot(cache, layer))  # (stacked here: never inside a capture)
         if end <= start:
             return
         indexer, inv_freq = self._layer(layer, x)
@@ -234,7 +243,7 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         scores = torch.cat([indexer_scores_reference(q_i[:, i], w[:, i], keys32, scales, lengths[i * b : (i + 1) * b],
                                                      compute_dtype=torch.float32) for i in range(tail)])  # [T * B, T_max]
         per_head = scores.view(tail * b, 1, 1, -1).expand(tail * b, h, 1, scores.shape[-1])
-        del self._pending()[layer]  # decode reads its own hidden state from the slot
+        del self._pending()[layer]  # decode reads its own projection from the slot
         return tail_rows(self.selection_from(per_head, lengths, cache.max_blocks), tail)
 
     def triton_problems(self) -> list[str]:

@@ -87,12 +87,13 @@ def default_tiles(out_features: int, in_features: int, swiglu: bool) -> tuple[in
 
 def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
                eps: float = 1e-6, residual: Tensor | None = None, swiglu: bool = False,
-               tiles: tuple[int, int, int] | None = None) -> Tensor:
+               tiles: tuple[int, int, int] | None = None, out: Tensor | None = None) -> Tensor:
     """x: [M, K]; weight: [N_w, K] (nn.Linear layout, last dim contiguous); bias: [N_w] or None;
     norm_weight: [K] RMSNorm weight applied to x first (None: x as it is);
     swiglu: weight is [gate | up] with N_w = 2 N, the output silu(gate) * up;
     residual: [M, N] in x's dtype, updated in place with the projection (and returned).
-    -> y [M, N] in x's dtype (N = N_w, or N_w / 2 with swiglu).
+    -> y [M, N] in x's dtype (N = N_w, or N_w / 2 with swiglu); out: [M, N] in x's dtype with a
+    contiguous last dim, written instead of a new y (a captured step's static slot; not with residual).
     tiles: (BLOCK_N, BLOCK_K, num_warps) instead of `default_tiles` (M = 1) or `default_row_tiles` (M >= 2;
     both powers of two >= 16 there); benchmarks tune them."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -122,7 +123,16 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_we
             raise ValueError(f"residual must be in x's dtype {x.dtype}; got {residual.dtype}")
         if _overlap(residual, x):
             raise ValueError("residual must not overlap x in memory (programs would read rows others already updated)")
+        if out is not None:
+            raise ValueError("pass residual (updated in place) or out (overwritten), not both")
         y = residual
+    elif out is not None:
+        if tuple(out.shape) != (M, N) or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+            raise ValueError(f"out must be [M, N]=[{M}, {N}] in x's dtype {x.dtype} on {x.device} with a contiguous "
+                             f"last dim; got {out.dtype} {tuple(out.shape)} on {out.device}")
+        if _overlap(out, x):
+            raise ValueError("out must not overlap x in memory (programs would read rows others already wrote)")
+        y = out
     else:
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:

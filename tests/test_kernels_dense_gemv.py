@@ -90,6 +90,25 @@ def test_dense_gemv_norm_is_scale_invariant_in_x(M, tiles):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_dense_gemv_writes_into_out():
+    """out= is written (every entry, the returned tensor itself) with what a new y would hold, at M = 1
+    (the GEMV) and M = 3 (row tiles), with the norm inside; out beside residual or overlapping x is refused."""
+    for m in (1, 3):
+        x, weight, _, nw, _ = _inputs(m, 37, 40, torch.float32, "cpu", False, True, False, False, 5)
+        out = torch.full((m, 37), float("nan"))
+        y = dense_gemv(x, weight, norm_weight=nw, out=out)
+        assert y.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, dense_gemv(x, weight, norm_weight=nw), rtol=0, atol=0)
+    x = torch.randn(1, 8)
+    with pytest.raises(ValueError, match="residual .* or out .*, not both"):
+        dense_gemv(x, torch.randn(6, 8), residual=torch.randn(1, 6), out=torch.empty(1, 6))
+    with pytest.raises(ValueError, match=r"out must be \[M, N\]=\[1, 6\]"):
+        dense_gemv(x, torch.randn(6, 8), out=torch.empty(1, 5))
+    both = torch.randn(1, 16)
+    with pytest.raises(ValueError, match="out must not overlap x"):
+        dense_gemv(both[:, :8], torch.randn(6, 8), out=both[:, 2:8])
+
+
 def test_dense_gemv_refuses_bad_input():
     x = torch.randn(2, 8)
     w = torch.randn(6, 8)

@@ -230,3 +230,24 @@ def test_bound_to_another_model_the_decode_projects_by_its_weights():
     layer, inv_freq = sel._layer(1, x)
     torch.testing.assert_close(sel.index_cache(cache, 1)[0][:, t], layer.keys(x[:, t:], torch.tensor([t]), inv_freq)[:, 0],
                                rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_engine_projection_equals_take_hidden():
+    """hidden_projection's (W, slot), written as the graph engine's fused GEMVs write it (dense_gemv with
+    the layer's RMSNorm inside, out=slot), holds what take_hidden(RMSNorm(x)) writes there; a dense layer
+    asks for none (the engine skips it)."""
+    from prr.kernels.dense_gemv import dense_gemv
+    from prr.model.layer_math import rms_norm
+
+    sel = indexer()
+    cache = PagedKVCache(LAYERS, 2, HKV, HEAD_DIM, 1, 16)
+    g = torch.Generator().manual_seed(11)
+    x, ln1 = torch.randn(2, HIDDEN, generator=g) * 3, 1 + 0.2 * torch.randn(HIDDEN, generator=g)
+    weight, slot = sel.hidden_projection(cache, 1)
+    assert weight.shape == (5 * 16 + 16 + 5, HIDDEN) and slot.shape == (2, weight.shape[0])
+    dense_gemv(x, weight, norm_weight=ln1, eps=1e-5, out=slot)
+    fused = slot.clone()
+    sel.take_hidden(cache, 1, rms_norm(x, ln1, 1e-5).unsqueeze(1), prefill=False)
+    torch.testing.assert_close(fused, slot, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(fused, torch.zeros_like(fused))
+    assert sel.hidden_projection(cache, 0) is None

@@ -198,9 +198,9 @@ class EngineOps(ABC):
     @abstractmethod
     def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                    norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,
-                   swiglu: bool = False) -> Tensor:
+                   swiglu: bool = False, out: Tensor | None = None) -> Tensor:
         """x [M, K] @ weight [N_w, K]^T (+ bias), RMSNorm of x first with norm_weight, SwiGLU of
-        [gate | up], residual [M, N] += the result in place -> y [M, N]."""
+        [gate | up], residual [M, N] += the result in place -> y [M, N] (written into out when given)."""
 
     @abstractmethod
     def qkv_rope_append(self, x: Tensor, weight_perm: Tensor, bias_perm: Tensor | None, norm_weight: Tensor | None,
@@ -301,7 +301,7 @@ class TorchOps(EngineOps):
 
     def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                    norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,
-                   swiglu: bool = False) -> Tensor:
+                   swiglu: bool = False, out: Tensor | None = None) -> Tensor:
         raise _needs_triton("dense_gemv")
 
     def qkv_rope_append(self, x: Tensor, weight_perm: Tensor, bias_perm: Tensor | None, norm_weight: Tensor | None,
@@ -441,9 +441,9 @@ class TritonOps(EngineOps):
 
     def dense_gemv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
                    norm_weight: Tensor | None = None, eps: float = 1e-6, residual: Tensor | None = None,
-                   swiglu: bool = False) -> Tensor:
+                   swiglu: bool = False, out: Tensor | None = None) -> Tensor:
         return self._gemv.dense_gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual,
-                                     swiglu=swiglu)
+                                     swiglu=swiglu, out=out)
 
     def qkv_rope_append(self, x: Tensor, weight_perm: Tensor, bias_perm: Tensor | None, norm_weight: Tensor | None,
                         eps: float, k_cache: Tensor, v_cache: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,

@@ -228,8 +228,12 @@ class GraphDecoder(EngineState):
         paired = self.paired_qkv_weights() if self.appends_in_projection() else None
         x = m.model.embed_tokens(self.token).view(B, -1)  # [B, H]: a fresh buffer, ours to update
         for i, w in enumerate(self.weights.layers):
-            if self.attn.selector.needs_hidden:  # (the lightning indexer) the layer's normed input [B, 1, H]
-                self.take_hidden(i, rms_norm(x, w.ln1, self.weights.eps).unsqueeze(1))
+            if self.attn.selector.needs_hidden and self.attn.sparse[i]:  # (the lightning indexer)
+                projection = self.attn.selector.hidden_projection(self.cache, i)
+                if projection is not None:  # x W^T of the normed x into its slot, the norm inside the GEMV
+                    gemv(x, projection[0], None, norm_weight=w.ln1, eps=self.weights.eps, out=projection[1])
+                else:  # the layer's normed input [B, 1, H]
+                    self.take_hidden(i, rms_norm(x, w.ln1, self.weights.eps).unsqueeze(1))
             if paired is not None:  # batch 1: projection, RoPE and append in one launch
                 q = self.attn.ops.qkv_rope_append(
                     x, *paired[i], w.ln1, self.weights.eps, self.keys[i], self.values[i], self.pos, self.cos, self.sin,

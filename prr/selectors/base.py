@@ -74,6 +74,13 @@ class Selector(SelectorOptions, ABC):
         before its K/V reach the cache."""
         raise NotImplementedError(f"{type(self).__name__} reads no hidden state (needs_hidden is False)")
 
+    def hidden_projection(self, cache: PagedKVCache, layer: int) -> tuple[Tensor, Tensor] | None:
+        """A selector whose decode step reads only a projection x Wᵀ of the normed hidden state x may
+        return (W [N, hidden], slot [B, N]): an engine with fused GEMVs then writes the projection into
+        slot itself, the RMSNorm inside its GEMV, instead of calling take_hidden (the same values up to
+        rounding). None: hand it x through take_hidden."""
+        return None
+
     # Selectors that change the attention output beyond choosing blocks (LESS's low-rank
     # compensation of the unselected blocks) set `compensates` and implement `compensation`;
     # the runtime merges its state after repair, in the timed merge stage.

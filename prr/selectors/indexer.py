@@ -169,6 +169,16 @@ class IndexerSelector(IndexerSelectorOptions, Selector):
         slot = self._projection_slot(cache, layer)  # [B, H_I·d_I + d_I + H_I]
         torch.mm(x[:, 0].to(slot.dtype), self._step_weight(layer, slot).t(), out=slot)
 
+    def hidden_projection(self, cache: PagedKVCache, layer: int) -> tuple[Tensor, Tensor] | None:
+        """(W [H_I·d_I + d_I + H_I, hidden], slot [B, H_I·d_I + d_I + H_I]) for an engine that projects a
+        decode step's normed hidden state itself (the graph engine's fused GEMVs: the RMSNorm inside
+        the projection, the result written into slot: what take_hidden(x) writes); None for a dense
+        layer. The weights are stacked by then (update_metadata, at the prefill)."""
+        if self.is_dense_layer(layer):
+            return None
+        slot = self._projection_slot(cache, layer)
+        return self._step_weight(layer, slot), slot
+
     def update_metadata(self, cache: PagedKVCache, layer: int, start: int, end: int) -> None:
         if self.is_dense_layer(layer):
             return

@@ -773,6 +773,11 @@ def read_sweep_csv(path: Path) -> pd.DataFrame:
     return frame
 
 
+def read_sweep_csvs(*paths: Path) -> pd.DataFrame:
+    """Several collect_sweep.py CSVs (parts of one study, e.g. its contexts in two device calls) as one frame."""
+    return pd.concat([read_sweep_csv(p) for p in paths], ignore_index=True)
+
+
 def _numeric_or_text(column: pd.Series) -> pd.Series:
     numbers = pd.to_numeric(column, errors="coerce")
     return numbers if numbers.notna().all() else column
@@ -899,6 +904,8 @@ LOCALITY_INPUTS = (f"{CPU}/locality_long_smollm2.csv", f"{CPU}/locality_long_qwe
 LOCALITY_COMMAND = ("the commands in docs/results/locality.md (locality_study.py on the CPU; "
                     "experiments/h200_long_context.sh locality on an H200)")
 H100 = "experiments/results/h100"
+SESSION6 = "experiments/results/h200/session6_20261207"
+SPEEDUP_SWEEP_INPUTS = (f"{SESSION6}/speedup_8b_short.csv", f"{SESSION6}/speedup_8b_long.csv")
 TECHNIQUE_MAP_INPUTS = (f"{H100}/issue52_followup_20261207/bench_decode_stage_infllm_v2_stage.csv",
                         f"{H100}/issue52_followup_20261207/bench_decode_stage_infllm_v2.json",
                         f"{H100}/selection_runs_20261207/engine_reuse_layers.json",
@@ -945,11 +952,11 @@ FIGURES: list[Figure] = [
     Figure("prr_map_h200", prr_map, ("experiments/results/h200/bench_decode_stage.csv",), pd.read_csv,
            "python experiments/bench_decode.py --parts stage (on an H200)",
            "Attention-stage speedup of PRR over serial DSA against hit rate (bars: perfect-overlap ceiling), 8B shape, H200"),
-    Figure("speedup_sweep", lambda f: speedup(speedup_from_runs(f)), ("experiments/results/h200/speedup_8b.csv",),
-           read_sweep_csv,
-           f"python run.py -m +experiment=speedup (on a GPU) && {COLLECT} multirun/speedup "
-           "experiments/results/h200/speedup_8b",
-           "Per-token decode speedup of PRR over serial DSA through run.py, Llama-3.1-8B shape"),
+    Figure("speedup_sweep", lambda f: speedup(speedup_from_runs(f)), SPEEDUP_SWEEP_INPUTS, read_sweep_csvs,
+           "experiments/h100_speedup_sweep.sh PART=short and PART=long (python run.py -m +experiment=speedup, "
+           f"half of the contexts each, then {COLLECT}; experiments/results/h200/session6_20261207/README.md)",
+           "Per-token decode speedup of PRR over serial DSA through run.py, Llama-3.1-8B shape, random bf16 weights, "
+           "H200 (the ema run at 124K failed in the sweep: missing)"),
     Figure("throughput_h200", throughput, ("experiments/results/h200/bench_throughput.csv",), pd.read_csv,
            "python experiments/bench_throughput.py (on an H200)",
            "Decode throughput against batch: dense, serial DSA and PRR, uniform and ragged batches, 8B shape, H200"),

@@ -19,7 +19,7 @@ timeout ${SWEEP_S:-470} python3 run.py -m +experiment=speedup task.prompt_tokens
 echo "rc=$?" | tee -a "$LOG"; grep -i -E "error|Traceback|tok/s|latency" /tmp/sweep.log | tail -12 | cut -c1-200 | tee -a "$LOG"
 say "collect"
 python3 experiments/collect_sweep.py /tmp/multirun/speedup_$PART "$OUT/speedup_8b_$PART" \
-  --command "python run.py -m +experiment=speedup task.prompt_tokens=$contexts (on an H100)" > /tmp/collect.log 2>&1
+  --command "python run.py -m +experiment=speedup task.prompt_tokens=$contexts (on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))" > /tmp/collect.log 2>&1
 echo "rc=$?" | tee -a "$LOG"; tail -20 /tmp/collect.log | cut -c1-200 | tee -a "$LOG"
 python3 - "$OUT/speedup_8b_$PART.csv" <<'PY' | tee -a "$LOG"
 import sys, pandas as pd

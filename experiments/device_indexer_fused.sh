@@ -8,6 +8,7 @@
 #  3. the indexer's serial step traced kernel by kernel beside Quest's at 32K (step_breakdown.py);
 #  4. the multi-program top-K's chunk (programs per row) at 32K and 128K candidates, k = 2,048, 1 and 8 rows
 #     (bench_topk_long.py --chunk 1024 / 2048 / default): the indexer's top-K is 29 µs a layer at 32K.
+# CONTEXTS (default 32000,128000), BREAKDOWN=0 and CHUNKS="" (none) shorten it.
 #   usage on the device: OUT=... bash experiments/device_packed.sh experiments/device_indexer_fused.sh
 . "$(dirname "$0")/h200_preamble.sh"
 install_wheels
@@ -19,19 +20,19 @@ timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/te
   > "$OUT/gpu_tests_engines.txt" 2>&1
 tail -1 "$OUT/gpu_tests_engines.txt" | tee -a "$LOG"
 say "whole runs"
-timeout ${RUNS_S:-150} python3 experiments/bench_engine_runs.py --cases matrix --contexts 32000,128000 --blocks 1 \
+timeout ${RUNS_S:-150} python3 experiments/bench_engine_runs.py --cases matrix --contexts ${CONTEXTS:-32000,128000} --blocks 1 \
   --topk 2048 --selectors indexer --predictors none --steps 24 --timeout 70 --runs /tmp/ri --out "$OUT/engine_indexer" \
   > /tmp/i.log 2>&1
 echo "rc=$?" | tee -a "$LOG"; tail -3 /tmp/i.log | cut -c1-160 | tee -a "$LOG"
-timeout ${RUNS_S:-100} python3 experiments/bench_engine_runs.py --cases matrix --contexts 32000,128000 --blocks 16 \
+timeout ${RUNS_S:-100} python3 experiments/bench_engine_runs.py --cases matrix --contexts ${CONTEXTS:-32000,128000} --blocks 16 \
   --topk 128 --selectors quest --predictors none --steps 24 --timeout 60 --runs /tmp/rq --out "$OUT/engine_quest_k128" \
   > /tmp/q.log 2>&1
 echo "rc=$?" | tee -a "$LOG"; tail -3 /tmp/q.log | cut -c1-160 | tee -a "$LOG"
-say "step_breakdown"
+if [[ ${BREAKDOWN:-1} != 0 ]]; then say "step_breakdown"
 timeout ${BREAKDOWN_S:-80} python3 experiments/step_breakdown.py --cells indexer:32000:1:2048,quest:32000:16:128 \
   --views serial --replays 20 --traced 3 --out "$OUT/breakdown" > /tmp/b.log 2>&1
-echo "rc=$?" | tee -a "$LOG"; tail -3 /tmp/b.log | cut -c1-200 | tee -a "$LOG"
-for chunk in 1024 2048 default; do
+echo "rc=$?" | tee -a "$LOG"; tail -3 /tmp/b.log | cut -c1-200 | tee -a "$LOG"; fi
+for chunk in ${CHUNKS:-1024 2048 default}; do
   say "bench_topk_long chunk $chunk"
   extra=(); [[ $chunk != default ]] && extra=(--chunk "$chunk")
   timeout ${TOPK_S:-40} python3 experiments/bench_topk_long.py --candidates 32768,131072 --k 2048 --rows 1,8 \

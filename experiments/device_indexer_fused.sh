@@ -32,7 +32,7 @@ if [[ ${BREAKDOWN:-1} != 0 ]]; then say "step_breakdown"
 timeout ${BREAKDOWN_S:-80} python3 experiments/step_breakdown.py --cells indexer:32000:1:2048,quest:32000:16:128 \
   --views serial --replays 20 --traced 3 --out "$OUT/breakdown" > /tmp/b.log 2>&1
 echo "rc=$?" | tee -a "$LOG"; tail -3 /tmp/b.log | cut -c1-200 | tee -a "$LOG"; fi
-for chunk in ${CHUNKS:-1024 2048 default}; do
+for chunk in ${CHUNKS-1024 2048 default}; do
   say "bench_topk_long chunk $chunk"
   extra=(); [[ $chunk != default ]] && extra=(--chunk "$chunk")
   timeout ${TOPK_S:-40} python3 experiments/bench_topk_long.py --candidates 32768,131072 --k 2048 --rows 1,8 \

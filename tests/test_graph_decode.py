@@ -717,3 +717,34 @@ def test_gpu_learning_at_once_captured_equals_after_each_layer(name):
         outs.append(steps)
     for step, ((a, pa), (b, pb)) in enumerate(zip(*outs, strict=True)):
         assert torch.equal(a, b) and torch.equal(pa, pb), step
+
+
+def _indexer_engine(projections: str, batch: int) -> GraphDecoder:
+    """A serial engine at token granularity with a small lightning indexer (bf16 index keys)."""
+    from prr.selectors.indexer import IndexerSelector
+
+    selector = IndexerSelector(topk_tokens=24, sink_tokens=2, local_tokens=5, dense_layers=[0], index_heads=4,
+                               index_dim=16, rope_dim=8, index_dtype="bf16")
+    selector.bind_model(CONFIG)
+    model = Decoder(CONFIG, torch.float32, DEVICE).init_random_(seed=3, std=0.05)
+    plan = StaticPlan(variant="serial", block_size=1, projections=projections)
+    engine = GraphDecoder(model, plan, batch=batch, max_tokens=120, selector=selector, predictor=None)
+    engine.fill_random_context(90, seed=5)
+    return engine
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_indexer_on_fused_projections_decodes_like_torch_projections(batch):
+    """projections="fused": the indexer's stacked projection is one dense_gemv with the layer's RMSNorm
+    inside, written into its slot (Selector.hidden_projection), instead of take_hidden(RMSNorm(x)); the
+    logits follow the F.linear path's and each sparse layer's slot holds the same projection."""
+    torch_path, fused = _indexer_engine("torch", batch), _indexer_engine("fused", batch)
+
+    def no_decode_hidden(cache, layer, x, prefill):  # the fused path hands the indexer no hidden state
+        raise AssertionError(f"take_hidden called at decode (layer {layer}): the fused GEMV should have projected")
+    fused.attn.selector.take_hidden = no_decode_hidden
+    for step, (a, b) in enumerate(zip(decode(torch_path, 3), decode(fused, 3), strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    for layer in (1, 2):
+        want = torch_path.cache.metadata[layer]["indexer_projection"]
+        torch.testing.assert_close(fused.cache.metadata[layer]["indexer_projection"], want, rtol=1e-5, atol=1e-5)

@@ -14,6 +14,11 @@ row needs 2-3, the emit; 7 with hinted top-k's round) and 3-4 reads of the row s
 whole GPU; below 16K a launch-bound path of that many launches is not expected to beat the single
 register-row program, so the cut stays at the register limit until experiments/bench_topk_long.py
 measures the two side by side at 8K/16K (not yet run).
+multi_program_finish=True cuts the multi-program path to 2 launches (a memset and level 1, whose
+last program of a row finishes the row alone, re-reading it tile by tile): for a decode step's
+single row (H200, 32K candidates, k = 2048: 28.6 µs, of which 22.7 in 4 level launches that mostly
+find nothing to do, 4.9 in the emit) the launches, not the bytes, are the cost. Off by default until
+experiments/bench_topk_long.py --finish times it beside the 6 launches on a GPU (not yet run).
 The split path (split=CHUNK) is not chosen automatically: its merge is again one program over up
 to MAX_ROW_BLOCK candidates (a register row of up to 16K), it was timed only up to 8,192 blocks
 (results/h200/bench_flashinfer_topk_chunks.md: 0.82-1.59x the row kernel), and it cannot hold
@@ -188,7 +193,7 @@ def topk_select(
         _check_split(split, k, scores.shape[-1])
     if multi_program not in (None, True, False):
         raise ValueError(f"multi_program={multi_program!r} must be None, True or False")
-    if multi_program_finish not in (True, False) or not isinstance(multi_program_finish, bool):
+    if not isinstance(multi_program_finish, bool):
         raise ValueError(f"multi_program_finish={multi_program_finish!r} must be True or False")
     if split is not None and multi_program:
         raise ValueError("split and multi_program=True are two different paths; pass one of them")

@@ -27,6 +27,16 @@ then takes every key > T and the first ties == T, at positions from those per-ch
 (`_emit`: ascending block order). SERIAL rows (more than CAP keys share T's top 24 bits, i.e.
 heavy ties) have no per-chunk counts: one program emits the whole row, tile by tile.
 
+FINISH (level 1 only; topk_select's multi_program_finish=True, opt-in until timed on a GPU against
+the launches above): the program that resolves a row's level 1 completes the row alone
+(`_finish_row`): while the row is HIST, it histograms the bucket's next digit over the whole row,
+TILE at a time, and resolves it as a level's last program would; once COMPACT, it gathers the
+bucket into the candidate buffer (slots by a running count: no atomics) and finds T there; then it
+emits the row in block order as a SERIAL row's emit does. The same helpers, states and digits as the
+level passes and the emit, so the same T and output bit for bit, in 2 launches (a memset and level
+1) instead of 6: one program's serial walks over the row (one per remaining level, at most 3, then
+the emit's) in place of launches that, for a decode step's single row, mostly do nothing.
+
 Why it is exact: every pass keeps the invariant "the keys above the bucket number `above` <
 k_eff <= above + bucket keys" (the resolve picks the digit so), so T lies in the bucket and the
 row's top k_eff are the keys above it plus the bucket's top (k_eff - above), ties to the lower

@@ -202,13 +202,14 @@ def check_finish(scores, k, num_blocks, sink, recent, **kw) -> torch.Tensor:
     """topk_select's multi-program path with multi_program_finish False and True: each == the
     reference, and the two found T the same way; -> that path [B, Hkv]."""
     ref_idx, ref_cnt = topk_select_reference(scores, k, num_blocks, sink, recent)
+    kw.setdefault("multi_program", True)
     paths = []
     for finish in (False, True):
-        path = torch.full(scores.shape[:2], -9, dtype=torch.int32)
-        idx, cnt = topk_select(scores, k, num_blocks, sink, recent, multi_program=True, multi_program_path=path,
+        path = torch.full(scores.shape[:2], -9, dtype=torch.int32, device=scores.device)
+        idx, cnt = topk_select(scores, k, num_blocks, sink, recent, multi_program_path=path,
                                multi_program_finish=finish, **kw)
-        assert torch.equal(cnt, ref_cnt) and torch.equal(idx, ref_idx), f"multi_program_finish={finish}"
-        paths.append(path)
+        assert torch.equal(cnt.cpu(), ref_cnt.cpu()) and torch.equal(idx.cpu(), ref_idx.cpu()), f"finish={finish}"
+        paths.append(path.cpu())
     assert torch.equal(paths[0], paths[1])
     return paths[1]
 
@@ -308,6 +309,36 @@ def test_gpu_multi_program_topk(n, k):
         scores, nb = make_topk_scores(batch, hkv, n, nbs, kind, seed=n + k, device="cuda")
         check_long(scores, k, nb, 1, 2, multi_program=None)
         check_long(scores.bfloat16(), k, nb, 0, 1, multi_program=None)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [MULTI_PROGRAM_MIN_BLOCKS, 32768, 131072 + 5, 1 << 20])
+@pytest.mark.parametrize("k", [32, 2048, 4096])
+def test_gpu_multi_program_finish(n, k):
+    """multi_program_finish=True at real sizes (default chunk and buffer): the 6-launch path's
+    indices, counts and threshold paths, and the reference's; every way to T; a CUDA graph."""
+    for batch, hkv, kind in ((1, 1, "randn"), (2, 4, "ties"), (8, 8, "randn")):
+        nbs = [n] + [n - 1000 * i - 7 for i in range(1, batch)]
+        scores, nb = make_topk_scores(batch, hkv, n, nbs, kind, seed=n + k, device="cuda")
+        check_finish(scores, k, nb, 1, 2, multi_program=None)
+        check_finish(scores.bfloat16(), k, nb, 0, 1, multi_program=None)
+    full = torch.tensor([n], dtype=torch.int32, device="cuda")
+    u = torch.rand(1, 1, n, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda")
+    for scores in (torch.exp2(u * 120 - 60), 1.0 + u * 2.0**-7, (u * 3).floor()):  # level 2, 4; SERIAL
+        check_finish(scores, k, full, 0, 1)
+    check_finish(with_neg_inf(u.cpu(), 0.99, seed=3).cuda(), k, full, 1, 2)  # fewer valid than k
+    graph_scores, nb = make_topk_scores(2, 4, n, [n, n - 999], "randn", seed=0, device="cuda")
+    topk_select(graph_scores, k, nb, 1, 2, multi_program=True, multi_program_finish=True)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx, cnt = topk_select(graph_scores, k, nb, 1, 2, multi_program=True, multi_program_finish=True)
+    for seed in (1, 2):
+        graph_scores.copy_(make_topk_scores(2, 4, n, None, "randn", seed=seed, device="cuda")[0])
+        graph.replay()
+        ref_idx, ref_cnt = topk_select_reference(graph_scores, k, nb, 1, 2)
+        assert torch.equal(idx, ref_idx) and torch.equal(cnt, ref_cnt)
 
 
 @pytest.mark.gpu

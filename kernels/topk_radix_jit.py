@@ -265,6 +265,7 @@ def _finish_row(
             _store_candidates(cand_keys_ptr, cand_ids_ptr, taken, keys, offs, in_bucket)
             taken += tl.sum(in_bucket.to(tl.int32), axis=0)
         tl.debug_barrier()  # the candidates, read back by every thread
+        # no per-chunk counts (PER_CHUNK False): their pointers and CHUNK are unused placeholders
         _resolve_candidates(state, cand_keys_ptr, cand_ids_ptr, cand_keys_ptr, cand_ids_ptr, 1, CAP, CAND_RADIX,
                             False)
         tl.debug_barrier()

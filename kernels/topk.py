@@ -16,8 +16,10 @@ register-row program, so the cut stays at the register limit until experiments/b
 measures the two side by side at 8K/16K (not yet run).
 multi_program_finish=True cuts the multi-program path to 2 launches (a memset and level 1, whose
 last program of a row finishes the row alone, re-reading it tile by tile): for a decode step's
-single row (H200, 32K candidates, k = 2048: 28.6 µs, of which 22.7 in 4 level launches that mostly
-find nothing to do, 4.9 in the emit) the launches, not the bytes, are the cost. Off by default until
+single row (H200, 32K candidates, k = 2048: 28.6 µs a layer, experiments/results/h200/session6_20261207;
+of it 22.7 in 4 level launches that mostly find nothing to do, 4.9 in the emit) the launches, not the
+bytes, are the cost. But the finishing program walks the row alone, serially, once per level left (at
+most 3) and once to emit: at 32K that is 16 tiles a walk, latency-bound. Off by default until
 experiments/bench_topk_long.py --finish times it beside the 6 launches on a GPU (not yet run).
 The split path (split=CHUNK) is not chosen automatically: its merge is again one program over up
 to MAX_ROW_BLOCK candidates (a register row of up to 16K), it was timed only up to 8,192 blocks

@@ -218,14 +218,14 @@ def check_finish(scores, k, num_blocks, sink, recent, **kw) -> torch.Tensor:
     "kind,batch,hkv,n,num_blocks,k,sink,recent,chunk,cap",
     [
         ("randn", 2, 2, 701, [701, 333], 50, 1, 2, 32, 64),  # ragged contexts, B and Hkv > 1
-        ("randn", 1, 1, 1999, [1999], 1, 0, 0, 64, 16),  # k = 1, nothing forced
-        ("randn", 2, 1, 1501, [1501, 1200], 900, 2, 1, 64, 64),  # k > N / 2: several histogram levels
-        ("ties", 2, 1, 901, [901, 899], 333, 2, 1, 32, 64),  # heavy ties: SERIAL
-        ("integers", 2, 1, 1001, [1001, 300], 150, 0, 1, 32, 32),  # nine values, ±0.0 as one
-        ("extremes", 1, 2, 777, [770], 20, 0, 0, 32, 16),  # ±inf, ±FLT_MAX, denormals, ±0
-        ("randn", 2, 1, 603, [603, 40], 100, 3, 2, 32, 16),  # k > the short row's context
-        ("randn", 2, 1, 1001, [0, 1001], 7, 8, 2, 64, 16),  # an empty row; more forced blocks than k
-        ("randn", 1, 1, 513, [513], 513, 1, 1, 16, 64),  # k = N: every block
+        pytest.param("randn", 1, 1, 1999, [1999], 1, 0, 0, 64, 16, marks=pytest.mark.slow),  # k = 1, nothing forced
+        pytest.param("randn", 2, 1, 1501, [1501, 1200], 900, 2, 1, 64, 64, marks=pytest.mark.slow),  # k > N / 2: several histogram levels
+        pytest.param("ties", 2, 1, 901, [901, 899], 333, 2, 1, 32, 64, marks=pytest.mark.slow),  # heavy ties: SERIAL
+        pytest.param("integers", 2, 1, 1001, [1001, 300], 150, 0, 1, 32, 32, marks=pytest.mark.slow),  # nine values, ±0.0 as one
+        pytest.param("extremes", 1, 2, 777, [770], 20, 0, 0, 32, 16, marks=pytest.mark.slow),  # ±inf, ±FLT_MAX, denormals, ±0
+        pytest.param("randn", 2, 1, 603, [603, 40], 100, 3, 2, 32, 16, marks=pytest.mark.slow),  # k > the short row's context
+        pytest.param("randn", 2, 1, 1001, [0, 1001], 7, 8, 2, 64, 16, marks=pytest.mark.slow),  # an empty row; more forced blocks than k
+        pytest.param("randn", 1, 1, 513, [513], 513, 1, 1, 16, 64, marks=pytest.mark.slow),  # k = N: every block
     ],
 )
 def test_multi_program_finish_matches_reference(kind, batch, hkv, n, num_blocks, k, sink, recent, chunk, cap):
@@ -271,6 +271,7 @@ def test_multi_program_finish_several_tiles_a_program(monkeypatch):
     check_finish(wide.bfloat16(), 300, nb, 0, 1, **knobs)
 
 
+@pytest.mark.slow  # (make test: finish's every way to T above; the hinted round's own tests stay in make test)
 def test_hinted_multi_program_finish():
     """Hinted top-k with multi_program_finish: the round's candidates fit (path 1), garbage hints and
     heavy ties take the radix levels (-1), an empty row (0); indices, counts and next hint the

@@ -1,7 +1,7 @@
 """Top-k over long rows (issue 52, item 2): prr's one-program path, its multi-program path and torch.topk.
 
     python experiments/bench_topk_long.py [--candidates 8192,16384,32768,131072,1048576] [--k 32,256,2048]
-        [--rows 1,8,64] [--sets 4] [--repeats 20] [--chunk 4096] [--cap 4096]
+        [--rows 1,8,64] [--sets 4] [--repeats 20] [--chunk 4096] [--cap 4096] [--finish]
         [--out experiments/results/h100/bench_topk_long]
 
 For every cell (rows = batch x KV heads, candidates N, k < N), fp32 scores drawn from a normal
@@ -12,10 +12,14 @@ distribution (`make_topk_scores`, kind randn), every block in context, no forced
 - multi-program: `topk_select(..., multi_program=True)` (kernels/topk_radix_jit.py), with --chunk /
   --cap when given (else the launcher's defaults; the row records the ones used), and how each row found its threshold (its
   `multi_program_path`: candidates at level 2/3/4, or all histograms);
+- finish (--finish): the multi-program path with `multi_program_finish=True` (2 launches: a memset and
+  level 1, whose last program of a row finishes the row alone) beside it, same chunk and cap, timed
+  in the same run; its indices, counts and threshold paths must equal the multi-program path's;
 - auto: which of the two `topk_select`'s rule (multi_program=None, what the selectors call) takes;
 - torch.topk(scores, k, dim=-1).
 Correctness first, per cell and set: the multi-program indices and counts equal the one-program ones
-bit for bit, and set 0's selected ids equal torch.topk's (sorted; distinct scores). A cell that fails
+bit for bit (with --finish, the finish path's too, and its threshold paths the multi-program path's),
+and set 0's selected ids equal torch.topk's (sorted; distinct scores). A cell that fails
 is kept, marked in the table (sets_equal = NO).
 
 Timing (as bench_hinted_topk.py): `--sets` input sets (more where needed so that one graph reads at
@@ -68,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20, help="graph replays (the median is reported)")
     parser.add_argument("--chunk", type=int, default=None, help="blocks per program of the multi-program path")
     parser.add_argument("--cap", type=int, default=None, help="candidate buffer of the multi-program path")
+    parser.add_argument("--finish", action="store_true",
+                        help="also time the multi-program path with multi_program_finish=True (2 launches)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/h100/bench_topk_long"),
                         help="results prefix: OUT.json, OUT.csv, OUT.md")
     args = parser.parse_args(argv)
@@ -107,16 +113,17 @@ def timing_sets(rows: int, n: int, sets: int) -> int:
 
 def table(rows: list[dict]) -> str:
     header = ["rows", "candidates", "k", "auto path", "one-program µs", "multi-program µs", "torch.topk µs",
-              "multi / torch", "multi / one", "floor µs", "multi / floor", "threshold found at", "sets equal"]
+              "multi / torch", "multi / one", "floor µs", "multi / floor", "finish µs", "finish / multi",
+              "threshold found at", "sets equal"]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["rows"], r["candidates"], r["k"], *["—"] * 9, r["error"][:60]])
+            body.append([r["rows"], r["candidates"], r["k"], *["—"] * 11, r["error"][:60]])
             continue
         body.append([r["rows"], r["candidates"], r["k"], r["auto_path"], r.get("one_program_us"),
                      r.get("multi_program_us"), r.get("torch_topk_us"), r.get("multi_over_torch"),
                      r.get("multi_over_one"), r.get("floor_us"), ratio(r.get("multi_program_us"), r.get("floor_us")),
-                     r.get("threshold_found_at"), r["sets_equal"]])
+                     r.get("finish_us"), r.get("finish_over_multi"), r.get("threshold_found_at"), r["sets_equal"]])
     return markdown(header, body)
 
 
@@ -132,7 +139,9 @@ def report(record: dict) -> str:
            "µs per call (median over graph replays / sets). auto path: what topk_select takes with "
            "multi_program=None. floor: fp32 scores read once + int32 indices written, at the measured bandwidth. "
            "threshold found at: rows by how the multi-program path found T (candidates compacted at level "
-           "2/3/4; 'hist' = all four histograms, heavy ties).", "", table(record.get("rows", [])), ""]
+           "2/3/4; 'hist' = all four histograms, heavy ties). finish (--finish): the multi-program path with "
+           "multi_program_finish=True (a memset and level 1, whose last program of a row finishes it); "
+           "'-' where not run.", "", table(record.get("rows", [])), ""]
     return "\n".join(out)
 
 
@@ -151,7 +160,7 @@ def describe_paths(counts: dict[int, int]) -> str:
 
 
 def cell_row(rows: int, n: int, k: int, sets: int, repeats: int, chunk: int | None, cap: int | None,
-             bandwidth: float, seed: int) -> dict:
+             bandwidth: float, seed: int, finish: bool = False) -> dict:
     import torch
     from prr.kernels.reference_selection import make_topk_scores
     from prr.kernels.topk import (
@@ -175,19 +184,28 @@ def cell_row(rows: int, n: int, k: int, sets: int, repeats: int, chunk: int | No
                auto_path="multi-program" if n >= MULTI_PROGRAM_MIN_BLOCKS else "one-program")
 
     equal = True
+    finish_equal = True
     path = torch.empty(batch, heads, dtype=torch.int32, device="cuda")
+    finish_path = torch.empty_like(path)
     found: dict[int, int] = {}
     for s in scores:
         m_idx, m_cnt = topk_select(s, k, num_blocks, 0, 0, multi_program=True, multi_program_path=path, **knobs)
         o_idx, o_cnt = topk_select(s, k, num_blocks, 0, 0, multi_program=False)
         equal &= bool(torch.equal(m_idx, o_idx)) and bool(torch.equal(m_cnt, o_cnt))
+        if finish:
+            f_idx, f_cnt = topk_select(s, k, num_blocks, 0, 0, multi_program=True, multi_program_path=finish_path,
+                                       multi_program_finish=True, **knobs)
+            finish_equal &= bool(torch.equal(f_idx, o_idx)) and bool(torch.equal(f_cnt, o_cnt)) \
+                and bool(torch.equal(finish_path, path))
         for p, c in zip(*torch.unique(path, return_counts=True), strict=True):
             found[int(p)] = found.get(int(p), 0) + int(c)
     row["multi_equals_one"] = equal
+    if finish:
+        row["finish_equals_multi"] = finish_equal
     ref = torch.topk(scores[0], k, dim=-1).indices.sort(-1).values
     idx0, cnt0 = topk_select(scores[0], k, num_blocks, 0, 0, multi_program=True, **knobs)
     row["multi_equals_torch"] = bool(torch.equal(idx0.long(), ref)) and bool((cnt0 == k).all())
-    row["sets_equal"] = row["multi_equals_one"] and row["multi_equals_torch"]
+    row["sets_equal"] = row["multi_equals_one"] and row["multi_equals_torch"] and row.get("finish_equals_multi", True)
     row["threshold_found_at"] = describe_paths(found)
 
     guarded(row, "one_program_us", lambda: graph_time_us(
@@ -196,6 +214,11 @@ def cell_row(rows: int, n: int, k: int, sets: int, repeats: int, chunk: int | No
         lambda i: (lambda: topk_select(scores[i], k, num_blocks, 0, 0, multi_program=True, **knobs)), sets, repeats))
     guarded(row, "torch_topk_us", lambda: graph_time_us(
         lambda i: (lambda: torch.topk(scores[i], k, dim=-1)), sets, repeats))
+    if finish:
+        guarded(row, "finish_us", lambda: graph_time_us(
+            lambda i: (lambda: topk_select(scores[i], k, num_blocks, 0, 0, multi_program=True,
+                                           multi_program_finish=True, **knobs)), sets, repeats))
+        row["finish_over_multi"] = ratio(row.get("finish_us"), row.get("multi_program_us"))
     row["multi_over_torch"] = ratio(row.get("multi_program_us"), row.get("torch_topk_us"))
     row["multi_over_one"] = ratio(row.get("multi_program_us"), row.get("one_program_us"))
     return row
@@ -229,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for index, (rows, n, k) in enumerate(cells(args)):
         record_cell(record, args.out, write_outputs, dict(rows=rows, candidates=n, k=k),
-                    cell_row, rows, n, k, args.sets, args.repeats, args.chunk, args.cap, bandwidth, seed=1000 * index)
+                    cell_row, rows, n, k, args.sets, args.repeats, args.chunk, args.cap, bandwidth, seed=1000 * index,
+                    finish=args.finish)
         torch.cuda.empty_cache()
     print("\n" + write_outputs(record, args.out))
 

@@ -69,6 +69,7 @@ def hinted_topk_select(
     next_hint: Tensor | None = None,
     multi_program: bool | None = None,
     multi_program_chunk: int | None = None,
+    multi_program_finish: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), exactly `topk_select`'s, from a threshold guess.
 
@@ -96,6 +97,9 @@ def hinted_topk_select(
     multi_program_chunk (None: topk.multi_program_chunk_for); rounds and radix_bits do not apply, and
     path is 1 where the hint round's candidates fit, -1 where the radix levels ran, 0 where nothing
     is selectable. (The tiled one-program kernel stays reachable with multi_program=False.)
+    multi_program_finish: topk_select's (False, the default: the hint round, LEVELS level passes and
+    the emit; True: the hint round and level 1, whose last program of a row finishes it alone; same
+    result, not yet timed on a GPU); it does nothing where the multi-program path does not run.
     """
     _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
     _check_hint(hint, scores, "hint", torch.float32)
@@ -112,6 +116,8 @@ def hinted_topk_select(
         raise ValueError(f"candidate_cap={candidate_cap!r} must be None or a power of two in [16, {MAX_ROW_BLOCK}]")
     if multi_program not in (None, True, False):
         raise ValueError(f"multi_program={multi_program!r} must be None, True or False")
+    if not isinstance(multi_program_finish, bool):
+        raise ValueError(f"multi_program_finish={multi_program_finish!r} must be True or False")
     batch, num_kv_heads, n = scores.shape
     chunk = _check_pow2_in(multi_program_chunk, multi_program_chunk_for(batch * num_kv_heads, n),
                            "multi_program_chunk")
@@ -132,7 +138,8 @@ def hinted_topk_select(
     if multi_program or (multi_program is None and n >= MULTI_PROGRAM_MIN_BLOCKS):
         cap = candidate_cap or max(hint_candidate_cap(k, n), MULTI_PROGRAM_CAP)
         topk_select_multi_program(scores, k, num_blocks, sink_blocks, recent_blocks, indices, counts, chunk, cap,
-                                  num_warps, hint=hint, hint_out=next_hint, path=path)
+                                  num_warps, hint=hint, hint_out=next_hint, path=path,
+                                  finish=multi_program_finish)
         if path is not None:  # the multi-program path's codes -> this function's: 1 round, or -1
             path.copy_(torch.where((path >= 2) | (path == -1), -1, path))
         return indices, counts

@@ -14,6 +14,13 @@ row needs 2-3, the emit; 7 with hinted top-k's round) and 3-4 reads of the row s
 whole GPU; below 16K a launch-bound path of that many launches is not expected to beat the single
 register-row program, so the cut stays at the register limit until experiments/bench_topk_long.py
 measures the two side by side at 8K/16K (not yet run).
+multi_program_finish=True cuts the multi-program path to 2 launches (a memset and level 1, whose
+last program of a row finishes the row alone, re-reading it tile by tile): for a decode step's
+single row (H200, 32K candidates, k = 2048: 28.6 µs a layer, experiments/results/h200/session6_20261207;
+of it 22.7 in 4 level launches that mostly find nothing to do, 4.9 in the emit) the launches, not the
+bytes, are the cost. But the finishing program walks the row alone, serially, once per level left (at
+most 3) and once to emit: at 32K that is 16 tiles a walk, latency-bound. Off by default until
+experiments/bench_topk_long.py --finish times it beside the 6 launches on a GPU (not yet run).
 The split path (split=CHUNK) is not chosen automatically: its merge is again one program over up
 to MAX_ROW_BLOCK candidates (a register row of up to 16K), it was timed only up to 8,192 blocks
 (results/h200/bench_flashinfer_topk_chunks.md: 0.82-1.59x the row kernel), and it cannot hold
@@ -134,6 +141,7 @@ def topk_select(
     multi_program_chunk: int | None = None,
     multi_program_cap: int | None = None,
     multi_program_path: Tensor | None = None,
+    multi_program_finish: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The top-k blocks of every (row, KV head), with forced blocks, by threshold select.
 
@@ -170,6 +178,12 @@ def topk_select(
     path found each row's threshold (tests and benchmarks): 2..4, among the candidates compacted
     at that level; -1, by all four histograms (more than the cap share its top 24 bits: one
     program emits the row); 0, nothing selectable. Requires that path to run.
+    multi_program_finish: False (default): the multi-program path's 6 launches (a memset, LEVELS
+    level passes, the emit). True: 2 (a memset and level 1, whose last program of a row finishes the
+    row alone: `_finish_row` in kernels/topk_radix_jit.py); the same result bit for bit. Off by
+    default until timed on a GPU against the 6 launches (experiments/bench_topk_long.py --finish):
+    it replaces launches that do nearly nothing with one program's serial walk over the row.
+    Like multi_program_chunk, it does nothing where the multi-program path does not run.
     """
     _check_topk_args(scores, k, num_blocks, sink_blocks, recent_blocks, radix_bits)
     if candidate_cap is not None and (isinstance(candidate_cap, bool) or not isinstance(candidate_cap, int)
@@ -181,6 +195,8 @@ def topk_select(
         _check_split(split, k, scores.shape[-1])
     if multi_program not in (None, True, False):
         raise ValueError(f"multi_program={multi_program!r} must be None, True or False")
+    if not isinstance(multi_program_finish, bool):
+        raise ValueError(f"multi_program_finish={multi_program_finish!r} must be True or False")
     if split is not None and multi_program:
         raise ValueError("split and multi_program=True are two different paths; pass one of them")
     if multi_program_path is not None:
@@ -213,7 +229,7 @@ def topk_select(
         return indices, counts
     if multi_program or (multi_program is None and n >= MULTI_PROGRAM_MIN_BLOCKS):
         topk_select_multi_program(scores, k, num_blocks, sink_blocks, recent_blocks, indices, counts,
-                                  chunk, cap, num_warps, path=multi_program_path)
+                                  chunk, cap, num_warps, path=multi_program_path, finish=multi_program_finish)
         return indices, counts
     if multi_program_path is not None:
         raise ValueError(f"multi_program_path is written by the multi-program path only, which rows of N={n} "
@@ -342,6 +358,7 @@ def topk_select_multi_program(
     scores: Tensor, k: int, num_blocks: Tensor, sink_blocks: int, recent_blocks: int,
     indices: Tensor, counts: Tensor, chunk: int, cap: int, num_warps: int | None,
     hint: Tensor | None = None, hint_out: Tensor | None = None, path: Tensor | None = None,
+    finish: bool = False,
 ) -> None:
     """topk_select's multi-program path (arguments checked and clamped by the caller, k >= 1,
     B, Hkv >= 1): fills indices [B, Hkv, K_out] and counts [B, Hkv] in place.
@@ -350,8 +367,10 @@ def topk_select_multi_program(
     hint_out: None or a [B, Hkv] fp32 contiguous tensor receiving each row's k-th largest score (-inf
     when none; may be `hint`: read before written); path: None or topk_select's multi_program_path
     (1: the hint round's candidates held T). Launches: a memset, the hint round (with a hint),
-    LEVELS level passes, the emit; the workspace is sized from host ints only (no synchronisation:
-    capturable in CUDA graphs)."""
+    LEVELS level passes, the emit; finish=True (topk_select's multi_program_finish, not yet the
+    default: to be timed on a GPU first): a memset, the hint round (with a hint) and level 1 only,
+    whose last program of each row finishes the row. The workspace is sized from host ints only
+    (no synchronisation: capturable in CUDA graphs)."""
     batch, num_kv_heads, n = scores.shape
     rows = batch * num_kv_heads
     k_out = indices.shape[-1]
@@ -377,21 +396,28 @@ def topk_select_multi_program(
             num_warps=warps,
             **pdl,
         )
-    for level in range(1, LEVELS.value + 1):
+    write_hint, write_path = hint_out is not None, path is not None
+    hint_out = counts if hint_out is None else hint_out  # (a placeholder where not written)
+    path_out = counts if path is None else path
+    for level in range(1, 2 if finish else LEVELS.value + 1):
         _radix_level_kernel[grid](
-            scores, num_blocks, n, num_kv_heads, chunks, k, sink_blocks, recent_blocks,
+            scores, num_blocks, n, num_kv_heads, chunks, k, k_out, sink_blocks, recent_blocks,
             *scores.stride(),
             state, hist, arrivals, gt, eq, cand_count, candidates[0], candidates[1],
+            indices, counts, hint_out, path_out,
             LEVEL=level, CHUNK=chunk, TILE=tile, CAP=cap, CAND_RADIX=4 if cap <= 512 else 2,
+            FINISH=finish, PAD_BLOCK=PAD_BLOCK, WRITE_HINT=finish and write_hint, WRITE_PATH=finish and write_path,
             num_warps=warps,
             **pdl,
         )
+    if finish:
+        return
     _radix_emit_kernel[grid](
         scores, num_blocks, indices, counts, n, num_kv_heads, chunks, k_out, sink_blocks, recent_blocks,
         *scores.stride(),
-        state, gt, eq, counts if hint_out is None else hint_out, counts if path is None else path,
+        state, gt, eq, hint_out, path_out,
         CHUNK=chunk, TILE=tile, CHUNKS_BLOCK=triton.next_power_of_2(chunks), PAD_BLOCK=PAD_BLOCK,
-        WRITE_HINT=hint_out is not None, WRITE_PATH=path is not None,
+        WRITE_HINT=write_hint, WRITE_PATH=write_path,
         num_warps=warps,
         **pdl,
     )

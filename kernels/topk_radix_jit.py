@@ -27,6 +27,16 @@ then takes every key > T and the first ties == T, at positions from those per-ch
 (`_emit`: ascending block order). SERIAL rows (more than CAP keys share T's top 24 bits, i.e.
 heavy ties) have no per-chunk counts: one program emits the whole row, tile by tile.
 
+FINISH (level 1 only; topk_select's multi_program_finish=True, opt-in until timed on a GPU against
+the launches above): the program that resolves a row's level 1 completes the row alone
+(`_finish_row`): while the row is HIST, it histograms the bucket's next digit over the whole row,
+TILE at a time, and resolves it as a level's last program would; once COMPACT, it gathers the
+bucket into the candidate buffer (slots by a running count: no atomics) and finds T there; then it
+emits the row in block order as a SERIAL row's emit does. The same helpers, states and digits as the
+level passes and the emit, so the same T and output bit for bit, in 2 launches (a memset and level
+1) instead of 6: one program's serial walks over the row (one per remaining level, at most 3, then
+the emit's) in place of launches that, for a decode step's single row, mostly do nothing.
+
 Why it is exact: every pass keeps the invariant "the keys above the bucket number `above` <
 k_eff <= above + bucket keys" (the resolve picks the digit so), so T lies in the bucket and the
 row's top k_eff are the keys above it plus the bucket's top (k_eff - above), ties to the lower
@@ -77,11 +87,31 @@ def _in_bucket(keys, valid, lo, hi, LEVEL: tl.constexpr):
 
 
 @triton.jit
-def _resolve_histogram(hist_ptr, state_ptr, k, CAP: tl.constexpr, LEVEL: tl.constexpr):
-    """The last program of a row at a HIST level: the next digit of T from the row's histogram
-    (hist_ptr: [BINS] int32 of this level), then the row's next mode (state_ptr: its ST_* fields)."""
+def _bucket_tile_histogram(keys, in_bucket, LEVEL: tl.constexpr, TILE: tl.constexpr):
+    """[BINS] int32: one tile's bucket keys (keys, in_bucket: [TILE]) counted by their digit LEVEL.
+    Keys outside the bucket are counted in bin 0 and taken out again (no histogram mask: the GPU's
+    triton may predate it)."""
     bins = tl.arange(0, BINS)
-    h = tl.load(hist_ptr + bins, cache_modifier=".cg")  # [256] counts of the bucket's keys by digit
+    digit = ((keys >> (32 - 8 * LEVEL)) & 0xFF).to(tl.int32)
+    tile_h = tl.histogram(tl.where(in_bucket, digit, 0), BINS)  # [256]
+    return tl.where(bins == 0, tile_h - (TILE - tl.sum(in_bucket.to(tl.int32), axis=0)), tile_h)
+
+
+@triton.jit
+def _store_candidates(cand_keys_ptr, cand_ids_ptr, first_slot, keys, offs, in_bucket):
+    """Append one tile's bucket keys and block ids (keys, offs, in_bucket: [TILE]) to a row's
+    candidate buffers from slot first_slot on, in tile order."""
+    slot = first_slot + tl.cumsum(in_bucket.to(tl.int32), axis=0) - 1
+    tl.store(cand_keys_ptr + slot, keys.to(tl.int32, bitcast=True), mask=in_bucket)
+    tl.store(cand_ids_ptr + slot, offs, mask=in_bucket)
+
+
+@triton.jit
+def _resolve_histogram(h, state_ptr, k, CAP: tl.constexpr, LEVEL: tl.constexpr):
+    """The last program of a row at a HIST level: the next digit of T from the row's histogram
+    (h: [BINS] int32 counts of the bucket's keys by digit LEVEL), then the row's next mode
+    (state_ptr: its ST_* fields)."""
+    bins = tl.arange(0, BINS)
     if LEVEL == 1:
         k_eff = tl.minimum(tl.sum(h, axis=0), k)  # every valid key is counted at level 1
         above = tl.zeros([], dtype=tl.int32)
@@ -119,7 +149,7 @@ def _resolve_histogram(hist_ptr, state_ptr, k, CAP: tl.constexpr, LEVEL: tl.cons
 @triton.jit
 def _threshold_among_candidates(
     state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket,
-    CHUNK: tl.constexpr, LANES: tl.constexpr, RADIX_BITS: tl.constexpr,
+    CHUNK: tl.constexpr, LANES: tl.constexpr, RADIX_BITS: tl.constexpr, PER_CHUNK: tl.constexpr,
 ):
     """`_resolve_candidates` over LANES >= bucket lanes."""
     lane = tl.arange(0, LANES)
@@ -129,8 +159,9 @@ def _threshold_among_candidates(
     need = tl.load(state_ptr + ST_K_EFF) - tl.load(state_ptr + ST_ABOVE)  # 1 .. bucket keys
     threshold, _ = _kth_key(keys, live, need, RADIX_BITS)
     greater = live & (keys > threshold)
-    tl.atomic_add(gt_ptr + ids // CHUNK, 1, mask=greater, sem="relaxed")
-    tl.atomic_add(eq_ptr + ids // CHUNK, 1, mask=live & (keys == threshold), sem="relaxed")
+    if PER_CHUNK:
+        tl.atomic_add(gt_ptr + ids // CHUNK, 1, mask=greater, sem="relaxed")
+        tl.atomic_add(eq_ptr + ids // CHUNK, 1, mask=live & (keys == threshold), sem="relaxed")
     tl.store(state_ptr + ST_T, threshold.to(tl.int32, bitcast=True))
     tl.store(state_ptr + ST_NEED_EQ, need - tl.sum(greater.to(tl.int32), axis=0))
     tl.store(state_ptr + ST_MODE, MODE_DONE)
@@ -139,23 +170,115 @@ def _threshold_among_candidates(
 @triton.jit
 def _resolve_candidates(
     state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr,
-    CHUNK: tl.constexpr, CAP: tl.constexpr, CAND_RADIX: tl.constexpr,
+    CHUNK: tl.constexpr, CAP: tl.constexpr, CAND_RADIX: tl.constexpr, PER_CHUNK: tl.constexpr,
 ):
     """The last program of a row at a COMPACT level: T among the bucket's keys (cand_*_ptr: the
-    row's [CAP] int32 buffers, ST_BUCKET of them written, in no particular order), then each chunk's
-    count of keys > T (gt_ptr: [chunks] int32, holding the keys above the bucket) and == T (eq_ptr).
+    row's [CAP] int32 buffers, ST_BUCKET of them written, in no particular order), then (PER_CHUNK:
+    for the emit's programs) each chunk's count of keys > T (gt_ptr: [chunks] int32, holding the keys
+    above the bucket) and == T (eq_ptr).
     A bucket of at most 512 keys (the usual one: a digit past the first two leaves few) is selected
     over 512 lanes with 4-bit passes (topk.candidate_filter_shape's rule), not over all CAP lanes."""
     bucket = tl.load(state_ptr + ST_BUCKET)
     if CAP > 512:
         if bucket <= 512:
-            _threshold_among_candidates(state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket, CHUNK, 512, 4)
+            _threshold_among_candidates(state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket, CHUNK, 512, 4,
+                                        PER_CHUNK)
         else:
             _threshold_among_candidates(state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket, CHUNK, CAP,
-                                        CAND_RADIX)
+                                        CAND_RADIX, PER_CHUNK)
     else:
         _threshold_among_candidates(state_ptr, cand_keys_ptr, cand_ids_ptr, gt_ptr, eq_ptr, bucket, CHUNK, CAP,
-                                    CAND_RADIX)
+                                    CAND_RADIX, PER_CHUNK)
+
+
+@triton.jit
+def _emit_blocks(
+    scores_ptr, row_base, first, last, stride_sn, num_blocks, sink_blocks, recent_blocks, num_cols,
+    threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr, k_out, TILE: tl.constexpr,
+):
+    """Write the taken blocks among [first, last) of a row, TILE at a time (`_emit`: keys > T and the
+    first need_eq ties == T, ascending block order); base_gt / base_eq: those taken before first."""
+    for start in range(first, last, TILE):
+        offs = start + tl.arange(0, TILE)
+        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
+                                  num_cols, False)
+        tile_gt, tile_eq = _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr,
+                                 k_out)
+        base_gt += tile_gt
+        base_eq += tile_eq
+
+
+@triton.jit
+def _write_row_outputs(
+    idx_out_ptr, count_out_ptr, hint_out_ptr, path_ptr, state, out_row, row, k_eff, k_out, threshold, mode,
+    PAD_BLOCK: tl.constexpr, WRITE_HINT: tl.constexpr, WRITE_PATH: tl.constexpr,
+):
+    """A resolved row's padding and count, and (WRITE_HINT) its k_eff-th largest score, (WRITE_PATH) how
+    its threshold was found: the level whose candidates held T, -1 SERIAL, 0 nothing to select."""
+    _pad_and_count(idx_out_ptr, count_out_ptr, out_row, row, k_eff, k_out, PAD_BLOCK)
+    if WRITE_HINT:
+        tl.store(hint_out_ptr + row, tl.where(k_eff > 0, _key_score(threshold), float("-inf")))
+    if WRITE_PATH:
+        level = tl.where(k_eff > 0, tl.load(state + ST_LEVEL), 0)
+        tl.store(path_ptr + row, tl.where(mode == MODE_SERIAL, -1, level))
+
+
+@triton.jit
+def _finish_row(
+    scores_ptr, num_blocks_ptr, batch, kv_head, num_cols, k, k_out, sink_blocks, recent_blocks,
+    stride_sb, stride_sh, stride_sn,
+    state, row, cand_keys_ptr, cand_ids_ptr, idx_out_ptr, count_out_ptr, hint_out_ptr, path_ptr,
+    TILE: tl.constexpr, CAP: tl.constexpr, CAND_RADIX: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    WRITE_HINT: tl.constexpr, WRITE_PATH: tl.constexpr,
+):
+    """FINISH: the row's program that resolved level 1 completes the row alone, TILE blocks of its
+    scores at a time: the histogram levels left (each over the whole row), the compaction of the
+    bucket into the row's candidate buffer (cand_*_ptr: [CAP] int32, slots in block order) and T
+    among it, then the emit in block order (as a SERIAL row's), the padding and the count. The same
+    state transitions, digits and T as the level passes and the emit: the same output. (Scalar
+    state fields are re-read after a barrier: each was stored by this program's threads.)"""
+    num_blocks = tl.minimum(tl.maximum(tl.load(num_blocks_ptr + batch).to(tl.int32), 0), num_cols)
+    row_base = batch.to(tl.int64) * stride_sb + kv_head.to(tl.int64) * stride_sh
+    for level in tl.static_range(2, LEVELS + 1):
+        tl.debug_barrier()
+        mode = tl.load(state + ST_MODE, cache_modifier=".cg")
+        if (mode == MODE_HIST) & (tl.load(state + ST_LEVEL, cache_modifier=".cg") == level):
+            lo = tl.load(state + ST_LO, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            hi = tl.load(state + ST_HI, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            h = tl.zeros([BINS], dtype=tl.int32)
+            for start in range(0, num_blocks, TILE):
+                offs = start + tl.arange(0, TILE)
+                keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks,
+                                          recent_blocks, num_cols, False)
+                h += _bucket_tile_histogram(keys, _in_bucket(keys, valid, lo, hi, level), level, TILE)
+            _resolve_histogram(h, state, k, CAP, level)
+    tl.debug_barrier()
+    if tl.load(state + ST_MODE, cache_modifier=".cg") == MODE_COMPACT:  # at level 2..4 ([lo, hi] buckets)
+        lo = tl.load(state + ST_LO, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        hi = tl.load(state + ST_HI, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        taken = tl.zeros([], dtype=tl.int32)
+        for start in range(0, num_blocks, TILE):
+            offs = start + tl.arange(0, TILE)
+            keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks,
+                                      recent_blocks, num_cols, False)
+            in_bucket = _in_bucket(keys, valid, lo, hi, 2)
+            _store_candidates(cand_keys_ptr, cand_ids_ptr, taken, keys, offs, in_bucket)
+            taken += tl.sum(in_bucket.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the candidates, read back by every thread
+        # no per-chunk counts (PER_CHUNK False): their pointers and CHUNK are unused placeholders
+        _resolve_candidates(state, cand_keys_ptr, cand_ids_ptr, cand_keys_ptr, cand_ids_ptr, 1, CAP, CAND_RADIX,
+                            False)
+        tl.debug_barrier()
+    mode = tl.load(state + ST_MODE, cache_modifier=".cg")  # DONE or SERIAL
+    threshold = tl.load(state + ST_T, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    need_eq = tl.load(state + ST_NEED_EQ, cache_modifier=".cg")
+    k_eff = tl.load(state + ST_K_EFF, cache_modifier=".cg")
+    out_row = row.to(tl.int64) * k_out
+    zero = tl.zeros([], dtype=tl.int32)
+    _emit_blocks(scores_ptr, row_base, 0, tl.where(k_eff > 0, num_blocks, 0), stride_sn, num_blocks, sink_blocks,
+                 recent_blocks, num_cols, threshold, zero, zero, need_eq, out_row, idx_out_ptr, k_out, TILE)
+    _write_row_outputs(idx_out_ptr, count_out_ptr, hint_out_ptr, path_ptr, state, out_row, row, k_eff, k_out,
+                       threshold, mode, PAD_BLOCK, WRITE_HINT, WRITE_PATH)
 
 
 @triton.jit
@@ -166,6 +289,7 @@ def _radix_level_kernel(
     num_kv_heads,  # Hkv
     num_chunks,  # C = cdiv(N, CHUNK)
     k,
+    k_out,  # FINISH: K_out
     sink_blocks,
     recent_blocks,
     stride_sb, stride_sh, stride_sn,
@@ -177,11 +301,19 @@ def _radix_level_kernel(
     cand_count_ptr,  # [B * Hkv] int32 (zeroed): candidates appended
     cand_keys_ptr,  # [B * Hkv, CAP] int32 workspace
     cand_ids_ptr,  # [B * Hkv, CAP] int32 workspace
+    idx_out_ptr,  # FINISH: [B, Hkv, K_out] int32 contiguous
+    count_out_ptr,  # FINISH: [B, Hkv] int32 contiguous
+    hint_out_ptr,  # FINISH and WRITE_HINT: [B * Hkv] fp32 out, as the emit's
+    path_ptr,  # FINISH and WRITE_PATH: [B * Hkv] int32 out, as the emit's
     LEVEL: tl.constexpr,  # 1..4: this launch fixes digit LEVEL (bits 32 - 8 LEVEL .. 39 - 8 LEVEL) of T
     CHUNK: tl.constexpr,  # blocks per program (a power of two)
     TILE: tl.constexpr,  # blocks in registers at a time (a power of two dividing CHUNK)
     CAP: tl.constexpr,  # candidate buffer per row (a power of two)
     CAND_RADIX: tl.constexpr,  # bits per pass of the select over the candidates (2 or 4)
+    FINISH: tl.constexpr,  # LEVEL 1 only: the row's last program completes the row alone (`_finish_row`)
+    PAD_BLOCK: tl.constexpr,  # FINISH: as the emit's
+    WRITE_HINT: tl.constexpr,  # FINISH: as the emit's
+    WRITE_PATH: tl.constexpr,  # FINISH: as the emit's
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_prologue(PDL)
@@ -201,19 +333,14 @@ def _radix_level_kernel(
         lo = tl.load(state + ST_LO).to(tl.uint32, bitcast=True)
         hi = tl.load(state + ST_HI).to(tl.uint32, bitcast=True)
         if mode == MODE_HIST:
-            bins = tl.arange(0, 256)
-            h = tl.zeros([256], dtype=tl.int32)
+            bins = tl.arange(0, BINS)
+            h = tl.zeros([BINS], dtype=tl.int32)
             for start in range(0, CHUNK, TILE):
                 offs = chunk * CHUNK + start + tl.arange(0, TILE)  # [TILE] block ids; >= N: invalid
                 keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks,
                                           recent_blocks, num_cols, False)
-                in_bucket = _in_bucket(keys, valid, lo, hi, LEVEL)
-                # Keys outside the bucket are counted in bin 0 and taken out again (no histogram mask:
-                # the GPU's triton may predate it).
-                digit = ((keys >> (32 - 8 * LEVEL)) & 0xFF).to(tl.int32)
-                tile_h = tl.histogram(tl.where(in_bucket, digit, 0), 256)  # [256]
-                h += tl.where(bins == 0, tile_h - (TILE - tl.sum(in_bucket.to(tl.int32), axis=0)), tile_h)
-            hist_row = hist_ptr + (row.to(tl.int64) * LEVELS + (LEVEL - 1)) * 256
+                h += _bucket_tile_histogram(keys, _in_bucket(keys, valid, lo, hi, LEVEL), LEVEL, TILE)
+            hist_row = hist_ptr + (row.to(tl.int64) * LEVELS + (LEVEL - 1)) * BINS
             tl.atomic_add(hist_row + bins, h, mask=h > 0, sem="relaxed")
         else:
             n_above = tl.zeros([], dtype=tl.int32)
@@ -223,22 +350,35 @@ def _radix_level_kernel(
                                           recent_blocks, num_cols, False)
                 in_bucket = _in_bucket(keys, valid, lo, hi, LEVEL)
                 n_above += tl.sum((valid & (keys > hi)).to(tl.int32), axis=0)  # all > T
-                as_int = in_bucket.to(tl.int32)
-                base = tl.atomic_add(cand_count_ptr + row, tl.sum(as_int, axis=0), sem="relaxed")
-                slot = row.to(tl.int64) * CAP + base + tl.cumsum(as_int, axis=0) - 1
-                tl.store(cand_keys_ptr + slot, keys.to(tl.int32, bitcast=True), mask=in_bucket)
-                tl.store(cand_ids_ptr + slot, offs, mask=in_bucket)
+                base = tl.atomic_add(cand_count_ptr + row, tl.sum(in_bucket.to(tl.int32), axis=0), sem="relaxed")
+                _store_candidates(cand_keys_ptr, cand_ids_ptr, row.to(tl.int64) * CAP + base, keys, offs, in_bucket)
             tl.store(gt_ptr + row.to(tl.int64) * num_chunks + chunk, n_above)
         tl.debug_barrier()  # every thread's writes precede the arrival (released by its acq_rel atomic)
         arrived = tl.atomic_add(arrivals_ptr + row * ARRIVALS + LEVEL, 1, sem="acq_rel")
         if arrived == num_chunks - 1:  # the row's last program: every other one's writes are visible
             tl.debug_barrier()
             if mode == MODE_HIST:
-                _resolve_histogram(hist_ptr + (row.to(tl.int64) * LEVELS + (LEVEL - 1)) * 256, state, k, CAP, LEVEL)
+                hist_row = hist_ptr + (row.to(tl.int64) * LEVELS + (LEVEL - 1)) * BINS
+                _resolve_histogram(tl.load(hist_row + tl.arange(0, BINS), cache_modifier=".cg"), state, k, CAP,
+                                   LEVEL)
             else:
                 counts = row.to(tl.int64) * num_chunks
                 _resolve_candidates(state, cand_keys_ptr + row.to(tl.int64) * CAP, cand_ids_ptr + row.to(tl.int64) * CAP,
-                                    gt_ptr + counts, eq_ptr + counts, CHUNK, CAP, CAND_RADIX)
+                                    gt_ptr + counts, eq_ptr + counts, CHUNK, CAP, CAND_RADIX, not FINISH)
+            if FINISH:
+                _finish_row(scores_ptr, num_blocks_ptr, batch, kv_head, num_cols, k, k_out, sink_blocks,
+                            recent_blocks, stride_sb, stride_sh, stride_sn, state, row,
+                            cand_keys_ptr + row.to(tl.int64) * CAP, cand_ids_ptr + row.to(tl.int64) * CAP,
+                            idx_out_ptr, count_out_ptr, hint_out_ptr, path_ptr,
+                            TILE, CAP, CAND_RADIX, PAD_BLOCK, WRITE_HINT, WRITE_PATH)
+    else:
+        if FINISH:
+            if chunk == 0:  # a row the hint round left nothing to select (DONE): its outputs, as the emit's
+                _finish_row(scores_ptr, num_blocks_ptr, batch, kv_head, num_cols, k, k_out, sink_blocks,
+                            recent_blocks, stride_sb, stride_sh, stride_sn, state, row,
+                            cand_keys_ptr + row.to(tl.int64) * CAP, cand_ids_ptr + row.to(tl.int64) * CAP,
+                            idx_out_ptr, count_out_ptr, hint_out_ptr, path_ptr,
+                            TILE, CAP, CAND_RADIX, PAD_BLOCK, WRITE_HINT, WRITE_PATH)
 
 
 @triton.jit
@@ -374,18 +514,8 @@ def _radix_emit_kernel(
         base_eq = tl.zeros([], dtype=tl.int32)
         first = 0
         last = tl.where(chunk == 0, num_blocks, 0)
-    for start in range(first, last, TILE):
-        offs = start + tl.arange(0, TILE)
-        keys, valid = _order_keys(scores_ptr, row_base, offs, stride_sn, num_blocks, sink_blocks, recent_blocks,
-                                  num_cols, False)
-        tile_gt, tile_eq = _emit(keys, valid, offs, threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr,
-                                 k_out)
-        base_gt += tile_gt
-        base_eq += tile_eq
+    _emit_blocks(scores_ptr, row_base, first, last, stride_sn, num_blocks, sink_blocks, recent_blocks, num_cols,
+                 threshold, base_gt, base_eq, need_eq, out_row, idx_out_ptr, k_out, TILE)
     if chunk == 0:
-        _pad_and_count(idx_out_ptr, count_out_ptr, out_row, row, k_eff, k_out, PAD_BLOCK)
-        if WRITE_HINT:
-            tl.store(hint_out_ptr + row, tl.where(k_eff > 0, _key_score(threshold), float("-inf")))
-        if WRITE_PATH:
-            level = tl.where(k_eff > 0, tl.load(state + ST_LEVEL), 0)
-            tl.store(path_ptr + row, tl.where(mode == MODE_SERIAL, -1, level))
+        _write_row_outputs(idx_out_ptr, count_out_ptr, hint_out_ptr, path_ptr, state, out_row, row, k_eff, k_out,
+                           threshold, mode, PAD_BLOCK, WRITE_HINT, WRITE_PATH)

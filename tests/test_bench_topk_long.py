@@ -15,7 +15,8 @@ _spec.loader.exec_module(bl)
 def test_defaults_are_the_issue_grid():
     args = bl.parse_args([])
     assert args.candidates == [8192, 16384, 32768, 131072, 1 << 20] and args.k == [32, 256, 2048]
-    assert args.rows == [1, 8, 64] and args.chunk is None and args.cap is None
+    assert args.rows == [1, 8, 64] and args.chunk is None and args.cap is None and not args.finish
+    assert bl.parse_args(["--finish"]).finish
     assert len(bl.cells(args)) == 3 * 5 * 3
     assert bl.row_shape(1) == (1, 1) and bl.row_shape(64) == (8, 8)
 
@@ -52,9 +53,15 @@ def test_floor_sets_and_table(tmp_path):
     rows = [dict(rows=1, candidates=32768, k=32, auto_path="multi-program", one_program_us=205.0,
                  multi_program_us=20.0, torch_topk_us=48.0, multi_over_torch=20 / 48, multi_over_one=20 / 205,
                  floor_us=0.05, threshold_found_at="level 3: 1", sets_equal=True),
+            dict(rows=1, candidates=131072, k=2048, auto_path="multi-program", one_program_us=1050.0,
+                 multi_program_us=28.6, torch_topk_us=60.0, multi_over_torch=28.6 / 60, multi_over_one=28.6 / 1050,
+                 floor_us=0.2, finish_us=14.3, finish_over_multi=0.5, threshold_found_at="level 3: 1",
+                 sets_equal=True),
             dict(rows=8, candidates=32768, k=32, error="RuntimeError: boom")]
     record = {"command": "python experiments/bench_topk_long.py", "environment": {"gpu": "H100"},
               "timer": "cuda_graph_replay", "bandwidth_GBps": 3000.0, "rows": rows}
     text = bl.write_outputs(record, tmp_path / "out")
     assert "| 1 | 32768 | 32 | multi-program | 205 | 20 | 48 | 0.417 |" in text and "RuntimeError: boom" in text
-    assert (tmp_path / "out.csv").read_text().count("\n") == 3 and (tmp_path / "out.json").exists()
+    assert "| 0.2 | 143 | 14.3 | 0.5 | level 3: 1 | yes |" in text  # the finish columns, where timed
+    assert "| 400 | - | - | level 3: 1 | yes |" in text  # '-' where not
+    assert (tmp_path / "out.csv").read_text().count("\n") == 4 and (tmp_path / "out.json").exists()

@@ -195,6 +195,108 @@ def test_hinted_multi_program_topk():
                              candidate_cap=64).item() == 1
 
 
+# --- finish in level 1 (multi_program_finish=True): 2 launches, the same result --------------------
+
+
+def check_finish(scores, k, num_blocks, sink, recent, **kw) -> torch.Tensor:
+    """topk_select's multi-program path with multi_program_finish False and True: each == the
+    reference, and the two found T the same way; -> that path [B, Hkv]."""
+    ref_idx, ref_cnt = topk_select_reference(scores, k, num_blocks, sink, recent)
+    kw.setdefault("multi_program", True)
+    paths = []
+    for finish in (False, True):
+        path = torch.full(scores.shape[:2], -9, dtype=torch.int32, device=scores.device)
+        idx, cnt = topk_select(scores, k, num_blocks, sink, recent, multi_program_path=path,
+                               multi_program_finish=finish, **kw)
+        assert torch.equal(cnt.cpu(), ref_cnt.cpu()) and torch.equal(idx.cpu(), ref_idx.cpu()), f"finish={finish}"
+        paths.append(path.cpu())
+    assert torch.equal(paths[0], paths[1])
+    return paths[1]
+
+
+@pytest.mark.parametrize(
+    "kind,batch,hkv,n,num_blocks,k,sink,recent,chunk,cap",
+    [
+        ("randn", 2, 2, 701, [701, 333], 50, 1, 2, 32, 64),  # ragged contexts, B and Hkv > 1
+        pytest.param("randn", 1, 1, 1999, [1999], 1, 0, 0, 64, 16, marks=pytest.mark.slow),  # k = 1, nothing forced
+        pytest.param("randn", 2, 1, 1501, [1501, 1200], 900, 2, 1, 64, 64, marks=pytest.mark.slow),  # k > N / 2: several histogram levels
+        pytest.param("ties", 2, 1, 901, [901, 899], 333, 2, 1, 32, 64, marks=pytest.mark.slow),  # heavy ties: SERIAL
+        pytest.param("integers", 2, 1, 1001, [1001, 300], 150, 0, 1, 32, 32, marks=pytest.mark.slow),  # nine values, ±0.0 as one
+        pytest.param("extremes", 1, 2, 777, [770], 20, 0, 0, 32, 16, marks=pytest.mark.slow),  # ±inf, ±FLT_MAX, denormals, ±0
+        pytest.param("randn", 2, 1, 603, [603, 40], 100, 3, 2, 32, 16, marks=pytest.mark.slow),  # k > the short row's context
+        pytest.param("randn", 2, 1, 1001, [0, 1001], 7, 8, 2, 64, 16, marks=pytest.mark.slow),  # an empty row; more forced blocks than k
+        pytest.param("randn", 1, 1, 513, [513], 513, 1, 1, 16, 64, marks=pytest.mark.slow),  # k = N: every block
+    ],
+)
+def test_multi_program_finish_matches_reference(kind, batch, hkv, n, num_blocks, k, sink, recent, chunk, cap):
+    scores, nb = make_topk_scores(batch, hkv, n, num_blocks, kind, seed=n + k)
+    check_finish(scores, k, nb, sink, recent, multi_program_chunk=chunk, multi_program_cap=cap)
+
+
+def test_multi_program_finish_neg_inf_and_every_way_to_the_threshold():
+    """At ~2K blocks, 32-64 programs a row: T among the candidates of level 2, 3 and 4, by all four
+    histograms (SERIAL), nothing selectable; -inf scores leaving fewer selectable blocks than k."""
+    n, nb = 2001, torch.tensor([2001], dtype=torch.int32)
+    small = dict(multi_program_chunk=64, multi_program_cap=64)
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(1, 1, n, generator=g)
+    assert check_finish(torch.exp2(u * 120 - 60), 64, nb, 0, 1, **small).item() == 2  # ~33 in the bucket
+    normal = torch.randn(1, 1, n, generator=g) * 10  # ~110 in the 2-octave bucket, a few per 1/128 octave
+    assert check_finish(normal, 64, nb, 0, 1, **small).item() == 3
+    assert check_finish(1.0 + u * 2.0**-7, 64, nb, 0, 1, **small).item() == 4  # third digit: ~8 a bucket
+    tied = torch.randint(0, 3, (1, 1, n), generator=g).float()
+    assert check_finish(tied, 64, nb, 0, 1, **small).item() == -1
+    assert check_finish(normal, 64, torch.tensor([0], dtype=torch.int32), 2, 1, **small).item() == 0
+    scores, nb2 = make_topk_scores(2, 1, 1203, [1203, 400], "randn", seed=5)
+    check_finish(with_neg_inf(scores, 0.35, seed=5), 500, nb2, 1, 2, multi_program_chunk=32,
+                 multi_program_cap=128)
+    all_neg_inf = torch.full((1, 1, 300), float("-inf"))
+    assert check_finish(all_neg_inf, 5, torch.tensor([300], dtype=torch.int32), 0, 0, **small).item() == 0
+
+
+@pytest.mark.slow  # 40 s under the interpreter: make test-full
+def test_multi_program_finish_several_tiles_a_program(monkeypatch):
+    """The finishing program walks the row TILE (MULTI_PROGRAM_TILE) blocks at a time: 4 tiles a
+    chunk here, so tiles and chunks differ; half precision and strided scores."""
+    from prr.kernels import topk as topk_launcher
+
+    monkeypatch.setattr(topk_launcher, "MULTI_PROGRAM_TILE", 16)
+    g = torch.Generator().manual_seed(4)
+    n, nb = 1001, torch.tensor([1001, 900], dtype=torch.int32)
+    knobs = dict(multi_program_chunk=64, multi_program_cap=32)
+    assert (check_finish(torch.randn(2, 1, n, generator=g) * 10, 50, nb, 1, 2, **knobs) >= 2).all()
+    assert (check_finish(torch.randint(0, 3, (2, 1, n), generator=g).float(), 50, nb, 1, 2, **knobs)
+            == -1).all()
+    wide = torch.randn(2, n, 2, generator=g).transpose(1, 2)  # non-contiguous [B, Hkv, N]
+    check_finish(wide.bfloat16(), 300, nb, 0, 1, **knobs)
+
+
+@pytest.mark.slow  # (make test: finish's every way to T above; the hinted round's own tests stay in make test)
+def test_hinted_multi_program_finish():
+    """Hinted top-k with multi_program_finish: the round's candidates fit (path 1), garbage hints and
+    heavy ties take the radix levels (-1), an empty row (0); indices, counts and next hint the
+    reference's (test_hinted_multi_program_topk: the same without finish)."""
+    n, k = 1201, 40
+    previous, scores = make_hinted_scores(1, 3, n, k, 0.7, seed=11)
+    nb = torch.tensor([n - 5], dtype=torch.int32)
+    small = dict(multi_program_chunk=64, candidate_cap=128, multi_program_finish=True)
+    assert (check_hinted_long(scores, k, nb, kth_scores(previous, k), 1, 2, **small) == 1).all()
+    garbage = torch.tensor([[float("inf"), float("nan"), 0.0]])
+    assert (check_hinted_long(scores, k, nb, garbage, 1, 2, **small) == -1).all()
+    ties, _ = make_topk_scores(2, 1, n, [n, 0], "ties", seed=12)
+    ties_path = check_hinted_long(ties, k, torch.tensor([n, 0], dtype=torch.int32), torch.zeros(2, 1), 0, 1, **small)
+    assert ties_path.tolist() == [[-1], [0]]
+
+
+def test_multi_program_finish_errors():
+    scores, nb = make_topk_scores(1, 2, 27)
+    for bad in (1, None, "yes"):
+        with pytest.raises(ValueError, match=f"multi_program_finish={bad!r} must be True or False"):
+            topk_select(scores, 3, nb, multi_program=True, multi_program_finish=bad)
+        with pytest.raises(ValueError, match=f"multi_program_finish={bad!r} must be True or False"):
+            hinted_topk_select(scores, 3, nb, torch.zeros(1, 2), multi_program=True, multi_program_finish=bad)
+
+
 # --- GPU, real sizes: 16K-1M candidates, k 32-4096, 1-64 rows, default chunk and buffer --------
 
 
@@ -208,6 +310,36 @@ def test_gpu_multi_program_topk(n, k):
         scores, nb = make_topk_scores(batch, hkv, n, nbs, kind, seed=n + k, device="cuda")
         check_long(scores, k, nb, 1, 2, multi_program=None)
         check_long(scores.bfloat16(), k, nb, 0, 1, multi_program=None)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [MULTI_PROGRAM_MIN_BLOCKS, 32768, 131072 + 5, 1 << 20])
+@pytest.mark.parametrize("k", [32, 2048, 4096])
+def test_gpu_multi_program_finish(n, k):
+    """multi_program_finish=True at real sizes (default chunk and buffer): the 6-launch path's
+    indices, counts and threshold paths, and the reference's; every way to T; a CUDA graph."""
+    for batch, hkv, kind in ((1, 1, "randn"), (2, 4, "ties"), (8, 8, "randn")):
+        nbs = [n] + [n - 1000 * i - 7 for i in range(1, batch)]
+        scores, nb = make_topk_scores(batch, hkv, n, nbs, kind, seed=n + k, device="cuda")
+        check_finish(scores, k, nb, 1, 2, multi_program=None)
+        check_finish(scores.bfloat16(), k, nb, 0, 1, multi_program=None)
+    full = torch.tensor([n], dtype=torch.int32, device="cuda")
+    u = torch.rand(1, 1, n, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda")
+    for scores in (torch.exp2(u * 120 - 60), 1.0 + u * 2.0**-7, (u * 3).floor()):  # level 2, 4; SERIAL
+        check_finish(scores, k, full, 0, 1)
+    check_finish(with_neg_inf(u.cpu(), 0.99, seed=3).cuda(), k, full, 1, 2)  # fewer valid than k
+    graph_scores, nb = make_topk_scores(2, 4, n, [n, n - 999], "randn", seed=0, device="cuda")
+    topk_select(graph_scores, k, nb, 1, 2, multi_program=True, multi_program_finish=True)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx, cnt = topk_select(graph_scores, k, nb, 1, 2, multi_program=True, multi_program_finish=True)
+    for seed in (1, 2):
+        graph_scores.copy_(make_topk_scores(2, 4, n, None, "randn", seed=seed, device="cuda")[0])
+        graph.replay()
+        ref_idx, ref_cnt = topk_select_reference(graph_scores, k, nb, 1, 2)
+        assert torch.equal(idx, ref_idx) and torch.equal(cnt, ref_cnt)
 
 
 @pytest.mark.gpu

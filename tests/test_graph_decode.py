@@ -733,7 +733,7 @@ def _indexer_engine(projections: str, batch: int) -> GraphDecoder:
     return engine
 
 
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, pytest.param(2, marks=pytest.mark.slow)])  # (batch 1 also fuses the append)
 def test_the_indexer_on_fused_projections_decodes_like_torch_projections(batch):
     """projections="fused": the indexer's stacked projection is one dense_gemv with the layer's RMSNorm
     inside, written into its slot (Selector.hidden_projection), instead of take_hidden(RMSNorm(x)); the

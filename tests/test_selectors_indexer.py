@@ -237,6 +237,7 @@ def test_the_fused_engine_projection_equals_take_hidden():
     the layer's RMSNorm inside, out=slot), holds what take_hidden(RMSNorm(x)) writes there; a dense layer
     asks for none (the engine skips it)."""
     from prr.kernels.dense_gemv import dense_gemv
+
     from prr.model.layer_math import rms_norm
 
     sel = indexer()

@@ -173,20 +173,25 @@ def check_hinted_long(scores, k, num_blocks, hint, sink, recent, **kw) -> torch.
     return path.cpu()
 
 
-def test_hinted_multi_program_topk():
-    """Hinted top-k's multi-program path: a good hint's round fits the buffer (path 1), garbage
-    hints (±inf, NaN, 0) and heavy ties leave it to the radix levels (-1); the same set either way,
-    and the k-th score written as the next hint; an empty row writes -inf."""
-    n, k = 6001, 60
+def check_hinted_paths(n: int, k: int, **small) -> None:
+    """Hinted top-k over rows of n blocks with the multi-program knobs `small`: a good hint's candidates
+    fit (path 1), garbage hints (±inf, NaN, 0) and heavy ties take the radix levels (-1), an empty row
+    finds nothing (0); each the reference's set (check_hinted_long)."""
     previous, scores = make_hinted_scores(1, 3, n, k, 0.7, seed=11)
     nb = torch.tensor([n - 5], dtype=torch.int32)
-    small = dict(multi_program_chunk=1024, candidate_cap=256)
     assert (check_hinted_long(scores, k, nb, kth_scores(previous, k), 1, 2, **small) == 1).all()
     garbage = torch.tensor([[float("inf"), float("nan"), 0.0]])
     assert (check_hinted_long(scores, k, nb, garbage, 1, 2, **small) == -1).all()
     ties, _ = make_topk_scores(2, 1, n, [n, 0], "ties", seed=12)
     ties_path = check_hinted_long(ties, k, torch.tensor([n, 0], dtype=torch.int32), torch.zeros(2, 1), 0, 1, **small)
     assert ties_path.tolist() == [[-1], [0]]
+
+
+def test_hinted_multi_program_topk():
+    """Hinted top-k's multi-program path: a good hint's round fits the buffer (path 1), garbage
+    hints (±inf, NaN, 0) and heavy ties leave it to the radix levels (-1); the same set either way,
+    and the k-th score written as the next hint; an empty row writes -inf."""
+    check_hinted_paths(6001, 60, multi_program_chunk=1024, candidate_cap=256)
     # rows past the register row take it by default (multi_program=None)
     long_scores, _ = make_topk_scores(1, 1, MULTI_PROGRAM_MIN_BLOCKS, None, "randn", seed=13)
     full = torch.tensor([MULTI_PROGRAM_MIN_BLOCKS], dtype=torch.int32)
@@ -276,16 +281,7 @@ def test_hinted_multi_program_finish():
     """Hinted top-k with multi_program_finish: the round's candidates fit (path 1), garbage hints and
     heavy ties take the radix levels (-1), an empty row (0); indices, counts and next hint the
     reference's (test_hinted_multi_program_topk: the same without finish)."""
-    n, k = 1201, 40
-    previous, scores = make_hinted_scores(1, 3, n, k, 0.7, seed=11)
-    nb = torch.tensor([n - 5], dtype=torch.int32)
-    small = dict(multi_program_chunk=64, candidate_cap=128, multi_program_finish=True)
-    assert (check_hinted_long(scores, k, nb, kth_scores(previous, k), 1, 2, **small) == 1).all()
-    garbage = torch.tensor([[float("inf"), float("nan"), 0.0]])
-    assert (check_hinted_long(scores, k, nb, garbage, 1, 2, **small) == -1).all()
-    ties, _ = make_topk_scores(2, 1, n, [n, 0], "ties", seed=12)
-    ties_path = check_hinted_long(ties, k, torch.tensor([n, 0], dtype=torch.int32), torch.zeros(2, 1), 0, 1, **small)
-    assert ties_path.tolist() == [[-1], [0]]
+    check_hinted_paths(1201, 40, multi_program_chunk=64, candidate_cap=128, multi_program_finish=True)
 
 
 def test_multi_program_finish_errors():

@@ -16,6 +16,12 @@ latency (bench_decode_stage.csv: PRR minus select ∥ speculate). Here one launc
 - the last split of a row to finish merges the row's S states (the arrival counter and tail
   of sparse_decode's fused merge) into the output, in the model dtype.
 
+Token lists (block size 1, selector=indexer) may pass token states instead (part_out=None): P's
+scores from token_sparse_decode.token_scores, and step 3 folds each kept token's score with its
+value row read from the cache (keep computed first, LIST_CHUNK entries at a time, then the kept
+tokens a tile at a time through the attention's own fold): [B, Hq, |P|] scores instead of
+[B, Hq, |P|, D] states.
+
 Exact: out = ⊕_{a ∈ A} attention over block a, whatever P is (P's entries not in A are
 dropped, A's entries not in P are recomputed), as the three launches give.
 A and P need not be sorted; entries must be distinct within a list (as selection and the
@@ -42,8 +48,10 @@ from .sparse_decode import (
 from .sparse_decode_jit import (
     LOG2E,  # host side only: a jit function cannot read a plain global
     _attend_list,
+    _load_kv_tile,
     _load_query_group,
     _merge_row_splits,
+    _online_softmax_fold,
     _store_state,
 )
 
@@ -85,6 +93,7 @@ def _repair_and_merge_kernel(
     LIST_CHUNK: tl.constexpr,  # entries of one list compared against the other list at once
     STATE_CHUNK: tl.constexpr,  # speculative states folded in at once
     SPLITS_PAD: tl.constexpr, MERGE_GROUP: tl.constexpr, SPLIT_CHUNK: tl.constexpr,  # the row's merge
+    TOKEN_STATES: tl.constexpr,  # P's states are token scores (part_lse only); values from the cache
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -133,28 +142,52 @@ def _repair_and_merge_kernel(
     a_all = tl.load(sel_row + offs_a, mask=offs_a < n_sel, other=-2)  # [SEL_PAD]
     heads = kv_head * GROUP + offs_g
     g_ok = offs_g < GROUP
-    offs_s = tl.arange(0, STATE_CHUNK)
     p0 = split * preds_per_split
     p_stop = tl.minimum(p0 + preds_per_split, pred_cap)  # keep is written up to the capacity
-    for c0 in range(p0, p_stop, STATE_CHUNK):
-        c = c0 + offs_s
-        valid = c < tl.minimum(p_stop, n_pred)
-        p = tl.load(pred_row + c, mask=valid, other=-1)
-        kept = valid & (tl.max((p[:, None] == a_all[None, :]).to(tl.int32), axis=1) != 0)
-        tl.store(keep_ptr + row.to(tl.int64) * pred_cap + c, kept.to(tl.int8), mask=c < p_stop)
-        live = g_ok[:, None] & kept[None, :]  # [GROUP_PAD, STATE_CHUNK]
-        lse2 = tl.load(part_lse_ptr + batch * stride_plb + heads[:, None] * stride_plh + c[None, :] * stride_plc,
-                       mask=live, other=float("-inf")) * 1.4426950408889634  # log2(e): log2 units, as m
-        m_new = tl.maximum(m, tl.max(lse2, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)  # 0 while m = -inf
-        w = tl.exp2(lse2 - m_safe[:, None])  # 0 where dropped or empty
-        o = tl.load(part_out_ptr + batch * stride_pob + heads[:, None, None] * stride_poh
-                    + c[None, :, None] * stride_poc + offs_d[None, None, :] * stride_pod,
-                    mask=(live & (w > 0.0))[:, :, None], other=0.0)  # [GROUP_PAD, STATE_CHUNK, D]
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
-        l_sum = l_sum * alpha + tl.sum(w, axis=1)
-        m = m_new
+    if TOKEN_STATES:
+        # keep first, LIST_CHUNK entries against A at a time (as step 1), then the kept tokens a tile
+        # at a time: the stored score, the value row from the cache (the attention's own fold)
+        for c0 in range(p0, p_stop, LIST_CHUNK):
+            c = c0 + offs_chunk
+            valid = c < tl.minimum(p_stop, n_pred)
+            p = tl.load(pred_row + c, mask=valid, other=-1)
+            kept = valid & (tl.max((p[:, None] == a_all[None, :]).to(tl.int32), axis=1) != 0)
+            tl.store(keep_ptr + row.to(tl.int64) * pred_cap + c, kept.to(tl.int8), mask=c < p_stop)
+        tl.debug_barrier()  # keep is read back by every thread of the program
+        offs_t = tl.arange(0, TILE_TOKENS)
+        p_end = tl.minimum(p_stop, n_pred)
+        for c0 in range(p0, p_end, TILE_TOKENS):
+            c = c0 + offs_t
+            in_split = c < p_end
+            kept = tl.load(keep_ptr + row.to(tl.int64) * pred_cap + c, mask=in_split, other=0) != 0
+            tokens = tl.load(pred_row + c, mask=kept, other=-1).to(tl.int64)
+            live = kept & (tokens >= 0) & (tokens < length)
+            s2 = tl.load(part_lse_ptr + batch * stride_plb + heads[:, None] * stride_plh + c[None, :] * stride_plc,
+                         mask=g_ok[:, None] & live[None, :],
+                         other=float("-inf")) * 1.4426950408889634  # log2(e): log2 units, as m
+            v = _load_kv_tile(v_row, tokens, live, offs_d, stride_vt, stride_vd, NATIVE_DOT)
+            m, l_sum, acc = _online_softmax_fold(s2, v, m, l_sum, acc, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
+    else:
+        offs_s = tl.arange(0, STATE_CHUNK)
+        for c0 in range(p0, p_stop, STATE_CHUNK):
+            c = c0 + offs_s
+            valid = c < tl.minimum(p_stop, n_pred)
+            p = tl.load(pred_row + c, mask=valid, other=-1)
+            kept = valid & (tl.max((p[:, None] == a_all[None, :]).to(tl.int32), axis=1) != 0)
+            tl.store(keep_ptr + row.to(tl.int64) * pred_cap + c, kept.to(tl.int8), mask=c < p_stop)
+            live = g_ok[:, None] & kept[None, :]  # [GROUP_PAD, STATE_CHUNK]
+            lse2 = tl.load(part_lse_ptr + batch * stride_plb + heads[:, None] * stride_plh + c[None, :] * stride_plc,
+                           mask=live, other=float("-inf")) * 1.4426950408889634  # log2(e): log2 units, as m
+            m_new = tl.maximum(m, tl.max(lse2, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)  # 0 while m = -inf
+            w = tl.exp2(lse2 - m_safe[:, None])  # 0 where dropped or empty
+            o = tl.load(part_out_ptr + batch * stride_pob + heads[:, None, None] * stride_poh
+                        + c[None, :, None] * stride_poc + offs_d[None, None, :] * stride_pod,
+                        mask=(live & (w > 0.0))[:, :, None], other=0.0)  # [GROUP_PAD, STATE_CHUNK, D]
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+            l_sum = l_sum * alpha + tl.sum(w, axis=1)
+            m = m_new
 
     # 4. The split's state; the row's last split merges the row.
     _store_state(split_out_ptr, split_lse_ptr, batch, kv_head, split, offs_g, offs_d, m, l_sum, acc,
@@ -188,19 +221,24 @@ def fused_tail_pays(sel_cap: int, pred_cap: int, rows: int, device: torch.device
 def repair_and_merge(
     q: Tensor, k_cache: Tensor, v_cache: Tensor,
     sel_idx: Tensor, sel_cnt: Tensor, pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor,
-    part_out: Tensor, part_lse: Tensor, block_size: int, scale: float,
+    part_out: Tensor | None, part_lse: Tensor, block_size: int, scale: float,
     *, out_dtype: torch.dtype = torch.float32, arrivals: Tensor | None = None,
     tokens_per_split: int | None = None, num_warps: int = 4,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q [B, Hq, D]; k_cache, v_cache [B, Hkv, T_max, D] (as sparse_decode); A: sel_idx
     [B, Hkv, C_A] int32, sel_cnt [B, Hkv] int32; P: pred_idx [B, Hkv, C_P] int32, pred_cnt
     [B, Hkv] int32; lengths [B]; part_out [B, Hq, C_P, D], part_lse [B, Hq, C_P] fp32: the
-    per-block states of P (sparse_decode per_block=True over pred_idx).
+    per-block states of P (sparse_decode per_block=True over pred_idx). Token lists (block_size 1)
+    may pass part_out=None with part_lse = token_sparse_decode.token_scores over P: a token's state
+    is (v_t, part_lse), and each kept token's value row is read from v_cache here.
     arrivals: [B * Hkv] int32 zeros (left zeroed; one per stream), allocated when None.
-    tokens_per_split: tokens of A per program; None: `default_splits`.
+    tokens_per_split: tokens of A per program; None: `default_splits` (token states: the split plan
+    of serial DSA's attention over A, token_sparse_decode's).
     -> (out [B, Hq, D] out_dtype, lse [B, Hq] fp32, keep [B, Hkv, C_P] bool): out, lse =
     attention over A's blocks = (⊕ kept states of P) ⊕ attention over A \\ P."""
-    _check_device(q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths, part_out, part_lse)
+    token_states = part_out is None
+    _check_device(q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths, part_lse,
+                  *(() if token_states else (part_out,)))
     batch, num_heads, head_dim = q.shape
     if k_cache.dim() != 4 or k_cache.shape[0] != batch or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} and the caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
@@ -210,7 +248,10 @@ def repair_and_merge(
     num_kv_heads = k_cache.shape[1]
     if num_kv_heads == 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > sd.MAX_GROUP:
         raise ValueError(f"Hq={num_heads} must be a multiple of Hkv={num_kv_heads}, at most {sd.MAX_GROUP} per KV head")
-    sd._check_block_size(block_size)
+    if block_size != 1:  # 1: token lists (selector=indexer)
+        sd._check_block_size(block_size)
+    if token_states and block_size != 1:
+        raise ValueError(f"part_out=None (token states: values read from the cache) needs block_size 1, got {block_size}")
     sel_cap, pred_cap = sel_idx.shape[-1], pred_idx.shape[-1]
     for name, t, shape in (("sel_idx", sel_idx, (batch, num_kv_heads, sel_cap)), ("sel_cnt", sel_cnt, (batch, num_kv_heads)),
                            ("pred_idx", pred_idx, (batch, num_kv_heads, pred_cap)),
@@ -218,10 +259,11 @@ def repair_and_merge(
         if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 tensor of shape {shape}; got {t.dtype} {tuple(t.shape)}")
     sd._check_int_tensor("lengths", lengths, (batch,), (torch.int32, torch.int64))
-    if part_out.shape != (batch, num_heads, pred_cap, head_dim) or part_lse.shape != (batch, num_heads, pred_cap) \
-            or part_out.dtype != torch.float32 or part_lse.dtype != torch.float32:
+    if part_lse.shape != (batch, num_heads, pred_cap) or part_lse.dtype != torch.float32 or not token_states and (
+            part_out.shape != (batch, num_heads, pred_cap, head_dim) or part_out.dtype != torch.float32):
         raise ValueError(f"part_out / part_lse must be fp32 [B, Hq, C_P, D] / [B, Hq, C_P] = "
-                         f"{(batch, num_heads, pred_cap, head_dim)}; got {part_out.dtype} {tuple(part_out.shape)} / "
+                         f"{(batch, num_heads, pred_cap, head_dim)}; got "
+                         f"{'None' if token_states else (part_out.dtype, tuple(part_out.shape))} / "
                          f"{part_lse.dtype} {tuple(part_lse.shape)}")
     if out_dtype not in sd.SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not supported; use one of fp16, bf16, fp32")
@@ -231,7 +273,7 @@ def repair_and_merge(
     device = q.device
     group = num_heads // num_kv_heads
     rows = batch * num_kv_heads
-    if tokens_per_split is None:
+    if tokens_per_split is None and not token_states:
         tokens_per_split = block_size * -(-sel_cap // default_splits(sel_cap, pred_cap, rows, device))
     tile_tokens, entries, num_splits = _split_plan(sel_cap, rows, block_size, head_dim, k_cache.element_size(),
                                                    None, tokens_per_split, device)
@@ -255,10 +297,12 @@ def repair_and_merge(
     pred_pad = _next_power_of_two(max(pred_cap, 2))
     _repair_and_merge_kernel[(num_splits, rows)](
         q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths,
-        part_out, part_lse, miss, keep.view(torch.int8), split_out, split_lse, arrivals, out, lse,
+        part_lse if token_states else part_out, part_lse, miss, keep.view(torch.int8), split_out, split_lse,
+        arrivals, out, lse,
         float(scale) * LOG2E, num_kv_heads, sel_cap, pred_cap, entries, preds_per_split,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), lengths.stride(0),
-        *part_out.stride(), *part_lse.stride(), *split_out.stride(), *split_lse.stride(),
+        *((0,) * 4 if token_states else part_out.stride()), *part_lse.stride(), *split_out.stride(),
+        *split_lse.stride(),
         *out.stride(), *lse.stride(),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_TOKENS=tile_tokens,
         NATIVE_DOT=bool(native_dot), INPUT_PRECISION="ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32",
@@ -266,6 +310,6 @@ def repair_and_merge(
         STATE_CHUNK=max(1, min(_next_power_of_two(preds_per_split), STATE_ELEMENTS // (group_pad * head_dim))),
         SPLITS_PAD=_next_power_of_two(num_splits), MERGE_GROUP=merge_group,
         SPLIT_CHUNK=min(_next_power_of_two(num_splits), max(1, MERGE_TILE_ELEMENTS // (merge_group * head_dim))),
-        num_warps=num_warps, **launch_kwargs(device),
+        TOKEN_STATES=token_states, num_warps=num_warps, **launch_kwargs(device),
     )  # fmt: skip
     return out, lse, keep

@@ -50,6 +50,36 @@ def token_sparse_decode_reference(
     return sparse_decode_reference(q, k_cache, v_cache, ids, counts, lengths, 1, scale, compute_dtype=compute_dtype)
 
 
+def token_scores_reference(
+    q: Tensor,
+    k_cache: Tensor,
+    token_ids: Tensor,
+    token_counts: Tensor,
+    lengths: Tensor,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """Reference for kernels.token_sparse_decode.token_scores (same arguments and shape): the lse of
+    each listed token's one-token state (the block reference per_block at block size 1)
+    -> scores [B, Hq, C] in compute_dtype, -inf for entries past the count and dead ids."""
+    batch, num_kv_heads = k_cache.shape[:2]
+    capacity = token_ids.shape[-1]
+    ids = token_ids.expand(batch, num_kv_heads, capacity)
+    counts = token_counts.expand(batch, num_kv_heads)
+    return sparse_decode_reference(q, k_cache, k_cache, ids, counts, lengths, 1, scale, per_block=True,
+                                   compute_dtype=compute_dtype)[1]
+
+
+def token_states_reference(v_cache: Tensor, token_ids: Tensor, num_q_heads: int) -> Tensor:
+    """The value half of listed tokens' one-token states, as the repair reads them from the cache:
+    v_cache [B, Hkv, T_max, D], token_ids [B, Hkv, C] -> [B, Hq, C, D] fp32 (query head h takes
+    KV head h // (Hq / Hkv); entries past a count or dead hold some row: their scores are -inf)."""
+    batch, num_kv_heads, t_max, head_dim = v_cache.shape
+    ids = token_ids.long().clamp(0, max(t_max - 1, 0))  # padding may hold any id
+    rows = torch.gather(v_cache.float(), 2, ids.unsqueeze(-1).expand(*ids.shape, head_dim))  # [B, Hkv, C, D]
+    return rows.repeat_interleave(num_q_heads // num_kv_heads, dim=1)
+
+
 def tokens_of_blocks(block_ids: Tensor, block_counts: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     """A block list as the token list of its blocks, in list order: block_ids [B, Hkv, C],
     block_counts [B, Hkv] -> (token_ids [B, Hkv, C * block_size] of block_ids' dtype, token_counts

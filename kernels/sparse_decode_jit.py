@@ -78,6 +78,17 @@ def _online_softmax_step(
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     s = s * qk_scale  # [GROUP_PAD, TILE], log2 units
     s = tl.where(live[None, :], s, float("-inf"))
+    return _online_softmax_fold(s, v, m, l_sum, acc, NATIVE_DOT, INPUT_PRECISION, PRECISE_PV)
+
+
+@triton.jit
+def _online_softmax_fold(
+    s, v, m, l_sum, acc,
+    NATIVE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
+):
+    """Fold a tile of scores s [GROUP_PAD, TILE] (log2 units, -inf where not live) and its values
+    v [TILE, D] into the running (m, l_sum, acc) of _online_softmax_step; also the exact repair's
+    fold of token states whose scores were computed before (kernels/prr_repair.py)."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_safe)  # 0 while m = -inf

@@ -42,7 +42,7 @@ from .sparse_decode import (
     dot_mode,
 )
 from .sparse_decode_jit import LOG2E
-from .token_sparse_decode_jit import token_sparse_decode_split_kernel
+from .token_sparse_decode_jit import token_scores_kernel, token_sparse_decode_split_kernel
 
 ID_DTYPES = (torch.int32, torch.int64)
 COUNT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8)
@@ -157,6 +157,68 @@ def token_sparse_decode(
         **_launch_options(num_warps, num_stages, device),
     )  # fmt: skip
     return states.result(merge_splits, out_dtype)
+
+
+def token_scores(
+    q: Tensor,
+    k_cache: Tensor,
+    token_ids: Tensor,
+    token_counts: Tensor,
+    lengths: Tensor,
+    scale: float,
+    *,
+    tokens_per_program: int | None = None,
+    num_warps: int = 4,
+) -> Tensor:
+    """scale · q·k of every query head against every listed token: exact-mode PRR's speculative
+    state of a token list (kernels/prr_repair.py). A token's attention state over itself alone is
+    (v_t, scale · q·k_t); its value row stays in the cache, where the repair reads it, so the
+    speculation writes [B, Hq, C] fp32 scores instead of [B, Hq, C, D] states (at C = 2,048 on the
+    8B shape: 256 KiB a row and layer instead of 32 MiB) and reads K only.
+
+    q, k_cache, token_ids, token_counts, lengths, scale: as token_sparse_decode (no v_cache).
+    -> scores [B, Hq, C] fp32, natural-log units (the lse of a one-token state); -inf for
+    entries >= the count and ids < 0 or >= lengths[b].
+    tokens_per_program: list entries per program (default: token_sparse_decode's split plan for C).
+    """
+    _check_device(q, k_cache, token_ids, token_counts, lengths)
+    batch, num_q_heads, num_kv_heads, head_dim, group = check_decode_operands(q, k_cache, k_cache, "token_scores")
+    if not isinstance(token_ids, Tensor) or token_ids.dim() != 3:
+        raise ValueError(f"token_ids must be [B, Hkv, C] or [B, 1, C], got "
+                         f"{list(token_ids.shape) if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
+    list_heads, capacity = token_ids.shape[1], token_ids.shape[2]
+    if list_heads not in (1, num_kv_heads):
+        raise ValueError(f"token_ids has {list_heads} lists per batch row: give one per KV head (Hkv={num_kv_heads}) "
+                         f"or one shared by all ([B, 1, C])")
+    _check_int_tensor("token_ids", token_ids, (batch, list_heads, capacity), ID_DTYPES)
+    _check_int_tensor("token_counts", token_counts, (batch, list_heads), COUNT_DTYPES)
+    _check_int_tensor("lengths", lengths, (batch,), ID_DTYPES)
+    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python number (a tensor would sync), got {type(scale).__name__}")
+    if tokens_per_program is not None and tokens_per_program < 1:
+        raise ValueError(f"tokens_per_program={tokens_per_program} must be >= 1")
+    native_dot, input_precision = dot_mode(q, k_cache, None)
+    device = q.device
+    scores = torch.empty(batch, num_q_heads, capacity, dtype=torch.float32, device=device)
+    if batch == 0 or capacity == 0:
+        return scores
+    tile, entries, chunks = token_sparse_decode_plan(capacity, batch, num_kv_heads, device, None, tokens_per_program,
+                                                     head_dim=head_dim, cache_dtype=k_cache.dtype)
+    shared = list_heads == 1
+    token_scores_kernel[(chunks, batch * num_kv_heads)](
+        q, k_cache, token_ids, token_counts, lengths, scores,
+        float(scale), num_kv_heads, capacity, entries,
+        q.stride(0), q.stride(1), q.stride(2),
+        *k_cache.stride(),
+        token_ids.stride(0), 0 if shared else token_ids.stride(1), token_ids.stride(2),
+        token_counts.stride(0), 0 if shared else token_counts.stride(1),
+        lengths.stride(0),
+        *scores.stride(),
+        GROUP=group, GROUP_PAD=max(16, _next_power_of_two(group)), HEAD_DIM=head_dim, TILE_TOKENS=tile,
+        NATIVE_DOT=native_dot, INPUT_PRECISION=input_precision,
+        **_launch_options(num_warps, None, device),
+    )  # fmt: skip
+    return scores
 
 
 class TokenSplitPlan(NamedTuple):

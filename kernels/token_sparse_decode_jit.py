@@ -102,3 +102,52 @@ def token_sparse_decode_split_kernel(
                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
                  arrivals_ptr, merged_out_ptr, merged_lse_ptr, stride_mb, stride_mh, stride_md, stride_mlb, stride_mlh,
                  GROUP, GROUP_PAD, HEAD_DIM, FUSED_MERGE, SPLITS_PAD, MERGE_GROUP, SPLIT_CHUNK)
+
+
+@triton.jit
+def token_scores_kernel(
+    q_ptr, k_ptr, ids_ptr, counts_ptr, lengths_ptr, scores_ptr,
+    scale, num_kv_heads, capacity, entries_per_program,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_ib, stride_ih, stride_ic,
+    stride_cb, stride_ch,
+    stride_len,
+    stride_sb, stride_sh, stride_sc,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_TOKENS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """scale · q·k of one (batch, kv head)'s query group against the tokens of one chunk of its list.
+
+    grid = (ceil(C / entries_per_program), B * Hkv). Writes scores[b, head, e] for every entry e of
+    the chunk up to the capacity C: the natural-log score of a live entry (e < count, 0 <= id <
+    length), -inf for every other. K rows only: a token's value row stays in the cache.
+    """
+    pdl_prologue(PDL)
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    # _group_row's v pointer is unused here: k_ptr and its strides stand in for it
+    batch, kv_head, count, length, q, ids_row, k_row, _ = _group_row(
+        row, q_ptr, k_ptr, k_ptr, ids_ptr, counts_ptr, lengths_ptr, num_kv_heads, capacity,
+        stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kb, stride_kh, stride_ib, stride_ih,
+        stride_cb, stride_ch, stride_len, GROUP, GROUP_PAD, HEAD_DIM, NATIVE_DOT)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, TILE_TOKENS)
+    heads = kv_head * GROUP + offs_g
+    begin = chunk * entries_per_program
+    end = tl.minimum(begin + entries_per_program, capacity)
+    for start in range(begin, end, TILE_TOKENS):
+        entry = start + offs_t
+        listed = entry < tl.minimum(end, count)
+        tokens = tl.load(ids_row + entry * stride_ic, mask=listed, other=-1).to(tl.int64)
+        live = listed & (tokens >= 0) & (tokens < length)
+        k = _load_kv_tile(k_row, tokens, live, offs_d, stride_kt, stride_kd, NATIVE_DOT)
+        if NATIVE_DOT:
+            s = tl.dot(q, tl.trans(k))
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        s = tl.where(live[None, :], s * scale, float("-inf"))  # [GROUP_PAD, TILE]
+        tl.store(scores_ptr + batch * stride_sb + heads[:, None] * stride_sh + entry[None, :] * stride_sc, s,
+                 mask=(offs_g < GROUP)[:, None] & (entry < end)[None, :])

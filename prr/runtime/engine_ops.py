@@ -98,10 +98,12 @@ class EngineOps(ABC):
                       lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
                       merge_splits: bool = True, out_dtype: torch.dtype = torch.float32, fuse_merge: bool = False,
                       arrivals: Tensor | None = None,
-                      tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
+                      tokens_per_split: int | None = None) -> tuple[Tensor | None, Tensor]:
         """q [B, Hq, D] over the blocks block_ids [B, Hkv, C] (first block_counts [B, Hkv] valid) of
         the caches [B, Hkv, T_max, D], lengths [B] tokens -> (out [B, Hq, D] out_dtype, lse [B, Hq]
-        fp32); per_block: ([B, Hq, C, D], [B, Hq, C]) fp32; merge_splits=False: the unmerged split
+        fp32); per_block: ([B, Hq, C, D], [B, Hq, C]) fp32, at block_size 1 (None, [B, Hq, C]): a
+        token's state is (v_t, scale q·k_t), and its value row stays in the cache, where
+        `repair_and_merge` reads it (part_out=None); merge_splits=False: the unmerged split
         states ([B, Hq, S, D], [B, Hq, S]) fp32."""
 
     @abstractmethod
@@ -143,12 +145,13 @@ class EngineOps(ABC):
 
     @abstractmethod
     def repair_and_merge(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sel_idx: Tensor, sel_cnt: Tensor,
-                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor, part_lse: Tensor,
-                         block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
+                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor | None,
+                         part_lse: Tensor, block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
                          arrivals: Tensor | None = None,
                          tokens_per_split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """repair_plan, attention over A \\ P and merge_speculation in one -> (out [B, Hq, D]
-        out_dtype, lse [B, Hq] fp32, keep [B, Hkv, C_P] bool)."""
+        out_dtype, lse [B, Hq] fp32, keep [B, Hkv, C_P] bool). part_out=None (block_size 1, P's
+        states from sparse_decode per_block): each kept token's value row is read from v_cache."""
 
     @abstractmethod
     def fused_tail_pays(self, sel_cap: int, pred_cap: int, rows: int, device: torch.device | str) -> bool:
@@ -227,7 +230,7 @@ class TorchOps(EngineOps):
         out, lse = sparse_decode_reference(q, k_cache, v_cache, block_ids, block_counts, lengths, block_size, scale,
                                            per_block, compute_dtype=torch.float32)
         if per_block:
-            return out, lse
+            return (None, lse) if block_size == 1 else (out, lse)  # token states: values stay in the cache
         if not merge_splits:  # one "split": the merged state
             return out.unsqueeze(2), lse.unsqueeze(2)
         return out.to(out_dtype), lse
@@ -259,8 +262,8 @@ class TorchOps(EngineOps):
         return out.to(out_dtype), lse
 
     def repair_and_merge(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sel_idx: Tensor, sel_cnt: Tensor,
-                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor, part_lse: Tensor,
-                         block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
+                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor | None,
+                         part_lse: Tensor, block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
                          arrivals: Tensor | None = None,
                          tokens_per_split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         out, lse, keep = repair_and_merge_reference(q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths,
@@ -341,7 +344,6 @@ class TritonOps(EngineOps):
 
         self._attention: ModuleType = sparse_decode
         self._token_attention: ModuleType = token_sparse_decode  # block_size 1: a block is a token
-        self._token_scratch: dict[tuple, Tensor] = {}  # block_size 1's repair_plan scratch per shape
         self._append: ModuleType = cache_append
         self._merge: ModuleType = prr_merge
         self._repair: ModuleType = prr_repair
@@ -357,9 +359,9 @@ class TritonOps(EngineOps):
                       arrivals: Tensor | None = None,
                       tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
         if block_size == 1:  # token lists (selector=indexer): the token kernel
-            if per_block:  # one state a token: (v, scale q·k); no kernel of its own yet, the reference's ops
-                return sparse_decode_reference(q, k_cache, v_cache, block_ids, block_counts, lengths, 1, scale,
-                                               per_block=True, compute_dtype=torch.float32)
+            if per_block:  # one state a token: (v, scale q·k); v stays in the cache (repair_and_merge reads it)
+                return None, self._token_attention.token_scores(q, k_cache, block_ids, block_counts, lengths, scale,
+                                                                tokens_per_program=tokens_per_split)
             return self._token_attention.token_sparse_decode(
                 q, k_cache, v_cache, block_ids, block_counts, lengths, scale, merge_splits=merge_splits,
                 out_dtype=out_dtype, fuse_merge=fuse_merge, arrivals=arrivals, tokens_per_split=tokens_per_split)
@@ -394,20 +396,10 @@ class TritonOps(EngineOps):
         return self._merge.merge_speculation(part_out, part_lse, keep, rep_out, rep_lse, out_dtype=out_dtype)
 
     def repair_and_merge(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, sel_idx: Tensor, sel_cnt: Tensor,
-                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor, part_lse: Tensor,
-                         block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
+                         pred_idx: Tensor, pred_cnt: Tensor, lengths: Tensor, part_out: Tensor | None,
+                         part_lse: Tensor, block_size: int, scale: float, *, out_dtype: torch.dtype = torch.float32,
                          arrivals: Tensor | None = None,
                          tokens_per_split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        if block_size == 1:  # no fused token-list repair kernel: its three launches (the same result)
-            b, h, t_max = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-            key = (b, h, t_max, k_cache.device)
-            if key not in self._token_scratch:
-                self._token_scratch[key] = self.repair_scratch(b, h, t_max, k_cache.device)
-            miss_idx, miss_cnt, keep = self.repair_plan(sel_idx, sel_cnt, pred_idx, pred_cnt, self._token_scratch[key])
-            rep_out, rep_lse = self.sparse_decode(q, k_cache, v_cache, miss_idx, miss_cnt, lengths, 1, scale,
-                                                  merge_splits=False, tokens_per_split=tokens_per_split)
-            out, lse = self.merge_speculation(part_out, part_lse, keep, rep_out, rep_lse, out_dtype=out_dtype)
-            return out, lse, keep
         return self._repair.repair_and_merge(q, k_cache, v_cache, sel_idx, sel_cnt, pred_idx, pred_cnt, lengths,
                                              part_out, part_lse, block_size, scale, out_dtype=out_dtype,
                                              arrivals=arrivals, tokens_per_split=tokens_per_split)

@@ -262,7 +262,7 @@ class PRRStep:
             spec, selection = self.speculate_beside_selection(
                 layer, q, lengths, num_blocks, propose=schedule.proposes_in_step(layer, eager))
         spec_out, spec_lse = spec
-        self.streams.share(q, lengths, spec_out, spec_lse)
+        self.streams.share(q, lengths, *(t for t in spec if t is not None))  # token states: spec_out None
         # After the speculation's join, so the summaries do not delay it: beside the repair.
         summarised = self.compensation.summarise_beside(self.streams, layer, summarise)
         compensates = self.compensation.active
@@ -291,7 +291,7 @@ class PRRStep:
         can attend over P itself (`speculates_in_selection`: exact) and P was written ahead, both
         run there, on the main stream.
         q: [B, Hq, D] post-RoPE; lengths, num_blocks: [B] int32.
-        -> ((spec_out, spec_lse): exact mode [B, Hq, |P|, D], [B, Hq, |P|] per-block states,
+        -> ((spec_out, spec_lse): exact mode [B, Hq, |P|, D] (None at block size 1), [B, Hq, |P|];
             superset [B, Hq, D], [B, Hq]; the Selection A)."""
         schedule = self.schedule
         if propose is None:
@@ -322,16 +322,16 @@ class PRRStep:
         exact mode, a selector that can: exact on the kernels) instead of the side stream."""
         return self.plan.speculate_in_selection and self.plan.repair_mode == "exact" and self.selection_speculates
 
-    def _repair(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, spec_out: Tensor,
+    def _repair(self, layer: int, q: Tensor, selection: Selection, lengths: Tensor, spec_out: Tensor | None,
                 spec_lse: Tensor, fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """A = selection, P's speculative states spec_out [B, Hq, |P|, D] and spec_lse [B, Hq, |P|]
-        (exact mode; superset: [B, Hq, D], [B, Hq]) -> (out [B, Hq, D] in the model dtype, or fp32
-        with fp32=True; lse [B, Hq]; keep [B, Hkv, |P| or 1] bool: which states survived)."""
+        """A = selection, P's states spec_out [B, Hq, |P|, D] (token states: None, read from the cache by
+        the one op) and spec_lse [B, Hq, |P|] (superset: [B, Hq, D], [B, Hq]) -> (out [B, Hq, D] in the
+        model dtype, or fp32 with fp32=True; lse [B, Hq]; keep [B, Hkv, |P| or 1] bool)."""
         p = self.plan
         idx, cnt = selection.blocks.indices, selection.blocks.count
         pred_idx, pred_cnt = self.schedule.pred_idx[layer], self.schedule.pred_cnt[layer]
         out_dtype = torch.float32 if fp32 else self.dtype
-        if self.fuses_repair(idx, pred_idx):  # plan, repair and merge in one launch
+        if spec_out is None or self.fuses_repair(idx, pred_idx):  # plan, repair and merge in one launch
             with self._stage("repair"):
                 return self.ops.repair_and_merge(
                     q, self.cache.keys[layer], self.cache.values[layer], idx, cnt, pred_idx, pred_cnt, lengths,

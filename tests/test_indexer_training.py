@@ -233,3 +233,30 @@ def test_a_decode_step_scores_as_the_prefill_row():
         step = x[:, t : t + 1]
         got = index_scores(layer.queries(step, torch.tensor([t]), inv_freq), layer.head_weights(step), cache[:, : t + 1])
         torch.testing.assert_close(got[0, 0], prefill[0, t, : t + 1].detach())
+
+
+def test_dead_relus_are_measured_and_warned_about(peaked_tiny, capsys):
+    """A random indexer passes about half its (query, key, head) pairs through the ReLU; one whose
+    queries point away from every key (W_q = 0: q·k = 0 everywhere) passes none, and the report
+    says so with the fix (a lower --lr), as Qwen2.5-Coder-0.5B's at lr 3e-3 did."""
+    from types import SimpleNamespace
+
+    from prr.selectors.indexer_training import active_fraction, report
+
+    loaded, data = peaked_tiny
+    indexer = IndexerWeights.for_model(loaded.config, IndexerConfig(index_heads=4, index_dim=16, rope_dim=8,
+                                                                    dense_layers=()), seed=0)
+    pos = torch.tensor([20, 50, 95])
+    alive = active_fraction(indexer, 0, data[8][0].x, pos)
+    assert 0.3 < alive < 0.7, alive
+    args = SimpleNamespace(window_tokens=96, block_size=8, lr=3e-3)
+    report(None, evaluate(indexer, data[8:], [8], queries=16, block_size=8), [8], args)
+    assert "WARNING" not in capsys.readouterr().out
+    with torch.no_grad():
+        for layer in indexer.layers.values():
+            layer.wq.zero_()
+    assert active_fraction(indexer, 0, data[8][0].x, pos) == 0.0
+    dead = evaluate(indexer, data[8:], [8], queries=16, block_size=8)
+    report(None, dead, [8], args)
+    out = capsys.readouterr().out
+    assert "(ReLU passing): 0.0%" in out and "WARNING: the indexer's ReLUs are dead" in out and "lower --lr" in out

@@ -184,10 +184,11 @@ def evaluate(indexer: IndexerWeights, data: list[Window], ks: list[int], queries
     mean over its layers and queries (intervals are over windows).
     -> {"recall": {k: {"indexer", "random" (k / (t + 1), the expected recall of k random keys),
     "newest" (the k newest keys), "quest" (quest_recall at k / block_size blocks), "oracle" (the
-    target's own top-k): [per window]}}, "kl": [per window], "layer": {k: {layer: indexer recall}},
+    target's own top-k): [per window]}}, "kl": [per window], "active": [per window: active_fraction's
+    mean over layers], "layer": {k: {layer: indexer recall}},
     "queries": per window, "layers": count}."""
     names = ("indexer", "random", "newest", "quest", "oracle")
-    out: dict = {"recall": {k: {name: [] for name in names} for k in ks}, "kl": [],
+    out: dict = {"recall": {k: {name: [] for name in names} for k in ks}, "kl": [], "active": [],
                  "layer": {k: dict.fromkeys(indexer.sparse_layers, 0.0) for k in ks}, "layers": len(indexer.sparse_layers)}
     top = max(ks)
     for window in data:
@@ -200,9 +201,10 @@ def evaluate(indexer: IndexerWeights, data: list[Window], ks: list[int], queries
         device = next(iter(window.values())).x.device
         pos, keys = pos.to(device), torch.arange(t_len, device=device)
         sums = {k: dict.fromkeys(names, 0.0) for k in ks}
-        kl = 0.0
+        kl = active = 0.0
         for layer in indexer.sparse_layers:
             capture = window[layer]
+            active += active_fraction(indexer, layer, capture.x, pos) / out["layers"]
             rows = capture.target[pos]  # [Nq, T]
             scores = indexer.scores(layer, capture.x[None], pos)[0]  # [Nq, T]
             kl += kl_per_query(rows, scores).mean().item() / out["layers"]
@@ -216,10 +218,25 @@ def evaluate(indexer: IndexerWeights, data: list[Window], ks: list[int], queries
                 sums[k]["oracle"] += rows.topk(k, -1).values.sum(-1).mean().item()
                 out["layer"][k][layer] += recall / len(data)
         out["kl"].append(kl)
+        out["active"].append(active)
         for k in ks:
             for name in names:
                 out["recall"][k][name].append(sums[k][name] / out["layers"])
     return out
+
+
+@torch.no_grad()
+def active_fraction(indexer: IndexerWeights, layer: int, x: Tensor, pos: Tensor) -> float:
+    """Share of (query at pos, earlier key, index head) with q_I·k_I > 0 in one layer: the pairs whose
+    ReLU passes. 0 means every ReLU is dead, every score 0 and the top-k a tie (x [T, hidden])."""
+    layer_ix, positions = indexer.layer(layer), torch.arange(x.shape[0], device=x.device)
+    q = layer_ix.queries(x[pos], pos, indexer.inv_freq)  # [Nq, H_I, d_I]
+    k = layer_ix.keys(x, positions, indexer.inv_freq)  # [T, d_I]
+    earlier = (positions[None, :] <= pos[:, None]).unsqueeze(1)  # [Nq, 1, T]
+    return float(((q @ k.T > 0) & earlier).sum() / (earlier.sum() * q.shape[1]))
+
+
+DEAD_BELOW = 0.01  # active_fraction under which the report warns that the indexer's ReLUs died
 
 
 def mean(values: list[float]) -> float:
@@ -288,7 +305,7 @@ def main(argv: list[str] | None = None) -> Path:
     digest = indexer.save(path, {
         "model": args.model, "args": vars(args), "train_s": round(train_s, 1), "final_kl": mean(history[-10:]),
         "held_out": {"windows": args.held_out, "layers": after["layers"], "queries": after["queries"],
-                     "kl_before": mean(before["kl"]), "kl_after": mean(after["kl"]),
+                     "kl_before": mean(before["kl"]), "kl_after": mean(after["kl"]), "active": mean(after["active"]),
                      "recall": {k: {"before": mean(before["recall"][k]["indexer"]),
                                     **{name: mean(v) for name, v in after["recall"][k].items()}} for k in ks}}})
     print(f"wrote {path} (sha256 {digest}); load it with prr.selectors.indexer_weights.load_indexer"
@@ -307,7 +324,12 @@ def report(before: dict | None, after: dict, ks: list[int], args: argparse.Names
         parts += [describe(name, after["recall"][k][name]) for name in ("random", "newest", "quest", "oracle")]
         print(f"  top-{k} tokens: " + "; ".join(parts))
     kl_before = "" if before is None else f"{mean(before['kl']):.4f} -> "
-    print(f"  held-out KL {kl_before}{mean(after['kl']):.4f} nats", flush=True)
+    print(f"  held-out KL {kl_before}{mean(after['kl']):.4f} nats; index pairs with q·k > 0 (ReLU passing): "
+          f"{100 * mean(after['active']):.1f}%", flush=True)
+    if mean(after["active"]) < DEAD_BELOW:
+        print(f"  WARNING: the indexer's ReLUs are dead ({100 * mean(after['active']):.2f}% of pairs pass): every "
+              f"score is 0 and its top-k a tie; retrain with a lower --lr (now {args.lr}; Qwen2.5-Coder-0.5B at 3e-3 "
+              f"died within 10 steps, 1e-3 trained)", flush=True)
 
 
 if __name__ == "__main__":

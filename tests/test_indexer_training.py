@@ -216,6 +216,14 @@ def test_the_cli_trains_stores_and_evaluates_the_stored_indexer(cache_root, caps
     main([*args, "--evaluate-only"])
     after = stored.meta["held_out"]["recall"]["16"]["indexer"]
     assert f"top-16 tokens: indexer {after:.3f}" in capsys.readouterr().out
+    # --resume trains the stored weights further: its "before" is the stored indexer's recall, the steps add up
+    main([*args, "--resume"])
+    assert f"indexer before training {after:.3f}" in capsys.readouterr().out
+    resumed = load_indexer("tiny-random", load_model("tiny-random").config, stored.config)
+    assert resumed.meta["steps_total"] == 8 and resumed.meta["earlier"]["args"]["steps"] == 4
+    assert not torch.equal(resumed.layer(0).wq, stored.layer(0).wq)
+    with pytest.raises(SystemExit):
+        main([*args, "--resume", "--evaluate-only"])
 
 
 def test_a_decode_step_scores_as_the_prefill_row():

@@ -274,15 +274,20 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--evaluate-only", action="store_true",
                    help="no training: the stored indexer of this model and config on the held-out windows")
+    p.add_argument("--resume", action="store_true",
+                   help="train the stored indexer of this model and config further (its earlier runs stay in the "
+                        "file's header, `earlier`; the query draws continue after its steps)")
     args = parse_training_args(p, argv)
+    if args.resume and args.evaluate_only:
+        p.error("--resume trains and --evaluate-only does not: give one")
     from prr.model.loading import load_model
 
     t0 = time.perf_counter()
     config = IndexerConfig(args.index_heads, args.index_dim, args.rope_dim, _ints(args.dense_layers))
     loaded = load_model(args.model, device=args.device)
     path = indexer_weights_file(args.model, config)
-    if args.evaluate_only:
-        indexer = load_indexer(args.model, loaded.config, config).to(args.device)
+    if args.evaluate_only or args.resume:
+        indexer = load_indexer(args.model, loaded.config, config).to(args.device).requires_grad_(args.resume)
     else:
         indexer = IndexerWeights.for_model(loaded.config, config, seed=args.seed, device=args.device)
     windows = text_windows(loaded, args.windows, args.window_tokens, args.seed, args.skip_tokens)
@@ -297,13 +302,17 @@ def main(argv: list[str] | None = None) -> Path:
     train_data, held_out = data[: -args.held_out], data[-args.held_out :]
     before = evaluate(indexer, held_out, ks, block_size=args.block_size)
     t1 = time.perf_counter()
-    history = train(indexer, train_data, args.steps, args.queries, args.lr, args.min_query_frac, args.seed)
+    earlier = indexer.meta if args.resume else None
+    steps_before = earlier.get("steps_total", earlier["args"]["steps"]) if earlier else 0
+    history = train(indexer, train_data, args.steps, args.queries, args.lr, args.min_query_frac,
+                    args.seed + steps_before)
     train_s = time.perf_counter() - t1
     after = evaluate(indexer, held_out, ks, block_size=args.block_size)
     report(before, after, ks, args)
     print(f"training {train_s:.0f}s, total {time.perf_counter() - t0:.0f}s", flush=True)
     digest = indexer.save(path, {
         "model": args.model, "args": vars(args), "train_s": round(train_s, 1), "final_kl": mean(history[-10:]),
+        "steps_total": steps_before + args.steps, **({"earlier": earlier} if earlier else {}),
         "held_out": {"windows": args.held_out, "layers": after["layers"], "queries": after["queries"],
                      "kl_before": mean(before["kl"]), "kl_after": mean(after["kl"]), "active": mean(after["active"]),
                      "recall": {k: {"before": mean(before["recall"][k]["indexer"]),

@@ -65,6 +65,7 @@ MAX_STATES_PER_SPLIT = 16
 # Beyond this many programs per SM the fused tail lost to the three launches (batch 8, 8K budget
 # of blocks of 16: 512 P entries per row, 182.8-248.7 µs against 170.4).
 MAX_PROGRAMS_PER_SM = 4
+TOKEN_TILE = 32  # token states: list entries a tile of the fold and of the repair's attention
 
 
 @triton.jit
@@ -248,7 +249,7 @@ def repair_and_merge(
     num_kv_heads = k_cache.shape[1]
     if num_kv_heads == 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > sd.MAX_GROUP:
         raise ValueError(f"Hq={num_heads} must be a multiple of Hkv={num_kv_heads}, at most {sd.MAX_GROUP} per KV head")
-    if block_size != 1:  # 1: token lists (selector=indexer)
+    if type(block_size) is not int or block_size != 1:  # 1: token lists (selector=indexer)
         sd._check_block_size(block_size)
     if token_states and block_size != 1:
         raise ValueError(f"part_out=None (token states: values read from the cache) needs block_size 1, got {block_size}")
@@ -275,11 +276,14 @@ def repair_and_merge(
     rows = batch * num_kv_heads
     if tokens_per_split is None and not token_states:
         tokens_per_split = block_size * -(-sel_cap // default_splits(sel_cap, pred_cap, rows, device))
+    # Token states: tiles of 32 tokens (compiled for sm_90 at 2,048-entry lists, tile 128 spilled 368 B a
+    # thread, tile 32 none; not timed yet). Blocks: the split plan's tile.
     tile_tokens, entries, num_splits = _split_plan(sel_cap, rows, block_size, head_dim, k_cache.element_size(),
-                                                   None, tokens_per_split, device)
+                                                   TOKEN_TILE if token_states else None, tokens_per_split, device)
     if num_splits > MAX_FUSED_MERGE_SPLITS:
         raise ValueError(f"repair_and_merge merges {num_splits} splits per row in an unrolled tail of at most "
-                         f"{MAX_FUSED_MERGE_SPLITS}: raise tokens_per_split (now {tokens_per_split})")
+                         f"{MAX_FUSED_MERGE_SPLITS}: raise tokens_per_split (the engine's "
+                         f"runtime repair_tokens_per_split; now {tokens_per_split}) or lower A's capacity ({sel_cap})")
     preds_per_split = max(1, -(-pred_cap // num_splits))
     split_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     split_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)

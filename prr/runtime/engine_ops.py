@@ -226,7 +226,7 @@ class TorchOps(EngineOps):
                       lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
                       merge_splits: bool = True, out_dtype: torch.dtype = torch.float32, fuse_merge: bool = False,
                       arrivals: Tensor | None = None,
-                      tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
+                      tokens_per_split: int | None = None) -> tuple[Tensor | None, Tensor]:
         out, lse = sparse_decode_reference(q, k_cache, v_cache, block_ids, block_counts, lengths, block_size, scale,
                                            per_block, compute_dtype=torch.float32)
         if per_block:
@@ -357,7 +357,7 @@ class TritonOps(EngineOps):
                       lengths: Tensor, block_size: int, scale: float, per_block: bool = False, *,
                       merge_splits: bool = True, out_dtype: torch.dtype = torch.float32, fuse_merge: bool = False,
                       arrivals: Tensor | None = None,
-                      tokens_per_split: int | None = None) -> tuple[Tensor, Tensor]:
+                      tokens_per_split: int | None = None) -> tuple[Tensor | None, Tensor]:
         if block_size == 1:  # token lists (selector=indexer): the token kernel
             if per_block:  # one state a token: (v, scale q·k); v stays in the cache (repair_and_merge reads it)
                 return None, self._token_attention.token_scores(q, k_cache, block_ids, block_counts, lengths, scale,

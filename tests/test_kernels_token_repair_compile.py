@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from tests.helpers import assert_compiles_for_sm90
 
 SCRIPT = textwrap.dedent('''
@@ -50,5 +52,6 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # 26 s on the 2-core CPU: make test-full, as the other compile checks
 def test_token_state_kernels_compile_for_sm90():
     assert_compiles_for_sm90(SCRIPT)

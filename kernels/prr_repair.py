@@ -69,6 +69,17 @@ TOKEN_TILE = 32  # token states: list entries a tile of the fold and of the repa
 
 
 @triton.jit
+def _keep_entries(pred_row, keep_row, c, p_stop, n_pred, a_all):
+    """P entries c [CHUNK] (those < p_stop: this split's) kept = valid (< n_pred) and in A (a_all
+    [SEL_PAD], -2 past its count): stored to keep_row[c] as int8 and returned [CHUNK] bool."""
+    valid = c < tl.minimum(p_stop, n_pred)
+    p = tl.load(pred_row + c, mask=valid, other=-1)  # -1 matches no entry of A
+    kept = valid & (tl.max((p[:, None] == a_all[None, :]).to(tl.int32), axis=1) != 0)
+    tl.store(keep_row + c, kept.to(tl.int8), mask=c < p_stop)
+    return kept
+
+
+@triton.jit
 def _repair_and_merge_kernel(
     q_ptr, k_ptr, v_ptr, sel_ptr, sel_cnt_ptr, pred_ptr, pred_cnt_ptr, lengths_ptr,
     part_out_ptr, part_lse_ptr,  # speculation: [B, Hq, C_P, D], [B, Hq, C_P] fp32
@@ -149,11 +160,7 @@ def _repair_and_merge_kernel(
         # keep first, LIST_CHUNK entries against A at a time (as step 1), then the kept tokens a tile
         # at a time: the stored score, the value row from the cache (the attention's own fold)
         for c0 in range(p0, p_stop, LIST_CHUNK):
-            c = c0 + offs_chunk
-            valid = c < tl.minimum(p_stop, n_pred)
-            p = tl.load(pred_row + c, mask=valid, other=-1)
-            kept = valid & (tl.max((p[:, None] == a_all[None, :]).to(tl.int32), axis=1) != 0)
-            tl.store(keep_ptr + row.to(tl.int64) * pred_cap + c, kept.to(tl.int8), mask=c < p_stop)
+            _keep_entries(pred_row, keep_ptr + row.to(tl.int64) * pred_cap, c0 + offs_chunk, p_stop, n_pred, a_all)
         tl.debug_barrier()  # keep is read back by every thread of the program
         offs_t = tl.arange(0, TILE_TOKENS)
         p_end = tl.minimum(p_stop, n_pred)
@@ -172,10 +179,7 @@ def _repair_and_merge_kernel(
         offs_s = tl.arange(0, STATE_CHUNK)
         for c0 in range(p0, p_stop, STATE_CHUNK):
             c = c0 + offs_s
-            valid = c < tl.minimum(p_stop, n_pred)
-            p = tl.load(pred_row + c, mask=valid, other=-1)
-            kept = valid & (tl.max((p[:, None] == a_all[None, :]).to(tl.int32), axis=1) != 0)
-            tl.store(keep_ptr + row.to(tl.int64) * pred_cap + c, kept.to(tl.int8), mask=c < p_stop)
+            kept = _keep_entries(pred_row, keep_ptr + row.to(tl.int64) * pred_cap, c, p_stop, n_pred, a_all)
             live = g_ok[:, None] & kept[None, :]  # [GROUP_PAD, STATE_CHUNK]
             lse2 = tl.load(part_lse_ptr + batch * stride_plb + heads[:, None] * stride_plh + c[None, :] * stride_plc,
                            mask=live, other=float("-inf")) * 1.4426950408889634  # log2(e): log2 units, as m

@@ -104,18 +104,7 @@ def token_sparse_decode(
     _check_device(q, k_cache, v_cache, token_ids, token_counts, lengths)
     batch, num_q_heads, num_kv_heads, head_dim, group = check_decode_operands(q, k_cache, v_cache,
                                                                               "token_sparse_decode")
-    if not isinstance(token_ids, Tensor) or token_ids.dim() != 3:
-        raise ValueError(f"token_ids must be [B, Hkv, C] or [B, 1, C], got "
-                         f"{list(token_ids.shape) if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
-    list_heads, capacity = token_ids.shape[1], token_ids.shape[2]
-    if list_heads not in (1, num_kv_heads):
-        raise ValueError(f"token_ids has {list_heads} lists per batch row: give one per KV head (Hkv={num_kv_heads}) "
-                         f"or one shared by all ([B, 1, C])")
-    _check_int_tensor("token_ids", token_ids, (batch, list_heads, capacity), ID_DTYPES)
-    _check_int_tensor("token_counts", token_counts, (batch, list_heads), COUNT_DTYPES)
-    _check_int_tensor("lengths", lengths, (batch,), ID_DTYPES)
-    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python number (a tensor would sync), got {type(scale).__name__}")
+    list_heads, capacity = check_token_lists(token_ids, token_counts, lengths, scale, batch, num_kv_heads)
     native_dot, input_precision = dot_mode(q, k_cache, native_dot)
     if out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not supported; use one of fp16, bf16, fp32")
@@ -183,18 +172,7 @@ def token_scores(
     """
     _check_device(q, k_cache, token_ids, token_counts, lengths)
     batch, num_q_heads, num_kv_heads, head_dim, group = check_decode_operands(q, k_cache, k_cache, "token_scores")
-    if not isinstance(token_ids, Tensor) or token_ids.dim() != 3:
-        raise ValueError(f"token_ids must be [B, Hkv, C] or [B, 1, C], got "
-                         f"{list(token_ids.shape) if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
-    list_heads, capacity = token_ids.shape[1], token_ids.shape[2]
-    if list_heads not in (1, num_kv_heads):
-        raise ValueError(f"token_ids has {list_heads} lists per batch row: give one per KV head (Hkv={num_kv_heads}) "
-                         f"or one shared by all ([B, 1, C])")
-    _check_int_tensor("token_ids", token_ids, (batch, list_heads, capacity), ID_DTYPES)
-    _check_int_tensor("token_counts", token_counts, (batch, list_heads), COUNT_DTYPES)
-    _check_int_tensor("lengths", lengths, (batch,), ID_DTYPES)
-    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python number (a tensor would sync), got {type(scale).__name__}")
+    list_heads, capacity = check_token_lists(token_ids, token_counts, lengths, scale, batch, num_kv_heads)
     if tokens_per_program is not None and tokens_per_program < 1:
         raise ValueError(f"tokens_per_program={tokens_per_program} must be >= 1")
     native_dot, input_precision = dot_mode(q, k_cache, None)
@@ -219,6 +197,26 @@ def token_scores(
         **_launch_options(num_warps, None, device),
     )  # fmt: skip
     return scores
+
+
+def check_token_lists(token_ids: Tensor, token_counts: Tensor, lengths: Tensor, scale: float, batch: int,
+                      num_kv_heads: int) -> tuple[int, int]:
+    """The token-list launchers' list arguments (token_sparse_decode, token_scores): token_ids
+    [B, Hkv, C] or [B, 1, C], token_counts [B, Hkv] or [B, 1], lengths [B], scale a Python
+    number -> (lists per batch row: Hkv or 1, C)."""
+    if not isinstance(token_ids, Tensor) or token_ids.dim() != 3:
+        raise ValueError(f"token_ids must be [B, Hkv, C] or [B, 1, C], got "
+                         f"{list(token_ids.shape) if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
+    list_heads, capacity = token_ids.shape[1], token_ids.shape[2]
+    if list_heads not in (1, num_kv_heads):
+        raise ValueError(f"token_ids has {list_heads} lists per batch row: give one per KV head (Hkv={num_kv_heads}) "
+                         f"or one shared by all ([B, 1, C])")
+    _check_int_tensor("token_ids", token_ids, (batch, list_heads, capacity), ID_DTYPES)
+    _check_int_tensor("token_counts", token_counts, (batch, list_heads), COUNT_DTYPES)
+    _check_int_tensor("lengths", lengths, (batch,), ID_DTYPES)
+    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python number (a tensor would sync), got {type(scale).__name__}")
+    return list_heads, capacity
 
 
 class TokenSplitPlan(NamedTuple):

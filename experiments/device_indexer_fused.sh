@@ -12,19 +12,19 @@
 # launch (kernels/token_sparse_decode.token_scores, prr_repair.repair_and_merge part_out=None): its GPU tests join
 # step 1, the PRR views (P = A, ema) join step 3, and step 2b times the indexer's PRR whole runs at 32K
 # (ema, P = A replayed, the profiled budget at a replayed 0.8): the issue's whole-run row for the indexer.
-# CONTEXTS (default 32000,128000), BREAKDOWN=0, PRR_RUNS=0 and CHUNKS="" (none) shorten it.
+# CONTEXTS (default 32000,128000), TESTS=0, SERIAL_RUNS=0, BREAKDOWN=0, PRR_RUNS=0 and CHUNKS="" (none) shorten it.
 #   usage on the device: OUT=... bash experiments/device_packed.sh experiments/device_indexer_fused.sh
 . "$(dirname "$0")/h200_preamble.sh"
 install_wheels
-say "gpu tests"
+if [[ ${TESTS:-1} != 0 ]]; then say "gpu tests"
 timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_dense_gemv.py \
   tests/test_kernels_indexer_step.py tests/test_kernels_token_repair.py tests/test_kernels_token_sparse_decode.py \
   > "$OUT/gpu_tests_kernels.txt" 2>&1
 tail -1 "$OUT/gpu_tests_kernels.txt" | tee -a "$LOG"
 timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_one_engine.py -k indexer \
   > "$OUT/gpu_tests_engines.txt" 2>&1
-tail -1 "$OUT/gpu_tests_engines.txt" | tee -a "$LOG"
-say "whole runs"
+tail -1 "$OUT/gpu_tests_engines.txt" | tee -a "$LOG"; fi
+if [[ ${SERIAL_RUNS:-1} != 0 ]]; then say "whole runs"
 timeout ${RUNS_S:-150} python3 experiments/bench_engine_runs.py --cases matrix --contexts ${CONTEXTS:-32000,128000} --blocks 1 \
   --topk 2048 --selectors indexer --predictors none --steps 24 --timeout 70 --runs /tmp/ri --out "$OUT/engine_indexer" \
   > /tmp/i.log 2>&1
@@ -32,7 +32,7 @@ echo "rc=$?" | tee -a "$LOG"; tail -3 /tmp/i.log | cut -c1-160 | tee -a "$LOG"
 timeout ${RUNS_S:-100} python3 experiments/bench_engine_runs.py --cases matrix --contexts ${CONTEXTS:-32000,128000} --blocks 16 \
   --topk 128 --selectors quest --predictors none --steps 24 --timeout 60 --runs /tmp/rq --out "$OUT/engine_quest_k128" \
   > /tmp/q.log 2>&1
-echo "rc=$?" | tee -a "$LOG"; tail -3 /tmp/q.log | cut -c1-160 | tee -a "$LOG"
+echo "rc=$?" | tee -a "$LOG"; tail -3 /tmp/q.log | cut -c1-160 | tee -a "$LOG"; fi
 if [[ ${PRR_RUNS:-1} != 0 ]]; then say "indexer PRR whole runs, 32K"
 timeout ${PRR_RUNS_S:-150} python3 experiments/bench_engine_runs.py --cases matrix --contexts 32000 --blocks 1 \
   --topk 2048 --selectors indexer --predictors ema --hit-rates 1.0 --profiled-hit-rates 0.8 --steps 24 --timeout 70 \
